@@ -1,0 +1,94 @@
+"""Shared fixtures: the real SmolLM2 checkpoint, HF references, tiny random checkpoints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests run on the CPU with deterministic, single-process kernels.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    from zllm.model_files import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from zllm.frontend.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | list[int] | None) -> list[int]:
+    """HF transformers' greedy continuation of one prompt (batch 1, no padding)."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def save_tiny_llama(directory: Path, shards: int = 1, **overrides) -> Path:
+    """A small random Llama built with transformers' own classes, saved as safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    max_shard = None if shards == 1 else f"{max(1, _param_bytes(model) // shards // 1024 + 1)}KB"
+    kwargs = {} if max_shard is None else {"max_shard_size": max_shard}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return directory
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

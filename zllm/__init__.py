@@ -1,0 +1,38 @@
+"""zllm: a multi-process LLM inference and serving engine.
+
+Public names follow vLLM's offline API (`LLM`, `SamplingParams`, `RequestOutput`). They are
+resolved lazily so that importing a light name (e.g. `SamplingParams`) never pulls in torch or
+transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY_NAMES = {
+    "LLM": "zllm.frontend.llm",
+    "LLMEngine": "zllm.frontend.llm_engine",
+    "SamplingParams": "zllm.sampling_params",
+    "RequestOutput": "zllm.outputs",
+    "CompletionOutput": "zllm.outputs",
+    "EngineConfig": "zllm.config",
+}
+
+__all__ = list(_LAZY_NAMES) + ["__version__"]
+
+if TYPE_CHECKING:
+    from zllm.config import EngineConfig
+    from zllm.frontend.llm import LLM
+    from zllm.frontend.llm_engine import LLMEngine
+    from zllm.outputs import CompletionOutput, RequestOutput
+    from zllm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

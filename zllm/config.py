@@ -1,0 +1,102 @@
+"""One configuration object for the whole engine, shared by every process.
+
+`EngineConfig.create(...)` resolves what can be resolved once (the model directory, the context
+length) so that each process receives plain values and never re-derives them differently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Every knob of the engine. Sizes are in tokens unless the name says bytes."""
+
+    model: str  # a HF model directory (config.json + safetensors + tokenizer)
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (else bfloat16) on CUDA
+    device: str = "auto"
+    seed: int = 0
+    load_format: str = "auto"
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # override the size derived from memory
+    kv_cache_memory_bytes: int = 1 << 30  # CPU: memory for the KV cache
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    tensor_parallel_size: int = 1
+    served_model_name: str | None = None
+
+    @classmethod
+    def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+        """Resolve the model (None: the embedded default) and validate every field."""
+        from zllm.model_files import resolve_model_dir
+
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        config = cls(model=str(resolve_model_dir(model)), **kwargs)
+        config.max_model_len = _resolve_max_model_len(config.model, config.max_model_len)
+        config.validate()
+        return config
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+
+    def validate(self) -> None:
+        _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
+        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(
+            self.load_format in _LOAD_FORMATS, "load_format", f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+        )
+        _require(self.block_size in (8, 16, 32, 64, 128), "block_size", f"must be 8, 16, 32, 64 or 128, got {self.block_size}")
+        _require(self.max_model_len >= 2, "max_model_len", f"must be >= 2, got {self.max_model_len}")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            f"must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        if self.num_kv_blocks is not None:
+            _require(self.num_kv_blocks >= 1, "num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(self.tensor_parallel_size == 1, "tensor_parallel_size", "only 1 is supported so far")
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def _resolve_max_model_len(model_dir: str, requested: int) -> int:
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested == 0:
+        return int(limit)
+    if requested > limit:
+        raise ValueError(f"max_model_len: {requested} exceeds the model's max_position_embeddings ({limit})")
+    return requested
+
+
+def _require(ok: bool, field: str, reason: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {reason}")

@@ -1,0 +1,104 @@
+"""The KV block pool: fixed-size blocks, a free list with O(1) allocate and free.
+
+The free list is threaded through the blocks themselves (prev/next links), so a block can also
+leave it from the middle in O(1) — prefix caching needs that to revive a cached free block.
+
+    head <-> b7 <-> b2 <-> b9 <-> tail      allocate pops from the head, free appends at the tail
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """A doubly linked list of free blocks with sentinels; every operation is O(1)."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, "block is not free"
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def block_ids(self) -> list[int]:
+        ids, block = [], self._head.next_free
+        while block is not None and block is not self._tail:
+            ids.append(block.block_id)
+            block = block.next_free
+        return ids
+
+
+class BlockPool:
+    """Owns every KV block; hands out and takes back whole blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._free.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, count: int) -> list[KVBlock]:
+        if count > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {count} blocks: only {self.num_free_blocks} free")
+        blocks = [self._free.popleft() for _ in range(count)]
+        for block in blocks:
+            block.ref_cnt = 1
+        return blocks
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"double free of {block}"
+            if block.ref_cnt == 0:
+                self._free.append(block)

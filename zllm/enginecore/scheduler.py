@@ -1,0 +1,239 @@
+"""The scheduler: one token budget per step, running requests first, then waiting ones.
+
+There is no prefill phase and no decode phase: every scheduled request computes tokens until its
+`num_computed_tokens` catches up with its token count. A long prompt that does not fit the budget
+is computed over several steps (chunked prefill); a decode is a request one token behind.
+When the block pool runs dry, the latest running request is preempted: its blocks are freed and
+it is recomputed from scratch later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from zllm.config import EngineConfig
+from zllm.enginecore.kv_cache_manager import KVCacheManager
+from zllm.enginecore.request import Request, RequestStatus
+from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput, StepOutput, TokenDelta
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one `schedule()` call decided, before it becomes a StepInput."""
+
+    budget: int
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
+        self.scheduled.append((request, num_tokens))
+        self.new_block_ids[request.request_id] = new_block_ids
+        self.budget -= num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.kv_cache = kv_cache
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []  # told to the workers with the next step
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Finish the given requests as aborted; returns the ids that were still unfinished."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._release(request)
+            aborted.append(request_id)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache.pool.usage,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- scheduling ----------------------------------------------------------------------------
+
+    def schedule(self) -> StepInput:
+        plan = _StepPlan(budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            # NOTE: admitting new work in a step that had to preempt would just thrash.
+            self._schedule_waiting(plan)
+        return self._to_step_input(plan)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.budget > 0:
+            request = self.running[index]
+            num_tokens = self._num_tokens_to_schedule(request, plan.budget)
+            if num_tokens == 0:
+                index += 1
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_tokens, plan)
+            if new_block_ids is None:
+                break  # the request preempted itself: nothing after it can run either
+            plan.add(request, num_tokens, new_block_ids)
+            index += 1
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_tokens = self._num_tokens_to_schedule(request, plan.budget)
+            new_block_ids = self.kv_cache.allocate_slots(request.request_id, num_tokens)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_tokens_on_workers = 0  # sent in full
+            self.running.append(request)
+            plan.add(request, num_tokens, new_block_ids)
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        room = self.max_model_len - request.num_computed_tokens
+        return max(0, min(request.num_uncomputed_tokens, budget, room))
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: _StepPlan) -> list[int] | None:
+        """Allocate blocks for the request's next tokens, preempting the latest running requests
+        until they fit. Returns the new block ids, or None if the request itself was preempted."""
+        total = request.num_computed_tokens + num_tokens
+        while (new_block_ids := self.kv_cache.allocate_slots(request.request_id, total)) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return None
+        return new_block_ids
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_tokens_on_workers = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _to_step_input(self, plan: _StepPlan) -> StepInput:
+        new_requests: list[NewRequestData] = []
+        cached_requests: list[CachedRequestData] = []
+        for request, num_tokens in plan.scheduled:
+            if request.num_tokens_on_workers == 0:
+                new_requests.append(self._new_request_data(request))
+            else:
+                cached_requests.append(
+                    CachedRequestData(
+                        request_id=request.request_id,
+                        new_token_ids=request.tokens_for_workers(),
+                        new_block_ids=plan.new_block_ids[request.request_id],
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            request.num_computed_tokens += num_tokens
+        self._step_id += 1
+        step = StepInput(
+            step_id=self._step_id,
+            new_requests=new_requests,
+            cached_requests=cached_requests,
+            scheduled_ids=[r.request_id for r, _ in plan.scheduled],
+            num_scheduled_tokens=[n for _, n in plan.scheduled],
+            finished_ids=self._finished_ids,
+            preempted_ids=[r.request_id for r in plan.preempted],
+        )
+        self._finished_ids = []
+        return step
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            request_id=request.request_id,
+            prompt_len=request.num_prompt_tokens,
+            token_ids=request.tokens_for_workers(),
+            sampling=request.sampling,
+            block_ids=self.kv_cache.block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    # ---- results -------------------------------------------------------------------------------
+
+    def update_from_output(self, output: StepOutput) -> list[TokenDelta]:
+        """Append sampled tokens, apply the stop rules, free what finished."""
+        deltas = []
+        finished = False
+        for request_id, token_id in zip(output.request_ids, output.sampled_token_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.append_output_token(token_id)
+            self._apply_stop_rules(request, token_id)
+            deltas.append(
+                TokenDelta(
+                    request_id=request_id,
+                    new_token_ids=[token_id],
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
+            if request.status.is_finished:
+                self._release(request)
+                finished = True
+        if finished:
+            self.running = [r for r in self.running if not r.status.is_finished]
+        return deltas
+
+    def _apply_stop_rules(self, request: Request, token_id: int) -> None:
+        sampling = request.sampling
+        may_stop = request.num_output_tokens >= sampling.min_tokens
+        if may_stop and not sampling.ignore_eos and token_id in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif may_stop and sampling.stop_token_ids and token_id in sampling.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id
+        elif sampling.max_tokens is not None and request.num_output_tokens >= sampling.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH
+        elif request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request: free its blocks, tell the workers if they hold it."""
+        self.kv_cache.free(request.request_id)
+        if request.num_tokens_on_workers > 0:
+            self._finished_ids.append(request.request_id)
+        del self.requests[request.request_id]

@@ -1,0 +1,1 @@
+"""The frontend process: tokenization, validation, incremental detokenization, streaming."""

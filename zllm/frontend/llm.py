@@ -1,0 +1,111 @@
+"""`LLM`: vLLM's offline API — batch generation and chat over a whole list of prompts."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from zllm.frontend.llm_engine import LLMEngine
+from zllm.frontend.processor import PromptType
+from zllm.frontend.tokenizer import Messages, apply_chat_template
+from zllm.outputs import RequestOutput
+from zllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate completions offline.
+
+        llm = LLM()  # the embedded SmolLM2-135M-Instruct
+        outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0))
+        print(outs[0].outputs[0].text)
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        **engine_args: Any,
+    ) -> None:
+        self.engine = LLMEngine.from_engine_args(
+            model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len or 0,
+            tensor_parallel_size=tensor_parallel_size,
+            **engine_args,
+        )
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the prompts' order."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompt_list))
+        request_ids = self._add_all(prompt_list, params)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of messages) or several, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = apply_chat_template(tokenizer, conversation, add_generation_prompt, chat_template)
+            # The template already holds the special tokens; don't let the tokenizer add a BOS twice.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _params_per_prompt(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"sampling_params: got {len(params)} for {count} prompts; pass one, or one per prompt")
+        return params
+
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        # Validate everything first: a bad prompt must not leave half the batch queued.
+        processed = [
+            self.engine.processor.process(str(next(self._ids)), prompt, sampling)
+            for prompt, sampling in zip(prompts, params)
+        ]
+        for message, text in processed:
+            self.engine.submit(message, text)
+        return [message.request_id for message, _ in processed]
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]

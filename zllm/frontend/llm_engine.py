@@ -1,0 +1,83 @@
+"""The request loop a frontend runs: validate -> engine core -> detokenize -> RequestOutputs.
+
+`LLMEngine` talks to an engine core through a small interface (add, abort, step), so the same
+code drives an in-process core or, later, a core in another process.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from zllm.config import EngineConfig
+from zllm.frontend.output_processor import OutputProcessor
+from zllm.frontend.processor import InputProcessor, PromptType
+from zllm.frontend.tokenizer import eos_token_ids, load_tokenizer
+from zllm.ipc.messages import AddRequest, TokenDelta
+from zllm.outputs import RequestOutput
+from zllm.sampling_params import SamplingParams
+
+
+class EngineCoreClient(Protocol):
+    def add_request(self, message: AddRequest) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]: ...
+
+    def step(self) -> list[TokenDelta]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, core: EngineCoreClient) -> None:
+        from transformers import AutoConfig
+
+        self.config = config
+        self.core = core
+        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        vocab_size = AutoConfig.from_pretrained(config.model).vocab_size
+        self.processor = InputProcessor(
+            self.tokenizer, config.max_model_len, vocab_size, eos_token_ids(config.model, self.tokenizer)
+        )
+        self.outputs = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":
+        """An engine whose core and worker run in this process."""
+        from zllm.launch.inprocess import build_inprocess_core
+
+        config = EngineConfig.create(model, **kwargs)
+        return cls(config, build_inprocess_core(config))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate and enqueue; raises ValueError (naming the field) and changes nothing on bad input."""
+        message, text = self.processor.process(request_id, prompt, sampling_params, arrival_time, priority)
+        self.submit(message, text)
+
+    def submit(self, message: AddRequest, prompt_text: str | None) -> None:
+        """Enqueue a request that `processor.process` already validated."""
+        self.core.add_request(message)
+        self.outputs.add_request(message.request_id, prompt_text, message.prompt_token_ids, message.sampling)
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        self.core.abort_requests(request_ids)
+        return [out for rid in request_ids if (out := self.outputs.abort(rid)) is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.outputs.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the outputs of the requests it advanced."""
+        outputs, to_abort = self.outputs.process(self.core.step())
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outputs
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,79 @@
+"""Validates user input and turns it into AddRequest messages for the engine core.
+
+Every check raises ValueError naming the offending field, before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+from transformers import PreTrainedTokenizerBase
+
+from zllm.ipc.messages import AddRequest
+from zllm.sampling_params import SamplingParams
+
+PromptType = Union[str, dict[str, Any]]
+
+
+class InputProcessor:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, vocab_size: int, eos_token_ids: list[int]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        sampling: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[AddRequest, str | None]:
+        """Returns the message for the engine core and the prompt text (None for token ids)."""
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(sampling).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        self._check_length(token_ids)
+        self._check_token_ids(sampling.stop_token_ids or [], "stop_token_ids")
+        message = AddRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling=sampling,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+        )
+        return message, text
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            token_ids = prompt["prompt_token_ids"]
+            if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise ValueError("prompt_token_ids: must be a list of integers")
+            if not token_ids:
+                raise ValueError("prompt_token_ids: must not be empty")
+            self._check_token_ids(token_ids, "prompt_token_ids")
+            return prompt.get("prompt"), list(token_ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def _check_length(self, token_ids: list[int]) -> None:
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+
+    def _check_token_ids(self, token_ids: list[int], field: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{field}: token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")

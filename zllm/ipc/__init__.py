@@ -1,0 +1,1 @@
+"""Inter-process messages and the only code that turns them into bytes."""

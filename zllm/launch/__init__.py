@@ -1,0 +1,1 @@
+"""Process wiring: the vllm-launch CLI, in-process assembly, supervision."""

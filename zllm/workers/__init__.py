@@ -1,0 +1,1 @@
+"""The worker process: model shard, KV cache tensors, attention, sampler."""

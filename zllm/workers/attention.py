@@ -1,0 +1,92 @@
+"""Paged attention in plain torch: the reference implementation (CPU path, GPU oracle).
+
+KV cache of one layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]; index 0 holds
+keys, 1 values. Token t of a request lives in slot block_table[t // block_size] * block_size +
+t % block_size.
+
+A batch is ordered decodes first: requests 0..num_decodes-1 have exactly one query token each
+(attended as one batched call); each remaining request has a run of query tokens that attend
+causally to their cached prefix and to each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long: where each new token's K/V goes
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int: padded block tables
+    seq_lens: torch.Tensor  # [num_reqs] long: context length after this step
+    seq_lens_list: list[int]
+    query_start_loc: list[int]  # [num_reqs + 1]: query tokens of request i are [q[i], q[i+1])
+    num_decodes: int
+    block_size: int
+
+
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store [tokens, kv_heads, head_dim] keys and values at their slots."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [tokens, heads, head_dim] -> [tokens, heads, head_dim], over the paged cache."""
+    out = torch.empty_like(query)
+    num_decodes = meta.num_decodes
+    if num_decodes:
+        out[:num_decodes] = _decode_attention(query[:num_decodes], kv_cache, meta, scale)
+    for i in range(num_decodes, len(meta.seq_lens_list)):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        out[start:end] = _prefill_attention(query[start:end], kv_cache, meta, i, scale)
+    return out
+
+
+def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the given blocks: [..., num_blocks * block_size, kv_heads, head_dim]."""
+    keys = kv_cache[0][block_table]
+    values = kv_cache[1][block_table]
+    shape = (*block_table.shape[:-1], -1, *keys.shape[-2:])
+    return keys.reshape(shape), values.reshape(shape)
+
+
+def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    num_decodes = query.shape[0]
+    seq_lens = meta.seq_lens[:num_decodes]
+    max_len = max(meta.seq_lens_list[:num_decodes])
+    num_blocks = -(-max_len // meta.block_size)
+    keys, values = _gather_context(kv_cache, meta.block_tables[:num_decodes, :num_blocks])
+    positions = torch.arange(keys.shape[1], device=query.device)
+    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :],  # [B, H, 1, D]
+        keys.transpose(1, 2),  # [B, KVH, L, D]
+        values.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[:, :, 0, :]
+
+
+def _prefill_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, index: int, scale: float
+) -> torch.Tensor:
+    query_len = query.shape[0]
+    seq_len = meta.seq_lens_list[index]
+    num_blocks = -(-seq_len // meta.block_size)
+    keys, values = _gather_context(kv_cache, meta.block_tables[index, :num_blocks])
+    keys, values = keys[:seq_len].transpose(0, 1), values[:seq_len].transpose(0, 1)  # [KVH, L, D]
+    q = query.transpose(0, 1)  # [H, Q, D]
+    if query_len == seq_len:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Query i sits at position seq_len - query_len + i and sees every key up to it.
+        mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - query_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

@@ -1,0 +1,209 @@
+"""The model runner: keeps the persistent batch, turns a StepInput into tensors, runs the model.
+
+The engine core sends each request in full once and then only diffs (new tokens, new blocks), so
+the runner keeps every live request's tokens and block table between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from zllm.config import EngineConfig
+from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput, StepOutput
+from zllm.sampling_params import SamplingParams
+from zllm.workers.attention import AttentionMetadata
+from zllm.workers.loader import init_dummy_weights, load_safetensors
+from zllm.workers.models import build_model
+from zllm.workers.models.spec import ModelSpec
+from zllm.workers.sampler import SamplingMetadata, sample, seeded_generator
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt_len: int
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    logits_indices: torch.Tensor  # the last token of each request that samples this step
+    sampling_states: list[RequestState]
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = resolve_dtype(config.dtype, device)
+        self.spec = ModelSpec.from_pretrained(config.model)
+        self.block_size = config.block_size
+        self.model = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, RequestState] = {}
+
+    # ---- set-up --------------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        model = build_model(self.spec)
+        if self.config.load_format == "dummy":
+            init_dummy_weights(model, self.config.seed)
+        else:
+            load_safetensors(model, self.config.model)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # Rotary tables stay float32 whatever the weights' dtype (as in HF).
+        self.model.model.rotary.float()
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.spec.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+
+    def determine_num_kv_blocks(self) -> int:
+        return self.config.kv_cache_memory_bytes // self.kv_cache_bytes_per_block()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_step(self, step: StepInput) -> StepOutput:
+        self._update_states(step)
+        batch = self._prepare_inputs(step)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
+        if not batch.sampling_states:
+            return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        tokens = sample(logits, self._sampling_metadata(batch.sampling_states))
+        return StepOutput(
+            step_id=step.step_id,
+            request_ids=[s.request_id for s in batch.sampling_states],
+            sampled_token_ids=tokens.tolist(),
+        )
+
+    def _update_states(self, step: StepInput) -> None:
+        for request_id in (*step.finished_ids, *step.preempted_ids):
+            self.requests.pop(request_id, None)
+        for new in step.new_requests:
+            self.requests[new.request_id] = _state_from_new(new)
+        for cached in step.cached_requests:
+            _apply_diff(self.requests[cached.request_id], cached)
+
+    def _prepare_inputs(self, step: StepInput) -> BatchInputs:
+        # Decodes (one query token) first: attention batches them in one call.
+        order = sorted(range(len(step.scheduled_ids)), key=lambda i: step.num_scheduled_tokens[i] != 1)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        logits_indices: list[int] = []
+        sampling_states: list[RequestState] = []
+        states = []
+        for i in order:
+            state = self.requests[step.scheduled_ids[i]]
+            start, count = state.num_computed_tokens, step.num_scheduled_tokens[i]
+            token_ids.extend(state.token_ids[start : start + count])
+            positions.extend(range(start, start + count))
+            seq_lens.append(start + count)
+            query_start_loc.append(query_start_loc[-1] + count)
+            state.num_computed_tokens = start + count
+            states.append(state)
+            if start + count == len(state.token_ids):
+                logits_indices.append(query_start_loc[-1] - 1)
+                sampling_states.append(state)
+        num_decodes = sum(1 for i in order if step.num_scheduled_tokens[i] == 1)
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        block_tables = self._block_tables(states)
+        attention = AttentionMetadata(
+            slot_mapping=self._slot_mapping(query_start_loc, positions_t, block_tables),
+            block_tables=block_tables.to(self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=self.device),
+            seq_lens_list=seq_lens,
+            query_start_loc=query_start_loc,
+            num_decodes=num_decodes,
+            block_size=self.block_size,
+        )
+        return BatchInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            positions=positions_t.to(self.device),
+            attention=attention,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            sampling_states=sampling_states,
+        )
+
+    def _block_tables(self, states: list[RequestState]) -> torch.Tensor:
+        width = max(len(s.block_ids) for s in states)
+        table = torch.zeros((len(states), width), dtype=torch.long)
+        for row, state in enumerate(states):
+            table[row, : len(state.block_ids)] = torch.tensor(state.block_ids, dtype=torch.long)
+        return table
+
+    def _slot_mapping(
+        self, query_start_loc: list[int], positions: torch.Tensor, block_tables: torch.Tensor
+    ) -> torch.Tensor:
+        query_lens = torch.tensor(query_start_loc).diff()
+        rows = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)
+        blocks = block_tables[rows, positions // self.block_size]
+        return (blocks * self.block_size + positions % self.block_size).to(self.device)
+
+    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
+        params = [s.sampling for s in states]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
+        if all(p.is_greedy for p in params):
+            return SamplingMetadata(temperature=temperature, all_greedy=True)
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        return SamplingMetadata(
+            temperature=temperature,
+            all_greedy=False,
+            top_k=self._optional_tensor(top_k, torch.long, off=0),
+            top_p=self._optional_tensor(top_p, torch.float32, off=1.0),
+            min_p=self._optional_tensor(min_p, torch.float32, off=0.0),
+            generators={
+                row: seeded_generator(s.sampling.seed, len(s.token_ids) - s.prompt_len, self.device)
+                for row, s in enumerate(states)
+                if s.sampling.seed is not None
+            },
+        )
+
+    def _optional_tensor(self, values: list, dtype: torch.dtype, off) -> torch.Tensor | None:
+        if all(v == off for v in values):
+            return None
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+def _state_from_new(new: NewRequestData) -> RequestState:
+    return RequestState(
+        request_id=new.request_id,
+        prompt_len=new.prompt_len,
+        token_ids=list(new.token_ids),
+        block_ids=list(new.block_ids),
+        num_computed_tokens=new.num_computed_tokens,
+        sampling=new.sampling,
+    )
+
+
+def _apply_diff(state: RequestState, diff: CachedRequestData) -> None:
+    state.token_ids.extend(diff.new_token_ids)
+    state.block_ids.extend(diff.new_block_ids)
+    state.num_computed_tokens = diff.num_computed_tokens
