@@ -76,8 +76,10 @@ class EngineCore:
 
     def step(self) -> list[TokenDelta]:
         step = self.scheduler.schedule()
-        if step.is_empty:
+        if step.is_empty and not (step.finished_ids or step.preempted_ids):
             return []
+        # NOTE: an empty step still goes out when it carries finished/preempted ids, or the
+        # workers would keep those requests' state forever.
         output = self.executor.execute_step(step)
         return self.scheduler.update_from_output(output)
 

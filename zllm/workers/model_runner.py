@@ -88,6 +88,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_step(self, step: StepInput) -> StepOutput:
         self._update_states(step)
+        if step.is_empty:
+            return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
         batch = self._prepare_inputs(step)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
         if not batch.sampling_states:

@@ -1,0 +1,278 @@
+"""The paged reference attention against a dense softmax(q k^T * scale + causal mask) v, and the
+rotary embedding against HF transformers' Llama implementation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from zllm.workers.attention import AttentionMetadata, paged_attention, write_kv_cache
+from zllm.workers.layers import apply_rotary, rope_cos_sin_cache, rope_inv_freq
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 48
+NUM_HEADS = 8
+NUM_KV_HEADS = 2
+HEAD_DIM = 32
+SCALE = 1.0 / math.sqrt(HEAD_DIM)
+
+
+# ---- paged cache helpers ----------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    context_len: int  # tokens in the cache after this step
+    query_len: int  # new tokens this step (the last query_len of the context)
+    keys: torch.Tensor | None = None  # [context_len, kv_heads, head_dim]
+    values: torch.Tensor | None = None
+    query: torch.Tensor | None = None  # [query_len, heads, head_dim]
+    block_ids: list[int] | None = None
+
+    @property
+    def cached_len(self) -> int:
+        return self.context_len - self.query_len
+
+    def slots(self, start: int, end: int) -> list[int]:
+        return [self.block_ids[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(start, end)]
+
+
+def fill_requests(reqs: list[Req], generator: torch.Generator) -> None:
+    """Random K/V/Q for each request and blocks drawn from a shuffled pool (never contiguous)."""
+    pool = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    for req in reqs:
+        req.keys = torch.randn(req.context_len, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+        req.values = torch.randn(req.context_len, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+        req.query = torch.randn(req.query_len, NUM_HEADS, HEAD_DIM, generator=generator)
+        num_blocks = -(-req.context_len // BLOCK_SIZE)
+        req.block_ids = [pool.pop() for _ in range(num_blocks)]
+
+
+def build_metadata(reqs: list[Req]) -> AttentionMetadata:
+    """What the model runner builds: decodes first, block tables padded with zeros."""
+    num_decodes = sum(1 for r in reqs if r.query_len == 1)
+    assert all(r.query_len == 1 for r in reqs[:num_decodes]), "decodes must come first"
+    width = max(len(r.block_ids) for r in reqs)
+    block_tables = torch.zeros(len(reqs), width, dtype=torch.long)
+    for row, req in enumerate(reqs):
+        block_tables[row, : len(req.block_ids)] = torch.tensor(req.block_ids)
+    query_start_loc = [0]
+    for req in reqs:
+        query_start_loc.append(query_start_loc[-1] + req.query_len)
+    slots = [s for r in reqs for s in r.slots(r.cached_len, r.context_len)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        block_tables=block_tables,
+        seq_lens=torch.tensor([r.context_len for r in reqs], dtype=torch.long),
+        seq_lens_list=[r.context_len for r in reqs],
+        query_start_loc=query_start_loc,
+        num_decodes=num_decodes,
+        block_size=BLOCK_SIZE,
+    )
+
+
+def new_cache(generator: torch.Generator) -> torch.Tensor:
+    # Garbage everywhere: a slot that is read but should not be would show in the result.
+    return 100.0 * torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+
+
+def write_step(kv_cache: torch.Tensor, reqs: list[Req], meta: AttentionMetadata) -> None:
+    """The cached prefixes (as earlier steps wrote them), then this step's new tokens via slot_mapping."""
+    for req in reqs:
+        if req.cached_len:
+            slots = torch.tensor(req.slots(0, req.cached_len))
+            write_kv_cache(kv_cache, req.keys[: req.cached_len], req.values[: req.cached_len], slots)
+    new_keys = torch.cat([r.keys[r.cached_len :] for r in reqs])
+    new_values = torch.cat([r.values[r.cached_len :] for r in reqs])
+    write_kv_cache(kv_cache, new_keys, new_values, meta.slot_mapping)
+
+
+def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) v for one request, in float64. The queries are the last
+    query_len positions of the context; kv heads are repeated for GQA (head h uses kv head
+    h // (heads / kv_heads), as HF's repeat_kv)."""
+    q, k, v = query.double(), keys.double(), values.double()
+    query_len, context_len = q.shape[0], k.shape[0]
+    repeat = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(repeat, dim=1)  # [L, H, D]
+    v = v.repeat_interleave(repeat, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    positions = torch.arange(context_len - query_len, context_len)
+    causal = torch.arange(context_len)[None, :] <= positions[:, None]  # [Q, L]
+    scores = scores.masked_fill(~causal[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def run_paged(reqs: list[Req], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(paged output, dense reference), both [total query tokens, heads, head_dim]."""
+    generator = torch.Generator().manual_seed(seed)
+    fill_requests(reqs, generator)
+    meta = build_metadata(reqs)
+    kv_cache = new_cache(generator)
+    write_step(kv_cache, reqs, meta)
+    query = torch.cat([r.query for r in reqs])
+    out = paged_attention(query, kv_cache, meta, SCALE)
+    reference = torch.cat([dense_attention(r.query, r.keys, r.values, SCALE) for r in reqs])
+    return out, reference
+
+
+# ---- paged attention --------------------------------------------------------------------------
+
+
+def test_write_kv_cache_puts_each_token_at_its_slot():
+    generator = torch.Generator().manual_seed(0)
+    reqs = [Req(context_len=37, query_len=37), Req(context_len=5, query_len=5)]
+    fill_requests(reqs, generator)
+    meta = build_metadata(reqs)
+    kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    write_step(kv_cache, reqs, meta)
+    for req in reqs:
+        for t in range(req.context_len):
+            block, offset = req.block_ids[t // BLOCK_SIZE], t % BLOCK_SIZE
+            assert torch.equal(kv_cache[0, block, offset], req.keys[t])
+            assert torch.equal(kv_cache[1, block, offset], req.values[t])
+
+
+MIXED_BATCH = [
+    # decodes (one query token), first
+    (37, 1),  # third block, crosses two boundaries
+    (17, 1),  # first token of the second block
+    (5, 1),  # a single partial block
+    (64 + 9, 1),  # five blocks
+    # prefills with a cached prefix: the queries are the last tokens of the context
+    (50, 13),  # queries 37..49, crossing the boundary at 48
+    (70, 40),  # queries 30..69, three boundaries inside the query run
+    (33, 2),  # a short chunk right after a boundary
+    # prefill from scratch
+    (21, 21),
+]
+
+
+def test_paged_attention_matches_dense_on_mixed_batch():
+    reqs = [Req(context_len, query_len) for context_len, query_len in MIXED_BATCH]
+    out, reference = run_paged(reqs, seed=1)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference.float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        [(19, 1)],  # one decode only
+        [(3, 1), (40, 1), (16 + 15, 1)],  # decodes only
+        [(45, 45)],  # one prefill from scratch
+        [(47, 30), (18, 18)],  # prefills only
+        [(1, 1), (2, 2)],  # a decode of a one-token context, a two-token prefill
+    ],
+    ids=["single-decode", "decodes", "single-prefill", "prefills", "tiny"],
+)
+def test_paged_attention_matches_dense_on_edge_batches(batch):
+    reqs = [Req(context_len, query_len) for context_len, query_len in batch]
+    out, reference = run_paged(reqs, seed=2)
+    torch.testing.assert_close(out, reference.float(), atol=1e-5, rtol=0)
+
+
+def test_paged_attention_ignores_other_requests_and_padding():
+    # The same request alone and in a batch with longer neighbours (so its block-table row is padded
+    # and the gathered context runs past its length) gives the same result.
+    target = (29, 1)
+    alone, _ = run_paged([Req(*target)], seed=3)
+    batch = [Req(*target), Req(90, 1), Req(40, 7)]
+    mixed, reference = run_paged(batch, seed=3)  # same seed: the target's data is drawn first
+    torch.testing.assert_close(mixed[:1], alone, atol=1e-6, rtol=0)
+    torch.testing.assert_close(mixed, reference.float(), atol=1e-5, rtol=0)
+
+
+def test_dense_reference_is_plain_softmax_attention():
+    # Guard for the reference itself: one query at the last position of a 3-token context, MHA.
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 1, 4, generator=generator)
+    k = torch.randn(3, 1, 4, generator=generator)
+    v = torch.randn(3, 1, 4, generator=generator)
+    weights = (q[0, 0].double() @ k[:, 0].double().T * 0.5).softmax(dim=-1)
+    expected = weights @ v[:, 0].double()
+    torch.testing.assert_close(dense_attention(q, k, v, 0.5)[0, 0], expected)
+
+
+# ---- rotary embedding vs HF transformers ---------------------------------------------------------
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def llama_config(rope_parameters: dict, head_dim: int = 64) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=131072 if rope_parameters["rope_type"] == "llama3" else 4096,
+        rope_parameters=dict(rope_parameters),
+    )
+
+
+def zllm_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    params = dict(config.rope_parameters)
+    theta = params.pop("rope_theta")
+    return rope_inv_freq(config.head_dim, theta, params)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_llama3_inv_freq_matches_transformers(head_dim):
+    config = llama_config(LLAMA3_ROPE, head_dim)
+    assert config.rope_parameters["rope_type"] == "llama3"
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config)
+    assert attention_factor == 1.0
+    ours = zllm_inv_freq(config)
+    assert ours.dtype == expected.dtype == torch.float32
+    assert torch.equal(ours, expected)
+    # The scaling did something: low frequencies slowed down, the highest kept.
+    plain = rope_inv_freq(head_dim, LLAMA3_ROPE["rope_theta"], {})
+    assert ours[0] == plain[0] and (ours[-1] < plain[-1])
+
+
+def test_default_inv_freq_matches_transformers():
+    config = llama_config(DEFAULT_ROPE)
+    expected, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    assert torch.equal(zllm_inv_freq(config), expected)
+
+
+def test_unsupported_rope_type_is_rejected():
+    with pytest.raises(ValueError, match="rope_type"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.parametrize("rope", [DEFAULT_ROPE, LLAMA3_ROPE], ids=["default", "llama3"])
+def test_apply_rotary_matches_transformers(rope):
+    config = llama_config(rope)
+    generator = torch.Generator().manual_seed(5)
+    num_tokens, max_positions = 37, 20000
+    # Positions as in a batch: unsorted, repeated, and far ones where float32 rounding matters.
+    positions = torch.randint(0, max_positions, (num_tokens,), generator=generator)
+    positions[:3] = torch.tensor([0, 1, max_positions - 1])
+    q = torch.randn(num_tokens, config.num_attention_heads, config.head_dim, generator=generator)
+    k = torch.randn(num_tokens, config.num_key_value_heads, config.head_dim, generator=generator)
+
+    cos_cache, sin_cache = rope_cos_sin_cache(zllm_inv_freq(config), max_positions)
+    ours_q = apply_rotary(q, cos_cache[positions], sin_cache[positions])
+    ours_k = apply_rotary(k, cos_cache[positions], sin_cache[positions])
+
+    rotary = LlamaRotaryEmbedding(config)
+    cos, sin = rotary(q, positions[None, :])  # [1, tokens, head_dim]
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)  # [1, H, T, D]
+    assert torch.equal(ours_q, hf_q[0].transpose(0, 1))
+    assert torch.equal(ours_k, hf_k[0].transpose(0, 1))

@@ -1,0 +1,744 @@
+"""The scheduler's rules, driven step by step with fabricated sampled tokens (no model)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from zllm.config import EngineConfig
+from zllm.enginecore.block_pool import BlockPool
+from zllm.enginecore.kv_cache_manager import KVCacheManager
+from zllm.enginecore.request import Request, RequestStatus
+from zllm.enginecore.scheduler import Scheduler
+from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput, StepOutput, TokenDelta
+from zllm.sampling_params import SamplingParams
+
+EOS = 2
+TOKEN = 7
+STOP_TOKEN = 42
+
+
+def make_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_model_len: int = 256,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 64,
+) -> Scheduler:
+    config = EngineConfig(
+        model="unused",
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+    )
+    return Scheduler(config, KVCacheManager(BlockPool(num_blocks), block_size))
+
+
+def prompt(length: int) -> list[int]:
+    return [100 + i for i in range(length)]
+
+
+def make_request(request_id: str, prompt_len: int = 4, *, max_tokens: int | None = 16, **sampling) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt(prompt_len),
+        sampling=SamplingParams(temperature=0, max_tokens=max_tokens, **sampling),
+        eos_token_ids=frozenset({EOS}),
+    )
+
+
+def add(scheduler: Scheduler, *requests: Request) -> None:
+    for request in requests:
+        scheduler.add_request(request)
+
+
+def scheduled(step: StepInput) -> dict[str, int]:
+    return dict(zip(step.scheduled_ids, step.num_scheduled_tokens))
+
+
+def sampling_ids(scheduler: Scheduler, step: StepInput) -> list[str]:
+    """The scheduled requests that reached the end of their tokens: the ones that sample."""
+    ids = []
+    for request_id in step.scheduled_ids:
+        request = scheduler.requests.get(request_id)
+        if request is not None and request.num_computed_tokens == request.num_tokens:
+            ids.append(request_id)
+    return ids
+
+
+def complete(scheduler: Scheduler, step: StepInput, tokens: dict[str, int] | None = None) -> list[TokenDelta]:
+    ids = sampling_ids(scheduler, step)
+    sampled = [(tokens or {}).get(request_id, TOKEN) for request_id in ids]
+    return scheduler.update_from_output(StepOutput(step.step_id, ids, sampled))
+
+
+def run_step(scheduler: Scheduler, tokens: dict[str, int] | None = None) -> StepInput:
+    step = scheduler.schedule()
+    complete(scheduler, step, tokens)
+    return step
+
+
+def decode(scheduler: Scheduler, request_id: str, tokens: list[int]) -> list[TokenDelta]:
+    """Run steps of a lone request, sampling `tokens` in turn; the deltas of that request."""
+    deltas = []
+    for token in tokens:
+        step = scheduler.schedule()
+        deltas += [d for d in complete(scheduler, step, {request_id: token}) if d.request_id == request_id]
+    return deltas
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 200) -> list[StepInput]:
+    steps = []
+    while scheduler.has_unfinished_requests():
+        assert len(steps) < max_steps, "the scheduler stopped making progress"
+        steps.append(run_step(scheduler))
+    return steps
+
+
+def num_used_blocks(scheduler: Scheduler) -> int:
+    pool = scheduler.kv_cache.pool
+    return pool.num_blocks - pool.num_free_blocks
+
+
+def assert_all_blocks_free(scheduler: Scheduler) -> None:
+    pool = scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert sorted(pool._free.block_ids()) == list(range(pool.num_blocks))
+
+
+# ---- budget, max_num_seqs, order -------------------------------------------------------------
+
+
+def test_token_budget_caps_scheduled_tokens_per_step():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    add(scheduler, make_request("a", 5), make_request("b", 5), make_request("c", 5))
+
+    first = run_step(scheduler)
+    assert scheduled(first) == {"a": 5, "b": 3}
+    assert first.total_num_scheduled_tokens == 8
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+    second = run_step(scheduler)
+    assert scheduled(second) == {"a": 1, "b": 2, "c": 5}
+    assert second.total_num_scheduled_tokens == 8
+
+
+def test_max_num_seqs_caps_running_requests():
+    scheduler = make_scheduler(max_num_seqs=2)
+    add(scheduler, *(make_request(r, 4, max_tokens=2) for r in "abc"))
+
+    first = run_step(scheduler)
+    assert first.scheduled_ids == ["a", "b"]
+    assert len(scheduler.running) == 2
+    assert scheduler.waiting[0].request_id == "c"
+    assert scheduler.requests["c"].status == RequestStatus.WAITING
+
+    second = run_step(scheduler)
+    assert second.scheduled_ids == ["a", "b"]
+    assert scheduler.running == []
+
+    third = run_step(scheduler)
+    assert third.scheduled_ids == ["c"]
+    assert len(scheduler.running) == 1
+
+
+def test_running_requests_are_scheduled_before_waiting_ones():
+    scheduler = make_scheduler(max_num_batched_tokens=6)
+    add(scheduler, make_request("a", 4))
+    run_step(scheduler)
+    add(scheduler, make_request("b", 4), make_request("c", 4))
+
+    step = run_step(scheduler)
+    assert step.scheduled_ids == ["a", "b", "c"]
+    assert step.num_scheduled_tokens == [1, 4, 1]
+
+
+def test_running_prefill_can_take_the_whole_budget_from_waiting_requests():
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    add(scheduler, make_request("long", 12))
+    run_step(scheduler)
+    add(scheduler, make_request("short", 1))
+
+    step = run_step(scheduler)
+    assert scheduled(step) == {"long": 4}
+    assert scheduler.requests["short"].status == RequestStatus.WAITING
+
+
+def test_waiting_requests_are_admitted_in_arrival_order_without_overtaking():
+    scheduler = make_scheduler(num_blocks=3, block_size=4)
+    add(scheduler, make_request("a", 8), make_request("b", 8), make_request("c", 4))
+
+    step = run_step(scheduler)
+    assert step.scheduled_ids == ["a"]
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+    assert scheduler.kv_cache.pool.num_free_blocks == 1
+
+
+# ---- chunked prefill and the step diff ---------------------------------------------------------
+
+
+def test_chunked_prefill_splits_a_long_prompt_over_several_steps():
+    scheduler = make_scheduler(max_num_batched_tokens=4, block_size=4)
+    long = make_request("long", 10)
+    add(scheduler, long, make_request("short", 2))
+
+    first = scheduler.schedule()
+    assert scheduled(first) == {"long": 4}
+    assert first.new_requests[0].token_ids == prompt(10)
+    assert first.new_requests[0].block_ids == [0]
+    assert long.num_computed_tokens == 4
+    assert sampling_ids(scheduler, first) == []
+    assert complete(scheduler, first) == []
+
+    second = scheduler.schedule()
+    assert scheduled(second) == {"long": 4}
+    assert second.cached_requests == [CachedRequestData("long", [], [1], 4)]
+    assert long.num_computed_tokens == 8
+    assert complete(scheduler, second) == []
+    assert long.output_token_ids == []
+
+    third = scheduler.schedule()
+    assert scheduled(third) == {"long": 2, "short": 2}
+    assert third.cached_requests == [CachedRequestData("long", [], [2], 8)]
+    assert long.num_computed_tokens == 10
+    deltas = complete(scheduler, third, {"long": 11, "short": 12})
+    assert [(d.request_id, d.new_token_ids) for d in deltas] == [("long", [11]), ("short", [12])]
+
+
+def test_step_input_sends_a_new_request_in_full_then_only_diffs():
+    scheduler = make_scheduler(block_size=4)
+    request = make_request("a", 6)
+    add(scheduler, request)
+
+    first = scheduler.schedule()
+    assert first.new_requests == [
+        NewRequestData(
+            "a", prompt_len=6, token_ids=prompt(6), sampling=request.sampling, block_ids=[0, 1], num_computed_tokens=0
+        )
+    ]
+    assert first.cached_requests == []
+    complete(scheduler, first, {"a": 11})
+
+    second = scheduler.schedule()
+    assert second.new_requests == []
+    assert second.cached_requests == [CachedRequestData("a", [11], new_block_ids=[], num_computed_tokens=6)]
+    complete(scheduler, second, {"a": 12})
+
+    third = scheduler.schedule()
+    assert third.cached_requests == [CachedRequestData("a", [12], new_block_ids=[], num_computed_tokens=7)]
+    complete(scheduler, third, {"a": 13})
+
+    fourth = scheduler.schedule()
+    assert fourth.cached_requests == [CachedRequestData("a", [13], new_block_ids=[2], num_computed_tokens=8)]
+    assert scheduler.kv_cache.block_ids("a") == [0, 1, 2]
+
+
+def test_step_ids_increase_by_one():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 4))
+    assert [run_step(scheduler).step_id for _ in range(3)] == [1, 2, 3]
+
+
+# ---- preemption ----------------------------------------------------------------------------
+
+
+def test_pool_shortage_preempts_the_latest_running_request_for_recompute():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+    a, b, c = make_request("a", 3, max_tokens=4), make_request("b", 12, max_tokens=3), make_request("c", 1)
+    add(scheduler, a, b, c)
+
+    assert scheduled(run_step(scheduler)) == {"a": 3, "b": 5}
+    assert scheduled(run_step(scheduler, {"b": 21})) == {"a": 1, "b": 7}
+    assert scheduler.kv_cache.pool.num_free_blocks == 0
+    assert b.output_token_ids == [21]
+
+    step = scheduler.schedule()
+    assert scheduled(step) == {"a": 1}
+    assert step.preempted_ids == ["b"]
+    assert step.new_requests == []
+    assert b.status == RequestStatus.PREEMPTED
+    assert b.num_computed_tokens == 0
+    assert scheduler.kv_cache.block_ids("b") == []
+    assert scheduler.kv_cache.pool.num_free_blocks == 2
+    assert scheduler.running == [a]
+    assert list(scheduler.waiting) == [b, c]
+    assert b.num_preemptions == 1
+    assert scheduler.stats().num_preemptions == 1
+    complete(scheduler, step)
+
+    resumed = scheduler.schedule()
+    assert scheduled(resumed) == {"a": 1, "b": 7}
+    assert resumed.preempted_ids == []
+    (new,) = resumed.new_requests
+    assert new.request_id == "b"
+    assert new.prompt_len == 12
+    assert new.token_ids == prompt(12) + [21]
+    assert new.num_computed_tokens == 0
+    assert new.block_ids == scheduler.kv_cache.block_ids("b")
+    assert len(new.block_ids) == 2
+    assert b.status == RequestStatus.RUNNING
+    complete(scheduler, resumed)
+
+    run_to_completion(scheduler)
+    assert b.output_token_ids[0] == 21
+    assert b.num_output_tokens == 3
+    assert a.num_output_tokens == 4
+    assert_all_blocks_free(scheduler)
+
+
+def test_no_waiting_request_is_admitted_in_a_step_that_preempted():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+    add(scheduler, make_request("a", 3), make_request("b", 12), make_request("c", 1))
+    run_step(scheduler)
+    run_step(scheduler)
+
+    step = scheduler.schedule()
+    assert step.preempted_ids == ["b"]
+    assert step.new_requests == []
+    assert len(scheduler.running) < scheduler.max_num_seqs
+    assert scheduler.kv_cache.pool.num_free_blocks == 2
+    assert step.total_num_scheduled_tokens < scheduler.max_num_batched_tokens
+
+
+def test_latest_request_that_cannot_grow_preempts_itself_and_resumes_later():
+    scheduler = make_scheduler(num_blocks=3, block_size=4)
+    a, b = make_request("a", 4, max_tokens=3), make_request("b", 4, max_tokens=3)
+    add(scheduler, a, b)
+    run_step(scheduler, {"b": 31})
+
+    step = scheduler.schedule()
+    assert scheduled(step) == {"a": 1}
+    assert step.preempted_ids == ["b"]
+    assert b.status == RequestStatus.PREEMPTED
+    assert list(scheduler.waiting) == [b]
+    assert scheduler.kv_cache.block_ids("b") == []
+    complete(scheduler, step)
+
+    waiting_step = run_step(scheduler)
+    assert scheduled(waiting_step) == {"a": 1}
+    assert waiting_step.preempted_ids == []
+    assert a.status == RequestStatus.FINISHED_LENGTH
+
+    resumed = scheduler.schedule()
+    assert resumed.finished_ids == ["a"]
+    assert [n.request_id for n in resumed.new_requests] == ["b"]
+    assert resumed.new_requests[0].token_ids == prompt(4) + [31]
+    complete(scheduler, resumed)
+
+    run_to_completion(scheduler)
+    assert b.status == RequestStatus.FINISHED_LENGTH
+    assert b.output_token_ids[0] == 31
+    assert b.num_output_tokens == 3
+    assert b.num_preemptions == 1
+    assert_all_blocks_free(scheduler)
+
+
+def test_lone_request_outgrowing_the_whole_pool_parks_in_waiting_without_thrashing():
+    scheduler = make_scheduler(num_blocks=2, block_size=4, max_model_len=64)
+    request = make_request("a", 8)
+    add(scheduler, request)
+    run_step(scheduler)
+
+    step = scheduler.schedule()
+    assert step.is_empty
+    assert step.preempted_ids == ["a"]
+    assert request.status == RequestStatus.PREEMPTED
+    assert list(scheduler.waiting) == [request]
+    assert_all_blocks_free(scheduler)
+
+    for _ in range(3):
+        idle = scheduler.schedule()
+        assert idle.is_empty
+        assert idle.preempted_ids == []
+    assert request.num_preemptions == 1
+    assert_all_blocks_free(scheduler)
+
+    assert scheduler.abort_requests(["a"]) == ["a"]
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.schedule().finished_ids == []
+
+
+# ---- stop rules ----------------------------------------------------------------------------
+
+
+def test_eos_finishes_with_stop_and_frees_blocks():
+    scheduler = make_scheduler()
+    request = make_request("a", 4)
+    add(scheduler, request)
+    run_step(scheduler)
+
+    (delta,) = decode(scheduler, "a", [EOS])
+    assert delta == TokenDelta("a", [EOS], finish_reason="stop", stop_reason=None)
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert request.output_token_ids == [TOKEN, EOS]
+    assert scheduler.running == []
+    assert "a" not in scheduler.requests
+    assert_all_blocks_free(scheduler)
+
+
+def test_finished_ids_are_reported_in_the_next_step_exactly_once():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 4), make_request("b", 4), make_request("c", 4))
+    first = scheduler.schedule()
+    assert first.finished_ids == []
+    complete(scheduler, first, {"a": EOS, "c": EOS})
+
+    second = run_step(scheduler)
+    assert second.finished_ids == ["a", "c"]
+    assert second.scheduled_ids == ["b"]
+    assert run_step(scheduler).finished_ids == []
+
+
+def test_ignore_eos_keeps_generating_until_max_tokens():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 4, max_tokens=3, ignore_eos=True))
+    deltas = decode(scheduler, "a", [EOS, EOS, EOS])
+    assert [d.finish_reason for d in deltas] == [None, None, "length"]
+
+
+def test_stop_token_id_finishes_with_the_token_as_stop_reason():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 4, stop_token_ids=[STOP_TOKEN]))
+    deltas = decode(scheduler, "a", [TOKEN, STOP_TOKEN])
+    assert [(d.finish_reason, d.stop_reason) for d in deltas] == [(None, None), ("stop", STOP_TOKEN)]
+
+
+def test_stop_token_ids_still_apply_with_ignore_eos():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 4, ignore_eos=True, stop_token_ids=[STOP_TOKEN]))
+    deltas = decode(scheduler, "a", [EOS, STOP_TOKEN])
+    assert [(d.finish_reason, d.stop_reason) for d in deltas] == [(None, None), ("stop", STOP_TOKEN)]
+
+
+def test_max_tokens_finishes_with_length():
+    scheduler = make_scheduler()
+    request = make_request("a", 4, max_tokens=3)
+    add(scheduler, request)
+    deltas = decode(scheduler, "a", [11, 12, 13])
+    assert [d.finish_reason for d in deltas] == [None, None, "length"]
+    assert request.status == RequestStatus.FINISHED_LENGTH
+    assert request.output_token_ids == [11, 12, 13]
+    assert_all_blocks_free(scheduler)
+
+
+def test_eos_on_the_last_allowed_token_reports_stop():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 4, max_tokens=2))
+    deltas = decode(scheduler, "a", [TOKEN, EOS])
+    assert [d.finish_reason for d in deltas] == [None, "stop"]
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 4, min_tokens=3, stop_token_ids=[STOP_TOKEN]))
+    deltas = decode(scheduler, "a", [EOS, STOP_TOKEN, EOS])
+    assert [d.finish_reason for d in deltas] == [None, None, "stop"]
+
+
+def test_stop_token_counts_once_min_tokens_is_reached():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 4, min_tokens=2, stop_token_ids=[STOP_TOKEN]))
+    deltas = decode(scheduler, "a", [STOP_TOKEN, STOP_TOKEN])
+    assert [(d.finish_reason, d.stop_reason) for d in deltas] == [(None, None), ("stop", STOP_TOKEN)]
+
+
+def test_reaching_max_model_len_finishes_with_length():
+    scheduler = make_scheduler(max_model_len=8)
+    request = make_request("a", 5, max_tokens=None)
+    add(scheduler, request)
+    deltas = decode(scheduler, "a", [11, 12, 13])
+    assert [d.finish_reason for d in deltas] == [None, None, "length"]
+    assert request.num_tokens == 8
+    assert request.num_computed_tokens < 8
+    assert_all_blocks_free(scheduler)
+
+
+def test_max_model_len_wins_over_min_tokens():
+    scheduler = make_scheduler(max_model_len=8)
+    add(scheduler, make_request("a", 5, max_tokens=10, min_tokens=10))
+    deltas = decode(scheduler, "a", [11, 12, 13])
+    assert [d.finish_reason for d in deltas] == [None, None, "length"]
+
+
+# ---- abort and bookkeeping --------------------------------------------------------------------
+
+
+def test_abort_waiting_request_is_never_reported_to_workers():
+    scheduler = make_scheduler(max_num_seqs=1)
+    add(scheduler, make_request("a", 4), make_request("b", 4))
+    run_step(scheduler)
+
+    assert scheduler.abort_requests(["b"]) == ["b"]
+    assert list(scheduler.waiting) == []
+    assert "b" not in scheduler.requests
+    assert scheduler.schedule().finished_ids == []
+
+
+def test_abort_running_request_frees_blocks_and_is_reported_next_step():
+    scheduler = make_scheduler()
+    a, b = make_request("a", 4), make_request("b", 8)
+    add(scheduler, a, b)
+    run_step(scheduler)
+    assert num_used_blocks(scheduler) == 3
+
+    assert scheduler.abort_requests(["b"]) == ["b"]
+    assert b.status == RequestStatus.FINISHED_ABORTED
+    assert b.status.finish_reason == "abort"
+    assert scheduler.running == [a]
+    assert scheduler.kv_cache.block_ids("b") == []
+    assert num_used_blocks(scheduler) == 1
+
+    step = run_step(scheduler)
+    assert step.finished_ids == ["b"]
+    assert step.scheduled_ids == ["a"]
+    assert run_step(scheduler).finished_ids == []
+
+
+def test_abort_returns_only_known_unfinished_ids():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 4), make_request("done", 4, max_tokens=1))
+    run_step(scheduler)
+    assert "done" not in scheduler.requests
+
+    assert scheduler.abort_requests(["nope", "a", "done", "a"]) == ["a"]
+    assert not scheduler.has_unfinished_requests()
+    assert_all_blocks_free(scheduler)
+
+
+def test_abort_preempted_request_is_not_reported_again():
+    scheduler = make_scheduler(num_blocks=3, block_size=4)
+    add(scheduler, make_request("a", 4), make_request("b", 4))
+    run_step(scheduler)
+    preempting = run_step(scheduler)
+    assert preempting.preempted_ids == ["b"]
+
+    assert scheduler.abort_requests(["b"]) == ["b"]
+    assert scheduler.schedule().finished_ids == []
+
+
+def test_duplicate_request_id_is_rejected():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 4))
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(make_request("a", 2))
+    assert len(scheduler.waiting) == 1
+
+
+def test_tokens_sampled_for_a_request_aborted_during_the_step_are_ignored():
+    scheduler = make_scheduler()
+    a, b = make_request("a", 4), make_request("b", 4)
+    add(scheduler, a, b)
+    step = scheduler.schedule()
+
+    scheduler.abort_requests(["a"])
+    deltas = scheduler.update_from_output(StepOutput(step.step_id, ["a", "b"], [11, 12]))
+    assert [(d.request_id, d.new_token_ids) for d in deltas] == [("b", [12])]
+    assert a.output_token_ids == []
+    assert scheduler.schedule().finished_ids == ["a"]
+
+
+def test_tokens_of_an_aborted_request_do_not_reach_a_new_request_reusing_its_id():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 4))
+    step = scheduler.schedule()
+
+    scheduler.abort_requests(["a"])
+    successor = make_request("a", 3)
+    add(scheduler, successor)
+    assert scheduler.update_from_output(StepOutput(step.step_id, ["a"], [11])) == []
+    assert successor.output_token_ids == []
+    assert successor.status == RequestStatus.WAITING
+
+
+def test_stats_reflect_queues_and_cache_usage():
+    scheduler = make_scheduler(num_blocks=8, max_num_seqs=1)
+    add(scheduler, make_request("a", 8), make_request("b", 4))
+    run_step(scheduler)
+    stats = scheduler.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (1, 1, 0)
+    assert stats.kv_cache_usage == pytest.approx(2 / 8)
+
+
+# ---- randomized workload ------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerRequest:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class FakeWorkers:
+    """Rebuilds the workers' persistent batch from the StepInput diffs alone, checking each one."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.batch: dict[str, WorkerRequest] = {}
+
+    def execute(self, step: StepInput) -> list[str]:
+        for request_id in (*step.finished_ids, *step.preempted_ids):
+            assert request_id in self.batch, f"{request_id} dropped but never sent"
+            del self.batch[request_id]
+        for new in step.new_requests:
+            assert new.request_id not in self.batch, f"{new.request_id} sent in full twice"
+            copy = WorkerRequest(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            self.batch[new.request_id] = copy
+        for cached in step.cached_requests:
+            held = self.batch[cached.request_id]
+            assert held.num_computed_tokens == cached.num_computed_tokens
+            held.token_ids += cached.new_token_ids
+            held.block_ids += cached.new_block_ids
+        sampling = []
+        for request_id, num_tokens in zip(step.scheduled_ids, step.num_scheduled_tokens):
+            held = self.batch[request_id]
+            assert num_tokens > 0
+            held.num_computed_tokens += num_tokens
+            assert held.num_computed_tokens <= len(held.token_ids)
+            assert len(held.block_ids) * self.block_size >= held.num_computed_tokens
+            if held.num_computed_tokens == len(held.token_ids):
+                sampling.append(request_id)
+        return sampling
+
+
+def random_request(rng: random.Random, index: int, max_prompt_len: int) -> Request:
+    max_tokens = rng.choice([None, rng.randint(1, 30)])
+    return Request(
+        request_id=f"r{index}",
+        prompt_token_ids=[rng.randint(10, 99) for _ in range(rng.randint(1, max_prompt_len))],
+        sampling=SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            min_tokens=rng.randint(0, min(3, max_tokens or 3)),
+            ignore_eos=rng.random() < 0.2,
+            stop_token_ids=[STOP_TOKEN] if rng.random() < 0.5 else None,
+        ),
+        eos_token_ids=frozenset({EOS}),
+    )
+
+
+def random_token(rng: random.Random) -> int:
+    roll = rng.random()
+    if roll < 0.04:
+        return EOS
+    if roll < 0.06:
+        return STOP_TOKEN
+    return rng.randint(10, 99)
+
+
+def assert_step_invariants(scheduler: Scheduler, step: StepInput, workers: FakeWorkers) -> None:
+    kv_cache = scheduler.kv_cache
+    assert step.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
+    assert len(set(step.scheduled_ids)) == len(step.scheduled_ids)
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+    assert set(step.scheduled_ids) <= {r.request_id for r in scheduler.running}
+    held = 0
+    for request in scheduler.running:
+        blocks = kv_cache.block_ids(request.request_id)
+        assert len(blocks) * kv_cache.block_size >= request.num_computed_tokens
+        assert request.num_computed_tokens <= min(request.num_tokens, scheduler.max_model_len)
+        held += len(blocks)
+    for request in scheduler.waiting:
+        assert kv_cache.block_ids(request.request_id) == []
+        assert request.num_computed_tokens == 0
+    assert held + kv_cache.pool.num_free_blocks == kv_cache.pool.num_blocks
+    for request_id in step.scheduled_ids:
+        request, copy = scheduler.requests[request_id], workers.batch[request_id]
+        assert copy.token_ids == request.all_token_ids
+        assert copy.block_ids == kv_cache.block_ids(request_id)
+        assert copy.num_computed_tokens == request.num_computed_tokens
+
+
+def test_random_workload_with_preemptions_and_aborts_finishes_without_leaks():
+    rng = random.Random(1234)
+    block_size, max_model_len = 4, 48
+    scheduler = make_scheduler(
+        num_blocks=20, block_size=block_size, max_model_len=max_model_len, max_num_seqs=6, max_num_batched_tokens=16
+    )
+    workers = FakeWorkers(block_size)
+    pending = [random_request(rng, i, max_model_len - 1) for i in range(80)]
+    submitted: dict[str, Request] = {}
+    streamed: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+
+    for _ in range(5000):
+        while pending and rng.random() < 0.3:
+            request = pending.pop(0)
+            scheduler.add_request(request)
+            submitted[request.request_id] = request
+            streamed[request.request_id] = []
+        if not pending and not scheduler.has_unfinished_requests():
+            break
+        had_work = scheduler.has_unfinished_requests()
+        step = scheduler.schedule()
+        sampling = workers.execute(step)
+        assert_step_invariants(scheduler, step, workers)
+        assert sampling == sampling_ids(scheduler, step)
+        assert step.is_empty != had_work
+
+        if scheduler.requests and rng.random() < 0.03:
+            victim = rng.choice(sorted(scheduler.requests))
+            assert scheduler.abort_requests([victim]) == [victim]
+            aborted.add(victim)
+
+        deltas = scheduler.update_from_output(StepOutput(step.step_id, sampling, [random_token(rng) for _ in sampling]))
+        for delta in deltas:
+            assert delta.request_id not in aborted
+            streamed[delta.request_id] += delta.new_token_ids
+    else:
+        pytest.fail("the workload did not finish")
+
+    workers.execute(scheduler.schedule())
+    assert workers.batch == {}
+    assert_all_blocks_free(scheduler)
+    assert all(b.ref_cnt == 0 for b in scheduler.kv_cache.pool.blocks)
+    assert scheduler.running == [] and not scheduler.waiting
+    assert scheduler.num_preemptions > 0
+    assert aborted
+
+    for request_id, request in submitted.items():
+        assert request.status.is_finished
+        assert streamed[request_id] == request.output_token_ids
+        assert request.num_tokens <= max_model_len
+        if request.sampling.max_tokens is not None:
+            assert request.num_output_tokens <= request.sampling.max_tokens
+        if request.status == RequestStatus.FINISHED_LENGTH:
+            assert request.num_tokens == max_model_len or request.num_output_tokens == request.sampling.max_tokens
+        if request.status == RequestStatus.FINISHED_STOPPED:
+            assert request.num_output_tokens >= request.sampling.min_tokens
+
+
+def test_engine_core_delivers_finished_ids_even_when_nothing_else_is_scheduled():
+    from zllm.enginecore.core import EngineCore
+    from zllm.ipc.messages import AddRequest, StepOutput
+
+    class RecordingExecutor:
+        def __init__(self):
+            self.steps = []
+
+        def determine_num_kv_blocks(self):
+            return 8
+
+        def initialize_kv_cache(self, num_blocks):
+            pass
+
+        def execute_step(self, step):
+            self.steps.append(step)
+            sampled = [rid for rid, n in zip(step.scheduled_ids, step.num_scheduled_tokens)]
+            return StepOutput(step_id=step.step_id, request_ids=sampled, sampled_token_ids=[2] * len(sampled))
+
+        def shutdown(self):
+            pass
+
+    executor = RecordingExecutor()
+    core = EngineCore(EngineConfig(model="unused", max_model_len=32, block_size=4), executor)
+    core.add_request(AddRequest("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4), 0.0, eos_token_ids=[2]))
+    core.step()  # prefill; samples EOS and finishes
+    assert not core.has_unfinished_requests()
+    core.step()  # nothing to run, but the workers must hear that "a" is gone
+    assert executor.steps[-1].finished_ids == ["a"] and executor.steps[-1].is_empty
+    assert core.step() == [] and len(executor.steps) == 2

@@ -1,0 +1,61 @@
+"""Command-line engine arguments: one parser shared by every entry point."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from zllm.config import EngineConfig
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MiB', '1.5GB' or a plain byte count -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4GiB, 512MiB or a byte count)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig(model="")
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    group.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
+    group.add_argument("--device", choices=["auto", "cuda", "cpu"], default=defaults.device)
+    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=defaults.dtype)
+    group.add_argument("--seed", type=int, default=defaults.seed)
+    group.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=defaults.load_format)
+    group.add_argument("--max-model-len", type=int, default=0, help="0: the model's max_position_embeddings")
+    group.add_argument("--block-size", type=int, default=defaults.block_size)
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV cache size in blocks")
+    group.add_argument(
+        "--kv-cache-memory", type=parse_size, default=defaults.kv_cache_memory_bytes, help="CPU KV cache size, e.g. 2GiB"
+    )
+    group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
+    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    group.add_argument("--served-model-name", default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig.create keyword arguments from parsed arguments (model excluded)."""
+    return dict(
+        tokenizer=args.tokenizer,
+        tensor_parallel_size=args.tensor_parallel_size,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        served_model_name=args.served_model_name,
+    )
