@@ -19,11 +19,14 @@ _LAZY_NAMES = {
     "RequestOutput": "zllm.outputs",
     "CompletionOutput": "zllm.outputs",
     "EngineConfig": "zllm.config",
+    "Client": "zllm.client",
+    "AsyncClient": "zllm.client",
 }
 
 __all__ = list(_LAZY_NAMES) + ["__version__"]
 
 if TYPE_CHECKING:
+    from zllm.client import AsyncClient, Client
     from zllm.config import EngineConfig
     from zllm.frontend.llm import LLM
     from zllm.frontend.llm_engine import LLMEngine

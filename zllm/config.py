@@ -34,6 +34,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1
     served_model_name: str | None = None
+    # Processes and sockets.
+    runtime_dir: str = ""  # private 0700 directory for ipc sockets; made at launch when empty
+    client_endpoint: str = ""  # ZMQ endpoint for clients; empty: zllm.ipc.addresses.default_client_endpoint()
+    socket_hwm: int = 10_000  # messages queued per socket before senders block
+    heartbeat_interval_s: float = 1.0  # liveness checks between processes
+    startup_timeout_s: float = 900.0  # model load + KV set-up, per process
+    client_timeout_s: float = 30.0  # a client silent this long (no ping) loses its requests
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -79,6 +86,8 @@ class EngineConfig:
             "gpu_memory_utilization",
             f"must be in (0, 1], got {self.gpu_memory_utilization}",
         )
+        _require(self.socket_hwm >= 1, "socket_hwm", f"must be >= 1, got {self.socket_hwm}")
+        _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
         _require(self.tensor_parallel_size == 1, "tensor_parallel_size", "only 1 is supported so far")
 
     def blocks_for_tokens(self, num_tokens: int) -> int:

@@ -1,7 +1,9 @@
 """Sampling parameters: vLLM's `SamplingParams`, validated on construction.
 
-It is a msgspec Struct because it travels from the frontend to the engine core and the workers;
-`__post_init__` runs on decode too, so a malformed message fails the same checks as user input.
+It is a msgspec Struct because it travels from clients to the frontend, the engine core and the
+workers. It is encoded as a map (only the fields that differ from the defaults), unknown field
+names are rejected, and `__post_init__` runs on decode too, so a malformed message fails the
+same checks as user input.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import msgspec
 _UINT64_MAX = 2**64 - 1
 
 
-class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
     """How to sample the completion of one prompt (vLLM's names and defaults)."""
 
     n: int = 1

@@ -74,6 +74,9 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def num_free_kv_blocks(self) -> int:
+        return self.scheduler.kv_cache.pool.num_free_blocks
+
     def step(self) -> list[TokenDelta]:
         step = self.scheduler.schedule()
         if step.is_empty and not (step.finished_ids or step.preempted_ids):

@@ -1,17 +1,23 @@
 """Every message that crosses a process boundary, as msgspec Structs.
 
-All structs are `array_like` (encoded as arrays, no field names on the wire) and `omit_defaults`.
+Internal messages (frontend <-> engine core <-> workers) are `array_like` (encoded as arrays,
+no field names on the wire), tagged with their class name so one channel can carry several
+kinds, and `omit_defaults`. Client-facing messages are maps with explicit tags, and reject
+unknown fields, so a client mistake gets a precise error.
+
 NOTE: fields are append-only. Add new fields last, with a default, or old peers break.
 """
 
 from __future__ import annotations
+
+from typing import Any, Union
 
 import msgspec
 
 from zllm.sampling_params import SamplingParams
 
 
-class _Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class _Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -29,6 +35,22 @@ class AddRequest(_Message):
     priority: int = 0
 
 
+class AbortRequests(_Message):
+    request_ids: list[str]
+
+
+class UtilityCall(_Message):
+    """Ask the engine core something outside the step loop (e.g. "stats")."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(_Message):
+    reason: str = ""
+
+
 # ---- engine core -> frontend ------------------------------------------------------------------
 
 
@@ -40,6 +62,34 @@ class TokenDelta(_Message):
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+
+
+class EngineOutputs(_Message):
+    outputs: list[TokenDelta]
+    # Requests the core ended on its own without a token (e.g. a failure), with the reason.
+    failed: dict[str, str] = {}
+
+
+class UtilityResult(_Message):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineReady(_Message):
+    """The engine core's first message: it is serving, with this KV capacity."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    tensor_parallel_size: int
+    model: str
+
+
+class EngineDead(_Message):
+    """The engine core is going away because of an error; every request is lost."""
+
+    reason: str
 
 
 # ---- engine core -> workers (one per step) ----------------------------------------------------
@@ -89,9 +139,107 @@ class StepInput(_Message):
         return not self.scheduled_ids
 
 
+class WorkerCall(_Message):
+    """A set-up or control call to every worker: "init_kv_cache", "shutdown"."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+# ---- workers -> engine core ---------------------------------------------------------------------
+
+
 class StepOutput(_Message):
     """Rank 0's answer to a step: one sampled token for each request that reached its end."""
 
     step_id: int
     request_ids: list[str]
     sampled_token_ids: list[int]
+
+
+class WorkerReady(_Message):
+    """A worker loaded its model; it can hold this many KV blocks."""
+
+    rank: int
+    num_kv_blocks: int
+    pid: int
+
+
+class WorkerCallResult(_Message):
+    rank: int
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class WorkerFailed(_Message):
+    rank: int
+    error: str
+
+
+# ---- client <-> frontend (the public ZMQ protocol) ----------------------------------------------
+
+
+class _ClientMessage(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, tag_field="type"):
+    pass
+
+
+class ClientGenerate(_ClientMessage, tag="generate"):
+    """Generate from a prompt (text or token ids) or a chat conversation."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    sampling: dict[str, Any] = {}  # SamplingParams fields; validated by the frontend
+    priority: int = 0
+
+
+class ClientAbort(_ClientMessage, tag="abort"):
+    request_id: str
+
+
+class ClientPing(_ClientMessage, tag="ping"):
+    pass
+
+
+class ClientStats(_ClientMessage, tag="stats"):
+    call_id: int
+
+
+class ServerOutput(_ClientMessage, tag="output"):
+    """What one request produced since the last ServerOutput (text and token ids are deltas)."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # sent with the first output only
+
+
+class ServerError(_ClientMessage, tag="error"):
+    """A request failed: kind is "bad_request", "engine_dead", "overloaded" or "internal"."""
+
+    request_id: str | None
+    message: str
+    kind: str = "bad_request"
+
+
+class ServerPong(_ClientMessage, tag="pong"):
+    pass
+
+
+class ServerStats(_ClientMessage, tag="stats"):
+    call_id: int
+    stats: dict[str, Any] = {}
+
+
+FrontendToCore = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
+CoreToFrontend = Union[EngineOutputs, UtilityResult, EngineReady, EngineDead]
+CoreToWorker = Union[StepInput, WorkerCall]
+WorkerToCore = Union[StepOutput, WorkerReady, WorkerCallResult, WorkerFailed]
+ClientToServer = Union[ClientGenerate, ClientAbort, ClientPing, ClientStats]
+ServerToClient = Union[ServerOutput, ServerError, ServerPong, ServerStats]

@@ -1,13 +1,19 @@
-"""`vllm-launch`: start the engine on a model.
+"""`vllm-launch`: serve a model, or complete a few prompts and exit.
 
-Until the process split lands, the engine runs in this process and the command completes
-prompts given with --prompt (or one per line on standard input) and prints the results.
+    vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port]
+        starts the frontend (this process), which starts the engine core, which starts the
+        workers; serves the ZMQ client endpoint until SIGINT/SIGTERM.
+    vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
+        runs the engine in this process, prints the completions, exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import shutil
+import signal
 import sys
 
 from zllm.launch.args import add_engine_args, engine_kwargs
@@ -18,9 +24,11 @@ logger = logging.getLogger("zllm.launch")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-launch", description="zllm: serve a Llama-family model")
     add_engine_args(parser)
-    smoke = parser.add_argument_group("one-shot generation")
-    smoke.add_argument("--prompt", action="append", default=None, help="prompt to complete (repeatable); "
-                       "without it, prompts are read one per line from standard input")
+    serving = parser.add_argument_group("serving")
+    serving.add_argument("--zmq-endpoint", default="", help="client endpoint (default: "
+                         "ipc://$XDG_RUNTIME_DIR-or-/tmp/zllm-<uid>.sock); tcp:// only if you ask")
+    smoke = parser.add_argument_group("one-shot generation (no server)")
+    smoke.add_argument("--prompt", action="append", default=None, help="complete this prompt and exit (repeatable)")
     smoke.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     smoke.add_argument("--max-tokens", type=int, default=64)
     smoke.add_argument("--temperature", type=float, default=0.0)
@@ -30,25 +38,72 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s frontend[%(process)d] %(name)s: %(message)s")
     try:
-        return _run_prompts(args)
-    except ValueError as error:
+        if args.prompt:
+            return _run_prompts(args)
+        return _serve(args)
+    except (ValueError, OSError) as error:
         logger.error("%s", error)
         return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from zllm.config import EngineConfig
+    from zllm.ipc.addresses import make_private_runtime_dir
+
+    os.environ.setdefault("ZLLM_LOG_LEVEL", args.log_level)
+    runtime_dir = make_private_runtime_dir()
+    try:
+        config = EngineConfig.create(
+            args.model, **engine_kwargs(args), client_endpoint=args.zmq_endpoint, runtime_dir=runtime_dir
+        )
+        return asyncio.run(_serve_until_signal(config))
+    finally:
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+async def _serve_until_signal(config) -> int:
+    from zllm.frontend.server import EngineStartError, FrontendServer
+
+    server = FrontendServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        ready = await server.start()
+        print(f"zllm ready: {ready.model} on {server.client_endpoint} "
+              f"({ready.num_kv_blocks} KV blocks of {ready.block_size} tokens)", flush=True)
+        serving = asyncio.create_task(server.serve())
+        stopping = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        serving.cancel()
+        stopping.cancel()
+        if stopping in done:
+            logger.info("signal received: shutting down")
+            return 0
+        logger.error("engine core died: %s", server.dead_reason)
+        return 1
+    except EngineStartError as error:
+        logger.error("%s", error)
+        return 1
+    finally:
+        await server.shutdown()
 
 
 def _run_prompts(args: argparse.Namespace) -> int:
     from zllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     llm = LLM(args.model, **engine_kwargs(args))
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, output in zip(prompts, outputs):
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, output in zip(args.prompt, outputs):
         completion = output.outputs[0]
         print(f"### {prompt}\n{completion.text}\n[{completion.finish_reason}, {len(completion.token_ids)} tokens]")
     return 0

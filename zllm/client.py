@@ -1,0 +1,334 @@
+"""The Python client: talks ZMQ to a running zllm frontend. Light: pyzmq and msgspec only.
+
+    from zllm import Client, SamplingParams
+    client = Client()                          # the default endpoint of `vllm-launch`
+    out = client.generate("Hello", SamplingParams(max_tokens=16))
+    for delta in client.stream("Tell me a story"):
+        print(delta.outputs[0].text, end="")
+
+`AsyncClient` offers the same calls as coroutines and async iterators and runs many requests
+concurrently over one connection. Leaving a stream early (break, cancel, close) aborts the
+request on the server. While requests are in flight the client pings the server; if nothing
+arrives for `timeout` seconds, every pending call fails with ServerGoneError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from zllm.ipc.addresses import default_client_endpoint
+from zllm.ipc.codec import Codec, MessageError
+from zllm.ipc.messages import (
+    ClientAbort,
+    ClientGenerate,
+    ClientPing,
+    ClientStats,
+    ClientToServer,
+    ServerError,
+    ServerOutput,
+    ServerStats,
+    ServerToClient,
+)
+from zllm.outputs import CompletionOutput, RequestOutput
+from zllm.sampling_params import SamplingParams
+
+
+class ZllmError(Exception):
+    """Base of the client's errors."""
+
+
+class RequestError(ZllmError, ValueError):
+    """The server rejected the request (a 400-style error); the message says why."""
+
+
+class EngineDeadError(ZllmError):
+    """The engine behind the server died; the request is lost."""
+
+
+class ServerGoneError(ZllmError, ConnectionError):
+    """The server stopped answering (not running, or died)."""
+
+
+_ERRORS = {"bad_request": RequestError, "engine_dead": EngineDeadError}
+
+_HWM = 10_000
+
+
+class AsyncClient:
+    def __init__(self, endpoint: str | None = None, timeout: float = 30.0, heartbeat_interval: float = 1.0) -> None:
+        self.endpoint = endpoint or default_client_endpoint()
+        self.timeout = timeout
+        self.heartbeat_interval = heartbeat_interval
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDHWM, _HWM)
+        self._socket.setsockopt(zmq.RCVHWM, _HWM)
+        self._socket.connect(self.endpoint)
+        self._encoder: Codec = Codec(ClientToServer)
+        self._decoder: Codec = Codec(ServerToClient)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._last_heard = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
+        self._gone: ServerGoneError | None = None
+
+    # ---- public calls --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> RequestOutput:
+        """The whole completion. `timeout` bounds the total time (the request is aborted then)."""
+        stream = self.stream(prompt, sampling_params, prompt_token_ids=prompt_token_ids, request_id=request_id)
+        return await asyncio.wait_for(_collect(stream), timeout)
+
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> RequestOutput:
+        stream = self._stream(ClientGenerate(request_id or _new_id(), messages=messages, sampling=_fields(sampling_params)))
+        return await asyncio.wait_for(_collect(stream), timeout)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Deltas as they come: each RequestOutput holds the new text and token ids only."""
+        message = ClientGenerate(
+            request_id or _new_id(),
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            sampling=_fields(sampling_params),
+        )
+        return self._stream(message)
+
+    def chat_stream(
+        self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        return self._stream(ClientGenerate(request_id or _new_id(), messages=messages, sampling=_fields(sampling_params)))
+
+    async def abort(self, request_id: str) -> None:
+        await self._send(ClientAbort(request_id))
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine core's counters (running, waiting, KV blocks, preemptions)."""
+        self._ensure_started()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._stats_waiters[call_id] = future
+        await self._send(ClientStats(call_id=call_id))
+        return await asyncio.wait_for(future, self.timeout)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._socket.close(linger=0)
+        self._context.term()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    async def _stream(self, message: ClientGenerate) -> AsyncIterator[RequestOutput]:
+        self._ensure_started()
+        if self._gone is not None:
+            raise self._gone
+        if message.request_id in self._queues:
+            raise RequestError(f"request_id: {message.request_id!r} is already in flight on this client")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[message.request_id] = queue
+        finished = False
+        prompt_token_ids: list[int] = []
+        try:
+            await self._send(message)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                if item.prompt_token_ids is not None:
+                    prompt_token_ids = item.prompt_token_ids
+                finished = item.finish_reason is not None
+                yield _to_request_output(item, message.prompt, prompt_token_ids)
+        finally:
+            self._queues.pop(message.request_id, None)
+            if not finished and self._gone is None:
+                await asyncio.shield(self._send(ClientAbort(message.request_id)))
+
+    def _ensure_started(self) -> None:
+        if not self._tasks:
+            self._last_heard = time.monotonic()
+            self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
+
+    async def _send(self, message) -> None:
+        await self._socket.send(self._encoder.encode(message))
+
+    async def _read_loop(self) -> None:
+        while True:
+            frame = await self._socket.recv()
+            self._last_heard = time.monotonic()
+            try:
+                message = self._decoder.decode(frame)
+            except MessageError:
+                continue
+            self._route(message)
+
+    def _route(self, message) -> None:
+        if isinstance(message, ServerOutput):
+            queue = self._queues.get(message.request_id)
+            if queue is not None:
+                queue.put_nowait(message)
+        elif isinstance(message, ServerError):
+            error = _ERRORS.get(message.kind, ZllmError)(message.message)
+            targets = [message.request_id] if message.request_id is not None else list(self._queues)
+            for request_id in targets:
+                if request_id in self._queues:
+                    self._queues[request_id].put_nowait(error)
+        elif isinstance(message, ServerStats):
+            future = self._stats_waiters.pop(message.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(message.stats)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            busy = bool(self._queues or self._stats_waiters)
+            if not busy:
+                self._last_heard = time.monotonic()
+                continue
+            if time.monotonic() - self._last_heard > self.timeout:
+                self._fail_all(ServerGoneError(f"no answer from {self.endpoint} for {self.timeout:.0f} s"))
+                continue
+            await self._send(ClientPing())
+
+    def _fail_all(self, error: ServerGoneError) -> None:
+        self._gone = error
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        for future in self._stats_waiters.values():
+            if not future.done():
+                future.set_exception(error)
+        self._stats_waiters.clear()
+
+
+class Client:
+    """The synchronous client: an AsyncClient driven on a private event loop thread."""
+
+    def __init__(self, endpoint: str | None = None, timeout: float = 30.0, heartbeat_interval: float = 1.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="zllm-client")
+        self._thread.start()
+        self._async = self._run(_make_async_client(endpoint, timeout, heartbeat_interval))
+        self.endpoint = self._async.endpoint
+
+    def generate(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, **kwargs) -> RequestOutput:
+        return self._run(self._async.generate(prompt, sampling_params, **kwargs))
+
+    def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, **kwargs) -> RequestOutput:
+        return self._run(self._async.chat(messages, sampling_params, **kwargs))
+
+    def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, **kwargs) -> Iterator[RequestOutput]:
+        return self._iterate(self._async.stream(prompt, sampling_params, **kwargs))
+
+    def abort(self, request_id: str) -> None:
+        self._run(self._async.abort(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self._async.stats())
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._run(self._async.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5.0)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _iterate(self, stream: AsyncIterator[RequestOutput]) -> Iterator[RequestOutput]:
+        try:
+            while True:
+                try:
+                    yield self._run(stream.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(stream.aclose())  # leaving early aborts the request
+
+
+async def _make_async_client(endpoint, timeout, heartbeat_interval) -> AsyncClient:
+    return AsyncClient(endpoint, timeout, heartbeat_interval)
+
+
+async def _collect(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    text, token_ids, last = [], [], None
+    async for delta in stream:
+        text.append(delta.outputs[0].text)
+        token_ids.extend(delta.outputs[0].token_ids)
+        last = delta
+    completion = last.outputs[0]
+    completion.text, completion.token_ids = "".join(text), token_ids
+    return last
+
+
+def _to_request_output(message: ServerOutput, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+    completion = CompletionOutput(
+        index=0,
+        text=message.text,
+        token_ids=list(message.token_ids),
+        finish_reason=message.finish_reason,
+        stop_reason=message.stop_reason,
+    )
+    return RequestOutput(
+        request_id=message.request_id,
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        outputs=[completion],
+        finished=message.finish_reason is not None,
+    )
+
+
+def _fields(params: SamplingParams | None) -> dict[str, Any]:
+    """The fields that differ from the defaults (what the wire carries)."""
+    import msgspec
+
+    return msgspec.to_builtins(params) if params is not None else {}
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,126 @@
+"""Workers as processes, seen from the engine core: the Executor protocol over sockets.
+
+Each step goes once to every rank (one PUSH socket per rank); rank 0 answers. While waiting,
+the executor checks every `heartbeat_interval_s` that all worker processes are alive, so a
+dead worker surfaces as WorkerDiedError instead of a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import subprocess
+import time
+
+import zmq
+
+from zllm.config import EngineConfig
+from zllm.ipc.addresses import InternalEndpoints
+from zllm.ipc.codec import Codec, MessageError
+from zllm.ipc.messages import (
+    CoreToWorker,
+    StepInput,
+    StepOutput,
+    WorkerCall,
+    WorkerCallResult,
+    WorkerFailed,
+    WorkerReady,
+    WorkerToCore,
+)
+from zllm.ipc.sockets import make_socket
+from zllm.launch.children import spawn_child, stop_children
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited or reported a failure."""
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, context: zmq.Context) -> None:
+        self.config = config
+        endpoints = InternalEndpoints(config.runtime_dir)
+        ranks = range(config.tensor_parallel_size)
+        hwm = config.socket_hwm
+        self.inputs = [make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm) for r in ranks]
+        self.output = make_socket(context, zmq.PULL, endpoints.worker_output, bind=True, hwm=hwm)
+        self.outbound: Codec = Codec(CoreToWorker)
+        self.inbound: Codec = Codec(WorkerToCore)
+        self._call_ids = itertools.count()
+        self.processes: list[subprocess.Popen] = [
+            spawn_child("zllm.workers.process", config, "--rank", str(r)) for r in ranks
+        ]
+        ready = self._gather(WorkerReady, len(self.processes), config.startup_timeout_s)
+        self._num_kv_blocks = min(r.num_kv_blocks for r in ready)
+        logger.info("%d worker(s) ready: pids %s", len(ready), [r.pid for r in ready])
+
+    def determine_num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("init_kv_cache", [num_blocks])
+
+    def execute_step(self, step: StepInput) -> StepOutput:
+        self._broadcast(step)
+        (output,) = self._gather(StepOutput, 1, timeout_s=None)
+        if output.step_id != step.step_id:
+            raise WorkerDiedError(f"rank 0 answered step {output.step_id}, expected {step.step_id}")
+        return output
+
+    def shutdown(self) -> None:
+        try:
+            self._broadcast(WorkerCall(call_id=next(self._call_ids), method="shutdown"))
+        except zmq.ZMQError:
+            pass
+        stop_children(self.processes, timeout_s=5.0)
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    def _call_all(self, method: str, args: list) -> None:
+        call = WorkerCall(call_id=next(self._call_ids), method=method, args=args)
+        self._broadcast(call)
+        for result in self._gather(WorkerCallResult, len(self.processes), self.config.startup_timeout_s):
+            if result.error:
+                raise WorkerDiedError(f"rank {result.rank}: {method} failed: {result.error}")
+
+    def _broadcast(self, message) -> None:
+        frame = self.outbound.encode(message)
+        for socket in self.inputs:
+            socket.send(frame, copy=False)
+
+    def _gather(self, kind: type, count: int, timeout_s: float | None) -> list:
+        """Receive `count` messages of `kind`, watching the workers' health meanwhile."""
+        received = []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        poll_ms = int(self.config.heartbeat_interval_s * 1000)
+        while len(received) < count:
+            if self.output.poll(poll_ms):
+                message = self._receive()
+                if isinstance(message, WorkerFailed):
+                    raise WorkerDiedError(message.error)
+                if isinstance(message, kind):
+                    received.append(message)
+                elif message is not None:
+                    logger.warning("unexpected %s while waiting for %s", type(message).__name__, kind.__name__)
+                continue
+            self._check_alive()
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerDiedError(f"workers did not answer with {kind.__name__} within {timeout_s:.0f} s")
+        return received
+
+    def _receive(self):
+        try:
+            return self.inbound.decode_frames(self.output.recv_multipart())
+        except MessageError as error:
+            logger.error("dropped a malformed message from a worker: %s", error)
+            return None
+
+    def _check_alive(self) -> None:
+        for rank, process in enumerate(self.processes):
+            code = process.poll()
+            if code is not None:
+                raise WorkerDiedError(f"rank {rank} (pid {process.pid}) exited with code {code}")

@@ -1,0 +1,177 @@
+"""The engine-core process: `python -m zllm.enginecore.process` (config as JSON on stdin).
+
+    frontend --PUSH--> [core-input]  PULL  ┌ input thread ─> queue ┐
+                                           │   busy loop: schedule → execute → update
+    frontend <--PULL-- [core-output] PUSH  └ output thread <─ queue ┘
+
+The busy loop is single-threaded and never touches a socket; the two side threads decode and
+encode off the hot path. Started workers report ready, the core sizes the KV cache from the
+smallest capacity, then sends EngineReady. Any failure of the workers is sent as EngineDead
+before the process exits (non-zero).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict
+
+import zmq
+
+from zllm.config import EngineConfig
+from zllm.enginecore.core import EngineCore
+from zllm.enginecore.executor import MultiprocExecutor
+from zllm.ipc.addresses import InternalEndpoints
+from zllm.ipc.codec import Codec, MessageError
+from zllm.ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreToFrontend,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    FrontendToCore,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
+from zllm.ipc.sockets import make_socket
+from zllm.launch.children import die_with_parent, read_config_from_stdin, setup_child_logging
+
+logger = logging.getLogger("zllm.enginecore")
+
+_STOP = object()  # sentinel for the output thread
+
+
+class EngineCoreProcess:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.context = zmq.Context()
+        self.inputs: queue.Queue = queue.Queue()
+        self.outputs: queue.Queue = queue.Queue()
+        self.core: EngineCore | None = None
+        self._running = True
+
+    def run(self) -> int:
+        endpoints = InternalEndpoints(self.config.runtime_dir)
+        hwm = self.config.socket_hwm
+        input_socket = make_socket(self.context, zmq.PULL, endpoints.core_input, bind=False, hwm=hwm)
+        output_socket = make_socket(self.context, zmq.PUSH, endpoints.core_output, bind=False, hwm=hwm)
+        threading.Thread(target=self._receive_loop, args=(input_socket,), daemon=True, name="core-in").start()
+        sender = threading.Thread(target=self._send_loop, args=(output_socket,), daemon=True, name="core-out")
+        sender.start()
+        executor = None
+        code = 0
+        try:
+            executor = MultiprocExecutor(self.config, self.context)
+            self.core = EngineCore(self.config, executor)
+            self.outputs.put(self._ready_message())
+            self._busy_loop()
+        except Exception as error:
+            logger.error("engine core failed:\n%s", traceback.format_exc())
+            self.outputs.put(EngineDead(reason=f"{type(error).__name__}: {error}"))
+            code = 1
+        finally:
+            if executor is not None:
+                executor.shutdown()
+            self.outputs.put(_STOP)
+            sender.join(timeout=5.0)
+            self.context.destroy(linger=0)
+        return code
+
+    def _ready_message(self) -> EngineReady:
+        return EngineReady(
+            num_kv_blocks=self.core.num_kv_blocks,
+            block_size=self.config.block_size,
+            max_model_len=self.config.max_model_len,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            model=self.config.model_name,
+        )
+
+    # ---- the busy loop -------------------------------------------------------------------------
+
+    def _busy_loop(self) -> None:
+        core = self.core
+        while self._running:
+            self._handle_inputs(block=not core.has_unfinished_requests())
+            if not self._running:
+                break
+            if core.has_unfinished_requests():
+                deltas = core.step()
+                if deltas:
+                    self.outputs.put(EngineOutputs(outputs=deltas))
+
+    def _handle_inputs(self, block: bool) -> None:
+        try:
+            message = self.inputs.get(timeout=self.config.heartbeat_interval_s) if block else self.inputs.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(message)
+            try:
+                message = self.inputs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, message) -> None:
+        if isinstance(message, AddRequest):
+            try:
+                self.core.add_request(message)
+            except ValueError as error:
+                self.outputs.put(EngineOutputs(outputs=[], failed={message.request_id: str(error)}))
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.request_ids)
+        elif isinstance(message, UtilityCall):
+            self.outputs.put(self._utility(message))
+        elif isinstance(message, Shutdown):
+            logger.info("shutting down (%s)", message.reason or "asked by the frontend")
+            self._running = False
+
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        if call.method == "stats":
+            stats = asdict(self.core.stats())
+            stats.update(num_kv_blocks=self.core.num_kv_blocks, num_free_kv_blocks=self.core.num_free_kv_blocks())
+            return UtilityResult(call_id=call.call_id, result=stats)
+        if call.method == "ping":
+            return UtilityResult(call_id=call.call_id, result=time.time())
+        return UtilityResult(call_id=call.call_id, error=f"unknown utility method {call.method!r}")
+
+    # ---- side threads --------------------------------------------------------------------------
+
+    def _receive_loop(self, socket: zmq.Socket) -> None:
+        codec: Codec = Codec(FrontendToCore)
+        while True:
+            try:
+                frames = socket.recv_multipart()
+            except zmq.ZMQError:
+                return  # context destroyed
+            try:
+                self.inputs.put(codec.decode_frames(frames))
+            except MessageError as error:
+                logger.error("dropped a malformed message from the frontend: %s", error)
+
+    def _send_loop(self, socket: zmq.Socket) -> None:
+        codec: Codec = Codec(CoreToFrontend)
+        while True:
+            message = self.outputs.get()
+            if message is _STOP:
+                return
+            try:
+                socket.send(codec.encode(message), copy=False)
+            except zmq.ZMQError:
+                return
+
+
+def main() -> int:
+    config = read_config_from_stdin()
+    die_with_parent(config.heartbeat_interval_s)
+    setup_child_logging("enginecore")
+    return EngineCoreProcess(config).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Where sockets live. Local links are ipc:// paths in a private 0700 directory, unique per
+engine instance; tcp:// is used only where the user asks for it (e.g. a remote client endpoint)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def runtime_base() -> str:
+    return os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+
+
+def default_client_endpoint() -> str:
+    """The client endpoint `vllm-launch` binds and `Client()` connects to when none is given."""
+    return f"ipc://{runtime_base()}/zllm-{os.getuid()}.sock"
+
+
+def make_private_runtime_dir() -> str:
+    """A fresh directory only this user can enter (mkdtemp creates it 0700)."""
+    path = tempfile.mkdtemp(prefix="zllm-", dir=runtime_base())
+    os.chmod(path, 0o700)
+    return path
+
+
+def ipc_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
+
+
+class InternalEndpoints:
+    """The engine's own links, all inside its private runtime directory."""
+
+    def __init__(self, runtime_dir: str) -> None:
+        self.runtime_dir = runtime_dir
+
+    @property
+    def core_input(self) -> str:  # frontend -> engine core
+        return f"ipc://{self.runtime_dir}/core-input"
+
+    @property
+    def core_output(self) -> str:  # engine core -> frontend
+        return f"ipc://{self.runtime_dir}/core-output"
+
+    def worker_input(self, rank: int) -> str:  # engine core -> worker `rank`
+        return f"ipc://{self.runtime_dir}/worker-{rank}-input"
+
+    @property
+    def worker_output(self) -> str:  # workers -> engine core
+        return f"ipc://{self.runtime_dir}/worker-output"

@@ -1,0 +1,58 @@
+"""The one socket helper: every zmq socket in zllm is made here.
+
+Bounded high-water marks (back-pressure instead of unbounded queues) and linger 0 (closing
+never blocks on unsent messages to a dead peer).
+"""
+
+from __future__ import annotations
+
+import os
+import socket as pysocket
+
+import zmq
+
+from zllm.ipc.addresses import ipc_path
+
+
+def make_socket(
+    context: zmq.Context,
+    kind: int,
+    endpoint: str,
+    *,
+    bind: bool,
+    hwm: int,
+    identity: bytes | None = None,
+    router_mandatory: bool = False,
+) -> zmq.Socket:
+    socket = context.socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, hwm)
+    socket.setsockopt(zmq.RCVHWM, hwm)
+    if identity is not None:
+        socket.setsockopt(zmq.IDENTITY, identity)
+    if router_mandatory:
+        # Sending to a peer that went away raises EHOSTUNREACH instead of dropping silently:
+        # that is how the frontend notices a vanished client.
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if bind:
+        path = ipc_path(endpoint)
+        if path is not None and os.path.exists(path):
+            if _someone_listens(path):
+                socket.close(linger=0)
+                raise OSError(f"{endpoint} is in use by another running process")
+            os.unlink(path)  # a stale socket file left by a dead instance
+        socket.bind(endpoint)
+    else:
+        socket.connect(endpoint)
+    return socket
+
+
+def _someone_listens(path: str) -> bool:
+    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

@@ -1,0 +1,85 @@
+"""Child processes: how they are started, and how they die with their parent.
+
+Children are fresh interpreters (`python -m <module>`), handed the EngineConfig as JSON on
+stdin: no fork of a process with threads, and no pickle anywhere. Each child arranges to die
+with its parent twice over: PR_SET_PDEATHSIG (Linux) delivers SIGTERM the moment the parent
+goes, and a watchdog thread exits if the process is re-parented (covers the race where the
+parent died before prctl ran, and systems without prctl).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from zllm.config import EngineConfig
+from zllm.ipc.codec import decode_json, encode_json
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def spawn_child(module: str, config: EngineConfig, *args: str) -> subprocess.Popen:
+    """Start `python -m module args...` with the config on its stdin."""
+    process = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE)
+    assert process.stdin is not None
+    process.stdin.write(encode_json(config))
+    process.stdin.close()
+    return process
+
+
+def read_config_from_stdin() -> EngineConfig:
+    return decode_json(sys.stdin.buffer.read(), EngineConfig)
+
+
+def die_with_parent(check_interval_s: float) -> None:
+    """Call first thing in a child process."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the watchdog below still applies
+    if os.getppid() != parent:
+        os._exit(1)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    thread = threading.Thread(target=_watch_parent, args=(parent, check_interval_s), daemon=True, name="parent-watch")
+    thread.start()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _watch_parent(parent: int, interval: float) -> None:
+    while True:
+        time.sleep(interval)
+        if os.getppid() != parent:
+            logger.error("parent process %d is gone; exiting", parent)
+            os._exit(1)
+
+
+def stop_children(processes: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM, wait up to timeout_s, then SIGKILL whatever is left."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def setup_child_logging(name: str) -> None:
+    level = os.environ.get("ZLLM_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s")

@@ -1,0 +1,107 @@
+"""The worker process: `python -m zllm.workers.process --rank R` (config as JSON on stdin).
+
+    engine core --PUSH--> [worker-R-input]  PULL  worker  PUSH --> [worker-output] --PULL--> core
+
+Loads the model, reports its KV capacity (WorkerReady), then serves calls and steps until told
+to shut down. Only rank 0 answers steps. An exception is reported as WorkerFailed naming the
+rank, then the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+
+import zmq
+
+from zllm.config import EngineConfig
+from zllm.ipc.addresses import InternalEndpoints
+from zllm.ipc.codec import Codec, MessageError
+from zllm.ipc.messages import (
+    CoreToWorker,
+    StepInput,
+    WorkerCall,
+    WorkerCallResult,
+    WorkerFailed,
+    WorkerReady,
+    WorkerToCore,
+)
+from zllm.ipc.sockets import make_socket
+from zllm.launch.children import die_with_parent, read_config_from_stdin, setup_child_logging
+
+logger = logging.getLogger("zllm.worker")
+
+
+class WorkerProcess:
+    def __init__(self, config: EngineConfig, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        endpoints = InternalEndpoints(config.runtime_dir)
+        self.context = zmq.Context()
+        self.input = make_socket(self.context, zmq.PULL, endpoints.worker_input(rank), bind=False, hwm=config.socket_hwm)
+        self.output = make_socket(self.context, zmq.PUSH, endpoints.worker_output, bind=False, hwm=config.socket_hwm)
+        self.inbound: Codec = Codec(CoreToWorker)
+        self.outbound: Codec = Codec(WorkerToCore)
+        self.worker = None
+
+    def run(self) -> int:
+        try:
+            self._start()
+            self._serve()
+            return 0
+        except Exception as error:  # reported to the core, which decides what happens next
+            logger.error("rank %d failed:\n%s", self.rank, traceback.format_exc())
+            self._send(WorkerFailed(rank=self.rank, error=f"rank {self.rank}: {type(error).__name__}: {error}"))
+            return 1
+        finally:
+            self.context.destroy(linger=0)
+
+    def _start(self) -> None:
+        from zllm.workers.worker import Worker
+
+        self.worker = Worker(self.config)
+        num_blocks = self.worker.determine_num_kv_blocks()
+        self._send(WorkerReady(rank=self.rank, num_kv_blocks=num_blocks, pid=os.getpid()))
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                message = self.inbound.decode_frames(self.input.recv_multipart(copy=True))
+            except MessageError as error:
+                logger.error("rank %d: dropped a malformed message: %s", self.rank, error)
+                continue
+            if isinstance(message, StepInput):
+                output = self.worker.execute_step(message)
+                if self.rank == 0:
+                    self._send(output)
+            elif isinstance(message, WorkerCall):
+                if message.method == "shutdown":
+                    self.worker.shutdown()
+                    return
+                self._send(self._call(message))
+
+    def _call(self, call: WorkerCall) -> WorkerCallResult:
+        if call.method == "init_kv_cache":
+            self.worker.initialize_kv_cache(int(call.args[0]))
+            return WorkerCallResult(rank=self.rank, call_id=call.call_id)
+        return WorkerCallResult(rank=self.rank, call_id=call.call_id, error=f"unknown worker method {call.method!r}")
+
+    def _send(self, message) -> None:
+        self.output.send(self.outbound.encode(message), copy=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zllm-worker")
+    parser.add_argument("--rank", type=int, required=True)
+    args = parser.parse_args(argv)
+    config = read_config_from_stdin()
+    die_with_parent(config.heartbeat_interval_s)
+    setup_child_logging(f"worker{args.rank}")
+    return WorkerProcess(config, args.rank).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
