@@ -92,3 +92,56 @@ def save_tiny_llama(directory: Path, shards: int = 1, **overrides) -> Path:
 
 def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class ServerHandle:
+    """A `vllm-launch` server running as a real process tree."""
+
+    def __init__(self, process, endpoint: str, runtime_dir: str, log_path: Path) -> None:
+        self.process = process
+        self.endpoint = endpoint
+        self.runtime_dir = runtime_dir
+        self.log_path = log_path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def children(self):
+        import psutil
+
+        return psutil.Process(self.process.pid).children(recursive=True)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+        return self.process.wait(timeout)
+
+
+def start_server(directory: Path, model_dir: str, *extra: str, timeout: float = 180.0) -> ServerHandle:
+    """Start vllm-launch and wait for its ready line."""
+    import subprocess
+    import sys
+    import time
+
+    runtime_dir = directory / "rt"
+    endpoint = f"ipc://{directory}/client.sock"
+    log_path = directory / "server.log"
+    command = [sys.executable, "-m", "zllm.launch.cli", "--model", model_dir, "--zmq-endpoint", endpoint,
+               "--runtime-dir", str(runtime_dir), "--kv-cache-memory", "256MiB", "--max-model-len", "2048", *extra]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    handle = ServerHandle(process, endpoint, str(runtime_dir), log_path)
+    deadline = time.monotonic() + timeout
+    while "zllm ready" not in handle.log():
+        if process.poll() is not None or time.monotonic() > deadline:
+            handle.stop()
+            raise RuntimeError(f"server did not start:\n{handle.log()[-3000:]}")
+        time.sleep(0.2)
+    return handle
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, smollm2_dir):
+    handle = start_server(tmp_path_factory.mktemp("server"), smollm2_dir)
+    yield handle
+    handle.stop()

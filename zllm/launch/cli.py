@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving = parser.add_argument_group("serving")
     serving.add_argument("--zmq-endpoint", default="", help="client endpoint (default: "
                          "ipc://$XDG_RUNTIME_DIR-or-/tmp/zllm-<uid>.sock); tcp:// only if you ask")
+    serving.add_argument("--runtime-dir", default="", help="directory for the internal ipc sockets "
+                         "(default: a fresh private one, removed at exit)")
     smoke = parser.add_argument_group("one-shot generation (no server)")
     smoke.add_argument("--prompt", action="append", default=None, help="complete this prompt and exit (repeatable)")
     smoke.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -55,7 +57,11 @@ def _serve(args: argparse.Namespace) -> int:
     from zllm.ipc.addresses import make_private_runtime_dir
 
     os.environ.setdefault("ZLLM_LOG_LEVEL", args.log_level)
-    runtime_dir = make_private_runtime_dir()
+    runtime_dir = args.runtime_dir or make_private_runtime_dir()
+    if args.runtime_dir:
+        os.makedirs(runtime_dir, mode=0o700, exist_ok=True)
+        if os.stat(runtime_dir).st_mode & 0o077:
+            raise ValueError(f"runtime_dir: {runtime_dir} must be private (mode 0700)")
     try:
         config = EngineConfig.create(
             args.model, **engine_kwargs(args), client_endpoint=args.zmq_endpoint, runtime_dir=runtime_dir

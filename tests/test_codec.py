@@ -1,0 +1,494 @@
+"""The wire format: every message round-trips through its channel's Codec, and every channel's
+decoder turns anything that is not one of its messages into MessageError."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import msgspec
+import pytest
+
+from zllm.config import EngineConfig
+from zllm.ipc import messages as m
+from zllm.ipc.codec import Codec, MessageError, convert, decode_json, encode_json
+from zllm.sampling_params import SamplingParams
+
+# Every field differs from its default, except n: only n == 1 is valid for now.
+SAMPLING = SamplingParams(
+    n=1,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=40,
+    min_p=0.05,
+    seed=1234,
+    max_tokens=77,
+    min_tokens=3,
+    stop=["END", "\n\n"],
+    stop_token_ids=[2, 7],
+    ignore_eos=True,
+    include_stop_str_in_output=True,
+    skip_special_tokens=False,
+    spaces_between_special_tokens=False,
+)
+
+TOKEN_DELTA = m.TokenDelta(
+    request_id="ab12/req-1", new_token_ids=[5, 6, 49151], finish_reason="stop", stop_reason="END", num_cached_tokens=32
+)
+TOKEN_DELTA_INT_STOP = m.TokenDelta(
+    request_id="ab12/req-2", new_token_ids=[2], finish_reason="length", stop_reason=2, num_cached_tokens=16
+)
+NEW_REQUEST = m.NewRequestData(
+    request_id="ab12/req-1",
+    prompt_len=3,
+    token_ids=[1, 2, 3, 4],
+    sampling=SAMPLING,
+    block_ids=[0, 7, 9],
+    num_computed_tokens=16,
+)
+CACHED_REQUEST = m.CachedRequestData(
+    request_id="ab12/req-3", new_token_ids=[9, 10], new_block_ids=[4], num_computed_tokens=17
+)
+
+CHANNELS = {
+    "FrontendToCore": m.FrontendToCore,
+    "CoreToFrontend": m.CoreToFrontend,
+    "CoreToWorker": m.CoreToWorker,
+    "WorkerToCore": m.WorkerToCore,
+    "ClientToServer": m.ClientToServer,
+    "ServerToClient": m.ServerToClient,
+}
+
+EXAMPLES: dict[str, list[msgspec.Struct]] = {
+    "FrontendToCore": [
+        m.AddRequest(
+            request_id="ab12/req-1",
+            prompt_token_ids=[1, 2, 3, 49151],
+            sampling=SAMPLING,
+            arrival_time=1712345678.25,
+            eos_token_ids=[2, 49152],
+            priority=-3,
+        ),
+        m.AbortRequests(request_ids=["ab12/req-1", "ab12/req-2"]),
+        m.UtilityCall(call_id=7, method="stats", args=[1, "two", [3.5, None], {"k": False}, b"\x00\xff"]),
+        m.Shutdown(reason="test over"),
+    ],
+    "CoreToFrontend": [
+        m.EngineOutputs(outputs=[TOKEN_DELTA, TOKEN_DELTA_INT_STOP], failed={"ab12/req-9": "prompt too long"}),
+        m.UtilityResult(call_id=3, result={"num_running": 1, "nested": [1, 2.5, "x"]}, error="partial"),
+        m.EngineReady(num_kv_blocks=364, block_size=32, max_model_len=2048, tensor_parallel_size=2, model="SmolLM2"),
+        m.EngineDead(reason="WorkerDiedError: rank 0 exited"),
+    ],
+    "CoreToWorker": [
+        m.StepInput(
+            step_id=42,
+            new_requests=[NEW_REQUEST],
+            cached_requests=[CACHED_REQUEST],
+            scheduled_ids=["ab12/req-1", "ab12/req-3"],
+            num_scheduled_tokens=[4, 1],
+            finished_ids=["ab12/req-7"],
+            preempted_ids=["ab12/req-8"],
+        ),
+        m.WorkerCall(call_id=1, method="init_kv_cache", args=[364, "extra"]),
+    ],
+    "WorkerToCore": [
+        m.StepOutput(step_id=42, request_ids=["ab12/req-1"], sampled_token_ids=[7]),
+        m.WorkerReady(rank=1, num_kv_blocks=100, pid=4242),
+        m.WorkerCallResult(rank=1, call_id=2, result=[1, "x", {"y": 2}], error="unknown worker method 'x'"),
+        m.WorkerFailed(rank=1, error="rank 1: RuntimeError: out of memory"),
+    ],
+    "ClientToServer": [
+        m.ClientGenerate(
+            request_id="req-1",
+            prompt="Hello",
+            prompt_token_ids=[1, 2],
+            messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho", "n": 1}],
+            add_generation_prompt=False,
+            sampling=msgspec.to_builtins(SAMPLING),
+            priority=5,
+        ),
+        m.ClientAbort(request_id="req-1"),
+        m.ClientPing(),
+        m.ClientStats(call_id=9),
+    ],
+    "ServerToClient": [
+        m.ServerOutput(
+            request_id="req-1",
+            text="hello wörld",
+            token_ids=[1, 2, 3],
+            finish_reason="stop",
+            stop_reason="END",
+            prompt_token_ids=[4, 5],
+        ),
+        m.ServerError(request_id="req-1", message="temperature: must be >= 0", kind="internal"),
+        m.ServerPong(),
+        m.ServerStats(call_id=9, stats={"num_running": 2, "num_waiting": 0}),
+    ],
+}
+
+# Messages that only travel inside another one.
+NESTED = [SAMPLING, TOKEN_DELTA, TOKEN_DELTA_INT_STOP, NEW_REQUEST, CACHED_REQUEST]
+
+ALL = [(channel, message) for channel, examples in EXAMPLES.items() for message in examples]
+CLIENT_FACING = [(c, msg) for c, msg in ALL if c in ("ClientToServer", "ServerToClient")]
+INTERNAL = [(c, msg) for c, msg in ALL if c not in ("ClientToServer", "ServerToClient")]
+
+
+def _id(value) -> str:
+    return type(value).__name__
+
+
+def _codec(channel: str) -> Codec:
+    return Codec(CHANNELS[channel])
+
+
+def _message_classes() -> set[type]:
+    return {
+        value
+        for name, value in vars(m).items()
+        if isinstance(value, type)
+        and issubclass(value, msgspec.Struct)
+        and value.__module__ == m.__name__
+        and not name.startswith("_")
+    }
+
+
+# ---- the examples cover everything, with non-default values ------------------------------------
+
+
+def test_examples_cover_every_message_class():
+    covered = {type(msg) for _, msg in ALL} | {type(x) for x in NESTED}
+    missing = _message_classes() - covered
+    assert not missing, f"no round-trip example for {sorted(c.__name__ for c in missing)}"
+
+
+def test_examples_cover_every_member_of_every_channel():
+    import typing
+
+    for channel, union in CHANNELS.items():
+        assert set(typing.get_args(union)) == {type(x) for x in EXAMPLES[channel]}, channel
+
+
+@pytest.mark.parametrize("message", [msg for _, msg in ALL] + NESTED, ids=_id)
+def test_examples_set_every_field_to_a_non_default(message):
+    for field in msgspec.structs.fields(message):
+        value = getattr(message, field.name)
+        if isinstance(message, SamplingParams) and field.name == "n":
+            continue  # n > 1 is rejected
+        if field.default is not msgspec.NODEFAULT:
+            assert value != field.default, f"{_id(message)}.{field.name} is its default"
+        if field.default_factory is not msgspec.NODEFAULT:
+            assert value != field.default_factory(), f"{_id(message)}.{field.name} is its default"
+
+
+# ---- round trips ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("channel", "message"), ALL, ids=[f"{c}-{_id(x)}" for c, x in ALL])
+def test_round_trip(channel, message):
+    codec = _codec(channel)
+    frame = codec.encode(message)
+    decoded = codec.decode(frame)
+    assert type(decoded) is type(message)
+    assert decoded == message
+    assert codec.decode(memoryview(frame)) == message
+    assert codec.decode_frames([frame]) == message
+    assert codec.decode_frames([b"identity", frame], expected=2) == message
+    # Encoding is deterministic, so a peer re-encoding a message gets the same bytes.
+    assert codec.encode(decoded) == frame
+
+
+@pytest.mark.parametrize("message", NESTED, ids=_id)
+def test_round_trip_nested(message):
+    codec: Codec = Codec(type(message))
+    decoded = codec.decode(codec.encode(message))
+    assert decoded == message
+    assert type(decoded) is type(message)
+
+
+def test_round_trip_keeps_nested_sampling_params():
+    (add, *_) = EXAMPLES["FrontendToCore"]
+    decoded = _codec("FrontendToCore").decode(_codec("FrontendToCore").encode(add))
+    assert isinstance(decoded.sampling, SamplingParams)
+    assert msgspec.structs.asdict(decoded.sampling) == msgspec.structs.asdict(SAMPLING)
+    (step, _) = EXAMPLES["CoreToWorker"]
+    decoded = _codec("CoreToWorker").decode(_codec("CoreToWorker").encode(step))
+    assert decoded.new_requests[0].sampling == SAMPLING
+    assert decoded.total_num_scheduled_tokens == 5
+
+
+def test_defaults_are_omitted_and_restored():
+    codec = _codec("FrontendToCore")
+    message = m.AddRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(), arrival_time=1.0)
+    frame = codec.encode(message)
+    assert msgspec.msgpack.decode(frame)[:5] == ["AddRequest", "r", [1], {}, 1.0]  # default sampling: {}
+    assert codec.decode(frame) == message
+
+
+# ---- each channel accepts only its own messages --------------------------------------------------
+
+# ClientStats and ServerStats share the tag "stats": a ClientStats frame decodes as a
+# ServerStats(stats={}) on the server-to-client channel.
+_TAG_CLASH = {("ServerToClient", "ClientStats")}
+
+CROSS = [
+    pytest.param(
+        channel,
+        other,
+        message,
+        id=f"{channel}<-{_id(message)}",
+        marks=[pytest.mark.xfail(strict=True, reason="ClientStats and ServerStats share the tag 'stats'")]
+        if (channel, _id(message)) in _TAG_CLASH
+        else [],
+    )
+    for channel in CHANNELS
+    for other, message in ALL
+    if other != channel
+]
+
+
+@pytest.mark.parametrize(("channel", "other", "message"), CROSS)
+def test_channel_rejects_another_channels_message(channel, other, message):
+    frame = _codec(other).encode(message)
+    with pytest.raises(MessageError):
+        _codec(channel).decode(frame)
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+@pytest.mark.parametrize("message", NESTED, ids=_id)
+def test_channel_rejects_a_bare_nested_message(channel, message):
+    with pytest.raises(MessageError):
+        _codec(channel).decode(msgspec.msgpack.encode(message))
+
+
+@pytest.mark.parametrize(("channel", "message"), ALL, ids=[f"{c}-{_id(x)}" for c, x in ALL])
+def test_every_truncated_frame_is_rejected(channel, message):
+    codec = _codec(channel)
+    frame = codec.encode(message)
+    union = CHANNELS[channel]
+    import typing
+
+    rejected = 0
+    for end in range(len(frame)):
+        prefix = frame[:end]
+        try:
+            decoded = codec.decode(prefix)
+        except MessageError:
+            rejected += 1
+            continue
+        # A prefix that happens to be a complete message must still be a whole, valid one.
+        assert isinstance(decoded, typing.get_args(union))
+    assert rejected == len(frame), "a strict prefix of a msgpack message decoded"
+    with pytest.raises(MessageError):
+        codec.decode(frame + b"\x00")  # trailing bytes
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+@pytest.mark.parametrize(
+    "frame",
+    [b"", b"\xc1", b"\x00", b"\x90", b"\x80", b"\xc0", msgspec.msgpack.encode("AddRequest"),
+     msgspec.msgpack.encode(["NoSuchMessage", 1]), msgspec.msgpack.encode({"type": "nope"}),
+     msgspec.msgpack.encode({}), msgspec.msgpack.encode([]), b"\x80\x04\x95"],
+    ids=repr,
+)
+def test_garbage_is_rejected(channel, frame):
+    with pytest.raises(MessageError):
+        _codec(channel).decode(frame)
+
+
+# ---- wrong field types -----------------------------------------------------------------------------
+
+_CANDIDATES = ["a string", 12345, -1.5, [1, 2], {"k": 1}, True, None, b"\x00\x01", [["nested"]]]
+
+
+def _wrong_values(type_) -> list:
+    """Candidate values that msgspec refuses for `type_` (none for Any)."""
+    wrong = []
+    for candidate in _CANDIDATES:
+        try:
+            msgspec.msgpack.decode(msgspec.msgpack.encode(candidate), type=type_)
+        except msgspec.ValidationError:
+            wrong.append(candidate)
+    return wrong
+
+
+def _wrong_type_cases():
+    for channel, message in ALL:
+        builtins = msgspec.to_builtins(message)
+        for index, field in enumerate(msgspec.structs.fields(message)):
+            for value in _wrong_values(field.type):
+                if isinstance(builtins, list):  # array_like: [tag, field0, field1, ...]
+                    mutated = list(builtins)
+                    mutated[index + 1] = value
+                    where = f"$[{index + 1}]"
+                else:
+                    mutated = dict(builtins, **{field.name: value})
+                    where = f"$.{field.name}"
+                yield pytest.param(channel, mutated, where, id=f"{_id(message)}.{field.name}={value!r}")
+        # The SamplingParams nested in an internal message.
+        if isinstance(builtins, list) and hasattr(message, "sampling"):
+            index = [f.name for f in msgspec.structs.fields(message)].index("sampling") + 1
+            for field in msgspec.structs.fields(SamplingParams):
+                for value in _wrong_values(field.type)[:3]:
+                    mutated = list(builtins)
+                    mutated[index] = dict(mutated[index], **{field.name: value})
+                    where = f"$[{index}].{field.name}"
+                    yield pytest.param(channel, mutated, where, id=f"{_id(message)}.sampling.{field.name}={value!r}")
+
+
+@pytest.mark.parametrize(("channel", "raw", "where"), list(_wrong_type_cases()))
+def test_wrong_field_type_is_rejected(channel, raw, where):
+    frame = msgspec.msgpack.encode(raw)
+    with pytest.raises(MessageError) as info:
+        _codec(channel).decode(frame)
+    assert where in str(info.value)
+
+
+def test_missing_required_field_is_rejected():
+    with pytest.raises(MessageError, match="request_id"):
+        _codec("ClientToServer").decode(msgspec.msgpack.encode({"type": "generate", "prompt": "x"}))
+    with pytest.raises(MessageError):
+        _codec("FrontendToCore").decode(msgspec.msgpack.encode(["AddRequest", "r", [1]]))
+    with pytest.raises(MessageError):
+        _codec("WorkerToCore").decode(msgspec.msgpack.encode(["WorkerReady", 0, 1]))
+
+
+def test_extra_trailing_array_fields_are_ignored():
+    """Fields are append-only: an older peer ignores fields a newer one appended."""
+    message = m.WorkerReady(rank=0, num_kv_blocks=1, pid=2)
+    builtins = msgspec.to_builtins(message)
+    assert _codec("WorkerToCore").decode(msgspec.msgpack.encode([*builtins, "a newer field"])) == message
+
+
+# ---- frame counts ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_decode_frames_rejects_wrong_frame_counts(channel):
+    codec = _codec(channel)
+    frame = codec.encode(EXAMPLES[channel][0])
+    for frames, expected in [([], 1), ([frame, frame], 1), ([b"", frame], 1), ([frame] * 5, 1),
+                             ([frame], 2), ([], 2), ([b"id", b"x", frame], 2)]:
+        with pytest.raises(MessageError, match=f"expected {expected} frame"):
+            codec.decode_frames(frames, expected=expected)
+    with pytest.raises(MessageError):
+        codec.decode_frames([frame[:-1]])
+
+
+# ---- client-facing messages: unknown fields are named ----------------------------------------------
+
+
+@pytest.mark.parametrize(("channel", "message"), CLIENT_FACING, ids=[f"{c}-{_id(x)}" for c, x in CLIENT_FACING])
+def test_client_message_rejects_unknown_field_by_name(channel, message):
+    raw = msgspec.to_builtins(message)
+    raw["no_such_field"] = 1
+    with pytest.raises(MessageError, match="no_such_field"):
+        _codec(channel).decode(msgspec.msgpack.encode(raw))
+
+
+def test_client_message_typo_is_named():
+    raw = {"type": "generate", "request_id": "r", "prompt": "hi", "sampling_params": {"max_tokens": 3}}
+    with pytest.raises(MessageError, match="sampling_params"):
+        _codec("ClientToServer").decode(msgspec.msgpack.encode(raw))
+
+
+# ---- SamplingParams values ----------------------------------------------------------------------
+
+BAD_SAMPLING = [
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2.0}, "min_p"),
+    ({"n": 2}, "n"),
+    ({"seed": -1}, "seed"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ""}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"stop": [1]}, "stop"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"temprature": 0.5}, "temprature"),
+]
+
+
+@pytest.mark.parametrize(("fields", "name"), BAD_SAMPLING, ids=[repr(f) for f, _ in BAD_SAMPLING])
+def test_bad_sampling_params_fail_naming_the_field(fields, name):
+    named = re.compile(rf"\b{name}\b")
+    # What the frontend does with a client's `sampling` map.
+    with pytest.raises(ValueError) as info:
+        convert(fields, SamplingParams)
+    assert named.search(str(info.value)), str(info.value)
+    # A SamplingParams frame on its own.
+    frame = msgspec.msgpack.encode(fields)
+    with pytest.raises(MessageError) as info:
+        Codec(SamplingParams).decode(frame)
+    assert named.search(str(info.value)), str(info.value)
+    # Nested in an internal message: the whole message is rejected.
+    raw = ["AddRequest", "r", [1], fields, 1.0]
+    with pytest.raises(MessageError) as info:
+        _codec("FrontendToCore").decode(msgspec.msgpack.encode(raw))
+    assert named.search(str(info.value)), str(info.value)
+
+
+def test_sampling_params_decode_normalizes_like_the_constructor():
+    decoded = Codec(SamplingParams).decode(msgspec.msgpack.encode({"stop": "END", "top_k": -1}))
+    assert decoded == SamplingParams(stop=["END"], top_k=0)
+    assert decoded.stop == ["END"] and decoded.top_k == 0
+
+
+# ---- EngineConfig over JSON (how children get their config) ----------------------------------------
+
+CONFIG = EngineConfig(
+    model="/models/smollm2",
+    tokenizer="/models/tok",
+    dtype="float16",
+    device="cpu",
+    seed=7,
+    load_format="dummy",
+    max_model_len=1024,
+    block_size=32,
+    num_kv_blocks=99,
+    kv_cache_memory_bytes=123_456_789,
+    gpu_memory_utilization=0.5,
+    max_num_seqs=3,
+    max_num_batched_tokens=512,
+    tensor_parallel_size=2,
+    served_model_name="served",
+    runtime_dir="/run/user/1000/zllm-abc",
+    client_endpoint="tcp://127.0.0.1:5555",
+    socket_hwm=10,
+    heartbeat_interval_s=0.25,
+    startup_timeout_s=60.5,
+    client_timeout_s=5.0,
+)
+
+
+def test_engine_config_json_round_trip():
+    defaults = EngineConfig(model="")
+    for field in dataclasses.fields(EngineConfig):
+        assert getattr(CONFIG, field.name) != getattr(defaults, field.name), f"{field.name} is its default"
+    data = encode_json(CONFIG)
+    decoded = decode_json(data, EngineConfig)
+    assert isinstance(decoded, EngineConfig)
+    assert decoded == CONFIG
+    assert decode_json(data.decode(), EngineConfig) == CONFIG
+    minimal = decode_json(b'{"model": "/m"}', EngineConfig)
+    assert minimal == EngineConfig(model="/m")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"{", b"[]", b"null", b'{"tokenizer": "/t"}', b'{"model": 5}', b'{"model": "/m", "block_size": "16"}',
+     b'{"model": "/m", "seed": 1.5}', b"\x80\x04\x95"],
+    ids=repr,
+)
+def test_engine_config_bad_json_is_a_message_error(data):
+    with pytest.raises(MessageError):
+        decode_json(data, EngineConfig)
