@@ -199,7 +199,7 @@ class AsyncClient:
             try:
                 message = self._decoder.decode(frame)
             except MessageError:
-                continue
+                continue  # not a message from a zllm server: ignore it, keep reading
             self._route(message)
 
     def _route(self, message) -> None:

@@ -39,6 +39,7 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int
+    num_steps: int
 
 
 class Scheduler:
@@ -87,6 +88,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache.pool.usage,
             num_preemptions=self.num_preemptions,
+            num_steps=self._step_id,
         )
 
     # ---- scheduling ----------------------------------------------------------------------------

@@ -172,7 +172,12 @@ class FrontendServer:
                 logger.warning("malformed client message: %s", error)
                 await self._send(identity, ServerError(request_id=None, message=f"malformed message: {error}"))
                 continue
-            await self._dispatch(identity, message)
+            try:
+                await self._dispatch(identity, message)
+            except Exception as error:  # one bad request must never take the server down
+                logger.exception("failed to handle a client message")
+                request_id = getattr(message, "request_id", None)
+                await self._send(identity, ServerError(request_id, f"internal error: {type(error).__name__}", "internal"))
 
     async def _dispatch(self, identity: bytes, message) -> None:
         if isinstance(message, ClientGenerate):

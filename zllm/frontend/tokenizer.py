@@ -37,10 +37,22 @@ def apply_chat_template(
     chat_template: str | None = None,
 ) -> str:
     """Render a conversation to the prompt text the model was trained on."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise ValueError("messages: must be a list of {'role': ..., 'content': ...} dicts")
+    _check_messages(messages)
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("messages: this model's tokenizer has no chat template; pass chat_template=")
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-    )
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        )
+    except Exception as error:  # a template may reject what it does not expect, in any way
+        raise ValueError(f"messages: the chat template rejected them: {type(error).__name__}: {error}") from None
+
+
+def _check_messages(messages: Messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages: must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages: item {i} must be a dict with a string 'role'")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"messages: item {i} must have a string 'content'")

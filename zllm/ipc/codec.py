@@ -14,6 +14,11 @@ import msgspec
 T = TypeVar("T")
 
 
+# msgspec raises UnicodeDecodeError for invalid UTF-8 in a string and RecursionError for deeply
+# nested data: both are just bad frames, not reasons for a process to die.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
+
+
 class MessageError(ValueError):
     """A frame (or set of frames) that is not a valid message for its channel."""
 
@@ -29,8 +34,8 @@ class Codec(Generic[T]):
     def decode(self, frame: bytes | memoryview) -> T:
         try:
             return self._decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            raise MessageError(str(error)) from None
+        except _DECODE_ERRORS as error:
+            raise MessageError(f"{type(error).__name__}: {error}"[:500]) from None
 
     def decode_frames(self, frames: list[bytes], expected: int = 1) -> T:
         """Decode a multipart message that must have exactly `expected` frames (the last is the body)."""
@@ -46,7 +51,7 @@ def encode_json(value: Any) -> bytes:
 def decode_json(data: bytes | str, type_: type[T]) -> T:
     try:
         return msgspec.json.decode(data, type=type_)
-    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+    except _DECODE_ERRORS as error:
         raise MessageError(str(error)) from None
 
 

@@ -232,7 +232,7 @@ class ServerPong(_ClientMessage, tag="pong"):
     pass
 
 
-class ServerStats(_ClientMessage, tag="stats"):
+class ServerStats(_ClientMessage, tag="stats_result"):
     call_id: int
     stats: dict[str, Any] = {}
 

@@ -86,12 +86,15 @@ async def _serve_until_signal(config) -> int:
         serving = asyncio.create_task(server.serve())
         stopping = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        serving.cancel()
         stopping.cancel()
         if stopping in done:
+            serving.cancel()
             logger.info("signal received: shutting down")
             return 0
-        logger.error("engine core died: %s", server.dead_reason)
+        if serving.exception() is not None:
+            logger.error("frontend failed", exc_info=serving.exception())
+        else:
+            logger.error("engine core died: %s", server.dead_reason)
         return 1
     except EngineStartError as error:
         logger.error("%s", error)

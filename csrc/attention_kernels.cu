@@ -1,0 +1,326 @@
+// Paged attention for decode: one query token per sequence, GQA-aware, split along the context.
+//
+//   q            [B, H, D]        token rows may be strided; heads contiguous
+//   k/v cache    [num_blocks, block_size, KVH, D]  (the two halves of the [2, ...] layer cache)
+//   block_tables [B, max_blocks] int32 (rows may be strided), seq_lens [B] int32
+//   out          [B, H, D]        token rows may be strided; heads contiguous
+//   H = KVH * group; query head i reads kv head i / group (torch's enable_gqa convention).
+//
+// Main kernel, grid (num_partitions, KVH * num_chunks, B), 128 threads (4 warps):
+//   a thread block takes one sequence, one kv head, up to kGC of its query heads (one "chunk"
+//   of the group; num_chunks = ceil(group / kGC)) and one partition of partition_size tokens,
+//   so each K/V row is read once for the kGC heads. The partition is cut into tiles of 32
+//   tokens; warp w takes tiles w, w + 4, ...  Per tile:
+//     QK: lane j owns token j: it reads the token's key row (16-byte loads) and dots it with the
+//         kGC queries held in shared memory (scaled by scale * log2(e), so exp2 gives exp).
+//     softmax: warp max / sum per head, online update of the warp's running (max m, sum l) and
+//         rescale of its accumulator.
+//     PV: lane j owns D/32 output dims; the warp walks the tile's tokens, reading each value row
+//         once (coalesced) and accumulating p * v for the kGC heads.
+//   The 4 warps' (m, l, acc) are merged through shared memory. A sequence whose context fits
+//   in one partition writes acc / l to out directly; otherwise the block writes its
+//   unnormalised acc and (m, l) to the fp32 workspace, and the reduce kernel combines them.
+// Reduce kernel, grid (H, B), D threads: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
+//
+// Partitions at or past a sequence's length exit at once. seq_len is clamped to the block
+// table's capacity and to the grid's partitions (never a read or write out of bounds);
+// seq_len 0 gives zeros.
+#include "common.cuh"
+
+namespace zllm {
+
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = kAttnWarps * 32;
+constexpr int kTile = 32;  // tokens per warp step: one per lane
+
+// Dot of one key row (D elements of T at k, 16-byte aligned) with kGC queries from shared memory.
+template <typename T, int D, int kGC>
+__device__ __forceinline__ void qk_dot(const T* __restrict__ k, const float (*q_s)[D],
+                                       float (&s)[kGC]) {
+  constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
+  constexpr int kChunks = D / kVecElems;
+  constexpr int kBatch = kChunks < 8 ? kChunks : 8;  // loads in flight per lane
+  static_assert(kChunks % kBatch == 0, "head_dim must split into whole load batches");
+  const uint4* k16 = reinterpret_cast<const uint4*>(k);
+  float s2[kGC][2];
+#pragma unroll
+  for (int g = 0; g < kGC; ++g) s2[g][0] = s2[g][1] = 0.f;
+#pragma unroll
+  for (int c0 = 0; c0 < kChunks; c0 += kBatch) {
+    uint4 raw[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) raw[j] = k16[c0 + j];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      float kf[kVecElems];
+      unpack<T>(raw[j], kf);
+#pragma unroll
+      for (int g = 0; g < kGC; ++g) {
+#pragma unroll
+        for (int e = 0; e < kVecElems; ++e) {
+          s2[g][e & 1] = fmaf(q_s[g][(c0 + j) * kVecElems + e], kf[e], s2[g][e & 1]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < kGC; ++g) s[g] = s2[g][0] + s2[g][1];
+}
+
+// The sequence length the kernels may use: within the block table and the launched partitions.
+__device__ __forceinline__ int clamped_seq_len(const int* __restrict__ seq_lens, int b,
+                                               int max_blocks, int block_size,
+                                               int partition_size, int max_parts) {
+  i64 len = seq_lens[b];
+  const i64 table_cap = static_cast<i64>(max_blocks) * block_size;
+  const i64 grid_cap = static_cast<i64>(max_parts) * partition_size;
+  len = len < table_cap ? len : table_cap;
+  len = len < grid_cap ? len : grid_cap;
+  return len > 0 ? static_cast<int>(len) : 0;
+}
+
+template <typename T, int D, int kGC>
+__device__ __forceinline__ void paged_attention_impl(
+    T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml,
+    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, float scale_log2,
+    int num_kv_heads, int group, int num_chunks, int block_size, int max_blocks, i64 bt_stride,
+    i64 q_stride, i64 out_stride, int partition_size, int max_parts) {
+  static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
+  constexpr int kE = D / 32;  // output dims per lane
+  typedef typename Raw<kE * static_cast<int>(sizeof(T))>::type VRaw;  // one lane's value slice
+
+  __shared__ __align__(16) float q_s[kGC][D];
+  __shared__ __align__(16) float p_s[kAttnWarps][kTile][kGC];
+  __shared__ i64 row_s[kAttnWarps][kTile];
+  __shared__ float m_s[kAttnWarps][kGC];
+  __shared__ float l_s[kAttnWarps][kGC];
+  __shared__ __align__(16) float acc_s[kAttnWarps][kGC][D];
+
+  const int part = blockIdx.x;
+  const int kv_head = blockIdx.y / num_chunks;
+  const int chunk = blockIdx.y - kv_head * num_chunks;
+  const int b = blockIdx.z;
+  const int num_heads = num_kv_heads * group;
+  const int head0 = kv_head * group + chunk * kGC;  // first query head of this block
+  const int heads_here = imin(kGC, group - chunk * kGC);
+  T* out_b = out + static_cast<i64>(b) * out_stride;
+
+  const int len = clamped_seq_len(seq_lens, b, max_blocks, block_size, partition_size, max_parts);
+  const int num_parts = (len + partition_size - 1) / partition_size;
+  const int start = part * partition_size;
+  if (start >= len) {
+    if (part == 0) {  // empty sequence: zeros rather than 0/0
+      for (int i = threadIdx.x; i < heads_here * D; i += kAttnThreads) {
+        out_b[static_cast<i64>(head0) * D + i] = from_float<T>(0.f);
+      }
+    }
+    return;
+  }
+  const int end = imin(start + partition_size, len);
+
+  // Queries of this block's heads, pre-scaled; rows past the group stay zero (never written).
+  const T* q_b = q + static_cast<i64>(b) * q_stride;
+  for (int i = threadIdx.x; i < kGC * D; i += kAttnThreads) {
+    const int g = i / D;
+    q_s[g][i - g * D] =
+        g < heads_here ? to_float<T>(q_b[static_cast<i64>(head0) * D + i]) * scale_log2 : 0.f;
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int* table = block_tables + static_cast<i64>(b) * bt_stride;
+  const i64 slot_stride = static_cast<i64>(num_kv_heads) * D;  // elements between slots
+  const i64 head_offset = static_cast<i64>(kv_head) * D;
+
+  float m[kGC], l[kGC], acc[kGC][kE];
+#pragma unroll
+  for (int g = 0; g < kGC; ++g) {
+    m[g] = neg_inf();
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kE; ++e) acc[g][e] = 0.f;
+  }
+
+  const int num_tiles = (end - start + kTile - 1) / kTile;
+  for (int tile = warp; tile < num_tiles; tile += kAttnWarps) {
+    const int t0 = start + tile * kTile;
+    const int count = imin(kTile, end - t0);  // >= 1: valid tokens in this tile
+    const int t = t0 + lane;
+
+    // QK: lane owns token t.
+    float s[kGC];
+    i64 row = 0;
+    if (lane < count) {
+      const int logical = t / block_size;
+      const i64 slot = static_cast<i64>(table[logical]) * block_size + (t - logical * block_size);
+      row = slot * slot_stride + head_offset;
+      qk_dot<T, D, kGC>(k_cache + row, q_s, s);
+    } else {
+#pragma unroll
+      for (int g = 0; g < kGC; ++g) s[g] = neg_inf();
+    }
+    row_s[warp][lane] = row;
+
+    // Online softmax over the tile (lane 0 always holds a valid token, so tile_max is finite).
+#pragma unroll
+    for (int g = 0; g < kGC; ++g) {
+      const float m_new = fmaxf(m[g], warp_max(s[g]));
+      const float alpha = m[g] == neg_inf() ? 0.f : exp2f(m[g] - m_new);
+      s[g] = exp2f(s[g] - m_new);  // now the probability weight p (0 for empty lanes)
+      l[g] = l[g] * alpha + warp_sum(s[g]);
+      m[g] = m_new;
+#pragma unroll
+      for (int e = 0; e < kE; ++e) acc[g][e] *= alpha;
+    }
+#pragma unroll
+    for (int g = 0; g < kGC; ++g) p_s[warp][lane][g] = s[g];
+    __syncwarp();
+
+    // PV: lane owns dims [lane * kE, lane * kE + kE); 8 value rows in flight.
+    const T* v_lane = v_cache + lane * kE;
+    for (int tt = 0; tt < count; tt += 8) {
+      VRaw raw[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (tt + j < count) raw[j] = *reinterpret_cast<const VRaw*>(v_lane + row_s[warp][tt + j]);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (tt + j < count) {
+          float v[kE];
+          unpack<T>(raw[j], v);
+#pragma unroll
+          for (int g = 0; g < kGC; ++g) {
+            const float p = p_s[warp][tt + j][g];
+#pragma unroll
+            for (int e = 0; e < kE; ++e) acc[g][e] = fmaf(p, v[e], acc[g][e]);
+          }
+        }
+      }
+    }
+    __syncwarp();  // p_s and row_s are rewritten by the next tile
+  }
+
+  // Merge the warps. A warp that had no tile has m = -inf, l = 0, acc = 0 and weighs nothing.
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < kGC; ++g) {
+      m_s[warp][g] = m[g];
+      l_s[warp][g] = l[g];
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < kGC; ++g) {
+#pragma unroll
+    for (int e = 0; e < kE; ++e) acc_s[warp][g][lane * kE + e] = acc[g][e];
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < heads_here * D; i += kAttnThreads) {
+    const int g = i / D;
+    const int d = i - g * D;
+    float m_max = neg_inf();
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) m_max = fmaxf(m_max, m_s[w][g]);
+    float l_sum = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) {
+      const float f = m_s[w][g] == neg_inf() ? 0.f : exp2f(m_s[w][g] - m_max);
+      l_sum = fmaf(f, l_s[w][g], l_sum);
+      o = fmaf(f, acc_s[w][g][d], o);
+    }
+    if (num_parts == 1) {
+      out_b[static_cast<i64>(head0 + g) * D + d] = from_float<T>(o / l_sum);
+    } else {
+      const i64 idx = (static_cast<i64>(b) * num_heads + head0 + g) * max_parts + part;
+      ws_out[idx * D + d] = o;
+      if (d == 0) {
+        ws_ml[idx * 2] = m_max;
+        ws_ml[idx * 2 + 1] = l_sum;
+      }
+    }
+  }
+}
+
+extern __shared__ float dyn_smem[];
+
+// Combine the partitions of sequences with more than one. Dynamic shared memory: max_parts floats.
+template <typename T, int D>
+__device__ __forceinline__ void paged_attention_reduce_impl(
+    T* __restrict__ out, const float* __restrict__ ws_out, const float* __restrict__ ws_ml,
+    const int* __restrict__ seq_lens, int num_heads, int block_size, int max_blocks,
+    i64 out_stride, int partition_size, int max_parts) {
+  __shared__ float scratch[32];
+  float* weight_s = dyn_smem;
+  const int head = blockIdx.x;
+  const int b = blockIdx.y;
+  const int len = clamped_seq_len(seq_lens, b, max_blocks, block_size, partition_size, max_parts);
+  const int num_parts = (len + partition_size - 1) / partition_size;
+  if (num_parts <= 1) return;  // written directly by the main kernel (or zeros for len 0)
+
+  const i64 base = (static_cast<i64>(b) * num_heads + head) * max_parts;
+  float m_max = neg_inf();
+  for (int p = threadIdx.x; p < num_parts; p += blockDim.x) {
+    m_max = fmaxf(m_max, ws_ml[(base + p) * 2]);
+  }
+  m_max = block_max(m_max, scratch);
+  float l_sum = 0.f;
+  for (int p = threadIdx.x; p < num_parts; p += blockDim.x) {
+    const float w = exp2f(ws_ml[(base + p) * 2] - m_max);
+    weight_s[p] = w;
+    l_sum = fmaf(w, ws_ml[(base + p) * 2 + 1], l_sum);
+  }
+  l_sum = block_sum(l_sum, scratch);  // its barrier also publishes weight_s
+  const float inv = 1.f / l_sum;
+
+  T* out_row = out + static_cast<i64>(b) * out_stride + static_cast<i64>(head) * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    const float* src = ws_out + base * D + d;
+    float o = 0.f;
+#pragma unroll 4
+    for (int p = 0; p < num_parts; ++p) o = fmaf(weight_s[p], src[static_cast<i64>(p) * D], o);
+    out_row[d] = from_float<T>(o * inv);
+  }
+}
+
+}  // namespace zllm
+
+#define ZLLM_PAGED_ATTENTION(NAME, T, D, GC)                                                      \
+  extern "C" __global__ void __launch_bounds__(zllm::kAttnThreads) NAME(                        \
+      T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml,               \
+      const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,    \
+      const int* __restrict__ block_tables, const int* __restrict__ seq_lens, float scale_log2, \
+      int num_kv_heads, int group, int num_chunks, int block_size, int max_blocks,             \
+      long long bt_stride, long long q_stride, long long out_stride, int partition_size,       \
+      int max_parts) {                                                                          \
+    zllm::paged_attention_impl<T, D, GC>(out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, \
+                                         seq_lens, scale_log2, num_kv_heads, group,            \
+                                         num_chunks, block_size, max_blocks, bt_stride,        \
+                                         q_stride, out_stride, partition_size, max_parts);     \
+  }
+
+#define ZLLM_PAGED_ATTENTION_REDUCE(NAME, T, D)                                                   \
+  extern "C" __global__ void __launch_bounds__(D) NAME(                                         \
+      T* __restrict__ out, const float* __restrict__ ws_out, const float* __restrict__ ws_ml,   \
+      const int* __restrict__ seq_lens, int num_heads, int block_size, int max_blocks,          \
+      long long out_stride, int partition_size, int max_parts) {                                \
+    zllm::paged_attention_reduce_impl<T, D>(out, ws_out, ws_ml, seq_lens, num_heads,            \
+                                            block_size, max_blocks, out_stride,                 \
+                                            partition_size, max_parts);                         \
+  }
+
+#define ZLLM_PAGED_ATTENTION_DTYPE(SUFFIX, T)                                 \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g1, T, 64, 1)   \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g4, T, 64, 4)   \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g8, T, 64, 8)   \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g1, T, 128, 1) \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g4, T, 128, 4) \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g8, T, 128, 8) \
+  ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d64, T, 64)  \
+  ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d128, T, 128)
+
+ZLLM_PAGED_ATTENTION_DTYPE(f32, float)
+ZLLM_PAGED_ATTENTION_DTYPE(f16, __half)
+ZLLM_PAGED_ATTENTION_DTYPE(bf16, __nv_bfloat16)

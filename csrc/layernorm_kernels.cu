@@ -1,0 +1,107 @@
+// RMSNorm, following zllm.workers.layers.rms_norm step by step:
+//   y = to_T(x * rsqrt(mean(x^2) + eps));  out = to_T(w * y)      (x, w, y read as fp32)
+// fused_add_rms_norm (in place):
+//   residual = to_T(residual + x);  x = rms_norm(residual)
+//
+// Grid: one block per row; blockDim a multiple of 32 (at most 1024). Each thread strides over
+// the row in units of kVec elements (16 bytes for the _vec entry points, whose row length and
+// pointers the host checks; 1 otherwise). The second pass re-reads the row (from L1/L2) instead
+// of holding it, so any hidden size works.
+#include "common.cuh"
+
+namespace zllm {
+
+template <typename T, int kVec>
+__device__ __forceinline__ void rms_norm_impl(T* out, const T* x, const T* __restrict__ weight,
+                                              float eps, int hidden, i64 x_stride,
+                                              i64 out_stride) {
+  __shared__ float scratch[32];
+  const T* xr = x + static_cast<i64>(blockIdx.x) * x_stride;
+  T* outr = out + static_cast<i64>(blockIdx.x) * out_stride;
+  const int units = hidden / kVec;
+
+  float sum_sq = 0.f;
+  for (int i = threadIdx.x; i < units; i += blockDim.x) {
+    float v[kVec];
+    load_floats<T, kVec>(xr + i * kVec, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) sum_sq += v[e] * v[e];
+  }
+  sum_sq = block_sum(sum_sq, scratch);
+  const float inv_rms = rsqrtf(sum_sq / static_cast<float>(hidden) + eps);
+
+  // out may alias x: each thread reads a unit before it writes the same unit.
+  for (int i = threadIdx.x; i < units; i += blockDim.x) {
+    float v[kVec], w[kVec];
+    load_floats<T, kVec>(xr + i * kVec, v);
+    load_floats<T, kVec>(weight + i * kVec, w);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = w[e] * round_to<T>(v[e] * inv_rms);
+    store_floats<T, kVec>(outr + i * kVec, v);
+  }
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ void fused_add_rms_norm_impl(T* x, T* residual,
+                                                        const T* __restrict__ weight, float eps,
+                                                        int hidden) {
+  __shared__ float scratch[32];
+  const i64 row = static_cast<i64>(blockIdx.x) * hidden;
+  T* xr = x + row;
+  T* rr = residual + row;
+  const int units = hidden / kVec;
+
+  float sum_sq = 0.f;
+  for (int i = threadIdx.x; i < units; i += blockDim.x) {
+    float a[kVec], r[kVec];
+    load_floats<T, kVec>(xr + i * kVec, a);
+    load_floats<T, kVec>(rr + i * kVec, r);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      r[e] = round_to<T>(r[e] + a[e]);  // the stored residual, as the reference rounds it
+      sum_sq += r[e] * r[e];
+    }
+    store_floats<T, kVec>(rr + i * kVec, r);
+  }
+  sum_sq = block_sum(sum_sq, scratch);
+  const float inv_rms = rsqrtf(sum_sq / static_cast<float>(hidden) + eps);
+
+  // Each thread re-reads only the residual units it wrote itself.
+  for (int i = threadIdx.x; i < units; i += blockDim.x) {
+    float r[kVec], w[kVec];
+    load_floats<T, kVec>(rr + i * kVec, r);
+    load_floats<T, kVec>(weight + i * kVec, w);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) r[e] = w[e] * round_to<T>(r[e] * inv_rms);
+    store_floats<T, kVec>(xr + i * kVec, r);
+  }
+}
+
+}  // namespace zllm
+
+#define ZLLM_RMS_NORM(NAME, T, VEC)                                                             \
+  extern "C" __global__ void __launch_bounds__(1024)                                          \
+      NAME(T* out, const T* x, const T* __restrict__ weight, float eps, int hidden,           \
+           long long x_stride, long long out_stride) {                                        \
+    zllm::rms_norm_impl<T, VEC>(out, x, weight, eps, hidden, x_stride, out_stride);           \
+  }
+
+#define ZLLM_FUSED_ADD_RMS_NORM(NAME, T, VEC)                                                   \
+  extern "C" __global__ void __launch_bounds__(1024)                                          \
+      NAME(T* x, T* residual, const T* __restrict__ weight, float eps, int hidden) {          \
+    zllm::fused_add_rms_norm_impl<T, VEC>(x, residual, weight, eps, hidden);                  \
+  }
+
+ZLLM_RMS_NORM(rms_norm_f32, float, 1)
+ZLLM_RMS_NORM(rms_norm_f16, __half, 1)
+ZLLM_RMS_NORM(rms_norm_bf16, __nv_bfloat16, 1)
+ZLLM_RMS_NORM(rms_norm_f32_vec, float, 4)
+ZLLM_RMS_NORM(rms_norm_f16_vec, __half, 8)
+ZLLM_RMS_NORM(rms_norm_bf16_vec, __nv_bfloat16, 8)
+
+ZLLM_FUSED_ADD_RMS_NORM(fused_add_rms_norm_f32, float, 1)
+ZLLM_FUSED_ADD_RMS_NORM(fused_add_rms_norm_f16, __half, 1)
+ZLLM_FUSED_ADD_RMS_NORM(fused_add_rms_norm_bf16, __nv_bfloat16, 1)
+ZLLM_FUSED_ADD_RMS_NORM(fused_add_rms_norm_f32_vec, float, 4)
+ZLLM_FUSED_ADD_RMS_NORM(fused_add_rms_norm_f16_vec, __half, 8)
+ZLLM_FUSED_ADD_RMS_NORM(fused_add_rms_norm_bf16_vec, __nv_bfloat16, 8)
