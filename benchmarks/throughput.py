@@ -57,8 +57,10 @@ def run_zllm(args, prompts, outputs) -> dict:
     from zllm import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, device=args.device, load_format=args.load_format)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
+              max_num_seqs=args.max_num_seqs, device=args.device, load_format=args.load_format,
+              max_model_len=args.max_model_len)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=not args.no_detokenize)
+              for n in outputs]
     requests = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(requests[:2], params[:2], use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -105,6 +107,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, action="append", default=None)
     parser.add_argument("--skip-zllm", action="store_true")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--no-detokenize", action="store_true", help="token ids only (dummy-weight runs)")
+    parser.add_argument("--max-model-len", type=int, default=0)
     args = parser.parse_args()
 
     from transformers import AutoConfig

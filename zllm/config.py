@@ -33,6 +33,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # CUDA: no decode graphs
     served_model_name: str | None = None
     # Processes and sockets.
     runtime_dir: str = ""  # private 0700 directory for ipc sockets; made at launch when empty

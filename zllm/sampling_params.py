@@ -32,6 +32,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (benchmarks; stop strings then cannot apply)
     # NOTE: fields are append-only; this struct is part of the wire format.
 
     def __post_init__(self) -> None:
@@ -69,6 +70,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
                 "min_tokens",
                 f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
             )
+        _check(self.detokenize or not self.stop_strings, "stop", "stop strings need detokenize=True")
         for s in self.stop_strings:
             _check(isinstance(s, str) and s != "", "stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids or []:

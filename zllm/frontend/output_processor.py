@@ -84,6 +84,8 @@ class OutputProcessor:
         """Returns True when a stop string ended the request."""
         for token_id in delta.new_token_ids:
             tracked.token_ids.append(token_id)
+            if not tracked.sampling.detokenize:
+                continue
             checked_from = len(tracked.text)
             tracked.text += tracked.detokenizer.add_token(token_id)
             if self._stop_on_string(tracked, checked_from):

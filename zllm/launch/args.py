@@ -38,6 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    group.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
     group.add_argument("--served-model-name", default=None)
 
 
@@ -57,5 +58,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
         served_model_name=args.served_model_name,
     )

@@ -60,11 +60,13 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: str) -> None:
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights of the right shape: small normal matrices, unit norm weights."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of the right shape, drawn where they live: N(0, 0.02) matrices, unit norms."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
-        else:
-            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * 0.02
-            param.data.copy_(values)
+            continue
+        device = param.device
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        param.data.normal_(0.0, 0.02, generator=generators[device])

@@ -6,6 +6,7 @@ the runner keeps every live request's tokens and block table between steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -18,11 +19,17 @@ from zllm.workers.attention import AttentionMetadata
 from zllm.workers.loader import init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
 from zllm.workers.models.spec import ModelSpec
+from zllm.workers.ops import ops_for
 from zllm.workers.sampler import SamplingMetadata, sample, seeded_generator
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_GIB = 1 << 30
+
+
+class OutOfDeviceMemory(RuntimeError):
+    """The model or its KV cache does not fit; the message has the numbers."""
 
 
 @dataclass(slots=True)
@@ -57,31 +64,120 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, device)
         self.spec = ModelSpec.from_pretrained(config.model)
         self.block_size = config.block_size
+        self.ops = ops_for(device)
+        self.is_cuda = device.type == "cuda"
+        # The CUDA kernels take int32 block tables; torch indexing takes int64.
+        self.index_dtype = torch.int32 if self.is_cuda else torch.long
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, RequestState] = {}
+        self.graphs = None
 
     # ---- set-up --------------------------------------------------------------------------------
 
     def load_model(self) -> None:
-        model = build_model(self.spec)
-        if self.config.load_format == "dummy":
-            init_dummy_weights(model, self.config.seed)
-        else:
-            load_safetensors(model, self.config.model)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        # Rotary tables stay float32 whatever the weights' dtype (as in HF).
-        self.model.model.rotary.float()
+        try:
+            with _default_dtype(self.dtype), torch.device(self.device):
+                model = build_model(self.spec, self.ops)
+            if self.config.load_format == "dummy":
+                init_dummy_weights(model, self.config.seed)
+            else:
+                load_safetensors(model, self.config.model)
+        except torch.cuda.OutOfMemoryError:
+            raise OutOfDeviceMemory(self._weights_do_not_fit()) from None
+        self.model = model.eval()
+
+    def _weights_do_not_fit(self) -> str:
+        spec = self.spec
+        params = spec.num_layers * (
+            spec.hidden_size * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+            + spec.num_heads * spec.head_dim * spec.hidden_size
+            + 3 * spec.hidden_size * spec.intermediate_size
+        ) + spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return (
+            f"model weights need about {params * self.dtype.itemsize / _GIB:.1f} GiB in {self.dtype}, "
+            f"but only {free / _GIB:.1f} GiB of {total / _GIB:.1f} GiB are free on {self.device}"
+        )
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.spec.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
 
     def determine_num_kv_blocks(self) -> int:
-        return self.config.kv_cache_memory_bytes // self.kv_cache_bytes_per_block()
+        if not self.is_cuda:
+            return self.config.kv_cache_memory_bytes // self.kv_cache_bytes_per_block()
+        return self._profile_kv_blocks()
+
+    def _profile_kv_blocks(self) -> int:
+        """Blocks that fit in gpu_memory_utilization after weights and a forward at the token budget."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        profile_kv = self._profile_forward()
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - weights - profile_kv
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        not_torch = (total - free) - torch.cuda.memory_reserved(self.device)  # CUDA context, cuBLAS, other processes
+        budget = total * self.config.gpu_memory_utilization - weights - activations - not_torch
+        num_blocks = int(budget // self.kv_cache_bytes_per_block())
+        logger.info(
+            "memory: %.2f GiB total x %.2f; weights %.2f GiB, activation peak %.2f GiB, other %.2f GiB -> "
+            "KV cache %.2f GiB (%d blocks)",
+            total / _GIB, self.config.gpu_memory_utilization, weights / _GIB, activations / _GIB,
+            not_torch / _GIB, max(budget, 0) / _GIB, max(num_blocks, 0),
+        )
+        if num_blocks < 1:
+            raise OutOfDeviceMemory(
+                f"no room for a KV cache: weights {weights / _GIB:.2f} GiB + activations {activations / _GIB:.2f} GiB "
+                f"+ other {not_torch / _GIB:.2f} GiB exceed {self.config.gpu_memory_utilization:.0%} of "
+                f"{total / _GIB:.1f} GiB; raise --gpu-memory-utilization or lower --max-num-batched-tokens"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> int:
+        """Run one forward over max_num_batched_tokens prompt tokens; returns the bytes of the
+        scratch KV cache it used (not an activation)."""
+        tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len * self.config.max_num_seqs)
+        per_request = min(tokens, self.config.max_model_len)
+        blocks_per_request = -(-per_request // self.block_size)
+        num_requests = -(-tokens // per_request)
+        self.initialize_kv_cache(blocks_per_request * num_requests)
+        step = StepInput(step_id=0, new_requests=[], cached_requests=[], scheduled_ids=[], num_scheduled_tokens=[])
+        sampling = SamplingParams(temperature=0.0)
+        for r in range(num_requests):
+            count = min(per_request, tokens - r * per_request)
+            blocks = list(range(r * blocks_per_request, (r + 1) * blocks_per_request))
+            step.new_requests.append(NewRequestData(f"profile-{r}", count, [0] * count, sampling, blocks, 0))
+            step.scheduled_ids.append(f"profile-{r}")
+            step.num_scheduled_tokens.append(count)
+        self.execute_step(step)
+        self.requests.clear()
+        scratch = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        self.kv_caches = []
+        return scratch
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        try:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        except torch.cuda.OutOfMemoryError:
+            raise OutOfDeviceMemory(
+                f"KV cache of {num_blocks} blocks needs {num_blocks * self.kv_cache_bytes_per_block() / _GIB:.2f} GiB, "
+                "more than is free"
+            ) from None
+
+    def capture_graphs(self) -> None:
+        """Capture decode CUDA graphs (after the KV cache exists)."""
+        if not (self.is_cuda and self.ops.supports_graphs and not self.config.enforce_eager):
+            return
+        from zllm.workers.cuda_graphs import DecodeGraphs
+
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_blocks, self.block_size)
+        with torch.inference_mode():
+            self.graphs.capture()
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -91,7 +187,7 @@ class ModelRunner:
         if step.is_empty:
             return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
         batch = self._prepare_inputs(step)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention)
+        hidden = self._forward(batch)
         if not batch.sampling_states:
             return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -101,6 +197,13 @@ class ModelRunner:
             request_ids=[s.request_id for s in batch.sampling_states],
             sampled_token_ids=tokens.tolist(),
         )
+
+    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+        meta = batch.attention
+        num_tokens = batch.input_ids.shape[0]
+        if self.graphs is not None and meta.num_decodes == num_tokens and self.graphs.bucket(num_tokens):
+            return self.graphs.run(batch.input_ids, batch.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
 
     def _update_states(self, step: StepInput) -> None:
         for request_id in (*step.finished_ids, *step.preempted_ids):
@@ -137,8 +240,8 @@ class ModelRunner:
         block_tables = self._block_tables(states)
         attention = AttentionMetadata(
             slot_mapping=self._slot_mapping(query_start_loc, positions_t, block_tables),
-            block_tables=block_tables.to(self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=self.device),
+            block_tables=block_tables.to(device=self.device, dtype=self.index_dtype),
+            seq_lens=torch.tensor(seq_lens, dtype=self.index_dtype, device=self.device),
             seq_lens_list=seq_lens,
             query_start_loc=query_start_loc,
             num_decodes=num_decodes,
@@ -209,3 +312,14 @@ def _apply_diff(state: RequestState, diff: CachedRequestData) -> None:
     state.token_ids.extend(diff.new_token_ids)
     state.block_ids.extend(diff.new_block_ids)
     state.num_computed_tokens = diff.num_computed_tokens
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Build parameters directly in the serving dtype (no float32 copy of a large model)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

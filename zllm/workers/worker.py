@@ -41,10 +41,17 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_graphs()
 
     def execute_step(self, step: StepInput) -> StepOutput:
         return self.runner.execute_step(step)
 
     def shutdown(self) -> None:
+        self.runner.graphs = None
         self.runner.kv_caches = []
         self.runner.model = None
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()

@@ -12,27 +12,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zllm.workers.attention import AttentionMetadata, paged_attention, write_kv_cache
-from zllm.workers.layers import RMSNorm, apply_rotary, rope_cos_sin_cache, rope_inv_freq, silu_and_mul
+from zllm.workers.attention import AttentionMetadata
+from zllm.workers.layers import rope_cos_sin_cache, rope_inv_freq
 from zllm.workers.models.spec import ModelSpec
+from zllm.workers.ops import TorchOps
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, ops: TorchOps) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: norm(x). With: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         cos, sin = rope_cos_sin_cache(inv_freq, spec.max_position_embeddings)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.ops = ops
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos[positions], self.sin[positions]
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.ops.rotary(positions, q, k, self.cos, self.sin)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -50,43 +66,57 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        write_kv_cache(kv_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, meta, self.scale)
+        self.ops.write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = self.ops.attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """Pre-norm block; the residual stream is carried separately so the add fuses into the norm."""
+
+    def __init__(self, spec: ModelSpec, ops: TorchOps) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec)
-        self.mlp = LlamaMLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = LlamaAttention(spec, ops)
+        self.mlp = LlamaMLP(spec, ops)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rotary, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotary = Rotary(spec)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, ops) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.rotary = Rotary(spec, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -99,10 +129,10 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     )
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec)
+        self.model = LlamaModel(spec, ops or TorchOps())
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -111,10 +141,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.model.rotary, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.model.rotary, kv_cache, meta)
+        x, _ = self.model.norm(x, residual)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

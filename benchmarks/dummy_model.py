@@ -1,0 +1,44 @@
+"""Write a model directory of a given shape for `--load-format dummy` runs (no weights needed).
+
+    python benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b
+    python benchmarks/dummy_model.py llama3-70b /tmp/llama3-70b
+
+The directory gets config.json and generation_config.json for the shape, plus the embedded
+SmolLM2 tokenizer so the frontend can start; benchmarks send token ids and set detokenize=False.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256),
+    "llama3-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       intermediate_size=28672, vocab_size=128256),
+}
+
+
+def write_dummy_model(shape: str, target: Path) -> Path:
+    from zllm.model_files import ensure_default_model
+
+    config = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+        bos_token_id=128000, eos_token_id=128001, **SHAPES[shape],
+    )
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": 128001}))
+    source = ensure_default_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, target / name)
+    return target
+
+
+if __name__ == "__main__":
+    print(write_dummy_model(sys.argv[1], Path(sys.argv[2])))

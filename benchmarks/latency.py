@@ -1,0 +1,59 @@
+"""Decode latency at batch 1: ms per output token after the first.
+
+    python benchmarks/latency.py --model DIR --load-format dummy --input-len 128 --output-len 256
+
+Runs one request of input-len random prompt tokens (ignore_eos) through `LLM.generate`,
+`--iters` times after a warm-up, and also a 1-token run to measure the prefill (TTFT).
+ms/token = (t(output_len) - t(1)) / (output_len - 1); reports the median over iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    args = parser.parse_args()
+
+    from zllm import LLM, SamplingParams
+
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
+              enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch_size, 8))
+    vocab = llm.engine.processor.vocab_size
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}
+               for _ in range(args.batch_size)]
+
+    def timed(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(args.output_len)  # warm-up
+    full = [timed(args.output_len) for _ in range(args.iters)]
+    first = [timed(1) for _ in range(args.iters)]
+    per_token_ms = (statistics.median(full) - statistics.median(first)) / (args.output_len - 1) * 1e3
+    print(json.dumps({
+        "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+        "median_total_s": round(statistics.median(full), 4), "median_ttft_s": round(statistics.median(first), 4),
+        "decode_ms_per_token": round(per_token_ms, 3), "enforce_eager": args.enforce_eager,
+    }))
+
+
+if __name__ == "__main__":
+    main()

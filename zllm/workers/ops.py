@@ -1,0 +1,96 @@
+"""The operations a model layer needs, in two implementations with one interface.
+
+`TorchOps` is plain torch, written to match HF transformers' arithmetic: the CPU path and the
+oracle. `CudaOps` runs the csrc kernels (through cupy) where they exist and keeps torch for the
+rest; its decode path has no host synchronisation and no value-dependent Python, so a decode
+step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zllm.workers import attention as ref
+from zllm.workers.attention import AttentionMetadata
+from zllm.workers.layers import apply_rotary, rms_norm, silu_and_mul
+
+
+class TorchOps:
+    name = "torch"
+    supports_graphs = False
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual <- x + residual; returns (rms_norm(residual), residual)."""
+        residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos[positions], sin[positions]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        ref.write_kv_cache(kv_cache, k, v, slot_mapping)
+
+    def attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return ref.paged_attention(q, kv_cache, meta, scale)
+
+
+class CudaOps(TorchOps):
+    name = "cuda"
+    supports_graphs = True
+
+    def __init__(self) -> None:
+        from zllm.workers import kernels
+
+        self.k = kernels
+
+    def rms_norm(self, x, weight, eps):
+        out = torch.empty_like(x)
+        self.k.rms_norm(out, x.contiguous(), weight, eps)
+        return out
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        x = x.contiguous()
+        self.k.fused_add_rms_norm(x, residual, weight, eps)  # in place: residual += x; x = norm(residual)
+        return x, residual
+
+    def rotary(self, positions, q, k, cos, sin):
+        q, k = q.contiguous(), k.contiguous()
+        self.k.rotary_embedding(positions, q, k, cos, sin)
+        return q, k
+
+    def silu_and_mul(self, x):
+        out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
+        self.k.silu_and_mul(out, x.contiguous())
+        return out
+
+    def write_kv(self, kv_cache, k, v, slot_mapping):
+        self.k.reshape_and_cache(kv_cache, k.contiguous(), v.contiguous(), slot_mapping)
+
+    def attention(self, q, kv_cache, meta, scale):
+        out = torch.empty_like(q)
+        num_decodes = meta.num_decodes
+        if num_decodes:
+            self.k.paged_attention_decode(
+                out[:num_decodes], q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
+                meta.seq_lens[:num_decodes], scale,
+            )
+        # Prefill chunks: PyTorch's SDPA (flash) over each request's gathered context.
+        for i in range(num_decodes, len(meta.query_start_loc) - 1):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[start:end] = ref._prefill_attention(q[start:end], kv_cache, meta, i, scale)
+        return out
+
+
+def ops_for(device: torch.device) -> TorchOps:
+    return CudaOps() if device.type == "cuda" else TorchOps()
