@@ -14,7 +14,8 @@ from zllm.ipc import messages as m
 from zllm.ipc.codec import Codec, MessageError, convert, decode_json, encode_json
 from zllm.sampling_params import SamplingParams
 
-# Every field differs from its default, except n: only n == 1 is valid for now.
+# Every field differs from its default, except n (only n == 1 is valid for now) and detokenize
+# (False forbids stop strings; its round trip is checked separately).
 SAMPLING = SamplingParams(
     n=1,
     temperature=0.7,
@@ -173,8 +174,8 @@ def test_examples_cover_every_member_of_every_channel():
 def test_examples_set_every_field_to_a_non_default(message):
     for field in msgspec.structs.fields(message):
         value = getattr(message, field.name)
-        if isinstance(message, SamplingParams) and field.name == "n":
-            continue  # n > 1 is rejected
+        if isinstance(message, SamplingParams) and field.name in ("n", "detokenize"):
+            continue  # n > 1 is rejected; detokenize=False excludes the stop strings set here
         if field.default is not msgspec.NODEFAULT:
             assert value != field.default, f"{_id(message)}.{field.name} is its default"
         if field.default_factory is not msgspec.NODEFAULT:
@@ -453,6 +454,7 @@ CONFIG = EngineConfig(
     max_num_seqs=3,
     max_num_batched_tokens=512,
     tensor_parallel_size=2,
+    enforce_eager=True,
     served_model_name="served",
     runtime_dir="/run/user/1000/zllm-abc",
     client_endpoint="tcp://127.0.0.1:5555",
@@ -485,3 +487,12 @@ def test_engine_config_json_round_trip():
 def test_engine_config_bad_json_is_a_message_error(data):
     with pytest.raises(MessageError):
         decode_json(data, EngineConfig)
+
+
+def test_token_ids_only_sampling_params_round_trip():
+    params = SamplingParams(max_tokens=5, detokenize=False, ignore_eos=True)
+    codec = Codec(m.FrontendToCore)
+    message = m.AddRequest("r", [1, 2], params, 0.0)
+    assert codec.decode(codec.encode(message)).sampling == params
+    with pytest.raises(ValueError, match="^stop:"):
+        SamplingParams(stop=["x"], detokenize=False)
