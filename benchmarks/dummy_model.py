@@ -3,14 +3,14 @@
     python benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b
     python benchmarks/dummy_model.py llama3-70b /tmp/llama3-70b
 
-The directory gets config.json and generation_config.json for the shape, plus the embedded
-SmolLM2 tokenizer so the frontend can start; benchmarks send token ids and set detokenize=False.
+The directory gets config.json and generation_config.json for the shape, plus a placeholder
+word-level tokenizer so the frontend can start (no model files needed, so it works on machines
+without network); benchmarks send token ids and set detokenize=False.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -22,9 +22,17 @@ SHAPES = {
 }
 
 
-def write_dummy_model(shape: str, target: Path) -> Path:
-    from zllm.model_files import ensure_default_model
+def write_placeholder_tokenizer(target: Path, vocab_size: int = 256) -> None:
+    """A word-level tokenizer over the words t0..t{n-1}; t1 is BOS, t2 EOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t2", bos_token="t1").save_pretrained(target)
+
+
+def write_dummy_model(shape: str, target: Path) -> Path:
     config = dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
         max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
@@ -33,10 +41,7 @@ def write_dummy_model(shape: str, target: Path) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     (target / "config.json").write_text(json.dumps(config, indent=2))
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": 128001}))
-    source = ensure_default_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (source / name).exists():
-            shutil.copy(source / name, target / name)
+    write_placeholder_tokenizer(target)
     return target
 
 

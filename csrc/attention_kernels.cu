@@ -29,9 +29,17 @@
 
 namespace zllm {
 
+#ifndef ZLLM_QK_BATCH
+#define ZLLM_QK_BATCH 8  // 16-byte key loads in flight per lane
+#endif
+#ifndef ZLLM_PV_BATCH
+#define ZLLM_PV_BATCH 16  // value rows in flight per warp
+#endif
+
 constexpr int kAttnWarps = 4;
 constexpr int kAttnThreads = kAttnWarps * 32;
 constexpr int kTile = 32;  // tokens per warp step: one per lane
+constexpr int kPvBatch = ZLLM_PV_BATCH;
 
 // Dot of one key row (D elements of T at k, 16-byte aligned) with kGC queries from shared memory.
 template <typename T, int D, int kGC>
@@ -39,7 +47,7 @@ __device__ __forceinline__ void qk_dot(const T* __restrict__ k, const float (*q_
                                        float (&s)[kGC]) {
   constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
   constexpr int kChunks = D / kVecElems;
-  constexpr int kBatch = kChunks < 8 ? kChunks : 8;  // loads in flight per lane
+  constexpr int kBatch = kChunks < ZLLM_QK_BATCH ? kChunks : ZLLM_QK_BATCH;  // loads in flight
   static_assert(kChunks % kBatch == 0, "head_dim must split into whole load batches");
   const uint4* k16 = reinterpret_cast<const uint4*>(k);
   float s2[kGC][2];
@@ -178,16 +186,16 @@ __device__ __forceinline__ void paged_attention_impl(
     for (int g = 0; g < kGC; ++g) p_s[warp][lane][g] = s[g];
     __syncwarp();
 
-    // PV: lane owns dims [lane * kE, lane * kE + kE); 8 value rows in flight.
+    // PV: lane owns dims [lane * kE, lane * kE + kE); kPvBatch value rows in flight.
     const T* v_lane = v_cache + lane * kE;
-    for (int tt = 0; tt < count; tt += 8) {
-      VRaw raw[8];
+    for (int tt = 0; tt < count; tt += kPvBatch) {
+      VRaw raw[kPvBatch];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < kPvBatch; ++j) {
         if (tt + j < count) raw[j] = *reinterpret_cast<const VRaw*>(v_lane + row_s[warp][tt + j]);
       }
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < kPvBatch; ++j) {
         if (tt + j < count) {
           float v[kE];
           unpack<T>(raw[j], v);
@@ -287,8 +295,8 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
 
 }  // namespace zllm
 
-#define ZLLM_PAGED_ATTENTION(NAME, T, D, GC)                                                      \
-  extern "C" __global__ void __launch_bounds__(zllm::kAttnThreads) NAME(                        \
+#define ZLLM_PAGED_ATTENTION(NAME, T, D, GC, MIN_BLOCKS)                                          \
+  extern "C" __global__ void __launch_bounds__(zllm::kAttnThreads, MIN_BLOCKS) NAME(              \
       T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml,               \
       const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,    \
       const int* __restrict__ block_tables, const int* __restrict__ seq_lens, float scale_log2, \
@@ -311,16 +319,26 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
                                             partition_size, max_parts);                         \
   }
 
-#define ZLLM_PAGED_ATTENTION_DTYPE(SUFFIX, T)                                 \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g1, T, 64, 1)   \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g4, T, 64, 4)   \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g8, T, 64, 8)   \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g1, T, 128, 1) \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g4, T, 128, 4) \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g8, T, 128, 8) \
-  ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d64, T, 64)  \
+// MIN_BLOCKS (resident blocks per SM that the register budget must allow): more resident warps
+// keep more loads in flight, which is what this latency-bound kernel needs; 16-bit caches get 4
+// (at most 128 registers) where that compiles without spills (kGC 1 and 4), 3 for kGC 8; fp32
+// needs more registers and gets 2.
+#ifndef ZLLM_ATTN_MIN_BLOCKS_16BIT
+#define ZLLM_ATTN_MIN_BLOCKS_16BIT 4
+#endif
+#ifndef ZLLM_ATTN_MIN_BLOCKS_16BIT_G8
+#define ZLLM_ATTN_MIN_BLOCKS_16BIT_G8 3
+#endif
+#define ZLLM_PAGED_ATTENTION_DTYPE(SUFFIX, T, MIN_BLOCKS, MIN_BLOCKS_G8)                      \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g1, T, 64, 1, MIN_BLOCKS)      \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g4, T, 64, 4, MIN_BLOCKS)      \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g8, T, 64, 8, MIN_BLOCKS_G8)   \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g1, T, 128, 1, MIN_BLOCKS)    \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g4, T, 128, 4, MIN_BLOCKS)    \
+  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g8, T, 128, 8, MIN_BLOCKS_G8) \
+  ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d64, T, 64)                 \
   ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d128, T, 128)
 
-ZLLM_PAGED_ATTENTION_DTYPE(f32, float)
-ZLLM_PAGED_ATTENTION_DTYPE(f16, __half)
-ZLLM_PAGED_ATTENTION_DTYPE(bf16, __nv_bfloat16)
+ZLLM_PAGED_ATTENTION_DTYPE(f32, float, 2, 2)
+ZLLM_PAGED_ATTENTION_DTYPE(f16, __half, ZLLM_ATTN_MIN_BLOCKS_16BIT, ZLLM_ATTN_MIN_BLOCKS_16BIT_G8)
+ZLLM_PAGED_ATTENTION_DTYPE(bf16, __nv_bfloat16, ZLLM_ATTN_MIN_BLOCKS_16BIT, ZLLM_ATTN_MIN_BLOCKS_16BIT_G8)

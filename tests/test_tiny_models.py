@@ -42,13 +42,9 @@ def _engine_generate_all(model_dir, prompts, max_new_tokens, **engine_args):
 
 def _tokenizer_files(directory):
     """The engine's frontend needs a tokenizer; any fast tokenizer over the tiny vocab will do."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from benchmarks.dummy_model import write_placeholder_tokenizer
 
-    vocab = {f"t{i}": i for i in range(256)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t2", bos_token="t1").save_pretrained(directory)
+    write_placeholder_tokenizer(directory)
 
 
 @pytest.mark.parametrize(

@@ -7,22 +7,23 @@ import os
 
 import pytest
 
-from tests.conftest import hf_greedy
+from tests.conftest import save_tiny_llama
+from tests.test_tiny_models import _tokenizer_files
 from zllm import LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
 MAX_TOKENS = 32
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "List three colors:\n1.",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(30)) + "\nSummary:",
-    "Hi",
-    "Write a haiku about autumn leaves.",
-    "Question: what is 12 times 12? Answer:",
-]
+# The GPU machines have no model files and no network: the reference model is a random Llama
+# made here with transformers' own classes (head_dim 64 and 128, GQA), with larger initial
+# weights so the greedy choice is not a near-tie.
+SHAPES = {
+    "gqa-d64": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=64),
+    "gqa-d128": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=128, rope_theta=500000.0),
+}
+PROMPT_LENGTHS = [1, 3, 15, 16, 17, 40, 129, 400]
 
 
 def _engine_tokens(model_dir, prompt_ids, **engine_args) -> list[list[int]]:
@@ -58,9 +59,35 @@ def _hf_tokens(model_dir, prompt_ids, dtype) -> list[list[int]]:
     return out
 
 
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def model_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    save_tiny_llama(directory, vocab_size=256, max_position_embeddings=4096, initializer_range=0.2,
+                    **SHAPES[request.param])
+    _tokenizer_files(directory)
+    return str(directory)
+
+
 @pytest.fixture(scope="module")
-def prompt_ids(smollm2_tokenizer):
-    return [smollm2_tokenizer.encode(p) for p in PROMPTS]
+def prompt_ids():
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def _hf_margin(model_dir, prompt: list[int], ours: list[int], theirs: list[int]) -> dict:
+    """At the first differing position: HF's logits for its own token and for ours."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    position = next(i for i in range(min(len(ours), len(theirs))) if ours[i] != theirs[i])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + theirs[:position]], device="cuda")).logits[0, -1]
+    top = logits.topk(2)
+    return {"prompt_len": len(prompt), "position": position, "hf_top2_gap": float(top.values[0] - top.values[1]),
+            "hf_minus_ours": float(logits[theirs[position]] - logits[ours[position]])}
 
 
 def _share_identical(a: list[list[int]], b: list[list[int]]) -> float:
@@ -80,40 +107,49 @@ def _record(name: str, value) -> None:
     print(f"{name}: {value}")
 
 
-def test_fp32_greedy_is_token_identical_to_hf(smollm2_dir, prompt_ids):
+def test_fp32_greedy_is_token_identical_to_hf(model_dir, prompt_ids):
     import torch
 
-    ours = _engine_tokens(smollm2_dir, prompt_ids, dtype="float32")
-    theirs = _hf_tokens(smollm2_dir, prompt_ids, torch.float32)
-    _record("fp32_share_identical", _share_identical(ours, theirs))
+    ours = _engine_tokens(model_dir, prompt_ids, dtype="float32")
+    theirs = _hf_tokens(model_dir, prompt_ids, torch.float32)
+    _record(f"fp32_share_identical[{os.path.basename(model_dir)}]", _share_identical(ours, theirs))
+    for ids, a, b in zip(prompt_ids, ours, theirs):
+        if a != b:  # say how close HF's own choice was where the two part
+            _record(f"fp32_divergence[{os.path.basename(model_dir)}]", _hf_margin(model_dir, ids, a, b))
     assert ours == theirs
 
 
-def test_bf16_greedy_agrees_with_hf(smollm2_dir, prompt_ids):
+def test_bf16_greedy_agrees_with_hf(model_dir, prompt_ids):
     import torch
 
-    ours = _engine_tokens(smollm2_dir, prompt_ids, dtype="bfloat16")
-    theirs = _hf_tokens(smollm2_dir, prompt_ids, torch.bfloat16)
+    ours = _engine_tokens(model_dir, prompt_ids, dtype="bfloat16")
+    theirs = _hf_tokens(model_dir, prompt_ids, torch.bfloat16)
     share = _share_identical(ours, theirs)
-    _record("bf16_share_identical", share)
-    assert share >= 0.5  # bf16 rounding differs between kernels; report, and catch gross errors
+    _record(f"bf16_share_identical[{os.path.basename(model_dir)}]", share)
+    # bf16 rounding differs between kernels and a random model's choices are close, so the
+    # sequences drift apart once one token differs (reported above). A broken kernel would also
+    # lose the first token (the prefill's answer) of most prompts: 1 in 256 by chance.
+    first_agree = sum(a[0] == b[0] for a, b in zip(ours, theirs))
+    _record(f"bf16_first_token_agreement[{os.path.basename(model_dir)}]", f"{first_agree}/{len(ours)}")
+    assert first_agree >= 0.75 * len(ours)
 
 
-def test_cuda_graphs_equal_eager(smollm2_dir, prompt_ids):
-    graphs = _engine_tokens(smollm2_dir, prompt_ids, dtype="float32")
-    eager = _engine_tokens(smollm2_dir, prompt_ids, dtype="float32", enforce_eager=True)
+def test_cuda_graphs_equal_eager(model_dir, prompt_ids):
+    graphs = _engine_tokens(model_dir, prompt_ids, dtype="bfloat16")
+    eager = _engine_tokens(model_dir, prompt_ids, dtype="bfloat16", enforce_eager=True)
     assert graphs == eager
 
 
-def test_kv_cache_sized_from_gpu_memory(smollm2_dir):
-    engine = LLMEngine.from_engine_args(smollm2_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+def test_kv_cache_sized_from_gpu_memory(model_dir):
+    engine = LLMEngine.from_engine_args(model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
     blocks = engine.core.num_kv_blocks
+    runner = engine.core.executor.runner
+    bytes_per_block = runner.kv_cache_bytes_per_block()
     engine.shutdown()
     import torch
 
     total = torch.cuda.get_device_properties(0).total_memory
-    bytes_per_block = 2 * 30 * 3 * 64 * 2 * 16
-    _record("kv_blocks_at_0.3", blocks)
+    _record(f"kv_cache_fraction_at_0.3[{os.path.basename(model_dir)}]", round(blocks * bytes_per_block / total, 3))
     assert 0.15 * total < blocks * bytes_per_block < 0.3 * total
 
 

@@ -170,7 +170,12 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture decode CUDA graphs (after the KV cache exists)."""
-        if not (self.is_cuda and self.ops.supports_graphs and not self.config.enforce_eager):
+        if not (self.is_cuda and self.ops.supports_graphs):
+            return
+        self.ops.reserve_decode_workspace(
+            self.config.max_num_seqs, self.spec.num_heads, self.spec.head_dim, self.config.max_model_len, self.device
+        )
+        if self.config.enforce_eager:
             return
         from zllm.workers.cuda_graphs import DecodeGraphs
 

@@ -53,6 +53,13 @@ class CudaOps(TorchOps):
         from zllm.workers import kernels
 
         self.k = kernels
+        self.workspace: torch.Tensor | None = None
+
+    def reserve_decode_workspace(self, max_batch: int, num_heads: int, head_dim: int, max_len: int, device) -> None:
+        """Allocate the split-K scratch once, for the worst case (128-token partitions), so no
+        later step reallocates it under a captured CUDA graph."""
+        numel = self.k.attention_workspace_numel(max_batch, num_heads, head_dim, -(-max_len // 128))
+        self.workspace = torch.empty(numel, dtype=torch.float32, device=device)
 
     def rms_norm(self, x, weight, eps):
         out = torch.empty_like(x)
@@ -65,7 +72,7 @@ class CudaOps(TorchOps):
         return x, residual
 
     def rotary(self, positions, q, k, cos, sin):
-        q, k = q.contiguous(), k.contiguous()
+        # In place on the strided q/k views of the fused QKV output: no copies.
         self.k.rotary_embedding(positions, q, k, cos, sin)
         return q, k
 
@@ -75,21 +82,25 @@ class CudaOps(TorchOps):
         return out
 
     def write_kv(self, kv_cache, k, v, slot_mapping):
-        self.k.reshape_and_cache(kv_cache, k.contiguous(), v.contiguous(), slot_mapping)
+        self.k.reshape_and_cache(kv_cache, k, v, slot_mapping)
 
     def attention(self, q, kv_cache, meta, scale):
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes:
+            # Eager steps know their longest context and size the grid to it; a graph is captured
+            # for the block table's full capacity (seq_lens_list is empty then).
+            longest = max(meta.seq_lens_list[:num_decodes]) if meta.seq_lens_list else None
             self.k.paged_attention_decode(
                 out[:num_decodes], q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
-                meta.seq_lens[:num_decodes], scale,
+                meta.seq_lens[:num_decodes], scale, max_seq_len=longest, workspace=self.workspace,
             )
         # Prefill chunks: PyTorch's SDPA (flash) over each request's gathered context.
         for i in range(num_decodes, len(meta.query_start_loc) - 1):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = ref._prefill_attention(q[start:end], kv_cache, meta, i, scale)
         return out
+
 
 
 def ops_for(device: torch.device) -> TorchOps:

@@ -1,0 +1,453 @@
+"""The CUDA kernels (zllm.workers.kernels) against their torch references (zllm.workers.layers,
+zllm.workers.attention) on random inputs: fp32 to ~1e-5, fp16/bf16 to 2e-2 of a float64 oracle
+run on the same (rounded) inputs. Outputs are filled with NaN before each run, so an element the
+kernel forgets to write fails the comparison."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("cupy")
+
+from zllm.workers import kernels  # noqa: E402
+from zllm.workers.attention import AttentionMetadata, paged_attention, write_kv_cache  # noqa: E402
+from zllm.workers.kernels import loader  # noqa: E402
+from zllm.workers.layers import apply_rotary, rms_norm, rope_cos_sin_cache, rope_inv_freq, silu_and_mul  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["f32", "f16", "bf16"]
+TOLERANCE = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-2, atol=2e-2),
+    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+}
+DEVICE = "cuda"
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    generator = torch.Generator(device=DEVICE)
+    generator.manual_seed(1234)
+    return generator
+
+
+def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, device=DEVICE).to(dtype)
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(
+        actual.double(), expected.double(), rtol=tol["rtol"] * scale, atol=tol["atol"] * scale, equal_nan=False
+    )
+
+
+# ---- reshape_and_cache --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("layout", ["contiguous", "qkv_view", "odd_stride"])
+@pytest.mark.parametrize("tokens", [1, 7, 333])
+def test_reshape_and_cache(dtype, layout, tokens, gen):
+    kv_heads, head_dim, block_size, num_blocks = 2, 64, 16, 40
+    cache = randn(2, num_blocks, block_size, kv_heads, head_dim, gen=gen, dtype=dtype)
+    row = kv_heads * head_dim
+    if layout == "contiguous":
+        key = randn(tokens, kv_heads, head_dim, gen=gen, dtype=dtype)
+        value = randn(tokens, kv_heads, head_dim, gen=gen, dtype=dtype)
+    else:  # views into one fused buffer, as the model's qkv split gives; "odd" breaks 16-byte vectors
+        width = 4 * row + (3 if layout == "odd_stride" else 0)
+        fused = randn(tokens, width, gen=gen, dtype=dtype)
+        key = fused[:, 2 * row : 3 * row].view(tokens, kv_heads, head_dim)
+        value = fused[:, 3 * row : 4 * row].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:tokens]
+    padding = torch.rand(tokens, generator=gen, device=DEVICE) < 0.2
+    if tokens > 1:
+        padding[0] = True
+    slots = torch.where(padding, torch.full_like(slots, -1), slots)
+
+    expected = cache.clone()
+    keep = slots >= 0
+    write_kv_cache(expected, key[keep], value[keep], slots[keep])
+    kernels.reshape_and_cache(cache, key, value, slots)
+    assert torch.equal(cache, expected)  # a copy: exact, padding slots untouched
+
+
+def test_reshape_and_cache_all_padding(gen):
+    cache = randn(2, 4, 16, 2, 64, gen=gen, dtype=torch.bfloat16)
+    before = cache.clone()
+    key = randn(5, 2, 64, gen=gen, dtype=torch.bfloat16)
+    kernels.reshape_and_cache(cache, key, key.clone(), torch.full((5,), -1, dtype=torch.int64, device=DEVICE))
+    assert torch.equal(cache, before)
+
+
+# ---- paged attention (decode) ---------------------------------------------------------------------
+
+
+class PagedBatch:
+    """A batch of decode sequences in a paged cache whose blocks are drawn from a shuffled pool.
+
+    The kernel's cache holds NaN in every slot that is not part of a sequence (the tails of last
+    blocks and the spare blocks), and the block tables point past each sequence's blocks at a
+    spare block: reading any of it fails the comparison. The reference sees a clean copy."""
+
+    def __init__(self, seq_lens, *, num_heads, kv_heads, head_dim, block_size, dtype, gen, spare_blocks=3):
+        self.seq_lens = list(seq_lens)
+        self.block_size = block_size
+        batch = len(self.seq_lens)
+        blocks = [-(-n // block_size) for n in self.seq_lens]
+        total = sum(blocks) + spare_blocks
+        max_blocks = max(max(blocks), 1) + 2
+        pool = torch.randperm(total, generator=gen, device=DEVICE).tolist()
+        table = torch.full((batch, max_blocks), pool[0], dtype=torch.int32)  # pool[0] stays spare
+        cache = randn(2, total, block_size, kv_heads, head_dim, gen=gen, dtype=dtype)
+        valid = torch.zeros(total * block_size, dtype=torch.bool, device=DEVICE)
+        for i, n in enumerate(self.seq_lens):
+            ids = torch.tensor([pool.pop() for _ in range(blocks[i])], dtype=torch.int32)
+            table[i, : len(ids)] = ids
+            positions = torch.arange(n)
+            valid[(ids.long()[positions // block_size] * block_size + positions % block_size).to(DEVICE)] = True
+        valid = valid.view(1, total, block_size, 1, 1)
+        self.clean_cache = cache * valid
+        self.cache = cache.masked_fill(~valid, float("nan"))
+        self.block_tables = table.to(DEVICE)
+        self.ref_tables = self.block_tables.long()
+        self.seq_lens_t = torch.tensor(self.seq_lens, dtype=torch.int32, device=DEVICE)
+        self.query = randn(batch, num_heads, head_dim, gen=gen, dtype=dtype)
+        self.scale = head_dim**-0.5
+
+    def reference(self, query: torch.Tensor | None = None) -> torch.Tensor:
+        query = self.query if query is None else query
+        batch = query.shape[0]
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.long, device=DEVICE),
+            block_tables=self.ref_tables,
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.long, device=DEVICE),
+            seq_lens_list=self.seq_lens,
+            query_start_loc=list(range(batch + 1)),
+            num_decodes=batch,
+            block_size=self.block_size,
+        )
+        return paged_attention(query.double(), self.clean_cache.double(), meta, self.scale)
+
+    def run(self, query: torch.Tensor | None = None, out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        query = self.query if query is None else query
+        out = nan_like(query) if out is None else out.fill_(float("nan"))
+        return kernels.paged_attention_decode(out, query, self.cache, self.block_tables, self.seq_lens_t, self.scale, **kwargs)
+
+
+BOUNDARY_LENS = [1, 15, 16, 17, 31, 33, 100, 257]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_decode_block_boundaries(dtype, head_dim, group, gen):
+    kv_heads = 2
+    batch = PagedBatch(BOUNDARY_LENS, num_heads=kv_heads * group, kv_heads=kv_heads, head_dim=head_dim,
+                       block_size=16, dtype=dtype, gen=gen)
+    assert_close(batch.run(), batch.reference(), dtype)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_decode_block_sizes(block_size, dtype, gen):
+    batch = PagedBatch([1, 7, 8, 9, 32, 33, 150], num_heads=8, kv_heads=2, head_dim=128, block_size=block_size,
+                       dtype=dtype, gen=gen)
+    assert_close(batch.run(), batch.reference(), dtype)
+
+
+@pytest.mark.parametrize("group", [2, 5, 12, 16])
+def test_decode_group_chunks(group, gen):
+    """Groups that are not 1, 4 or 8 run padded chunks (2 -> 4, 5 -> 8) or several chunks (12, 16)."""
+    batch = PagedBatch([3, 40, 130], num_heads=2 * group, kv_heads=2, head_dim=64, block_size=16,
+                       dtype=torch.float32, gen=gen)
+    assert_close(batch.run(), batch.reference(), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("partition_size", [32, 64, 96, 512])
+def test_decode_forced_partitions(dtype, partition_size, gen):
+    """Split-K with small partitions on short contexts: one-partition sequences (written directly)
+    next to many-partition ones (reduced), lengths on and around partition edges."""
+    lens = [1, 31, 32, 33, 64, 65, 96, 97, 200, 700]
+    batch = PagedBatch(lens, num_heads=8, kv_heads=2, head_dim=128, block_size=16, dtype=dtype, gen=gen)
+    assert_close(batch.run(partition_size=partition_size), batch.reference(), dtype)
+    assert_close(batch.run(partition_size=partition_size, max_seq_len=max(lens)), batch.reference(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("context", [4096, 32768])
+def test_decode_long_context(dtype, context, gen):
+    batch = PagedBatch([context, context // 3 + 5, 17], num_heads=8, kv_heads=2, head_dim=128, block_size=16,
+                       dtype=dtype, gen=gen)
+    expected = batch.reference()
+    size, parts = kernels.attention_partitions(3, 8, 2, context, torch.device(DEVICE))
+    assert parts > 1, "the split-K path must run"
+    assert_close(batch.run(max_seq_len=context), expected, dtype)
+    assert_close(batch.run(), expected, dtype)  # grid sized by the block table's capacity
+
+
+def test_decode_strided_query_and_out(gen):
+    """q as a view of a fused qkv buffer and out as a view of a wider buffer (token strides)."""
+    num_heads, kv_heads, head_dim = 8, 2, 128
+    batch = PagedBatch([5, 77, 600], num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                       dtype=torch.bfloat16, gen=gen)
+    width = (num_heads + 2 * kv_heads) * head_dim
+    qkv = randn(3, width, gen=gen, dtype=torch.bfloat16)
+    query = qkv[:, : num_heads * head_dim].view(3, num_heads, head_dim)
+    wide = torch.full((3, 2 * num_heads * head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = wide[:, num_heads * head_dim :].view(3, num_heads, head_dim)
+    batch.run(query=query, out=out, partition_size=128)
+    assert_close(out, batch.reference(query), torch.bfloat16)
+    assert torch.isnan(wide[:, : num_heads * head_dim]).all()  # nothing written outside out
+
+
+def test_decode_empty_sequence_gives_zeros(gen):
+    batch = PagedBatch([0, 20, 0, 600], num_heads=8, kv_heads=2, head_dim=64, block_size=16,
+                       dtype=torch.float32, gen=gen)
+    for partition_size in (64, 512):
+        out = batch.run(partition_size=partition_size)
+        assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
+        assert_close(out[[1, 3]], batch.reference()[[1, 3]], torch.float32)
+
+
+def test_decode_workspace_argument(gen):
+    batch = PagedBatch([1000, 5], num_heads=4, kv_heads=1, head_dim=64, block_size=16, dtype=torch.float16, gen=gen)
+    size, parts = kernels.attention_partitions(2, 4, 1, 1000, partition_size=64)
+    assert (size, parts) == (64, 16)
+    workspace = torch.full((kernels.attention_workspace_numel(2, 4, 64, parts),), float("nan"), device=DEVICE)
+    out = batch.run(partition_size=64, max_seq_len=1000, workspace=workspace)
+    assert_close(out, batch.reference(), torch.float16)
+    with pytest.raises(ValueError, match="workspace"):
+        batch.run(partition_size=64, max_seq_len=1000, workspace=workspace[:10])
+
+
+def test_decode_rejects_bad_arguments(gen):
+    batch = PagedBatch([4], num_heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, gen=gen)
+    with pytest.raises(ValueError, match="int32"):
+        kernels.paged_attention_decode(nan_like(batch.query), batch.query, batch.cache, batch.block_tables.long(),
+                                       batch.seq_lens_t, 1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        q = randn(1, 4, 80, gen=gen)
+        kernels.paged_attention_decode(q.clone(), q, randn(2, 2, 16, 2, 80, gen=gen), batch.block_tables,
+                                       batch.seq_lens_t, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        q = randn(1, 3, 64, gen=gen)
+        kernels.paged_attention_decode(q.clone(), q, batch.cache, batch.block_tables, batch.seq_lens_t, 1.0)
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------------------
+
+HIDDEN_SIZES = [576, 1000, 4096, 5120, 16384]  # 1000: not a multiple of 8, the scalar path
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+@pytest.mark.parametrize("tokens", [1, 7, 333])
+def test_rms_norm(dtype, hidden, tokens, gen):
+    x = randn(tokens, hidden, gen=gen, dtype=dtype) * 3
+    weight = randn(hidden, gen=gen, dtype=dtype)
+    out = nan_like(x)
+    kernels.rms_norm(out, x, weight, 1e-5)
+    assert_close(out, rms_norm(x.double(), weight.double(), 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rms_norm_strided_and_in_place(dtype, gen):
+    hidden = 4096
+    wide = randn(33, hidden + 8, gen=gen, dtype=dtype)
+    x = wide[:, :hidden]
+    weight = randn(hidden, gen=gen, dtype=dtype)
+    expected = rms_norm(x.double(), weight.double(), 1e-6)
+    out = nan_like(x)
+    kernels.rms_norm(out, x, weight, 1e-6)
+    assert_close(out, expected, dtype)
+    y = x.contiguous().view(3, 11, hidden)  # 3-d, normalised in place
+    kernels.rms_norm(y, y, weight, 1e-6)
+    assert_close(y.view(33, hidden), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("hidden", HIDDEN_SIZES)
+@pytest.mark.parametrize("tokens", [1, 7, 333])
+def test_fused_add_rms_norm(dtype, hidden, tokens, gen):
+    x = randn(tokens, hidden, gen=gen, dtype=dtype)
+    residual = randn(tokens, hidden, gen=gen, dtype=dtype) * 2
+    weight = randn(hidden, gen=gen, dtype=dtype)
+    expected_residual = residual + x  # rounded to dtype, as the model's x = x + attn(...)
+    expected = rms_norm(expected_residual.double(), weight.double(), 1e-5)
+    kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    assert_close(x, expected, dtype)
+
+
+# ---- rotary embedding ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(8, 8), (12, 4), (32, 8)], ids=["mha", "gqa3", "gqa4"])
+@pytest.mark.parametrize("tokens", [1, 7, 333])
+def test_rotary_embedding(dtype, head_dim, heads, tokens, gen):
+    num_heads, kv_heads = heads
+    max_pos = 4096
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 1024}
+    cos, sin = rope_cos_sin_cache(rope_inv_freq(head_dim, 500000.0, scaling), max_pos)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen, device=DEVICE)
+    qkv = randn(tokens, (num_heads + 2 * kv_heads) * head_dim, gen=gen, dtype=dtype)
+    q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)  # strided views, as in the model
+    k = qkv[:, num_heads * head_dim : (num_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (num_heads + kv_heads) * head_dim :].clone()
+    expected_q = apply_rotary(q.double(), cos[positions], sin[positions])
+    expected_k = apply_rotary(k.double(), cos[positions], sin[positions])
+    kernels.rotary_embedding(positions, q, k, cos, sin)
+    assert_close(q, expected_q, dtype)
+    assert_close(k, expected_k, dtype)
+    assert torch.equal(qkv[:, (num_heads + kv_heads) * head_dim :], v_before)
+
+
+def test_rotary_embedding_query_only_and_bad_position(gen):
+    cos, sin = rope_cos_sin_cache(rope_inv_freq(64, 10000.0, {}), 100)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    q = randn(3, 4, 64, gen=gen)
+    before = q.clone()
+    positions = torch.tensor([5, 100, -1], device=DEVICE)  # the last two are out of range: untouched
+    kernels.rotary_embedding(positions, q, None, cos, sin)
+    assert_close(q[0], apply_rotary(before[:1].double(), cos[[5]], sin[[5]])[0], torch.float32)
+    assert torch.equal(q[1:], before[1:])
+
+
+# ---- SiLU and mul -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("size", [7, 1001, 4096, 14336])
+@pytest.mark.parametrize("tokens", [1, 7, 333])
+def test_silu_and_mul(dtype, size, tokens, gen):
+    x = randn(tokens, 2 * size, gen=gen, dtype=dtype) * 3
+    out = torch.full((tokens, size), float("nan"), dtype=dtype, device=DEVICE)
+    kernels.silu_and_mul(out, x)
+    assert_close(out, silu_and_mul(x.double()), dtype)
+
+
+def test_silu_and_mul_strided(gen):
+    wide = randn(9, 2 * 512 + 5, gen=gen, dtype=torch.bfloat16)
+    x = wide[:, : 2 * 512]
+    out = torch.full((9, 512), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    kernels.silu_and_mul(out, x)
+    assert_close(out, silu_and_mul(x.double()), torch.bfloat16)
+
+
+# ---- CUDA graphs ---------------------------------------------------------------------------------------------
+
+
+def test_cuda_graph_capture_and_replay(gen):
+    """reshape_and_cache + paged_attention_decode (split-K) + rms_norm captured once, replayed with
+    new inputs; each replay equals the same calls run eagerly, and the reference."""
+    dtype, num_heads, kv_heads, head_dim, block_size, hidden = torch.bfloat16, 8, 2, 128, 16, 1024
+    batch, max_blocks, num_blocks = 4, 64, 300  # capacity 1024 tokens: 2+ partitions
+    kv_cache = randn(2, num_blocks, block_size, kv_heads, head_dim, gen=gen, dtype=dtype)
+    key = randn(batch, kv_heads, head_dim, gen=gen, dtype=dtype)
+    value = randn(batch, kv_heads, head_dim, gen=gen, dtype=dtype)
+    query = randn(batch, num_heads, head_dim, gen=gen, dtype=dtype)
+    slots = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
+    tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.ones(batch, dtype=torch.int32, device=DEVICE)
+    x = randn(batch, hidden, gen=gen, dtype=dtype)
+    weight = randn(hidden, gen=gen, dtype=dtype)
+    attn_out = nan_like(query)
+    norm_out = nan_like(x)
+    scale = head_dim**-0.5
+
+    def step() -> None:
+        kernels.reshape_and_cache(kv_cache, key, value, slots)
+        kernels.paged_attention_decode(attn_out, query, kv_cache, tables, seq_lens, scale, partition_size=256)
+        kernels.rms_norm(norm_out, x, weight, 1e-5)
+
+    def new_inputs() -> list[int]:
+        lens = torch.randint(1, max_blocks * block_size + 1, (batch,), generator=gen, device=DEVICE).tolist()
+        pool = torch.randperm(num_blocks, generator=gen, device=DEVICE).tolist()
+        tables.zero_()
+        for i, n in enumerate(lens):
+            ids = [pool.pop() for _ in range(-(-n // block_size))]
+            tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
+            slots[i] = ids[(n - 1) // block_size] * block_size + (n - 1) % block_size  # the new token's slot
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        for t in (key, value, query, x):
+            t.copy_(randn(*t.shape, gen=gen, dtype=dtype))
+        return lens
+
+    new_inputs()
+    kernels.preload()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: loads modules, sizes the workspace
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for _ in range(3):
+        lens = new_inputs()
+        cache_before = kv_cache.clone()
+        attn_out.fill_(float("nan"))
+        norm_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        graph_attn, graph_norm, graph_cache = attn_out.clone(), norm_out.clone(), kv_cache.clone()
+
+        kv_cache.copy_(cache_before)
+        attn_out.fill_(float("nan"))
+        norm_out.fill_(float("nan"))
+        step()
+        torch.cuda.synchronize()
+        assert torch.equal(graph_cache, kv_cache)
+        assert torch.equal(graph_attn, attn_out)
+        assert torch.equal(graph_norm, norm_out)
+
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=tables.long(), seq_lens=seq_lens.long(), seq_lens_list=lens,
+            query_start_loc=list(range(batch + 1)), num_decodes=batch, block_size=block_size,
+        )
+        assert_close(graph_attn, paged_attention(query.double(), kv_cache.double(), meta, scale), dtype)
+        assert_close(graph_norm, rms_norm(x.double(), weight.double(), 1e-5), dtype)
+
+
+# ---- loading ---------------------------------------------------------------------------------------------------
+
+
+def test_prebuilt_and_nvrtc_modules_agree(monkeypatch, gen):
+    """Both load paths run the same source: identical results. The prebuilt half is skipped
+    without a build (scripts/build_csrc.sh) for this GPU."""
+    capability = torch.cuda.get_device_capability()
+    x = randn(5, 1000, gen=gen, dtype=torch.bfloat16)
+    weight = randn(1000, gen=gen, dtype=torch.bfloat16)
+    results = {}
+    modes = ["nvrtc"] + (["prebuilt"] if loader.prebuilt_candidates("layernorm_kernels", capability) else [])
+    try:
+        for mode in modes:
+            monkeypatch.setenv("ZLLM_KERNELS", mode)
+            loader.reset()
+            origin = loader.load_module("layernorm_kernels", torch.cuda.current_device()).origin
+            assert origin.startswith(mode)
+            results[mode] = kernels.rms_norm(nan_like(x), x, weight, 1e-5)
+    finally:
+        monkeypatch.undo()
+        loader.reset()
+    for result in results.values():
+        assert_close(result, results["nvrtc"], torch.bfloat16)
+    assert_close(results["nvrtc"], rms_norm(x.double(), weight.double(), 1e-5), torch.bfloat16)
+    print("kernel modules:", kernels.preload())

@@ -1,0 +1,90 @@
+"""The CUDA kernels build without a GPU (scripts/build_csrc.sh: cubins for sm_80/89/90 and
+compute_90 PTX, every entry point that zllm.workers.kernels launches), and the loader finds them
+and stays importable without CuPy."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from zllm.workers import kernels
+from zllm.workers.kernels import loader
+
+ROOT = Path(__file__).resolve().parents[1]
+CUBIN_ARCHS = (80, 89, 90)
+PTX_ARCH = 90
+needs_nvcc = pytest.mark.skipif(
+    shutil.which("nvcc") is None or shutil.which("cmake") is None, reason="needs nvcc and cmake"
+)
+
+
+def expected_entry_points() -> dict[str, set[str]]:
+    """Kernel file -> the names ops.py launches."""
+    names: dict[str, set[str]] = {name: set() for name in loader.KERNEL_FILES}
+    for dt in ("f32", "f16", "bf16"):
+        for vec in ("", "_vec"):
+            names["cache_kernels"].add(f"reshape_and_cache_{dt}{vec}")
+            names["layernorm_kernels"] |= {f"rms_norm_{dt}{vec}", f"fused_add_rms_norm_{dt}{vec}"}
+            names["activation_kernels"].add(f"silu_and_mul_{dt}{vec}")
+        names["pos_encoding_kernels"].add(f"rotary_embedding_{dt}")
+        for d in (64, 128):
+            names["attention_kernels"].add(f"paged_attention_reduce_{dt}_d{d}")
+            names["attention_kernels"] |= {f"paged_attention_decode_{dt}_d{d}_g{g}" for g in (1, 4, 8)}
+    return names
+
+
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("csrc_build")
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "build_csrc.sh"), str(out)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )
+    assert result.returncode == 0, f"build failed:\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}"
+    return out
+
+
+@needs_nvcc
+def test_build_makes_cubins_and_ptx(build_dir):
+    for name, entries in expected_entry_points().items():
+        for arch in CUBIN_ARCHS:
+            cubin = build_dir / f"sm_{arch}" / f"{name}.cubin"
+            assert cubin.is_file() and cubin.stat().st_size > 0, cubin
+            assert cubin.read_bytes()[:4] == b"\x7fELF"
+        ptx = (build_dir / f"compute_{PTX_ARCH}" / f"{name}.ptx").read_text()
+        assert re.search(rf"^\.target sm_{PTX_ARCH}\b", ptx, re.MULTILINE)
+        found = set(re.findall(r"^\.visible \.entry (\w+)\(", ptx, re.MULTILINE))
+        assert entries <= found, f"{name}: missing {sorted(entries - found)}"
+
+
+@needs_nvcc
+def test_loader_picks_the_build_for_each_gpu(build_dir, monkeypatch):
+    monkeypatch.setenv("ZLLM_CSRC_BUILD", str(build_dir))
+    first = {cc: loader.prebuilt_candidates("attention_kernels", cc)[:1] for cc in [(9, 0), (8, 9), (8, 6), (12, 0)]}
+    assert first[(9, 0)] == [build_dir / "sm_90" / "attention_kernels.cubin"]
+    assert first[(8, 9)] == [build_dir / "sm_89" / "attention_kernels.cubin"]
+    assert first[(8, 6)] == [build_dir / "sm_80" / "attention_kernels.cubin"]  # same major, lower minor
+    assert first[(12, 0)] == [build_dir / "compute_90" / "attention_kernels.ptx"]  # JIT by the driver
+    assert loader.prebuilt_candidates("attention_kernels", (7, 5)) == []
+
+
+def test_nvrtc_source_inlines_the_headers():
+    source = loader.kernel_source("attention_kernels")
+    assert '#include "' not in source and "#pragma once" not in source
+    assert "struct Cvt<__nv_bfloat16>" in source  # common.cuh, inlined
+    assert '#line 1 "common.cuh"' in source
+    includes = set(re.findall(r"#include <([^>]+)>", source))
+    assert includes == {"cuda_fp16.h", "cuda_bf16.h"}  # all NVRTC needs beyond its built-ins
+
+
+def test_ops_reject_cpu_tensors_without_touching_cupy():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        kernels.rms_norm(torch.empty_like(x), x, torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        kernels.silu_and_mul(torch.empty(2, 4), x)

@@ -1,0 +1,41 @@
+"""zllm's CUDA kernels (csrc/) on torch tensors, loaded through CuPy.
+
+Importing this package needs neither CuPy nor a GPU; calling a kernel needs both (see
+`is_available`). The torch references in zllm.workers.layers / zllm.workers.attention stay the
+CPU path and the oracle of tests/gpu/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+from zllm.workers.kernels.loader import KernelUnavailableError, cupy_available, preload
+from zllm.workers.kernels.ops import (
+    attention_partitions,
+    attention_workspace_numel,
+    fused_add_rms_norm,
+    paged_attention_decode,
+    reshape_and_cache,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+)
+
+__all__ = [
+    "KernelUnavailableError",
+    "attention_partitions",
+    "attention_workspace_numel",
+    "fused_add_rms_norm",
+    "is_available",
+    "paged_attention_decode",
+    "preload",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]
+
+
+def is_available() -> bool:
+    """True when the kernels can run here: a CUDA device and an importable CuPy."""
+    import torch
+
+    return torch.cuda.is_available() and cupy_available()

@@ -1,0 +1,309 @@
+"""Find, load and launch zllm's CUDA kernels (csrc/*.cu) through CuPy.
+
+Per kernel file and device, the first that loads wins:
+  1. a prebuilt cubin for the device's architecture (same major, highest minor not above it) or
+     PTX for an older virtual architecture, from $ZLLM_CSRC_BUILD or <csrc>/build (the layout of
+     scripts/build_csrc.sh: sm_90/attention_kernels.cubin, compute_90/attention_kernels.ptx),
+     skipped when older than the sources;
+  2. the .cu source compiled at run time by NVRTC (cupy.RawModule(code=...), cached on disk by
+     CuPy), with the local headers inlined.
+$ZLLM_KERNELS picks the path: "auto" (default), "prebuilt" (fail rather than compile) or "nvrtc".
+The sources are found at $ZLLM_CSRC_DIR, a csrc/ folder packaged beside this module, or the
+repository's csrc/ (a sibling of the zllm package).
+
+CuPy is imported on first use only: importing this module needs neither CuPy nor a GPU.
+Launches go to torch's current stream of the tensors' device, so they are ordered with torch's
+own work and can be captured by torch.cuda.graph (load the modules eagerly first: `preload`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Kernel file -> one of its entry points (used to force the module load on a device).
+KERNEL_FILES: dict[str, str] = {
+    "activation_kernels": "silu_and_mul_f32",
+    "attention_kernels": "paged_attention_reduce_f32_d64",
+    "cache_kernels": "reshape_and_cache_f32",
+    "layernorm_kernels": "rms_norm_f32",
+    "pos_encoding_kernels": "rotary_embedding_f32",
+}
+NVRTC_OPTIONS = ("-std=c++17",)
+_MODES = ("auto", "prebuilt", "nvrtc")
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
+_PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.MULTILINE)
+
+
+class KernelUnavailableError(RuntimeError):
+    """The CUDA kernels cannot run here: no CuPy, no CUDA device, or no loadable module."""
+
+
+@dataclass(slots=True)
+class LoadedModule:
+    module: Any  # cupy.RawModule
+    origin: str  # "prebuilt:<path>" or "nvrtc"
+
+
+_lock = threading.Lock()
+_modules: dict[tuple[int, str], LoadedModule] = {}
+_functions: dict[tuple[int, str], Any] = {}
+_streams: dict[int, Any] = {}
+_cupy_module: Any = None
+
+
+def cupy_available() -> bool:
+    try:
+        _cupy()
+    except KernelUnavailableError:
+        return False
+    return True
+
+
+def _cupy() -> Any:
+    global _cupy_module
+    if _cupy_module is None:
+        try:
+            import cupy
+        except Exception as exc:  # ImportError, or a CuPy that finds no CUDA libraries
+            raise KernelUnavailableError(f"zllm kernels need CuPy (cupy-cuda13x): {exc}") from exc
+        _cupy_module = cupy
+    return _cupy_module
+
+
+# ---- where the sources and builds are ------------------------------------------------------------
+
+
+def csrc_dir() -> Path:
+    """The folder holding the kernel sources."""
+    candidates = []
+    if os.environ.get("ZLLM_CSRC_DIR"):
+        candidates.append(Path(os.environ["ZLLM_CSRC_DIR"]))
+    here = Path(__file__).resolve().parent
+    candidates += [here / "csrc", here.parents[2] / "csrc"]
+    for candidate in candidates:
+        if (candidate / "attention_kernels.cu").is_file():
+            return candidate
+    raise KernelUnavailableError(
+        "zllm kernels: no CUDA sources found (looked in " + ", ".join(map(str, candidates)) + "); set ZLLM_CSRC_DIR"
+    )
+
+
+def build_dirs() -> list[Path]:
+    """Folders that may hold prebuilt cubins / PTX, in order of preference."""
+    dirs = []
+    if os.environ.get("ZLLM_CSRC_BUILD"):
+        dirs.append(Path(os.environ["ZLLM_CSRC_BUILD"]))
+    try:
+        dirs.append(csrc_dir() / "build")
+    except KernelUnavailableError:
+        pass
+    return [d for d in dirs if d.is_dir()]
+
+
+def kernel_source(name: str) -> str:
+    """The text NVRTC compiles: <name>.cu with its local "..." includes inlined."""
+    root = csrc_dir()
+    return _inline(root, f"{name}.cu", set())
+
+
+def _inline(root: Path, filename: str, seen: set[str]) -> str:
+    text = _PRAGMA_ONCE.sub("", (root / filename).read_text())
+    pieces, last = [], 0
+    for match in _INCLUDE.finditer(text):
+        header = match.group(1)
+        pieces.append(text[last : match.start()])
+        if header not in seen:
+            seen.add(header)
+            line_after = text.count("\n", 0, match.end()) + 2
+            pieces.append(f'#line 1 "{header}"\n{_inline(root, header, seen)}\n#line {line_after} "{filename}"')
+        last = match.end()
+    pieces.append(text[last:])
+    return "".join(pieces)
+
+
+def _sources_mtime() -> float:
+    root = csrc_dir()
+    return max(p.stat().st_mtime for pattern in ("*.cu", "*.cuh") for p in root.glob(pattern))
+
+
+def prebuilt_candidates(name: str, capability: tuple[int, int]) -> list[Path]:
+    """Prebuilt modules that can run on a device of this compute capability, best first."""
+    major, minor = capability
+    found = []
+    for build in build_dirs():
+        for m in range(minor, -1, -1):  # a cubin runs on its major version at an equal or higher minor
+            found.append(build / f"sm_{major}{m}" / f"{name}.cubin")
+        ptx = []
+        for folder in build.glob("compute_*"):
+            arch = folder.name.removeprefix("compute_")
+            if arch.isdigit() and int(arch) <= major * 10 + minor:
+                ptx.append((int(arch), folder / f"{name}.ptx"))
+        found += [path for _, path in sorted(ptx, reverse=True)]
+    return [p for p in found if p.is_file()]
+
+
+# ---- loading -----------------------------------------------------------------------------------------
+
+
+def _mode() -> str:
+    mode = os.environ.get("ZLLM_KERNELS", "auto")
+    if mode not in _MODES:
+        raise KernelUnavailableError(f"ZLLM_KERNELS={mode!r}: expected one of {', '.join(_MODES)}")
+    return mode
+
+
+def load_module(name: str, device_index: int) -> LoadedModule:
+    """The module of kernel file `name` on a device, loaded (or compiled) on first use."""
+    if name not in KERNEL_FILES:
+        raise KeyError(f"unknown kernel file {name!r}")
+    key = (device_index, name)
+    with _lock:
+        loaded = _modules.get(key)
+        if loaded is None:
+            loaded = _modules[key] = _load(name, device_index, _mode())
+        return loaded
+
+
+def reset() -> None:
+    """Forget loaded modules and functions (the next launch loads again, e.g. after changing
+    $ZLLM_KERNELS)."""
+    with _lock:
+        _modules.clear()
+        _functions.clear()
+
+
+def _load(name: str, device_index: int, mode: str) -> LoadedModule:
+    cupy = _cupy()
+    with cupy.cuda.Device(device_index):
+        if mode != "nvrtc":
+            loaded = _load_prebuilt(cupy, name, torch.cuda.get_device_capability(device_index))
+            if loaded is not None:
+                return loaded
+            if mode == "prebuilt":
+                raise KernelUnavailableError(
+                    f"zllm kernels: no usable prebuilt {name} for compute capability "
+                    f"{torch.cuda.get_device_capability(device_index)} in {build_dirs()}; run scripts/build_csrc.sh"
+                )
+        return _compile(cupy, name)
+
+
+def _load_prebuilt(cupy: Any, name: str, capability: tuple[int, int]) -> LoadedModule | None:
+    newest_source = _sources_mtime()
+    for path in prebuilt_candidates(name, capability):
+        if path.stat().st_mtime < newest_source:
+            warnings.warn(f"zllm kernels: {path} is older than the sources in {csrc_dir()}; not using it", stacklevel=4)
+            continue
+        try:
+            module = cupy.RawModule(path=str(path))
+            module.get_function(KERNEL_FILES[name])  # loads the module on the current device
+        except Exception as exc:  # e.g. a driver too old for this toolkit's cubins
+            warnings.warn(f"zllm kernels: cannot load {path}: {exc}", stacklevel=4)
+            continue
+        return LoadedModule(module, f"prebuilt:{path}")
+    return None
+
+
+def _compile(cupy: Any, name: str) -> LoadedModule:
+    source = kernel_source(name)
+    options = NVRTC_OPTIONS
+    try:
+        module = cupy.RawModule(code=source, options=options)
+        module.get_function(KERNEL_FILES[name])  # compiles now, not at the first launch
+    except cupy.cuda.compiler.CompileException as exc:
+        include = _toolkit_include()
+        if include is None or "cuda_" not in str(exc):
+            raise
+        # NVRTC found no cuda_fp16.h / cuda_bf16.h on CuPy's include path: try the toolkit's.
+        module = cupy.RawModule(code=source, options=options + (f"-I{include}",))
+        module.get_function(KERNEL_FILES[name])
+    return LoadedModule(module, "nvrtc")
+
+
+def _toolkit_include() -> str | None:
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_bf16.h").is_file():
+            return str(Path(root) / "include")
+    return None
+
+
+def get_function(name: str, kernel: str, device_index: int) -> Any:
+    key = (device_index, kernel)
+    function = _functions.get(key)
+    if function is None:
+        module = load_module(name, device_index)
+        with _cupy().cuda.Device(device_index):
+            function = module.module.get_function(kernel)
+        _functions[key] = function
+    return function
+
+
+def preload(device: torch.device | int | None = None) -> dict[str, str]:
+    """Load (or compile) every kernel file on a device now; returns file -> origin.
+
+    Call it before capturing CUDA graphs so that no module is loaded during a capture."""
+    index = _device_index(device)
+    return {name: load_module(name, index).origin for name in KERNEL_FILES}
+
+
+# ---- launching -----------------------------------------------------------------------------------
+
+
+class _TorchStream:
+    """A raw stream handle in the CUDA stream protocol (what cupy.cuda.Stream.from_external takes)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def _cupy_stream(ptr: int, device_index: int) -> Any:
+    stream = _streams.get(ptr)
+    if stream is None:
+        cupy = _cupy()
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            stream = cupy.cuda.Stream.from_external(_TorchStream(ptr))
+        else:  # CuPy < 14
+            stream = cupy.cuda.ExternalStream(ptr, device_index)
+        if len(_streams) > 256:
+            _streams.clear()
+        _streams[ptr] = stream
+    return stream
+
+
+def _device_index(device: torch.device | int | None) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def launch(
+    name: str,
+    kernel: str,
+    device: torch.device,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    args: tuple[Any, ...],
+    shared_mem: int = 0,
+) -> None:
+    """Launch `kernel` of kernel file `name` on torch's current stream of `device`."""
+    index = _device_index(device)
+    cupy = _cupy()
+    function = get_function(name, kernel, index)
+    stream = _cupy_stream(torch.cuda.current_stream(index).cuda_stream, index)
+    if cupy.cuda.runtime.getDevice() == index:
+        function(grid, block, args, shared_mem=shared_mem, stream=stream)
+    else:
+        with cupy.cuda.Device(index):
+            function(grid, block, args, shared_mem=shared_mem, stream=stream)
