@@ -159,3 +159,9 @@ def test_model_too_large_is_a_clear_error(tmp_path):
     model_dir = write_dummy_model("llama3-70b", tmp_path / "big")  # 141 GB in bf16: fits no single GPU here
     with pytest.raises(RuntimeError, match="GiB"):
         LLMEngine.from_engine_args(str(model_dir), device="cuda", load_format="dummy", max_model_len=2048)
+
+
+def test_chunked_prefill_equals_whole_prefill(model_dir, prompt_ids):
+    whole = _engine_tokens(model_dir, prompt_ids, dtype="float32")
+    chunked = _engine_tokens(model_dir, prompt_ids, dtype="float32", max_num_batched_tokens=48)
+    assert chunked == whole

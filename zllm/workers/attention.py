@@ -49,18 +49,31 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
 
 def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the given blocks: [..., num_blocks * block_size, kv_heads, head_dim]."""
-    keys = kv_cache[0][block_table]
-    values = kv_cache[1][block_table]
+    # index_select copies whole contiguous blocks: ~2x faster on CPU than advanced indexing.
+    flat = block_table.reshape(-1)
+    keys = torch.index_select(kv_cache[0], 0, flat)
+    values = torch.index_select(kv_cache[1], 0, flat)
     shape = (*block_table.shape[:-1], -1, *keys.shape[-2:])
     return keys.reshape(shape), values.reshape(shape)
 
 
+_DECODE_GROUP = 16  # decodes per attention call: each group is padded to its own longest context
+
+
 def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    num_decodes = query.shape[0]
-    seq_lens = meta.seq_lens[:num_decodes]
-    max_len = max(meta.seq_lens_list[:num_decodes])
+    groups = [
+        _decode_group(query[i : i + _DECODE_GROUP], kv_cache, meta, i, scale)
+        for i in range(0, query.shape[0], _DECODE_GROUP)
+    ]
+    return groups[0] if len(groups) == 1 else torch.cat(groups)
+
+
+def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, first: int, scale: float) -> torch.Tensor:
+    rows = slice(first, first + query.shape[0])
+    seq_lens = meta.seq_lens[rows]
+    max_len = max(meta.seq_lens_list[rows])
     num_blocks = -(-max_len // meta.block_size)
-    keys, values = _gather_context(kv_cache, meta.block_tables[:num_decodes, :num_blocks])
+    keys, values = _gather_context(kv_cache, meta.block_tables[rows, :num_blocks])
     positions = torch.arange(keys.shape[1], device=query.device)
     mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(

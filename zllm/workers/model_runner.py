@@ -219,8 +219,13 @@ class ModelRunner:
             _apply_diff(self.requests[cached.request_id], cached)
 
     def _prepare_inputs(self, step: StepInput) -> BatchInputs:
-        # Decodes (one query token) first: attention batches them in one call.
-        order = sorted(range(len(step.scheduled_ids)), key=lambda i: step.num_scheduled_tokens[i] != 1)
+        # Decodes (one query token) first, shortest context first: attention batches them, and
+        # neighbours of similar length waste little padding.
+        def decode_first(i: int) -> tuple[bool, int]:
+            is_decode = step.num_scheduled_tokens[i] == 1
+            return (not is_decode, self.requests[step.scheduled_ids[i]].num_computed_tokens if is_decode else 0)
+
+        order = sorted(range(len(step.scheduled_ids)), key=decode_first)
         token_ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []
