@@ -51,14 +51,7 @@ CACHED_REQUEST = m.CachedRequestData(
     request_id="ab12/req-3", new_token_ids=[9, 10], new_block_ids=[4], num_computed_tokens=17
 )
 
-CHANNELS = {
-    "FrontendToCore": m.FrontendToCore,
-    "CoreToFrontend": m.CoreToFrontend,
-    "CoreToWorker": m.CoreToWorker,
-    "WorkerToCore": m.WorkerToCore,
-    "ClientToServer": m.ClientToServer,
-    "ServerToClient": m.ServerToClient,
-}
+CHANNELS = m.CHANNELS
 
 EXAMPLES: dict[str, list[msgspec.Struct]] = {
     "FrontendToCore": [

@@ -17,14 +17,7 @@ from zllm.ipc import messages as m
 from zllm.ipc.codec import Codec, MessageError
 from zllm.sampling_params import SamplingParams
 
-CHANNELS = {
-    "FrontendToCore": m.FrontendToCore,
-    "CoreToFrontend": m.CoreToFrontend,
-    "CoreToWorker": m.CoreToWorker,
-    "WorkerToCore": m.WorkerToCore,
-    "ClientToServer": m.ClientToServer,
-    "ServerToClient": m.ServerToClient,
-}
+CHANNELS = m.CHANNELS
 CLIENT_CHANNELS = ("ClientToServer", "ServerToClient")
 
 SAMPLING = SamplingParams(temperature=0.5, top_k=5, seed=3, max_tokens=9, stop=["x"], stop_token_ids=[2])

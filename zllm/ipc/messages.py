@@ -243,3 +243,13 @@ CoreToWorker = Union[StepInput, WorkerCall]
 WorkerToCore = Union[StepOutput, WorkerReady, WorkerCallResult, WorkerFailed]
 ClientToServer = Union[ClientGenerate, ClientAbort, ClientPing, ClientStats]
 ServerToClient = Union[ServerOutput, ServerError, ServerPong, ServerStats]
+
+# Every channel by name: what each socket's decoder accepts.
+CHANNELS = {
+    "FrontendToCore": FrontendToCore,
+    "CoreToFrontend": CoreToFrontend,
+    "CoreToWorker": CoreToWorker,
+    "WorkerToCore": WorkerToCore,
+    "ClientToServer": ClientToServer,
+    "ServerToClient": ServerToClient,
+}
