@@ -75,9 +75,6 @@ class MultiprocExecutor:
             pass
         stop_children(self.processes, timeout_s=5.0)
 
-    def worker_pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
-
     # ---- plumbing ------------------------------------------------------------------------------
 
     def _call_all(self, method: str, args: list) -> None:

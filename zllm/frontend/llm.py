@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from zllm.frontend.llm_engine import LLMEngine
 from zllm.frontend.processor import PromptType
-from zllm.frontend.tokenizer import Messages, apply_chat_template
+from zllm.frontend.tokenizer import Messages, chat_prompt
 from zllm.outputs import RequestOutput
 from zllm.sampling_params import SamplingParams
 
@@ -70,12 +70,7 @@ class LLM:
         """Answer one conversation (a list of messages) or several, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = []
-        for conversation in conversations:
-            text = apply_chat_template(tokenizer, conversation, add_generation_prompt, chat_template)
-            # The template already holds the special tokens; don't let the tokenizer add a BOS twice.
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts = [chat_prompt(tokenizer, c, add_generation_prompt, chat_template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _params_per_prompt(

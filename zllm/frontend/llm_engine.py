@@ -11,7 +11,7 @@ from typing import Protocol
 from zllm.config import EngineConfig
 from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor, PromptType
-from zllm.frontend.tokenizer import eos_token_ids, load_tokenizer
+from zllm.frontend.tokenizer import load_tokenizer
 from zllm.ipc.messages import AddRequest, TokenDelta
 from zllm.outputs import RequestOutput
 from zllm.sampling_params import SamplingParams
@@ -29,15 +29,10 @@ class EngineCoreClient(Protocol):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, core: EngineCoreClient) -> None:
-        from transformers import AutoConfig
-
         self.config = config
         self.core = core
         self.tokenizer = load_tokenizer(config.tokenizer_path)
-        vocab_size = AutoConfig.from_pretrained(config.model).vocab_size
-        self.processor = InputProcessor(
-            self.tokenizer, config.max_model_len, vocab_size, eos_token_ids(config.model, self.tokenizer)
-        )
+        self.processor = InputProcessor.from_config(config, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
 
     @classmethod

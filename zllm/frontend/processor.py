@@ -17,6 +17,16 @@ PromptType = Union[str, dict[str, Any]]
 
 
 class InputProcessor:
+    @classmethod
+    def from_config(cls, config, tokenizer: PreTrainedTokenizerBase) -> "InputProcessor":
+        """Limits from the engine config and the model's own config (vocabulary, EOS ids)."""
+        from transformers import AutoConfig
+
+        from zllm.frontend.tokenizer import eos_token_ids
+
+        vocab_size = AutoConfig.from_pretrained(config.model).vocab_size
+        return cls(tokenizer, config.max_model_len, vocab_size, eos_token_ids(config.model, tokenizer))
+
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, vocab_size: int, eos_token_ids: list[int]
     ) -> None:

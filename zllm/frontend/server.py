@@ -25,7 +25,7 @@ import zmq.asyncio
 from zllm.config import EngineConfig
 from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor
-from zllm.frontend.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+from zllm.frontend.tokenizer import chat_prompt, load_tokenizer
 from zllm.ipc.addresses import InternalEndpoints, default_client_endpoint
 from zllm.ipc.codec import Codec, MessageError, convert
 from zllm.ipc.messages import (
@@ -78,15 +78,10 @@ class _Client:
 
 class FrontendServer:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoConfig
-
         self.config = config
         self.client_endpoint = config.client_endpoint or default_client_endpoint()
         self.tokenizer = load_tokenizer(config.tokenizer_path)
-        vocab_size = AutoConfig.from_pretrained(config.model).vocab_size
-        self.processor = InputProcessor(
-            self.tokenizer, config.max_model_len, vocab_size, eos_token_ids(config.model, self.tokenizer)
-        )
+        self.processor = InputProcessor.from_config(config, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
         self.context = zmq.asyncio.Context()
         self.to_core: Codec = Codec(FrontendToCore)
@@ -215,8 +210,7 @@ class FrontendServer:
         if sum(given) != 1:
             raise ValueError("prompt: give exactly one of prompt, prompt_token_ids or messages")
         if message.messages is not None:
-            text = apply_chat_template(self.tokenizer, message.messages, message.add_generation_prompt)
-            return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+            return chat_prompt(self.tokenizer, message.messages, message.add_generation_prompt)
         if message.prompt_token_ids is not None:
             return {"prompt_token_ids": message.prompt_token_ids}
         return message.prompt

@@ -48,6 +48,18 @@ def apply_chat_template(
         raise ValueError(f"messages: the chat template rejected them: {type(error).__name__}: {error}") from None
 
 
+def chat_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Messages,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> dict[str, Any]:
+    """A conversation as a prompt: its rendered text and token ids."""
+    text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template)
+    # The template already holds the special tokens; don't let the tokenizer add a BOS twice.
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
 def _check_messages(messages: Messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list of {'role': ..., 'content': ...} dicts")
