@@ -13,6 +13,7 @@ from dataclasses import dataclass
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_ON_FAILURE = ("restart", "fail")
 
 
 @dataclass(slots=True)
@@ -42,6 +43,16 @@ class EngineConfig:
     heartbeat_interval_s: float = 1.0  # liveness checks between processes
     startup_timeout_s: float = 900.0  # model load + KV set-up, per process
     client_timeout_s: float = 30.0  # a client silent this long (no ping) loses its requests
+    # Reliability and security (docs/deployment.md).
+    on_failure: str = "restart"  # engine core or worker died: "restart" (replay requests) or "fail"
+    max_restarts: int = 5  # engine restarts allowed within restart_window_s before giving up
+    restart_window_s: float = 600.0
+    engine_hang_timeout_s: float = 60.0  # an engine core silent this long (no step, no pong) is restarted
+    shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
+    max_waiting: int = 1024  # requests queued in the engine core beyond which new ones are refused
+    api_key: str | None = None  # when set, every client request must carry it
+    curve_dir: str = ""  # CURVE keys of a tcp:// client endpoint: server.key(_secret), clients/*.key
+    allow_insecure_tcp: bool = False  # serve a tcp:// client endpoint without CURVE (trusted networks only)
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -89,7 +100,24 @@ class EngineConfig:
         )
         _require(self.socket_hwm >= 1, "socket_hwm", f"must be >= 1, got {self.socket_hwm}")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
+        self._validate_reliability()
         _require(self.tensor_parallel_size == 1, "tensor_parallel_size", "only 1 is supported so far")
+
+    def _validate_reliability(self) -> None:
+        _require(self.on_failure in _ON_FAILURE, "on_failure", f"must be one of {_ON_FAILURE}, got {self.on_failure!r}")
+        _require(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}")
+        _require(self.restart_window_s > 0, "restart_window_s", "must be > 0")
+        _require(self.engine_hang_timeout_s > 0, "engine_hang_timeout_s", "must be > 0")
+        _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s", "must be >= 0")
+        _require(self.max_waiting >= 1, "max_waiting", f"must be >= 1, got {self.max_waiting}")
+        _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
+        if self.client_endpoint.startswith("tcp://"):
+            _require(
+                bool(self.curve_dir) or self.allow_insecure_tcp,
+                "client_endpoint",
+                f"{self.client_endpoint} is reachable from the network: give --zmq-curve-dir DIR (CURVE "
+                "keys, see docs/deployment.md) or, on a trusted network only, --allow-insecure-tcp",
+            )
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

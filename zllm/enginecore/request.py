@@ -55,7 +55,8 @@ class Request:
     stop_reason: int | str | None = None
 
     def __post_init__(self) -> None:
-        self.all_token_ids = list(self.prompt_token_ids)
+        # Output tokens may be given up front: a request resumed after an engine restart.
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -57,6 +57,11 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def received_token_ids(self, request_id: str) -> list[int]:
+        """The output tokens received for a request so far (what an engine restart continues)."""
+        tracked = self._requests.get(request_id)
+        return list(tracked.token_ids) if tracked is not None else []
+
     def process(self, deltas: list[TokenDelta]) -> tuple[list[RequestOutput], list[str]]:
         """Apply deltas; return the updated outputs and the ids the engine core must abort
         (requests this side finished on a stop string)."""

@@ -7,14 +7,25 @@ Clients speak the map-encoded Client*/Server* messages of zllm.ipc.messages. Eac
 validated here (errors go back to that client only), streamed back as text/token deltas (text
 that could still turn into a stop string is held back until it can't), and aborted in the core
 when its client cancels, vanishes (a send to it fails) or falls silent past client_timeout_s.
+
+Engine failures (zllm/launch/supervisor.py watches the core and every worker): with
+on_failure="restart" the engine is killed, restarted with back-off, and every request in flight
+is re-sent as a continuation of what its client already received (zllm/frontend/replay.py), so
+streams simply go on; with on_failure="fail", or once the crash loop gives up, every request
+ends with an engine_dead error. Each engine start gets its own sockets in its own runtime
+subdirectory, so nothing from a dead core can reach its successor.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
+import hmac
 import itertools
 import logging
+import os
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -25,11 +36,14 @@ import zmq.asyncio
 from zllm.config import EngineConfig
 from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor
+from zllm.frontend.replay import ReplayLog
 from zllm.frontend.tokenizer import chat_prompt, load_tokenizer
-from zllm.ipc.addresses import InternalEndpoints, default_client_endpoint
+from zllm.ipc.addresses import InternalEndpoints, default_client_endpoint, engine_runtime_dir
 from zllm.ipc.codec import Codec, MessageError, convert
+from zllm.ipc.curve import ClientKeyCheck, ServerKeys, authorized_client_keys, load_or_create_server_keys
 from zllm.ipc.messages import (
     AbortRequests,
+    AddRequest,
     ClientAbort,
     ClientGenerate,
     ClientPing,
@@ -50,11 +64,17 @@ from zllm.ipc.messages import (
     UtilityResult,
 )
 from zllm.ipc.sockets import make_socket
-from zllm.launch.children import spawn_child, stop_children
+from zllm.launch.children import stop_children
+from zllm.launch.supervisor import EngineProcesses, RestartPolicy
 from zllm.outputs import RequestOutput
 from zllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("zllm.frontend")
+
+
+# A request in flight through this many engine failures is failed alone rather than replayed
+# again: it may be what crashes the engine.
+_MAX_REPLAYS = 2
 
 
 class EngineStartError(RuntimeError):
@@ -92,63 +112,228 @@ class FrontendServer:
         self.clients: dict[bytes, _Client] = {}
         self.stats_waiters: dict[int, tuple[bytes, int]] = {}
         self._call_ids = itertools.count()
-        self.core_process: subprocess.Popen | None = None
+        self.engine = EngineProcesses()
+        self.restart_policy = RestartPolicy(config.max_restarts, config.restart_window_s)
+        self.replay = ReplayLog(_MAX_REPLAYS)
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
+        self.num_restarts = 0
+        self.recovering = False  # the engine is being restarted: new requests are held meanwhile
+        self.draining = False  # a graceful shutdown began: new requests are refused (HTTP: 503)
+        self._generation = 0
+        self._core_queue: asyncio.Queue = asyncio.Queue(config.socket_hwm)
+        self._held_while_recovering = 0
+        self._last_engine_message = 0.0
+        self._answering = asyncio.Event()
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> EngineReady:
-        endpoints = InternalEndpoints(self.config.runtime_dir)
+        keys = self._client_endpoint_keys()  # before the model loads: a key problem fails fast
+        self.ready = await self._start_engine()
+        if keys is not None:
+            self._start_authenticator(keys)
+        self.client_socket = make_socket(
+            self.context, zmq.ROUTER, self.client_endpoint, bind=True, hwm=self.config.socket_hwm,
+            router_mandatory=True, curve_server_keys=keys,
+        )
+        logger.info("serving %s on %s%s", self.ready.model, self.client_endpoint, " (CURVE)" if keys else "")
+        return self.ready
+
+    async def serve(self) -> None:
+        """Serve until cancelled, or until the engine fails for good (dead_reason says why)."""
+        background = {
+            asyncio.create_task(self._client_loop(), name="clients"),
+            asyncio.create_task(self._drop_silent_clients(), name="silent-clients"),
+        }
+        try:
+            while True:
+                reason = await self._run_engine(background)
+                if not await self._recover(reason):
+                    return
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+
+    async def wait_answering(self) -> None:
+        """Return once the server has answered: the engine core replied through the serving loop."""
+        await self._answering.wait()
+
+    def engine_responsive(self) -> bool:
+        """Is the engine making progress (stepping, or idle and answering), or being restarted
+        under the supervisor's bounded policy? What the systemd watchdog is fed from."""
+        if self.recovering:
+            return True
+        return self.dead_reason is None and time.monotonic() - self._last_engine_message < self.config.engine_hang_timeout_s
+
+    def begin_drain(self) -> None:
+        """Stop accepting requests (they get a "draining" error); those in flight go on."""
+        if not self.draining:
+            self.draining = True
+            logger.info("draining: refusing new requests; %d in flight", len(self.requests))
+
+    async def wait_drained(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight; False if some still are after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.requests
+
+    async def fail_all(self, message: str, kind: str) -> None:
+        """End every request in flight with this error."""
+        for engine_id in list(self.requests):
+            request = self._forget(engine_id)
+            self.outputs.abort(engine_id)
+            await self._send(request.identity, ServerError(request.request_id, message, kind))
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        core = self.engine.core
+        if core is not None and core.poll() is None:
+            try:
+                await self.core_in.send(self.to_core.encode(Shutdown(reason="frontend shutdown")))
+                await asyncio.to_thread(core.wait, timeout_s)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                pass
+            stop_children([core], timeout_s=5.0)
+        self.context.destroy(linger=0)
+
+    async def kill_engine(self) -> None:
+        """Take every engine process down at once (second signal, or after a failure)."""
+        await self.engine.kill()
+        shutil.rmtree(engine_runtime_dir(self.config.runtime_dir, self._generation), ignore_errors=True)
+
+    # ---- the engine: start, run, recover -------------------------------------------------------
+
+    async def _start_engine(self) -> EngineReady:
+        """Start a new engine core (which starts its workers) with fresh sockets; wait until ready."""
+        self._generation += 1
+        runtime_dir = engine_runtime_dir(self.config.runtime_dir, self._generation)
+        os.makedirs(runtime_dir, mode=0o700)
+        endpoints = InternalEndpoints(runtime_dir)
         hwm = self.config.socket_hwm
+        for name in ("core_in", "core_out"):
+            if hasattr(self, name):
+                getattr(self, name).close(linger=0)
         self.core_in = make_socket(self.context, zmq.PUSH, endpoints.core_input, bind=True, hwm=hwm)
         self.core_out = make_socket(self.context, zmq.PULL, endpoints.core_output, bind=True, hwm=hwm)
-        self.core_process = spawn_child("zllm.enginecore.process", self.config)
-        self.ready = await self._wait_ready()
-        self.client_socket = make_socket(
-            self.context, zmq.ROUTER, self.client_endpoint, bind=True, hwm=hwm, router_mandatory=True
-        )
-        logger.info("serving %s on %s", self.ready.model, self.client_endpoint)
-        return self.ready
+        self._core_queue = asyncio.Queue(hwm)
+        self.engine.spawn_core(dataclasses.replace(self.config, runtime_dir=runtime_dir))
+        ready = await self._wait_ready()
+        self.engine.adopt_workers(ready.worker_pids)
+        self._last_engine_message = time.monotonic()
+        return ready
 
     async def _wait_ready(self) -> EngineReady:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if await self.core_out.poll(int(self.config.heartbeat_interval_s * 1000)):
-                message = self.from_core.decode_frames(await self.core_out.recv_multipart())
+                try:
+                    message = self.from_core.decode_frames(await self.core_out.recv_multipart())
+                except MessageError as error:
+                    logger.error("dropped a malformed message from the engine core: %s", error)
+                    continue
                 if isinstance(message, EngineReady):
                     return message
                 if isinstance(message, EngineDead):
                     raise EngineStartError(f"engine failed to start: {message.reason}")
-            elif self.core_process.poll() is not None:
-                raise EngineStartError(f"engine core exited with code {self.core_process.returncode} during start-up")
+            elif (code := self.engine.core_exit_code()) is not None:
+                raise EngineStartError(f"engine core exited with code {code} during start-up")
         raise EngineStartError(f"engine not ready after {self.config.startup_timeout_s:.0f} s")
 
-    async def serve(self) -> None:
-        """Serve until the engine core dies (then fail every request) or the task is cancelled."""
-        tasks = [
-            asyncio.create_task(self._client_loop(), name="clients"),
+    async def _run_engine(self, background: set[asyncio.Task]) -> str:
+        """Serve with the current engine until it fails; returns the reason."""
+        tasks = {
             asyncio.create_task(self._engine_loop(), name="engine"),
-            asyncio.create_task(self._watch(), name="watch"),
-        ]
+            asyncio.create_task(self._send_loop(), name="to-core"),
+            asyncio.create_task(self.engine.wait_for_exit(), name="supervise"),
+            asyncio.create_task(self._liveness_loop(), name="liveness"),
+        }
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks | background, return_when=asyncio.FIRST_COMPLETED)
+            for task in done - background:
+                return task.result()
             for task in done:
-                task.result()
+                task.result()  # a background task failed: raise its error
+            raise RuntimeError("the client loop ended")
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def shutdown(self, timeout_s: float = 10.0) -> None:
-        if self.core_process is not None and self.core_process.poll() is None:
+    async def _recover(self, reason: str) -> bool:
+        """After an engine failure: restart it and replay the requests in flight (True), or end
+        them all with an engine_dead error (False: the server cannot go on)."""
+        failed_at = time.monotonic()
+        logger.error("engine failure: %s; %d request(s) in flight", reason, len(self.requests))
+        self.recovering, self._held_while_recovering = True, 0
+        await self._answer_stats_locally()
+        await self.kill_engine()
+        if self.config.on_failure == "fail" or self.draining:
+            return await self._give_up(f"engine is dead: {reason}")
+        while (delay := self.restart_policy.next_delay()) is not None:
+            logger.warning("restarting the engine%s (restart %d of at most %d within %.0f s)",
+                           f" in {delay:.0f} s" if delay else "", self.restart_policy.recent_restarts,
+                           self.config.max_restarts, self.config.restart_window_s)
+            await asyncio.sleep(delay)
             try:
-                await self.core_in.send(self.to_core.encode(Shutdown(reason="frontend shutdown")))
-                await asyncio.to_thread(self.core_process.wait, timeout_s)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                pass
-            stop_children([self.core_process], timeout_s=5.0)
-        self.context.destroy(linger=0)
+                self.ready = await self._start_engine()
+                break
+            except EngineStartError as error:
+                reason = str(error)
+                logger.error("engine restart failed: %s", reason)
+                await self.kill_engine()
+        else:
+            return await self._give_up(
+                f"engine is dead: {reason}; gave up after {self.config.max_restarts} restart(s) "
+                f"within {self.config.restart_window_s:.0f} s"
+            )
+        self.recovering = False
+        self.num_restarts += 1
+        replayed = await self._replay()
+        logger.warning("engine recovered in %.2f s: %d request(s) replayed", time.monotonic() - failed_at, replayed)
+        return True
+
+    async def _give_up(self, reason: str) -> bool:
+        self.dead_reason, self.recovering = reason, False
+        logger.error("%s; failing %d request(s)", reason, len(self.requests))
+        await self.fail_all(reason, "engine_dead")
+        return False
+
+    async def _replay(self) -> int:
+        resend, given_up = self.replay.continuations(self.outputs.received_token_ids)
+        for engine_id in given_up:
+            request = self._forget(engine_id)
+            self.outputs.abort(engine_id)
+            reason = f"engine is dead: it failed {_MAX_REPLAYS + 1} times while this request ran; not retried again"
+            await self._send(request.identity, ServerError(request.request_id, reason, "engine_dead"))
+        for message in resend:
+            await self._submit(message)
+        return len(resend)
+
+    async def _liveness_loop(self) -> str:
+        """Ping the engine core every heartbeat; an answer proves its busy loop still turns."""
+        interval = self.config.heartbeat_interval_s
+        while True:
+            await self._to_core(UtilityCall(call_id=next(self._call_ids), method="ping"))
+            await asyncio.sleep(interval)
+            silent = time.monotonic() - self._last_engine_message
+            if silent > self.config.engine_hang_timeout_s:
+                return f"engine core unresponsive for {silent:.0f} s"
+
+    async def _send_loop(self) -> str:
+        """The only writer of core_in: the client loop never blocks on a dead engine."""
+        while True:
+            message = await self._core_queue.get()
+            await self.core_in.send(self.to_core.encode(message))
+
+    async def _to_core(self, message) -> bool:
+        """Queue a message for the current engine core; False if the queue is full."""
+        try:
+            self._core_queue.put_nowait(message)
+            return True
+        except asyncio.QueueFull:
+            return False
 
     # ---- clients -------------------------------------------------------------------------------
 
@@ -175,21 +360,40 @@ class FrontendServer:
                 await self._send(identity, ServerError(request_id, f"internal error: {type(error).__name__}", "internal"))
 
     async def _dispatch(self, identity: bytes, message) -> None:
-        if isinstance(message, ClientGenerate):
+        if isinstance(message, (ClientGenerate, ClientStats)) and not self._authorized(message.api_key):
+            request_id, call_id = getattr(message, "request_id", None), getattr(message, "call_id", None)
+            error = "unauthorized: missing or wrong api_key" if self.config.api_key else "unauthorized"
+            await self._send(identity, ServerError(request_id, error, "unauthorized", call_id))
+        elif isinstance(message, ClientGenerate):
             await self._add_request(identity, message)
         elif isinstance(message, ClientAbort):
             await self._abort([self._engine_id(identity, message.request_id)])
         elif isinstance(message, ClientPing):
             await self._send(identity, ServerPong())
         elif isinstance(message, ClientStats):
-            call_id = next(self._call_ids)
-            self.stats_waiters[call_id] = (identity, message.call_id)
-            await self.core_in.send(self.to_core.encode(UtilityCall(call_id=call_id, method="stats")))
+            await self._stats(identity, message.call_id)
+
+    def _authorized(self, api_key: str | None) -> bool:
+        if self.config.api_key is None:
+            return True
+        return api_key is not None and hmac.compare_digest(api_key.encode(), self.config.api_key.encode())
+
+    async def _stats(self, identity: bytes, client_call_id: int) -> None:
+        call_id = next(self._call_ids)
+        if self.recovering or not await self._to_core(UtilityCall(call_id=call_id, method="stats")):
+            await self._send(identity, ServerStats(call_id=client_call_id, stats=self._server_stats()))
+            return
+        self.stats_waiters[call_id] = (identity, client_call_id)
+
+    def _server_stats(self) -> dict:
+        state = "draining" if self.draining else "recovering" if self.recovering else "serving"
+        return {"state": state, "engine_restarts": self.num_restarts, "num_requests": len(self.requests)}
 
     async def _add_request(self, identity: bytes, message: ClientGenerate) -> None:
         engine_id = self._engine_id(identity, message.request_id)
-        if self.dead_reason is not None:
-            await self._send(identity, ServerError(message.request_id, f"engine is dead: {self.dead_reason}", "engine_dead"))
+        refusal = self._refusal()
+        if refusal is not None:
+            await self._send(identity, ServerError(message.request_id, *refusal))
             return
         try:
             if engine_id in self.requests:
@@ -203,7 +407,29 @@ class FrontendServer:
         self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback)
         self.clients[identity].requests.add(engine_id)
         self.outputs.add_request(engine_id, text, add.prompt_token_ids, sampling)
-        await self.core_in.send(self.to_core.encode(add))
+        self.replay.record(add)
+        if self.recovering:
+            self._held_while_recovering += 1  # sent with the replayed requests once the engine is back
+        else:
+            await self._submit(add)
+
+    def _refusal(self) -> tuple[str, str] | None:
+        """(message, kind) when no request can be taken now."""
+        if self.dead_reason is not None:
+            return f"engine is dead: {self.dead_reason}", "engine_dead"
+        if self.draining:
+            return "server is shutting down: not accepting new requests; retry on another server or later", "draining"
+        if self.recovering and self._held_while_recovering >= self.config.max_waiting:
+            return (f"overloaded: the engine is restarting and {self._held_while_recovering} requests already wait "
+                    f"for it (max_waiting={self.config.max_waiting}); retry later", "overloaded")
+        return None
+
+    async def _submit(self, add: AddRequest) -> None:
+        if not await self._to_core(add):
+            request = self._forget(add.request_id)
+            self.outputs.abort(add.request_id)
+            message = "overloaded: the engine core is not keeping up with its input queue; retry later"
+            await self._send(request.identity, ServerError(request.request_id, message, "overloaded"))
 
     def _prompt(self, message: ClientGenerate):
         given = [x is not None for x in (message.prompt, message.prompt_token_ids, message.messages)]
@@ -241,18 +467,52 @@ class FrontendServer:
         for engine_id in live:
             self._forget(engine_id)
             self.outputs.abort(engine_id)
-        if live:
-            await self.core_in.send(self.to_core.encode(AbortRequests(request_ids=live)))
+        if live and not self.recovering:
+            await self._to_core(AbortRequests(request_ids=live))
 
     def _forget(self, engine_id: str) -> _ClientRequest | None:
         request = self.requests.pop(engine_id, None)
+        self.replay.forget(engine_id)
         if request is not None and request.identity in self.clients:
             self.clients[request.identity].requests.discard(engine_id)
         return request
 
+    async def _drop_silent_clients(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            cutoff = time.monotonic() - self.config.client_timeout_s
+            for identity in [i for i, c in self.clients.items() if c.last_seen < cutoff]:
+                await self._drop_client(identity, f"silent for over {self.config.client_timeout_s:.0f} s")
+
+    # ---- client endpoint security --------------------------------------------------------------
+
+    def _client_endpoint_keys(self) -> ServerKeys | None:
+        """The CURVE keys of the client endpoint (None: no CURVE); raises ValueError when a
+        network endpoint would accept unauthenticated clients."""
+        if not self.config.curve_dir:
+            if self.client_endpoint.startswith("tcp://"):
+                logger.warning("%s serves without CURVE (--allow-insecure-tcp): traffic%s is in clear text",
+                               self.client_endpoint, " and the api key" if self.config.api_key else "")
+            return None
+        keys = load_or_create_server_keys(self.config.curve_dir)
+        if not authorized_client_keys(keys.clients_dir) and self.config.api_key is None:
+            raise ValueError(
+                f"zmq_curve_dir: no client is authorized: put client public keys in {keys.clients_dir} "
+                "(python -m zllm.launch.keys new-client ...) or set --api-key"
+            )
+        return keys
+
+    def _start_authenticator(self, keys: ServerKeys) -> None:
+        from zllm.ipc.curve import start_authenticator
+
+        # With no client key on file, any CURVE client gets through the handshake and each
+        # request is then checked against the api key (required in that case, see above).
+        check = ClientKeyCheck(keys.clients_dir, allow_any_when_empty=self.config.api_key is not None)
+        self._authenticator = start_authenticator(self.context, check)
+
     # ---- engine core ---------------------------------------------------------------------------
 
-    async def _engine_loop(self) -> None:
+    async def _engine_loop(self) -> str:
         while True:
             frames = await self.core_out.recv_multipart()
             try:
@@ -260,23 +520,25 @@ class FrontendServer:
             except MessageError as error:
                 logger.error("dropped a malformed message from the engine core: %s", error)
                 continue
+            self._last_engine_message = time.monotonic()
             if isinstance(message, EngineOutputs):
                 await self._deliver(message)
             elif isinstance(message, UtilityResult):
+                self._answering.set()
                 await self._answer_stats(message)
             elif isinstance(message, EngineDead):
-                await self._engine_died(message.reason)
-                return
+                return f"engine core reported: {message.reason}"
 
     async def _deliver(self, message: EngineOutputs) -> None:
-        for engine_id, reason in message.failed.items():
-            request = self._forget(engine_id)
-            self.outputs.abort(engine_id)
-            if request is not None:
-                await self._send(request.identity, ServerError(request.request_id, reason))
+        for failures, kind in ((message.failed, "bad_request"), (message.rejected, "overloaded")):
+            for engine_id, reason in failures.items():
+                request = self._forget(engine_id)
+                self.outputs.abort(engine_id)
+                if request is not None:
+                    await self._send(request.identity, ServerError(request.request_id, reason, kind))
         outputs, to_abort = self.outputs.process(message.outputs)
         if to_abort:
-            await self.core_in.send(self.to_core.encode(AbortRequests(request_ids=to_abort)))
+            await self._to_core(AbortRequests(request_ids=to_abort))
         for output in outputs:
             request = self.requests.get(output.request_id)
             if request is not None:
@@ -304,27 +566,10 @@ class FrontendServer:
         waiter = self.stats_waiters.pop(result.call_id, None)
         if waiter is not None:
             identity, call_id = waiter
-            await self._send(identity, ServerStats(call_id=call_id, stats=result.result or {}))
+            await self._send(identity, ServerStats(call_id=call_id, stats={**(result.result or {}), **self._server_stats()}))
 
-    async def _engine_died(self, reason: str) -> None:
-        self.dead_reason = reason
-        logger.error("engine core is dead: %s; failing %d request(s)", reason, len(self.requests))
-        for engine_id in list(self.requests):
-            request = self._forget(engine_id)
-            self.outputs.abort(engine_id)
-            await self._send(request.identity, ServerError(request.request_id, f"engine is dead: {reason}", "engine_dead"))
-
-    # ---- health --------------------------------------------------------------------------------
-
-    async def _watch(self) -> None:
-        """Notice a dead engine core and clients that fell silent."""
-        interval = self.config.heartbeat_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            code = self.core_process.poll()
-            if code is not None:
-                await self._engine_died(f"engine core exited with code {code}")
-                return
-            cutoff = time.monotonic() - self.config.client_timeout_s
-            for identity in [i for i, c in self.clients.items() if c.last_seen < cutoff]:
-                await self._drop_client(identity, f"silent for over {self.config.client_timeout_s:.0f} s")
+    async def _answer_stats_locally(self) -> None:
+        """Stats calls the failed engine will never answer get the frontend's own view."""
+        waiters, self.stats_waiters = self.stats_waiters, {}
+        for identity, call_id in waiters.values():
+            await self._send(identity, ServerStats(call_id=call_id, stats=self._server_stats()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 from zllm.config import EngineConfig
@@ -60,4 +61,42 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         served_model_name=args.served_model_name,
+    )
+
+
+def add_reliability_args(parser: argparse.ArgumentParser) -> None:
+    """Supervision, graceful shutdown, overload and client-endpoint security (docs/deployment.md)."""
+    defaults = EngineConfig(model="")
+    group = parser.add_argument_group("reliability and security")
+    group.add_argument("--on-failure", choices=["restart", "fail"], default=defaults.on_failure,
+                       help="when the engine core or a worker dies: restart it and replay the requests in "
+                       "flight (default), or fail them all with an engine-dead error and exit")
+    group.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
+                       help="engine restarts allowed within --restart-window before giving up")
+    group.add_argument("--restart-window", type=float, default=defaults.restart_window_s, metavar="SECONDS")
+    group.add_argument("--engine-hang-timeout", type=float, default=defaults.engine_hang_timeout_s, metavar="SECONDS",
+                       help="restart an engine core that neither steps nor answers for this long")
+    group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, how long requests in flight may take to finish")
+    group.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
+                       help="requests that may wait for a slot; beyond it new ones get a retry-later error")
+    group.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
+                       help="every client request must carry this key (default: $VLLM_API_KEY)")
+    group.add_argument("--zmq-curve-dir", default=defaults.curve_dir, metavar="DIR",
+                       help="CURVE keys for a tcp:// client endpoint (server key pair, clients/*.key)")
+    group.add_argument("--allow-insecure-tcp", action="store_true",
+                       help="serve a tcp:// client endpoint without CURVE (trusted networks only)")
+
+
+def reliability_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        on_failure=args.on_failure,
+        max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window,
+        engine_hang_timeout_s=args.engine_hang_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        max_waiting=args.max_waiting,
+        api_key=args.api_key,
+        curve_dir=args.zmq_curve_dir,
+        allow_insecure_tcp=args.allow_insecure_tcp,
     )
