@@ -117,19 +117,22 @@ class ServerHandle:
         return self.process.wait(timeout)
 
 
-def start_server(directory: Path, model_dir: str, *extra: str, timeout: float = 180.0) -> ServerHandle:
-    """Start vllm-launch and wait for its ready line."""
+def start_server(
+    directory: Path, model_dir: str, *extra: str, timeout: float = 180.0, endpoint: str | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerHandle:
+    """Start vllm-launch and wait for its ready line. `env`: extra environment variables."""
     import subprocess
     import sys
     import time
 
     runtime_dir = directory / "rt"
-    endpoint = f"ipc://{directory}/client.sock"
+    endpoint = endpoint or f"ipc://{directory}/client.sock"
     log_path = directory / "server.log"
     command = [sys.executable, "-m", "zllm.launch.cli", "--model", model_dir, "--zmq-endpoint", endpoint,
                "--runtime-dir", str(runtime_dir), "--kv-cache-memory", "256MiB", "--max-model-len", "2048", *extra]
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     handle = ServerHandle(process, endpoint, str(runtime_dir), log_path)
     deadline = time.monotonic() + timeout
     while "zllm ready" not in handle.log():

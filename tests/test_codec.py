@@ -62,15 +62,24 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             arrival_time=1712345678.25,
             eos_token_ids=[2, 49152],
             priority=-3,
+            output_token_ids=[17, 18],
+            resumed=True,
         ),
         m.AbortRequests(request_ids=["ab12/req-1", "ab12/req-2"]),
         m.UtilityCall(call_id=7, method="stats", args=[1, "two", [3.5, None], {"k": False}, b"\x00\xff"]),
         m.Shutdown(reason="test over"),
     ],
     "CoreToFrontend": [
-        m.EngineOutputs(outputs=[TOKEN_DELTA, TOKEN_DELTA_INT_STOP], failed={"ab12/req-9": "prompt too long"}),
+        m.EngineOutputs(
+            outputs=[TOKEN_DELTA, TOKEN_DELTA_INT_STOP],
+            failed={"ab12/req-9": "prompt too long"},
+            rejected={"ab12/req-10": "overloaded"},
+        ),
         m.UtilityResult(call_id=3, result={"num_running": 1, "nested": [1, 2.5, "x"]}, error="partial"),
-        m.EngineReady(num_kv_blocks=364, block_size=32, max_model_len=2048, tensor_parallel_size=2, model="SmolLM2"),
+        m.EngineReady(
+            num_kv_blocks=364, block_size=32, max_model_len=2048, tensor_parallel_size=2, model="SmolLM2",
+            worker_pids=[4242, 4243],
+        ),
         m.EngineDead(reason="WorkerDiedError: rank 0 exited"),
     ],
     "CoreToWorker": [
@@ -100,10 +109,11 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             add_generation_prompt=False,
             sampling=msgspec.to_builtins(SAMPLING),
             priority=5,
+            api_key="key",
         ),
         m.ClientAbort(request_id="req-1"),
         m.ClientPing(),
-        m.ClientStats(call_id=9),
+        m.ClientStats(call_id=9, api_key="key"),
     ],
     "ServerToClient": [
         m.ServerOutput(
@@ -114,7 +124,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             stop_reason="END",
             prompt_token_ids=[4, 5],
         ),
-        m.ServerError(request_id="req-1", message="temperature: must be >= 0", kind="internal"),
+        m.ServerError(request_id="req-1", message="temperature: must be >= 0", kind="internal", call_id=4),
         m.ServerPong(),
         m.ServerStats(call_id=9, stats={"num_running": 2, "num_waiting": 0}),
     ],
@@ -455,6 +465,15 @@ CONFIG = EngineConfig(
     heartbeat_interval_s=0.25,
     startup_timeout_s=60.5,
     client_timeout_s=5.0,
+    on_failure="fail",
+    max_restarts=2,
+    restart_window_s=60.0,
+    engine_hang_timeout_s=9.5,
+    shutdown_timeout_s=3.0,
+    max_waiting=7,
+    api_key="secret",
+    curve_dir="/etc/zllm/curve",
+    allow_insecure_tcp=True,
 )
 
 

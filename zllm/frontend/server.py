@@ -40,7 +40,7 @@ from zllm.frontend.replay import ReplayLog
 from zllm.frontend.tokenizer import chat_prompt, load_tokenizer
 from zllm.ipc.addresses import InternalEndpoints, default_client_endpoint, engine_runtime_dir
 from zllm.ipc.codec import Codec, MessageError, convert
-from zllm.ipc.curve import ClientKeyCheck, ServerKeys, authorized_client_keys, load_or_create_server_keys
+from zllm.ipc.curve import ClientKeyCheck, ServerKeys, client_endpoint_keys, start_authenticator
 from zllm.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -129,7 +129,8 @@ class FrontendServer:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> EngineReady:
-        keys = self._client_endpoint_keys()  # before the model loads: a key problem fails fast
+        # Before the model loads, so that a key problem fails fast.
+        keys = client_endpoint_keys(self.client_endpoint, self.config.curve_dir, self.config.api_key)
         self.ready = await self._start_engine()
         if keys is not None:
             self._start_authenticator(keys)
@@ -486,27 +487,9 @@ class FrontendServer:
 
     # ---- client endpoint security --------------------------------------------------------------
 
-    def _client_endpoint_keys(self) -> ServerKeys | None:
-        """The CURVE keys of the client endpoint (None: no CURVE); raises ValueError when a
-        network endpoint would accept unauthenticated clients."""
-        if not self.config.curve_dir:
-            if self.client_endpoint.startswith("tcp://"):
-                logger.warning("%s serves without CURVE (--allow-insecure-tcp): traffic%s is in clear text",
-                               self.client_endpoint, " and the api key" if self.config.api_key else "")
-            return None
-        keys = load_or_create_server_keys(self.config.curve_dir)
-        if not authorized_client_keys(keys.clients_dir) and self.config.api_key is None:
-            raise ValueError(
-                f"zmq_curve_dir: no client is authorized: put client public keys in {keys.clients_dir} "
-                "(python -m zllm.launch.keys new-client ...) or set --api-key"
-            )
-        return keys
-
     def _start_authenticator(self, keys: ServerKeys) -> None:
-        from zllm.ipc.curve import start_authenticator
-
         # With no client key on file, any CURVE client gets through the handshake and each
-        # request is then checked against the api key (required in that case, see above).
+        # request is then checked against the api key (client_endpoint_keys requires one then).
         check = ClientKeyCheck(keys.clients_dir, allow_any_when_empty=self.config.api_key is not None)
         self._authenticator = start_authenticator(self.context, check)
 

@@ -56,6 +56,23 @@ def load_or_create_server_keys(curve_dir: str) -> ServerKeys:
     return ServerKeys(public, secret, os.path.join(curve_dir, CLIENTS_DIR))
 
 
+def client_endpoint_keys(endpoint: str, curve_dir: str, api_key: str | None) -> ServerKeys | None:
+    """The CURVE keys a client endpoint binds with (None: no CURVE). ValueError when CURVE is
+    asked for but no client could ever be authenticated (no client key on file, no api key)."""
+    if not curve_dir:
+        if endpoint.startswith("tcp://"):
+            logger.warning("%s serves without CURVE (--allow-insecure-tcp): traffic%s is in clear text",
+                           endpoint, " and the api key" if api_key else "")
+        return None
+    keys = load_or_create_server_keys(curve_dir)
+    if not authorized_client_keys(keys.clients_dir) and api_key is None:
+        raise ValueError(
+            f"zmq_curve_dir: no client is authorized: put client public keys in {keys.clients_dir} "
+            "(python -m zllm.launch.keys new-client ...) or set --api-key"
+        )
+    return keys
+
+
 def create_client_keys(curve_dir: str, name: str, out_dir: str) -> tuple[str, str]:
     """A new client key pair: its public key authorized in `curve_dir`/clients, its key pair
     (to hand to the client) in `out_dir`. Returns (public key path, key pair path)."""
@@ -146,11 +163,13 @@ def start_authenticator(context: zmq.Context, check: ClientKeyCheck):
     return authenticator
 
 
+_BAD_HANDSHAKE = ("the security handshake failed: the server uses CURVE and this client does not (give "
+                  "server_key=), or the other way round, or server_key is not the server's public key")
+# libzmq reports a mechanism mismatch or a wrong server key as either of the last two events.
 _HANDSHAKE_FAILURES = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused this client's CURVE key (not among its authorized clients)",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the security handshake failed: one side uses CURVE and the other does not, "
-    "or the keys do not match",
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the security handshake failed: is the server key the server's public key?",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: _BAD_HANDSHAKE,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: _BAD_HANDSHAKE,
 }
 
 HANDSHAKE_FAILURE_EVENTS = (

@@ -50,6 +50,13 @@ class EngineProcesses:
     def adopt_workers(self, pids: list[int]) -> None:
         self.worker_pids = list(pids)
 
+    def _descendants(self) -> list[int]:
+        """Workers not reported yet (the engine failed while starting) and their own children."""
+        try:
+            return [p.pid for p in psutil.Process(self.core.pid).children(recursive=True)] if self.core else []
+        except psutil.NoSuchProcess:
+            return []
+
     @property
     def pids(self) -> list[int]:
         return ([self.core.pid] if self.core is not None else []) + self.worker_pids
@@ -67,12 +74,13 @@ class EngineProcesses:
 
     async def kill(self) -> None:
         """SIGKILL every engine process; return once all are gone (their memory is freed)."""
-        pids = self.pids
+        pids = self.pids + [pid for pid in self._descendants() if pid not in self.pids]
         for pid in pids:
             _kill(pid)
         if self.core is not None:
             await asyncio.to_thread(_reap, self.core)
-        await asyncio.to_thread(_wait_gone, self.worker_pids, _KILL_WAIT_S)
+        others = [pid for pid in pids if self.core is None or pid != self.core.pid]  # the core is reaped
+        await asyncio.to_thread(_wait_gone, others, _KILL_WAIT_S)
         if pids:
             logger.info("engine processes %s are gone", pids)
         self.core, self.worker_pids = None, []
