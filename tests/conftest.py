@@ -94,6 +94,30 @@ def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def processes_gone(pids: list[int]) -> bool:
+    """Every one of these processes has exited (a zombie counts as gone: it holds no memory)."""
+    import psutil
+
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
 class ServerHandle:
     """A `vllm-launch` server running as a real process tree."""
 

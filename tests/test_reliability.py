@@ -6,7 +6,6 @@ on the client endpoint."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import socket
@@ -20,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import save_tiny_llama, start_server
+from tests.conftest import processes_gone, save_tiny_llama, start_server, wait_until
 from zllm import AsyncClient, Client, SamplingParams
 from zllm.client import AuthenticationError, EngineDeadError, OverloadedError, ServerDrainingError
 
@@ -37,25 +36,6 @@ NUM_STREAMS = 64
 def _engine_processes(handle) -> tuple[psutil.Process, list[psutil.Process]]:
     core = next(p for p in handle.children() if "zllm.enginecore.process" in " ".join(p.cmdline()))
     return core, core.children()
-
-
-def _gone(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
-
-
-def _wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def _log_time(log: str, needle: str) -> float:
@@ -134,7 +114,7 @@ def test_kill9_under_64_streams_loses_nothing(supervised, victim):
     assert f"engine failure: {victim}" in log or victim == "engine core", log
     recovered = re.search(r"engine recovered in ([0-9.]+) s: (\d+) request\(s\) replayed", log)
     assert recovered and int(recovered.group(2)) == NUM_STREAMS, log
-    assert _gone(old_pids)  # the whole old engine went, not just the process that was killed
+    assert processes_gone(old_pids)  # the whole old engine went, not just the process that was killed
     new_core, new_workers = _engine_processes(handle)
     assert new_core.pid not in old_pids and len(new_workers) == len(workers)
 
@@ -174,7 +154,7 @@ def test_crash_loop_gives_up_with_a_clear_error(supervised):
     assert handle.process.wait(30) == 1
     log = handle.log()
     assert "restarting the engine in 1 s (restart 2 of at most 2" in log  # backed off before the second
-    assert _wait_until(lambda: _gone(list(seen)), 10)
+    assert wait_until(lambda: processes_gone(list(seen)), 10)
 
 
 # ---- --on-failure fail ---------------------------------------------------------------------------
@@ -194,7 +174,7 @@ def test_on_failure_fail_ends_every_stream_with_engine_dead(tmp_path, tiny_model
     assert all("engine is dead: worker rank 0" in str(error) for error, _ in results)
     assert max(when for _, when in results) - killed_at < 5.0
     assert handle.process.wait(15) == 1
-    assert _wait_until(lambda: _gone(pids), 10)
+    assert wait_until(lambda: processes_gone(pids), 10)
 
 
 # ---- SIGTERM: drain, systemd notifications, second signal ------------------------------------------
@@ -360,4 +340,4 @@ def test_second_signal_exits_at_once(secured):
     code, took = asyncio.run(scenario())
     assert code == 128 + signal.SIGTERM
     assert took < 10  # the interpreter's own teardown is most of it
-    assert _wait_until(lambda: _gone(pids), 10)
+    assert wait_until(lambda: processes_gone(pids), 10)

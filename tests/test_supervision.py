@@ -80,7 +80,8 @@ def test_continuations_resume_each_request_from_what_its_client_received():
     assert a.output_token_ids == [5, 6] and a.resumed and a.prompt_token_ids == [1, 2, 3]
     assert b.output_token_ids == [] and b.resumed
     # Everything else is the original request, untouched (max_tokens counts outputs already given).
-    assert (b.sampling, b.eos_token_ids, b.priority, b.arrival_time) == (SamplingParams(seed=7, max_tokens=10), [2], 1, 2.0)
+    original = (SamplingParams(seed=7, max_tokens=10), [2], 1, 2.0)
+    assert (b.sampling, b.eos_token_ids, b.priority, b.arrival_time) == original
 
 
 def test_a_request_in_flight_through_too_many_failures_is_given_up():

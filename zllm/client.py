@@ -120,7 +120,8 @@ class AsyncClient:
         self._socket.setsockopt(zmq.SNDHWM, _HWM)
         self._socket.setsockopt(zmq.RCVHWM, _HWM)
         if server_key is not None:
-            make_curve_client(self._socket, load_public_key(server_key), load_key_pair(client_key) if client_key else None)
+            key_pair = load_key_pair(client_key) if client_key else None
+            make_curve_client(self._socket, load_public_key(server_key), key_pair)
         elif client_key is not None:
             raise ValueError("client_key: needs server_key (the server's public key file) too")
         self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILURE_EVENTS)

@@ -166,7 +166,8 @@ class FrontendServer:
         under the supervisor's bounded policy? What the systemd watchdog is fed from."""
         if self.recovering:
             return True
-        return self.dead_reason is None and time.monotonic() - self._last_engine_message < self.config.engine_hang_timeout_s
+        silent = time.monotonic() - self._last_engine_message
+        return self.dead_reason is None and silent < self.config.engine_hang_timeout_s
 
     def begin_drain(self) -> None:
         """Stop accepting requests (they get a "draining" error); those in flight go on."""
@@ -192,7 +193,7 @@ class FrontendServer:
         core = self.engine.core
         if core is not None and core.poll() is None:
             try:
-                await self.core_in.send(self.to_core.encode(Shutdown(reason="frontend shutdown")))
+                await self.core_in.send(self.to_core.encode(Shutdown(reason="frontend shutdown")), zmq.NOBLOCK)
                 await asyncio.to_thread(core.wait, timeout_s)
             except (zmq.ZMQError, subprocess.TimeoutExpired):
                 pass
@@ -210,7 +211,8 @@ class FrontendServer:
         """Start a new engine core (which starts its workers) with fresh sockets; wait until ready."""
         self._generation += 1
         runtime_dir = engine_runtime_dir(self.config.runtime_dir, self._generation)
-        os.makedirs(runtime_dir, mode=0o700)
+        os.makedirs(runtime_dir, mode=0o700, exist_ok=True)  # left by a killed instance: make_socket checks it
+        os.chmod(runtime_dir, 0o700)
         endpoints = InternalEndpoints(runtime_dir)
         hwm = self.config.socket_hwm
         for name in ("core_in", "core_out"):
@@ -306,7 +308,7 @@ class FrontendServer:
         for engine_id in given_up:
             request = self._forget(engine_id)
             self.outputs.abort(engine_id)
-            reason = f"engine is dead: it failed {_MAX_REPLAYS + 1} times while this request ran; not retried again"
+            reason = f"engine is dead: it failed {_MAX_REPLAYS + 1} times while this request ran; not retried"
             await self._send(request.identity, ServerError(request.request_id, reason, "engine_dead"))
         for message in resend:
             await self._submit(message)
@@ -549,7 +551,8 @@ class FrontendServer:
         waiter = self.stats_waiters.pop(result.call_id, None)
         if waiter is not None:
             identity, call_id = waiter
-            await self._send(identity, ServerStats(call_id=call_id, stats={**(result.result or {}), **self._server_stats()}))
+            stats = {**(result.result or {}), **self._server_stats()}
+            await self._send(identity, ServerStats(call_id=call_id, stats=stats))
 
     async def _answer_stats_locally(self) -> None:
         """Stats calls the failed engine will never answer get the frontend's own view."""

@@ -5,10 +5,10 @@
         └──── watches (pidfd) ─┴────────────────────────┘
 
 `EngineProcesses` starts the engine core, learns the workers' pids from its EngineReady, and
-reports the first of them to exit, at once where the kernel offers pidfds (Linux >= 5.3), else
-within `_POLL_INTERVAL_S`. `kill()` takes the whole engine down and returns only when every one
+reports the first of them to exit: at once where the kernel offers pidfds (Linux >= 5.3),
+else within `_POLL_INTERVAL_S`. `kill()` takes the whole engine down and returns only when every one
 of its processes is gone, so their memory (GPU memory included) is free before a restart.
-`RestartPolicy` decides whether to restart after a failure and how long to back off first.
+`RestartPolicy` decides whether to restart after a failure and how long to back off before.
 """
 
 from __future__ import annotations
