@@ -212,7 +212,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_notifies_systemd(tmp_path, tin
     for directory in (Path(handle.runtime_dir), engine_dir):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
 
-    params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
     prompts = [f"t{5 + i} t9" for i in range(8)]
 
     async def scenario():
@@ -226,7 +226,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_notifies_systemd(tmp_path, tin
             return await streams
 
     (results, _) = asyncio.run(scenario())
-    assert all(isinstance(r, list) and len(r) == 600 for r in results), [r if isinstance(r, tuple) else len(r)
+    assert all(isinstance(r, list) and len(r) == 300 for r in results), [r if isinstance(r, tuple) else len(r)
                                                                             for r in results]
     assert handle.process.wait(60) == 0
     assert "drained: shutting down" in handle.log()
@@ -239,14 +239,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def test_tcp_endpoint_without_keys_refuses_to_start(tiny_model):
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    command = [sys.executable, "-m", "zllm.launch.cli", "--model", tiny_model, "--zmq-endpoint", endpoint]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "client_endpoint: " + endpoint + " is reachable from the network: give --zmq-curve-dir" in result.stderr
 
 
 @pytest.fixture(scope="module")
