@@ -130,6 +130,10 @@ class ServerHandle:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def engine_dir(self) -> Path:
+        """The runtime subdirectory of the current engine (engine-1, then engine-2 after a restart...)."""
+        return max(Path(self.runtime_dir).glob("engine-*"), key=lambda path: int(path.name.split("-")[1]))
+
     def children(self):
         import psutil
 

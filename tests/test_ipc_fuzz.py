@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import time
 import typing
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -386,10 +385,8 @@ def test_live_server_survives_garbage_on_every_open_socket(server):
         context.destroy(linger=0)
 
     # Internal PULL sockets: the frontend's (engine-core output) and the core's (worker output).
-    # Each engine start has its own subdirectory (engine-1, engine-2 after a restart, ...).
-    engine_dir = max(Path(server.runtime_dir).glob("engine-*"), key=lambda p: int(p.name.split("-")[1]))
-    _push(f"ipc://{engine_dir}/core-output", _garbage("CoreToFrontend", rng))
-    _push(f"ipc://{engine_dir}/worker-output", _garbage("WorkerToCore", rng))
+    _push(f"ipc://{server.engine_dir()}/core-output", _garbage("CoreToFrontend", rng))
+    _push(f"ipc://{server.engine_dir()}/worker-output", _garbage("WorkerToCore", rng))
 
     # The core reads worker output only while it waits on a step: this generate drains it.
     after = _generate(server.endpoint)
