@@ -474,6 +474,7 @@ CONFIG = EngineConfig(
     api_key="secret",
     curve_dir="/etc/zllm/curve",
     allow_insecure_tcp=True,
+    distributed_init_method="tcp://10.0.0.1:29500",
 )
 
 
