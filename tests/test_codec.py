@@ -475,6 +475,7 @@ CONFIG = EngineConfig(
     curve_dir="/etc/zllm/curve",
     allow_insecure_tcp=True,
     distributed_init_method="tcp://10.0.0.1:29500",
+    client_max_message_bytes=1 << 20,
 )
 
 

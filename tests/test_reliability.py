@@ -293,6 +293,33 @@ def test_api_key_guards_the_zmq_endpoint(secured):
         assert client.stats()["state"] == "serving"
 
 
+def test_oversized_client_frame_drops_that_connection_only(secured):
+    import zmq
+
+    from zllm.ipc.codec import Codec
+    from zllm.ipc.curve import load_key_pair, load_public_key, make_curve_client
+    from zllm.ipc.messages import ClientPing, ClientToServer
+
+    handle, keys = secured
+    context = zmq.Context()
+    try:
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        make_curve_client(dealer, load_public_key(keys["server_key"]), load_key_pair(keys["client_key"]))
+        dealer.connect(handle.endpoint)
+        ping = Codec(ClientToServer).encode(ClientPing())
+        dealer.send(ping)
+        assert dealer.poll(10_000), "an authorized raw client is answered"
+        dealer.recv()
+        dealer.send(b"\x00" * (65 << 20))  # over the 64 MiB default
+        assert not dealer.poll(2000)  # no reply: the connection was dropped before buffering it all
+    finally:
+        context.destroy(linger=0)
+    with Client(handle.endpoint, api_key="sesame", **keys) as client:
+        assert client.generate("t5 t6", SamplingParams(max_tokens=2)).finished
+    assert handle.process.poll() is None
+
+
 def test_overload_gets_retry_later_errors_not_unbounded_queues(secured):
     """2 running + 2 waiting allowed; 40 requests at once (10x): the rest are told to retry later."""
     handle, keys = secured

@@ -54,6 +54,7 @@ class EngineConfig:
     api_key: str | None = None  # when set, every client request must carry it
     curve_dir: str = ""  # CURVE keys of a tcp:// client endpoint: server.key(_secret), clients/*.key
     allow_insecure_tcp: bool = False  # serve a tcp:// client endpoint without CURVE (trusted networks only)
+    client_max_message_bytes: int = 64 << 20  # a bigger client frame drops that client's connection
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -116,6 +117,7 @@ class EngineConfig:
         _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s", "must be >= 0")
         _require(self.max_waiting >= 1, "max_waiting", f"must be >= 1, got {self.max_waiting}")
         _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
+        _require(self.client_max_message_bytes >= 1 << 16, "client_max_message_bytes", "must be >= 64 KiB")
         if self.client_endpoint.startswith("tcp://"):
             _require(
                 bool(self.curve_dir) or self.allow_insecure_tcp,

@@ -136,7 +136,7 @@ class FrontendServer:
             self._start_authenticator(keys)
         self.client_socket = make_socket(
             self.context, zmq.ROUTER, self.client_endpoint, bind=True, hwm=self.config.socket_hwm,
-            router_mandatory=True, curve_server_keys=keys,
+            router_mandatory=True, curve_server_keys=keys, max_message_bytes=self.config.client_max_message_bytes,
         )
         logger.info("serving %s on %s%s", self.ready.model, self.client_endpoint, " (CURVE)" if keys else "")
         return self.ready

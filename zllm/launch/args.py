@@ -86,6 +86,8 @@ def add_reliability_args(parser: argparse.ArgumentParser) -> None:
                        help="CURVE keys for a tcp:// client endpoint (server key pair, clients/*.key)")
     group.add_argument("--allow-insecure-tcp", action="store_true",
                        help="serve a tcp:// client endpoint without CURVE (trusted networks only)")
+    group.add_argument("--max-client-message-size", type=parse_size, default=defaults.client_max_message_bytes,
+                       help="a client sending a bigger message is disconnected (default 64MiB)")
 
 
 def reliability_kwargs(args: argparse.Namespace) -> dict:
@@ -99,4 +101,5 @@ def reliability_kwargs(args: argparse.Namespace) -> dict:
         api_key=args.api_key,
         curve_dir=args.zmq_curve_dir,
         allow_insecure_tcp=args.allow_insecure_tcp,
+        client_max_message_bytes=args.max_client_message_size,
     )
