@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -44,22 +45,40 @@ def _log_time(log: str, needle: str) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-async def _streams(endpoint: str, prompts: list, params: SamplingParams, kill=None, kill_after_tokens: int = 2,
-                   **client_args) -> tuple[list, float | None]:
-    """Stream every prompt at once; optionally call kill() once each stream has some tokens.
-    Returns each stream's tokens (or the exception that ended it, with when) and the kill time."""
+@dataclass
+class Streamed:
+    """What one stream delivered, delta by delta."""
+
+    tokens: list[int]
+    text: str
+
+
+@dataclass
+class Ended:
+    """A stream that ended with an error, and when (wall clock)."""
+
+    error: Exception
+    at: float
+
+
+async def _streams(endpoint: str, prompts: list, params, kill=None, kill_after_tokens: int = 2,
+                   **client_args) -> tuple[list[Streamed | Ended], float | None]:
+    """Stream every prompt at once (params: one SamplingParams, or one per prompt); optionally
+    call kill() once each stream has some tokens. Returns what each stream got, and the kill time."""
     counts = [0] * len(prompts)
     killed_at = None
+    params = params if isinstance(params, list) else [params] * len(prompts)
     async with AsyncClient(endpoint, timeout=120, **client_args) as client:
-        async def consume(i: int):
-            tokens = []
+        async def consume(i: int) -> Streamed | Ended:
+            got = Streamed([], "")
             try:
-                async for delta in client.stream(prompts[i], params):
-                    tokens += delta.outputs[0].token_ids
-                    counts[i] = len(tokens)
+                async for delta in client.stream(prompts[i], params[i]):
+                    got.tokens += delta.outputs[0].token_ids
+                    got.text += delta.outputs[0].text
+                    counts[i] = len(got.tokens)
             except Exception as error:  # noqa: BLE001 - the test inspects it
-                return error, time.time()
-            return tokens
+                return Ended(error, time.time())
+            return got
 
         tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
         if kill is not None:
@@ -82,7 +101,10 @@ def tiny_model(tmp_path_factory) -> str:
 
 # ---- crash recovery under 64 streams (SmolLM2) ----------------------------------------------------
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# Half the streams carry a stop string that never matches: the frontend holds back the end of
+# their text while it could still be one, and that must carry on across the restart too.
+GREEDY = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=["@@@@"] if i % 2 else None)
+          for i in range(NUM_STREAMS)]
 STORY_PROMPTS = [f"Story number {i}: once upon a time" for i in range(NUM_STREAMS)]
 
 
@@ -91,7 +113,7 @@ def supervised(tmp_path_factory, smollm2_dir):
     """A server allowed 2 restarts, and its uninterrupted greedy answers to STORY_PROMPTS."""
     handle = start_server(tmp_path_factory.mktemp("supervised"), smollm2_dir, "--max-restarts", "2", env=ONE_THREAD)
     reference, _ = asyncio.run(_streams(handle.endpoint, STORY_PROMPTS, GREEDY))
-    assert all(len(tokens) == 8 for tokens in reference)
+    assert all(isinstance(r, Streamed) and len(r.tokens) == 8 and r.text for r in reference)
     yield handle, reference
     handle.stop()
 
@@ -106,7 +128,7 @@ def test_kill9_under_64_streams_loses_nothing(supervised, victim):
 
     results, killed_at = asyncio.run(_streams(handle.endpoint, STORY_PROMPTS, GREEDY, kill=target.kill))
 
-    assert results == reference  # every stream completed, token for token as without the crash
+    assert results == reference  # every stream completed, token for token and text for text
     log = handle.log()[offset:]
     # Detected at once: by the launcher's watch on every engine process (for a killed core, its
     # worker may be seen exiting first, as it goes down with its parent).
@@ -170,9 +192,9 @@ def test_on_failure_fail_ends_every_stream_with_engine_dead(tmp_path, tiny_model
     results, killed_at = asyncio.run(_streams(handle.endpoint, prompts, params, kill=workers[0].kill,
                                               kill_after_tokens=1))
 
-    assert all(isinstance(r, tuple) and isinstance(r[0], EngineDeadError) for r in results), results[:3]
-    assert all("engine is dead: worker rank 0" in str(error) for error, _ in results)
-    assert max(when for _, when in results) - killed_at < 5.0
+    assert all(isinstance(r, Ended) and isinstance(r.error, EngineDeadError) for r in results), results[:3]
+    assert all("engine is dead: worker rank 0" in str(r.error) for r in results)
+    assert max(r.at for r in results) - killed_at < 5.0
     assert handle.process.wait(15) == 1
     assert wait_until(lambda: processes_gone(pids), 10)
 
@@ -226,8 +248,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_notifies_systemd(tmp_path, tin
             return await streams
 
     (results, _) = asyncio.run(scenario())
-    assert all(isinstance(r, list) and len(r) == 300 for r in results), [r if isinstance(r, tuple) else len(r)
-                                                                            for r in results]
+    assert all(isinstance(r, Streamed) and len(r.tokens) == 300 for r in results), results
     assert handle.process.wait(60) == 0
     assert "drained: shutting down" in handle.log()
 
@@ -326,10 +347,10 @@ def test_overload_gets_retry_later_errors_not_unbounded_queues(secured):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     prompts = [f"t{5 + i} t9" for i in range(40)]
     results, _ = asyncio.run(_streams(handle.endpoint, prompts, params, api_key="sesame", **keys))
-    done = [r for r in results if isinstance(r, list)]
-    overloaded = [r[0] for r in results if isinstance(r, tuple)]
+    done = [r for r in results if isinstance(r, Streamed)]
+    overloaded = [r.error for r in results if isinstance(r, Ended)]
     assert all(isinstance(e, OverloadedError) for e in overloaded), overloaded[:3]
-    assert all(len(tokens) == 200 for tokens in done)
+    assert all(len(r.tokens) == 200 for r in done)
     # Accepted: the 2 running and the 2 waiting, plus any that moved up while the burst came in.
     assert len(done) + len(overloaded) == 40 and 3 <= len(done) <= 10, (len(done), len(overloaded))
     assert "max_waiting=2" in str(overloaded[0]) and "retry later" in str(overloaded[0])

@@ -29,7 +29,6 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-
 from zmq.utils.monitor import parse_monitor_message
 
 from zllm.ipc.addresses import default_client_endpoint
