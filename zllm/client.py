@@ -133,6 +133,7 @@ class AsyncClient:
         self._last_heard = time.monotonic()
         self._tasks: list[asyncio.Task] = []
         self._gone: ZllmError | None = None
+        self._gone_event = asyncio.Event()  # set with _gone: wakes a send that can never complete
 
     # ---- public calls --------------------------------------------------------------------------
 
@@ -237,7 +238,10 @@ class AsyncClient:
         finally:
             self._queues.pop(message.request_id, None)
             if not finished and self._gone is None:
-                await asyncio.shield(self._send(ClientAbort(message.request_id)))
+                try:
+                    await asyncio.shield(self._send(ClientAbort(message.request_id)))
+                except ZllmError:
+                    pass  # the server is gone: nothing left to abort
 
     def _ensure_started(self) -> None:
         if not self._tasks:
@@ -249,7 +253,18 @@ class AsyncClient:
             ]
 
     async def _send(self, message) -> None:
-        await self._socket.send(self._encoder.encode(message))
+        """Send, or raise why it cannot be: a DEALER with no usable connection (server down, or
+        a refused handshake) would otherwise wait forever."""
+        sending = asyncio.ensure_future(self._socket.send(self._encoder.encode(message)))
+        gone = asyncio.ensure_future(self._gone_event.wait())
+        await asyncio.wait({sending, gone}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if sending.done():
+            return sending.result()
+        sending.cancel()
+        if self._gone is None:
+            self._fail_all(ServerGoneError(f"could not send to {self.endpoint} for {self.timeout:.0f} s"))
+        raise self._gone
 
     async def _read_loop(self) -> None:
         while True:
@@ -292,7 +307,10 @@ class AsyncClient:
             if time.monotonic() - self._last_heard > self.timeout:
                 self._fail_all(ServerGoneError(f"no answer from {self.endpoint} for {self.timeout:.0f} s"))
                 continue
-            await self._send(ClientPing())
+            try:
+                await self._send(ClientPing())
+            except ZllmError:
+                continue  # every pending call has been failed with the reason
 
     async def _watch_handshakes(self) -> None:
         """A refused security handshake is final: fail every call now, with the reason."""
@@ -305,6 +323,7 @@ class AsyncClient:
 
     def _fail_all(self, error: ZllmError) -> None:
         self._gone = error
+        self._gone_event.set()
         for queue in self._queues.values():
             queue.put_nowait(error)
         for future in self._stats_waiters.values():
