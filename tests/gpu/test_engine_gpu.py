@@ -8,7 +8,6 @@ import os
 import pytest
 
 from tests.conftest import save_tiny_llama
-from tests.test_tiny_models import _tokenizer_files
 from zllm import LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -64,7 +63,6 @@ def model_dir(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     save_tiny_llama(directory, vocab_size=256, max_position_embeddings=4096, initializer_range=0.2,
                     **SHAPES[request.param])
-    _tokenizer_files(directory)
     return str(directory)
 
 

@@ -51,18 +51,22 @@ class BatchInputs:
     sampling_states: list[RequestState]
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[name]
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
+    """The serving dtype. "auto": float32 on CPU; on a GPU the checkpoint's half-precision dtype,
+    and bfloat16 for float32 (or unspecified) checkpoints, as vLLM does."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("float16", "bfloat16") else torch.bfloat16
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.dtype = resolve_dtype(config.dtype, device)
         self.spec = ModelSpec.from_pretrained(config.model)
+        self.dtype = resolve_dtype(config.dtype, device, self.spec.checkpoint_dtype)
         self.block_size = config.block_size
         self.ops = ops_for(device)
         self.is_cuda = device.type == "cuda"

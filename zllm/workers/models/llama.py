@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3.x, SmolLM2, Mistral): GQA attention, SwiGLU MLP, RMSNorm, RoPE.
+"""The Llama-family decoder shared by every registered architecture (models/spec.py): GQA
+attention, SwiGLU MLP, RMSNorm, RoPE. The spec's flags carry what differs: Qwen2's q/k/v bias,
+Qwen3's per-head q/k RMSNorm, Llama's optional attention/MLP bias.
 
 Parameter names mirror HF's, with q/k/v and gate/up fused into one matrix each; the loader
 maps HF's separate tensors onto their shard of the fused one.
@@ -55,8 +57,13 @@ class LlamaAttention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.attention_bias)
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        if spec.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by all heads
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -65,6 +72,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         self.ops.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = self.ops.attention(q, kv_cache, meta, self.scale)
@@ -170,6 +179,13 @@ class LlamaForCausalLM(nn.Module):
             if f".{part}." in hf_name:
                 return hf_name.replace(f".{part}.", f".{fused}."), shard
         return hf_name, None
+
+    def checkpoint_name(self, name: str, shard: int | None) -> str:
+        """The HF tensor name that fills (parameter, shard): checkpoint_targets reversed."""
+        for fused, part, index in self.STACKED:
+            if shard == index and f".{fused}." in name:
+                return name.replace(f".{fused}.", f".{part}.")
+        return name
 
     def expected_checkpoint_tensors(self) -> Iterator[tuple[str, int | None]]:
         """Every (parameter, shard) that a checkpoint must provide exactly once."""
