@@ -10,6 +10,10 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zllm.workers.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +106,7 @@ class EngineConfig:
         return -(-num_tokens // self.block_size)
 
 
-def _resolve_max_model_len(spec, requested: int) -> int:
+def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
     """The context length: the model's max_position_embeddings, capped at its sliding window.
 
     NOTE: zllm has no sliding-window attention. Full causal attention equals it exactly while a
