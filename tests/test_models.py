@@ -98,6 +98,21 @@ def test_worker_process_serves_a_registered_architecture(tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize(("architecture", "tp"), [("qwen2", 2), ("qwen3", 3)])
+def test_tensor_parallel_matches_hf(tmp_path, architecture, tp):
+    """Each rank loads its slice of the q/k/v biases (Qwen2) or a copy of the q/k norms (Qwen3);
+    tp 3 splits 4 heads over 2 KV heads unevenly, replicating KV heads."""
+    model_dir = save_tiny_model(tmp_path, architecture, initializer_range=0.2, head_dim=32)
+    expected = _hf_generate_all(model_dir, PROMPTS, 16)
+    llm = LLM(str(model_dir), dtype="float32", tensor_parallel_size=tp, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_dummy_weights_run_any_shape(tmp_path):
     model_dir = save_tiny_llama(tmp_path, hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
     (tokens,) = _engine_generate_all(model_dir, PROMPTS[:1], 5, load_format="dummy")

@@ -39,7 +39,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # worker processes, one model shard (and GPU) each
+    distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
     enforce_eager: bool = False  # CUDA: no decode graphs
     served_model_name: str | None = None
     # Processes and sockets.
@@ -66,6 +67,7 @@ class EngineConfig:
         spec = ModelSpec.from_pretrained(config.model)
         config.max_model_len = _resolve_max_model_len(spec, config.max_model_len)
         config.validate()
+        _check_tensor_parallel(config, spec)
         return config
 
     @property
@@ -100,7 +102,7 @@ class EngineConfig:
         )
         _require(self.socket_hwm >= 1, "socket_hwm", f"must be >= 1, got {self.socket_hwm}")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
-        _require(self.tensor_parallel_size == 1, "tensor_parallel_size", "only 1 is supported so far")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -129,6 +131,24 @@ def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
         logger.warning("max_model_len: capped at the model's sliding_window, %d (max_position_embeddings %d)", window, limit)
         return window
     return limit
+
+
+def _check_tensor_parallel(config: EngineConfig, spec: ModelSpec) -> None:
+    """Refuse a split that cannot work before any process starts."""
+    from zllm.partition import head_shards
+
+    head_shards(spec.num_heads, spec.num_kv_heads, config.tensor_parallel_size)
+    if config.tensor_parallel_size == 1 or config.device == "cpu":
+        return
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if config.device == "cuda" or available:
+        _require(
+            config.tensor_parallel_size <= available,
+            "tensor_parallel_size",
+            f"{config.tensor_parallel_size} ranks need {config.tensor_parallel_size} GPUs, but {available} are visible",
+        )
 
 
 def _require(ok: bool, field: str, reason: str) -> None:

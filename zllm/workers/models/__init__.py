@@ -7,11 +7,11 @@ from zllm.workers.models.spec import MODEL_REGISTRY, ModelSpec, unsupported_arch
 __all__ = ["MODEL_REGISTRY", "ModelSpec", "build_model"]
 
 
-def build_model(spec: ModelSpec, ops=None):
-    """The model for `spec`. Every registered architecture is the shared Llama-family decoder;
-    the spec's flags (biases, q/k norm) carry what differs."""
+def build_model(spec: ModelSpec, ops=None, tp=None):
+    """This rank's model for `spec`. Every registered architecture is the shared Llama-family
+    decoder; the spec's flags (biases, q/k norm) carry what differs."""
     from zllm.workers.models.llama import LlamaForCausalLM
 
     if spec.architecture not in MODEL_REGISTRY:
         raise unsupported_architecture(repr(spec.architecture))
-    return LlamaForCausalLM(spec, ops)
+    return LlamaForCausalLM(spec, ops, tp)
