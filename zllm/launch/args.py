@@ -22,7 +22,7 @@ def parse_size(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig(model="")
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     group.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
     group.add_argument("--device", choices=["auto", "cuda", "cpu"], default=defaults.device)
