@@ -41,7 +41,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1  # worker processes, one model shard (and GPU) each
     distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
-    custom_all_reduce_max_bytes: int = 8 << 20  # GPU tp: all-reduces up to this size skip NCCL; 0: never
     enforce_eager: bool = False  # CUDA: no decode graphs
     served_model_name: str | None = None
     # Processes and sockets.
@@ -103,7 +102,6 @@ class EngineConfig:
         )
         _require(self.socket_hwm >= 1, "socket_hwm", f"must be >= 1, got {self.socket_hwm}")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
-        _require(self.custom_all_reduce_max_bytes >= 0, "custom_all_reduce_max_bytes", "must be >= 0")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
