@@ -476,7 +476,6 @@ CONFIG = EngineConfig(
     allow_insecure_tcp=True,
     distributed_init_method="tcp://10.0.0.1:29500",
     client_max_message_bytes=1 << 20,
-    custom_all_reduce_max_bytes=0,
 )
 
 
