@@ -14,10 +14,10 @@ from zllm.ipc import messages as m
 from zllm.ipc.codec import Codec, MessageError, convert, decode_json, encode_json
 from zllm.sampling_params import SamplingParams
 
-# Every field differs from its default, except n (only n == 1 is valid for now) and detokenize
-# (False forbids stop strings; its round trip is checked separately).
+# Every field differs from its default, except detokenize (False forbids stop strings; its round
+# trip is checked separately).
 SAMPLING = SamplingParams(
-    n=1,
+    n=3,
     temperature=0.7,
     top_p=0.9,
     top_k=40,
@@ -31,6 +31,13 @@ SAMPLING = SamplingParams(
     include_stop_str_in_output=True,
     skip_special_tokens=False,
     spaces_between_special_tokens=False,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repetition_penalty=1.3,
+    logprobs=5,
+    prompt_logprobs=2,
+    logit_bias={17: -100.0, 3: 2.5},
+    bad_words=["darn", "heck"],
 )
 
 TOKEN_DELTA = m.TokenDelta(
@@ -167,8 +174,8 @@ def test_examples_cover_every_member_of_every_channel():
 def test_examples_set_every_field_to_a_non_default(message):
     for field in msgspec.structs.fields(message):
         value = getattr(message, field.name)
-        if isinstance(message, SamplingParams) and field.name in ("n", "detokenize"):
-            continue  # n > 1 is rejected; detokenize=False excludes the stop strings set here
+        if isinstance(message, SamplingParams) and field.name == "detokenize":
+            continue  # detokenize=False excludes the stop strings set here
         if field.default is not msgspec.NODEFAULT:
             assert value != field.default, f"{_id(message)}.{field.name} is its default"
         if field.default_factory is not msgspec.NODEFAULT:
@@ -389,7 +396,15 @@ BAD_SAMPLING = [
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"min_p": 2.0}, "min_p"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs"),
+    ({"logit_bias": {"7": 101.0}}, "logit_bias"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"bad_words": [""]}, "bad_words"),
     ({"seed": -1}, "seed"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
@@ -449,6 +464,10 @@ CONFIG = EngineConfig(
     tensor_parallel_size=2,
     enforce_eager=True,
     served_model_name="served",
+    enable_prefix_caching=False,
+    scheduling_policy="priority",
+    max_logprobs=5,
+    max_n=4,
     runtime_dir="/run/user/1000/zllm-abc",
     client_endpoint="tcp://127.0.0.1:5555",
     socket_hwm=10,
