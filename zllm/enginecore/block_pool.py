@@ -83,6 +83,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free = FreeBlockQueue(self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0  # cached blocks given to other tokens
 
     @property
     def num_blocks(self) -> int:
@@ -147,3 +148,4 @@ class BlockPool:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
             block.block_hash = None
+            self.num_evictions += 1

@@ -56,6 +56,7 @@ class SchedulerStats:
     prefix_cache_hits: int  # of which were found there
     prefix_cache_hit_rate: float
     num_cached_blocks: int
+    prefix_cache_evictions: int
 
 
 class Scheduler:
@@ -128,6 +129,7 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             prefix_cache_hit_rate=prefix.hit_rate,
             num_cached_blocks=self.kv_cache.pool.num_cached_blocks,
+            prefix_cache_evictions=self.kv_cache.pool.num_evictions,
         )
 
     def reset_prefix_cache(self) -> int:
