@@ -72,8 +72,9 @@ def test_freed_cached_block_stays_findable_until_allocation_evicts_it_in_lru_ord
 
     (fresh,) = pool.allocate(1)
     assert fresh.block_id == 2 and pool.num_cached_blocks == 2
+    assert pool.num_evictions == 0
     (evicted,) = pool.allocate(1)
-    assert evicted is b
+    assert evicted is b and pool.num_evictions == 1
     assert pool.cached_block(b"hash-b") is None and b.block_hash is None
     assert pool.cached_block(b"hash-a") is a
 
@@ -197,7 +198,7 @@ def test_a_later_request_starts_after_the_cached_prefix_of_an_earlier_one():
     assert new.block_ids[:2] == [0, 1]  # a's blocks
     assert b.num_cached_tokens == 8
     stats = scheduler.stats()
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (10 + 11, 8)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prefix_cache_misses) == (10 + 11, 8, 13)
     assert stats.prefix_cache_hit_rate == pytest.approx(8 / 21)
     deltas = complete(scheduler, step)
     assert deltas[0].num_cached_tokens == 8

@@ -102,23 +102,29 @@ def test_reset_prefix_cache_forgets_everything(llm, prompts):
 
 
 def test_evicted_blocks_are_never_served_stale(smollm2_dir, prompts, reference):
-    # 24 blocks (384 tokens) hold two of these ~70-token prompts with their outputs: every round
-    # evicts what the previous cached, and the next reuses what is left of it.
-    small = LLM(smollm2_dir, dtype="float32", max_model_len=256, num_kv_blocks=24)
+    # 14 blocks (224 tokens) hold two of these ~75-token prompts with their outputs: every round
+    # evicts blocks the previous rounds cached, and reuses what is left of them.
+    small = LLM(smollm2_dir, dtype="float32", max_model_len=256, num_kv_blocks=14)
     for _ in range(2):
         for i in range(0, len(prompts), 2):
             assert token_ids(small.generate(prompts[i : i + 2], greedy(), use_tqdm=False)) == reference[i : i + 2]
     stats = small.engine.core.stats()
-    assert stats.prefix_cache_evictions > 20 and stats.prefix_cache_hits > 0
+    assert stats.prefix_cache_evictions > 10 and stats.prefix_cache_hits > 0
 
 
 # ---- preemption and priorities -------------------------------------------------------------------
 
 
-def test_many_preemptions_give_the_same_greedy_tokens(smollm2_dir, prompts, reference):
+def test_many_preemptions_give_the_same_greedy_tokens(smollm2_dir, llm):
+    # Short prompts that fit at first (1 block each) and then grow to 5 blocks each, in a pool of
+    # 8: requests are preempted over and over, and resumed by recompute.
+    tokenizer = llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer.encode(f"{i}. {q}")} for i, q in enumerate(QUESTIONS * 2)]
+    params = greedy(64, ignore_eos=True)
+    unconstrained = token_ids(llm.generate(prompts, params, use_tqdm=False))
     for caching in (True, False):
-        small = LLM(smollm2_dir, dtype="float32", max_model_len=256, num_kv_blocks=16, enable_prefix_caching=caching)
-        assert token_ids(small.generate(prompts, greedy(), use_tqdm=False)) == reference
+        small = LLM(smollm2_dir, dtype="float32", max_model_len=128, num_kv_blocks=8, enable_prefix_caching=caching)
+        assert token_ids(small.generate(prompts, params, use_tqdm=False)) == unconstrained
         assert small.engine.core.stats().num_preemptions >= 5
         pool = small.engine.core.scheduler.kv_cache.pool
         assert pool.num_free_blocks == pool.num_blocks
@@ -149,27 +155,36 @@ def run_with_priorities(engine: LLMEngine, prompts: list[dict], priorities: list
     return [finished_at[i] for i in range(len(prompts))], [tokens[i] for i in range(len(prompts))]
 
 
+def same_until_eos(tokens: list[list[int]], reference: list[list[int]]) -> bool:
+    """ignore_eos outputs continue past where the reference stopped."""
+    return all(t[: len(r)] == r for t, r in zip(tokens, reference, strict=True))
+
+
 def test_higher_priority_requests_finish_first(smollm2_dir, prompts, reference):
     priorities = [3, 0, 2, 1, 0, 3]
     engine = LLMEngine.from_engine_args(smollm2_dir, max_num_seqs=2, scheduling_policy="priority", **ENGINE)
-    finished_at, tokens = run_with_priorities(engine, prompts, priorities, greedy())
-    assert tokens == reference
+    # Equal lengths, two at a time: the pair admitted together finishes together.
+    finished_at, tokens = run_with_priorities(engine, prompts, priorities, greedy(24, ignore_eos=True))
+    assert same_until_eos(tokens, reference)
     for a in range(len(prompts)):
         for b in range(len(prompts)):
             if priorities[a] < priorities[b]:
                 assert finished_at[a] <= finished_at[b], (a, b, finished_at)
-    assert finished_at[1] < finished_at[0] and finished_at[4] < finished_at[5]
+    assert finished_at[1] == finished_at[4] < finished_at[3] < finished_at[0] == finished_at[5]
 
 
 def test_priority_preemption_takes_the_least_important_running_request(smollm2_dir, prompts, reference):
-    # Room for both prompts but not for both to grow: one running request must be preempted.
+    # Room for both prompts but not for both to grow (no sharing: caching off): one running
+    # request must be preempted, and it is the less important one although it started first.
     blocks = [-(-len(p["prompt_token_ids"]) // 16) for p in prompts[:2]]
     engine = LLMEngine.from_engine_args(
-        smollm2_dir, dtype="float32", max_model_len=256, num_kv_blocks=sum(blocks) + 1, scheduling_policy="priority"
+        smollm2_dir, dtype="float32", max_model_len=256, num_kv_blocks=sum(blocks) + 1, scheduling_policy="priority",
+        enable_prefix_caching=False,
     )
-    engine.add_request("early-low", prompts[0], greedy(), priority=5)
+    params = greedy(24, ignore_eos=True)
+    engine.add_request("early-low", prompts[0], params, priority=5)
     engine.step()  # its prefill: it runs first
-    engine.add_request("late-high", prompts[1], greedy(), priority=0)
+    engine.add_request("late-high", prompts[1], params, priority=0)
     finished, tokens = [], {}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -178,7 +193,7 @@ def test_priority_preemption_takes_the_least_important_running_request(smollm2_d
                 tokens[output.request_id] = output.outputs[0].token_ids
     assert finished == ["late-high", "early-low"]  # fcfs would have preempted the later one
     assert engine.core.stats().num_preemptions >= 1
-    assert [tokens["early-low"], tokens["late-high"]] == reference[:2]
+    assert same_until_eos([tokens["early-low"], tokens["late-high"]], reference[:2])
 
 
 def test_priority_needs_the_priority_policy(llm, prompts):

@@ -54,6 +54,7 @@ class SchedulerStats:
     num_steps: int
     prefix_cache_queries: int  # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hits: int  # of which were found there
+    prefix_cache_misses: int  # and were computed
     prefix_cache_hit_rate: float
     num_cached_blocks: int
     prefix_cache_evictions: int
@@ -127,6 +128,7 @@ class Scheduler:
             num_steps=self._step_id,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
+            prefix_cache_misses=prefix.queries - prefix.hits,
             prefix_cache_hit_rate=prefix.hit_rate,
             num_cached_blocks=self.kv_cache.pool.num_cached_blocks,
             prefix_cache_evictions=self.kv_cache.pool.num_evictions,
