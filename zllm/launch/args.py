@@ -22,7 +22,7 @@ def parse_size(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig(model="")
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     group.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
     group.add_argument("--device", choices=["auto", "cuda", "cpu"], default=defaults.device)
@@ -51,6 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
                        help="the most logprobs / prompt_logprobs a request may ask for")
     group.add_argument("--max-n", type=int, default=defaults.max_n, help="the most completions (n) per request")
+    group.add_argument("--distributed-init-method", default="",
+                       help="torch.distributed rendezvous for tp > 1 (default: a file in the runtime dir)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -75,4 +77,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,
+        distributed_init_method=args.distributed_init_method,
     )
