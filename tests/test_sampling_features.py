@@ -396,3 +396,28 @@ def test_sampling_params_reject_bad_values(kwargs, field):
 def test_a_bad_cache_salt_is_rejected(llm, prompts):
     with pytest.raises(ValueError, match="^cache_salt:"):
         llm.generate([prompts[0] | {"cache_salt": ""}], greedy(), use_tqdm=False)
+
+
+# ---- tensor parallelism -----------------------------------------------------------------------------
+
+
+def test_sampling_features_are_the_same_at_tp_2(smollm2_dir, llm, prompts):
+    """Only rank 0 sees the gathered logits and samples: logprobs, penalties and n work there."""
+    params = [
+        greedy(12, logprobs=3, prompt_logprobs=2, repetition_penalty=1.3, logit_bias={11: 2.0}),
+        SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12, logprobs=1, presence_penalty=0.5),
+    ]
+    expected = llm.generate(prompts[:2], params, use_tqdm=False)
+    tp2 = LLM(smollm2_dir, tensor_parallel_size=2, **ENGINE)
+    try:
+        got = tp2.generate(prompts[:2], params, use_tqdm=False)
+    finally:
+        tp2.shutdown()
+    assert token_ids(got) == token_ids(expected)
+    for a, b in zip(got, expected):
+        for ca, cb in zip(a.outputs, b.outputs):
+            for ea, eb in zip(ca.logprobs, cb.logprobs):
+                assert ea.keys() == eb.keys()
+                assert all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 for t in ea)
+    for ea, eb in zip(got[0].prompt_logprobs[1:], expected[0].prompt_logprobs[1:]):
+        assert ea.keys() == eb.keys() and all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 for t in ea)
