@@ -66,31 +66,35 @@ def _add(request_id: str, arrival: float, **sampling) -> AddRequest:
     return AddRequest(request_id, [1, 2, 3], SamplingParams(**sampling), arrival, eos_token_ids=[2], priority=1)
 
 
-def test_continuations_resume_each_request_from_what_its_client_received():
+def test_continuations_resume_each_completion_from_what_its_client_received():
     log = ReplayLog(max_replays=2)
-    log.record(_add("b", 2.0, seed=7, max_tokens=10))
-    log.record(_add("a", 1.0, temperature=0.0))
-    log.record(_add("c", 3.0))
+    log.record("b", [_add("b", 2.0, seed=7, max_tokens=10)])
+    log.record("a", [_add("a", 1.0, temperature=0.0)])
+    log.record("n", [_add("0_n", 3.0, prompt_logprobs=2), _add("1_n", 3.0), _add("2_n", 3.0)])  # n=3 children
+    log.record("c", [_add("c", 4.0)])
     log.forget("c")
-    received = {"a": [5, 6], "b": []}
-    resend, given_up = log.continuations(lambda request_id: received[request_id])
+    received = {"a": [5, 6], "b": [], "0_n": [9], "1_n": None, "2_n": []}  # 1_n already finished
+    resend, given_up = log.continuations(received.__getitem__)
     assert given_up == []
-    assert [m.request_id for m in resend] == ["a", "b"]  # arrival order
-    a, b = resend
+    assert [m.request_id for m in resend] == ["a", "b", "0_n", "2_n"]  # arrival order; ended ones skipped
+    a, b, n0, n2 = resend
     assert a.output_token_ids == [5, 6] and a.resumed and a.prompt_token_ids == [1, 2, 3]
     assert b.output_token_ids == [] and b.resumed
     # Everything else is the original request, untouched (max_tokens counts outputs already given).
     original = (SamplingParams(seed=7, max_tokens=10), [2], 1, 2.0)
     assert (b.sampling, b.eos_token_ids, b.priority, b.arrival_time) == original
+    # Prompt logprobs came with the first token: once it was received they are not asked again.
+    assert n0.sampling.prompt_logprobs is None and n0.output_token_ids == [9]
+    assert n2.sampling == SamplingParams()
 
 
 def test_a_request_in_flight_through_too_many_failures_is_given_up():
     log = ReplayLog(max_replays=2)
-    log.record(_add("poison", 1.0))
+    log.record("poison", [_add("poison", 1.0)])
     for _ in range(2):
         resend, given_up = log.continuations(lambda _: [])
         assert [m.request_id for m in resend] == ["poison"] and given_up == []
-    log.record(_add("innocent", 2.0))
+    log.record("innocent", [_add("innocent", 2.0)])
     resend, given_up = log.continuations(lambda _: [])
     assert [m.request_id for m in resend] == ["innocent"] and given_up == ["poison"]
     assert "poison" not in log and len(log) == 1

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_SCHEDULING_POLICIES = ("fcfs", "priority")
 _ON_FAILURE = ("restart", "fail")
 
 
@@ -44,6 +45,10 @@ class EngineConfig:
     distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
     enforce_eager: bool = False  # CUDA: no decode graphs
     served_model_name: str | None = None
+    enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
+    scheduling_policy: str = "fcfs"  # fcfs: arrival order; priority: lower `priority` value first
+    max_logprobs: int = 20  # the most SamplingParams.logprobs / prompt_logprobs may ask for
+    max_n: int = 128  # the most completions (SamplingParams.n) one request may ask for
     # Processes and sockets.
     runtime_dir: str = ""  # private 0700 directory for ipc sockets; made at launch when empty
     client_endpoint: str = ""  # ZMQ endpoint for clients; empty: zllm.ipc.addresses.default_client_endpoint()
@@ -112,6 +117,13 @@ class EngineConfig:
             "gpu_memory_utilization",
             f"must be in (0, 1], got {self.gpu_memory_utilization}",
         )
+        _require(
+            self.scheduling_policy in _SCHEDULING_POLICIES,
+            "scheduling_policy",
+            f"must be one of {_SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
+        )
+        _require(self.max_logprobs >= 0, "max_logprobs", f"must be >= 0, got {self.max_logprobs}")
+        _require(self.max_n >= 1, "max_n", f"must be >= 1, got {self.max_n}")
         _require(self.socket_hwm >= 1, "socket_hwm", f"must be >= 1, got {self.socket_hwm}")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
         self._validate_reliability()

@@ -49,6 +49,7 @@ from zllm.ipc.messages import (
     ClientPing,
     ClientStats,
     ClientToServer,
+    ClientUtility,
     CoreToFrontend,
     EngineDead,
     EngineOutputs,
@@ -59,6 +60,7 @@ from zllm.ipc.messages import (
     ServerPong,
     ServerStats,
     ServerToClient,
+    ServerUtilityResult,
     Shutdown,
     UtilityCall,
     UtilityResult,
@@ -81,13 +83,28 @@ class EngineStartError(RuntimeError):
     pass
 
 
+# Engine utilities a client may call by name (ClientUtility).
+_CLIENT_UTILITIES = ("reset_prefix_cache",)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """How much of one completion a client has received."""
+
+    text: int = 0
+    tokens: int = 0
+    logprobs: int = 0
+    finished: bool = False
+
+
 @dataclass(slots=True)
 class _ClientRequest:
     identity: bytes
     request_id: str  # the client's id; the engine sees identity-prefixed ids
     holdback: int  # characters of text withheld while a stop string could still match
-    sent_text: int = 0
-    sent_tokens: int = 0
+    sent: list[_Sent]  # one per completion (n)
+    sent_prompt: bool = False
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass(slots=True)
@@ -111,6 +128,7 @@ class FrontendServer:
         self.requests: dict[str, _ClientRequest] = {}
         self.clients: dict[bytes, _Client] = {}
         self.stats_waiters: dict[int, tuple[bytes, int]] = {}
+        self.utility_waiters: dict[int, tuple[bytes, int]] = {}
         self._call_ids = itertools.count()
         self.engine = EngineProcesses()
         self.restart_policy = RestartPolicy(config.max_restarts, config.restart_window_s)
@@ -270,7 +288,7 @@ class FrontendServer:
         failed_at = time.monotonic()
         logger.error("engine failure: %s; %d request(s) in flight", reason, len(self.requests))
         self.recovering, self._held_while_recovering = True, 0
-        await self._answer_stats_locally()
+        await self._answer_calls_locally()
         await self.kill_engine()
         if self.config.on_failure == "fail" or self.draining:
             return await self._give_up(f"engine is dead: {reason}")
@@ -304,6 +322,7 @@ class FrontendServer:
         return False
 
     async def _replay(self) -> int:
+        """Send the new engine core every unfinished completion, continued; returns how many."""
         resend, given_up = self.replay.continuations(self.outputs.received_token_ids)
         for engine_id in given_up:
             request = self._forget(engine_id)
@@ -363,7 +382,7 @@ class FrontendServer:
                 await self._send(identity, ServerError(request_id, f"internal error: {type(error).__name__}", "internal"))
 
     async def _dispatch(self, identity: bytes, message) -> None:
-        if isinstance(message, (ClientGenerate, ClientStats)) and not self._authorized(message.api_key):
+        if isinstance(message, (ClientGenerate, ClientStats, ClientUtility)) and not self._authorized(message.api_key):
             request_id, call_id = getattr(message, "request_id", None), getattr(message, "call_id", None)
             error = "unauthorized: missing or wrong api_key" if self.config.api_key else "unauthorized"
             await self._send(identity, ServerError(request_id, error, "unauthorized", call_id))
@@ -375,6 +394,8 @@ class FrontendServer:
             await self._send(identity, ServerPong())
         elif isinstance(message, ClientStats):
             await self._stats(identity, message.call_id)
+        elif isinstance(message, ClientUtility):
+            await self._call_utility(identity, message)
 
     def _authorized(self, api_key: str | None) -> bool:
         if self.config.api_key is None:
@@ -392,6 +413,18 @@ class FrontendServer:
         state = "draining" if self.draining else "recovering" if self.recovering else "serving"
         return {"state": state, "engine_restarts": self.num_restarts, "num_requests": len(self.requests)}
 
+    async def _call_utility(self, identity: bytes, message: ClientUtility) -> None:
+        if message.method not in _CLIENT_UTILITIES:
+            error = f"method: {message.method!r} is not one of {list(_CLIENT_UTILITIES)}"
+            await self._send(identity, ServerUtilityResult(call_id=message.call_id, error=error))
+            return
+        call_id = next(self._call_ids)
+        if self.recovering or not await self._to_core(UtilityCall(call_id=call_id, method=message.method)):
+            error = "the engine is restarting after a failure; retry later"
+            await self._send(identity, ServerUtilityResult(call_id=message.call_id, error=error))
+            return
+        self.utility_waiters[call_id] = (identity, message.call_id)
+
     async def _add_request(self, identity: bytes, message: ClientGenerate) -> None:
         engine_id = self._engine_id(identity, message.request_id)
         refusal = self._refusal()
@@ -402,19 +435,23 @@ class FrontendServer:
             if engine_id in self.requests:
                 raise ValueError(f"request_id: {message.request_id!r} is already in use by this client")
             sampling = convert(message.sampling, SamplingParams)
-            add, text = self.processor.process(engine_id, self._prompt(message), sampling, priority=message.priority)
+            add, text = self.processor.process(
+                engine_id, self._prompt(message), sampling, priority=message.priority, cache_salt=message.cache_salt
+            )
+            core_messages = self.outputs.add_request(add, text)  # n > 1: n children
         except ValueError as error:
             await self._send(identity, ServerError(message.request_id, str(error)))
             return
         holdback = max((len(s) for s in sampling.stop_strings), default=1) - 1
-        self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback)
+        sent = [_Sent() for _ in range(sampling.n)]
+        self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback, sent)
         self.clients[identity].requests.add(engine_id)
-        self.outputs.add_request(engine_id, text, add.prompt_token_ids, sampling)
-        self.replay.record(add)
+        self.replay.record(engine_id, core_messages)
         if self.recovering:
             self._held_while_recovering += 1  # sent with the replayed requests once the engine is back
-        else:
-            await self._submit(add)
+            return
+        for core_message in core_messages:
+            await self._submit(core_message)
 
     def _refusal(self) -> tuple[str, str] | None:
         """(message, kind) when no request can be taken now."""
@@ -427,12 +464,10 @@ class FrontendServer:
                     f"for it (max_waiting={self.config.max_waiting}); retry later", "overloaded")
         return None
 
-    async def _submit(self, add: AddRequest) -> None:
-        if not await self._to_core(add):
-            request = self._forget(add.request_id)
-            self.outputs.abort(add.request_id)
+    async def _submit(self, core_message: AddRequest) -> None:
+        if not await self._to_core(core_message):
             message = "overloaded: the engine core is not keeping up with its input queue; retry later"
-            await self._send(request.identity, ServerError(request.request_id, message, "overloaded"))
+            await self._fail(core_message.request_id, message, "overloaded")
 
     def _prompt(self, message: ClientGenerate):
         given = [x is not None for x in (message.prompt, message.prompt_token_ids, message.messages)]
@@ -466,12 +501,13 @@ class FrontendServer:
             await self._abort(list(client.requests))
 
     async def _abort(self, engine_ids: list[str]) -> None:
-        live = [i for i in engine_ids if i in self.requests]
-        for engine_id in live:
+        core_ids = []
+        for engine_id in [i for i in engine_ids if i in self.requests]:
             self._forget(engine_id)
+            core_ids += self.outputs.core_request_ids(engine_id)
             self.outputs.abort(engine_id)
-        if live and not self.recovering:
-            await self._to_core(AbortRequests(request_ids=live))
+        if core_ids and not self.recovering:
+            await self._to_core(AbortRequests(request_ids=core_ids))
 
     def _forget(self, engine_id: str) -> _ClientRequest | None:
         request = self.requests.pop(engine_id, None)
@@ -510,52 +546,91 @@ class FrontendServer:
                 await self._deliver(message)
             elif isinstance(message, UtilityResult):
                 self._answering.set()
-                await self._answer_stats(message)
+                await self._answer_utility(message)
             elif isinstance(message, EngineDead):
                 return f"engine core reported: {message.reason}"
 
     async def _deliver(self, message: EngineOutputs) -> None:
         for failures, kind in ((message.failed, "bad_request"), (message.rejected, "overloaded")):
-            for engine_id, reason in failures.items():
-                request = self._forget(engine_id)
-                self.outputs.abort(engine_id)
-                if request is not None:
-                    await self._send(request.identity, ServerError(request.request_id, reason, kind))
+            for core_id, reason in failures.items():
+                await self._fail(core_id, reason, kind)
         outputs, to_abort = self.outputs.process(message.outputs)
         if to_abort:
             await self._to_core(AbortRequests(request_ids=to_abort))
         for output in outputs:
             request = self.requests.get(output.request_id)
             if request is not None:
-                await self._send_delta(request, output)
+                await self._send_deltas(request, output)
 
-    async def _send_delta(self, request: _ClientRequest, output: RequestOutput) -> None:
-        completion = output.outputs[0]
-        visible = completion.text if output.finished else completion.text[: len(completion.text) - request.holdback]
-        first = request.sent_tokens == 0
+    async def _fail(self, core_id: str, reason: str, kind: str = "bad_request") -> None:
+        """The core refused one of a request's completions: the whole request fails."""
+        engine_id = self.outputs.request_id_of(core_id)
+        if engine_id is None:
+            return
+        siblings = [i for i in self.outputs.core_request_ids(engine_id) if i != core_id]
+        self.outputs.abort(engine_id)
+        if siblings:
+            await self._to_core(AbortRequests(request_ids=siblings))
+        request = self._forget(engine_id)
+        if request is not None:
+            await self._send(request.identity, ServerError(request.request_id, reason, kind))
+
+    async def _send_deltas(self, request: _ClientRequest, output: RequestOutput) -> None:
+        """One ServerOutput per completion that advanced; the last one says if the request ended."""
+        deltas = [d for c in output.outputs if (d := self._completion_delta(request, output, c)) is not None]
+        if output.finished:
+            self._forget(output.request_id)
+            if deltas:
+                deltas[-1].finished = True
+        for delta in deltas:
+            await self._send(request.identity, delta)
+
+    def _completion_delta(self, request: _ClientRequest, output: RequestOutput, completion) -> ServerOutput | None:
+        sent = request.sent[completion.index]
+        if sent.finished or (len(completion.token_ids) == sent.tokens and not completion.finished):
+            return None
+        text = completion.text
+        visible = text if completion.finished else text[: len(text) - request.holdback]
+        first = not request.sent_prompt
+        # Prompt logprobs come with completion 0's first token, which may not be the first sent.
+        prompt_logprobs = None if request.sent_prompt_logprobs else output.prompt_logprobs
         delta = ServerOutput(
             request_id=request.request_id,
-            text=visible[request.sent_text :],
-            token_ids=completion.token_ids[request.sent_tokens :],
+            text=visible[sent.text :],
+            token_ids=completion.token_ids[sent.tokens :],
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
             prompt_token_ids=output.prompt_token_ids if first else None,
+            index=completion.index,
+            logprobs=None if completion.logprobs is None else completion.logprobs[sent.logprobs :],
+            prompt_logprobs=prompt_logprobs,
+            cumulative_logprob=completion.cumulative_logprob,
+            num_cached_tokens=output.num_cached_tokens,
         )
-        request.sent_text = max(request.sent_text, len(visible))
-        request.sent_tokens = len(completion.token_ids)
-        if output.finished:
-            self._forget(output.request_id)
-        await self._send(request.identity, delta)
+        request.sent_prompt = True
+        request.sent_prompt_logprobs = prompt_logprobs is not None or request.sent_prompt_logprobs
+        sent.text = max(sent.text, len(visible))
+        sent.tokens = len(completion.token_ids)
+        sent.logprobs = len(completion.logprobs or ())
+        sent.finished = completion.finished
+        return delta
 
-    async def _answer_stats(self, result: UtilityResult) -> None:
-        waiter = self.stats_waiters.pop(result.call_id, None)
-        if waiter is not None:
+    async def _answer_utility(self, result: UtilityResult) -> None:
+        if (waiter := self.stats_waiters.pop(result.call_id, None)) is not None:
             identity, call_id = waiter
             stats = {**(result.result or {}), **self._server_stats()}
             await self._send(identity, ServerStats(call_id=call_id, stats=stats))
+        elif (waiter := self.utility_waiters.pop(result.call_id, None)) is not None:
+            identity, call_id = waiter
+            await self._send(identity, ServerUtilityResult(call_id=call_id, result=result.result, error=result.error))
 
-    async def _answer_stats_locally(self) -> None:
-        """Stats calls the failed engine will never answer get the frontend's own view."""
+    async def _answer_calls_locally(self) -> None:
+        """Calls the failed engine will never answer: stats get the frontend's own view, other
+        utilities an error."""
         waiters, self.stats_waiters = self.stats_waiters, {}
         for identity, call_id in waiters.values():
             await self._send(identity, ServerStats(call_id=call_id, stats=self._server_stats()))
+        waiters, self.utility_waiters = self.utility_waiters, {}
+        for identity, call_id in waiters.values():
+            error = "the engine failed before answering; retry later"
+            await self._send(identity, ServerUtilityResult(call_id=call_id, error=error))
