@@ -13,7 +13,7 @@ import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -47,10 +47,11 @@ def _log_time(log: str, needle: str) -> float:
 
 @dataclass
 class Streamed:
-    """What one stream delivered, delta by delta."""
+    """What one stream delivered, delta by delta (of completion 0; n > 1: `more` has the others)."""
 
     tokens: list[int]
     text: str
+    more: dict[int, tuple[list[int], str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -73,8 +74,13 @@ async def _streams(endpoint: str, prompts: list, params, kill=None, kill_after_t
             got = Streamed([], "")
             try:
                 async for delta in client.stream(prompts[i], params[i]):
-                    got.tokens += delta.outputs[0].token_ids
-                    got.text += delta.outputs[0].text
+                    completion = delta.outputs[0]
+                    if completion.index == 0:
+                        got.tokens += completion.token_ids
+                        got.text += completion.text
+                    else:
+                        tokens, text = got.more.get(completion.index, ([], ""))
+                        got.more[completion.index] = (tokens + completion.token_ids, text + completion.text)
                     counts[i] = len(got.tokens)
             except Exception as error:  # noqa: BLE001 - the test inspects it
                 return Ended(error, time.time())
@@ -102,9 +108,13 @@ def tiny_model(tmp_path_factory) -> str:
 # ---- crash recovery under 64 streams (SmolLM2) ----------------------------------------------------
 
 # Half the streams carry a stop string that never matches: the frontend holds back the end of
-# their text while it could still be one, and that must carry on across the restart too.
-GREEDY = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=["@@@@"] if i % 2 else None)
-          for i in range(NUM_STREAMS)]
+# their text while it could still be one, and that must carry on across the restart too. Every
+# eighth asks for 2 seeded samples instead (n > 1, seeded: they too must repeat exactly).
+GREEDY = [
+    SamplingParams(temperature=0.8, seed=i, n=2, max_tokens=8, ignore_eos=True) if i % 8 == 3
+    else SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=["@@@@"] if i % 2 else None)
+    for i in range(NUM_STREAMS)
+]
 STORY_PROMPTS = [f"Story number {i}: once upon a time" for i in range(NUM_STREAMS)]
 
 
@@ -114,6 +124,7 @@ def supervised(tmp_path_factory, smollm2_dir):
     handle = start_server(tmp_path_factory.mktemp("supervised"), smollm2_dir, "--max-restarts", "2", env=ONE_THREAD)
     reference, _ = asyncio.run(_streams(handle.endpoint, STORY_PROMPTS, GREEDY))
     assert all(isinstance(r, Streamed) and len(r.tokens) == 8 and r.text for r in reference)
+    assert all(len(r.more[1][0]) == 8 for i, r in enumerate(reference) if i % 8 == 3)
     yield handle, reference
     handle.stop()
 

@@ -322,7 +322,8 @@ class FrontendServer:
         return False
 
     async def _replay(self) -> int:
-        """Send the new engine core every unfinished completion, continued; returns how many."""
+        """Send the new engine core every unfinished completion, continued; returns how many
+        requests that continues."""
         resend, given_up = self.replay.continuations(self.outputs.received_token_ids)
         for engine_id in given_up:
             request = self._forget(engine_id)
@@ -331,7 +332,7 @@ class FrontendServer:
             await self._send(request.identity, ServerError(request.request_id, reason, "engine_dead"))
         for message in resend:
             await self._submit(message)
-        return len(resend)
+        return len(self.replay)
 
     async def _liveness_loop(self) -> str:
         """Ping the engine core every heartbeat; an answer proves its busy loop still turns."""
