@@ -53,7 +53,7 @@ from zllm.ipc.messages import (
 )
 from zllm.ipc.sockets import make_socket
 from zllm.launch.children import spawn_child, stop_children
-from zllm.outputs import RequestOutput
+from zllm.outputs import CompletionOutput, RequestOutput
 from zllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("zllm.frontend")
@@ -336,7 +336,9 @@ class FrontendServer:
         for delta in deltas:
             await self._send(request.identity, delta)
 
-    def _completion_delta(self, request: _ClientRequest, output: RequestOutput, completion) -> ServerOutput | None:
+    def _completion_delta(
+        self, request: _ClientRequest, output: RequestOutput, completion: CompletionOutput
+    ) -> ServerOutput | None:
         sent = request.sent[completion.index]
         if sent.finished or (len(completion.token_ids) == sent.tokens and not completion.finished):
             return None
