@@ -102,6 +102,13 @@ class ServerHandle:
         self.endpoint = endpoint
         self.runtime_dir = runtime_dir
         self.log_path = log_path
+        self.http_url = ""  # the OpenAI-compatible API's base URL, from the ready line
+
+    def read_http_url(self) -> None:
+        import re
+
+        match = re.search(r"zllm ready: .* and (http://\S+) ", self.log())
+        self.http_url = match.group(1) if match else ""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -127,7 +134,8 @@ def start_server(directory: Path, model_dir: str, *extra: str, timeout: float = 
     endpoint = f"ipc://{directory}/client.sock"
     log_path = directory / "server.log"
     command = [sys.executable, "-m", "zllm.launch.cli", "--model", model_dir, "--zmq-endpoint", endpoint,
-               "--runtime-dir", str(runtime_dir), "--kv-cache-memory", "256MiB", "--max-model-len", "2048", *extra]
+               "--runtime-dir", str(runtime_dir), "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
+               "--port", "0", *extra]  # port 0: a free port, so servers started in parallel never clash
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     handle = ServerHandle(process, endpoint, str(runtime_dir), log_path)
@@ -137,6 +145,7 @@ def start_server(directory: Path, model_dir: str, *extra: str, timeout: float = 
             handle.stop()
             raise RuntimeError(f"server did not start:\n{handle.log()[-3000:]}")
         time.sleep(0.2)
+    handle.read_http_url()
     return handle
 
 

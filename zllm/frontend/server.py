@@ -15,6 +15,7 @@ import asyncio
 import errno
 import itertools
 import logging
+import secrets
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from zllm.config import EngineConfig
+from zllm.frontend.metrics import FrontendMetrics
 from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor
 from zllm.frontend.tokenizer import chat_prompt, load_tokenizer
@@ -74,6 +76,9 @@ class _ClientRequest:
 class _Client:
     last_seen: float
     requests: set[str] = field(default_factory=set)
+    # A client inside this process (the HTTP API): its messages go to this queue, not the socket,
+    # and it is never timed out for silence (it closes itself).
+    inbox: asyncio.Queue | None = None
 
 
 class FrontendServer:
@@ -95,6 +100,8 @@ class FrontendServer:
         self.core_process: subprocess.Popen | None = None
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
+        self.draining = False  # shutting down gracefully: /health answers 503
+        self.metrics = FrontendMetrics(config.model_name)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -150,6 +157,24 @@ class FrontendServer:
             stop_children([self.core_process], timeout_s=5.0)
         self.context.destroy(linger=0)
 
+    # ---- in-process clients (the HTTP API) ----------------------------------------------------
+
+    def open_local_client(self) -> tuple[bytes, asyncio.Queue]:
+        """Register a client living in this process; the server's messages to it (ServerOutput,
+        ServerError, ServerStats) arrive on the returned queue. Submit with `submit`."""
+        identity = b"local-" + secrets.token_bytes(8)
+        inbox: asyncio.Queue = asyncio.Queue()
+        self.clients[identity] = _Client(last_seen=time.monotonic(), inbox=inbox)
+        return identity, inbox
+
+    async def submit(self, identity: bytes, message: ClientToServer) -> None:
+        """Handle a message from a local client exactly as one that came over the socket."""
+        await self._dispatch(identity, message)
+
+    async def close_local_client(self, identity: bytes) -> None:
+        """Forget a local client and abort its unfinished requests."""
+        await self._drop_client(identity, "closed")
+
     # ---- clients -------------------------------------------------------------------------------
 
     async def _client_loop(self) -> None:
@@ -203,6 +228,7 @@ class FrontendServer:
         self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback)
         self.clients[identity].requests.add(engine_id)
         self.outputs.add_request(engine_id, text, add.prompt_token_ids, sampling)
+        self.metrics.request_added(engine_id, len(add.prompt_token_ids))
         await self.core_in.send(self.to_core.encode(add))
 
     def _prompt(self, message: ClientGenerate):
@@ -221,6 +247,10 @@ class FrontendServer:
 
     async def _send(self, identity: bytes, message) -> bool:
         """Send to one client; False (and its requests aborted) if it is gone."""
+        client = self.clients.get(identity)
+        if client is not None and client.inbox is not None:
+            client.inbox.put_nowait(message)
+            return True
         try:
             await self.client_socket.send_multipart([identity, self.to_clients.encode(message)])
             return True
@@ -246,6 +276,7 @@ class FrontendServer:
 
     def _forget(self, engine_id: str) -> _ClientRequest | None:
         request = self.requests.pop(engine_id, None)
+        self.metrics.request_ended(engine_id)
         if request is not None and request.identity in self.clients:
             self.clients[request.identity].requests.discard(engine_id)
         return request
@@ -294,6 +325,7 @@ class FrontendServer:
             stop_reason=completion.stop_reason,
             prompt_token_ids=output.prompt_token_ids if first else None,
         )
+        self.metrics.tokens_generated(output.request_id, len(delta.token_ids), completion.finish_reason)
         request.sent_text = max(request.sent_text, len(visible))
         request.sent_tokens = len(completion.token_ids)
         if output.finished:
@@ -326,5 +358,5 @@ class FrontendServer:
                 await self._engine_died(f"engine core exited with code {code}")
                 return
             cutoff = time.monotonic() - self.config.client_timeout_s
-            for identity in [i for i, c in self.clients.items() if c.last_seen < cutoff]:
+            for identity in [i for i, c in self.clients.items() if c.inbox is None and c.last_seen < cutoff]:
                 await self._drop_client(identity, f"silent for over {self.config.client_timeout_s:.0f} s")
