@@ -124,8 +124,9 @@ class ServerHandle:
         return self.process.wait(timeout)
 
 
-def start_server(directory: Path, model_dir: str, *extra: str, timeout: float = 180.0) -> ServerHandle:
-    """Start vllm-launch and wait for its ready line."""
+def start_server(directory: Path, model_dir: str, *extra: str, timeout: float = 180.0,
+                 env: dict[str, str] | None = None) -> ServerHandle:
+    """Start vllm-launch (with these environment variables added) and wait for its ready line."""
     import subprocess
     import sys
     import time
@@ -137,7 +138,8 @@ def start_server(directory: Path, model_dir: str, *extra: str, timeout: float = 
                "--runtime-dir", str(runtime_dir), "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
                "--port", "0", *extra]  # port 0: a free port, so servers started in parallel never clash
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **env} if env else None)
     handle = ServerHandle(process, endpoint, str(runtime_dir), log_path)
     deadline = time.monotonic() + timeout
     while "zllm ready" not in handle.log():

@@ -72,9 +72,15 @@ class TextContent(_Request, kw_only=True, tag_field="type", tag="text"):
     text: str
 
 
+class ImageContent(_Request, kw_only=True, tag_field="type", tag="image_url"):
+    """Recognised so that it gets a clear refusal: this server serves text-only models."""
+
+    image_url: dict[str, Any]
+
+
 class ChatMessage(_Request, kw_only=True):
     role: str
-    content: str | list[TextContent] | None = None
+    content: str | list[TextContent | ImageContent] | None = None
     name: str | None = None
 
 

@@ -30,6 +30,7 @@ from zllm.frontend.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    TextContent,
     UsageInfo,
     now_s,
     param_of,
@@ -210,6 +211,8 @@ def conversation_prompt(server: FrontendServer, request: ChatCompletionRequest) 
 def _message_dict(message) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
+        if any(not isinstance(part, TextContent) for part in content):
+            raise BadRequest("messages: only text content parts are supported by this model", "messages")
         content = "\n".join(part.text for part in content)
     result = {"role": message.role, "content": content or ""}
     if message.name is not None:
@@ -226,7 +229,7 @@ def check_context(prompts: list[Prompt], max_tokens: int | None, max_model_len: 
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                 f"{wanted} tokens ({len(prompt.token_ids)} in the {field_name}, {max_tokens or 1} in the "
                 f"completion). Please reduce the length of the {field_name} or completion.",
-                field_name if max_tokens is None else "max_tokens",
+                field_name if max_tokens is None or len(prompt.token_ids) >= max_model_len else "max_tokens",
                 "context_length_exceeded",
             )
 
