@@ -7,6 +7,7 @@ Clients speak the map-encoded Client*/Server* messages of zllm.ipc.messages. Eac
 validated here (errors go back to that client only), streamed back as text/token deltas (text
 that could still turn into a stop string is held back until it can't), and aborted in the core
 when its client cancels, vanishes (a send to it fails) or falls silent past client_timeout_s.
+The OpenAI HTTP API (api_server.py) is a client inside this process: `open_local_client`.
 """
 
 from __future__ import annotations
