@@ -357,6 +357,20 @@ def test_100_streams_half_disconnected(api):
     assert _aborted(api) - aborted_before == 50
 
 
+def test_non_streaming_client_that_leaves_is_aborted(api):
+    aborted_before = _aborted(api)
+    body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(api.http_url + "/v1/completions", json=body, headers=AUTH, timeout=httpx.Timeout(5, read=3))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _aborted(api) == aborted_before:
+        time.sleep(0.2)
+    assert _aborted(api) == aborted_before + 1
+    with Client(api.endpoint) as zmq_client:
+        stats = zmq_client.stats()
+    assert stats["num_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
 def _aborted(api) -> float:
     text = httpx.get(api.http_url + "/metrics").text
     line = [l for l in text.splitlines() if l.startswith("zllm:request_success_total") and '"abort"' in l]
