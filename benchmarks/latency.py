@@ -27,12 +27,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     args = parser.parse_args()
 
     from zllm import LLM, SamplingParams
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
-              enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch_size, 8))
+              enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch_size, 8),
+              tensor_parallel_size=args.tp)
     vocab = llm.engine.processor.vocab_size
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}

@@ -58,7 +58,7 @@ def run_zllm(args, prompts, outputs) -> dict:
 
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, device=args.device, load_format=args.load_format,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, tensor_parallel_size=args.tp)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=not args.no_detokenize)
               for n in outputs]
     requests = [{"prompt_token_ids": p} for p in prompts]
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--no-detokenize", action="store_true", help="token ids only (dummy-weight runs)")
     parser.add_argument("--max-model-len", type=int, default=0)
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     args = parser.parse_args()
 
     from transformers import AutoConfig

@@ -32,7 +32,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # worker processes, one model shard (and GPU) each
+    distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
     enforce_eager: bool = False  # CUDA: no decode graphs
     served_model_name: str | None = None
     # Processes and sockets.
@@ -59,8 +60,12 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         config = cls(model=str(resolve_model_dir(model)), **kwargs)
-        config.max_model_len = _resolve_max_model_len(config.model, config.max_model_len)
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(config.model)
+        config.max_model_len = _resolve_max_model_len(hf_config, config.max_model_len)
         config.validate()
+        _check_tensor_parallel(config, hf_config)
         return config
 
     @property
@@ -99,22 +104,39 @@ class EngineConfig:
         _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
         _require(self.max_n >= 1, "max_n", f"must be >= 1, got {self.max_n}")
-        _require(self.tensor_parallel_size == 1, "tensor_parallel_size", "only 1 is supported so far")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
 
-def _resolve_max_model_len(model_dir: str, requested: int) -> int:
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(model_dir)
+def _resolve_max_model_len(hf_config, requested: int) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
     if requested == 0:
         return int(limit)
     if requested > limit:
         raise ValueError(f"max_model_len: {requested} exceeds the model's max_position_embeddings ({limit})")
     return requested
+
+
+def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
+    """Refuse a split that cannot work before any process starts."""
+    from zllm.partition import head_shards
+
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_shards(num_heads, num_kv_heads, config.tensor_parallel_size)
+    if config.tensor_parallel_size == 1 or config.device == "cpu":
+        return
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if config.device == "cuda" or available:
+        _require(
+            config.tensor_parallel_size <= available,
+            "tensor_parallel_size",
+            f"{config.tensor_parallel_size} ranks need {config.tensor_parallel_size} GPUs, but {available} are visible",
+        )
 
 
 def _require(ok: bool, field: str, reason: str) -> None:

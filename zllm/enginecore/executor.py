@@ -51,7 +51,13 @@ class MultiprocExecutor:
         self.processes: list[subprocess.Popen] = [
             spawn_child("zllm.workers.process", config, "--rank", str(r)) for r in ranks
         ]
-        ready = self._gather(WorkerReady, len(self.processes), config.startup_timeout_s)
+        try:
+            ready = self._gather(WorkerReady, len(self.processes), config.startup_timeout_s)
+        except BaseException:
+            # One rank failed to start: the others may be blocked in a collective waiting for it.
+            stop_children(self.processes, timeout_s=5.0)
+            raise
+        # Every rank must hold the same blocks, so the smallest capacity is the capacity.
         self._num_kv_blocks = min(r.num_kv_blocks for r in ready)
         logger.info("%d worker(s) ready: pids %s", len(ready), [r.pid for r in ready])
 
@@ -70,7 +76,8 @@ class MultiprocExecutor:
 
     def shutdown(self) -> None:
         try:
-            self._broadcast(WorkerCall(call_id=next(self._call_ids), method="shutdown"))
+            # Never block: a dead rank's socket has no reader, and the rest are stopped below anyway.
+            self._broadcast(WorkerCall(call_id=next(self._call_ids), method="shutdown"), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         stop_children(self.processes, timeout_s=5.0)
@@ -84,10 +91,13 @@ class MultiprocExecutor:
             if result.error:
                 raise WorkerDiedError(f"rank {result.rank}: {method} failed: {result.error}")
 
-    def _broadcast(self, message) -> None:
+    def _broadcast(self, message, flags: int = 0) -> None:
         frame = self.outbound.encode(message)
         for socket in self.inputs:
-            socket.send(frame, copy=False)
+            try:
+                socket.send(frame, flags=flags, copy=False)
+            except zmq.Again:
+                continue  # that rank is gone; only shutdown sends without blocking
 
     def _gather(self, kind: type, count: int, timeout_s: float | None) -> list:
         """Receive `count` messages of `kind`, watching the workers' health meanwhile."""
@@ -98,7 +108,7 @@ class MultiprocExecutor:
             if self.output.poll(poll_ms):
                 message = self._receive()
                 if isinstance(message, WorkerFailed):
-                    raise WorkerDiedError(message.error)
+                    raise WorkerDiedError(self._root_cause(message))
                 if isinstance(message, kind):
                     received.append(message)
                 elif message is not None:
@@ -117,7 +127,23 @@ class MultiprocExecutor:
             return None
 
     def _check_alive(self) -> None:
-        for rank, process in enumerate(self.processes):
-            code = process.poll()
-            if code is not None:
-                raise WorkerDiedError(f"rank {rank} (pid {process.pid}) exited with code {code}")
+        dead = self._dead_ranks()
+        if dead:
+            raise WorkerDiedError("; ".join(dead))
+
+    def _dead_ranks(self, except_rank: int | None = None) -> list[str]:
+        return [
+            f"rank {rank} (pid {process.pid}) exited with code {process.poll()}"
+            for rank, process in enumerate(self.processes)
+            if rank != except_rank and process.poll() is not None
+        ]
+
+    def _root_cause(self, failure: WorkerFailed) -> str:
+        """When one rank dies, its peers fail in their next collective and report that; name the
+        rank that died first, if any did, so the error points at the cause."""
+        deadline = time.monotonic() + self.config.heartbeat_interval_s
+        while True:
+            dead = self._dead_ranks(except_rank=failure.rank)
+            if dead or time.monotonic() > deadline:
+                return "; ".join([*dead, failure.error]) if dead else failure.error
+            time.sleep(0.05)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,18 @@ class LLM:
             **engine_args,
         )
         self._ids = itertools.count()
+        # Worker processes (tp > 1) stop with the LLM, or at interpreter exit at the latest.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine and any worker processes; the LLM cannot generate afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

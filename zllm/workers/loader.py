@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
 
 from zllm.workers.models.llama import LlamaForCausalLM
+from zllm.workers.parallel_layers import LoadTarget
 
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -30,7 +32,8 @@ def checkpoint_files(model_dir: str) -> list[Path]:
 
 
 def load_safetensors(model: LlamaForCausalLM, model_dir: str) -> None:
-    """Copy every checkpoint tensor into its (slice of a) parameter; fail on gaps and mismatches."""
+    """Copy this rank's part of every checkpoint tensor into its parameter; fail on gaps and
+    mismatches. Only the needed region of each tensor is read from disk."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -45,14 +48,14 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: str) -> None:
                 name, shard = target
                 if name not in params:
                     raise ValueError(f"model: {path.name}: tensor {hf_name!r} matches no parameter of the model")
-                dest = model.parameter_slice(params[name], name, shard)
-                tensor = f.get_tensor(hf_name)
-                if tuple(tensor.shape) != tuple(dest.shape):
+                where = model.load_target(name, shard)
+                stored = f.get_slice(hf_name)
+                shape = tuple(stored.get_shape())
+                if shape != where.full_shape:
                     raise ValueError(
-                        f"model: {path.name}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(dest.shape)}"
+                        f"model: {path.name}: tensor {hf_name!r} has shape {shape}, expected {where.full_shape}"
                     )
-                dest.copy_(tensor)
+                where.dest.copy_(stored[where.region])
                 loaded.add(target)
     missing = sorted(f"{n}" + ("" if s is None else f"[shard {s}]") for n, s in expected - loaded)
     if missing:
@@ -60,13 +63,57 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: str) -> None:
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights of the right shape, drawn where they live: N(0, 0.02) matrices, unit norms."""
-    generators: dict[torch.device, torch.Generator] = {}
-    for name, param in model.named_parameters():
+    """Random weights of the right shape: uniform noise of std 0.02 for matrices, ones for norms.
+
+    Each element is a hash of (seed, tensor name, its index in the full checkpoint tensor), computed
+    only for this rank's part: a dummy model is the same model at every tensor-parallel size (so
+    tp N can be checked against tp 1 without a checkpoint), and no rank materialises a full tensor.
+    """
+    for name, shard in model.expected_checkpoint_tensors():
+        where = model.load_target(name, shard)
         if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-            continue
-        device = param.device
-        if device not in generators:
-            generators[device] = torch.Generator(device=device).manual_seed(seed)
-        param.data.normal_(0.0, 0.02, generator=generators[device])
+            where.dest.fill_(1.0)
+        else:
+            _fill_hashed(where, _stable_seed(seed, name, shard))
+
+
+_DUMMY_STD = 0.02
+_CHUNK_ELEMENTS = 1 << 24  # bounds the int64 scratch per step (128 MiB)
+
+
+def _fill_hashed(where: LoadTarget, seed: int) -> None:
+    if where.dest.dim() == 1:  # a vector is one row of the hash's index space
+        dest, full_cols, row0, col0 = where.dest.view(1, -1), where.full_shape[0], 0, where.region[0].start or 0
+    else:
+        dest, full_cols = where.dest, where.full_shape[1]
+        row0, col0 = where.region[0].start or 0, where.region[1].start or 0 if len(where.region) > 1 else 0
+    rows, cols = dest.shape
+    device = dest.device
+    col_index = torch.arange(col0, col0 + cols, dtype=torch.int64, device=device)
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+    for first in range(0, rows, step):
+        count = min(step, rows - first)
+        row_index = torch.arange(row0 + first, row0 + first + count, dtype=torch.int64, device=device)
+        flat = row_index[:, None] * full_cols + col_index[None, :]
+        mixed = _hash32(_hash32(flat ^ (seed & _MASK32)) ^ (flat >> 32) ^ (seed >> 32))
+        uniform = mixed.to(torch.float32) / 2.0**32
+        dest[first : first + count].copy_((uniform - 0.5) * (_DUMMY_STD * 12**0.5))
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """An integer mixing function on int64 tensors holding 32-bit values (multipliers < 2**31 so
+    no product overflows int64)."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x6C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _stable_seed(seed: int, name: str, shard: int | None) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}/{shard}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)

@@ -14,8 +14,10 @@ import torch
 
 from zllm.config import EngineConfig
 from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput, StepOutput
+from zllm.partition import head_shards
 from zllm.sampling_params import SamplingParams
 from zllm.workers.attention import AttentionMetadata
+from zllm.workers.distributed import TensorParallel
 from zllm.workers.loader import init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
 from zllm.workers.models.spec import ModelSpec
@@ -58,11 +60,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, tp: TensorParallel | None = None) -> None:
         self.config = config
         self.device = device
+        self.tp = tp or TensorParallel()
         self.dtype = resolve_dtype(config.dtype, device)
         self.spec = ModelSpec.from_pretrained(config.model)
+        heads = head_shards(self.spec.num_heads, self.spec.num_kv_heads, self.tp.size)[self.tp.rank]
+        self.num_heads = heads.q_heads.count  # on this rank
+        self.num_kv_heads = heads.kv_heads.count
         self.block_size = config.block_size
         self.ops = ops_for(device)
         self.is_cuda = device.type == "cuda"
@@ -78,7 +84,7 @@ class ModelRunner:
     def load_model(self) -> None:
         try:
             with _default_dtype(self.dtype), torch.device(self.device):
-                model = build_model(self.spec, self.ops)
+                model = build_model(self.spec, self.ops, self.tp)
             if self.config.load_format == "dummy":
                 init_dummy_weights(model, self.config.seed)
             else:
@@ -96,12 +102,14 @@ class ModelRunner:
         ) + spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
         free, total = torch.cuda.mem_get_info(self.device)
         return (
-            f"model weights need about {params * self.dtype.itemsize / _GIB:.1f} GiB in {self.dtype}, "
-            f"but only {free / _GIB:.1f} GiB of {total / _GIB:.1f} GiB are free on {self.device}"
+            f"rank {self.tp.rank}: model weights need about {params * self.dtype.itemsize / _GIB:.1f} GiB in "
+            f"{self.dtype} ({params * self.dtype.itemsize / self.tp.size / _GIB:.1f} GiB per rank at tp "
+            f"{self.tp.size}), but only {free / _GIB:.1f} GiB of {total / _GIB:.1f} GiB are free on {self.device}"
         )
 
     def kv_cache_bytes_per_block(self) -> int:
-        return self.spec.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+        per_token = 2 * self.spec.num_layers * self.num_kv_heads * self.spec.head_dim * self.dtype.itemsize
+        return per_token * self.block_size
 
     def determine_num_kv_blocks(self) -> int:
         if not self.is_cuda:
@@ -159,7 +167,7 @@ class ModelRunner:
         return scratch
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.spec.head_dim)
         try:
             self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
         except torch.cuda.OutOfMemoryError:
@@ -173,7 +181,7 @@ class ModelRunner:
         if not (self.is_cuda and self.ops.supports_graphs):
             return
         self.ops.reserve_decode_workspace(
-            self.config.max_num_seqs, self.spec.num_heads, self.spec.head_dim, self.config.max_model_len, self.device
+            self.config.max_num_seqs, self.num_heads, self.spec.head_dim, self.config.max_model_len, self.device
         )
         if self.config.enforce_eager:
             return
@@ -196,6 +204,8 @@ class ModelRunner:
         if not batch.sampling_states:
             return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if logits is None:  # not rank 0: only rank 0 samples and answers
+            return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
         tokens = sample(logits, self._sampling_metadata(batch.sampling_states))
         return StepOutput(
             step_id=step.step_id,

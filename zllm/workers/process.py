@@ -62,7 +62,7 @@ class WorkerProcess:
     def _start(self) -> None:
         from zllm.workers.worker import Worker
 
-        self.worker = Worker(self.config)
+        self.worker = Worker(self.config, self.rank)
         num_blocks = self.worker.determine_num_kv_blocks()
         self._send(WorkerReady(rank=self.rank, num_kv_blocks=num_blocks, pid=os.getpid()))
 

@@ -7,34 +7,49 @@ entry point wraps the same object behind a socket.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from zllm.config import EngineConfig
 from zllm.ipc.messages import StepInput, StepOutput
+from zllm.workers.distributed import init_tensor_parallel
 from zllm.workers.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """Rank R of a tensor-parallel group uses GPU R."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but no CUDA device is available")
-    return torch.device(name)
+    if rank >= torch.cuda.device_count():
+        raise ValueError(f"device: rank {rank} needs GPU {rank}, but only {torch.cuda.device_count()} are visible")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
 
 
 class Worker:
-    """Implements the engine core's Executor protocol for a single in-process worker."""
+    """One rank's model shard. Also implements the engine core's Executor protocol, so that a
+    single worker can run in-process (tp 1)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, rank)
+        self.tp = init_tensor_parallel(config, rank, self.device)
+        if self.device.type == "cpu" and self.tp.size > 1:
+            # Ranks share the machine's cores; without a cap each would start one thread per core.
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.tp.size))
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.device)
+        self.runner = ModelRunner(config, self.device, self.tp)
         self.runner.load_model()
-        logger.info("model loaded: %s on %s (%s)", config.model_name, self.device, self.runner.dtype)
+        logger.info(
+            "rank %d: model loaded: %s on %s (%s)", rank, config.model_name, self.device, self.runner.dtype
+        )
 
     def determine_num_kv_blocks(self) -> int:
         return self.runner.determine_num_kv_blocks()
@@ -55,3 +70,4 @@ class Worker:
 
             gc.collect()
             torch.cuda.empty_cache()
+        self.tp.destroy()

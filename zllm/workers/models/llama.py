@@ -9,13 +9,23 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from zllm.partition import Span, even_split, head_shards
 from zllm.workers.attention import AttentionMetadata
+from zllm.workers.distributed import TensorParallel
 from zllm.workers.layers import rope_cos_sin_cache, rope_inv_freq
 from zllm.workers.models.spec import ModelSpec
 from zllm.workers.ops import TorchOps
+from zllm.workers.parallel_layers import (
+    ColumnParallelLinear,
+    FusedPart,
+    LoadTarget,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    whole_tensor_target,
+)
 
 
 class RMSNorm(nn.Module):
@@ -46,17 +56,28 @@ class Rotary(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: TorchOps) -> None:
+    """This rank's heads: a slice of q/k/v in, a partial o_proj product all-reduced out."""
+
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
-        self.head_dim = spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = spec.head_dim**-0.5
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.attention_bias)
+        shard = head_shards(spec.num_heads, spec.num_kv_heads, tp.size)[tp.rank]
+        d = spec.head_dim
+        self.num_heads = shard.q_heads.count
+        self.num_kv_heads = shard.kv_heads.count
+        self.head_dim = d
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.scale = d**-0.5
+        q_rows = _scaled(shard.q_heads, d)
+        kv_rows = _scaled(shard.kv_heads, d)
+        parts = [
+            FusedPart(spec.num_heads * d, q_rows),
+            FusedPart(spec.num_kv_heads * d, kv_rows),
+            FusedPart(spec.num_kv_heads * d, kv_rows),
+        ]
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, parts, bias=spec.attention_bias)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, q_rows, spec.attention_bias, tp)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -72,11 +93,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: TorchOps) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        rows = even_split(spec.intermediate_size, tp.size, tp.rank)
+        part = FusedPart(spec.intermediate_size, rows)
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [part, part], bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, rows, spec.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -85,10 +108,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately so the add fuses into the norm."""
 
-    def __init__(self, spec: ModelSpec, ops: TorchOps) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, ops)
-        self.mlp = LlamaMLP(spec, ops)
+        self.self_attn = LlamaAttention(spec, ops, tp)
+        self.mlp = LlamaMLP(spec, ops, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
@@ -111,10 +134,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: TorchOps) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, ops) for _ in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, ops, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.rotary = Rotary(spec, ops)
 
@@ -129,14 +152,16 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     )
 
-    def __init__(self, spec: ModelSpec, ops: TorchOps | None = None) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec, ops or TorchOps())
+        tp = tp or TensorParallel()
+        self.tp = tp
+        self.model = LlamaModel(spec, ops or TorchOps(), tp)
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
@@ -147,18 +172,12 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary on rank 0; None on the other ranks."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden)
 
     # ---- weights -------------------------------------------------------------------------------
-
-    def shard_sizes(self, fused_name: str) -> list[int]:
-        spec = self.spec
-        if fused_name == "qkv_proj":
-            kv = spec.num_kv_heads * spec.head_dim
-            return [spec.num_heads * spec.head_dim, kv, kv]
-        return [spec.intermediate_size, spec.intermediate_size]
 
     def checkpoint_targets(self, hf_name: str) -> tuple[str, int | None] | None:
         """Map an HF tensor name to (our parameter name, shard index or None); None: not ours."""
@@ -173,20 +192,23 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_checkpoint_tensors(self) -> Iterator[tuple[str, int | None]]:
         """Every (parameter, shard) that a checkpoint must provide exactly once."""
-        params = dict(self.named_parameters())
-        fused = {fused for fused, _, _ in self.STACKED}
-        for name in params:
-            kind = name.rsplit(".", 2)[-2]
-            if kind in fused:
-                for shard in range(len(self.shard_sizes(kind))):
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(module, ColumnParallelLinear) and len(module.parts) > 1:
+                for shard in range(len(module.parts)):
                     yield name, shard
             else:
                 yield name, None
 
-    def parameter_slice(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
-        """The part of parameter `name` that one checkpoint tensor fills."""
-        if shard is None:
-            return param.data
-        sizes = self.shard_sizes(name.rsplit(".", 2)[-2])
-        return param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+    def load_target(self, name: str, shard: int | None) -> LoadTarget:
+        """Which part of which checkpoint tensor fills (this rank's slice of) parameter `name`."""
+        module_name, param_name = name.rsplit(".", 1)
+        module = self.get_submodule(module_name)
+        if hasattr(module, "load_target"):
+            return module.load_target(param_name, shard)
+        return whole_tensor_target(getattr(module, param_name))
 
+
+def _scaled(heads: Span, head_dim: int) -> Span:
+    """A span of heads as a span of rows (head_dim rows per head)."""
+    return Span(heads.start * head_dim, heads.count * head_dim)

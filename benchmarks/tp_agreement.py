@@ -1,0 +1,72 @@
+"""How often tensor-parallel greedy decoding picks the same tokens as tp 1.
+
+    python benchmarks/tp_agreement.py --model DIR --load-format dummy --tp 2 --dtype bfloat16
+
+Runs the same random prompts greedily at tp 1 and at tp N (one after the other, in this process
+and its worker processes) and reports, as JSON: the share of output positions whose tokens agree,
+the share of requests that agree entirely, and the mean position of the first disagreement.
+In bf16 the all-reduce sums partial products in a different order than one GPU does, so
+near-ties can flip; once one token differs, the rest of that sequence follows another path.
+Dummy weights are the same model at every tp (see zllm/workers/loader.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+
+
+def greedy_tokens(args, tp: int, prompts: list[list[int]]) -> list[list[int]]:
+    from zllm import LLM, SamplingParams
+
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, tensor_parallel_size=tp,
+              max_model_len=args.max_model_len, max_num_seqs=max(len(prompts), 8))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+    finally:
+        llm.shutdown()
+        gc.collect()
+
+
+def compare(reference: list[list[int]], other: list[list[int]]) -> dict:
+    same_positions = sum(a == b for ref, got in zip(reference, other) for a, b in zip(ref, got))
+    total = sum(len(ref) for ref in reference)
+    first_diff = [next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
+                  for ref, got in zip(reference, other)]
+    return {
+        "identical_token_share": round(same_positions / total, 4),
+        "identical_request_share": round(sum(a == b for a, b in zip(reference, other)) / len(reference), 4),
+        "mean_first_difference": round(sum(first_diff) / len(first_diff), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    args = parser.parse_args()
+
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    reference = greedy_tokens(args, 1, prompts)
+    other = greedy_tokens(args, args.tp, prompts)
+    result = {"benchmark": "tp_agreement", "tp": args.tp, "dtype": args.dtype, "num_prompts": args.num_prompts,
+              "output_len": args.output_len, **compare(reference, other)}
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Tensor parallelism on CPU (gloo): the split arithmetic, per-rank loading, and tp N = tp 1
+greedy output through LLM and through vllm-launch + Client, with real worker processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from benchmarks.dummy_model import write_placeholder_tokenizer
+from tests.conftest import save_tiny_llama, start_server
+from zllm import LLM, Client, SamplingParams
+from zllm.partition import even_split, head_shards, vocab_shard
+from zllm.workers.distributed import TensorParallel
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea:",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+]
+
+
+# ---- the split ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,tp",
+    [(9, 3, 2), (9, 3, 3), (9, 3, 4), (32, 8, 2), (32, 8, 3), (64, 8, 4), (64, 8, 16), (8, 8, 3), (4, 1, 3)],
+)
+def test_head_shards_cover_every_head_once_with_its_kv_head(num_heads, num_kv_heads, tp):
+    group = num_heads // num_kv_heads
+    shards = head_shards(num_heads, num_kv_heads, tp)
+    assert len(shards) == tp
+    owned = [h for s in shards for h in range(s.q_heads.start, s.q_heads.stop)]
+    assert owned == list(range(num_heads))
+    for shard in shards:
+        assert shard.q_heads.count >= 1
+        # Uniform grouping on the rank: local q head i uses local kv head i // local_group.
+        local_group = shard.q_heads.count // shard.kv_heads.count
+        assert local_group * shard.kv_heads.count == shard.q_heads.count
+        for i, head in enumerate(range(shard.q_heads.start, shard.q_heads.stop)):
+            assert head // group == shard.kv_heads.start + i // local_group
+
+
+def test_head_shards_refuse_more_ranks_than_heads():
+    with pytest.raises(ValueError, match="tensor_parallel_size: 10 ranks exceed the model's 9 attention heads"):
+        head_shards(9, 3, 10)
+
+
+def test_even_and_vocab_splits_tile_the_range():
+    spans = [even_split(10, 3, r) for r in range(3)]
+    assert [(s.start, s.count) for s in spans] == [(0, 4), (4, 3), (7, 3)]
+    vocab = [vocab_shard(49152 + 1, 4, r) for r in range(4)]
+    assert [v.start for v in vocab] == [0, 12289, 24578, 36867]
+    assert sum(v.count for v in vocab) == 49153
+
+
+def test_each_rank_loads_only_its_slice_and_the_slices_rebuild_the_model(tmp_path):
+    """Ranks of tp 3 (uneven: 4 heads, 2 KV heads) hold exactly the matching slices of HF's tensors."""
+    from safetensors.torch import load_file
+
+    from zllm.workers.loader import load_safetensors
+    from zllm.workers.models import build_model
+    from zllm.workers.models.spec import ModelSpec
+
+    model_dir = save_tiny_llama(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2, vocab_size=250)
+    hf = load_file(str(model_dir / "model.safetensors"))
+    spec = ModelSpec.from_pretrained(str(model_dir))
+    ranks = []
+    for rank in range(3):
+        model = build_model(spec, tp=TensorParallel(rank=rank, size=3))
+        load_safetensors(model, str(model_dir))
+        ranks.append(dict(model.named_parameters()))
+    d = spec.head_dim
+    layer = "model.layers.1"
+    for rank, shard in enumerate(head_shards(4, 2, 3)):
+        q_rows = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
+        kv_rows = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
+        expected_qkv = torch.cat([hf[f"{layer}.self_attn.{n}_proj.weight"][rows]
+                                  for n, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))])
+        assert torch.equal(ranks[rank][f"{layer}.self_attn.qkv_proj.weight"], expected_qkv)
+        o = ranks[rank][f"{layer}.self_attn.o_proj.weight"]
+        assert torch.equal(o, hf[f"{layer}.self_attn.o_proj.weight"][:, q_rows])
+    down = torch.cat([r[f"{layer}.mlp.down_proj.weight"] for r in ranks], dim=1)
+    assert torch.equal(down, hf[f"{layer}.mlp.down_proj.weight"])
+    embed = torch.cat([r["model.embed_tokens.weight"] for r in ranks])  # padded to 3 x 84 rows
+    assert torch.equal(embed[:250], hf["model.embed_tokens.weight"]) and not embed[250:].any()
+
+
+# ---- whole engines -----------------------------------------------------------------------------
+
+
+def _tiny_model(directory, **overrides):
+    model_dir = save_tiny_llama(directory, **overrides)
+    write_placeholder_tokenizer(model_dir)
+    return model_dir
+
+
+def _greedy_tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tp1_tokens(smollm2_dir):
+    llm = LLM(smollm2_dir, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+    try:
+        return _greedy_tokens(llm, PROMPTS)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_llm_tp_n_matches_tp_1_on_smollm2(smollm2_dir, smollm2_tp1_tokens, tp):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    llm = LLM(smollm2_dir, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp)
+    workers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert len(workers) == tp
+    try:
+        assert _greedy_tokens(llm, PROMPTS) == smollm2_tp1_tokens
+    finally:
+        llm.shutdown()
+    assert _wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers), 10)
+
+
+def test_dummy_weights_are_the_same_model_at_every_tp(tmp_path):
+    model_dir = _tiny_model(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
+    kwargs = dict(dtype="float32", load_format="dummy", max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10] * 4}]
+    tokens = []
+    for tp in (1, 2):
+        llm = LLM(str(model_dir), tensor_parallel_size=tp, **kwargs)
+        try:
+            tokens.append(_greedy_tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)))
+        finally:
+            llm.shutdown()
+    assert tokens[0] == tokens[1]
+
+
+def test_vllm_launch_tp_2_serves_the_client_like_tp_1(tmp_path, smollm2_dir, smollm2_tp1_tokens):
+    handle = start_server(tmp_path, smollm2_dir, "--tp", "2", "--dtype", "float32")
+    try:
+        workers = [p for p in handle.children() if "zllm.workers.process" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        with Client(handle.endpoint) as client:
+            got = [client.generate(p, GREEDY).outputs[0].token_ids for p in PROMPTS]
+        assert got == smollm2_tp1_tokens
+    finally:
+        assert handle.stop() == 0
+
+
+# ---- bad input and failures --------------------------------------------------------------------
+
+
+def test_tp_that_cannot_split_the_heads_fails_before_anything_starts(tmp_path, smollm2_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "zllm.launch.cli", "--model", smollm2_dir, "--tp", "10",
+         "--zmq-endpoint", f"ipc://{tmp_path}/c.sock"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "tensor_parallel_size: 10 ranks exceed the model's 9 attention heads" in result.stderr
+    assert "zllm.workers" not in result.stderr  # refused in the launcher, no worker ever ran
+
+
+def test_more_ranks_than_gpus_is_refused(smollm2_dir):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 ranks need 2 GPUs, but 0 are visible"):
+        LLM(smollm2_dir, device="cuda", tensor_parallel_size=2)
+
+
+def test_a_rank_that_fails_to_start_is_named_and_no_process_is_left(tmp_path):
+    """Rank 1 cannot load its shard (the checkpoint is truncated in its half of a tensor)."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = _tiny_model(tmp_path / "m")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name][:, :-1].contiguous()  # wrong shape: every rank notices
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RuntimeError, match=r"rank [01]: ValueError: model: model.safetensors: tensor "
+                                           r"'model.layers.0.mlp.down_proj.weight' has shape \(64, 127\)"):
+        LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    assert _wait_until(lambda: not _live_children(before), 10), _live_children(before)
+
+
+def test_a_rank_that_dies_later_is_detected(tmp_path):
+    from zllm.enginecore.executor import WorkerDiedError
+
+    model_dir = _tiny_model(tmp_path / "m")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    llm = LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    try:
+        rank1 = next(p for p in _live_children(before) if "--rank" in p.cmdline() and p.cmdline()[-1] == "1")
+        rank1.kill()
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\) exited"):
+            llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=8), use_tqdm=False)
+        assert time.monotonic() - started < 5
+    finally:
+        llm.shutdown()
+    assert _wait_until(lambda: not _live_children(before), 10), _live_children(before)
+
+
+def _live_children(before: set[int]) -> list[psutil.Process]:
+    alive = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+

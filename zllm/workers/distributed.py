@@ -1,0 +1,71 @@
+"""The tensor-parallel group of one worker: rendezvous, all-reduce, gather of logits to rank 0.
+
+NCCL on GPU, gloo on CPU, both through torch.distributed. The rendezvous is a file in the engine's
+private runtime directory (or whatever `distributed_init_method` names), never a fixed port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from zllm.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place (a no-op on one rank)."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every rank's `x` along the last dim on rank 0; other ranks get None."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None
+        torch.distributed.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1) if self.is_first else None
+
+    def destroy(self) -> None:
+        if self.size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def rendezvous_method(config: EngineConfig) -> str:
+    if config.distributed_init_method:
+        return config.distributed_init_method
+    return f"file://{os.path.join(config.runtime_dir, 'tp-rendezvous')}"
+
+
+def init_tensor_parallel(config: EngineConfig, rank: int, device: torch.device) -> TensorParallel:
+    """Join the group of `config.tensor_parallel_size` ranks (returns at once for tp 1)."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return TensorParallel()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(
+        backend=backend,
+        init_method=rendezvous_method(config),
+        world_size=size,
+        rank=rank,
+        timeout=datetime.timedelta(seconds=config.startup_timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    logger.info("rank %d of %d joined the %s group", rank, size, backend)
+    return TensorParallel(rank=rank, size=size)
