@@ -166,7 +166,7 @@ def report(args, results: list[Result], duration: float) -> dict:
     in_tokens = sum(r.prompt_len for r in done)
     return {
         "base_url": args.base_url, "model": args.model_name, "dataset": args.dataset, "arrival": args.arrival,
-        "request_rate": args.request_rate, "num_prompts": len(results), "completed": len(done),
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "num_prompts": len(results), "completed": len(done),
         "failed": len(results) - len(done), "errors": sorted({r.error for r in results if r.error})[:5],
         "duration_s": round(duration, 3),
         "request_throughput": round(len(done) / duration, 3),
@@ -209,8 +209,9 @@ def plot(path: str, results: list[Result], summary: dict) -> None:
         ys.append(level)
     axes[1][1].step(xs, ys, where="post")
     axes[1][1].set(xlabel="time (s)", ylabel="requests", title="Requests in flight")
-    figure.suptitle(f"{summary['model']}: {summary['completed']} requests, {summary['arrival']} at "
-                    f"{summary['request_rate']} req/s; {summary['output_token_throughput']} output tok/s")
+    arrival = "burst" if summary["request_rate"] is None else f"{summary['arrival']} at {summary['request_rate']} req/s"
+    figure.suptitle(f"{summary['model']}: {summary['completed']} requests ({summary['dataset']}), {arrival}; "
+                    f"{summary['output_token_throughput']} output tok/s")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
