@@ -34,6 +34,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1  # worker processes, one model shard (and GPU) each
     distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
+    custom_all_reduce_max_bytes: int = 8 << 20  # GPU tp: all-reduces up to this size skip NCCL; 0: never
     enforce_eager: bool = False  # CUDA: no decode graphs
     served_model_name: str | None = None
     # Processes and sockets.
@@ -104,6 +105,7 @@ class EngineConfig:
         _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
         _require(self.max_n >= 1, "max_n", f"must be >= 1, got {self.max_n}")
+        _require(self.custom_all_reduce_max_bytes >= 0, "custom_all_reduce_max_bytes", "must be >= 0")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
 
     def blocks_for_tokens(self, num_tokens: int) -> int:

@@ -41,6 +41,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     group.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
     group.add_argument("--served-model-name", default=None)
+    group.add_argument("--distributed-init-method", default="",
+                       help="torch.distributed rendezvous for tp > 1 (default: a file in the runtime dir)")
+    group.add_argument("--custom-all-reduce-max-size", dest="custom_all_reduce_max_bytes", type=parse_size,
+                       default=defaults.custom_all_reduce_max_bytes,
+                       help="GPU tp: all-reduces up to this size use symmetric memory instead of NCCL (0: off)")
 
 
 def add_http_args(group) -> None:
@@ -81,4 +86,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         served_model_name=args.served_model_name,
+        distributed_init_method=args.distributed_init_method,
+        custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes,
     )

@@ -1,0 +1,99 @@
+"""All-reduce latency between the GPUs of one machine: NCCL vs the symmetric-memory one-shot path
+that zllm's tensor-parallel workers use for small tensors (zllm/workers/distributed.py).
+
+    python benchmarks/all_reduce.py --tp 2
+
+Each rank is a process of this script. Every case is 50 back-to-back all-reduces of a bf16 tensor
+[tokens, hidden] captured in one CUDA graph (as in a decode step), replayed 10 times; prints one
+JSON line per case with the median microseconds per all-reduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+SHAPES = [(1, 4096), (1, 8192), (16, 8192), (64, 8192), (256, 8192), (1024, 8192)]
+REDUCES_PER_GRAPH = 50
+
+
+def run_rank(rank: int, size: int, init_file: str) -> None:
+    import torch
+
+    from zllm.config import EngineConfig
+    from zllm.workers.distributed import TensorParallel, attach_symmetric_buffer
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    torch.distributed.init_process_group("nccl", init_method=f"file://{init_file}", world_size=size, rank=rank,
+                                         device_id=device)
+    config = EngineConfig(model="", custom_all_reduce_max_bytes=max(t * h for t, h in SHAPES) * 2)
+    fast = TensorParallel(rank=rank, size=size)
+    attach_symmetric_buffer(fast, config, device, torch.bfloat16)
+    nccl = TensorParallel(rank=rank, size=size)
+    for tokens, hidden in SHAPES:
+        x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
+        for name, tp in (("nccl", nccl), ("symmetric_one_shot", fast)):
+            if name != "nccl" and tp.symmetric is None:
+                continue
+            micros = _graph_time_us(torch, tp, x)
+            if rank == 0:
+                print(json.dumps({"benchmark": "all_reduce", "tp": size, "method": name, "tokens": tokens,
+                                  "hidden": hidden, "bytes": x.numel() * 2, "us_per_all_reduce": round(micros, 1)}),
+                      flush=True)
+    torch.distributed.destroy_process_group()
+
+
+def _graph_time_us(torch, tp, x) -> float:
+    def chain():
+        y = x
+        for _ in range(REDUCES_PER_GRAPH):
+            y = tp.all_reduce(y.clone() if y is x else y)
+        return y
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.distributed.barrier()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / REDUCES_PER_GRAPH)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--init-file", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        run_rank(args.rank, args.tp, args.init_file)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        ranks = [subprocess.Popen([sys.executable, __file__, "--tp", str(args.tp), "--rank", str(r),
+                                   "--init-file", init_file]) for r in range(args.tp)]
+        codes = [p.wait() for p in ranks]
+    if any(codes):
+        sys.exit(f"a rank failed: exit codes {codes}")
+
+
+if __name__ == "__main__":
+    main()
