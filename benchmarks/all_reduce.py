@@ -1,5 +1,5 @@
-"""All-reduce latency between the GPUs of one machine: NCCL vs the symmetric-memory one-shot path
-that zllm's tensor-parallel workers use for small tensors (zllm/workers/distributed.py).
+"""All-reduce latency between the GPUs of one machine: NCCL (what zllm's tensor-parallel workers
+use) vs PyTorch's symmetric-memory one-shot all-reduce (a candidate for decode-sized tensors).
 
     python benchmarks/all_reduce.py --tp 2
 
@@ -22,26 +22,46 @@ SHAPES = [(1, 4096), (1, 8192), (16, 8192), (64, 8192), (256, 8192), (1024, 8192
 REDUCES_PER_GRAPH = 50
 
 
+class NcclReduce:
+    def all_reduce(self, x):
+        import torch
+
+        torch.distributed.all_reduce(x)
+        return x
+
+
+class OneShotReduce:
+    """Peers' partial sums read over NVLink by one kernel, from a buffer in symmetric memory."""
+
+    def __init__(self, numel: int, device) -> None:
+        import torch
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = torch.distributed.group.WORLD.group_name
+        self.buffer = symm_mem.empty(numel, dtype=torch.bfloat16, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def all_reduce(self, x):
+        import torch
+
+        out = torch.empty_like(x)
+        staging = self.buffer[: x.numel()].view_as(x)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", self.group_name, out)
+        return out
+
+
 def run_rank(rank: int, size: int, init_file: str) -> None:
     import torch
-
-    from zllm.config import EngineConfig
-    from zllm.workers.distributed import TensorParallel, attach_symmetric_buffer
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     torch.distributed.init_process_group("nccl", init_method=f"file://{init_file}", world_size=size, rank=rank,
                                          device_id=device)
-    config = EngineConfig(model="", custom_all_reduce_max_bytes=max(t * h for t, h in SHAPES) * 2)
-    fast = TensorParallel(rank=rank, size=size)
-    attach_symmetric_buffer(fast, config, device, torch.bfloat16)
-    nccl = TensorParallel(rank=rank, size=size)
+    methods = {"nccl": NcclReduce(), "symmetric_one_shot": OneShotReduce(max(t * h for t, h in SHAPES), device)}
     for tokens, hidden in SHAPES:
         x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
-        for name, tp in (("nccl", nccl), ("symmetric_one_shot", fast)):
-            if name != "nccl" and tp.symmetric is None:
-                continue
-            micros = _graph_time_us(torch, tp, x)
+        for name, method in methods.items():
+            micros = _graph_time_us(torch, method, x)
             if rank == 0:
                 print(json.dumps({"benchmark": "all_reduce", "tp": size, "method": name, "tokens": tokens,
                                   "hidden": hidden, "bytes": x.numel() * 2, "us_per_all_reduce": round(micros, 1)}),
@@ -49,11 +69,11 @@ def run_rank(rank: int, size: int, init_file: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _graph_time_us(torch, tp, x) -> float:
+def _graph_time_us(torch, method, x) -> float:
     def chain():
-        y = x
+        y = x.clone()
         for _ in range(REDUCES_PER_GRAPH):
-            y = tp.all_reduce(y.clone() if y is x else y)
+            y = method.all_reduce(y)
         return y
 
     stream = torch.cuda.Stream()

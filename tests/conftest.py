@@ -63,11 +63,27 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
     return out[0, len(prompt_ids) :].tolist()
 
 
-def save_tiny_llama(directory: Path, shards: int = 1, **overrides) -> Path:
-    """A small random Llama built with transformers' own classes, saved as safetensors."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+TINY_ARCHITECTURES = {  # architecture: (transformers config class, model class)
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
 
+
+def save_tiny_model(directory: Path, architecture: str = "llama", shards: int = 1, **overrides) -> Path:
+    """A small random model built with transformers' own classes, saved as safetensors beside a
+    placeholder word-level tokenizer over its vocabulary (the engine's frontend needs one).
+
+    Biases and norm weights are randomised too (HF starts them at 0 and 1), so a tensor loaded
+    into the wrong place changes the output.
+    """
+    import torch
+    import transformers
+
+    from benchmarks.dummy_model import write_placeholder_tokenizer
+
+    config_class, model_class = (getattr(transformers, name) for name in TINY_ARCHITECTURES[architecture])
     settings = dict(
         vocab_size=256,
         hidden_size=64,
@@ -83,11 +99,20 @@ def save_tiny_llama(directory: Path, shards: int = 1, **overrides) -> Path:
     )
     settings.update(overrides)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    model = model_class(config_class(**settings)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
     max_shard = None if shards == 1 else f"{max(1, _param_bytes(model) // shards // 1024 + 1)}KB"
     kwargs = {} if max_shard is None else {"max_shard_size": max_shard}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    write_placeholder_tokenizer(directory, settings["vocab_size"])
     return directory
+
+
+def save_tiny_llama(directory: Path, shards: int = 1, **overrides) -> Path:
+    return save_tiny_model(directory, "llama", shards, **overrides)
 
 
 def _param_bytes(model) -> int:

@@ -7,8 +7,15 @@ length) so that each process receives plain values and never re-derives them dif
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zllm.workers.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -19,9 +26,9 @@ _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 class EngineConfig:
     """Every knob of the engine. Sizes are in tokens unless the name says bytes."""
 
-    model: str  # a HF model directory (config.json + safetensors + tokenizer)
+    model: str  # a HF model directory (config.json + safetensors + tokenizer); a .gguf is converted to one
     tokenizer: str | None = None  # defaults to the model directory
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (else bfloat16) on CUDA
+    dtype: str = "auto"  # auto: float32 on CPU; on CUDA the checkpoint's fp16/bf16, else bfloat16
     device: str = "auto"
     seed: int = 0
     load_format: str = "auto"
@@ -34,7 +41,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1  # worker processes, one model shard (and GPU) each
     distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
-    custom_all_reduce_max_bytes: int = 8 << 20  # GPU tp: all-reduces up to this size skip NCCL; 0: never
     enforce_eager: bool = False  # CUDA: no decode graphs
     served_model_name: str | None = None
     # Processes and sockets.
@@ -53,20 +59,21 @@ class EngineConfig:
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
-        """Resolve the model (None: the embedded default) and validate every field."""
-        from zllm.model_files import resolve_model_dir
+        """Resolve the model (None: the embedded default; a .gguf file: converted once), check that
+        its architecture is supported, and validate every field."""
+        from zllm.model_files import gguf_model_name, resolve_model_dir
+        from zllm.workers.models.spec import ModelSpec  # plain Python: no torch in the frontend
 
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
-        config = cls(model=str(resolve_model_dir(model)), **kwargs)
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(config.model)
-        config.max_model_len = _resolve_max_model_len(hf_config, config.max_model_len)
+        served_name = kwargs.pop("served_model_name", None) or gguf_model_name(model)
+        config = cls(model=str(resolve_model_dir(model)), served_model_name=served_name, **kwargs)
+        spec = ModelSpec.from_pretrained(config.model)
+        config.max_model_len = _resolve_max_model_len(spec, config.max_model_len)
         config.validate()
-        _check_tensor_parallel(config, hf_config)
+        _check_tensor_parallel(config, spec)
         return config
 
     @property
@@ -105,29 +112,42 @@ class EngineConfig:
         _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
         _require(self.max_n >= 1, "max_n", f"must be >= 1, got {self.max_n}")
-        _require(self.custom_all_reduce_max_bytes >= 0, "custom_all_reduce_max_bytes", "must be >= 0")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
 
-def _resolve_max_model_len(hf_config, requested: int) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    if requested == 0:
-        return int(limit)
+def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
+    """The context length: the model's max_position_embeddings, capped at its sliding window.
+
+    NOTE: zllm has no sliding-window attention. Full causal attention equals it exactly while a
+    sequence is no longer than the window (HF keeps key j for query i when i - j < window), so a
+    sliding-window model (Mistral v0.1, Qwen with use_sliding_window) serves up to the window and
+    a longer max_model_len is refused, as vLLM does with --disable-sliding-window.
+    """
+    limit = spec.max_position_embeddings
+    window = spec.sliding_window
     if requested > limit:
         raise ValueError(f"max_model_len: {requested} exceeds the model's max_position_embeddings ({limit})")
-    return requested
+    if window is not None and requested > window:
+        raise ValueError(
+            f"max_model_len: {requested} exceeds the model's sliding_window ({window}); zllm does not implement "
+            f"sliding-window attention and serves such models up to {window} tokens"
+        )
+    if requested:
+        return requested
+    if window is not None and window < limit:
+        logger.warning("max_model_len: capped at the model's sliding_window, %d (max_position_embeddings %d)", window, limit)
+        return window
+    return limit
 
 
-def _check_tensor_parallel(config: EngineConfig, hf_config) -> None:
+def _check_tensor_parallel(config: EngineConfig, spec: ModelSpec) -> None:
     """Refuse a split that cannot work before any process starts."""
     from zllm.partition import head_shards
 
-    num_heads = hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    head_shards(num_heads, num_kv_heads, config.tensor_parallel_size)
+    head_shards(spec.num_heads, spec.num_kv_heads, config.tensor_parallel_size)
     if config.tensor_parallel_size == 1 or config.device == "cpu":
         return
     import torch

@@ -7,8 +7,7 @@ import os
 
 import pytest
 
-from tests.conftest import save_tiny_llama
-from tests.test_tiny_models import _tokenizer_files
+from tests.conftest import save_tiny_model
 from zllm import LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -22,6 +21,9 @@ SHAPES = {
                     num_key_value_heads=2, head_dim=64),
     "gqa-d128": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
                      num_key_value_heads=2, head_dim=128, rope_theta=500000.0),
+    # Qwen3: the per-head q/k RMSNorm through the CUDA rms_norm kernel.
+    "qwen3-d128": dict(architecture="qwen3", hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=128),
 }
 PROMPT_LENGTHS = [1, 3, 15, 16, 17, 40, 129, 400]
 
@@ -62,9 +64,9 @@ def _hf_tokens(model_dir, prompt_ids, dtype) -> list[list[int]]:
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def model_dir(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
-    save_tiny_llama(directory, vocab_size=256, max_position_embeddings=4096, initializer_range=0.2,
-                    **SHAPES[request.param])
-    _tokenizer_files(directory)
+    settings = dict(SHAPES[request.param])
+    save_tiny_model(directory, settings.pop("architecture", "llama"), vocab_size=256, max_position_embeddings=4096,
+                    initializer_range=0.2, **settings)
     return str(directory)
 
 

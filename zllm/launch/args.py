@@ -23,7 +23,7 @@ def parse_size(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig(model="")
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     group.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
     group.add_argument("--device", choices=["auto", "cuda", "cpu"], default=defaults.device)
@@ -43,9 +43,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", default=None)
     group.add_argument("--distributed-init-method", default="",
                        help="torch.distributed rendezvous for tp > 1 (default: a file in the runtime dir)")
-    group.add_argument("--custom-all-reduce-max-size", dest="custom_all_reduce_max_bytes", type=parse_size,
-                       default=defaults.custom_all_reduce_max_bytes,
-                       help="GPU tp: all-reduces up to this size use symmetric memory instead of NCCL (0: off)")
 
 
 def add_http_args(group) -> None:
@@ -87,5 +84,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         served_model_name=args.served_model_name,
         distributed_init_method=args.distributed_init_method,
-        custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes,
     )

@@ -22,28 +22,14 @@ logger = logging.getLogger(__name__)
 class TensorParallel:
     rank: int = 0
     size: int = 1
-    # GPU: a buffer in symmetric memory (mapped into every rank over NVLink) for small all-reduces.
-    symmetric: torch.Tensor | None = None
-    group_name: str = ""
-
     @property
     def is_first(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of `x` over the ranks (`x` itself on one rank; may be reused as the result).
-
-        Decode-sized tensors go through PyTorch's one-shot symmetric-memory all-reduce: each rank
-        reads its peers' partial sums directly over NVLink in one kernel, several times faster
-        than NCCL's ring at these sizes (benchmarks/all_reduce.py). Larger ones go to NCCL."""
-        if self.size == 1:
-            return x
-        if self.symmetric is not None and x.numel() <= self.symmetric.numel() and x.dtype == self.symmetric.dtype:
-            staging = self.symmetric[: x.numel()].view_as(x)
-            out = torch.empty_like(x)
-            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x.contiguous(), "sum", self.group_name, out)
-            return out
-        torch.distributed.all_reduce(x)
+        """Sum `x` over the ranks, in place (a no-op on one rank)."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -82,29 +68,3 @@ def init_tensor_parallel(config: EngineConfig, rank: int, device: torch.device) 
     )
     logger.info("rank %d of %d joined the %s group", rank, size, backend)
     return TensorParallel(rank=rank, size=size)
-
-
-def attach_symmetric_buffer(tp: TensorParallel, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
-    """GPU, tp > 1: set up the fast path for all-reduces of `dtype` (the model's activations).
-    Best effort: without peer access (no NVLink/P2P) or an older torch, NCCL does every reduce."""
-    if tp.size == 1 or device.type != "cuda" or config.custom_all_reduce_max_bytes == 0:
-        return
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        group_name = torch.distributed.group.WORLD.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(group_name)
-        buffer = symm_mem.empty(config.custom_all_reduce_max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(buffer, group_name)
-        probe = torch.full((8,), float(tp.rank + 1), dtype=dtype, device=device)
-        tp.symmetric, tp.group_name = buffer, group_name
-        summed = tp.all_reduce(probe)
-        expected = tp.size * (tp.size + 1) / 2
-        if not bool((summed == expected).all()):
-            raise RuntimeError(f"probe all-reduce gave {summed.tolist()}, expected {expected}")
-        logger.info("rank %d: symmetric-memory all-reduce for tensors up to %d bytes", tp.rank,
-                    config.custom_all_reduce_max_bytes)
-    except Exception as error:  # noqa: BLE001 - any failure means: use NCCL
-        tp.symmetric, tp.group_name = None, ""
-        logger.warning("rank %d: symmetric-memory all-reduce unavailable (%s); NCCL for all reduces", tp.rank, error)

@@ -34,32 +34,42 @@ def checkpoint_files(model_dir: str) -> list[Path]:
 def load_safetensors(model: LlamaForCausalLM, model_dir: str) -> None:
     """Copy this rank's part of every checkpoint tensor into its parameter; fail on gaps and
     mismatches. Only the needed region of each tensor is read from disk."""
-    from safetensors import safe_open
-
     params = dict(model.named_parameters())
     expected = set(model.expected_checkpoint_tensors())
     loaded: set[tuple[str, int | None]] = set()
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with _open_safetensors(path) as f:
             for hf_name in f.keys():
                 target = model.checkpoint_targets(hf_name)
                 if target is None:
                     continue
                 name, shard = target
+                if target in loaded:
+                    raise ValueError(f"model: {path}: tensor {hf_name!r} appears a second time in the checkpoint")
                 if name not in params:
-                    raise ValueError(f"model: {path.name}: tensor {hf_name!r} matches no parameter of the model")
+                    raise ValueError(f"model: {path}: tensor {hf_name!r} matches no parameter of the model")
                 where = model.load_target(name, shard)
                 stored = f.get_slice(hf_name)
                 shape = tuple(stored.get_shape())
                 if shape != where.full_shape:
                     raise ValueError(
-                        f"model: {path.name}: tensor {hf_name!r} has shape {shape}, expected {where.full_shape}"
+                        f"model: {path}: tensor {hf_name!r} has shape {shape}, expected {where.full_shape}"
                     )
                 where.dest.copy_(stored[where.region])
                 loaded.add(target)
-    missing = sorted(f"{n}" + ("" if s is None else f"[shard {s}]") for n, s in expected - loaded)
+    missing = sorted(model.checkpoint_name(name, shard) for name, shard in expected - loaded)
     if missing:
-        raise ValueError(f"model: checkpoint in {model_dir} lacks tensors for: {', '.join(missing[:8])}")
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"model: checkpoint in {model_dir} lacks tensor(s) {', '.join(missing[:8])}{more}")
+
+
+def _open_safetensors(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as error:  # safetensors raises its own error types for a bad header
+        raise ValueError(f"model: {path} is not a readable safetensors file: {error}") from None
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:

@@ -53,10 +53,14 @@ class BatchInputs:
     sampling_states: list[RequestState]
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[name]
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
+    """The serving dtype. "auto": float32 on CPU; on a GPU the checkpoint's half-precision dtype,
+    and bfloat16 for float32 (or unspecified) checkpoints, as vLLM does."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("float16", "bfloat16") else torch.bfloat16
 
 
 class ModelRunner:
@@ -64,8 +68,8 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.tp = tp or TensorParallel()
-        self.dtype = resolve_dtype(config.dtype, device)
         self.spec = ModelSpec.from_pretrained(config.model)
+        self.dtype = resolve_dtype(config.dtype, device, self.spec.checkpoint_dtype)
         heads = head_shards(self.spec.num_heads, self.spec.num_kv_heads, self.tp.size)[self.tp.rank]
         self.num_heads = heads.q_heads.count  # on this rank
         self.num_kv_heads = heads.kv_heads.count

@@ -13,7 +13,7 @@ import torch
 
 from zllm.config import EngineConfig
 from zllm.ipc.messages import StepInput, StepOutput
-from zllm.workers.distributed import attach_symmetric_buffer, init_tensor_parallel
+from zllm.workers.distributed import init_tensor_parallel
 from zllm.workers.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ class Worker:
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, self.device, self.tp)
         self.runner.load_model()
-        attach_symmetric_buffer(self.tp, config, self.device, self.runner.dtype)
         logger.info(
             "rank %d: model loaded: %s on %s (%s)", rank, config.model_name, self.device, self.runner.dtype
         )

@@ -1,15 +1,17 @@
-"""Model architectures, picked by the HF config's `architectures` / `model_type`."""
+"""Model architectures, picked by the HF config's `architectures` (registry in models/spec.py)."""
 
 from __future__ import annotations
 
-from zllm.workers.models.spec import ModelSpec
+from zllm.workers.models.spec import MODEL_REGISTRY, ModelSpec, unsupported_architecture
 
-_SUPPORTED = {"llama", "mistral"}
+__all__ = ["MODEL_REGISTRY", "ModelSpec", "build_model"]
 
 
 def build_model(spec: ModelSpec, ops=None, tp=None):
+    """This rank's model for `spec`. Every registered architecture is the shared Llama-family
+    decoder; the spec's flags (biases, q/k norm) carry what differs."""
     from zllm.workers.models.llama import LlamaForCausalLM
 
-    if spec.model_type not in _SUPPORTED:
-        raise ValueError(f"model: architecture {spec.model_type!r} is not supported (supported: {sorted(_SUPPORTED)})")
+    if spec.architecture not in MODEL_REGISTRY:
+        raise unsupported_architecture(repr(spec.architecture))
     return LlamaForCausalLM(spec, ops, tp)

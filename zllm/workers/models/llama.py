@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3.x, SmolLM2, Mistral): GQA attention, SwiGLU MLP, RMSNorm, RoPE.
+"""The Llama-family decoder shared by every registered architecture (models/spec.py): GQA
+attention, SwiGLU MLP, RMSNorm, RoPE. The spec's flags carry what differs: Qwen2's q/k/v bias,
+Qwen3's per-head q/k RMSNorm, Llama's optional attention/MLP bias.
 
 Parameter names mirror HF's, with q/k/v and gate/up fused into one matrix each; the loader
 maps HF's separate tensors onto their shard of the fused one.
@@ -76,8 +78,13 @@ class LlamaAttention(nn.Module):
             FusedPart(spec.num_kv_heads * d, kv_rows),
             FusedPart(spec.num_kv_heads * d, kv_rows),
         ]
-        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, parts, bias=spec.attention_bias)
-        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, q_rows, spec.attention_bias, tp)
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, parts, bias=spec.qkv_bias)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, q_rows, spec.o_proj_bias, tp)
+        if spec.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by all heads (replicated on every rank)
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps, ops)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -86,6 +93,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         self.ops.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = self.ops.attention(q, kv_cache, meta, self.scale)
@@ -189,6 +198,13 @@ class LlamaForCausalLM(nn.Module):
             if f".{part}." in hf_name:
                 return hf_name.replace(f".{part}.", f".{fused}."), shard
         return hf_name, None
+
+    def checkpoint_name(self, name: str, shard: int | None) -> str:
+        """The HF tensor name that fills (parameter, shard): checkpoint_targets reversed."""
+        for fused, part, index in self.STACKED:
+            if shard == index and f".{fused}." in name:
+                return name.replace(f".{fused}.", f".{part}.")
+        return name
 
     def expected_checkpoint_tensors(self) -> Iterator[tuple[str, int | None]]:
         """Every (parameter, shard) that a checkpoint must provide exactly once."""

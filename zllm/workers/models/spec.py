@@ -1,13 +1,43 @@
-"""The shape of a model, read once from its HF config."""
+"""The shape of a model, read once from its HF config, and the registry of supported architectures.
+
+Plain Python (no torch): `EngineConfig.create` reads the spec in the frontend to refuse an
+unsupported architecture, and to size `max_model_len`, before any worker starts.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """How one HF architecture differs from plain Llama. A bias flag left None follows the
+    config (`attention_bias` for q/k/v and o, `mlp_bias` for the MLP), as HF's Llama does."""
+
+    qkv_bias: bool | None = None
+    o_proj_bias: bool | None = None
+    mlp_bias: bool | None = None
+    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head, before rotary
+
+
+# Keyed by `config.architectures`; every entry is the shared decoder in models/llama.py.
+MODEL_REGISTRY: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(),  # Llama 2, 3, 3.1, 3.2; SmolLM2
+    "MistralForCausalLM": Architecture(qkv_bias=False, o_proj_bias=False, mlp_bias=False),
+    "Qwen2ForCausalLM": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False),  # Qwen2, Qwen2.5
+    "Qwen3ForCausalLM": Architecture(mlp_bias=False, qk_norm=True),
+}
+# Configs without `architectures` (hand-written, or converted from GGUF by older zllm).
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
+    architecture: str
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -20,18 +50,29 @@ class ModelSpec:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
+    # Tokens a query may look back (HF: key kept when query - key < sliding_window); None: all.
+    sliding_window: int | None = None
+    checkpoint_dtype: str | None = None  # the config's torch_dtype, e.g. "bfloat16"
     rope_scaling: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "ModelSpec":
+        architecture = pick_architecture(hf_config)
+        arch = MODEL_REGISTRY[architecture]
         num_heads = hf_config.num_attention_heads
         rope = _rope_parameters(hf_config)
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
+        if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"model: rope_type {rope['rope_type']!r} is not supported {SUPPORTED_ROPE_TYPES}")
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
         return cls(
+            architecture=architecture,
             model_type=hf_config.model_type,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -44,8 +85,12 @@ class ModelSpec:
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qkv_bias=attention_bias if arch.qkv_bias is None else arch.qkv_bias,
+            o_proj_bias=attention_bias if arch.o_proj_bias is None else arch.o_proj_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)) if arch.mlp_bias is None else arch.mlp_bias,
+            qk_norm=arch.qk_norm,
+            sliding_window=_sliding_window(hf_config),
+            checkpoint_dtype=_checkpoint_dtype(hf_config),
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
         )
 
@@ -57,6 +102,44 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def pick_architecture(hf_config) -> str:
+    """The first of the config's `architectures` that zllm implements (as vLLM picks)."""
+    names = list(getattr(hf_config, "architectures", None) or [])
+    if not names and getattr(hf_config, "model_type", None) in _BY_MODEL_TYPE:
+        names = [_BY_MODEL_TYPE[hf_config.model_type]]
+    for name in names:
+        if name in MODEL_REGISTRY:
+            return name
+    raise unsupported_architecture(names or f"none (model_type {getattr(hf_config, 'model_type', None)!r})")
+
+
+def unsupported_architecture(found) -> ValueError:
+    return ValueError(
+        f"model: architecture {found} is not supported; supported architectures: {', '.join(sorted(MODEL_REGISTRY))}"
+    )
+
+
+def _sliding_window(hf_config) -> int | None:
+    """The window of the model's sliding-window layers, None when every layer attends to all.
+
+    Mistral sets `sliding_window` for every layer (null in v0.2 and later); Qwen2/Qwen3 keep it
+    only with `use_sliding_window`, for the layers `layer_types` marks "sliding_attention".
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def _checkpoint_dtype(hf_config) -> str | None:
+    """The config's dtype as a name ("bfloat16"); transformers 5 calls it `dtype`, 4.x `torch_dtype`."""
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _rope_parameters(hf_config) -> dict[str, Any]:

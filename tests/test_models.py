@@ -1,0 +1,300 @@
+"""Model coverage: tiny random checkpoints of every registered architecture, made with
+transformers' own classes, give the engine's greedy tokens equal to HF generate exactly (fp32,
+CPU); sharded checkpoints equal single files; a GGUF file loads like its conversion; bad
+checkpoints fail at LLM construction with errors naming the file and tensor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_ARCHITECTURES, hf_greedy, save_tiny_llama, save_tiny_model, start_server
+from zllm import LLM, LLMEngine, SamplingParams
+from zllm.workers.loader import checkpoint_files
+from zllm.workers.models import MODEL_REGISTRY
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+# Two prompts longer than one 16-token block, one shorter, one of exactly ten.
+PROMPTS = [[5, 9, 13], list(range(3, 40)), [7] * 5 + list(range(100, 140)), [250, 251, 3, 4, 5, 6, 7, 8, 9, 10]]
+
+CASES = {  # name: (architecture, config overrides)
+    "llama": ("llama", {}),
+    "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),  # Llama 3.2 1B/3B, SmolLM2
+    "llama-mha-head-dim": ("llama", {"num_key_value_heads": 4, "head_dim": 32}),
+    "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "mistral": ("mistral", {"sliding_window": 128, "head_dim": 32}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True}),  # q/k/v bias, no o_proj bias
+    "qwen3": ("qwen3", {"head_dim": 32}),  # q/k RMSNorm, head_dim apart from hidden/heads
+    "qwen3-bias": ("qwen3", {"attention_bias": True, "head_dim": 16}),
+}
+
+
+def _hf_generate_all(model_dir, prompts, max_new_tokens):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [hf_greedy(model, p, max_new_tokens, eos_token_id=None) for p in prompts]
+
+
+def _engine_generate_all(model_dir, prompts, max_new_tokens, **engine_args):
+    engine = LLMEngine.from_engine_args(str(model_dir), dtype="float32", **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return [results[str(i)] for i in range(len(prompts))]
+
+
+def test_every_registered_architecture_is_tested():
+    assert {TINY_ARCHITECTURES[arch][1] for arch, _ in CASES.values()} == set(MODEL_REGISTRY)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tiny_model_matches_hf(tmp_path, case):
+    architecture, overrides = CASES[case]
+    model_dir = save_tiny_model(tmp_path, architecture, initializer_range=0.2, **overrides)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"][0] in MODEL_REGISTRY
+    expected = _hf_generate_all(model_dir, PROMPTS, 20)
+    assert _engine_generate_all(model_dir, PROMPTS, 20) == expected  # block_size 16
+    # A block size of 8 puts every prompt but the first across several blocks.
+    assert _engine_generate_all(model_dir, PROMPTS, 20, block_size=8) == expected
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_sharded_checkpoint_equals_single_file(tmp_path, architecture):
+    single = save_tiny_model(tmp_path / "single", architecture, initializer_range=0.2)
+    sharded = save_tiny_model(tmp_path / "sharded", architecture, shards=3, initializer_range=0.2)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(checkpoint_files(str(sharded))) >= 2
+    assert _engine_generate_all(sharded, PROMPTS, 12) == _engine_generate_all(single, PROMPTS, 12)
+
+
+def test_worker_process_serves_a_registered_architecture(tmp_path):
+    """vllm-launch (frontend, engine core and worker processes) on a tiny Qwen3: HF's tokens."""
+    from zllm import Client
+
+    model_dir = save_tiny_model(tmp_path / "qwen3", "qwen3", initializer_range=0.2, head_dim=32)
+    expected = _hf_generate_all(model_dir, PROMPTS[1:3], 16)
+    handle = start_server(tmp_path, str(model_dir), "--dtype", "float32", "--max-model-len", "256")
+    try:
+        with Client(handle.endpoint) as client:
+            params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            outs = [client.generate(prompt_token_ids=ids, sampling_params=params) for ids in PROMPTS[1:3]]
+    finally:
+        handle.stop()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize(("architecture", "tp"), [("qwen2", 2), ("qwen3", 3)])
+def test_tensor_parallel_matches_hf(tmp_path, architecture, tp):
+    """Each rank loads its slice of the q/k/v biases (Qwen2) or a copy of the q/k norms (Qwen3);
+    tp 3 splits 4 heads over 2 KV heads unevenly, replicating KV heads."""
+    model_dir = save_tiny_model(tmp_path, architecture, initializer_range=0.2, head_dim=32)
+    expected = _hf_generate_all(model_dir, PROMPTS, 16)
+    llm = LLM(str(model_dir), dtype="float32", tensor_parallel_size=tp, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_dummy_weights_run_any_shape(tmp_path):
+    model_dir = save_tiny_llama(tmp_path, hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    (tokens,) = _engine_generate_all(model_dir, PROMPTS[:1], 5, load_format="dummy")
+    assert len(tokens) == 5 and all(0 <= t < 256 for t in tokens)
+
+
+# ---- architecture flags, dtype, sliding window ---------------------------------------------------
+
+
+def _spec(architecture: str, **overrides):
+    import transformers
+
+    from zllm.workers.models.spec import ModelSpec
+
+    config_class = getattr(transformers, TINY_ARCHITECTURES[architecture][0])
+    config = config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **overrides)
+    config.architectures = [TINY_ARCHITECTURES[architecture][1]]
+    return ModelSpec.from_hf_config(config)
+
+
+def test_architecture_flags_follow_hf():
+    qwen2, qwen3, mistral = _spec("qwen2"), _spec("qwen3"), _spec("mistral", sliding_window=None)
+    assert (qwen2.qkv_bias, qwen2.o_proj_bias, qwen2.qk_norm) == (True, False, False)
+    assert (qwen3.qkv_bias, qwen3.o_proj_bias, qwen3.qk_norm, qwen3.head_dim) == (False, False, True, 128)
+    assert _spec("qwen3", attention_bias=True).o_proj_bias is True
+    assert (mistral.qkv_bias, mistral.sliding_window) == (False, None)
+    llama = _spec("llama", attention_bias=True, mlp_bias=True)
+    assert (llama.qkv_bias, llama.o_proj_bias, llama.mlp_bias) == (True, True, True)
+
+
+def test_sliding_window_only_where_a_layer_uses_it():
+    assert _spec("mistral", sliding_window=4096).sliding_window == 4096
+    assert _spec("qwen2", sliding_window=4096).sliding_window is None  # use_sliding_window=False
+    assert _spec("qwen2", use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
+                 max_window_layers=2).sliding_window == 64
+    assert _spec("qwen3", use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
+                 max_window_layers=4).sliding_window is None  # no layer past max_window_layers
+
+
+def test_config_without_architectures_falls_back_on_model_type():
+    from transformers import Qwen2Config
+
+    from zllm.workers.models.spec import ModelSpec
+
+    assert ModelSpec.from_hf_config(Qwen2Config()).architecture == "Qwen2ForCausalLM"
+
+
+def test_auto_dtype_follows_the_checkpoint_on_gpu_only():
+    import torch
+
+    from zllm.workers.model_runner import resolve_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cpu, "bfloat16") == torch.float32
+    assert resolve_dtype("auto", cuda, "float16") == torch.float16
+    assert resolve_dtype("auto", cuda, "bfloat16") == torch.bfloat16
+    assert resolve_dtype("auto", cuda, "float32") == torch.bfloat16  # half precision, as vLLM
+    assert resolve_dtype("auto", cuda, None) == torch.bfloat16
+    assert resolve_dtype("float16", cpu, "bfloat16") == torch.float16  # --dtype overrides
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])  # transformers 5 / 4.x spelling
+def test_checkpoint_dtype_is_read_from_config(tmp_path, key):
+    from zllm.workers.models.spec import ModelSpec
+
+    model_dir = save_tiny_model(tmp_path, "qwen2")
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("dtype", None)
+    config[key] = "bfloat16"
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert ModelSpec.from_pretrained(str(model_dir)).checkpoint_dtype == "bfloat16"
+
+
+def test_sliding_window_caps_max_model_len(tmp_path):
+    model_dir = save_tiny_model(tmp_path, "mistral", sliding_window=128)
+    assert LLM(str(model_dir), dtype="float32").engine.config.max_model_len == 128  # not 512
+    assert LLM(str(model_dir), dtype="float32", max_model_len=100).engine.config.max_model_len == 100
+    with pytest.raises(ValueError, match=r"^max_model_len: 256 exceeds the model's sliding_window \(128\)"):
+        LLM(str(model_dir), dtype="float32", max_model_len=256)
+
+
+# ---- bad checkpoints: clear errors at construction -----------------------------------------------
+
+
+def test_directory_without_config_json(tmp_path):
+    with pytest.raises(ValueError, match="^model: .* has no config.json"):
+        LLM(str(tmp_path))
+
+
+def test_path_that_is_neither_directory_nor_gguf(tmp_path):
+    with pytest.raises(ValueError, match="^model: .* is neither a model directory nor a .gguf file"):
+        LLM(str(tmp_path / "nothing-here"))
+    with pytest.raises(ValueError, match="^model: GGUF file .*missing.gguf.* does not exist"):
+        LLM(str(tmp_path / "missing.gguf"))
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"^model: architecture \['GPT2LMHeadModel'\] is not supported") as error:
+        LLM(str(tmp_path))
+    assert all(name in str(error.value) for name in MODEL_REGISTRY)
+
+
+def test_missing_shard_is_named(tmp_path):
+    model_dir = save_tiny_model(tmp_path, "qwen3", shards=3)
+    shard = checkpoint_files(str(model_dir))[1]
+    shard.unlink()
+    with pytest.raises(ValueError, match=f"^model: .*index.json names shard\\(s\\) that do not exist: .*{shard.name}"):
+        LLM(str(model_dir), dtype="float32")
+
+
+def test_mismatched_tensor_shape_names_file_and_tensor(tmp_path):
+    model_dir = save_tiny_model(tmp_path, "llama")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["intermediate_size"] = 96  # the checkpoint's MLP matrices are 128 wide
+    (model_dir / "config.json").write_text(json.dumps(config))
+    pattern = (r"^model: .*/model.safetensors: tensor 'model.layers.0.mlp.(down|gate|up)_proj.weight' has shape "
+               r"\((128, 64|64, 128)\), expected \((96, 64|64, 96)\)")
+    with pytest.raises(ValueError, match=pattern):
+        LLM(str(model_dir), dtype="float32")
+
+
+def test_missing_tensor_is_named_as_in_the_checkpoint(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = save_tiny_model(tmp_path, "qwen2")
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"^model: checkpoint in .* lacks tensor\(s\) model.layers.1.self_attn.k_proj.bias$"):
+        LLM(str(model_dir), dtype="float32")
+
+
+def test_tensor_in_two_files_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = save_tiny_model(tmp_path, "llama")
+    tensors = load_file(model_dir / "model.safetensors")
+    save_file({"model.norm.weight": tensors["model.norm.weight"]}, model_dir / "model-extra.safetensors")
+    with pytest.raises(ValueError, match="^model: .*/model.safetensors: tensor 'model.norm.weight' appears a second time"):
+        LLM(str(model_dir), dtype="float32")
+
+
+def test_unreadable_safetensors_file_is_named(tmp_path):
+    model_dir = save_tiny_model(tmp_path, "llama")
+    (model_dir / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="^model: .*model.safetensors is not a readable safetensors file"):
+        LLM(str(model_dir), dtype="float32")
+
+
+# ---- GGUF ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_gguf_file_loads_like_its_conversion(tmp_path, monkeypatch, hf_smollm2):
+    """`LLM(model="x.gguf")`: converted once into the cache, tokenizer and chat template from the
+    GGUF, greedy tokens equal to HF on the same weights (the embedded SmolLM2 GGUF, Q4_1)."""
+    from gguf import GGUFReader
+
+    from zllm.model_files import _embedded_gguf
+
+    gguf = tmp_path / "smol-q4.gguf"
+    gguf.symlink_to(_embedded_gguf())
+    monkeypatch.setenv("ZLLM_CACHE", str(tmp_path / "cache"))
+    llm = LLM(str(gguf), dtype="float32", max_model_len=512)
+    assert llm.engine.config.model_name == "smol-q4"
+    assert Path(llm.engine.config.model).parent == tmp_path / "cache" / "gguf"
+
+    field = GGUFReader(str(gguf)).fields["tokenizer.chat_template"]
+    assert llm.get_tokenizer().chat_template == bytes(field.parts[field.data[0]]).decode()
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    conversation = [{"role": "user", "content": "Name the largest planet of the solar system."}]
+    chat = llm.chat(conversation, params, use_tqdm=False)[0]
+    text = llm.generate("Once upon a time, in a small village by the sea, there lived an old fisherman who every morning", params, use_tqdm=False)[0]
+    for out in (chat, text):
+        assert len(out.prompt_token_ids) > 16
+        assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, out.prompt_token_ids, 24, eos_token_id=None)
+    # The conversion is cached: a second engine reuses the directory.
+    assert LLM(str(gguf), dtype="float32", max_model_len=64).engine.config.model == llm.engine.config.model
