@@ -53,7 +53,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("zllm.frontend.api")
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_ENGINE_ERROR_STATUS = {"bad_request": 400, "engine_dead": 503, "overloaded": 503}
+# ServerError kinds -> HTTP status (retry-later conditions are 503, as OpenAI answers "overloaded").
+_ENGINE_ERROR_STATUS = {"bad_request": 400, "unauthorized": 401, "engine_dead": 503, "overloaded": 503,
+                        "draining": 503}
 
 
 class ApiError(Exception):
@@ -79,6 +81,8 @@ def _from_engine_error(error: EngineError) -> ApiError:
     status = _ENGINE_ERROR_STATUS.get(error.kind, 500)
     if status == 400:
         return ApiError(400, str(error), "invalid_request_error", _request_field(str(error)))
+    if status == 401:
+        return ApiError(401, str(error), "authentication_error", code="invalid_api_key")
     return ApiError(status, str(error), "server_error", code=error.kind)
 
 
