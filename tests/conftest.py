@@ -47,8 +47,11 @@ def smollm2_tokenizer(smollm2_dir):
     return load_tokenizer(smollm2_dir)
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | list[int] | None) -> list[int]:
-    """HF transformers' greedy continuation of one prompt (batch 1, no padding)."""
+def hf_greedy(
+    model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | list[int] | None, **generate_kwargs
+) -> list[int]:
+    """HF transformers' greedy continuation of one prompt (batch 1, no padding); extra arguments
+    (logits processors, penalties, ...) go to `generate`."""
     import torch
 
     with torch.inference_mode():
@@ -59,6 +62,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
             do_sample=False,
             eos_token_id=eos_token_id,
             pad_token_id=0,
+            **generate_kwargs,
         )
     return out[0, len(prompt_ids) :].tolist()
 

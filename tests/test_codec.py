@@ -12,12 +12,13 @@ import pytest
 from zllm.config import EngineConfig
 from zllm.ipc import messages as m
 from zllm.ipc.codec import Codec, MessageError, convert, decode_json, encode_json
+from zllm.outputs import Logprob
 from zllm.sampling_params import SamplingParams
 
-# Every field differs from its default, except n (only n == 1 is valid for now) and detokenize
-# (False forbids stop strings; its round trip is checked separately).
+# Every field differs from its default, except detokenize (False forbids stop strings; its round
+# trip is checked separately).
 SAMPLING = SamplingParams(
-    n=1,
+    n=3,
     temperature=0.7,
     top_p=0.9,
     top_k=40,
@@ -31,13 +32,24 @@ SAMPLING = SamplingParams(
     include_stop_str_in_output=True,
     skip_special_tokens=False,
     spaces_between_special_tokens=False,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    repetition_penalty=1.3,
+    logprobs=5,
+    prompt_logprobs=2,
+    logit_bias={17: -100.0, 3: 2.5},
+    bad_words=["darn", "heck"],
 )
 
+LOGPROBS = m.TokenLogprobs(token_ids=[[5, 5, 9], [6, 8, 6]], logprobs=[[-0.5, -0.5, -1.25], [-2.0, -0.1, -2.0]], ranks=[1, 2])
+PROMPT_LOGPROBS = m.TokenLogprobs(token_ids=[[3, 7]], logprobs=[[-9.5, -0.75]], ranks=[812])
 TOKEN_DELTA = m.TokenDelta(
-    request_id="ab12/req-1", new_token_ids=[5, 6, 49151], finish_reason="stop", stop_reason="END", num_cached_tokens=32
+    request_id="ab12/req-1", new_token_ids=[5, 6, 49151], finish_reason="stop", stop_reason="END", num_cached_tokens=32,
+    logprobs=LOGPROBS, prompt_logprobs=PROMPT_LOGPROBS,
 )
 TOKEN_DELTA_INT_STOP = m.TokenDelta(
-    request_id="ab12/req-2", new_token_ids=[2], finish_reason="length", stop_reason=2, num_cached_tokens=16
+    request_id="ab12/req-2", new_token_ids=[2], finish_reason="length", stop_reason=2, num_cached_tokens=16,
+    logprobs=m.TokenLogprobs(token_ids=[[2]], logprobs=[[-0.0]], ranks=[1]), prompt_logprobs=m.TokenLogprobs([], [], []),
 )
 NEW_REQUEST = m.NewRequestData(
     request_id="ab12/req-1",
@@ -46,6 +58,8 @@ NEW_REQUEST = m.NewRequestData(
     sampling=SAMPLING,
     block_ids=[0, 7, 9],
     num_computed_tokens=16,
+    eos_token_ids=[2, 49152],
+    bad_words_token_ids=[[17], [22, 23]],
 )
 CACHED_REQUEST = m.CachedRequestData(
     request_id="ab12/req-3", new_token_ids=[9, 10], new_block_ids=[4], num_computed_tokens=17
@@ -62,6 +76,8 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             arrival_time=1712345678.25,
             eos_token_ids=[2, 49152],
             priority=-3,
+            cache_salt="tenant-7",
+            bad_words_token_ids=[[17], [22, 23]],
         ),
         m.AbortRequests(request_ids=["ab12/req-1", "ab12/req-2"]),
         m.UtilityCall(call_id=7, method="stats", args=[1, "two", [3.5, None], {"k": False}, b"\x00\xff"]),
@@ -86,7 +102,13 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
         m.WorkerCall(call_id=1, method="init_kv_cache", args=[364, "extra"]),
     ],
     "WorkerToCore": [
-        m.StepOutput(step_id=42, request_ids=["ab12/req-1"], sampled_token_ids=[7]),
+        m.StepOutput(
+            step_id=42,
+            request_ids=["ab12/req-1", "ab12/req-2"],
+            sampled_token_ids=[5, 6],
+            logprobs=LOGPROBS,
+            prompt_logprobs={"ab12/req-2": PROMPT_LOGPROBS},
+        ),
         m.WorkerReady(rank=1, num_kv_blocks=100, pid=4242),
         m.WorkerCallResult(rank=1, call_id=2, result=[1, "x", {"y": 2}], error="unknown worker method 'x'"),
         m.WorkerFailed(rank=1, error="rank 1: RuntimeError: out of memory"),
@@ -100,10 +122,12 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             add_generation_prompt=False,
             sampling=msgspec.to_builtins(SAMPLING),
             priority=5,
+            cache_salt="tenant-7",
         ),
         m.ClientAbort(request_id="req-1"),
         m.ClientPing(),
         m.ClientStats(call_id=9),
+        m.ClientUtility(call_id=10, method="reset_prefix_cache"),
     ],
     "ServerToClient": [
         m.ServerOutput(
@@ -113,15 +137,22 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             finish_reason="stop",
             stop_reason="END",
             prompt_token_ids=[4, 5],
+            index=2,
+            finished=True,
+            logprobs=[{3: Logprob(-0.25, 1, " wö"), 9: Logprob(-1.5, 2, None)}],
+            prompt_logprobs=[None, {4: Logprob(-7.0, 300, "x")}],
+            cumulative_logprob=-3.5,
+            num_cached_tokens=16,
         ),
         m.ServerError(request_id="req-1", message="temperature: must be >= 0", kind="internal"),
         m.ServerPong(),
         m.ServerStats(call_id=9, stats={"num_running": 2, "num_waiting": 0}),
+        m.ServerUtilityResult(call_id=10, result=True, error="not allowed"),
     ],
 }
 
 # Messages that only travel inside another one.
-NESTED = [SAMPLING, TOKEN_DELTA, TOKEN_DELTA_INT_STOP, NEW_REQUEST, CACHED_REQUEST]
+NESTED = [SAMPLING, TOKEN_DELTA, TOKEN_DELTA_INT_STOP, NEW_REQUEST, CACHED_REQUEST, LOGPROBS]
 
 ALL = [(channel, message) for channel, examples in EXAMPLES.items() for message in examples]
 CLIENT_FACING = [(c, msg) for c, msg in ALL if c in ("ClientToServer", "ServerToClient")]
@@ -167,8 +198,8 @@ def test_examples_cover_every_member_of_every_channel():
 def test_examples_set_every_field_to_a_non_default(message):
     for field in msgspec.structs.fields(message):
         value = getattr(message, field.name)
-        if isinstance(message, SamplingParams) and field.name in ("n", "detokenize"):
-            continue  # n > 1 is rejected; detokenize=False excludes the stop strings set here
+        if isinstance(message, SamplingParams) and field.name == "detokenize":
+            continue  # detokenize=False excludes the stop strings set here
         if field.default is not msgspec.NODEFAULT:
             assert value != field.default, f"{_id(message)}.{field.name} is its default"
         if field.default_factory is not msgspec.NODEFAULT:
@@ -389,7 +420,15 @@ BAD_SAMPLING = [
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
     ({"min_p": 2.0}, "min_p"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs"),
+    ({"logit_bias": {"7": 101.0}}, "logit_bias"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"bad_words": [""]}, "bad_words"),
     ({"seed": -1}, "seed"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
@@ -449,6 +488,10 @@ CONFIG = EngineConfig(
     tensor_parallel_size=2,
     enforce_eager=True,
     served_model_name="served",
+    enable_prefix_caching=False,
+    scheduling_policy="priority",
+    max_logprobs=5,
+    max_n=4,
     runtime_dir="/run/user/1000/zllm-abc",
     client_endpoint="tcp://127.0.0.1:5555",
     socket_hwm=10,

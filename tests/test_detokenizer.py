@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from zllm.frontend.detokenizer import IncrementalDetokenizer
 from zllm.frontend.output_processor import OutputProcessor
-from zllm.ipc.messages import TokenDelta
+from zllm.ipc.messages import AddRequest, TokenDelta
 from zllm.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -204,9 +204,13 @@ def feed(processor: OutputProcessor, deltas: list[TokenDelta]):
     return last, aborted
 
 
+def track(processor: OutputProcessor, request_id: str, prompt: str | None, prompt_ids: list[int], sampling) -> None:
+    processor.add_request(AddRequest(request_id, prompt_ids, sampling, 0.0), prompt)
+
+
 def new_processor(tok, sampling: SamplingParams, request_id: str = "r0", prompt: str = "Say hi:") -> OutputProcessor:
     processor = OutputProcessor(tok)
-    processor.add_request(request_id, prompt, tok.encode(prompt, add_special_tokens=False), sampling)
+    track(processor, request_id, prompt, tok.encode(prompt, add_special_tokens=False), sampling)
     return processor
 
 
@@ -305,11 +309,27 @@ def test_eos_from_core_finishes_without_abort(tok):
 
 
 def test_special_token_text_shown_without_skip(tok):
-    ids = tok.encode("Hi there!", add_special_tokens=False)
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    ids = tok.encode("Hi", add_special_tokens=False) + [im_start] + tok.encode(" there!", add_special_tokens=False)
     processor = new_processor(tok, SamplingParams(max_tokens=50, skip_special_tokens=False))
-    deltas = one_token_deltas("r0", ids) + [TokenDelta("r0", [EOS_ID], finish_reason="stop", stop_reason=EOS_ID)]
+    output, _ = feed(processor, one_token_deltas("r0", ids))
+    assert output.outputs[0].text == "Hi<|im_start|> there!"
+
+
+@pytest.mark.parametrize("stop_reason", [None, EOS_ID, 13])  # EOS, EOS as a stop token id, another stop token
+@pytest.mark.parametrize("include", [False, True])
+def test_the_token_that_stopped_a_completion_is_in_token_ids_but_in_the_text_only_if_asked(tok, stop_reason, include):
+    # vLLM: a stop token ends the text unless include_stop_str_in_output; skip_special_tokens=False
+    # keeps EOS visible so the rule shows.
+    stop_id = EOS_ID if stop_reason is None else stop_reason
+    ids = tok.encode("Hi there", add_special_tokens=False)
+    params = SamplingParams(max_tokens=50, skip_special_tokens=False, include_stop_str_in_output=include)
+    processor = new_processor(tok, params)
+    deltas = one_token_deltas("r0", ids) + [TokenDelta("r0", [stop_id], finish_reason="stop", stop_reason=stop_reason)]
     output, _ = feed(processor, deltas)
-    assert output.outputs[0].text == "Hi there!<|im_end|>"
+    completion = output.outputs[0]
+    assert completion.token_ids == ids + [stop_id]
+    assert completion.text == "Hi there" + (tok.decode([stop_id]) if include else "")
 
 
 def test_special_tokens_in_the_middle_are_hidden(tok):
@@ -327,8 +347,8 @@ def test_requests_are_tracked_independently(tok):
     processor = OutputProcessor(tok)
     a = tok.encode("Alpha beta STOP gamma", add_special_tokens=False)
     b = tok.encode("Delta epsilon zeta", add_special_tokens=False)
-    processor.add_request("a", None, [], SamplingParams(max_tokens=50, stop="STOP"))
-    processor.add_request("b", None, [], SamplingParams(max_tokens=50, stop="STOP"))
+    track(processor, "a", None, [], SamplingParams(max_tokens=50, stop="STOP"))
+    track(processor, "b", None, [], SamplingParams(max_tokens=50, stop="STOP"))
     aborted, last = [], {}
     for i in range(max(len(a), len(b))):
         deltas = [TokenDelta(rid, [ids[i]]) for rid, ids in (("a", a), ("b", b)) if i < len(ids)]

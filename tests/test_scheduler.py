@@ -27,15 +27,19 @@ def make_scheduler(
     max_model_len: int = 256,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 64,
+    enable_prefix_caching: bool = False,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
+    """Prefix caching is off unless asked for: most tests pin other rules with block ids."""
     config = EngineConfig(
         model="unused",
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
+        scheduling_policy=scheduling_policy,
     )
-    return Scheduler(config, KVCacheManager(BlockPool(num_blocks), block_size))
+    return Scheduler(config, KVCacheManager(BlockPool(num_blocks), block_size, enable_prefix_caching))
 
 
 def prompt(length: int) -> list[int]:
@@ -134,7 +138,7 @@ def test_max_num_seqs_caps_running_requests():
     first = run_step(scheduler)
     assert first.scheduled_ids == ["a", "b"]
     assert len(scheduler.running) == 2
-    assert scheduler.waiting[0].request_id == "c"
+    assert scheduler.waiting.peek().request_id == "c"
     assert scheduler.requests["c"].status == RequestStatus.WAITING
 
     second = run_step(scheduler)
@@ -170,7 +174,7 @@ def test_running_prefill_can_take_the_whole_budget_from_waiting_requests():
 
 def test_waiting_requests_are_admitted_in_arrival_order_without_overtaking():
     scheduler = make_scheduler(num_blocks=3, block_size=4)
-    add(scheduler, make_request("a", 8), make_request("b", 8), make_request("c", 4))
+    add(scheduler, make_request("a", 8, max_tokens=4), make_request("b", 8, max_tokens=4), make_request("c", 4, max_tokens=4))
 
     step = run_step(scheduler)
     assert step.scheduled_ids == ["a"]
@@ -217,7 +221,8 @@ def test_step_input_sends_a_new_request_in_full_then_only_diffs():
     first = scheduler.schedule()
     assert first.new_requests == [
         NewRequestData(
-            "a", prompt_len=6, token_ids=prompt(6), sampling=request.sampling, block_ids=[0, 1], num_computed_tokens=0
+            "a", prompt_len=6, token_ids=prompt(6), sampling=request.sampling, block_ids=[0, 1], num_computed_tokens=0,
+            eos_token_ids=[EOS],
         )
     ]
     assert first.cached_requests == []
@@ -248,7 +253,7 @@ def test_step_ids_increase_by_one():
 
 def test_pool_shortage_preempts_the_latest_running_request_for_recompute():
     scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
-    a, b, c = make_request("a", 3, max_tokens=4), make_request("b", 12, max_tokens=3), make_request("c", 1)
+    a, b, c = make_request("a", 3, max_tokens=4), make_request("b", 12, max_tokens=3), make_request("c", 1, max_tokens=3)
     add(scheduler, a, b, c)
 
     assert scheduled(run_step(scheduler)) == {"a": 3, "b": 5}
@@ -292,7 +297,7 @@ def test_pool_shortage_preempts_the_latest_running_request_for_recompute():
 
 def test_no_waiting_request_is_admitted_in_a_step_that_preempted():
     scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
-    add(scheduler, make_request("a", 3), make_request("b", 12), make_request("c", 1))
+    add(scheduler, make_request("a", 3, max_tokens=4), make_request("b", 12, max_tokens=4), make_request("c", 1, max_tokens=4))
     run_step(scheduler)
     run_step(scheduler)
 
@@ -337,29 +342,84 @@ def test_latest_request_that_cannot_grow_preempts_itself_and_resumes_later():
     assert_all_blocks_free(scheduler)
 
 
-def test_lone_request_outgrowing_the_whole_pool_parks_in_waiting_without_thrashing():
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "field"),
+    [(8, 1, "prompt"), (12, 4, "prompt"), (4, 5, "max_tokens"), (4, None, "max_tokens")],
+)
+def test_request_that_could_outgrow_the_whole_pool_is_refused_naming_the_field(prompt_len, max_tokens, field):
     scheduler = make_scheduler(num_blocks=2, block_size=4, max_model_len=64)
-    request = make_request("a", 8)
-    add(scheduler, request)
-    run_step(scheduler)
-
-    step = scheduler.schedule()
-    assert step.is_empty
-    assert step.preempted_ids == ["a"]
-    assert request.status == RequestStatus.PREEMPTED
-    assert list(scheduler.waiting) == [request]
-    assert_all_blocks_free(scheduler)
-
-    for _ in range(3):
-        idle = scheduler.schedule()
-        assert idle.is_empty
-        assert idle.preempted_ids == []
-    assert request.num_preemptions == 1
-    assert_all_blocks_free(scheduler)
-
-    assert scheduler.abort_requests(["a"]) == ["a"]
+    with pytest.raises(ValueError, match=rf"^{field}: .* need \d+ KV blocks of 4 tokens, but the whole KV cache has 2"):
+        scheduler.add_request(make_request("a", prompt_len, max_tokens=max_tokens))
     assert not scheduler.has_unfinished_requests()
-    assert scheduler.schedule().finished_ids == []
+    assert not scheduler.waiting
+
+    fits = make_request("b", 4, max_tokens=4)  # 8 tokens: exactly the pool
+    scheduler.add_request(fits)
+    run_to_completion(scheduler)
+    assert fits.num_output_tokens == 4
+    assert_all_blocks_free(scheduler)
+
+
+# ---- scheduling policies --------------------------------------------------------------------------
+
+
+def prioritized(request_id: str, priority: int, arrival_time: float, prompt_len: int = 4, max_tokens: int = 2) -> Request:
+    request = make_request(request_id, prompt_len, max_tokens=max_tokens)
+    request.priority, request.arrival_time = priority, arrival_time
+    return request
+
+
+def test_priority_policy_serves_the_lowest_value_first_then_the_earliest_arrival():
+    scheduler = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    add(
+        scheduler,
+        prioritized("late-low", 5, 1.0),
+        prioritized("urgent", -1, 3.0),
+        prioritized("early-mid", 2, 0.5),
+        prioritized("late-mid", 2, 2.0),
+    )
+    assert [r.request_id for r in scheduler.waiting] == ["urgent", "early-mid", "late-mid", "late-low"]
+    admitted = []
+    while scheduler.has_unfinished_requests():
+        step = run_step(scheduler)
+        admitted += [n.request_id for n in step.new_requests]
+    assert admitted == ["urgent", "early-mid", "late-mid", "late-low"]
+
+
+def test_fcfs_policy_ignores_priority():
+    scheduler = make_scheduler(max_num_seqs=1)
+    add(scheduler, prioritized("first", 9, 0.0), prioritized("second", 0, 1.0))
+    assert run_step(scheduler).scheduled_ids == ["first"]
+
+
+def test_priority_policy_preempts_the_least_important_running_request_even_one_scheduled_this_step():
+    scheduler = make_scheduler(num_blocks=3, block_size=4, scheduling_policy="priority")
+    low, high = prioritized("low", 5, 0.0, max_tokens=4), prioritized("high", 0, 1.0, max_tokens=4)
+    add(scheduler, low, high)
+    first = run_step(scheduler)
+    assert first.scheduled_ids == ["high", "low"]  # admitted by priority
+    scheduler.running = [low, high]  # the order they run in does not decide the victim
+
+    step = scheduler.schedule()  # both need a 2nd block; one is free
+    assert scheduled(step) == {"high": 1}
+    assert step.preempted_ids == ["low"]  # scheduled first in this step, then preempted for "high"
+    assert step.total_num_scheduled_tokens == 1
+    assert low.status == RequestStatus.PREEMPTED and scheduler.kv_cache.block_ids("low") == []
+    complete(scheduler, step)
+    run_to_completion(scheduler)
+    assert high.num_output_tokens == 4 and low.num_output_tokens == 4
+    assert_all_blocks_free(scheduler)
+
+
+def test_priority_preemption_puts_the_victim_back_in_priority_order():
+    scheduler = make_scheduler(num_blocks=3, block_size=4, max_num_seqs=2, scheduling_policy="priority")
+    low, high = prioritized("low", 5, 0.0, max_tokens=4), prioritized("high", 0, 1.0, max_tokens=4)
+    add(scheduler, low, high)
+    run_step(scheduler)
+    add(scheduler, prioritized("later-low", 5, 2.0), prioritized("mid", 3, 3.0))
+    step = run_step(scheduler)
+    assert step.preempted_ids == ["low"]
+    assert [r.request_id for r in scheduler.waiting] == ["mid", "low", "later-low"]
 
 
 # ---- stop rules ----------------------------------------------------------------------------
@@ -511,7 +571,7 @@ def test_abort_returns_only_known_unfinished_ids():
 
 def test_abort_preempted_request_is_not_reported_again():
     scheduler = make_scheduler(num_blocks=3, block_size=4)
-    add(scheduler, make_request("a", 4), make_request("b", 4))
+    add(scheduler, make_request("a", 4, max_tokens=4), make_request("b", 4, max_tokens=4))
     run_step(scheduler)
     preempting = run_step(scheduler)
     assert preempting.preempted_ids == ["b"]

@@ -18,6 +18,7 @@ _LAZY_NAMES = {
     "SamplingParams": "zllm.sampling_params",
     "RequestOutput": "zllm.outputs",
     "CompletionOutput": "zllm.outputs",
+    "Logprob": "zllm.outputs",
     "EngineConfig": "zllm.config",
     "Client": "zllm.client",
     "AsyncClient": "zllm.client",
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from zllm.config import EngineConfig
     from zllm.frontend.llm import LLM
     from zllm.frontend.llm_engine import LLMEngine
-    from zllm.outputs import CompletionOutput, RequestOutput
+    from zllm.outputs import CompletionOutput, Logprob, RequestOutput
     from zllm.sampling_params import SamplingParams
 
 

@@ -5,6 +5,7 @@
     out = client.generate("Hello", SamplingParams(max_tokens=16))
     for delta in client.stream("Tell me a story"):
         print(delta.outputs[0].text, end="")
+    three = client.generate("Hello", SamplingParams(n=3, seed=1, logprobs=2))  # 3 completions, top-2 logprobs
 
 `AsyncClient` offers the same calls as coroutines and async iterators and runs many requests
 concurrently over one connection. Leaving a stream early (break, cancel, close) aborts the
@@ -33,10 +34,12 @@ from zllm.ipc.messages import (
     ClientPing,
     ClientStats,
     ClientToServer,
+    ClientUtility,
     ServerError,
     ServerOutput,
     ServerStats,
     ServerToClient,
+    ServerUtilityResult,
 )
 from zllm.outputs import CompletionOutput, RequestOutput
 from zllm.sampling_params import SamplingParams
@@ -93,9 +96,15 @@ class AsyncClient:
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestOutput:
-        """The whole completion. `timeout` bounds the total time (the request is aborted then)."""
-        stream = self.stream(prompt, sampling_params, prompt_token_ids=prompt_token_ids, request_id=request_id)
+        """The whole request: all n completions (`outputs[i]`), with logprobs if asked for.
+        `timeout` bounds the total time (the request is aborted then)."""
+        stream = self.stream(
+            prompt, sampling_params, prompt_token_ids=prompt_token_ids, request_id=request_id,
+            priority=priority, cache_salt=cache_salt,
+        )
         return await asyncio.wait_for(_collect(stream), timeout)
 
     async def chat(
@@ -105,8 +114,10 @@ class AsyncClient:
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestOutput:
-        stream = self._stream(ClientGenerate(request_id or _new_id(), messages=messages, sampling=_fields(sampling_params)))
+        stream = self.chat_stream(messages, sampling_params, request_id=request_id, priority=priority, cache_salt=cache_salt)
         return await asyncio.wait_for(_collect(stream), timeout)
 
     def stream(
@@ -116,31 +127,53 @@ class AsyncClient:
         *,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Deltas as they come: each RequestOutput holds the new text and token ids only."""
+        """Deltas as they come: each RequestOutput holds one completion (`outputs[0].index` says
+        which, for n > 1) with its new text, token ids and logprobs only."""
         message = ClientGenerate(
             request_id or _new_id(),
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,
             sampling=_fields(sampling_params),
+            priority=priority,
+            cache_salt=cache_salt,
         )
         return self._stream(message)
 
     def chat_stream(
-        self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        return self._stream(ClientGenerate(request_id or _new_id(), messages=messages, sampling=_fields(sampling_params)))
+        message = ClientGenerate(
+            request_id or _new_id(), messages=messages, sampling=_fields(sampling_params), priority=priority,
+            cache_salt=cache_salt,
+        )
+        return self._stream(message)
 
     async def abort(self, request_id: str) -> None:
         await self._send(ClientAbort(request_id))
 
     async def stats(self) -> dict[str, Any]:
-        """The engine core's counters (running, waiting, KV blocks, preemptions)."""
+        """The engine core's counters (running, waiting, KV blocks, preemptions, prefix cache hits)."""
+        return await self._call(lambda call_id: ClientStats(call_id=call_id))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Make the engine forget every cached prefix (vLLM's reset_prefix_cache)."""
+        return await self._call(lambda call_id: ClientUtility(call_id=call_id, method="reset_prefix_cache"))
+
+    async def _call(self, make_message) -> Any:
         self._ensure_started()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._stats_waiters[call_id] = future
-        await self._send(ClientStats(call_id=call_id))
+        await self._send(make_message(call_id))
         return await asyncio.wait_for(future, self.timeout)
 
     async def close(self) -> None:
@@ -177,7 +210,7 @@ class AsyncClient:
                     raise item
                 if item.prompt_token_ids is not None:
                     prompt_token_ids = item.prompt_token_ids
-                finished = item.finish_reason is not None
+                finished = item.finished
                 yield _to_request_output(item, message.prompt, prompt_token_ids)
         finally:
             self._queues.pop(message.request_id, None)
@@ -217,6 +250,13 @@ class AsyncClient:
             future = self._stats_waiters.pop(message.call_id, None)
             if future is not None and not future.done():
                 future.set_result(message.stats)
+        elif isinstance(message, ServerUtilityResult):
+            future = self._stats_waiters.pop(message.call_id, None)
+            if future is not None and not future.done():
+                if message.error is None:
+                    future.set_result(message.result)
+                else:
+                    future.set_exception(RequestError(message.error))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -265,6 +305,9 @@ class Client:
     def stats(self) -> dict[str, Any]:
         return self._run(self._async.stats())
 
+    def reset_prefix_cache(self) -> bool:
+        return self._run(self._async.reset_prefix_cache())
+
     def close(self) -> None:
         if self._loop.is_running():
             self._run(self._async.close())
@@ -296,30 +339,44 @@ async def _make_async_client(endpoint, timeout, heartbeat_interval) -> AsyncClie
 
 
 async def _collect(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    text, token_ids, last = [], [], None
+    """Merge a stream's deltas into one RequestOutput with every completion in index order."""
+    completions: dict[int, CompletionOutput] = {}
+    last = None
+    prompt_logprobs = None
     async for delta in stream:
-        text.append(delta.outputs[0].text)
-        token_ids.extend(delta.outputs[0].token_ids)
+        piece = delta.outputs[0]
+        whole = completions.setdefault(piece.index, CompletionOutput(piece.index, "", []))
+        whole.text += piece.text
+        whole.token_ids.extend(piece.token_ids)
+        if piece.logprobs is not None:
+            whole.logprobs = (whole.logprobs or []) + piece.logprobs
+        whole.finish_reason, whole.stop_reason = piece.finish_reason, piece.stop_reason
+        whole.cumulative_logprob = piece.cumulative_logprob
+        prompt_logprobs = delta.prompt_logprobs or prompt_logprobs
         last = delta
-    completion = last.outputs[0]
-    completion.text, completion.token_ids = "".join(text), token_ids
+    last.outputs = [completions[i] for i in sorted(completions)]
+    last.prompt_logprobs = prompt_logprobs
     return last
 
 
 def _to_request_output(message: ServerOutput, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
     completion = CompletionOutput(
-        index=0,
+        index=message.index,
         text=message.text,
         token_ids=list(message.token_ids),
         finish_reason=message.finish_reason,
         stop_reason=message.stop_reason,
+        cumulative_logprob=message.cumulative_logprob,
+        logprobs=message.logprobs,
     )
     return RequestOutput(
         request_id=message.request_id,
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
         outputs=[completion],
-        finished=message.finish_reason is not None,
+        finished=message.finished,
+        num_cached_tokens=message.num_cached_tokens,
+        prompt_logprobs=message.prompt_logprobs,
     )
 
 

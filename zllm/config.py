@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(slots=True)
@@ -43,6 +44,10 @@ class EngineConfig:
     distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
     enforce_eager: bool = False  # CUDA: no decode graphs
     served_model_name: str | None = None
+    enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
+    scheduling_policy: str = "fcfs"  # fcfs: arrival order; priority: lower `priority` value first
+    max_logprobs: int = 20  # the most SamplingParams.logprobs / prompt_logprobs may ask for
+    max_n: int = 128  # the most completions (SamplingParams.n) one request may ask for
     # Processes and sockets.
     runtime_dir: str = ""  # private 0700 directory for ipc sockets; made at launch when empty
     client_endpoint: str = ""  # ZMQ endpoint for clients; empty: zllm.ipc.addresses.default_client_endpoint()
@@ -55,7 +60,6 @@ class EngineConfig:
     port: int = 8000  # 0: any free port (the ready line says which)
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1 routes when set
     max_request_body_bytes: int = 8 << 20  # larger HTTP bodies get 413
-    max_n: int = 128  # completions per prompt (OpenAI's own limit); more are refused with 400
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -106,12 +110,18 @@ class EngineConfig:
             "gpu_memory_utilization",
             f"must be in (0, 1], got {self.gpu_memory_utilization}",
         )
+        _require(
+            self.scheduling_policy in _SCHEDULING_POLICIES,
+            "scheduling_policy",
+            f"must be one of {_SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
+        )
+        _require(self.max_logprobs >= 0, "max_logprobs", f"must be >= 0, got {self.max_logprobs}")
+        _require(self.max_n >= 1, "max_n", f"must be >= 1, got {self.max_n}")
         _require(self.socket_hwm >= 1, "socket_hwm", f"must be >= 1, got {self.socket_hwm}")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
         _require(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
         _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
-        _require(self.max_n >= 1, "max_n", f"must be >= 1, got {self.max_n}")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
 
     def blocks_for_tokens(self, num_tokens: int) -> int:

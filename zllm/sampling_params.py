@@ -34,6 +34,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
     spaces_between_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (benchmarks; stop strings then cannot apply)
     # NOTE: fields are append-only; this struct is part of the wire format.
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # HF/CTRL: divides (or multiplies) logits of prompt and output tokens
+    logprobs: int | None = None  # top-k logprobs per sampled token (plus the sampled token's own)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt position (plus the prompt token's own)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    bad_words: list[str] | None = None  # words (token sequences) that must never be completed
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,8 +57,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def _verify(self) -> None:
-        _check(self.n == 1, "n", f"must be 1 for now (n > 1 is not supported yet), got {self.n}")
+        _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
         _check_finite(self.temperature, "temperature")
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check_finite(self.top_p, "top_p")
@@ -75,6 +86,24 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
             _check(isinstance(s, str) and s != "", "stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids or []:
             _check(t >= 0, "stop_token_ids", f"token ids must be >= 0, got {t}")
+        self._verify_penalties()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or value >= 0, name, f"must be None or >= 0, got {value}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(token_id >= 0, "logit_bias", f"token ids must be >= 0, got {token_id}")
+            _check_finite(bias, "logit_bias")
+            _check(-100.0 <= bias <= 100.0, "logit_bias", f"biases must be in [-100, 100], got {bias} for {token_id}")
+        for word in self.bad_words or []:
+            _check(isinstance(word, str) and word.strip() != "", "bad_words", "bad words must be non-empty strings")
+
+    def _verify_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_finite(value, name)
+            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        _check_finite(self.repetition_penalty, "repetition_penalty")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
 
 
 def _check(ok: bool, field: str, reason: str) -> None:

@@ -1,24 +1,31 @@
-"""The KV block pool: fixed-size blocks, a free list with O(1) allocate and free.
+"""The KV block pool: fixed-size blocks, a free list with O(1) allocate and free, and the
+prefix cache (block hash -> block).
 
 The free list is threaded through the blocks themselves (prev/next links), so a block can also
 leave it from the middle in O(1) — prefix caching needs that to revive a cached free block.
 
     head <-> b7 <-> b2 <-> b9 <-> tail      allocate pops from the head, free appends at the tail
+
+A freed block keeps its hash and stays findable in the cache until allocation pops it from the
+head for other tokens: the free list is also the LRU order of eviction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from zllm.enginecore.block_hash import BlockHash
+
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free", "block_hash")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
+        self.block_hash: BlockHash | None = None  # set while the block is in the prefix cache
 
     def __repr__(self) -> str:
         return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
@@ -68,13 +75,15 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """Owns every KV block; hands out and takes back whole blocks."""
+    """Owns every KV block; hands out and takes back whole blocks; maps hashes to cached blocks."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free = FreeBlockQueue(self.blocks)
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0  # cached blocks given to other tokens
 
     @property
     def num_blocks(self) -> int:
@@ -93,6 +102,7 @@ class BlockPool:
             raise ValueError(f"cannot allocate {count} blocks: only {self.num_free_blocks} free")
         blocks = [self._free.popleft() for _ in range(count)]
         for block in blocks:
+            self._evict(block)
             block.ref_cnt = 1
         return blocks
 
@@ -102,3 +112,40 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"double free of {block}"
             if block.ref_cnt == 0:
                 self._free.append(block)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on cached blocks; a free one leaves the free list (no longer evictable)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self._free.remove(block)
+            block.ref_cnt += 1
+
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Make a full, computed block findable by its hash. If another block already holds the
+        same tokens, this one stays private (it is freed like any other)."""
+        if block.block_hash is None and block_hash not in self._cached:
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (blocks in use keep their contents); returns how many."""
+        for block in self._cached.values():
+            block.block_hash = None
+        count = len(self._cached)
+        self._cached.clear()
+        return count
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1

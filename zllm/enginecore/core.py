@@ -36,10 +36,10 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.num_kv_blocks = config.num_kv_blocks or executor.determine_num_kv_blocks()
-        _check_kv_capacity(config, self.num_kv_blocks)
+        _warn_if_a_long_request_cannot_fit(config, self.num_kv_blocks)
         executor.initialize_kv_cache(self.num_kv_blocks)
         pool = BlockPool(self.num_kv_blocks)
-        self.scheduler = Scheduler(config, KVCacheManager(pool, config.block_size))
+        self.scheduler = Scheduler(config, KVCacheManager(pool, config.block_size, config.enable_prefix_caching))
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max concurrency at %d tokens each: %.1fx",
             self.num_kv_blocks,
@@ -62,6 +62,8 @@ class EngineCore:
             arrival_time=message.arrival_time,
             eos_token_ids=frozenset(message.eos_token_ids),
             priority=message.priority,
+            cache_salt=message.cache_salt,
+            bad_words_token_ids=message.bad_words_token_ids,
         )
         self.scheduler.add_request(request)
 
@@ -77,6 +79,12 @@ class EngineCore:
     def num_free_kv_blocks(self) -> int:
         return self.scheduler.kv_cache.pool.num_free_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (later requests recompute them); vLLM's utility call."""
+        num_forgotten = self.scheduler.reset_prefix_cache()
+        logger.info("prefix cache reset: %d blocks forgotten", num_forgotten)
+        return True
+
     def step(self) -> list[TokenDelta]:
         step = self.scheduler.schedule()
         if step.is_empty and not (step.finished_ids or step.preempted_ids):
@@ -90,12 +98,14 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def _check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:
-    """Every request must fit alone, or one could wait forever."""
+def _warn_if_a_long_request_cannot_fit(config: EngineConfig, num_blocks: int) -> None:
+    """The scheduler refuses each request that could outgrow the whole pool (with an error that
+    says so); warn at start-up when that includes requests up to max_model_len."""
     needed = config.blocks_for_tokens(config.max_model_len)
     if num_blocks < needed:
-        raise ValueError(
-            f"KV cache too small: {num_blocks} blocks of {config.block_size} tokens hold "
-            f"{num_blocks * config.block_size} tokens, but max_model_len={config.max_model_len} needs "
-            f"{needed} blocks; raise the KV cache memory or lower max_model_len"
+        logger.warning(
+            "KV cache of %d blocks of %d tokens holds %d tokens, less than max_model_len=%d (%d blocks): "
+            "requests whose prompt + max_tokens exceed it will be refused; raise the KV cache memory or "
+            "lower max_model_len",
+            num_blocks, config.block_size, num_blocks * config.block_size, config.max_model_len, needed,
         )

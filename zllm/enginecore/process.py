@@ -138,6 +138,8 @@ class EngineCoreProcess:
             return UtilityResult(call_id=call.call_id, result=stats)
         if call.method == "ping":
             return UtilityResult(call_id=call.call_id, result=time.time())
+        if call.method == "reset_prefix_cache":
+            return UtilityResult(call_id=call.call_id, result=self.core.reset_prefix_cache())
         return UtilityResult(call_id=call.call_id, error=f"unknown utility method {call.method!r}")
 
     # ---- side threads --------------------------------------------------------------------------

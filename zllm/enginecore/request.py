@@ -53,6 +53,11 @@ class Request:
     num_tokens_on_workers: int = 0  # how many of all_token_ids the workers hold
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries (per tenant)
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, extended lazily
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
+    sequence: int = 0  # admission order; breaks ties between equal priorities and arrival times
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

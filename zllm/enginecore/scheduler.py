@@ -3,19 +3,22 @@
 There is no prefill phase and no decode phase: every scheduled request computes tokens until its
 `num_computed_tokens` catches up with its token count. A long prompt that does not fit the budget
 is computed over several steps (chunked prefill); a decode is a request one token behind.
-When the block pool runs dry, the latest running request is preempted: its blocks are freed and
-it is recomputed from scratch later.
+A waiting request starts after the longest prefix of its blocks found in the prefix cache.
+When the block pool runs dry, a running request is preempted — the latest one (fcfs), or the
+one with the largest (priority, arrival) (priority) — its blocks are freed and it is recomputed
+later (mostly from the prefix cache, if its blocks were not evicted meanwhile).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
 from dataclasses import dataclass, field
 
 from zllm.config import EngineConfig
 from zllm.enginecore.kv_cache_manager import KVCacheManager
 from zllm.enginecore.request import Request, RequestStatus
-from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput, StepOutput, TokenDelta
+from zllm.enginecore.request_queue import make_waiting_queue, priority_key
+from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput, StepOutput, TokenDelta, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -32,6 +35,15 @@ class _StepPlan:
         self.new_block_ids[request.request_id] = new_block_ids
         self.budget -= num_tokens
 
+    def remove(self, request: Request) -> None:
+        """Take back a request scheduled earlier in this step (it was preempted after all)."""
+        for index, (scheduled, num_tokens) in enumerate(self.scheduled):
+            if scheduled is request:
+                del self.scheduled[index]
+                del self.new_block_ids[request.request_id]
+                self.budget += num_tokens
+                return
+
 
 @dataclass(slots=True)
 class SchedulerStats:
@@ -40,6 +52,12 @@ class SchedulerStats:
     kv_cache_usage: float
     num_preemptions: int
     num_steps: int
+    prefix_cache_queries: int  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int  # of which were found there
+    prefix_cache_misses: int  # and were computed
+    prefix_cache_hit_rate: float
+    num_cached_blocks: int
+    prefix_cache_evictions: int
 
 
 class Scheduler:
@@ -47,10 +65,12 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.policy = config.scheduling_policy
         self.kv_cache = kv_cache
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_waiting_queue(self.policy)
         self.running: list[Request] = []
+        self._sequence = itertools.count()
         self._finished_ids: list[str] = []  # told to the workers with the next step
         self._step_id = 0
         self.num_preemptions = 0
@@ -60,8 +80,24 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        self._check_fits(request)
+        request.sequence = next(self._sequence)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
+
+    def _check_fits(self, request: Request) -> None:
+        """A request whose longest possible length needs more blocks than the whole pool could
+        never finish: refuse it now rather than let it wait (or thrash) forever."""
+        max_tokens = request.sampling.max_tokens or self.max_model_len
+        longest = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
+        needed, available = self.kv_cache.num_blocks_needed(longest), self.kv_cache.pool.num_blocks
+        if needed > available:
+            field_name = "prompt" if self.kv_cache.num_blocks_needed(request.num_prompt_tokens + 1) > available else "max_tokens"
+            raise ValueError(
+                f"{field_name}: {request.num_prompt_tokens} prompt tokens + up to {longest - request.num_prompt_tokens} "
+                f"generated need {needed} KV blocks of {self.kv_cache.block_size} tokens, but the whole KV cache "
+                f"has {available}; shorten the prompt, lower max_tokens or enlarge the KV cache"
+            )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Finish the given requests as aborted; returns the ids that were still unfinished."""
@@ -83,13 +119,23 @@ class Scheduler:
         return bool(self.requests)
 
     def stats(self) -> SchedulerStats:
+        prefix = self.kv_cache.prefix_stats
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache.pool.usage,
             num_preemptions=self.num_preemptions,
             num_steps=self._step_id,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            prefix_cache_misses=prefix.queries - prefix.hits,
+            prefix_cache_hit_rate=prefix.hit_rate,
+            num_cached_blocks=self.kv_cache.pool.num_cached_blocks,
+            prefix_cache_evictions=self.kv_cache.pool.num_evictions,
         )
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv_cache.reset_prefix_cache()
 
     # ---- scheduling ----------------------------------------------------------------------------
 
@@ -102,47 +148,67 @@ class Scheduler:
         return self._to_step_input(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        index = 0
-        while index < len(self.running) and plan.budget > 0:
-            request = self.running[index]
+        for request in list(self.running):
+            if plan.budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             num_tokens = self._num_tokens_to_schedule(request, plan.budget)
             if num_tokens == 0:
-                index += 1
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_tokens, plan)
             if new_block_ids is None:
-                break  # the request preempted itself: nothing after it can run either
+                break  # the request preempted itself: it was the least important one left
             plan.add(request, num_tokens, new_block_ids)
-            index += 1
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_tokens = self._num_tokens_to_schedule(request, plan.budget)
-            new_block_ids = self.kv_cache.allocate_slots(request.request_id, num_tokens)
+            request = self.waiting.peek()
+            cached_prefix = self.kv_cache.find_cached_prefix(request)
+            num_cached_tokens = len(cached_prefix) * self.kv_cache.block_size
+            num_tokens = self._num_tokens_to_schedule(request, plan.budget, num_cached_tokens)
+            total = num_cached_tokens + num_tokens
+            new_block_ids = self.kv_cache.allocate_slots(request.request_id, total, cached_prefix)
             if new_block_ids is None:
                 break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.num_tokens_on_workers = 0  # sent in full
-            self.running.append(request)
+            self.waiting.pop()
+            self._admit(request, num_cached_tokens)
+            # Registered now, so that a request admitted next in this same step can share them:
+            # every layer writes the whole batch's K/V before any request attends.
+            self.kv_cache.cache_full_blocks(request, total)
             plan.add(request, num_tokens, new_block_ids)
 
-    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        room = self.max_model_len - request.num_computed_tokens
-        return max(0, min(request.num_uncomputed_tokens, budget, room))
+    def _admit(self, request: Request, num_cached_tokens: int) -> None:
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached_tokens
+        self.kv_cache.record_lookup(request.num_tokens, num_cached_tokens)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached_tokens
+        request.num_tokens_on_workers = 0  # sent in full
+        self.running.append(request)
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int, num_computed: int | None = None) -> int:
+        num_computed = request.num_computed_tokens if num_computed is None else num_computed
+        room = self.max_model_len - num_computed
+        return max(0, min(request.num_tokens - num_computed, budget, room))
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: _StepPlan) -> list[int] | None:
-        """Allocate blocks for the request's next tokens, preempting the latest running requests
-        until they fit. Returns the new block ids, or None if the request itself was preempted."""
+        """Allocate blocks for the request's next tokens, preempting running requests until they
+        fit. Returns the new block ids, or None if the request itself was preempted."""
         total = request.num_computed_tokens + num_tokens
         while (new_block_ids := self.kv_cache.allocate_slots(request.request_id, total)) is None:
-            victim = self.running[-1]
+            victim = self._preemption_victim()
+            plan.remove(victim)
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is request:
                 return None
         return new_block_ids
+
+    def _preemption_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=priority_key)
+        return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -152,7 +218,7 @@ class Scheduler:
         request.num_tokens_on_workers = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
 
     def _to_step_input(self, plan: _StepPlan) -> StepInput:
         new_requests: list[NewRequestData] = []
@@ -170,6 +236,7 @@ class Scheduler:
                     )
                 )
             request.num_computed_tokens += num_tokens
+            self.kv_cache.cache_full_blocks(request, request.num_computed_tokens)
         self._step_id += 1
         step = StepInput(
             step_id=self._step_id,
@@ -191,6 +258,8 @@ class Scheduler:
             sampling=request.sampling,
             block_ids=self.kv_cache.block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            eos_token_ids=sorted(request.eos_token_ids),
+            bad_words_token_ids=request.bad_words_token_ids,
         )
 
     # ---- results -------------------------------------------------------------------------------
@@ -199,7 +268,7 @@ class Scheduler:
         """Append sampled tokens, apply the stop rules, free what finished."""
         deltas = []
         finished = False
-        for request_id, token_id in zip(output.request_ids, output.sampled_token_ids):
+        for row, (request_id, token_id) in enumerate(zip(output.request_ids, output.sampled_token_ids)):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
@@ -211,6 +280,9 @@ class Scheduler:
                     new_token_ids=[token_id],
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                    logprobs=_logprobs_row(output.logprobs, row, request.sampling.logprobs),
+                    prompt_logprobs=output.prompt_logprobs.get(request_id),
                 )
             )
             if request.status.is_finished:
@@ -239,3 +311,9 @@ class Scheduler:
         if request.num_tokens_on_workers > 0:
             self._finished_ids.append(request.request_id)
         del self.requests[request.request_id]
+
+
+def _logprobs_row(logprobs: TokenLogprobs | None, row: int, num_top: int | None) -> TokenLogprobs | None:
+    if logprobs is None or num_top is None:
+        return None
+    return logprobs.row(row, num_top)

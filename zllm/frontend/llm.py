@@ -65,12 +65,20 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the prompts' order."""
+        """Complete every prompt; outputs come back in the prompts' order. `priority` (one per
+        prompt, lower first) needs scheduling_policy="priority"; a prompt dict may carry a
+        "cache_salt" that keeps its prefix-cache entries apart from other salts."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
-        request_ids = self._add_all(prompt_list, params)
+        priorities = self._priorities(priority, len(prompt_list))
+        request_ids = self._add_all(prompt_list, params, priorities)
         return self._run(request_ids, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix: later requests recompute their prompts."""
+        return self.engine.reset_prefix_cache()
 
     def chat(
         self,
@@ -98,14 +106,29 @@ class LLM:
             raise ValueError(f"sampling_params: got {len(params)} for {count} prompts; pass one, or one per prompt")
         return params
 
-    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    @staticmethod
+    def _priorities(priority: Sequence[int] | None, count: int) -> list[int]:
+        if priority is None:
+            return [0] * count
+        priorities = list(priority)
+        if len(priorities) != count:
+            raise ValueError(f"priority: got {len(priorities)} for {count} prompts; pass one per prompt")
+        return priorities
+
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams], priorities: list[int]) -> list[str]:
         # Validate everything first: a bad prompt must not leave half the batch queued.
         processed = [
-            self.engine.processor.process(str(next(self._ids)), prompt, sampling)
-            for prompt, sampling in zip(prompts, params)
+            self.engine.processor.process(str(next(self._ids)), prompt, sampling, priority=priority)
+            for prompt, sampling, priority in zip(prompts, params, priorities)
         ]
-        for message, text in processed:
-            self.engine.submit(message, text)
+        submitted = []
+        try:
+            for message, text in processed:
+                self.engine.submit(message, text)
+                submitted.append(message.request_id)
+        except ValueError:
+            self.engine.abort_request(submitted)  # the engine core refused one: queue none
+            raise
         return [message.request_id for message, _ in processed]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -24,6 +24,8 @@ class EngineCoreClient(Protocol):
 
     def step(self) -> list[TokenDelta]: ...
 
+    def reset_prefix_cache(self) -> bool: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -51,18 +53,31 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Validate and enqueue; raises ValueError (naming the field) and changes nothing on bad input."""
+        """Validate and enqueue; raises ValueError (naming the field) and changes nothing on bad input.
+        A prompt dict may carry a "cache_salt" (as in vLLM)."""
         message, text = self.processor.process(request_id, prompt, sampling_params, arrival_time, priority)
         self.submit(message, text)
 
     def submit(self, message: AddRequest, prompt_text: str | None) -> None:
-        """Enqueue a request that `processor.process` already validated."""
-        self.core.add_request(message)
-        self.outputs.add_request(message.request_id, prompt_text, message.prompt_token_ids, message.sampling)
+        """Enqueue a request that `processor.process` already validated (n > 1: its n children).
+        If the engine core refuses it (e.g. it could never fit), nothing stays queued."""
+        added = []
+        try:
+            for core_message in self.outputs.add_request(message, prompt_text):
+                self.core.add_request(core_message)
+                added.append(core_message.request_id)
+        except ValueError:
+            self.core.abort_requests(added)
+            self.outputs.abort(message.request_id)
+            raise
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
-        self.core.abort_requests(request_ids)
+        core_ids = [core_id for rid in request_ids for core_id in self.outputs.core_request_ids(rid)]
+        self.core.abort_requests(core_ids)
         return [out for rid in request_ids if (out := self.outputs.abort(rid)) is not None]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.outputs.has_unfinished()

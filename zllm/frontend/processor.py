@@ -25,15 +25,34 @@ class InputProcessor:
         from zllm.frontend.tokenizer import eos_token_ids
 
         vocab_size = AutoConfig.from_pretrained(config.model).vocab_size
-        return cls(tokenizer, config.max_model_len, vocab_size, eos_token_ids(config.model, tokenizer))
+        return cls(
+            tokenizer,
+            config.max_model_len,
+            vocab_size,
+            eos_token_ids(config.model, tokenizer),
+            max_logprobs=config.max_logprobs,
+            max_n=config.max_n,
+            scheduling_policy=config.scheduling_policy,
+        )
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, vocab_size: int, eos_token_ids: list[int]
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        *,
+        max_logprobs: int = 20,
+        max_n: int = 128,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.max_logprobs = max_logprobs
+        self.max_n = max_n
+        self.scheduling_policy = scheduling_policy
 
     def process(
         self,
@@ -42,13 +61,16 @@ class InputProcessor:
         sampling: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> tuple[AddRequest, str | None]:
-        """Returns the message for the engine core and the prompt text (None for token ids)."""
+        """Returns the message for the engine core and the prompt text (None for token ids).
+        A prompt dict may carry a "cache_salt" (as in vLLM); `cache_salt` here is the same."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(sampling).__name__}")
+        self._check_sampling(sampling)
+        self._check_priority(priority)
         text, token_ids = self._tokenize(prompt)
         self._check_length(token_ids)
-        self._check_token_ids(sampling.stop_token_ids or [], "stop_token_ids")
         message = AddRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -56,8 +78,46 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids,
             priority=priority,
+            cache_salt=self._cache_salt(prompt, cache_salt),
+            bad_words_token_ids=self._bad_words_token_ids(sampling.bad_words or []),
         )
         return message, text
+
+    def _check_sampling(self, sampling: SamplingParams) -> None:
+        """The limits that depend on this engine: its config and its vocabulary."""
+        if sampling.n > self.max_n:
+            raise ValueError(f"n: must be between 1 and max_n ({self.max_n}), got {sampling.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(sampling, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name}: {value} is more than max_logprobs ({self.max_logprobs})")
+        self._check_token_ids(sampling.stop_token_ids or [], "stop_token_ids")
+        self._check_token_ids(list(sampling.logit_bias or {}), "logit_bias")
+
+    def _check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: must be an integer, got {type(priority).__name__}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"priority: {priority} needs scheduling_policy='priority' (this engine uses "
+                             f"{self.scheduling_policy!r}); start it with --scheduling-policy priority")
+
+    @staticmethod
+    def _cache_salt(prompt: PromptType, cache_salt: str | None) -> str | None:
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            cache_salt = prompt["cache_salt"]
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string")
+        return cache_salt
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word as token sequences, alone and after a space (as it appears mid-text)."""
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

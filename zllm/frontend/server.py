@@ -38,6 +38,7 @@ from zllm.ipc.messages import (
     ClientPing,
     ClientStats,
     ClientToServer,
+    ClientUtility,
     CoreToFrontend,
     EngineDead,
     EngineOutputs,
@@ -48,6 +49,7 @@ from zllm.ipc.messages import (
     ServerPong,
     ServerStats,
     ServerToClient,
+    ServerUtilityResult,
     Shutdown,
     UtilityCall,
     UtilityResult,
@@ -64,13 +66,28 @@ class EngineStartError(RuntimeError):
     pass
 
 
+# Engine utilities a client may call by name (ClientUtility).
+_CLIENT_UTILITIES = ("reset_prefix_cache",)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """How much of one completion a client has received."""
+
+    text: int = 0
+    tokens: int = 0
+    logprobs: int = 0
+    finished: bool = False
+
+
 @dataclass(slots=True)
 class _ClientRequest:
     identity: bytes
     request_id: str  # the client's id; the engine sees identity-prefixed ids
     holdback: int  # characters of text withheld while a stop string could still match
-    sent_text: int = 0
-    sent_tokens: int = 0
+    sent: list[_Sent]  # one per completion (n)
+    sent_prompt: bool = False
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass(slots=True)
@@ -97,6 +114,7 @@ class FrontendServer:
         self.requests: dict[str, _ClientRequest] = {}
         self.clients: dict[bytes, _Client] = {}
         self.stats_waiters: dict[int, tuple[bytes, int]] = {}
+        self.utility_waiters: dict[int, tuple[bytes, int]] = {}
         self._call_ids = itertools.count()
         self.core_process: subprocess.Popen | None = None
         self.ready: EngineReady | None = None
@@ -211,6 +229,17 @@ class FrontendServer:
             call_id = next(self._call_ids)
             self.stats_waiters[call_id] = (identity, message.call_id)
             await self.core_in.send(self.to_core.encode(UtilityCall(call_id=call_id, method="stats")))
+        elif isinstance(message, ClientUtility):
+            await self._call_utility(identity, message)
+
+    async def _call_utility(self, identity: bytes, message: ClientUtility) -> None:
+        if message.method not in _CLIENT_UTILITIES:
+            error = f"method: {message.method!r} is not one of {list(_CLIENT_UTILITIES)}"
+            await self._send(identity, ServerUtilityResult(call_id=message.call_id, error=error))
+            return
+        call_id = next(self._call_ids)
+        self.utility_waiters[call_id] = (identity, message.call_id)
+        await self.core_in.send(self.to_core.encode(UtilityCall(call_id=call_id, method=message.method)))
 
     async def _add_request(self, identity: bytes, message: ClientGenerate) -> None:
         engine_id = self._engine_id(identity, message.request_id)
@@ -221,16 +250,20 @@ class FrontendServer:
             if engine_id in self.requests:
                 raise ValueError(f"request_id: {message.request_id!r} is already in use by this client")
             sampling = convert(message.sampling, SamplingParams)
-            add, text = self.processor.process(engine_id, self._prompt(message), sampling, priority=message.priority)
+            add, text = self.processor.process(
+                engine_id, self._prompt(message), sampling, priority=message.priority, cache_salt=message.cache_salt
+            )
+            core_messages = self.outputs.add_request(add, text)  # n > 1: n children
         except ValueError as error:
             await self._send(identity, ServerError(message.request_id, str(error)))
             return
         holdback = max((len(s) for s in sampling.stop_strings), default=1) - 1
-        self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback)
+        sent = [_Sent() for _ in range(sampling.n)]
+        self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback, sent)
         self.clients[identity].requests.add(engine_id)
-        self.outputs.add_request(engine_id, text, add.prompt_token_ids, sampling)
         self.metrics.request_added(engine_id, len(add.prompt_token_ids))
-        await self.core_in.send(self.to_core.encode(add))
+        for core_message in core_messages:
+            await self.core_in.send(self.to_core.encode(core_message))
 
     def _prompt(self, message: ClientGenerate):
         given = [x is not None for x in (message.prompt, message.prompt_token_ids, message.messages)]
@@ -268,12 +301,13 @@ class FrontendServer:
             await self._abort(list(client.requests))
 
     async def _abort(self, engine_ids: list[str]) -> None:
-        live = [i for i in engine_ids if i in self.requests]
-        for engine_id in live:
+        core_ids = []
+        for engine_id in [i for i in engine_ids if i in self.requests]:
             self._forget(engine_id)
+            core_ids += self.outputs.core_request_ids(engine_id)
             self.outputs.abort(engine_id)
-        if live:
-            await self.core_in.send(self.to_core.encode(AbortRequests(request_ids=live)))
+        if core_ids:
+            await self.core_in.send(self.to_core.encode(AbortRequests(request_ids=core_ids)))
 
     def _forget(self, engine_id: str) -> _ClientRequest | None:
         request = self.requests.pop(engine_id, None)
@@ -295,49 +329,84 @@ class FrontendServer:
             if isinstance(message, EngineOutputs):
                 await self._deliver(message)
             elif isinstance(message, UtilityResult):
-                await self._answer_stats(message)
+                await self._answer_utility(message)
             elif isinstance(message, EngineDead):
                 await self._engine_died(message.reason)
                 return
 
     async def _deliver(self, message: EngineOutputs) -> None:
-        for engine_id, reason in message.failed.items():
-            request = self._forget(engine_id)
-            self.outputs.abort(engine_id)
-            if request is not None:
-                await self._send(request.identity, ServerError(request.request_id, reason))
+        for core_id, reason in message.failed.items():
+            await self._fail(core_id, reason)
         outputs, to_abort = self.outputs.process(message.outputs)
         if to_abort:
             await self.core_in.send(self.to_core.encode(AbortRequests(request_ids=to_abort)))
         for output in outputs:
             request = self.requests.get(output.request_id)
             if request is not None:
-                await self._send_delta(request, output)
+                await self._send_deltas(request, output)
 
-    async def _send_delta(self, request: _ClientRequest, output: RequestOutput) -> None:
-        completion = output.outputs[0]
-        visible = completion.text if output.finished else completion.text[: len(completion.text) - request.holdback]
-        first = request.sent_tokens == 0
+    async def _fail(self, core_id: str, reason: str) -> None:
+        """The core refused one of a request's completions: the whole request fails."""
+        engine_id = self.outputs.request_id_of(core_id)
+        if engine_id is None:
+            return
+        siblings = [i for i in self.outputs.core_request_ids(engine_id) if i != core_id]
+        self.outputs.abort(engine_id)
+        if siblings:
+            await self.core_in.send(self.to_core.encode(AbortRequests(request_ids=siblings)))
+        request = self._forget(engine_id)
+        if request is not None:
+            await self._send(request.identity, ServerError(request.request_id, reason))
+
+    async def _send_deltas(self, request: _ClientRequest, output: RequestOutput) -> None:
+        """One ServerOutput per completion that advanced; the last one says if the request ended."""
+        deltas = [d for c in output.outputs if (d := self._completion_delta(request, output, c)) is not None]
+        finish_reason = (output.outputs[0].finish_reason or "stop") if output.finished else None
+        self.metrics.tokens_generated(output.request_id, sum(len(d.token_ids) for d in deltas), finish_reason)
+        if output.finished:
+            self._forget(output.request_id)
+            if deltas:
+                deltas[-1].finished = True
+        for delta in deltas:
+            await self._send(request.identity, delta)
+
+    def _completion_delta(self, request: _ClientRequest, output: RequestOutput, completion) -> ServerOutput | None:
+        sent = request.sent[completion.index]
+        if sent.finished or (len(completion.token_ids) == sent.tokens and not completion.finished):
+            return None
+        text = completion.text
+        visible = text if completion.finished else text[: len(text) - request.holdback]
+        first = not request.sent_prompt
+        # Prompt logprobs come with completion 0's first token, which may not be the first sent.
+        prompt_logprobs = None if request.sent_prompt_logprobs else output.prompt_logprobs
         delta = ServerOutput(
             request_id=request.request_id,
-            text=visible[request.sent_text :],
-            token_ids=completion.token_ids[request.sent_tokens :],
+            text=visible[sent.text :],
+            token_ids=completion.token_ids[sent.tokens :],
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
             prompt_token_ids=output.prompt_token_ids if first else None,
+            index=completion.index,
+            logprobs=None if completion.logprobs is None else completion.logprobs[sent.logprobs :],
+            prompt_logprobs=prompt_logprobs,
+            cumulative_logprob=completion.cumulative_logprob,
+            num_cached_tokens=output.num_cached_tokens,
         )
-        self.metrics.tokens_generated(output.request_id, len(delta.token_ids), completion.finish_reason)
-        request.sent_text = max(request.sent_text, len(visible))
-        request.sent_tokens = len(completion.token_ids)
-        if output.finished:
-            self._forget(output.request_id)
-        await self._send(request.identity, delta)
+        request.sent_prompt = True
+        request.sent_prompt_logprobs = prompt_logprobs is not None or request.sent_prompt_logprobs
+        sent.text = max(sent.text, len(visible))
+        sent.tokens = len(completion.token_ids)
+        sent.logprobs = len(completion.logprobs or ())
+        sent.finished = completion.finished
+        return delta
 
-    async def _answer_stats(self, result: UtilityResult) -> None:
-        waiter = self.stats_waiters.pop(result.call_id, None)
-        if waiter is not None:
+    async def _answer_utility(self, result: UtilityResult) -> None:
+        if (waiter := self.stats_waiters.pop(result.call_id, None)) is not None:
             identity, call_id = waiter
             await self._send(identity, ServerStats(call_id=call_id, stats=result.result or {}))
+        elif (waiter := self.utility_waiters.pop(result.call_id, None)) is not None:
+            identity, call_id = waiter
+            await self._send(identity, ServerUtilityResult(call_id=call_id, result=result.result, error=result.error))
 
     async def _engine_died(self, reason: str) -> None:
         self.dead_reason = reason

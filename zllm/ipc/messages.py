@@ -14,6 +14,7 @@ from typing import Any, Union
 
 import msgspec
 
+from zllm.outputs import Logprob
 from zllm.sampling_params import SamplingParams
 
 
@@ -33,6 +34,8 @@ class AddRequest(_Message):
     arrival_time: float
     eos_token_ids: list[int] = []
     priority: int = 0
+    cache_salt: str | None = None
+    bad_words_token_ids: list[list[int]] = []  # SamplingParams.bad_words, tokenized by the frontend
 
 
 class AbortRequests(_Message):
@@ -40,7 +43,7 @@ class AbortRequests(_Message):
 
 
 class UtilityCall(_Message):
-    """Ask the engine core something outside the step loop (e.g. "stats")."""
+    """Ask the engine core something outside the step loop ("stats", "ping", "reset_prefix_cache")."""
 
     call_id: int
     method: str
@@ -54,6 +57,24 @@ class Shutdown(_Message):
 # ---- engine core -> frontend ------------------------------------------------------------------
 
 
+class TokenLogprobs(_Message):
+    """Logprobs of consecutive positions (log-softmax of the raw logits).
+
+    Row i: token_ids[i] = [chosen token, top-1, ..., top-k] with their logprobs[i]; ranks[i] is
+    the chosen token's rank in its position's distribution (1 = most likely). The chosen token
+    is the sampled one, or for prompt logprobs the prompt's next token.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def row(self, index: int, num_top: int) -> "TokenLogprobs":
+        """One position, cut to the chosen token and its first `num_top` alternatives."""
+        width = num_top + 1
+        return TokenLogprobs([self.token_ids[index][:width]], [self.logprobs[index][:width]], [self.ranks[index]])
+
+
 class TokenDelta(_Message):
     """New tokens of one request since its last delta; finish_reason set when it ended."""
 
@@ -62,6 +83,8 @@ class TokenDelta(_Message):
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    logprobs: TokenLogprobs | None = None  # one row per new token (SamplingParams.logprobs)
+    prompt_logprobs: TokenLogprobs | None = None  # prompt positions 1..P-1, with the first token
 
 
 class EngineOutputs(_Message):
@@ -104,6 +127,8 @@ class NewRequestData(_Message):
     sampling: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_ids: list[int] = []  # masked until min_tokens (unless ignore_eos)
+    bad_words_token_ids: list[list[int]] = []
 
 
 class CachedRequestData(_Message):
@@ -156,6 +181,11 @@ class StepOutput(_Message):
     step_id: int
     request_ids: list[str]
     sampled_token_ids: list[int]
+    # Row i belongs to request_ids[i]; present when any of them asked for logprobs (the core
+    # keeps the rows of those that did).
+    logprobs: TokenLogprobs | None = None
+    # Requests whose prefill completed this step and asked for prompt logprobs.
+    prompt_logprobs: dict[str, TokenLogprobs] = {}
 
 
 class WorkerReady(_Message):
@@ -195,6 +225,7 @@ class ClientGenerate(_ClientMessage, tag="generate"):
     add_generation_prompt: bool = True
     sampling: dict[str, Any] = {}  # SamplingParams fields; validated by the frontend
     priority: int = 0
+    cache_salt: str | None = None
 
 
 class ClientAbort(_ClientMessage, tag="abort"):
@@ -209,15 +240,29 @@ class ClientStats(_ClientMessage, tag="stats"):
     call_id: int
 
 
+class ClientUtility(_ClientMessage, tag="utility"):
+    """Call an engine utility by name (the server allows "reset_prefix_cache")."""
+
+    call_id: int
+    method: str
+
+
 class ServerOutput(_ClientMessage, tag="output"):
-    """What one request produced since the last ServerOutput (text and token ids are deltas)."""
+    """What one completion (`index`, of n) of a request produced since its last ServerOutput
+    (text, token ids and logprobs are deltas)."""
 
     request_id: str
     text: str = ""
     token_ids: list[int] = []
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # this completion ended
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None  # sent with the first output only
+    index: int = 0
+    finished: bool = False  # the whole request (all n completions) ended: nothing more follows
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first output only
+    cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0
 
 
 class ServerError(_ClientMessage, tag="error"):
@@ -237,12 +282,18 @@ class ServerStats(_ClientMessage, tag="stats_result"):
     stats: dict[str, Any] = {}
 
 
+class ServerUtilityResult(_ClientMessage, tag="utility_result"):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
 FrontendToCore = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
 CoreToFrontend = Union[EngineOutputs, UtilityResult, EngineReady, EngineDead]
 CoreToWorker = Union[StepInput, WorkerCall]
 WorkerToCore = Union[StepOutput, WorkerReady, WorkerCallResult, WorkerFailed]
-ClientToServer = Union[ClientGenerate, ClientAbort, ClientPing, ClientStats]
-ServerToClient = Union[ServerOutput, ServerError, ServerPong, ServerStats]
+ClientToServer = Union[ClientGenerate, ClientAbort, ClientPing, ClientStats, ClientUtility]
+ServerToClient = Union[ServerOutput, ServerError, ServerPong, ServerStats, ServerUtilityResult]
 
 # Every channel by name: what each socket's decoder accepts.
 CHANNELS = {

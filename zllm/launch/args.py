@@ -41,6 +41,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     group.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
     group.add_argument("--served-model-name", default=None)
+    group.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=defaults.enable_prefix_caching,
+        help="reuse the KV cache of identical prompt prefixes across requests (default: on)",
+    )
+    group.add_argument(
+        "--scheduling-policy", choices=["fcfs", "priority"], default=defaults.scheduling_policy,
+        help="fcfs: arrival order; priority: requests with a lower `priority` value first",
+    )
+    group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
+                       help="the most logprobs / prompt_logprobs a request may ask for")
+    group.add_argument("--max-n", type=int, default=defaults.max_n, help="the most completions (n) per request")
     group.add_argument("--distributed-init-method", default="",
                        help="torch.distributed rendezvous for tp > 1 (default: a file in the runtime dir)")
 
@@ -83,5 +94,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         served_model_name=args.served_model_name,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        max_logprobs=args.max_logprobs,
+        max_n=args.max_n,
         distributed_init_method=args.distributed_init_method,
     )

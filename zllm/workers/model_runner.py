@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from zllm.config import EngineConfig
-from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput, StepOutput
+from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput, StepOutput, TokenLogprobs
 from zllm.partition import head_shards
 from zllm.sampling_params import SamplingParams
 from zllm.workers.attention import AttentionMetadata
@@ -22,7 +22,8 @@ from zllm.workers.loader import init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
 from zllm.workers.models.spec import ModelSpec
 from zllm.workers.ops import ops_for
-from zllm.workers.sampler import SamplingMetadata, sample, seeded_generator
+from zllm.workers.sampler import LogprobsTensors, compute_logprobs, sample
+from zllm.workers.sampling_batch import SamplingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,19 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: SamplingParams
+    row: int = -1  # in the sampling batch
+    # Prompt logprobs computed so far (chunked prefill); None once sent, or when not wanted.
+    prompt_logprobs: list[LogprobsTensors] | None = None
+
+
+@dataclass(slots=True)
+class PromptSpan:
+    """Positions of a request's prompt computed this step whose next prompt token is known."""
+
+    state: RequestState
+    first_index: int  # into the step's hidden states
+    first_position: int
+    count: int
 
 
 @dataclass(slots=True)
@@ -51,6 +65,7 @@ class BatchInputs:
     attention: AttentionMetadata
     logits_indices: torch.Tensor  # the last token of each request that samples this step
     sampling_states: list[RequestState]
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
@@ -81,6 +96,8 @@ class ModelRunner:
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, RequestState] = {}
+        self.sampling = SamplingBatch(config.max_num_seqs, self.spec.vocab_size, device)
+        self.awaiting_prompt_logprobs: dict[str, RequestState] = {}  # prefill not done yet
         self.graphs = None
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -166,6 +183,8 @@ class ModelRunner:
             step.num_scheduled_tokens.append(count)
         self.execute_step(step)
         self.requests.clear()
+        self.sampling.clear()
+        self.awaiting_prompt_logprobs.clear()
         scratch = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.kv_caches = []
         return scratch
@@ -205,17 +224,53 @@ class ModelRunner:
             return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
         batch = self._prepare_inputs(step)
         hidden = self._forward(batch)
+        if batch.prompt_spans:
+            self._compute_prompt_logprobs(hidden, batch.prompt_spans)
         if not batch.sampling_states:
             return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if logits is None:  # not rank 0: only rank 0 samples and answers
             return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
-        tokens = sample(logits, self._sampling_metadata(batch.sampling_states))
+        meta = self.sampling.metadata([s.row for s in batch.sampling_states])
+        tokens = sample(logits, meta)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = _to_message(compute_logprobs(logits, tokens, meta.max_num_logprobs))
         return StepOutput(
             step_id=step.step_id,
             request_ids=[s.request_id for s in batch.sampling_states],
             sampled_token_ids=tokens.tolist(),
+            logprobs=logprobs,
+            prompt_logprobs=self._finished_prompt_logprobs(),
         )
+
+    def _compute_prompt_logprobs(self, hidden: torch.Tensor, spans: list[PromptSpan]) -> None:
+        """Logprobs of each prompt token given the tokens before it, for the positions computed
+        this step; kept on the request until its prefill completes."""
+        indices = torch.cat([torch.arange(s.first_index, s.first_index + s.count) for s in spans]).to(self.device)
+        targets = [t for s in spans for t in s.state.token_ids[s.first_position + 1 : s.first_position + 1 + s.count]]
+        num_top = max(s.state.sampling.prompt_logprobs for s in spans)
+        logits = self.model.compute_logits(hidden[indices])  # every rank takes part; rank 0 gets them
+        if logits is None:
+            return
+        result = compute_logprobs(logits, torch.tensor(targets, device=self.device), num_top)
+        start = 0
+        for span in spans:
+            rows = slice(start, start + span.count)
+            span.state.prompt_logprobs.append(
+                LogprobsTensors(result.token_ids[rows], result.logprobs[rows], result.ranks[rows])
+            )
+            start += span.count
+
+    def _finished_prompt_logprobs(self) -> dict[str, TokenLogprobs]:
+        """The prompt logprobs of the requests whose prefill completed this step."""
+        done = {}
+        for request_id, state in list(self.awaiting_prompt_logprobs.items()):
+            if state.num_computed_tokens == len(state.token_ids):
+                done[request_id] = _concat_to_message(state.prompt_logprobs)
+                state.prompt_logprobs = None
+                del self.awaiting_prompt_logprobs[request_id]
+        return done
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         meta = batch.attention
@@ -226,11 +281,21 @@ class ModelRunner:
 
     def _update_states(self, step: StepInput) -> None:
         for request_id in (*step.finished_ids, *step.preempted_ids):
-            self.requests.pop(request_id, None)
+            if self.requests.pop(request_id, None) is not None:
+                self.sampling.remove(request_id)
+                self.awaiting_prompt_logprobs.pop(request_id, None)
         for new in step.new_requests:
-            self.requests[new.request_id] = _state_from_new(new)
+            state = _state_from_new(new)
+            state.row = self.sampling.add(
+                new.request_id, new.sampling, state.token_ids, new.prompt_len, new.eos_token_ids, new.bad_words_token_ids
+            )
+            self.requests[new.request_id] = state
+            if state.prompt_logprobs is not None:
+                self.awaiting_prompt_logprobs[new.request_id] = state
         for cached in step.cached_requests:
-            _apply_diff(self.requests[cached.request_id], cached)
+            state = self.requests[cached.request_id]
+            _apply_diff(state, cached)
+            self.sampling.append_tokens(state.row, cached.new_token_ids)
 
     def _prepare_inputs(self, step: StepInput) -> BatchInputs:
         # Decodes (one query token) first, shortest context first: attention batches them, and
@@ -246,10 +311,15 @@ class ModelRunner:
         query_start_loc = [0]
         logits_indices: list[int] = []
         sampling_states: list[RequestState] = []
+        prompt_spans: list[PromptSpan] = []
         states = []
         for i in order:
             state = self.requests[step.scheduled_ids[i]]
             start, count = state.num_computed_tokens, step.num_scheduled_tokens[i]
+            if state.prompt_logprobs is not None and start < state.prompt_len - 1:
+                # Position p predicts prompt token p + 1; the last prompt position predicts the output.
+                span_count = min(start + count, state.prompt_len - 1) - start
+                prompt_spans.append(PromptSpan(state, query_start_loc[-1], start, span_count))
             token_ids.extend(state.token_ids[start : start + count])
             positions.extend(range(start, start + count))
             seq_lens.append(start + count)
@@ -277,6 +347,7 @@ class ModelRunner:
             attention=attention,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
             sampling_states=sampling_states,
+            prompt_spans=prompt_spans,
         )
 
     def _block_tables(self, states: list[RequestState]) -> torch.Tensor:
@@ -294,34 +365,11 @@ class ModelRunner:
         blocks = block_tables[rows, positions // self.block_size]
         return (blocks * self.block_size + positions % self.block_size).to(self.device)
 
-    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
-        params = [s.sampling for s in states]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
-        if all(p.is_greedy for p in params):
-            return SamplingMetadata(temperature=temperature, all_greedy=True)
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        return SamplingMetadata(
-            temperature=temperature,
-            all_greedy=False,
-            top_k=self._optional_tensor(top_k, torch.long, off=0),
-            top_p=self._optional_tensor(top_p, torch.float32, off=1.0),
-            min_p=self._optional_tensor(min_p, torch.float32, off=0.0),
-            generators={
-                row: seeded_generator(s.sampling.seed, len(s.token_ids) - s.prompt_len, self.device)
-                for row, s in enumerate(states)
-                if s.sampling.seed is not None
-            },
-        )
-
-    def _optional_tensor(self, values: list, dtype: torch.dtype, off) -> torch.Tensor | None:
-        if all(v == off for v in values):
-            return None
-        return torch.tensor(values, dtype=dtype, device=self.device)
-
 
 def _state_from_new(new: NewRequestData) -> RequestState:
+    # Prompt logprobs only for a request that starts from its first token and has no output yet
+    # (one resumed after preemption sent them already).
+    fresh = new.num_computed_tokens == 0 and len(new.token_ids) == new.prompt_len
     return RequestState(
         request_id=new.request_id,
         prompt_len=new.prompt_len,
@@ -329,6 +377,21 @@ def _state_from_new(new: NewRequestData) -> RequestState:
         block_ids=list(new.block_ids),
         num_computed_tokens=new.num_computed_tokens,
         sampling=new.sampling,
+        prompt_logprobs=[] if new.sampling.prompt_logprobs is not None and fresh else None,
+    )
+
+
+def _to_message(logprobs: LogprobsTensors) -> TokenLogprobs:
+    return TokenLogprobs(logprobs.token_ids.tolist(), logprobs.logprobs.tolist(), logprobs.ranks.tolist())
+
+
+def _concat_to_message(parts: list[LogprobsTensors]) -> TokenLogprobs:
+    if not parts:  # a one-token prompt has no prompt logprobs
+        return TokenLogprobs([], [], [])
+    return _to_message(
+        LogprobsTensors(
+            torch.cat([p.token_ids for p in parts]), torch.cat([p.logprobs for p in parts]), torch.cat([p.ranks for p in parts])
+        )
     )
 
 

@@ -1,0 +1,269 @@
+"""The sampling side of the persistent batch: each live request owns a row of preallocated
+tensors holding its sampling settings, written once when the request arrives and updated
+incrementally as its tokens come in. A step gathers the rows it samples with one index per
+tensor, instead of rebuilding settings from every request's SamplingParams.
+
+    row:          0     1     2    ...        (a request keeps its row until it leaves)
+    temperature  0.0   0.7   1.0
+    min_tokens    0     5     0
+    stop_ids    [2,-1] [2,7] [-1,-1]          (-1 pads; masked while output < min_tokens)
+    bias ids    [-1]   [17]  [-1]   values [0] [-5.0] [0]
+
+Penalties keep [rows, vocab] state (output token counts, prompt token mask) on the device, only
+for the requests that use them; each step's sampled tokens are added to the counts in one batched
+update.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zllm.sampling_params import SamplingParams
+from zllm.workers.sampler import Penalties, SamplingMetadata, SparseLogits, seeded_generator
+
+_PAD = -1
+
+# Columns of the per-row tables.
+_TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
+_TOP_K, _MIN_TOKENS, _NUM_LOGPROBS, _NUM_OUTPUT, _PENALTY_ROW, _HAS_SEED, _HAS_BAD_WORDS = range(7)
+
+
+class PaddedRows:
+    """A [rows, width] CPU tensor of per-row variable-length lists, padded with -1 (or 0)."""
+
+    def __init__(self, capacity: int, dtype: torch.dtype, pad: float) -> None:
+        self.pad = pad
+        self.data = torch.full((capacity, 0), pad, dtype=dtype)
+
+    def set(self, row: int, values: list) -> None:
+        if len(values) > self.data.shape[1]:
+            extra = torch.full((self.data.shape[0], len(values) - self.data.shape[1]), self.pad, dtype=self.data.dtype)
+            self.data = torch.cat([self.data, extra], dim=1)
+        self.data[row].fill_(self.pad)
+        if values:
+            self.data[row, : len(values)] = torch.tensor(values, dtype=self.data.dtype)
+
+    def grow(self, capacity: int) -> None:
+        extra = torch.full((capacity - self.data.shape[0], self.data.shape[1]), self.pad, dtype=self.data.dtype)
+        self.data = torch.cat([self.data, extra])
+
+
+class PenaltyState:
+    """Output token counts and prompt masks [rows, vocab] for the requests with penalties."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.rows: dict[int, int] = {}  # batch row -> penalty row
+        self.free: list[int] = []
+        self.counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
+        self._pending_rows: list[int] = []  # tokens appended since the last step, applied at once
+        self._pending_tokens: list[int] = []
+
+    def add(self, row: int, prompt_ids: list[int], output_ids: list[int]) -> int:
+        """Start counting for a batch row; returns its penalty row."""
+        if not self.free:
+            self._grow()
+        prow = self.free.pop()
+        self.rows[row] = prow
+        self.counts[prow].zero_()
+        self.prompt_mask[prow].zero_()
+        self.prompt_mask[prow, torch.tensor(prompt_ids, device=self.device)] = True
+        self.append(row, output_ids)
+        return prow
+
+    def remove(self, row: int) -> None:
+        prow = self.rows.pop(row, None)
+        if prow is not None:
+            self._flush()  # pending tokens of this row must not land on its next owner
+            self.free.append(prow)
+
+    def append(self, row: int, token_ids: list[int]) -> None:
+        prow = self.rows.get(row)
+        if prow is not None and token_ids:
+            self._pending_rows.extend([prow] * len(token_ids))
+            self._pending_tokens.extend(token_ids)
+
+    def gather(self, penalty_rows: torch.Tensor, floats: torch.Tensor) -> Penalties | None:
+        """Penalties of the batch positions whose penalty row (-1: none) is set; `floats` are the
+        batch's settings."""
+        (positions,) = (penalty_rows >= 0).nonzero(as_tuple=True)
+        if positions.numel() == 0:
+            return None
+        self._flush()
+        prows = penalty_rows[positions].to(self.device)
+        chosen = floats[positions].to(self.device)
+        return Penalties(
+            rows=positions.to(self.device),
+            presence=chosen[:, _PRESENCE],
+            frequency=chosen[:, _FREQUENCY],
+            repetition=chosen[:, _REPETITION],
+            output_counts=self.counts[prows],
+            prompt_mask=self.prompt_mask[prows],
+        )
+
+    def _flush(self) -> None:
+        if self._pending_rows:
+            rows = torch.tensor(self._pending_rows, device=self.device)
+            tokens = torch.tensor(self._pending_tokens, device=self.device)
+            self.counts.index_put_((rows, tokens), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
+            self._pending_rows, self._pending_tokens = [], []
+
+    def _grow(self) -> None:
+        old = self.counts.shape[0]
+        new = max(4, 2 * old)
+        self.counts = torch.cat([self.counts, torch.zeros((new - old, self.vocab_size), dtype=torch.int32, device=self.device)])
+        self.prompt_mask = torch.cat([self.prompt_mask, torch.zeros((new - old, self.vocab_size), dtype=torch.bool, device=self.device)])
+        self.free.extend(range(new - 1, old - 1, -1))
+
+
+class SamplingBatch:
+    """Rows of sampling settings for the requests the worker holds."""
+
+    def __init__(self, capacity: int, vocab_size: int, device: torch.device) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+        self.rows: dict[str, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+        self._floats = torch.zeros((capacity, 6), dtype=torch.float32)
+        self._ints = torch.zeros((capacity, 7), dtype=torch.long)
+        self._stop_ids = PaddedRows(capacity, torch.long, _PAD)  # banned while output < min_tokens
+        self._bias_ids = PaddedRows(capacity, torch.long, _PAD)
+        self._bias_values = PaddedRows(capacity, torch.float32, 0.0)
+        self._seeds: dict[int, int] = {}
+        self._bad_words: dict[int, tuple[list[list[int]], list[int], int]] = {}  # row -> words, tokens, prompt_len
+        self._penalties = PenaltyState(vocab_size, device)
+
+    # ---- requests in and out ------------------------------------------------------------------
+
+    def add(
+        self,
+        request_id: str,
+        sampling: SamplingParams,
+        token_ids: list[int],
+        prompt_len: int,
+        eos_token_ids: list[int],
+        bad_words_token_ids: list[list[int]],
+    ) -> int:
+        """Give the request a row; `token_ids` is the list the runner keeps extending in place."""
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.rows[request_id] = row
+        s = sampling
+        self._floats[row] = torch.tensor(
+            [s.temperature, s.top_p, s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty]
+        )
+        num_logprobs = -1 if s.logprobs is None else s.logprobs
+        penalty_row = self._penalties.add(row, token_ids[:prompt_len], token_ids[prompt_len:]) if s.has_penalties else -1
+        self._ints[row] = torch.tensor(
+            [s.top_k, s.min_tokens, num_logprobs, len(token_ids) - prompt_len, penalty_row,
+             s.seed is not None, bool(bad_words_token_ids)]
+        )
+        stop_ids = list(s.stop_token_ids or []) + ([] if s.ignore_eos else list(eos_token_ids))
+        self._stop_ids.set(row, stop_ids if s.min_tokens > 0 else [])
+        self._bias_ids.set(row, list((s.logit_bias or {}).keys()))
+        self._bias_values.set(row, list((s.logit_bias or {}).values()))
+        if s.seed is not None:
+            self._seeds[row] = s.seed
+        if bad_words_token_ids:
+            self._bad_words[row] = (bad_words_token_ids, token_ids, prompt_len)
+        return row
+
+    def remove(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is None:
+            return
+        self._seeds.pop(row, None)
+        self._bad_words.pop(row, None)
+        self._penalties.remove(row)
+        self._free.append(row)
+
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Output tokens the request gained (the ones sampled last step)."""
+        self._ints[row, _NUM_OUTPUT] += len(token_ids)
+        self._penalties.append(row, token_ids)
+
+    def clear(self) -> None:
+        for request_id in list(self.rows):
+            self.remove(request_id)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def metadata(self, rows: list[int]) -> SamplingMetadata:
+        index = torch.tensor(rows, dtype=torch.long)
+        floats, ints = self._floats[index], self._ints[index]
+        temperature, num_logprobs = floats[:, _TEMPERATURE], ints[:, _NUM_LOGPROBS]
+        meta = SamplingMetadata(
+            temperature=temperature.to(self.device),
+            all_greedy=bool((temperature == 0.0).all()),
+            logit_bias=self._logit_bias(index),
+            banned=self._banned(rows, index, ints),
+            penalties=self._penalties.gather(ints[:, _PENALTY_ROW], floats),
+            max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
+        )
+        if not meta.all_greedy:
+            meta.top_k = self._unless_all(ints[:, _TOP_K], 0)
+            meta.top_p = self._unless_all(floats[:, _TOP_P], 1.0)
+            meta.min_p = self._unless_all(floats[:, _MIN_P], 0.0)
+            meta.generators = self._generators(rows, ints)
+        return meta
+
+    def _unless_all(self, values: torch.Tensor, off: float) -> torch.Tensor | None:
+        return None if bool((values == off).all()) else values.to(self.device)
+
+    def _generators(self, rows: list[int], ints: torch.Tensor) -> dict[int, torch.Generator]:
+        """Seeded rows draw from a generator seeded by (seed, output index)."""
+        (positions,) = ints[:, _HAS_SEED].nonzero(as_tuple=True)
+        return {
+            p: seeded_generator(self._seeds[rows[p]], int(ints[p, _NUM_OUTPUT]), self.device) for p in positions.tolist()
+        }
+
+    def _logit_bias(self, index: torch.Tensor) -> SparseLogits | None:
+        ids = self._bias_ids.data[index]
+        positions, columns = (ids != _PAD).nonzero(as_tuple=True)
+        if positions.numel() == 0:
+            return None
+        return SparseLogits(
+            rows=positions.to(self.device),
+            token_ids=ids[positions, columns].to(self.device),
+            values=self._bias_values.data[index][positions, columns].to(self.device),
+        )
+
+    def _banned(self, rows: list[int], index: torch.Tensor, ints: torch.Tensor) -> SparseLogits | None:
+        """Stop tokens of the rows still short of min_tokens, and each bad word's last token where
+        the output ends with the word's other tokens."""
+        ids = self._stop_ids.data[index]
+        active = (ids != _PAD) & (ints[:, _NUM_OUTPUT] < ints[:, _MIN_TOKENS])[:, None]
+        positions, columns = active.nonzero(as_tuple=True)
+        ban_rows, ban_ids = positions.tolist(), ids[positions, columns].tolist()
+        # Bad words need a look at each such request's last tokens: only their rows are visited.
+        for position in ints[:, _HAS_BAD_WORDS].nonzero(as_tuple=True)[0].tolist():
+            for token_id in self._bad_word_completions(rows[position]):
+                ban_rows.append(position)
+                ban_ids.append(token_id)
+        if not ban_rows:
+            return None
+        return SparseLogits(
+            rows=torch.tensor(ban_rows, device=self.device), token_ids=torch.tensor(ban_ids, device=self.device)
+        )
+
+    def _bad_word_completions(self, row: int) -> list[int]:
+        words, token_ids, prompt_len = self._bad_words[row]
+        output = token_ids[prompt_len:]
+        banned = []
+        for word in words:
+            prefix = word[:-1]
+            if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix) :] == prefix):
+                banned.append(word[-1])
+        return banned
+
+    def _grow(self) -> None:
+        old = self._floats.shape[0]
+        new = max(4, 2 * old)
+        self._floats = torch.cat([self._floats, torch.zeros((new - old, self._floats.shape[1]))])
+        self._ints = torch.cat([self._ints, torch.zeros((new - old, self._ints.shape[1]), dtype=torch.long)])
+        for padded in (self._stop_ids, self._bias_ids, self._bias_values):
+            padded.grow(new)
+        self._free.extend(range(new - 1, old - 1, -1))
