@@ -28,11 +28,6 @@ BODY_LIMIT = 64 * 1024
 FRANCE = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
-needs_sched = pytest.mark.xfail(
-    reason="needs SamplingParams n>1 / logprobs from the `sched` branch (issue 7), not merged yet", strict=True
-)
-
-
 @pytest.fixture(scope="module")
 def api(tmp_path_factory, smollm2_dir):
     handle = start_server(tmp_path_factory.mktemp("api"), smollm2_dir, "--api-key", API_KEY,
@@ -131,24 +126,61 @@ def test_seed_makes_sampling_repeat(client):
     assert {one, two} != {first}
 
 
-@needs_sched
 def test_n2_gives_two_seeded_choices(client):
-    args = dict(model=MODEL, prompt="Name a fruit:", max_tokens=12, temperature=1.0, n=2, seed=7)
-    out = client.completions.create(**args)
-    assert [c.index for c in out.choices] == [0, 1]
-    assert out.choices[0].text != out.choices[1].text
-    assert [c.text for c in client.completions.create(**args).choices] == [c.text for c in out.choices]
-    assert out.usage.completion_tokens > 0
+    args = dict(model=MODEL, prompt=["Name a fruit:", "Name a tree:"], max_tokens=8, temperature=1.0, n=2, seed=7,
+                extra_body={"ignore_eos": True})
+    out, again = together(lambda: client.completions.create(**args), lambda: client.completions.create(**args))
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]  # prompt index * n + sample index
+    assert out.choices[0].text != out.choices[1].text  # each sample has its own seed (7, 8)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    assert out.usage.completion_tokens == 4 * 8
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **{**args, "prompt": args["prompt"][1]})
+                       if c.choices and c.choices[0].index == 1)
+    assert streamed == out.choices[3].text
 
 
-@needs_sched
-def test_completion_logprobs(client, smollm2_tokenizer):
-    out = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=4, temperature=0, logprobs=3)
+def test_completion_logprobs_equal_the_engine(api, client):
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3)
+    with Client(api.endpoint) as zmq_client:
+        out, echoed, reference = together(
+            lambda: client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=4, temperature=0, logprobs=3),
+            lambda: client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=4, temperature=0, logprobs=3,
+                                              echo=True),
+            lambda: zmq_client.generate(FRANCE, params),
+        )
+    expected = reference.outputs[0]
     lp = out.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert logprob <= 0 and len(top) >= 3 and max(top.values()) == pytest.approx(logprob, abs=1e-4)
+    # (batched together with other requests, the floats may differ in the last bits)
+    close = dict(abs=1e-5)
+    assert lp.token_logprobs == pytest.approx([d[t].logprob for t, d in zip(expected.token_ids, expected.logprobs)],
+                                              **close)
+    for top, d in zip(lp.top_logprobs, expected.logprobs):
+        assert top == pytest.approx({x.decoded_token: x.logprob for x in d.values()}, **close)
+    assert all(len(top) == 3 for top in lp.top_logprobs)  # the greedy token is the top-1 of its 3
     assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    # echo: the prompt's tokens lead, the first without a logprob (nothing precedes it).
+    prompt_len = out.usage.prompt_tokens
+    echo_lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == FRANCE + out.choices[0].text
+    assert len(echo_lp.tokens) == prompt_len + 4 and echo_lp.token_logprobs[0] is None
+    assert all(v <= 0 for v in echo_lp.token_logprobs[1:])
+    assert echo_lp.token_logprobs[prompt_len:] == pytest.approx(lp.token_logprobs, **close)
+
+
+def test_penalties_and_vllm_fields_reach_the_engine(api, client):
+    fields = dict(presence_penalty=1.5, frequency_penalty=0.5)
+    extra = dict(repetition_penalty=1.3, min_tokens=3, top_k=5)
+    params = SamplingParams(temperature=0, max_tokens=12, **fields, **extra)
+    with Client(api.endpoint) as zmq_client:
+        out, plain, reference = together(
+            lambda: client.completions.create(model=MODEL, prompt="Repeat: la la la la", max_tokens=12,
+                                              temperature=0, extra_body=extra, **fields),
+            lambda: client.completions.create(model=MODEL, prompt="Repeat: la la la la", max_tokens=12, temperature=0),
+            lambda: zmq_client.generate("Repeat: la la la la", params),
+        )
+    assert out.choices[0].text == reference.outputs[0].text
+    assert out.choices[0].text != plain.choices[0].text
 
 
 # ---- chat -----------------------------------------------------------------------------------------
@@ -175,14 +207,22 @@ def test_chat_streaming(client):
     assert chunks[-1].usage == whole.usage
 
 
-@needs_sched
 def test_chat_n2_and_logprobs(client):
-    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0.8, n=2, seed=3,
-                                         logprobs=True, top_logprobs=2)
-    assert [c.index for c in out.choices] == [0, 1]
+    args = dict(model=MODEL, messages=CHAT, max_tokens=6, temperature=0.8, n=2, seed=3, logprobs=True,
+                top_logprobs=2, extra_body={"ignore_eos": True})
+    out, chunks = together(lambda: client.chat.completions.create(**args),
+                           lambda: list(client.chat.completions.create(stream=True, **args)))
+    assert [c.index for c in out.choices] == [0, 1] and out.usage.completion_tokens == 12
     for choice in out.choices:
-        assert len(choice.logprobs.content) == out.usage.completion_tokens // 2 or choice.finish_reason == "stop"
-        assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+        tokens = choice.logprobs.content
+        assert len(tokens) == 6 and "".join(t.token for t in tokens) == choice.message.content
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and bytes(t.bytes).decode() == t.token for t in tokens)
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == out.choices[index].message.content
+        streamed = [t for c in mine if c.logprobs for t in c.logprobs.content]
+        expected = [t.logprob for t in out.choices[index].logprobs.content]
+        assert [t.logprob for t in streamed] == pytest.approx(expected, abs=1e-5)  # batched apart: last bits
 
 
 # ---- errors, auth, wire format --------------------------------------------------------------------
@@ -201,6 +241,10 @@ def test_chat_n2_and_logprobs(client):
         ({"prompt": "word " * 2100, "max_tokens": 1}, 400, "prompt"),
         ({"prompt": "Hi", "n": 100000}, 400, "n"),
         ({"prompt": "Hi", "n": 0}, 400, "n"),
+        ({"prompt": "Hi", "logprobs": 1000}, 400, "logprobs"),
+        ({"prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty"),
+        ({"prompt": "Hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ({"prompt": "Hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
         ({"prompt": [1, "two"]}, 400, "prompt"),
         ({"prompt": [[10**9]]}, 400, "prompt"),
         ({"prompt": ""}, 400, "prompt"),
@@ -224,6 +268,7 @@ def test_completion_errors(api, body, status, param):
         ({"messages": [{"role": "user"}], "max_tokens": 4000}, "max_tokens"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages"),
         ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": CHAT, "logprobs": True, "top_logprobs": 99}, "logprobs"),
         ({"messages": "hello"}, "messages"),
     ],
 )

@@ -3,8 +3,9 @@
 status, content type and body shape, and schema-invalid input always refused with a 4xx.
 
 The server runs a tiny random Llama with SmolLM2's tokenizer and chat template (same vocabulary,
-so prompts and token ids mean the same) and a 64-token context, so a fuzzed request that
-generates costs milliseconds; the examples per route are few and bounded in time.
+so prompts and token ids mean the same), a 64-token context and n up to 4 (--max-n), so a
+fuzzed request that generates costs milliseconds; the examples per route are few and bounded
+in time.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def fuzz_server(tmp_path_factory, smollm2_dir):
         shutil.copy(f"{smollm2_dir}/{name}", model / name)
     handle = start_server(tmp_path_factory.mktemp("fuzz"), str(model), "--api-key", API_KEY,
                           "--max-model-len", "64", "--num-kv-blocks", "64", "--max-request-body", "256KiB",
+                          "--max-n", "4", "--max-num-seqs", "32",
                           env=ONE_THREAD)
     yield handle
     handle.stop()

@@ -52,6 +52,7 @@ class _SamplingRequest(_Request, kw_only=True):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None

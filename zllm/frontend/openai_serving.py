@@ -10,7 +10,6 @@ gone — closes that client, which aborts whatever is still running in the engin
 
 from __future__ import annotations
 
-import re
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,19 +23,24 @@ from zllm.frontend.openai_protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    ChatTokenLogprob,
     DeltaMessage,
     TextContent,
+    TopLogprob,
     UsageInfo,
     now_s,
     param_of,
 )
 from zllm.frontend.tokenizer import chat_prompt
 from zllm.ipc.messages import ClientGenerate, ServerError, ServerOutput
+from zllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from zllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -62,20 +66,23 @@ class _Choice:
     """What one choice has produced so far."""
 
     text: list[str] = field(default_factory=list)
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
 
 class EngineCall:
-    """The engine requests of one API call, as one in-process client of the frontend server."""
+    """The engine requests of one API call, as one in-process client of the frontend server:
+    one request per prompt, each with its n completions (the server fans them out)."""
 
-    def __init__(self, server: FrontendServer, prompts: list[Prompt], sampling: SamplingParams, n: int) -> None:
+    def __init__(self, server: FrontendServer, prompts: list[Prompt], sampling: SamplingParams) -> None:
         self.server = server
         self.prompts = prompts
         self.sampling = msgspec.to_builtins(sampling)  # non-default fields, as a client sends them
-        self.n = n
-        self.choices = [_Choice() for _ in range(len(prompts) * n)]
+        self.n = sampling.n
+        self.choices = [_Choice() for _ in range(len(prompts) * self.n)]
+        self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
         self._identity: bytes | None = None
 
     async def __aenter__(self) -> EngineCall:
@@ -83,7 +90,7 @@ class EngineCall:
         here, before any response has started."""
         self._identity, self._inbox = self.server.open_local_client()
         try:
-            for index, prompt in enumerate(p for p in self.prompts for _ in range(self.n)):
+            for index, prompt in enumerate(self.prompts):
                 message = ClientGenerate(str(index), prompt_token_ids=prompt.token_ids, sampling=self.sampling)
                 await self.server.submit(self._identity, message)
             self._raise_early_refusal()
@@ -106,22 +113,29 @@ class EngineCall:
             self._inbox.put_nowait(message)
 
     async def outputs(self) -> AsyncIterator[tuple[int, ServerOutput]]:
-        """Each delta with its choice index, until every choice has finished."""
-        unfinished = len(self.choices)
+        """Each delta with its choice index, until every request has finished."""
+        unfinished = len(self.prompts)
         while unfinished:
             message = await self._inbox.get()
             if isinstance(message, ServerError):
                 raise EngineError(message.message, message.kind)
             if not isinstance(message, ServerOutput):
                 continue
-            index = int(message.request_id)
-            choice = self.choices[index]
-            choice.text.append(message.text)
-            choice.num_tokens += len(message.token_ids)
-            if message.finish_reason is not None:
-                choice.finish_reason, choice.stop_reason = message.finish_reason, message.stop_reason
-                unfinished -= 1
+            prompt_index = int(message.request_id)
+            index = prompt_index * self.n + message.index
+            self._record(self.choices[index], message)
+            if message.prompt_logprobs is not None:
+                self.prompt_logprobs[prompt_index] = message.prompt_logprobs
+            unfinished -= message.finished
             yield index, message
+
+    @staticmethod
+    def _record(choice: _Choice, message: ServerOutput) -> None:
+        choice.text.append(message.text)
+        choice.token_ids.extend(message.token_ids)
+        choice.logprobs.extend(message.logprobs or ())
+        if message.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = message.finish_reason, message.stop_reason
 
     async def wait(self) -> None:
         async for _ in self.outputs():
@@ -129,24 +143,19 @@ class EngineCall:
 
     def usage(self) -> UsageInfo:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        completion_tokens = sum(c.num_tokens for c in self.choices)
+        completion_tokens = sum(len(c.token_ids) for c in self.choices)
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens)
 
 
 # ---- from requests to engine inputs ---------------------------------------------------------------
 
-_NEUTRAL_DEFAULTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-_UNEXPECTED_ARGUMENT = re.compile(r"argument '(\w+)'")
-
-
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    logprobs: int | None, max_n: int) -> SamplingParams:
-    """vLLM's SamplingParams from the request's fields; any refusal is a BadRequest naming the field."""
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """vLLM's SamplingParams from the request's fields; any refusal is a BadRequest naming the field.
+    (Limits that depend on the engine, such as max_n and max_logprobs, are the server's to check.)"""
     if request.stream_options is not None and not request.stream:
         raise BadRequest("stream_options: only allowed with stream: true", "stream_options")
-    if not 1 <= request.n <= max_n:
-        raise BadRequest(f"n: must be between 1 and {max_n}, got {request.n}", "n")
     fields: dict[str, Any] = dict(
         n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
         min_p=request.min_p, seed=request.seed, min_tokens=request.min_tokens, stop=request.stop,
@@ -156,17 +165,12 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty, logit_bias=_logit_bias(request.logit_bias),
-        logprobs=logprobs,
+        bad_words=request.bad_words, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
     )
-    fields = {k: v for k, v in fields.items() if v is not None and v != _NEUTRAL_DEFAULTS.get(k, ...)}
     try:
-        return SamplingParams(max_tokens=max_tokens, **fields)
+        return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
     except ValueError as error:
         raise BadRequest(str(error), param_of(str(error))) from None
-    except TypeError as error:  # a field this engine's SamplingParams does not have
-        match = _UNEXPECTED_ARGUMENT.search(str(error))
-        name = match.group(1) if match else None
-        raise BadRequest(f"{name}: not supported by this server", name) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -238,6 +242,55 @@ def request_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(16)}"
 
 
+# ---- logprobs in OpenAI's forms --------------------------------------------------------------------
+
+
+def _chosen(position: dict[int, Logprob]) -> tuple[int, Logprob]:
+    return next(iter(position.items()))  # the chosen (sampled or prompt) token comes first
+
+
+def _token_text(server: FrontendServer, token_id: int, logprob: Logprob) -> str:
+    return logprob.decoded_token if logprob.decoded_token is not None else server.tokenizer.decode([token_id])
+
+
+def completion_logprobs(server: FrontendServer, positions: list[dict[int, Logprob] | None], prompt_ids: list[int],
+                        offset: int) -> CompletionLogprobs:
+    """Completions' form: parallel lists of token texts, their logprobs, the top alternatives
+    (token text -> logprob) and each token's character offset in the text (from `offset`).
+    A None position (the first prompt token, when echoing) has no logprob."""
+    result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for i, position in enumerate(positions):
+        if position is None:
+            token = server.tokenizer.decode([prompt_ids[i]])
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            token_id, chosen = _chosen(position)
+            token = _token_text(server, token_id, chosen)
+            result.token_logprobs.append(chosen.logprob)
+            result.top_logprobs.append({_token_text(server, t, lp): lp.logprob for t, lp in position.items()})
+        result.tokens.append(token)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def chat_logprobs(server: FrontendServer, positions: SampleLogprobs, num_top: int) -> ChatLogprobs:
+    """Chat's form: per token its text, logprob and UTF-8 bytes, with the `num_top` most likely."""
+    def entry(token_id: int, logprob: Logprob) -> TopLogprob:
+        token = _token_text(server, token_id, logprob)
+        return TopLogprob(token=token, logprob=logprob.logprob, bytes=list(token.encode()))
+
+    content = []
+    for position in positions:
+        chosen = entry(*_chosen(position))
+        ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
+        top = [entry(t, lp) for t, lp in ranked if lp.rank is not None and lp.rank <= num_top][:num_top]
+        content.append(ChatTokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes,
+                                        top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
 # ---- completions ----------------------------------------------------------------------------------
 
 
@@ -256,45 +309,61 @@ class CompletionCall:
     def build(cls, server: FrontendServer, request: CompletionRequest, model: str) -> CompletionCall:
         if request.suffix is not None:
             raise BadRequest("suffix: not supported", "suffix")
+        echo_logprobs = request.echo and request.logprobs is not None
+        if echo_logprobs and request.stream:
+            raise BadRequest("echo: with logprobs, only without stream", "echo")
         prompts = completion_prompts(server, request.prompt)
         check_context(prompts, request.max_tokens, server.config.max_model_len, "prompt")
-        sampling = sampling_params(request, request.max_tokens, request.logprobs, server.config.max_n)
+        # Echoed prompt tokens come with their own logprobs, as OpenAI's API gives them.
+        prompt_logprobs = request.logprobs if echo_logprobs else None
+        sampling = sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
         return cls(request, model, prompts, sampling)
 
     def engine_call(self, server: FrontendServer) -> EngineCall:
-        return EngineCall(server, self.prompts, self.sampling, self.request.n)
+        return EngineCall(server, self.prompts, self.sampling)
 
-    def _echo(self, server: FrontendServer, index: int) -> str:
-        prompt = self.prompts[index // self.request.n]
+    def _prompt_of(self, server: FrontendServer, index: int) -> Prompt:
+        prompt = self.prompts[index // self.sampling.n]
         if prompt.text is None:
             prompt.text = server.tokenizer.decode(prompt.token_ids)
-        return prompt.text
+        return prompt
+
+    def _logprobs(self, server: FrontendServer, call: EngineCall, index: int) -> CompletionLogprobs | None:
+        if self.request.logprobs is None:
+            return None
+        choice = call.choices[index]
+        if not self.request.echo:
+            return completion_logprobs(server, choice.logprobs, [], 0)
+        prompt = self._prompt_of(server, index)
+        prompt_positions = call.prompt_logprobs[index // self.sampling.n] or [None] * len(prompt.token_ids)
+        return completion_logprobs(server, [*prompt_positions, *choice.logprobs], prompt.token_ids, 0)
 
     async def response(self, server: FrontendServer, call: EngineCall) -> CompletionResponse:
         await call.wait()
-        choices = [
-            CompletionChoice(
-                index=i,
-                text=(self._echo(server, i) if self.request.echo else "") + "".join(c.text),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for i, c in enumerate(call.choices)
-        ]
+        choices = []
+        for i, c in enumerate(call.choices):
+            text = (self._prompt_of(server, i).text if self.request.echo else "") + "".join(c.text)
+            choices.append(CompletionChoice(index=i, text=text, logprobs=self._logprobs(server, call, i),
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=call.usage())
 
     async def chunks(self, server: FrontendServer, call: EngineCall) -> AsyncIterator[CompletionResponse]:
         options = self.request.stream_options
-        echoed: set[int] = set()
+        started: set[int] = set()
+        offsets = [0] * len(call.choices)  # characters of token text sent so far, per choice
         async for index, out in call.outputs():
             text = out.text
-            if self.request.echo and index not in echoed:
-                echoed.add(index)
-                text = self._echo(server, index) + text
-            if not text and out.finish_reason is None:
+            if self.request.echo and index not in started:
+                text = self._prompt_of(server, index).text + text
+            started.add(index)
+            if not text and out.finish_reason is None and not out.logprobs:
                 continue  # nothing to show yet (held back while a stop string may match)
-            choice = CompletionChoice(index=index, text=text, finish_reason=out.finish_reason,
+            logprobs = None
+            if self.request.logprobs is not None:
+                logprobs = completion_logprobs(server, out.logprobs or [], [], offsets[index])
+                offsets[index] += sum(len(t) for t in logprobs.tokens)
+            choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
                                       stop_reason=out.stop_reason)
             usage = call.usage() if options and options.continuous_usage_stats else None
             yield CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
@@ -326,16 +395,22 @@ class ChatCall:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         check_context([prompt], max_tokens, server.config.max_model_len, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        sampling = sampling_params(request, max_tokens, logprobs, server.config.max_n)
+        sampling = sampling_params(request, max_tokens, logprobs)
         return cls(request, model, prompt, sampling)
 
     def engine_call(self, server: FrontendServer) -> EngineCall:
-        return EngineCall(server, [self.prompt], self.sampling, self.request.n)
+        return EngineCall(server, [self.prompt], self.sampling)
+
+    def _logprobs(self, server: FrontendServer, positions: SampleLogprobs | None) -> ChatLogprobs | None:
+        if not self.request.logprobs:
+            return None
+        return chat_logprobs(server, positions or [], self.request.top_logprobs or 0)
 
     async def response(self, server: FrontendServer, call: EngineCall) -> ChatCompletionResponse:
         await call.wait()
         choices = [
-            ChatChoice(index=i, message=ChatResponseMessage(content="".join(c.text)), finish_reason=c.finish_reason,
+            ChatChoice(index=i, message=ChatResponseMessage(content="".join(c.text)),
+                       logprobs=self._logprobs(server, c.logprobs), finish_reason=c.finish_reason,
                        stop_reason=c.stop_reason)
             for i, c in enumerate(call.choices)
         ]
@@ -351,11 +426,11 @@ class ChatCall:
         for index in range(len(call.choices)):
             yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         async for index, out in call.outputs():
-            if not out.text and out.finish_reason is None:
+            if not out.text and out.finish_reason is None and not out.logprobs:
                 continue
             delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
-            choice = ChatStreamChoice(index=index, delta=delta, finish_reason=out.finish_reason,
-                                      stop_reason=out.stop_reason)
+            choice = ChatStreamChoice(index=index, delta=delta, logprobs=self._logprobs(server, out.logprobs),
+                                      finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             yield self._chunk([choice], call.usage() if options and options.continuous_usage_stats else None)
         if options and options.include_usage:
             yield self._chunk([], call.usage())
