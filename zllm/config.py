@@ -55,6 +55,11 @@ class EngineConfig:
     heartbeat_interval_s: float = 1.0  # liveness checks between processes
     startup_timeout_s: float = 900.0  # model load + KV set-up, per process
     client_timeout_s: float = 30.0  # a client silent this long (no ping) loses its requests
+    # The OpenAI-compatible HTTP API, served by the frontend beside the ZMQ client endpoint.
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the ready line says which)
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1 routes when set
+    max_request_body_bytes: int = 8 << 20  # larger HTTP bodies get 413
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -114,6 +119,9 @@ class EngineConfig:
         _require(self.max_n >= 1, "max_n", f"must be >= 1, got {self.max_n}")
         _require(self.socket_hwm >= 1, "socket_hwm", f"must be >= 1, got {self.socket_hwm}")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
+        _require(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
+        _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
+        _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
 
     def blocks_for_tokens(self, num_tokens: int) -> int:

@@ -7,6 +7,7 @@ Clients speak the map-encoded Client*/Server* messages of zllm.ipc.messages. Eac
 validated here (errors go back to that client only), streamed back as text/token deltas (text
 that could still turn into a stop string is held back until it can't), and aborted in the core
 when its client cancels, vanishes (a send to it fails) or falls silent past client_timeout_s.
+The OpenAI HTTP API (api_server.py) is a client inside this process: `open_local_client`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import errno
 import itertools
 import logging
+import secrets
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from zllm.config import EngineConfig
+from zllm.frontend.metrics import FrontendMetrics
 from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor
 from zllm.frontend.tokenizer import chat_prompt, load_tokenizer
@@ -91,6 +94,9 @@ class _ClientRequest:
 class _Client:
     last_seen: float
     requests: set[str] = field(default_factory=set)
+    # A client inside this process (the HTTP API): its messages go to this queue, not the socket,
+    # and it is never timed out for silence (it closes itself).
+    inbox: asyncio.Queue | None = None
 
 
 class FrontendServer:
@@ -113,6 +119,8 @@ class FrontendServer:
         self.core_process: subprocess.Popen | None = None
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
+        self.draining = False  # shutting down gracefully: /health answers 503
+        self.metrics = FrontendMetrics(config.model_name)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -167,6 +175,24 @@ class FrontendServer:
                 pass
             stop_children([self.core_process], timeout_s=5.0)
         self.context.destroy(linger=0)
+
+    # ---- in-process clients (the HTTP API) ----------------------------------------------------
+
+    def open_local_client(self) -> tuple[bytes, asyncio.Queue]:
+        """Register a client living in this process; the server's messages to it (ServerOutput,
+        ServerError, ServerStats) arrive on the returned queue. Submit with `submit`."""
+        identity = b"local-" + secrets.token_bytes(8)
+        inbox: asyncio.Queue = asyncio.Queue()
+        self.clients[identity] = _Client(last_seen=time.monotonic(), inbox=inbox)
+        return identity, inbox
+
+    async def submit(self, identity: bytes, message: ClientToServer) -> None:
+        """Handle a message from a local client exactly as one that came over the socket."""
+        await self._dispatch(identity, message)
+
+    async def close_local_client(self, identity: bytes) -> None:
+        """Forget a local client and abort its unfinished requests."""
+        await self._drop_client(identity, "closed")
 
     # ---- clients -------------------------------------------------------------------------------
 
@@ -235,6 +261,7 @@ class FrontendServer:
         sent = [_Sent() for _ in range(sampling.n)]
         self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback, sent)
         self.clients[identity].requests.add(engine_id)
+        self.metrics.request_added(engine_id, len(add.prompt_token_ids))
         for core_message in core_messages:
             await self.core_in.send(self.to_core.encode(core_message))
 
@@ -254,6 +281,10 @@ class FrontendServer:
 
     async def _send(self, identity: bytes, message) -> bool:
         """Send to one client; False (and its requests aborted) if it is gone."""
+        client = self.clients.get(identity)
+        if client is not None and client.inbox is not None:
+            client.inbox.put_nowait(message)
+            return True
         try:
             await self.client_socket.send_multipart([identity, self.to_clients.encode(message)])
             return True
@@ -280,6 +311,7 @@ class FrontendServer:
 
     def _forget(self, engine_id: str) -> _ClientRequest | None:
         request = self.requests.pop(engine_id, None)
+        self.metrics.request_ended(engine_id)
         if request is not None and request.identity in self.clients:
             self.clients[request.identity].requests.discard(engine_id)
         return request
@@ -329,6 +361,8 @@ class FrontendServer:
     async def _send_deltas(self, request: _ClientRequest, output: RequestOutput) -> None:
         """One ServerOutput per completion that advanced; the last one says if the request ended."""
         deltas = [d for c in output.outputs if (d := self._completion_delta(request, output, c)) is not None]
+        finish_reason = (output.outputs[0].finish_reason or "stop") if output.finished else None
+        self.metrics.tokens_generated(output.request_id, sum(len(d.token_ids) for d in deltas), finish_reason)
         if output.finished:
             self._forget(output.request_id)
             if deltas:
@@ -396,5 +430,5 @@ class FrontendServer:
                 await self._engine_died(f"engine core exited with code {code}")
                 return
             cutoff = time.monotonic() - self.config.client_timeout_s
-            for identity in [i for i, c in self.clients.items() if c.last_seen < cutoff]:
+            for identity in [i for i, c in self.clients.items() if c.inbox is None and c.last_seen < cutoff]:
                 await self._drop_client(identity, f"silent for over {self.config.client_timeout_s:.0f} s")

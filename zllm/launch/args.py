@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 from zllm.config import EngineConfig
@@ -53,6 +54,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-n", type=int, default=defaults.max_n, help="the most completions (n) per request")
     group.add_argument("--distributed-init-method", default="",
                        help="torch.distributed rendezvous for tp > 1 (default: a file in the runtime dir)")
+
+
+def add_http_args(group) -> None:
+    """The OpenAI-compatible HTTP API's flags (served by the frontend)."""
+    defaults = EngineConfig(model="")
+    group.add_argument("--host", default=defaults.host, help="HTTP API address")
+    group.add_argument("--port", type=int, default=defaults.port, help="HTTP API port (0: any free port)")
+    group.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes "
+                       "(default: $ZLLM_API_KEY if set)")
+    group.add_argument("--max-request-body", dest="max_request_body_bytes", type=parse_size,
+                       default=defaults.max_request_body_bytes, help="largest HTTP request body, e.g. 8MiB (413 above)")
+
+
+def http_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("ZLLM_API_KEY") or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

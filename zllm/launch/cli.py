@@ -1,8 +1,9 @@
 """`vllm-launch`: serve a model, or complete a few prompts and exit.
 
-    vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port]
+    vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port] [--host H --port P]
         starts the frontend (this process), which starts the engine core, which starts the
-        workers; serves the ZMQ client endpoint until SIGINT/SIGTERM.
+        workers; serves the ZMQ client endpoint and the OpenAI-compatible HTTP API (default
+        http://127.0.0.1:8000) until SIGINT/SIGTERM.
     vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
         runs the engine in this process, prints the completions, exits.
 """
@@ -16,7 +17,7 @@ import shutil
 import signal
 import sys
 
-from zllm.launch.args import add_engine_args, engine_kwargs
+from zllm.launch.args import add_engine_args, add_http_args, engine_kwargs, http_kwargs
 
 logger = logging.getLogger("zllm.launch")
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "ipc://$XDG_RUNTIME_DIR-or-/tmp/zllm-<uid>.sock); tcp:// only if you ask")
     serving.add_argument("--runtime-dir", default="", help="directory for the internal ipc sockets "
                          "(default: a fresh private one, removed at exit)")
+    add_http_args(serving)
     smoke = parser.add_argument_group("one-shot generation (no server)")
     smoke.add_argument("--prompt", action="append", default=None, help="complete this prompt and exit (repeatable)")
     smoke.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -64,7 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"runtime_dir: {runtime_dir} must be private (mode 0700)")
     try:
         config = EngineConfig.create(
-            args.model, **engine_kwargs(args), client_endpoint=args.zmq_endpoint, runtime_dir=runtime_dir
+            args.model, **engine_kwargs(args), **http_kwargs(args), client_endpoint=args.zmq_endpoint,
+            runtime_dir=runtime_dir,
         )
         return asyncio.run(_serve_until_signal(config))
     finally:
@@ -72,16 +75,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 async def _serve_until_signal(config) -> int:
+    from zllm.frontend.api_server import ApiServer
     from zllm.frontend.server import EngineStartError, FrontendServer
 
     server = FrontendServer(config)
+    api = ApiServer(server)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         ready = await server.start()
-        print(f"zllm ready: {ready.model} on {server.client_endpoint} "
+        url = await api.start()
+        print(f"zllm ready: {ready.model} on {server.client_endpoint} and {url} "
               f"({ready.num_kv_blocks} KV blocks of {ready.block_size} tokens)", flush=True)
         serving = asyncio.create_task(server.serve())
         stopping = asyncio.create_task(stop.wait())
@@ -100,6 +106,7 @@ async def _serve_until_signal(config) -> int:
         logger.error("%s", error)
         return 1
     finally:
+        await api.stop()
         await server.shutdown()
 
 
