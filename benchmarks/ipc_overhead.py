@@ -60,7 +60,8 @@ def run_processes(model: str, prompts, params, load_format: str, workdir: Path) 
     endpoint = f"ipc://{workdir}/bench.sock"
     server = subprocess.Popen(
         [sys.executable, "-m", "zllm.launch.cli", "--model", model, "--zmq-endpoint", endpoint, "--load-format",
-         load_format, "--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--log-level", "WARNING"],
+         load_format, "--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--log-level", "WARNING",
+         "--port", "0"],
         stdout=subprocess.PIPE, text=True,
     )
     try:

@@ -155,6 +155,13 @@ class ServerHandle:
         self.endpoint = endpoint
         self.runtime_dir = runtime_dir
         self.log_path = log_path
+        self.http_url = ""  # the OpenAI-compatible API's base URL, from the ready line
+
+    def read_http_url(self) -> None:
+        import re
+
+        match = re.search(r"zllm ready: .* and (http://\S+) ", self.log())
+        self.http_url = match.group(1) if match else ""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -178,7 +185,7 @@ def start_server(
     directory: Path, model_dir: str, *extra: str, timeout: float = 180.0, endpoint: str | None = None,
     env: dict[str, str] | None = None,
 ) -> ServerHandle:
-    """Start vllm-launch and wait for its ready line. `env`: extra environment variables."""
+    """Start vllm-launch (with these environment variables added) and wait for its ready line."""
     import subprocess
     import sys
     import time
@@ -187,9 +194,11 @@ def start_server(
     endpoint = endpoint or f"ipc://{directory}/client.sock"
     log_path = directory / "server.log"
     command = [sys.executable, "-m", "zllm.launch.cli", "--model", model_dir, "--zmq-endpoint", endpoint,
-               "--runtime-dir", str(runtime_dir), "--kv-cache-memory", "256MiB", "--max-model-len", "2048", *extra]
+               "--runtime-dir", str(runtime_dir), "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
+               "--port", "0", *extra]  # port 0: a free port, so servers started in parallel never clash
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **env} if env else None)
     handle = ServerHandle(process, endpoint, str(runtime_dir), log_path)
     deadline = time.monotonic() + timeout
     while "zllm ready" not in handle.log():
@@ -197,6 +206,7 @@ def start_server(
             handle.stop()
             raise RuntimeError(f"server did not start:\n{handle.log()[-3000:]}")
         time.sleep(0.2)
+    handle.read_http_url()
     return handle
 
 

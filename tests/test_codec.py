@@ -502,6 +502,7 @@ CONFIG = EngineConfig(
     scheduling_policy="priority",
     max_logprobs=5,
     max_n=4,
+    distributed_init_method="tcp://127.0.0.1:29500",
     runtime_dir="/run/user/1000/zllm-abc",
     client_endpoint="tcp://127.0.0.1:5555",
     socket_hwm=10,

@@ -56,6 +56,11 @@ class EngineConfig:
     heartbeat_interval_s: float = 1.0  # liveness checks between processes
     startup_timeout_s: float = 900.0  # model load + KV set-up, per process
     client_timeout_s: float = 30.0  # a client silent this long (no ping) loses its requests
+    # The OpenAI-compatible HTTP API, served by the frontend beside the ZMQ client endpoint.
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the ready line says which)
+    api_key: str | None = None  # required on /v1 routes (Bearer) and on every ZMQ client request when set
+    max_request_body_bytes: int = 8 << 20  # larger HTTP bodies get 413
     # Reliability and security (docs/deployment.md).
     on_failure: str = "restart"  # engine core or worker died: "restart" (replay requests) or "fail"
     max_restarts: int = 5  # engine restarts allowed within restart_window_s before giving up
@@ -63,7 +68,6 @@ class EngineConfig:
     engine_hang_timeout_s: float = 60.0  # an engine core silent this long (no step, no pong) is restarted
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     max_waiting: int = 1024  # requests queued in the engine core beyond which new ones are refused
-    api_key: str | None = None  # when set, every client request must carry it
     curve_dir: str = ""  # CURVE keys of a tcp:// client endpoint: server.key(_secret), clients/*.key
     allow_insecure_tcp: bool = False  # serve a tcp:// client endpoint without CURVE (trusted networks only)
     client_max_message_bytes: int = 64 << 20  # a bigger client frame drops that client's connection
@@ -126,6 +130,9 @@ class EngineConfig:
         _require(self.max_n >= 1, "max_n", f"must be >= 1, got {self.max_n}")
         _require(self.socket_hwm >= 1, "socket_hwm", f"must be >= 1, got {self.socket_hwm}")
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
+        _require(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
+        _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
+        _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
         self._validate_reliability()
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
 
@@ -136,7 +143,6 @@ class EngineConfig:
         _require(self.engine_hang_timeout_s > 0, "engine_hang_timeout_s", "must be > 0")
         _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s", "must be >= 0")
         _require(self.max_waiting >= 1, "max_waiting", f"must be >= 1, got {self.max_waiting}")
-        _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
         _require(self.client_max_message_bytes >= 1 << 16, "client_max_message_bytes", "must be >= 64 KiB")
         if self.client_endpoint.startswith("tcp://"):
             _require(

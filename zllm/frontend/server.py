@@ -7,6 +7,7 @@ Clients speak the map-encoded Client*/Server* messages of zllm.ipc.messages. Eac
 validated here (errors go back to that client only), streamed back as text/token deltas (text
 that could still turn into a stop string is held back until it can't), and aborted in the core
 when its client cancels, vanishes (a send to it fails) or falls silent past client_timeout_s.
+The OpenAI HTTP API (api_server.py) is a client inside this process: `open_local_client`.
 
 Engine failures (zllm/launch/supervisor.py watches the core and every worker): with
 on_failure="restart" the engine is killed, restarted with back-off, and every request in flight
@@ -25,6 +26,7 @@ import hmac
 import itertools
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import time
@@ -34,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from zllm.config import EngineConfig
+from zllm.frontend.metrics import FrontendMetrics
 from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor
 from zllm.frontend.replay import ReplayLog
@@ -68,7 +71,7 @@ from zllm.ipc.messages import (
 from zllm.ipc.sockets import make_socket
 from zllm.launch.children import stop_children
 from zllm.launch.supervisor import EngineProcesses, RestartPolicy
-from zllm.outputs import RequestOutput
+from zllm.outputs import CompletionOutput, RequestOutput
 from zllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("zllm.frontend")
@@ -111,6 +114,9 @@ class _ClientRequest:
 class _Client:
     last_seen: float
     requests: set[str] = field(default_factory=set)
+    # A client inside this process (the HTTP API): its messages go to this queue, not the socket,
+    # and it is never timed out for silence (it closes itself).
+    inbox: asyncio.Queue | None = None
 
 
 class FrontendServer:
@@ -137,7 +143,8 @@ class FrontendServer:
         self.dead_reason: str | None = None
         self.num_restarts = 0
         self.recovering = False  # the engine is being restarted: new requests are held meanwhile
-        self.draining = False  # a graceful shutdown began: new requests are refused (HTTP: 503)
+        self.draining = False  # a graceful shutdown began: new requests are refused (/health: 503)
+        self.metrics = FrontendMetrics(config.model_name)
         self._generation = 0
         self._core_queue: asyncio.Queue = asyncio.Queue(config.socket_hwm)
         self._held_while_recovering = 0
@@ -358,6 +365,24 @@ class FrontendServer:
         except asyncio.QueueFull:
             return False
 
+    # ---- in-process clients (the HTTP API) ----------------------------------------------------
+
+    def open_local_client(self) -> tuple[bytes, asyncio.Queue]:
+        """Register a client living in this process; the server's messages to it (ServerOutput,
+        ServerError, ServerStats) arrive on the returned queue. Submit with `submit`."""
+        identity = b"local-" + secrets.token_bytes(8)
+        inbox: asyncio.Queue = asyncio.Queue()
+        self.clients[identity] = _Client(last_seen=time.monotonic(), inbox=inbox)
+        return identity, inbox
+
+    async def submit(self, identity: bytes, message: ClientToServer) -> None:
+        """Handle a message from a local client exactly as one that came over the socket."""
+        await self._dispatch(identity, message)
+
+    async def close_local_client(self, identity: bytes) -> None:
+        """Forget a local client and abort its unfinished requests."""
+        await self._drop_client(identity, "closed")
+
     # ---- clients -------------------------------------------------------------------------------
 
     async def _client_loop(self) -> None:
@@ -383,9 +408,9 @@ class FrontendServer:
                 await self._send(identity, ServerError(request_id, f"internal error: {type(error).__name__}", "internal"))
 
     async def _dispatch(self, identity: bytes, message) -> None:
-        if isinstance(message, (ClientGenerate, ClientStats, ClientUtility)) and not self._authorized(message.api_key):
+        if not self._authorized(identity, message):
             request_id, call_id = getattr(message, "request_id", None), getattr(message, "call_id", None)
-            error = "unauthorized: missing or wrong api_key" if self.config.api_key else "unauthorized"
+            error = "unauthorized: missing or wrong api_key"
             await self._send(identity, ServerError(request_id, error, "unauthorized", call_id))
         elif isinstance(message, ClientGenerate):
             await self._add_request(identity, message)
@@ -398,10 +423,16 @@ class FrontendServer:
         elif isinstance(message, ClientUtility):
             await self._call_utility(identity, message)
 
-    def _authorized(self, api_key: str | None) -> bool:
-        if self.config.api_key is None:
+    def _authorized(self, identity: bytes, message) -> bool:
+        """Requests and calls must carry the api key, if there is one (pings and aborts of one's
+        own requests need none). A local client (the HTTP API) checked the key itself."""
+        client = self.clients.get(identity)
+        if self.config.api_key is None or not isinstance(message, (ClientGenerate, ClientStats, ClientUtility)):
             return True
-        return api_key is not None and hmac.compare_digest(api_key.encode(), self.config.api_key.encode())
+        if client is not None and client.inbox is not None:
+            return True
+        given = (message.api_key or "").encode()
+        return message.api_key is not None and hmac.compare_digest(given, self.config.api_key.encode())
 
     async def _stats(self, identity: bytes, client_call_id: int) -> None:
         call_id = next(self._call_ids)
@@ -447,6 +478,7 @@ class FrontendServer:
         sent = [_Sent() for _ in range(sampling.n)]
         self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback, sent)
         self.clients[identity].requests.add(engine_id)
+        self.metrics.request_added(engine_id, len(add.prompt_token_ids))
         self.replay.record(engine_id, core_messages)
         if self.recovering:
             self._held_while_recovering += 1  # sent with the replayed requests once the engine is back
@@ -486,6 +518,10 @@ class FrontendServer:
 
     async def _send(self, identity: bytes, message) -> bool:
         """Send to one client; False (and its requests aborted) if it is gone."""
+        client = self.clients.get(identity)
+        if client is not None and client.inbox is not None:
+            client.inbox.put_nowait(message)
+            return True
         try:
             await self.client_socket.send_multipart([identity, self.to_clients.encode(message)])
             return True
@@ -513,6 +549,7 @@ class FrontendServer:
     def _forget(self, engine_id: str) -> _ClientRequest | None:
         request = self.requests.pop(engine_id, None)
         self.replay.forget(engine_id)
+        self.metrics.request_ended(engine_id)
         if request is not None and request.identity in self.clients:
             self.clients[request.identity].requests.discard(engine_id)
         return request
@@ -521,7 +558,7 @@ class FrontendServer:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             cutoff = time.monotonic() - self.config.client_timeout_s
-            for identity in [i for i, c in self.clients.items() if c.last_seen < cutoff]:
+            for identity in [i for i, c in self.clients.items() if c.inbox is None and c.last_seen < cutoff]:
                 await self._drop_client(identity, f"silent for over {self.config.client_timeout_s:.0f} s")
 
     # ---- client endpoint security --------------------------------------------------------------
@@ -579,6 +616,8 @@ class FrontendServer:
     async def _send_deltas(self, request: _ClientRequest, output: RequestOutput) -> None:
         """One ServerOutput per completion that advanced; the last one says if the request ended."""
         deltas = [d for c in output.outputs if (d := self._completion_delta(request, output, c)) is not None]
+        finish_reason = (output.outputs[0].finish_reason or "stop") if output.finished else None
+        self.metrics.tokens_generated(output.request_id, sum(len(d.token_ids) for d in deltas), finish_reason)
         if output.finished:
             self._forget(output.request_id)
             if deltas:
@@ -586,7 +625,9 @@ class FrontendServer:
         for delta in deltas:
             await self._send(request.identity, delta)
 
-    def _completion_delta(self, request: _ClientRequest, output: RequestOutput, completion) -> ServerOutput | None:
+    def _completion_delta(
+        self, request: _ClientRequest, output: RequestOutput, completion: CompletionOutput
+    ) -> ServerOutput | None:
         sent = request.sent[completion.index]
         if sent.finished or (len(completion.token_ids) == sent.tokens and not completion.finished):
             return None

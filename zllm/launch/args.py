@@ -56,6 +56,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="torch.distributed rendezvous for tp > 1 (default: a file in the runtime dir)")
 
 
+def add_http_args(group) -> None:
+    """The OpenAI-compatible HTTP API's flags (served by the frontend)."""
+    defaults = EngineConfig(model="")
+    group.add_argument("--host", default=defaults.host, help="HTTP API address")
+    group.add_argument("--port", type=int, default=defaults.port, help="HTTP API port (0: any free port)")
+    group.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes, "
+                       "and the key in every ZMQ client request (default: $ZLLM_API_KEY if set)")
+    group.add_argument("--max-request-body", dest="max_request_body_bytes", type=parse_size,
+                       default=defaults.max_request_body_bytes, help="largest HTTP request body, e.g. 8MiB (413 above)")
+
+
+def http_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("ZLLM_API_KEY") or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig.create keyword arguments from parsed arguments (model excluded)."""
     return dict(
@@ -98,8 +118,6 @@ def add_reliability_args(parser: argparse.ArgumentParser) -> None:
                        help="on SIGTERM/SIGINT, how long requests in flight may take to finish")
     group.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
                        help="requests that may wait for a slot; beyond it new ones get a retry-later error")
-    group.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
-                       help="every client request must carry this key (default: $VLLM_API_KEY)")
     group.add_argument("--zmq-curve-dir", default=defaults.curve_dir, metavar="DIR",
                        help="CURVE keys for a tcp:// client endpoint (server key pair, clients/*.key)")
     group.add_argument("--allow-insecure-tcp", action="store_true",
@@ -116,7 +134,6 @@ def reliability_kwargs(args: argparse.Namespace) -> dict:
         engine_hang_timeout_s=args.engine_hang_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         max_waiting=args.max_waiting,
-        api_key=args.api_key,
         curve_dir=args.zmq_curve_dir,
         allow_insecure_tcp=args.allow_insecure_tcp,
         client_max_message_bytes=args.max_client_message_size,

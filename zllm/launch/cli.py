@@ -1,10 +1,11 @@
 """`vllm-launch`: serve a model, or complete a few prompts and exit.
 
-    vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port]
+    vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port] [--host H --port P]
         starts the frontend (this process), which starts the engine core, which starts the
-        workers; serves the ZMQ client endpoint until SIGINT/SIGTERM (which drains: requests in
-        flight finish first, zllm/launch/service.py). The engine is supervised and restarted
-        after a crash (zllm/launch/supervisor.py); see docs/deployment.md for systemd.
+        workers; serves the ZMQ client endpoint and the OpenAI-compatible HTTP API (default
+        http://127.0.0.1:8000) until SIGINT/SIGTERM, which drains: requests in flight finish
+        first (zllm/launch/service.py). The engine is supervised and restarted after a crash
+        (zllm/launch/supervisor.py); see docs/deployment.md for systemd.
     vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
         runs the engine in this process, prints the completions, exits.
 """
@@ -17,7 +18,8 @@ import logging
 import shutil
 import sys
 
-from zllm.launch.args import add_engine_args, add_reliability_args, engine_kwargs, reliability_kwargs
+from zllm.launch.args import add_engine_args, add_http_args, add_reliability_args, engine_kwargs, http_kwargs
+from zllm.launch.args import reliability_kwargs
 
 logger = logging.getLogger("zllm.launch")
 
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "ipc://$XDG_RUNTIME_DIR-or-/tmp/zllm-<uid>.sock); tcp:// only if you ask")
     serving.add_argument("--runtime-dir", default="", help="directory for the internal ipc sockets "
                          "(default: a fresh private one, removed at exit)")
+    add_http_args(serving)
     add_reliability_args(parser)
     smoke = parser.add_argument_group("one-shot generation (no server)")
     smoke.add_argument("--prompt", action="append", default=None, help="complete this prompt and exit (repeatable)")
@@ -69,7 +72,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"runtime_dir: {runtime_dir} must be private (mode 0700)")
     try:
         config = EngineConfig.create(
-            args.model, **engine_kwargs(args), **reliability_kwargs(args), client_endpoint=args.zmq_endpoint,
+            args.model, **engine_kwargs(args), **http_kwargs(args), **reliability_kwargs(args),
+            client_endpoint=args.zmq_endpoint,
             runtime_dir=runtime_dir,
         )
         return asyncio.run(serve_until_signal(config))

@@ -1,6 +1,6 @@
 """The server's life as a service: start, readiness, watchdog, graceful drain, exit code.
 
-    start engine ─> bind client endpoint ─> engine answers ─> "zllm ready" + READY=1
+    start engine ─> bind client endpoint ─> HTTP API ─> engine answers ─> "zllm ready" + READY=1
         │ every heartbeat: WATCHDOG=1 while the engine steps or answers (or is being restarted)
     SIGTERM/SIGINT ─> STOPPING=1, refuse new requests ("draining"), wait for those in flight
         up to shutdown_timeout_s, end the rest ─> exit 0
@@ -40,9 +40,11 @@ class _Signals:
 
 async def serve_until_signal(config: EngineConfig) -> int:
     """Run the frontend server as a service; returns the process exit code."""
+    from zllm.frontend.api_server import ApiServer
     from zllm.frontend.server import EngineStartError, FrontendServer
 
     server = FrontendServer(config)
+    api = ApiServer(server)
     notifier = SystemdNotifier()
     signals = _Signals()
     tasks: list[asyncio.Task] = []
@@ -54,12 +56,13 @@ async def serve_until_signal(config: EngineConfig) -> int:
             await server.kill_engine()
             return 0
         starting.result()  # raises EngineStartError if the engine could not start
+        url = await api.start()
         serving = asyncio.create_task(server.serve(), name="serve")
         answering = asyncio.create_task(server.wait_answering())
         tasks += [serving, answering]
         if not await _first(answering, serving, signals.first):
             return await _after_serving(serving, server, signals)
-        _announce_ready(server, notifier)
+        _announce_ready(server, url, notifier)
         tasks.append(asyncio.create_task(_report_to_systemd(server, notifier), name="systemd"))
         await _first(serving, signals.first)
         if serving.done():
@@ -72,6 +75,7 @@ async def serve_until_signal(config: EngineConfig) -> int:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await api.stop()
         await server.shutdown()
 
 
@@ -113,12 +117,12 @@ async def _after_serving(serving: asyncio.Task, server, signals: _Signals) -> in
     return 1
 
 
-def _announce_ready(server, notifier: SystemdNotifier) -> None:
+def _announce_ready(server, url: str, notifier: SystemdNotifier) -> None:
     ready = server.ready
-    line = (f"zllm ready: {ready.model} on {server.client_endpoint} "
+    line = (f"zllm ready: {ready.model} on {server.client_endpoint} and {url} "
             f"({ready.num_kv_blocks} KV blocks of {ready.block_size} tokens)")
     print(line, flush=True)
-    notifier.ready(f"serving {ready.model} on {server.client_endpoint}")
+    notifier.ready(f"serving {ready.model} on {server.client_endpoint} and {url}")
 
 
 async def _report_to_systemd(server, notifier: SystemdNotifier) -> None:

@@ -1,0 +1,257 @@
+"""The OpenAI-compatible HTTP API, served by the frontend process on its own asyncio loop.
+
+    POST /v1/completions        POST /v1/chat/completions        GET /v1/models
+    GET  /health                GET  /version                    GET /metrics     GET /openapi.json
+
+Built on aiohttp: its AppRunner runs inside an event loop someone else owns (the frontend's, which
+also serves the ZMQ endpoint and talks to the engine core) and leaves signal handling to
+`vllm-launch`; it can cancel a handler the moment its client disconnects (so the request is
+aborted in the engine, streaming or not); it enforces a body size limit itself (413). Bodies are
+decoded with msgspec, the project's one serialization library, strictly and with the field named
+in every error. Requests reach the engine through the FrontendServer's in-process client path
+(see openai_serving.py).
+
+Every error has OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
+parameters, 401 for a missing or wrong API key on /v1 routes, 404 for an unknown model or route,
+413 for an oversized body, 503 when the engine is dead or the server is draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import msgspec
+from aiohttp import web
+
+import zllm
+from zllm.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from zllm.frontend.openai_protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    VersionInfo,
+    decode_request,
+    now_s,
+    openapi_document,
+    param_of,
+)
+from zllm.frontend.openai_serving import ChatCall, CompletionCall, EngineError
+from zllm.ipc.messages import ClientStats, ServerStats
+
+if TYPE_CHECKING:
+    from zllm.frontend.server import FrontendServer
+
+logger = logging.getLogger("zllm.frontend.api")
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# ServerError kinds -> HTTP status (retry-later conditions are 503, as OpenAI answers "overloaded").
+_ENGINE_ERROR_STATUS = {"bad_request": 400, "unauthorized": 401, "engine_dead": 503, "overloaded": 503,
+                        "draining": 503}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type_, param, code
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
+    return msgspec.json.encode(ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)))
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   code: str | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(message, type_, param, code), content_type="application/json")
+
+
+def json_response(value: msgspec.Struct) -> web.Response:
+    return web.Response(body=msgspec.json.encode(value), content_type="application/json")
+
+
+def _from_engine_error(error: EngineError) -> ApiError:
+    status = _ENGINE_ERROR_STATUS.get(error.kind, 500)
+    if status == 400:
+        return ApiError(400, str(error), "invalid_request_error", _request_field(str(error)))
+    if status == 401:
+        return ApiError(401, str(error), "authentication_error", code="invalid_api_key")
+    return ApiError(status, str(error), "server_error", code=error.kind)
+
+
+def _request_field(message: str) -> str | None:
+    # The engine names its own fields (prompt_token_ids); the API's field is `prompt`.
+    param = param_of(message)
+    return "prompt" if param == "prompt_token_ids" else param
+
+
+class ApiServer:
+    def __init__(self, frontend: FrontendServer) -> None:
+        self.frontend = frontend
+        self.config = frontend.config
+        self._runner: web.AppRunner | None = None
+        self._openapi = msgspec.json.encode(openapi_document(zllm.__version__))
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_request_body_bytes,
+                              middlewares=[self._errors, self._authenticate])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
+        return app
+
+    async def start(self) -> str:
+        """Listen on config.host:config.port; returns the base URL (with the real port for port 0)."""
+        self._runner = web.AppRunner(self.build_app(), handle_signals=False, handler_cancellation=True,
+                                     access_log=None)
+        await self._runner.setup()
+        sock = socket.create_server((self.config.host, self.config.port), backlog=1024)
+        await web.SockSite(self._runner, sock).start()
+        host, port = sock.getsockname()[:2]
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        logger.info("OpenAI-compatible API on %s%s", url, " (API key required)" if self.config.api_key else "")
+        return url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ---- middlewares ---------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every failure becomes an OpenAI-shaped error; bad input never becomes a 500."""
+        try:
+            return await handler(request)
+        except BadRequest as error:
+            return error_response(400, str(error), "invalid_request_error", error.param, error.code)
+        except EngineError as error:
+            error = _from_engine_error(error)
+            return error_response(error.status, str(error), error.type, error.param, error.code)
+        except ApiError as error:
+            return error_response(error.status, str(error), error.type, error.param, error.code)
+        except web.HTTPException as error:  # routing (404, 405) and the body limit (413)
+            if error.status < 400:
+                raise
+            return error_response(error.status, _http_error_message(request, error), "invalid_request_error",
+                                  code=error.reason.lower().replace(" ", "_"))
+        except (asyncio.CancelledError, ConnectionError):
+            raise  # the client went away; nothing to answer
+        except Exception:
+            logger.exception("internal error on %s %s", request.method, request.path)
+            return error_response(500, "internal server error", "server_error")
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
+        key = self.config.api_key
+        if key and (request.path == "/v1" or request.path.startswith("/v1/")):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                raise ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+                               "authentication_error", code="invalid_api_key")
+        return await handler(request)
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = decode_request(await request.read(), CompletionRequest)
+        call = CompletionCall.build(self.frontend, body, self._model(body.model))
+        return await self._run(request, call, body.stream)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = decode_request(await request.read(), ChatCompletionRequest)
+        call = ChatCall.build(self.frontend, body, self._model(body.model))
+        return await self._run(request, call, body.stream)
+
+    async def _run(self, request: web.Request, call: CompletionCall | ChatCall, stream: bool) -> web.StreamResponse:
+        self._check_serving()
+        async with call.engine_call(self.frontend) as engine:
+            if not stream:
+                return json_response(await call.response(self.frontend, engine))
+            return await self._stream(request, call.chunks(self.frontend, engine))
+
+    async def _stream(self, request: web.Request, chunks: AsyncIterator[msgspec.Struct]) -> web.StreamResponse:
+        """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`."""
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            async for chunk in chunks:
+                await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+        except EngineError as error:  # the status line is gone: report it in the stream
+            error = _from_engine_error(error)
+            await response.write(b"data: " + error_body(str(error), error.type, error.param, error.code) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _model(self, requested: str | None) -> str:
+        served = self.config.model_name
+        if requested is not None and requested != served:
+            raise ApiError(404, f"The model `{requested}` does not exist (this server serves `{served}`).",
+                           "invalid_request_error", "model", "model_not_found")
+        return served
+
+    def _check_serving(self) -> None:
+        if self.frontend.dead_reason is not None:
+            raise ApiError(503, f"engine is dead: {self.frontend.dead_reason}", "server_error", code="engine_dead")
+        if self.frontend.draining:
+            raise ApiError(503, "the server is shutting down", "server_error", code="draining")
+
+    # ---- information ---------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = ModelCard(id=self.config.model_name, created=now_s(), root=self.config.model,
+                         max_model_len=self.config.max_model_len)
+        return json_response(ModelList(data=[card]))
+
+    async def health(self, request: web.Request) -> web.Response:
+        self._check_serving()
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response(VersionInfo(version=zllm.__version__))
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._openapi, content_type="application/json")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.frontend.metrics.update_engine_stats(await self.engine_stats())
+        return web.Response(body=self.frontend.metrics.export(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def engine_stats(self, timeout_s: float = 5.0) -> dict | None:
+        """The engine core's stats (the `stats` utility call), or None if it cannot answer."""
+        if self.frontend.dead_reason is not None:
+            return None
+        identity, inbox = self.frontend.open_local_client()
+        try:
+            await self.frontend.submit(identity, ClientStats(call_id=0))
+            reply = await asyncio.wait_for(inbox.get(), timeout_s)
+            return reply.stats if isinstance(reply, ServerStats) else None
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            await self.frontend.close_local_client(identity)
+
+
+def _http_error_message(request: web.Request, error: web.HTTPException) -> str:
+    if isinstance(error, web.HTTPRequestEntityTooLarge):
+        return f"request body too large: {error.text}"
+    if isinstance(error, web.HTTPNotFound):
+        return f"no route {request.method} {request.path}"
+    if isinstance(error, web.HTTPMethodNotAllowed):
+        return f"method {request.method} not allowed on {request.path}"
+    return error.text or error.reason

@@ -1,0 +1,309 @@
+"""The OpenAI-compatible HTTP API's request and response bodies, as msgspec Structs.
+
+Requests are decoded strictly: a wrong type or an unknown field is a 400 that names the field
+(msgspec reports the JSON path). Field names are OpenAI's, plus vLLM's extensions (top_k, min_p,
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...), with vLLM's meanings.
+Responses have OpenAI's shapes; `openapi_document` describes both for tools and fuzzers.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Literal
+
+import msgspec
+
+
+class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class _Response(msgspec.Struct, kw_only=True):
+    pass
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+class StreamOptions(_Request, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
+
+
+class _SamplingRequest(_Request, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and ignored, as OpenAI's end-user id
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+
+
+class CompletionRequest(_SamplingRequest, kw_only=True):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None  # this many top alternatives per token (plus the sampled one)
+    suffix: str | None = None  # not supported: refused unless null
+
+
+class TextContent(_Request, kw_only=True, tag_field="type", tag="text"):
+    text: str
+
+
+class ImageContent(_Request, kw_only=True, tag_field="type", tag="image_url"):
+    """Recognised so that it gets a clear refusal: this server serves text-only models."""
+
+    image_url: dict[str, Any]
+
+
+class ChatMessage(_Request, kw_only=True):
+    role: str
+    content: str | list[TextContent | ImageContent] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # vLLM's extension. (A per-request chat_template is not accepted: it would run any Jinja.)
+    add_generation_prompt: bool = True
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+class UsageInfo(_Response, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Response, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
+
+
+class CompletionResponse(_Response, kw_only=True):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(_Response, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(_Response, kw_only=True):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response, kw_only=True):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response, kw_only=True):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(_Response, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Response, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "zllm"
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Response, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class VersionInfo(_Response, kw_only=True):
+    version: str
+
+
+class ErrorInfo(_Response, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response, kw_only=True):
+    error: ErrorInfo
+
+
+# ---- decoding ---------------------------------------------------------------------------------
+
+
+class BadRequest(ValueError):
+    """A request the API refuses with 400; `param` names the offending field when known."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+_PARAM_IN_PATH = re.compile(r"at `\$\.(\w+)")
+_PARAM_UNKNOWN = re.compile(r"unknown field `(\w+)`")
+_PARAM_LEADING = re.compile(r"^(\w+): ")
+
+
+def decode_request(body: bytes, type_: type[_Request]) -> Any:
+    """Strictly decode a JSON body; any failure is a BadRequest naming the field."""
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as error:
+        raise BadRequest(f"invalid request: {error}", param_of(str(error))) from None
+    except msgspec.DecodeError as error:
+        raise BadRequest(f"the body is not valid JSON: {error}") from None
+
+
+def param_of(message: str) -> str | None:
+    """The field an error message is about: msgspec's `$.field` path or our `field: ...` prefix."""
+    for pattern in (_PARAM_IN_PATH, _PARAM_UNKNOWN, _PARAM_LEADING):
+        match = pattern.search(message)
+        if match:
+            return match.group(1)
+    return None
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+# ---- the OpenAPI document -----------------------------------------------------------------------
+
+_REF = "#/components/schemas/{name}"
+
+
+def _json(schema_name: str) -> dict:
+    return {"application/json": {"schema": {"$ref": _REF.format(name=schema_name)}}}
+
+
+def _errors(*codes: int) -> dict:
+    reasons = {400: "Bad request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large",
+               503: "Engine dead or draining"}
+    return {str(code): {"description": reasons[code], "content": _json("ErrorResponse")} for code in codes}
+
+
+def _generation(summary: str, request: str, response: str) -> dict:
+    ok = {"description": "The completion; with `stream: true`, server-sent events ending with `data: [DONE]`",
+          "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}}}
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(request)},
+        "responses": {"200": ok, **_errors(400, 401, 404, 413, 503)},
+        "security": [{"bearer": []}],
+    }}
+
+
+def openapi_document(version: str) -> dict:
+    """OpenAPI 3.1 for every route, with schemas generated from the Structs above."""
+    types = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, ModelList,
+             VersionInfo, ErrorResponse]
+    _, schemas = msgspec.json.schema_components(types, ref_template=_REF)
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "zllm OpenAI-compatible API", "version": version},
+        "paths": {
+            "/v1/completions": _generation("Complete prompts", "CompletionRequest", "CompletionResponse"),
+            "/v1/chat/completions": _generation("Answer a conversation", "ChatCompletionRequest",
+                                                "ChatCompletionResponse"),
+            "/v1/models": {"get": {"summary": "The served model", "security": [{"bearer": []}], "responses": {
+                "200": {"description": "Models", "content": _json("ModelList")}, **_errors(401)}}},
+            "/health": {"get": {"summary": "200 while serving", "responses": {
+                "200": {"description": "Serving"}, **_errors(503)}}},
+            "/version": {"get": {"summary": "zllm's version", "responses": {
+                "200": {"description": "Version", "content": _json("VersionInfo")}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+                "200": {"description": "Metrics in Prometheus' text format", "content": text}}}},
+        },
+        "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }

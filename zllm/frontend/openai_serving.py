@@ -1,0 +1,436 @@
+"""OpenAI requests in, engine requests through the frontend server, OpenAI responses out.
+
+One API call (a prompt list times `n`) becomes one in-process client of the FrontendServer, so it
+takes the same path as a ZMQ client's requests: the same validation, stop strings, streaming
+hold-back and engine-dead handling. Leaving the call — finished, failed, or the HTTP client
+gone — closes that client, which aborts whatever is still running in the engine.
+
+    choice index = prompt index * n + sample index        (OpenAI's order for batched prompts)
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from zllm.frontend.openai_protocol import (
+    BadRequest,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TextContent,
+    TopLogprob,
+    UsageInfo,
+    now_s,
+    param_of,
+)
+from zllm.frontend.tokenizer import chat_prompt
+from zllm.ipc.messages import ClientGenerate, ServerError, ServerOutput
+from zllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
+from zllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from zllm.frontend.server import FrontendServer
+
+
+class EngineError(Exception):
+    """The engine side failed a request: `kind` is ServerError's (bad_request, engine_dead, ...)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(slots=True)
+class Prompt:
+    text: str | None  # None when given as token ids (decoded only if echo needs it)
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class _Choice:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class EngineCall:
+    """The engine requests of one API call, as one in-process client of the frontend server:
+    one request per prompt, each with its n completions (the server fans them out)."""
+
+    def __init__(self, server: FrontendServer, prompts: list[Prompt], sampling: SamplingParams) -> None:
+        self.server = server
+        self.prompts = prompts
+        self.sampling = msgspec.to_builtins(sampling)  # non-default fields, as a client sends them
+        self.n = sampling.n
+        self.choices = [_Choice() for _ in range(len(prompts) * self.n)]
+        self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
+        self._identity: bytes | None = None
+
+    async def __aenter__(self) -> EngineCall:
+        """Submit every request; a refusal (bad input, engine dead, overloaded) raises EngineError
+        here, before any response has started."""
+        self._identity, self._inbox = self.server.open_local_client()
+        try:
+            for index, prompt in enumerate(self.prompts):
+                message = ClientGenerate(str(index), prompt_token_ids=prompt.token_ids, sampling=self.sampling)
+                await self.server.submit(self._identity, message)
+            self._raise_early_refusal()
+        except BaseException:
+            await self.server.close_local_client(self._identity)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.server.close_local_client(self._identity)
+
+    def _raise_early_refusal(self) -> None:
+        # The server answers a refused request at once (synchronously), so any refusal is
+        # already queued; look at what is there, and keep it in order for outputs().
+        arrived = [self._inbox.get_nowait() for _ in range(self._inbox.qsize())]
+        for message in arrived:
+            if isinstance(message, ServerError):
+                raise EngineError(message.message, message.kind)
+        for message in arrived:
+            self._inbox.put_nowait(message)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, ServerOutput]]:
+        """Each delta with its choice index, until every request has finished."""
+        unfinished = len(self.prompts)
+        while unfinished:
+            message = await self._inbox.get()
+            if isinstance(message, ServerError):
+                raise EngineError(message.message, message.kind)
+            if not isinstance(message, ServerOutput):
+                continue
+            prompt_index = int(message.request_id)
+            index = prompt_index * self.n + message.index
+            self._record(self.choices[index], message)
+            if message.prompt_logprobs is not None:
+                self.prompt_logprobs[prompt_index] = message.prompt_logprobs
+            unfinished -= message.finished
+            yield index, message
+
+    @staticmethod
+    def _record(choice: _Choice, message: ServerOutput) -> None:
+        choice.text.append(message.text)
+        choice.token_ids.extend(message.token_ids)
+        choice.logprobs.extend(message.logprobs or ())
+        if message.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = message.finish_reason, message.stop_reason
+
+    async def wait(self) -> None:
+        async for _ in self.outputs():
+            pass
+
+    def usage(self) -> UsageInfo:
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        completion_tokens = sum(len(c.token_ids) for c in self.choices)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+
+# ---- from requests to engine inputs ---------------------------------------------------------------
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """vLLM's SamplingParams from the request's fields; any refusal is a BadRequest naming the field.
+    (Limits that depend on the engine, such as max_n and max_logprobs, are the server's to check.)"""
+    if request.stream_options is not None and not request.stream:
+        raise BadRequest("stream_options: only allowed with stream: true", "stream_options")
+    fields: dict[str, Any] = dict(
+        n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+        min_p=request.min_p, seed=request.seed, min_tokens=request.min_tokens, stop=request.stop,
+        stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty, logit_bias=_logit_bias(request.logit_bias),
+        bad_words=request.bad_words, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+    )
+    try:
+        return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
+    except ValueError as error:
+        raise BadRequest(str(error), param_of(str(error))) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise BadRequest("logit_bias: keys must be token ids", "logit_bias") from None
+
+
+def completion_prompts(server: FrontendServer, prompt: str | list) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [_text_prompt(server, prompt)]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return [_text_prompt(server, p) for p in prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [Prompt(None, list(prompt))]
+    if prompt and all(isinstance(p, list) and p for p in prompt):
+        return [Prompt(None, list(p)) for p in prompt]
+    raise BadRequest("prompt: must be a non-empty string, list of strings, list of token ids or list of "
+                     "non-empty token-id lists", "prompt")
+
+
+def _text_prompt(server: FrontendServer, text: str) -> Prompt:
+    if not text:
+        raise BadRequest("prompt: must not be empty", "prompt")
+    return Prompt(text, server.tokenizer.encode(text))
+
+
+def conversation_prompt(server: FrontendServer, request: ChatCompletionRequest) -> Prompt:
+    """The messages rendered through the model's chat template (transformers)."""
+    messages = [_message_dict(m) for m in request.messages]
+    try:
+        rendered = chat_prompt(server.tokenizer, messages, request.add_generation_prompt)
+    except ValueError as error:
+        raise BadRequest(str(error), "messages") from None
+    return Prompt(rendered["prompt"], rendered["prompt_token_ids"])
+
+
+def _message_dict(message) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        if any(not isinstance(part, TextContent) for part in content):
+            raise BadRequest("messages: only text content parts are supported by this model", "messages")
+        content = "\n".join(part.text for part in content)
+    result = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        result["name"] = message.name
+    return result
+
+
+def check_context(prompts: list[Prompt], max_tokens: int | None, max_model_len: int, field_name: str) -> None:
+    """Every prompt plus max_tokens must fit the context, as OpenAI's API demands (400, not truncation)."""
+    for prompt in prompts:
+        wanted = len(prompt.token_ids) + (max_tokens or 1)
+        if wanted > max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{wanted} tokens ({len(prompt.token_ids)} in the {field_name}, {max_tokens or 1} in the "
+                f"completion). Please reduce the length of the {field_name} or completion.",
+                field_name if max_tokens is None or len(prompt.token_ids) >= max_model_len else "max_tokens",
+                "context_length_exceeded",
+            )
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(16)}"
+
+
+# ---- logprobs in OpenAI's forms --------------------------------------------------------------------
+
+
+def _chosen(position: dict[int, Logprob]) -> tuple[int, Logprob]:
+    return next(iter(position.items()))  # the chosen (sampled or prompt) token comes first
+
+
+def _token_text(server: FrontendServer, token_id: int, logprob: Logprob) -> str:
+    return logprob.decoded_token if logprob.decoded_token is not None else server.tokenizer.decode([token_id])
+
+
+def completion_logprobs(server: FrontendServer, positions: list[dict[int, Logprob] | None], prompt_ids: list[int],
+                        offset: int) -> CompletionLogprobs:
+    """Completions' form: parallel lists of token texts, their logprobs, the top alternatives
+    (token text -> logprob) and each token's character offset in the text (from `offset`).
+    A None position (the first prompt token, when echoing) has no logprob."""
+    result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for i, position in enumerate(positions):
+        if position is None:
+            token = server.tokenizer.decode([prompt_ids[i]])
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            token_id, chosen = _chosen(position)
+            token = _token_text(server, token_id, chosen)
+            result.token_logprobs.append(chosen.logprob)
+            result.top_logprobs.append({_token_text(server, t, lp): lp.logprob for t, lp in position.items()})
+        result.tokens.append(token)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def chat_logprobs(server: FrontendServer, positions: SampleLogprobs, num_top: int) -> ChatLogprobs:
+    """Chat's form: per token its text, logprob and UTF-8 bytes, with the `num_top` most likely."""
+    def entry(token_id: int, logprob: Logprob) -> TopLogprob:
+        token = _token_text(server, token_id, logprob)
+        return TopLogprob(token=token, logprob=logprob.logprob, bytes=list(token.encode()))
+
+    content = []
+    for position in positions:
+        chosen = entry(*_chosen(position))
+        ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
+        top = [entry(t, lp) for t, lp in ranked if lp.rank is not None and lp.rank <= num_top][:num_top]
+        content.append(ChatTokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes,
+                                        top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+# ---- completions ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class CompletionCall:
+    """One /v1/completions request, validated and ready to run."""
+
+    request: CompletionRequest
+    model: str
+    prompts: list[Prompt]
+    sampling: SamplingParams
+    id: str = field(default_factory=lambda: request_id("cmpl"))
+    created: int = field(default_factory=now_s)
+
+    @classmethod
+    def build(cls, server: FrontendServer, request: CompletionRequest, model: str) -> CompletionCall:
+        if request.suffix is not None:
+            raise BadRequest("suffix: not supported", "suffix")
+        echo_logprobs = request.echo and request.logprobs is not None
+        if echo_logprobs and request.stream:
+            raise BadRequest("echo: with logprobs, only without stream", "echo")
+        prompts = completion_prompts(server, request.prompt)
+        check_context(prompts, request.max_tokens, server.config.max_model_len, "prompt")
+        # Echoed prompt tokens come with their own logprobs, as OpenAI's API gives them.
+        prompt_logprobs = request.logprobs if echo_logprobs else None
+        sampling = sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
+        return cls(request, model, prompts, sampling)
+
+    def engine_call(self, server: FrontendServer) -> EngineCall:
+        return EngineCall(server, self.prompts, self.sampling)
+
+    def _prompt_of(self, server: FrontendServer, index: int) -> Prompt:
+        prompt = self.prompts[index // self.sampling.n]
+        if prompt.text is None:
+            prompt.text = server.tokenizer.decode(prompt.token_ids)
+        return prompt
+
+    def _logprobs(self, server: FrontendServer, call: EngineCall, index: int) -> CompletionLogprobs | None:
+        if self.request.logprobs is None:
+            return None
+        choice = call.choices[index]
+        if not self.request.echo:
+            return completion_logprobs(server, choice.logprobs, [], 0)
+        prompt = self._prompt_of(server, index)
+        prompt_positions = call.prompt_logprobs[index // self.sampling.n] or [None] * len(prompt.token_ids)
+        return completion_logprobs(server, [*prompt_positions, *choice.logprobs], prompt.token_ids, 0)
+
+    async def response(self, server: FrontendServer, call: EngineCall) -> CompletionResponse:
+        await call.wait()
+        choices = []
+        for i, c in enumerate(call.choices):
+            text = (self._prompt_of(server, i).text if self.request.echo else "") + "".join(c.text)
+            choices.append(CompletionChoice(index=i, text=text, logprobs=self._logprobs(server, call, i),
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                  usage=call.usage())
+
+    async def chunks(self, server: FrontendServer, call: EngineCall) -> AsyncIterator[CompletionResponse]:
+        options = self.request.stream_options
+        started: set[int] = set()
+        offsets = [0] * len(call.choices)  # characters of token text sent so far, per choice
+        async for index, out in call.outputs():
+            text = out.text
+            if self.request.echo and index not in started:
+                text = self._prompt_of(server, index).text + text
+            started.add(index)
+            if not text and out.finish_reason is None and not out.logprobs:
+                continue  # nothing to show yet (held back while a stop string may match)
+            logprobs = None
+            if self.request.logprobs is not None:
+                logprobs = completion_logprobs(server, out.logprobs or [], [], offsets[index])
+                offsets[index] += sum(len(t) for t in logprobs.tokens)
+            choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                      stop_reason=out.stop_reason)
+            usage = call.usage() if options and options.continuous_usage_stats else None
+            yield CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                     usage=usage)
+        if options and options.include_usage:
+            yield CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
+                                     usage=call.usage())
+
+
+# ---- chat completions -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ChatCall:
+    """One /v1/chat/completions request, validated and ready to run."""
+
+    request: ChatCompletionRequest
+    model: str
+    prompt: Prompt
+    sampling: SamplingParams
+    id: str = field(default_factory=lambda: request_id("chatcmpl"))
+    created: int = field(default_factory=now_s)
+
+    @classmethod
+    def build(cls, server: FrontendServer, request: ChatCompletionRequest, model: str) -> ChatCall:
+        if request.top_logprobs is not None and not request.logprobs:
+            raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
+        prompt = conversation_prompt(server, request)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        check_context([prompt], max_tokens, server.config.max_model_len, "messages")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        sampling = sampling_params(request, max_tokens, logprobs)
+        return cls(request, model, prompt, sampling)
+
+    def engine_call(self, server: FrontendServer) -> EngineCall:
+        return EngineCall(server, [self.prompt], self.sampling)
+
+    def _logprobs(self, server: FrontendServer, positions: SampleLogprobs | None) -> ChatLogprobs | None:
+        if not self.request.logprobs:
+            return None
+        return chat_logprobs(server, positions or [], self.request.top_logprobs or 0)
+
+    async def response(self, server: FrontendServer, call: EngineCall) -> ChatCompletionResponse:
+        await call.wait()
+        choices = [
+            ChatChoice(index=i, message=ChatResponseMessage(content="".join(c.text)),
+                       logprobs=self._logprobs(server, c.logprobs), finish_reason=c.finish_reason,
+                       stop_reason=c.stop_reason)
+            for i, c in enumerate(call.choices)
+        ]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=call.usage())
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    async def chunks(self, server: FrontendServer, call: EngineCall) -> AsyncIterator[ChatCompletionChunk]:
+        options = self.request.stream_options
+        # The role comes first, once per choice, as OpenAI sends it.
+        for index in range(len(call.choices)):
+            yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        async for index, out in call.outputs():
+            if not out.text and out.finish_reason is None and not out.logprobs:
+                continue
+            delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+            choice = ChatStreamChoice(index=index, delta=delta, logprobs=self._logprobs(server, out.logprobs),
+                                      finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            yield self._chunk([choice], call.usage() if options and options.continuous_usage_stats else None)
+        if options and options.include_usage:
+            yield self._chunk([], call.usage())
