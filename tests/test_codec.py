@@ -518,8 +518,10 @@ CONFIG = EngineConfig(
     api_key="secret",
     curve_dir="/etc/zllm/curve",
     allow_insecure_tcp=True,
-    distributed_init_method="tcp://10.0.0.1:29500",
     client_max_message_bytes=1 << 20,
+    host="0.0.0.0",
+    port=8123,
+    max_request_body_bytes=1 << 20,
 )
 
 
