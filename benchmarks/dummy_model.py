@@ -41,7 +41,8 @@ def write_dummy_model(shape: str, target: Path) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     (target / "config.json").write_text(json.dumps(config, indent=2))
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": 128001}))
-    write_placeholder_tokenizer(target)
+    # A word for every token id, so that streamed text has one word per generated token.
+    write_placeholder_tokenizer(target, vocab_size=config["vocab_size"])
     return target
 
 
