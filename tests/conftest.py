@@ -123,6 +123,30 @@ def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def processes_gone(pids: list[int]) -> bool:
+    """Every one of these processes has exited (a zombie counts as gone: it holds no memory)."""
+    import psutil
+
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
 class ServerHandle:
     """A `vllm-launch` server running as a real process tree."""
 
@@ -142,6 +166,10 @@ class ServerHandle:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def engine_dir(self) -> Path:
+        """The runtime subdirectory of the current engine (engine-1, then engine-2 after a restart...)."""
+        return max(Path(self.runtime_dir).glob("engine-*"), key=lambda path: int(path.name.split("-")[1]))
+
     def children(self):
         import psutil
 
@@ -153,15 +181,17 @@ class ServerHandle:
         return self.process.wait(timeout)
 
 
-def start_server(directory: Path, model_dir: str, *extra: str, timeout: float = 180.0,
-                 env: dict[str, str] | None = None) -> ServerHandle:
+def start_server(
+    directory: Path, model_dir: str, *extra: str, timeout: float = 180.0, endpoint: str | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerHandle:
     """Start vllm-launch (with these environment variables added) and wait for its ready line."""
     import subprocess
     import sys
     import time
 
     runtime_dir = directory / "rt"
-    endpoint = f"ipc://{directory}/client.sock"
+    endpoint = endpoint or f"ipc://{directory}/client.sock"
     log_path = directory / "server.log"
     command = [sys.executable, "-m", "zllm.launch.cli", "--model", model_dir, "--zmq-endpoint", endpoint,
                "--runtime-dir", str(runtime_dir), "--kv-cache-memory", "256MiB", "--max-model-len", "2048",

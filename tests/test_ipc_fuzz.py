@@ -385,8 +385,8 @@ def test_live_server_survives_garbage_on_every_open_socket(server):
         context.destroy(linger=0)
 
     # Internal PULL sockets: the frontend's (engine-core output) and the core's (worker output).
-    _push(f"ipc://{server.runtime_dir}/core-output", _garbage("CoreToFrontend", rng))
-    _push(f"ipc://{server.runtime_dir}/worker-output", _garbage("WorkerToCore", rng))
+    _push(f"ipc://{server.engine_dir()}/core-output", _garbage("CoreToFrontend", rng))
+    _push(f"ipc://{server.engine_dir()}/worker-output", _garbage("WorkerToCore", rng))
 
     # The core reads worker output only while it waits on a step: this generate drains it.
     after = _generate(server.endpoint)

@@ -223,8 +223,8 @@ def test_live_pickle_payloads_are_never_unpickled(server, tmp_path):
     core_payloads = _safe_for(m.CoreToFrontend, payloads)
     worker_payloads = _safe_for(m.WorkerToCore, payloads)
     assert core_payloads and worker_payloads
-    _push(f"ipc://{server.runtime_dir}/core-output", [[p] for p in core_payloads] + [[b"", payloads[1]]])
-    _push(f"ipc://{server.runtime_dir}/worker-output", [[p] for p in worker_payloads] + [[b"", payloads[1]]])
+    _push(f"ipc://{server.engine_dir()}/core-output", [[p] for p in core_payloads] + [[b"", payloads[1]]])
+    _push(f"ipc://{server.engine_dir()}/worker-output", [[p] for p in worker_payloads] + [[b"", payloads[1]]])
 
     # The engine core reads worker output while it waits on a step: this generate drains it.
     after = _generate(server.endpoint)

@@ -60,7 +60,7 @@ def post(api, path: str, body: bytes | dict, headers: dict | None = None) -> htt
 def test_completion_equals_the_engine_output(api, client, smollm2_tokenizer):
     # The engine's output through the ZMQ client is checked against HF transformers elsewhere.
     params = SamplingParams(temperature=0, max_tokens=8)
-    with Client(api.endpoint) as zmq_client:
+    with Client(api.endpoint, api_key=API_KEY) as zmq_client:  # --api-key guards ZMQ too
         out, reference = together(
             lambda: client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=8, temperature=0),
             lambda: zmq_client.generate(FRANCE, params),
@@ -141,7 +141,7 @@ def test_n2_gives_two_seeded_choices(client):
 
 def test_completion_logprobs_equal_the_engine(api, client):
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=3)
-    with Client(api.endpoint) as zmq_client:
+    with Client(api.endpoint, api_key=API_KEY) as zmq_client:  # --api-key guards ZMQ too
         out, echoed, reference = together(
             lambda: client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=4, temperature=0, logprobs=3),
             lambda: client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=4, temperature=0, logprobs=3,
@@ -172,7 +172,7 @@ def test_penalties_and_vllm_fields_reach_the_engine(api, client):
     fields = dict(presence_penalty=1.5, frequency_penalty=0.5)
     extra = dict(repetition_penalty=1.3, min_tokens=3, top_k=5)
     params = SamplingParams(temperature=0, max_tokens=12, **fields, **extra)
-    with Client(api.endpoint) as zmq_client:
+    with Client(api.endpoint, api_key=API_KEY) as zmq_client:  # --api-key guards ZMQ too
         out, plain, reference = together(
             lambda: client.completions.create(model=MODEL, prompt="Repeat: la la la la", max_tokens=12,
                                               temperature=0, extra_body=extra, **fields),
@@ -396,7 +396,7 @@ def test_100_streams_half_disconnected(api):
         time.sleep(0.2)
     assert metric("zllm:num_requests_running") == 0 and metric("zllm:num_requests_waiting") == 0
     assert metric("zllm:kv_cache_usage_perc") == 0
-    with Client(api.endpoint) as zmq_client:
+    with Client(api.endpoint, api_key=API_KEY) as zmq_client:  # --api-key guards ZMQ too
         stats = zmq_client.stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     assert _aborted(api) - aborted_before == 50
@@ -411,7 +411,7 @@ def test_non_streaming_client_that_leaves_is_aborted(api):
     while time.monotonic() < deadline and _aborted(api) == aborted_before:
         time.sleep(0.2)
     assert _aborted(api) == aborted_before + 1
-    with Client(api.endpoint) as zmq_client:
+    with Client(api.endpoint, api_key=API_KEY) as zmq_client:  # --api-key guards ZMQ too
         stats = zmq_client.stats()
     assert stats["num_running"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 

@@ -11,6 +11,11 @@
 concurrently over one connection. Leaving a stream early (break, cancel, close) aborts the
 request on the server. While requests are in flight the client pings the server; if nothing
 arrives for `timeout` seconds, every pending call fails with ServerGoneError.
+
+A server started with --api-key needs `api_key=`; a tcp:// endpoint secured with CURVE needs
+`server_key=` (the path of the server's public key file, server.key) and, unless the server
+admits any key holder, `client_key=` (the path of this client's key pair, NAME.key_secret);
+see docs/deployment.md. A refused key fails every call at once with AuthenticationError.
 """
 
 from __future__ import annotations
@@ -25,9 +30,17 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from zllm.ipc.addresses import default_client_endpoint
 from zllm.ipc.codec import Codec, MessageError
+from zllm.ipc.curve import (
+    HANDSHAKE_FAILURE_EVENTS,
+    describe_handshake_failure,
+    load_key_pair,
+    load_public_key,
+    make_curve_client,
+)
 from zllm.ipc.messages import (
     ClientAbort,
     ClientGenerate,
@@ -61,21 +74,59 @@ class ServerGoneError(ZllmError, ConnectionError):
     """The server stopped answering (not running, or died)."""
 
 
-_ERRORS = {"bad_request": RequestError, "engine_dead": EngineDeadError}
+class RetryLaterError(ZllmError):
+    """The server cannot take this request now; the same request can succeed later."""
+
+
+class OverloadedError(RetryLaterError):
+    """Too many requests are already waiting on the server (its --max-waiting)."""
+
+
+class ServerDrainingError(RetryLaterError):
+    """The server is shutting down: it finishes what it has and takes nothing new."""
+
+
+class AuthenticationError(ZllmError, PermissionError):
+    """Missing or wrong api key, or a CURVE key the server refuses."""
+
+
+_ERRORS = {
+    "bad_request": RequestError,
+    "engine_dead": EngineDeadError,
+    "overloaded": OverloadedError,
+    "draining": ServerDrainingError,
+    "unauthorized": AuthenticationError,
+}
 
 _HWM = 10_000
 
 
 class AsyncClient:
-    def __init__(self, endpoint: str | None = None, timeout: float = 30.0, heartbeat_interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        timeout: float = 30.0,
+        heartbeat_interval: float = 1.0,
+        *,
+        api_key: str | None = None,
+        server_key: str | None = None,
+        client_key: str | None = None,
+    ) -> None:
         self.endpoint = endpoint or default_client_endpoint()
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval
+        self.api_key = api_key
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, _HWM)
         self._socket.setsockopt(zmq.RCVHWM, _HWM)
+        if server_key is not None:
+            key_pair = load_key_pair(client_key) if client_key else None
+            make_curve_client(self._socket, load_public_key(server_key), key_pair)
+        elif client_key is not None:
+            raise ValueError("client_key: needs server_key (the server's public key file) too")
+        self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILURE_EVENTS)
         self._socket.connect(self.endpoint)
         self._encoder: Codec = Codec(ClientToServer)
         self._decoder: Codec = Codec(ServerToClient)
@@ -84,7 +135,8 @@ class AsyncClient:
         self._call_ids = itertools.count()
         self._last_heard = time.monotonic()
         self._tasks: list[asyncio.Task] = []
-        self._gone: ServerGoneError | None = None
+        self._gone: ZllmError | None = None
+        self._gone_event = asyncio.Event()  # set with _gone: wakes a send that can never complete
 
     # ---- public calls --------------------------------------------------------------------------
 
@@ -162,11 +214,13 @@ class AsyncClient:
 
     async def stats(self) -> dict[str, Any]:
         """The engine core's counters (running, waiting, KV blocks, preemptions, prefix cache hits)."""
-        return await self._call(lambda call_id: ClientStats(call_id=call_id))
+        return await self._call(lambda call_id: ClientStats(call_id=call_id, api_key=self.api_key))
 
     async def reset_prefix_cache(self) -> bool:
         """Make the engine forget every cached prefix (vLLM's reset_prefix_cache)."""
-        return await self._call(lambda call_id: ClientUtility(call_id=call_id, method="reset_prefix_cache"))
+        return await self._call(
+            lambda call_id: ClientUtility(call_id=call_id, method="reset_prefix_cache", api_key=self.api_key)
+        )
 
     async def _call(self, make_message) -> Any:
         self._ensure_started()
@@ -180,6 +234,8 @@ class AsyncClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
         self._socket.close(linger=0)
         self._context.term()
 
@@ -192,6 +248,8 @@ class AsyncClient:
     # ---- internals -----------------------------------------------------------------------------
 
     async def _stream(self, message: ClientGenerate) -> AsyncIterator[RequestOutput]:
+        if self.api_key is not None and message.api_key is None:
+            message.api_key = self.api_key
         self._ensure_started()
         if self._gone is not None:
             raise self._gone
@@ -215,15 +273,33 @@ class AsyncClient:
         finally:
             self._queues.pop(message.request_id, None)
             if not finished and self._gone is None:
-                await asyncio.shield(self._send(ClientAbort(message.request_id)))
+                try:
+                    await asyncio.shield(self._send(ClientAbort(message.request_id)))
+                except ZllmError:
+                    pass  # the server is gone: nothing left to abort
 
     def _ensure_started(self) -> None:
         if not self._tasks:
             self._last_heard = time.monotonic()
-            self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
+            self._tasks = [
+                asyncio.create_task(self._read_loop()),
+                asyncio.create_task(self._heartbeat_loop()),
+                asyncio.create_task(self._watch_handshakes()),
+            ]
 
     async def _send(self, message) -> None:
-        await self._socket.send(self._encoder.encode(message))
+        """Send, or raise why it cannot be: a DEALER with no usable connection (server down, or
+        a refused handshake) would otherwise wait forever."""
+        sending = asyncio.ensure_future(self._socket.send(self._encoder.encode(message)))
+        gone = asyncio.ensure_future(self._gone_event.wait())
+        await asyncio.wait({sending, gone}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if sending.done():
+            return sending.result()
+        sending.cancel()
+        if self._gone is None:
+            self._fail_all(ServerGoneError(f"could not send to {self.endpoint} for {self.timeout:.0f} s"))
+        raise self._gone
 
     async def _read_loop(self) -> None:
         while True:
@@ -242,6 +318,11 @@ class AsyncClient:
                 queue.put_nowait(message)
         elif isinstance(message, ServerError):
             error = _ERRORS.get(message.kind, ZllmError)(message.message)
+            if message.call_id is not None:
+                future = self._stats_waiters.pop(message.call_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(error)
+                return
             targets = [message.request_id] if message.request_id is not None else list(self._queues)
             for request_id in targets:
                 if request_id in self._queues:
@@ -268,10 +349,23 @@ class AsyncClient:
             if time.monotonic() - self._last_heard > self.timeout:
                 self._fail_all(ServerGoneError(f"no answer from {self.endpoint} for {self.timeout:.0f} s"))
                 continue
-            await self._send(ClientPing())
+            try:
+                await self._send(ClientPing())
+            except ZllmError:
+                continue  # every pending call has been failed with the reason
 
-    def _fail_all(self, error: ServerGoneError) -> None:
+    async def _watch_handshakes(self) -> None:
+        """A refused security handshake is final: fail every call now, with the reason."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            reason = describe_handshake_failure(event["event"])
+            if reason is not None:
+                self._fail_all(AuthenticationError(f"{self.endpoint}: {reason}"))
+                return
+
+    def _fail_all(self, error: ZllmError) -> None:
         self._gone = error
+        self._gone_event.set()
         for queue in self._queues.values():
             queue.put_nowait(error)
         for future in self._stats_waiters.values():
@@ -283,11 +377,14 @@ class AsyncClient:
 class Client:
     """The synchronous client: an AsyncClient driven on a private event loop thread."""
 
-    def __init__(self, endpoint: str | None = None, timeout: float = 30.0, heartbeat_interval: float = 1.0) -> None:
+    def __init__(
+        self, endpoint: str | None = None, timeout: float = 30.0, heartbeat_interval: float = 1.0, **security
+    ) -> None:
+        """`security`: AsyncClient's api_key, server_key and client_key."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="zllm-client")
         self._thread.start()
-        self._async = self._run(_make_async_client(endpoint, timeout, heartbeat_interval))
+        self._async = self._run(_make_async_client(endpoint, timeout, heartbeat_interval, security))
         self.endpoint = self._async.endpoint
 
     def generate(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, **kwargs) -> RequestOutput:
@@ -334,8 +431,8 @@ class Client:
             self._run(stream.aclose())  # leaving early aborts the request
 
 
-async def _make_async_client(endpoint, timeout, heartbeat_interval) -> AsyncClient:
-    return AsyncClient(endpoint, timeout, heartbeat_interval)
+async def _make_async_client(endpoint, timeout, heartbeat_interval, security) -> AsyncClient:
+    return AsyncClient(endpoint, timeout, heartbeat_interval, **security)
 
 
 async def _collect(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -21,6 +21,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
+_ON_FAILURE = ("restart", "fail")
 
 
 @dataclass(slots=True)
@@ -58,8 +59,18 @@ class EngineConfig:
     # The OpenAI-compatible HTTP API, served by the frontend beside the ZMQ client endpoint.
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the ready line says which)
-    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1 routes when set
+    api_key: str | None = None  # required on /v1 routes (Bearer) and on every ZMQ client request when set
     max_request_body_bytes: int = 8 << 20  # larger HTTP bodies get 413
+    # Reliability and security (docs/deployment.md).
+    on_failure: str = "restart"  # engine core or worker died: "restart" (replay requests) or "fail"
+    max_restarts: int = 5  # engine restarts allowed within restart_window_s before giving up
+    restart_window_s: float = 600.0
+    engine_hang_timeout_s: float = 60.0  # an engine core silent this long (no step, no pong) is restarted
+    shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
+    max_waiting: int = 1024  # requests queued in the engine core beyond which new ones are refused
+    curve_dir: str = ""  # CURVE keys of a tcp:// client endpoint: server.key(_secret), clients/*.key
+    allow_insecure_tcp: bool = False  # serve a tcp:// client endpoint without CURVE (trusted networks only)
+    client_max_message_bytes: int = 64 << 20  # a bigger client frame drops that client's connection
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -122,7 +133,24 @@ class EngineConfig:
         _require(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
         _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
+        self._validate_reliability()
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+
+    def _validate_reliability(self) -> None:
+        _require(self.on_failure in _ON_FAILURE, "on_failure", f"must be one of {_ON_FAILURE}, got {self.on_failure!r}")
+        _require(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}")
+        _require(self.restart_window_s > 0, "restart_window_s", "must be > 0")
+        _require(self.engine_hang_timeout_s > 0, "engine_hang_timeout_s", "must be > 0")
+        _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s", "must be >= 0")
+        _require(self.max_waiting >= 1, "max_waiting", f"must be >= 1, got {self.max_waiting}")
+        _require(self.client_max_message_bytes >= 1 << 16, "client_max_message_bytes", "must be >= 64 KiB")
+        if self.client_endpoint.startswith("tcp://"):
+            _require(
+                bool(self.curve_dir) or self.allow_insecure_tcp,
+                "client_endpoint",
+                f"{self.client_endpoint} is reachable from the network: give --zmq-curve-dir DIR (CURVE "
+                "keys, see docs/deployment.md) or, on a trusted network only, --allow-insecure-tcp",
+            )
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

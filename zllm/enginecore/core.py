@@ -19,6 +19,10 @@ from zllm.ipc.messages import AddRequest, StepInput, StepOutput, TokenDelta
 logger = logging.getLogger(__name__)
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_waiting requests: the client should retry later."""
+
+
 class Executor(Protocol):
     """What the engine core needs from whatever runs the model."""
 
@@ -50,10 +54,18 @@ class EngineCore:
         )
 
     def add_request(self, message: AddRequest) -> None:
-        if not 0 < len(message.prompt_token_ids) < self.config.max_model_len:
+        """Queue a request. ValueError: it can never run; QueueFullError: not now."""
+        num_tokens = len(message.prompt_token_ids) + len(message.output_token_ids)
+        if not message.prompt_token_ids or num_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"prompt: {len(message.prompt_token_ids)} tokens; must be between 1 and "
                 f"max_model_len - 1 ({self.config.max_model_len - 1})"
+            )
+        num_waiting = len(self.scheduler.waiting)
+        if num_waiting >= self.config.max_waiting and not message.resumed:
+            raise QueueFullError(
+                f"overloaded: {num_waiting} requests are already waiting (max_waiting={self.config.max_waiting}); "
+                "retry later"
             )
         request = Request(
             request_id=message.request_id,
@@ -64,6 +76,7 @@ class EngineCore:
             priority=message.priority,
             cache_salt=message.cache_salt,
             bad_words_token_ids=message.bad_words_token_ids,
+            output_token_ids=list(message.output_token_ids),
         )
         self.scheduler.add_request(request)
 

@@ -61,6 +61,10 @@ class MultiprocExecutor:
         self._num_kv_blocks = min(r.num_kv_blocks for r in ready)
         logger.info("%d worker(s) ready: pids %s", len(ready), [r.pid for r in ready])
 
+    @property
+    def worker_pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
     def determine_num_kv_blocks(self) -> int:
         return self._num_kv_blocks
 

@@ -23,7 +23,7 @@ from dataclasses import asdict
 import zmq
 
 from zllm.config import EngineConfig
-from zllm.enginecore.core import EngineCore
+from zllm.enginecore.core import EngineCore, QueueFullError
 from zllm.enginecore.executor import MultiprocExecutor
 from zllm.ipc.addresses import InternalEndpoints
 from zllm.ipc.codec import Codec, MessageError
@@ -45,6 +45,7 @@ from zllm.launch.children import die_with_parent, read_config_from_stdin, setup_
 logger = logging.getLogger("zllm.enginecore")
 
 _STOP = object()  # sentinel for the output thread
+_FLUSH_MS = 1000  # at exit, how long the last messages (EngineDead) may take to leave
 
 
 class EngineCoreProcess:
@@ -55,13 +56,15 @@ class EngineCoreProcess:
         self.outputs: queue.Queue = queue.Queue()
         self.core: EngineCore | None = None
         self._running = True
+        self._closing = threading.Event()  # tells the input thread to close its socket and end
 
     def run(self) -> int:
         endpoints = InternalEndpoints(self.config.runtime_dir)
         hwm = self.config.socket_hwm
         input_socket = make_socket(self.context, zmq.PULL, endpoints.core_input, bind=False, hwm=hwm)
         output_socket = make_socket(self.context, zmq.PUSH, endpoints.core_output, bind=False, hwm=hwm)
-        threading.Thread(target=self._receive_loop, args=(input_socket,), daemon=True, name="core-in").start()
+        receiver = threading.Thread(target=self._receive_loop, args=(input_socket,), daemon=True, name="core-in")
+        receiver.start()
         sender = threading.Thread(target=self._send_loop, args=(output_socket,), daemon=True, name="core-out")
         sender.start()
         executor = None
@@ -78,7 +81,12 @@ class EngineCoreProcess:
         finally:
             if executor is not None:
                 executor.shutdown()
+            # NOTE: each side thread closes its own socket (zmq sockets are not thread-safe; a
+            # context destroyed under a thread blocked in recv aborts the process) before the
+            # context goes.
+            self._closing.set()
             self.outputs.put(_STOP)
+            receiver.join(timeout=5.0)
             sender.join(timeout=5.0)
             self.context.destroy(linger=0)
         return code
@@ -90,6 +98,7 @@ class EngineCoreProcess:
             max_model_len=self.config.max_model_len,
             tensor_parallel_size=self.config.tensor_parallel_size,
             model=self.config.model_name,
+            worker_pids=self.core.executor.worker_pids,
         )
 
     # ---- the busy loop -------------------------------------------------------------------------
@@ -123,6 +132,8 @@ class EngineCoreProcess:
                 self.core.add_request(message)
             except ValueError as error:
                 self.outputs.put(EngineOutputs(outputs=[], failed={message.request_id: str(error)}))
+            except QueueFullError as error:
+                self.outputs.put(EngineOutputs(outputs=[], rejected={message.request_id: str(error)}))
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids)
         elif isinstance(message, UtilityCall):
@@ -146,26 +157,24 @@ class EngineCoreProcess:
 
     def _receive_loop(self, socket: zmq.Socket) -> None:
         codec: Codec = Codec(FrontendToCore)
-        while True:
+        poll_ms = int(self.config.heartbeat_interval_s * 1000)
+        while not self._closing.is_set():
+            if not socket.poll(poll_ms):
+                continue
             try:
-                frames = socket.recv_multipart()
-            except zmq.ZMQError:
-                return  # context destroyed
-            try:
-                self.inputs.put(codec.decode_frames(frames))
+                self.inputs.put(codec.decode_frames(socket.recv_multipart()))
             except MessageError as error:
                 logger.error("dropped a malformed message from the frontend: %s", error)
+        socket.close(linger=0)
 
     def _send_loop(self, socket: zmq.Socket) -> None:
         codec: Codec = Codec(CoreToFrontend)
-        while True:
-            message = self.outputs.get()
-            if message is _STOP:
-                return
+        while (message := self.outputs.get()) is not _STOP:
             try:
                 socket.send(codec.encode(message), copy=False)
             except zmq.ZMQError:
-                return
+                break
+        socket.close(linger=_FLUSH_MS)
 
 
 def main() -> int:

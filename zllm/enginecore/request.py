@@ -60,7 +60,8 @@ class Request:
     sequence: int = 0  # admission order; breaks ties between equal priorities and arrival times
 
     def __post_init__(self) -> None:
-        self.all_token_ids = list(self.prompt_token_ids)
+        # Output tokens may be given up front: a request resumed after an engine restart.
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

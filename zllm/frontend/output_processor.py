@@ -98,6 +98,12 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def received_token_ids(self, core_id: str) -> list[int] | None:
+        """The tokens an unfinished completion has received so far (what an engine restart
+        continues from); None if it has ended."""
+        entry = self._completions.get(core_id)
+        return None if entry is None else list(entry[1].token_ids)
+
     def core_request_ids(self, request_id: str) -> list[str]:
         """The engine-core ids of a tracked request's unfinished completions."""
         request = self._requests.get(request_id)

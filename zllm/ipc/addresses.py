@@ -23,6 +23,12 @@ def make_private_runtime_dir() -> str:
     return path
 
 
+def engine_runtime_dir(runtime_dir: str, generation: int) -> str:
+    """A fresh directory (inside the private runtime dir) for each start of the engine core:
+    a restarted core and its workers share no socket, and no stale message, with a dead one."""
+    return os.path.join(runtime_dir, f"engine-{generation}")
+
+
 def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 

@@ -36,6 +36,11 @@ class AddRequest(_Message):
     priority: int = 0
     cache_salt: str | None = None
     bad_words_token_ids: list[list[int]] = []  # SamplingParams.bad_words, tokenized by the frontend
+    # Appended for crash recovery: a request re-sent to a restarted engine core continues from
+    # the tokens its client already has (they count toward max_tokens and the seeded sampler's
+    # output index), and is admitted even past max_waiting since it was admitted once.
+    output_token_ids: list[int] = []
+    resumed: bool = False
 
 
 class AbortRequests(_Message):
@@ -91,6 +96,8 @@ class EngineOutputs(_Message):
     outputs: list[TokenDelta]
     # Requests the core ended on its own without a token (e.g. a failure), with the reason.
     failed: dict[str, str] = {}
+    # Requests refused because the waiting queue is full (max_waiting): the client may retry.
+    rejected: dict[str, str] = {}
 
 
 class UtilityResult(_Message):
@@ -107,6 +114,7 @@ class EngineReady(_Message):
     max_model_len: int
     tensor_parallel_size: int
     model: str
+    worker_pids: list[int] = []  # appended: the launcher watches these processes too
 
 
 class EngineDead(_Message):
@@ -226,6 +234,7 @@ class ClientGenerate(_ClientMessage, tag="generate"):
     sampling: dict[str, Any] = {}  # SamplingParams fields; validated by the frontend
     priority: int = 0
     cache_salt: str | None = None
+    api_key: str | None = None  # required when the server runs with --api-key
 
 
 class ClientAbort(_ClientMessage, tag="abort"):
@@ -238,6 +247,7 @@ class ClientPing(_ClientMessage, tag="ping"):
 
 class ClientStats(_ClientMessage, tag="stats"):
     call_id: int
+    api_key: str | None = None
 
 
 class ClientUtility(_ClientMessage, tag="utility"):
@@ -245,6 +255,7 @@ class ClientUtility(_ClientMessage, tag="utility"):
 
     call_id: int
     method: str
+    api_key: str | None = None
 
 
 class ServerOutput(_ClientMessage, tag="output"):
@@ -266,11 +277,15 @@ class ServerOutput(_ClientMessage, tag="output"):
 
 
 class ServerError(_ClientMessage, tag="error"):
-    """A request failed: kind is "bad_request", "engine_dead", "overloaded" or "internal"."""
+    """A request (or a stats call) failed. kind says what the client may do about it:
+    "bad_request" (fix the request), "unauthorized" (wrong or missing api_key), "overloaded"
+    (the waiting queue is full: retry later), "draining" (the server is shutting down: retry
+    elsewhere or later), "engine_dead" (the engine failed; the request is lost), "internal"."""
 
     request_id: str | None
     message: str
     kind: str = "bad_request"
+    call_id: int | None = None  # set when the failed call was a ClientStats
 
 
 class ServerPong(_ClientMessage, tag="pong"):

@@ -12,6 +12,7 @@ import socket as pysocket
 import zmq
 
 from zllm.ipc.addresses import ipc_path
+from zllm.ipc.curve import ServerKeys, make_curve_server
 
 
 def make_socket(
@@ -23,6 +24,8 @@ def make_socket(
     hwm: int,
     identity: bytes | None = None,
     router_mandatory: bool = False,
+    curve_server_keys: ServerKeys | None = None,
+    max_message_bytes: int = -1,
 ) -> zmq.Socket:
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
@@ -34,6 +37,11 @@ def make_socket(
         # Sending to a peer that went away raises EHOSTUNREACH instead of dropping silently:
         # that is how the frontend notices a vanished client.
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if max_message_bytes > 0:
+        # A peer that sends a bigger frame is disconnected before the frame is buffered.
+        socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    if curve_server_keys is not None:
+        make_curve_server(socket, curve_server_keys)
     if bind:
         path = ipc_path(endpoint)
         if path is not None and os.path.exists(path):

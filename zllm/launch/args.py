@@ -61,8 +61,8 @@ def add_http_args(group) -> None:
     defaults = EngineConfig(model="")
     group.add_argument("--host", default=defaults.host, help="HTTP API address")
     group.add_argument("--port", type=int, default=defaults.port, help="HTTP API port (0: any free port)")
-    group.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes "
-                       "(default: $ZLLM_API_KEY if set)")
+    group.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes, "
+                       "and the key in every ZMQ client request (default: $ZLLM_API_KEY if set)")
     group.add_argument("--max-request-body", dest="max_request_body_bytes", type=parse_size,
                        default=defaults.max_request_body_bytes, help="largest HTTP request body, e.g. 8MiB (413 above)")
 
@@ -99,4 +99,42 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,
         distributed_init_method=args.distributed_init_method,
+    )
+
+
+def add_reliability_args(parser: argparse.ArgumentParser) -> None:
+    """Supervision, graceful shutdown, overload and client-endpoint security (docs/deployment.md)."""
+    defaults = EngineConfig(model="")
+    group = parser.add_argument_group("reliability and security")
+    group.add_argument("--on-failure", choices=["restart", "fail"], default=defaults.on_failure,
+                       help="when the engine core or a worker dies: restart it and replay the requests in "
+                       "flight (default), or fail them all with an engine-dead error and exit")
+    group.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
+                       help="engine restarts allowed within --restart-window before giving up")
+    group.add_argument("--restart-window", type=float, default=defaults.restart_window_s, metavar="SECONDS")
+    group.add_argument("--engine-hang-timeout", type=float, default=defaults.engine_hang_timeout_s, metavar="SECONDS",
+                       help="restart an engine core that neither steps nor answers for this long")
+    group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, how long requests in flight may take to finish")
+    group.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
+                       help="requests that may wait for a slot; beyond it new ones get a retry-later error")
+    group.add_argument("--zmq-curve-dir", default=defaults.curve_dir, metavar="DIR",
+                       help="CURVE keys for a tcp:// client endpoint (server key pair, clients/*.key)")
+    group.add_argument("--allow-insecure-tcp", action="store_true",
+                       help="serve a tcp:// client endpoint without CURVE (trusted networks only)")
+    group.add_argument("--max-client-message-size", type=parse_size, default=defaults.client_max_message_bytes,
+                       help="a client sending a bigger message is disconnected (default 64MiB)")
+
+
+def reliability_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        on_failure=args.on_failure,
+        max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window,
+        engine_hang_timeout_s=args.engine_hang_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        max_waiting=args.max_waiting,
+        curve_dir=args.zmq_curve_dir,
+        allow_insecure_tcp=args.allow_insecure_tcp,
+        client_max_message_bytes=args.max_client_message_size,
     )

@@ -81,5 +81,6 @@ def stop_children(processes: list[subprocess.Popen], timeout_s: float) -> None:
 
 
 def setup_child_logging(name: str) -> None:
-    level = os.environ.get("ZLLM_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s")
+    from zllm.launch.log import configure_logging
+
+    configure_logging(name)

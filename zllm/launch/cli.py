@@ -3,7 +3,9 @@
     vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port] [--host H --port P]
         starts the frontend (this process), which starts the engine core, which starts the
         workers; serves the ZMQ client endpoint and the OpenAI-compatible HTTP API (default
-        http://127.0.0.1:8000) until SIGINT/SIGTERM.
+        http://127.0.0.1:8000) until SIGINT/SIGTERM, which drains: requests in flight finish
+        first (zllm/launch/service.py). The engine is supervised and restarted after a crash
+        (zllm/launch/supervisor.py); see docs/deployment.md for systemd.
     vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
         runs the engine in this process, prints the completions, exits.
 """
@@ -14,10 +16,10 @@ import argparse
 import asyncio
 import logging
 import shutil
-import signal
 import sys
 
-from zllm.launch.args import add_engine_args, add_http_args, engine_kwargs, http_kwargs
+from zllm.launch.args import add_engine_args, add_http_args, add_reliability_args, engine_kwargs, http_kwargs
+from zllm.launch.args import reliability_kwargs
 
 logger = logging.getLogger("zllm.launch")
 
@@ -31,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--runtime-dir", default="", help="directory for the internal ipc sockets "
                          "(default: a fresh private one, removed at exit)")
     add_http_args(serving)
+    add_reliability_args(parser)
     smoke = parser.add_argument_group("one-shot generation (no server)")
     smoke.add_argument("--prompt", action="append", default=None, help="complete this prompt and exit (repeatable)")
     smoke.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -41,8 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from zllm.launch.log import configure_logging
+
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s frontend[%(process)d] %(name)s: %(message)s")
+    configure_logging("frontend", args.log_level)
     try:
         if args.prompt:
             return _run_prompts(args)
@@ -57,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from zllm.config import EngineConfig
     from zllm.ipc.addresses import make_private_runtime_dir
+    from zllm.launch.service import serve_until_signal
 
     os.environ.setdefault("ZLLM_LOG_LEVEL", args.log_level)
     runtime_dir = args.runtime_dir or make_private_runtime_dir()
@@ -66,48 +72,13 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"runtime_dir: {runtime_dir} must be private (mode 0700)")
     try:
         config = EngineConfig.create(
-            args.model, **engine_kwargs(args), **http_kwargs(args), client_endpoint=args.zmq_endpoint,
+            args.model, **engine_kwargs(args), **http_kwargs(args), **reliability_kwargs(args),
+            client_endpoint=args.zmq_endpoint,
             runtime_dir=runtime_dir,
         )
-        return asyncio.run(_serve_until_signal(config))
+        return asyncio.run(serve_until_signal(config))
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
-
-
-async def _serve_until_signal(config) -> int:
-    from zllm.frontend.api_server import ApiServer
-    from zllm.frontend.server import EngineStartError, FrontendServer
-
-    server = FrontendServer(config)
-    api = ApiServer(server)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        ready = await server.start()
-        url = await api.start()
-        print(f"zllm ready: {ready.model} on {server.client_endpoint} and {url} "
-              f"({ready.num_kv_blocks} KV blocks of {ready.block_size} tokens)", flush=True)
-        serving = asyncio.create_task(server.serve())
-        stopping = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if stopping in done:
-            serving.cancel()
-            logger.info("signal received: shutting down")
-            return 0
-        if serving.exception() is not None:
-            logger.error("frontend failed", exc_info=serving.exception())
-        else:
-            logger.error("engine core died: %s", server.dead_reason)
-        return 1
-    except EngineStartError as error:
-        logger.error("%s", error)
-        return 1
-    finally:
-        await api.stop()
-        await server.shutdown()
 
 
 def _run_prompts(args: argparse.Namespace) -> int:

@@ -1,0 +1,166 @@
+"""The server's life as a service: start, readiness, watchdog, graceful drain, exit code.
+
+    start engine ─> bind client endpoint ─> HTTP API ─> engine answers ─> "zllm ready" + READY=1
+        │ every heartbeat: WATCHDOG=1 while the engine steps or answers (or is being restarted)
+    SIGTERM/SIGINT ─> STOPPING=1, refuse new requests ("draining"), wait for those in flight
+        up to shutdown_timeout_s, end the rest ─> exit 0
+    a second signal ─> kill the engine at once ─> exit 128 + signal
+    the engine failed for good (on_failure=fail, or the crash loop gave up) ─> exit 1
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from zllm.config import EngineConfig
+from zllm.launch.sd_notify import SystemdNotifier
+
+logger = logging.getLogger("zllm.launch")
+
+
+class _Signals:
+    """SIGINT/SIGTERM as two events: the first asks for a drain, the second for an exit now."""
+
+    def __init__(self) -> None:
+        self.first = asyncio.Event()
+        self.second = asyncio.Event()
+        self.signum = 0
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._received, sig)
+
+    def _received(self, signum: int) -> None:
+        self.signum = signum
+        (self.second if self.first.is_set() else self.first).set()
+        if self.second.is_set():
+            logger.warning("second %s: exiting now", signal.Signals(signum).name)
+
+
+async def serve_until_signal(config: EngineConfig) -> int:
+    """Run the frontend server as a service; returns the process exit code."""
+    from zllm.frontend.api_server import ApiServer
+    from zllm.frontend.server import EngineStartError, FrontendServer
+
+    server = FrontendServer(config)
+    api = ApiServer(server)
+    notifier = SystemdNotifier()
+    signals = _Signals()
+    tasks: list[asyncio.Task] = []
+    try:
+        starting = asyncio.create_task(server.start())
+        if not await _first(starting, signals.first):
+            logger.info("signal received during start-up: exiting")
+            await _cancel(starting)
+            await server.kill_engine()
+            return 0
+        starting.result()  # raises EngineStartError if the engine could not start
+        url = await api.start()
+        serving = asyncio.create_task(server.serve(), name="serve")
+        answering = asyncio.create_task(server.wait_answering())
+        tasks += [serving, answering]
+        if not await _first(answering, serving, signals.first):
+            return await _after_serving(serving, server, signals)
+        _announce_ready(server, url, notifier)
+        tasks.append(asyncio.create_task(_report_to_systemd(server, notifier), name="systemd"))
+        await _first(serving, signals.first)
+        if serving.done():
+            return await _after_serving(serving, server, signals)
+        return await _drain(server, serving, signals, notifier)
+    except EngineStartError as error:
+        logger.error("%s", error)
+        return 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await api.stop()
+        await server.shutdown()
+
+
+async def _drain(server, serving: asyncio.Task, signals: _Signals, notifier: SystemdNotifier) -> int:
+    timeout = server.config.shutdown_timeout_s
+    logger.info("%s received: draining %d request(s) (up to %.0f s)", signal.Signals(signals.signum).name,
+                len(server.requests), timeout)
+    notifier.stopping(f"draining {len(server.requests)} request(s)")
+    server.begin_drain()
+    drained = asyncio.create_task(server.wait_drained(timeout))
+    await _first(drained, serving, signals.second)
+    if signals.second.is_set():
+        await _cancel(drained)
+        await server.kill_engine()
+        return 128 + signals.signum
+    if serving.done():
+        await _cancel(drained)
+        return await _after_serving(serving, server, signals)
+    if not drained.result():
+        left = len(server.requests)
+        await server.fail_all(f"server shut down before the request finished (shutdown timeout {timeout:.0f} s)",
+                              "draining")
+        logger.warning("shutdown timeout: ended %d unfinished request(s)", left)
+    await _cancel(serving)
+    logger.info("drained: shutting down")
+    return 0
+
+
+async def _after_serving(serving: asyncio.Task, server, signals: _Signals) -> int:
+    """serve() returned or raised: the engine failed for good, or the frontend itself failed."""
+    if not serving.done():
+        await _cancel(serving)  # a signal arrived before the server answered
+        return 0
+    error = serving.exception()
+    if error is not None:
+        logger.error("frontend failed", exc_info=error)
+    else:
+        logger.error("exiting: %s", server.dead_reason)
+    return 1
+
+
+def _announce_ready(server, url: str, notifier: SystemdNotifier) -> None:
+    ready = server.ready
+    line = (f"zllm ready: {ready.model} on {server.client_endpoint} and {url} "
+            f"({ready.num_kv_blocks} KV blocks of {ready.block_size} tokens)")
+    print(line, flush=True)
+    notifier.ready(f"serving {ready.model} on {server.client_endpoint} and {url}")
+
+
+async def _report_to_systemd(server, notifier: SystemdNotifier) -> None:
+    """WATCHDOG=1 while the engine makes progress; STATUS= when the server's state changes."""
+    if not notifier.enabled:
+        return
+    interval = server.config.heartbeat_interval_s
+    if notifier.watchdog_interval_s:
+        interval = min(interval, notifier.watchdog_interval_s / 2)
+    status = ""
+    while True:
+        if notifier.watchdog_interval_s and server.engine_responsive():
+            notifier.watchdog()
+        state = _state(server)
+        if state != status:
+            notifier.status(state)
+            status = state
+        await asyncio.sleep(interval)
+
+
+def _state(server) -> str:
+    if server.draining:
+        return f"draining {len(server.requests)} request(s)"
+    if server.recovering:
+        return "restarting the engine after a failure"
+    return f"serving {server.ready.model} on {server.client_endpoint} ({server.num_restarts} engine restart(s))"
+
+
+async def _first(*waitables) -> bool:
+    """Wait until the first of these tasks/events completes; True if it was the first argument."""
+    tasks = [w if isinstance(w, asyncio.Task) else asyncio.create_task(w.wait()) for w in waitables]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for waitable, task in zip(waitables, tasks):
+        if not isinstance(waitable, asyncio.Task):
+            task.cancel()
+    return tasks[0].done()
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
