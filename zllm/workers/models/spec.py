@@ -100,9 +100,6 @@ class ModelSpec:
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_dir))
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
 
 def pick_architecture(hf_config) -> str:
     """The first of the config's `architectures` that zllm implements (as vLLM picks)."""
