@@ -40,11 +40,16 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     out = torch.empty_like(query)
     num_decodes = meta.num_decodes
     if num_decodes:
-        out[:num_decodes] = _decode_attention(query[:num_decodes], kv_cache, meta, scale)
-    for i in range(num_decodes, len(meta.seq_lens_list)):
+        out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta, scale)
+    prefill_attention(out, query, kv_cache, meta, scale)
+    return out
+
+
+def prefill_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
+    """Fill the rows of `out` that belong to the requests after the decodes."""
+    for i in range(meta.num_decodes, len(meta.seq_lens_list)):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         out[start:end] = _prefill_attention(query[start:end], kv_cache, meta, i, scale)
-    return out
 
 
 def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +65,8 @@ def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[
 _DECODE_GROUP = 16  # decodes per attention call: each group is padded to its own longest context
 
 
-def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The first meta.num_decodes requests' single queries [num_decodes, heads, head_dim]."""
     groups = [
         _decode_group(query[i : i + _DECODE_GROUP], kv_cache, meta, i, scale)
         for i in range(0, query.shape[0], _DECODE_GROUP)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from zllm.workers import attention as ref
+from zllm.workers import cpu_kernels
 from zllm.workers.attention import AttentionMetadata
 from zllm.workers.layers import apply_rotary, rms_norm, silu_and_mul
 
@@ -43,7 +44,16 @@ class TorchOps:
         ref.write_kv_cache(kv_cache, k, v, slot_mapping)
 
     def attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return ref.paged_attention(q, kv_cache, meta, scale)
+        """Decodes through the CPU kernel (csrc/cpu) where it runs: it reads K/V in place, where
+        the reference gathers them first; the reference otherwise, and for the prefills."""
+        out = torch.empty_like(q)
+        n = meta.num_decodes
+        if n and not cpu_kernels.paged_attention_decode(
+            out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale
+        ):
+            out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale)
+        ref.prefill_attention(out, q, kv_cache, meta, scale)
+        return out
 
 
 class CudaOps(TorchOps):

@@ -2,7 +2,7 @@
 
 Reference (CPU path and oracle)                  Kernel here
 attention.write_kv_cache(kv, k, v, slots)        reshape_and_cache(kv, k, v, slots)
-attention._decode_attention(q, kv, meta, scale)  paged_attention_decode(out, q, kv, tables, lens, scale)
+attention.decode_attention(q, kv, meta, scale)   paged_attention_decode(out, q, kv, tables, lens, scale)
 layers.rms_norm(x, w, eps)                       rms_norm(out, x, w, eps)
 x + y, then layers.rms_norm                      fused_add_rms_norm(x, residual, w, eps)  (in place)
 layers.apply_rotary on q and k                   rotary_embedding(positions, q, k, cos, sin)  (in place)
