@@ -44,6 +44,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # worker processes, one model shard (and GPU) each
     distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
     enforce_eager: bool = False  # CUDA: no decode graphs
+    # Schedule step N+1 while step N runs on the device, so host work hides behind GPU work.
+    # None: on when the workers run on CUDA (on CPU the compute is synchronous: nothing to hide).
+    async_scheduling: bool | None = None
     served_model_name: str | None = None
     enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
     scheduling_policy: str = "fcfs"  # fcfs: arrival order; priority: lower `priority` value first
@@ -89,6 +92,8 @@ class EngineConfig:
         config.max_model_len = _resolve_max_model_len(spec, config.max_model_len)
         config.validate()
         _check_tensor_parallel(config, spec)
+        if config.async_scheduling is None:
+            config.async_scheduling = _runs_on_cuda(config)
         return config
 
     @property
@@ -179,6 +184,14 @@ def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
         logger.warning("max_model_len: capped at the model's sliding_window, %d (max_position_embeddings %d)", window, limit)
         return window
     return limit
+
+
+def _runs_on_cuda(config: EngineConfig) -> bool:
+    if config.device != "auto":
+        return config.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _check_tensor_parallel(config: EngineConfig, spec: ModelSpec) -> None:

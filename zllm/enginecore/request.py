@@ -51,6 +51,11 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_tokens_on_workers: int = 0  # how many of all_token_ids the workers hold
+    # Tokens being sampled by steps in flight (async scheduling): the next step computes their
+    # positions before their values are known here; the workers fill them in on the device.
+    num_output_placeholders: int = 0
+    # Outputs still to come from steps sent before this request was preempted: dropped on arrival.
+    num_stale_outputs: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
@@ -74,6 +79,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_output_placeholders
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -172,6 +172,14 @@ class StepInput(_Message):
         return not self.scheduled_ids
 
 
+class FlushStep(_Message):
+    """Answer the step in flight now. Under async scheduling a worker answers step N once it has
+    launched step N+1 (so the device never waits for the host); the core sends this when it has
+    no step N+1 to send and must wait for step N's tokens."""
+
+    step_id: int
+
+
 class WorkerCall(_Message):
     """A set-up or control call to every worker: "init_kv_cache", "shutdown"."""
 
@@ -305,7 +313,7 @@ class ServerUtilityResult(_ClientMessage, tag="utility_result"):
 
 FrontendToCore = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
 CoreToFrontend = Union[EngineOutputs, UtilityResult, EngineReady, EngineDead]
-CoreToWorker = Union[StepInput, WorkerCall]
+CoreToWorker = Union[StepInput, FlushStep, WorkerCall]
 WorkerToCore = Union[StepOutput, WorkerReady, WorkerCallResult, WorkerFailed]
 ClientToServer = Union[ClientGenerate, ClientAbort, ClientPing, ClientStats, ClientUtility]
 ServerToClient = Union[ServerOutput, ServerError, ServerPong, ServerStats, ServerUtilityResult]
