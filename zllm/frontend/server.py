@@ -592,6 +592,9 @@ class FrontendServer:
         for failures, kind in ((message.failed, "bad_request"), (message.rejected, "overloaded")):
             for core_id, reason in failures.items():
                 await self._fail(core_id, reason, kind)
+        for delta in message.outputs:
+            if delta.finish_reason == "error":  # failed on the workers, alone; process() skips it now
+                await self._fail(delta.request_id, f"the engine failed this request: {delta.error}", "internal")
         outputs, to_abort = self.outputs.process(message.outputs)
         if to_abort:
             await self._to_core(AbortRequests(request_ids=to_abort))

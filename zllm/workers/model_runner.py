@@ -22,6 +22,7 @@ from zllm.workers.loader import init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
 from zllm.workers.models.spec import ModelSpec
 from zllm.workers.ops import ops_for
+from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, compute_logprobs, sample
 from zllm.workers.sampling_batch import SamplingBatch
 
@@ -98,6 +99,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.sampling = SamplingBatch(config.max_num_seqs, self.spec.vocab_size, device)
         self.awaiting_prompt_logprobs: dict[str, RequestState] = {}  # prefill not done yet
+        self.failures = RequestFailures()  # new requests this worker could not take, until reported
         self.graphs = None
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -281,21 +283,28 @@ class ModelRunner:
 
     def _update_states(self, step: StepInput) -> None:
         for request_id in (*step.finished_ids, *step.preempted_ids):
-            if self.requests.pop(request_id, None) is not None:
-                self.sampling.remove(request_id)
-                self.awaiting_prompt_logprobs.pop(request_id, None)
+            self._discard_request(request_id)
         for new in step.new_requests:
-            state = _state_from_new(new)
-            state.row = self.sampling.add(
-                new.request_id, new.sampling, state.token_ids, new.prompt_len, new.eos_token_ids, new.bad_words_token_ids
-            )
-            self.requests[new.request_id] = state
-            if state.prompt_logprobs is not None:
-                self.awaiting_prompt_logprobs[new.request_id] = state
+            self.failures.admit(new, self._add_request, self._discard_request)  # a failure fails it alone
+        self.failures.drop_failed(step)
         for cached in step.cached_requests:
             state = self.requests[cached.request_id]
             _apply_diff(state, cached)
             self.sampling.append_tokens(state.row, cached.new_token_ids)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        state = _state_from_new(new)
+        state.row = self.sampling.add(
+            new.request_id, new.sampling, state.token_ids, new.prompt_len, new.eos_token_ids, new.bad_words_token_ids
+        )
+        self.requests[new.request_id] = state
+        if state.prompt_logprobs is not None:
+            self.awaiting_prompt_logprobs[new.request_id] = state
+
+    def _discard_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.sampling.remove(request_id)
+        self.awaiting_prompt_logprobs.pop(request_id, None)
 
     def _prepare_inputs(self, step: StepInput) -> BatchInputs:
         # Decodes (one query token) first, shortest context first: attention batches them, and

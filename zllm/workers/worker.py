@@ -59,7 +59,9 @@ class Worker:
         self.runner.capture_graphs()
 
     def execute_step(self, step: StepInput) -> StepOutput:
-        return self.runner.execute_step(step)
+        output = self.runner.execute_step(step)
+        output.failed_requests = self.runner.failures.take()  # new requests it could not take
+        return output
 
     def shutdown(self) -> None:
         self.runner.graphs = None
