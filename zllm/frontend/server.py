@@ -244,7 +244,8 @@ class FrontendServer:
             if hasattr(self, name):
                 getattr(self, name).close(linger=0)
         self.core_in = make_socket(self.context, zmq.PUSH, endpoints.core_input, bind=True, hwm=hwm)
-        self.core_out = make_socket(self.context, zmq.PULL, endpoints.core_output, bind=True, hwm=hwm)
+        self.core_out = make_socket(self.context, zmq.PULL, endpoints.core_output, bind=True, hwm=hwm,
+                                    max_message_bytes=self.config.internal_max_message_bytes)
         self._core_queue = asyncio.Queue(hwm)
         self.engine.spawn_core(dataclasses.replace(self.config, runtime_dir=runtime_dir))
         ready = await self._wait_ready()
