@@ -813,7 +813,7 @@ def test_request_failed_on_the_workers_ends_alone_and_readers_of_its_blocks_reco
     blocks leave the cache. C shares nothing and goes on untouched."""
     scheduler = make_scheduler(enable_prefix_caching=True)
     a = make_request("a", 10)
-    b = Request("b", prompt(8) + [500, 501], SamplingParams(temperature=0, max_tokens=16), eos_token_ids=frozenset({EOS}))
+    b = Request("b", prompt(8) + [500, 501], SamplingParams(temperature=0, max_tokens=16))
     c = Request("c", [300 + i for i in range(6)], SamplingParams(temperature=0, max_tokens=16))
     add(scheduler, a, b, c)
     step = scheduler.schedule()

@@ -44,8 +44,8 @@ class RequestFailures:
             self._inject_fault(new)
         except Exception as error:  # noqa: BLE001 - any failure of one request is that request's alone
             discard(new.request_id)
-            self.failed[new.request_id] = f"{type(error).__name__}: {error}"
-            logger.error("request %s failed on this worker and was dropped: %s", new.request_id, self.failed[new.request_id])
+            reason = self.failed[new.request_id] = f"{type(error).__name__}: {error}"
+            logger.error("request %s failed on this worker and was dropped: %s", new.request_id, reason)
 
     def drop_failed(self, step: StepInput) -> None:
         """Take the failed requests out of the step's schedule (in place)."""
