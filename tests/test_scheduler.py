@@ -957,3 +957,34 @@ def test_random_async_workload_with_two_steps_in_flight_finishes_without_leaks()
     assert aborted
     finished = {rid: r for rid, r in submitted.items() if rid not in aborted}
     assert_finished_correctly(finished, streamed, max_model_len)
+
+
+# ---- a request that fails on the workers ---------------------------------------------------------
+
+
+def test_request_failed_on_the_workers_ends_alone_and_readers_of_its_blocks_recompute():
+    """A fails on the workers in the step that admits it. B, admitted next in the same step, took
+    A's (never computed) prefix blocks from the cache: B is recomputed from scratch, and those
+    blocks leave the cache. C shares nothing and goes on untouched."""
+    scheduler = make_scheduler(enable_prefix_caching=True)
+    a = make_request("a", 10)
+    b = Request("b", prompt(8) + [500, 501], SamplingParams(temperature=0, max_tokens=16))
+    c = Request("c", [300 + i for i in range(6)], SamplingParams(temperature=0, max_tokens=16))
+    add(scheduler, a, b, c)
+    step = scheduler.schedule()
+    assert scheduled(step) == {"a": 10, "b": 2, "c": 6}  # b starts after a's two full blocks
+
+    output = StepOutput(step.step_id, ["b", "c"], [TOKEN, TOKEN], failed_requests={"a": "RuntimeError: boom"})
+    deltas = scheduler.update_from_output(output)
+
+    assert deltas == [TokenDelta("a", [], finish_reason="error", error="RuntimeError: boom"),
+                      TokenDelta("c", [TOKEN])]
+    assert "a" not in scheduler.requests
+    assert b.status == RequestStatus.PREEMPTED and b.output_token_ids == []  # its token was read off bad blocks
+    assert scheduler.running == [c] and c.output_token_ids == [TOKEN]
+    assert scheduler.kv_cache.find_cached_prefix(make_request("again", 10)) == []  # a's blocks left the cache
+
+    step = scheduler.schedule()
+    assert step.finished_ids == ["a"] and step.preempted_ids == ["b"]  # the workers drop both
+    resent = {r.request_id: r for r in step.new_requests}
+    assert resent["b"].num_computed_tokens == 0 and scheduled(step) == {"c": 1, "b": 10}

@@ -74,6 +74,15 @@ class EngineConfig:
     curve_dir: str = ""  # CURVE keys of a tcp:// client endpoint: server.key(_secret), clients/*.key
     allow_insecure_tcp: bool = False  # serve a tcp:// client endpoint without CURVE (trusted networks only)
     client_max_message_bytes: int = 64 << 20  # a bigger client frame drops that client's connection
+    # The largest frame between zllm's own processes. A socket that accepts connections (the
+    # frontend's from the core, the core's from the workers) drops a peer that sends a bigger one
+    # before buffering it; a connecting socket (core and worker inputs) drops the frame itself.
+    # NOTE: a fixed, generous bound rather than one derived per message kind: the peers are our own
+    # processes, and a legitimate message cut off would lose a step. The largest ones stay far below
+    # it: a step's prompt logprobs are ~15 bytes x (max_logprobs + 1) per prompt token (41 MB for a
+    # full 131072-token prompt at 20); a request carries at most one client frame's content, which
+    # tokenizing can grow (bad words: ~5 bytes per token), hence at least 8x the client bound.
+    internal_max_message_bytes: int = 1 << 30
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -149,6 +158,12 @@ class EngineConfig:
         _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s", "must be >= 0")
         _require(self.max_waiting >= 1, "max_waiting", f"must be >= 1, got {self.max_waiting}")
         _require(self.client_max_message_bytes >= 1 << 16, "client_max_message_bytes", "must be >= 64 KiB")
+        _require(
+            self.internal_max_message_bytes >= 8 * self.client_max_message_bytes,
+            "internal_max_message_bytes",
+            f"must be >= 8 x client_max_message_bytes ({8 * self.client_max_message_bytes}), got "
+            f"{self.internal_max_message_bytes}",
+        )
         if self.client_endpoint.startswith("tcp://"):
             _require(
                 bool(self.curve_dir) or self.allow_insecure_tcp,

@@ -46,7 +46,8 @@ class MultiprocExecutor:
         ranks = range(config.tensor_parallel_size)
         hwm = config.socket_hwm
         self.inputs = [make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm) for r in ranks]
-        self.output = make_socket(context, zmq.PULL, endpoints.worker_output, bind=True, hwm=hwm)
+        self.output = make_socket(context, zmq.PULL, endpoints.worker_output, bind=True, hwm=hwm,
+                                  max_message_bytes=config.internal_max_message_bytes)
         self.outbound: Codec = Codec(CoreToWorker)
         self.inbound: Codec = Codec(WorkerToCore)
         self._call_ids = itertools.count()

@@ -4,6 +4,7 @@
        ^                     |
        +---- PREEMPTED <-----+   (blocks freed; recomputed from scratch when resumed)
     any unfinished state --abort--> FINISHED_ABORTED
+    RUNNING --the workers could not take it--> FINISHED_ERROR   (that request alone)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +37,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",  # vLLM's FinishReason.ERROR
 }
 
 

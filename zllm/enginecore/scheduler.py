@@ -21,6 +21,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from zllm.config import EngineConfig
+from zllm.enginecore.block_pool import KVBlock
 from zllm.enginecore.kv_cache_manager import KVCacheManager
 from zllm.enginecore.request import Request, RequestStatus
 from zllm.enginecore.request_queue import make_waiting_queue, priority_key
@@ -79,6 +80,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._sequence = itertools.count()
         self._finished_ids: list[str] = []  # told to the workers with the next step
+        self._preempted_ids: list[str] = []  # preempted outside schedule(): told with the next step
         self._step_id = 0
         self.num_preemptions = 0
 
@@ -271,9 +273,9 @@ class Scheduler:
             scheduled_ids=[r.request_id for r, _ in plan.scheduled],
             num_scheduled_tokens=[n for _, n in plan.scheduled],
             finished_ids=self._finished_ids,
-            preempted_ids=[r.request_id for r in plan.preempted],
+            preempted_ids=self._preempted_ids + [r.request_id for r in plan.preempted],
         )
-        self._finished_ids = []
+        self._finished_ids, self._preempted_ids = [], []
         return step
 
     def _new_request_data(self, request: Request) -> NewRequestData:
@@ -292,8 +294,8 @@ class Scheduler:
 
     def update_from_output(self, output: StepOutput) -> list[TokenDelta]:
         """Append sampled tokens, apply the stop rules, free what finished."""
-        deltas = []
-        finished = False
+        deltas = self._finish_failed(output.failed_requests)
+        finished = bool(deltas)
         for row, (request_id, token_id) in enumerate(zip(output.request_ids, output.sampled_token_ids)):
             request = self.requests.get(request_id)
             if request is None:
@@ -325,6 +327,40 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.status.is_finished]
         return deltas
+
+    def _finish_failed(self, failures: dict[str, str]) -> list[TokenDelta]:
+        """End each request the workers could not take, alone: free its blocks and tell the
+        frontend why (finish_reason "error"). The caller drops them from `running`."""
+        deltas = []
+        uncomputed: set[KVBlock] = set()
+        for request_id, reason in failures.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            uncomputed.update(self.kv_cache.blocks(request_id))
+            request.status = RequestStatus.FINISHED_ERROR
+            self._release(request)  # the workers dropped it already; the finished id is harmless
+            deltas.append(TokenDelta(request_id, [], finish_reason="error", error=reason))
+        if uncomputed:
+            self._recompute_readers(uncomputed)
+        return deltas
+
+    def _recompute_readers(self, blocks: set[KVBlock]) -> None:
+        """A failed request's blocks entered the prefix cache when they were scheduled (so that
+        requests admitted in the same step share them), but the workers never computed them.
+        Forget their hashes, and preempt every running request that holds one: it may have read
+        them this step, and then wrote wrong KV entries of its own, so its blocks are suspect
+        too (transitively). Conservative: a request sharing only older, sound blocks with the
+        failed one is recomputed as well; failures are rare, wrong outputs are not an option."""
+        suspect = set(blocks)
+        readers = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        while victims := [r for r in readers if suspect.intersection(self.kv_cache.blocks(r.request_id))]:
+            for request in victims:
+                suspect.update(self.kv_cache.blocks(request.request_id))
+                self._preempt(request)  # its token of this step, if any, is dropped: recomputed
+                self._preempted_ids.append(request.request_id)
+                readers.remove(request)
+        self.kv_cache.pool.uncache(suspect)
 
     def _apply_stop_rules(self, request: Request, token_id: int) -> None:
         sampling = request.sampling

@@ -129,6 +129,9 @@ def add_reliability_args(parser: argparse.ArgumentParser) -> None:
                        help="serve a tcp:// client endpoint without CURVE (trusted networks only)")
     group.add_argument("--max-client-message-size", type=parse_size, default=defaults.client_max_message_bytes,
                        help="a client sending a bigger message is disconnected (default 64MiB)")
+    group.add_argument("--max-internal-message-size", type=parse_size, default=defaults.internal_max_message_bytes,
+                       help="the largest message between zllm's own processes; a bigger one drops the sender's "
+                       "connection (default 1GiB; at least 8x --max-client-message-size)")
 
 
 def reliability_kwargs(args: argparse.Namespace) -> dict:
@@ -142,4 +145,5 @@ def reliability_kwargs(args: argparse.Namespace) -> dict:
         curve_dir=args.zmq_curve_dir,
         allow_insecure_tcp=args.allow_insecure_tcp,
         client_max_message_bytes=args.max_client_message_size,
+        internal_max_message_bytes=args.max_internal_message_size,
     )

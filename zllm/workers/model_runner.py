@@ -23,6 +23,7 @@ from zllm.workers.loader import init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
 from zllm.workers.models.spec import ModelSpec
 from zllm.workers.ops import ops_for
+from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, compute_logprobs, sample
 from zllm.workers.sampling_batch import SamplingBatch
 from zllm.workers.transfer import to_device
@@ -119,6 +120,7 @@ class ModelRunner:
         # (its state, its index in those tokens).
         self._in_flight: dict[str, tuple[RequestState, int]] = {}
         self._in_flight_tokens: torch.Tensor | None = None
+        self.failures = RequestFailures()  # new requests this worker could not take, until reported
         self.graphs = None
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -311,6 +313,7 @@ class ModelRunner:
             sampled_token_ids=tokens if self.tp.is_first else [],
             logprobs=None if launched.logprobs is None else _to_message(launched.logprobs),
             prompt_logprobs={rid: _concat_to_message(parts) for rid, parts in launched.prompt_logprobs.items()},
+            failed_requests=self.failures.take(),  # new requests it could not take, since the last answer
         )
 
     def _copy_to_host(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -359,23 +362,32 @@ class ModelRunner:
 
     def _update_states(self, step: StepInput) -> None:
         for request_id in (*step.finished_ids, *step.preempted_ids):
-            if self.requests.pop(request_id, None) is not None:
-                self.sampling.remove(request_id)
-                self.awaiting_prompt_logprobs.pop(request_id, None)
-                self._in_flight.pop(request_id, None)
+            self._discard_request(request_id)
+            self.failures.forget(request_id)
         for new in step.new_requests:
-            state = _state_from_new(new)
-            state.row = self.sampling.add(
-                new.request_id, new.sampling, state.token_ids, new.prompt_len, new.eos_token_ids, new.bad_words_token_ids
-            )
-            self.requests[new.request_id] = state
-            self._in_flight.pop(new.request_id, None)  # resent in full: a token in flight is stale
-            if state.prompt_logprobs is not None:
-                self.awaiting_prompt_logprobs[new.request_id] = state
+            self.failures.admit(new, self._add_request, self._discard_request)  # a failure fails it alone
+        self.failures.drop_failed(step)
         for cached in step.cached_requests:
+            if self.failures.is_dropped(cached.request_id):
+                continue  # scheduled (async) before the core heard that it failed here
             state = self.requests[cached.request_id]
             _apply_diff(state, cached)
             self.sampling.append_tokens(state.row, cached.new_token_ids)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        state = _state_from_new(new)
+        state.row = self.sampling.add(
+            new.request_id, new.sampling, state.token_ids, new.prompt_len, new.eos_token_ids, new.bad_words_token_ids
+        )
+        self.requests[new.request_id] = state
+        if state.prompt_logprobs is not None:
+            self.awaiting_prompt_logprobs[new.request_id] = state
+
+    def _discard_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.sampling.remove(request_id)
+        self.awaiting_prompt_logprobs.pop(request_id, None)
+        self._in_flight.pop(request_id, None)  # a token in flight for it is stale now
 
     def _prepare_inputs(self, step: StepInput) -> BatchInputs:
         # Decodes (one query token) first, shortest context first: attention batches them, and

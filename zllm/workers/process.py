@@ -44,7 +44,9 @@ class WorkerProcess:
         self.context = zmq.Context()
         self.input = make_socket(self.context, zmq.PULL, endpoints.worker_input(rank), bind=False, hwm=config.socket_hwm)
         self.output = make_socket(self.context, zmq.PUSH, endpoints.worker_output, bind=False, hwm=config.socket_hwm)
-        self.inbound: Codec = Codec(CoreToWorker)
+        # NOTE: the size limit is checked on receipt, not with zmq.MAXMSGSIZE: libzmq ends a
+        # connecting socket's session on an oversized frame and never reconnects it.
+        self.inbound: Codec = Codec(CoreToWorker, max_frame_bytes=config.internal_max_message_bytes)
         self.outbound: Codec = Codec(WorkerToCore)
         self.worker = None
 
