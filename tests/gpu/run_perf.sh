@@ -11,7 +11,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/zllm-perf}"
 mkdir -p "$out"
 model=/tmp/zllm-llama3-8b
-[ -f csrc/build/sm_90/attention_kernels.cubin ] || bash scripts/build_csrc.sh > "$out/build.log" 2>&1
+export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has this machine's cmake cache
+[ -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ] || bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" > "$out/build.log" 2>&1
 python benchmarks/dummy_model.py llama3-8b "$model" >/dev/null
 jsonl="$out/perf.jsonl"
 run() {  # run LIMIT_S COMMAND...: JSON lines to perf.jsonl, everything to the log
@@ -20,7 +21,7 @@ run() {  # run LIMIT_S COMMAND...: JSON lines to perf.jsonl, everything to the l
 }
 case "${1:-}" in
 correct)
-  timeout 400 python -m pytest -q -p no:cacheprovider -rs -x tests/gpu/test_async_scheduling_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tail -25 | tee "$out/pytest.log"
+  timeout 400 python -m pytest -q -p no:cacheprovider -rs -x -p no:warnings --tb=short tests/gpu/test_async_scheduling_gpu.py tests/gpu/test_engine_gpu.py > "$out/pytest.log" 2>&1; tail -60 "$out/pytest.log"
   ;;
 latency)
   run 60 python - <<'PY'

@@ -42,17 +42,21 @@ def _run(model_dir: str, spy=None, **engine_args) -> dict[str, tuple]:
         spy(engine)
     rng = random.Random(0)
     results = {}
-    for i, length in enumerate(PROMPT_LENGTHS * 2):
-        ids = [rng.randrange(3, 256) for _ in range(length)]
-        engine.add_request(str(i), {"prompt_token_ids": ids}, PARAMS[i % len(PARAMS)])
-        if i % 3 == 2:
-            engine.step()  # staggered arrival: requests join a running batch
-    while engine.has_unfinished_requests():
+
+    def step() -> None:
         for out in engine.step():
             if out.finished:
                 completion = out.outputs[0]
                 logprobs = [sorted(d) for d in completion.logprobs] if completion.logprobs else None
                 results[out.request_id] = (completion.token_ids, completion.finish_reason, logprobs)
+
+    for i, length in enumerate(PROMPT_LENGTHS * 2):
+        ids = [rng.randrange(3, 256) for _ in range(length)]
+        engine.add_request(str(i), {"prompt_token_ids": ids}, PARAMS[i % len(PARAMS)])
+        if i % 3 == 2:
+            step()  # staggered arrival: requests join a running batch
+    while engine.has_unfinished_requests():
+        step()
     engine.shutdown()
     return results
 
