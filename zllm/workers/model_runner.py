@@ -300,11 +300,14 @@ class ModelRunner:
             launched.ready.synchronize()
         states = launched.sampling_states
         tokens = launched.host_tokens.tolist() if states else []
+        rows, kept = [], []
         for state, token in zip(states, tokens):
             # A request dropped (finished, preempted) since may have a new owner of its row.
             if self.requests.get(state.request_id) is state:
                 state.token_ids.append(token)
-                self.sampling.append_tokens(state.row, [token])
+                rows.append(state.row)
+                kept.append(token)
+        self.sampling.append_sampled(rows, kept)
         if self._in_flight_tokens is launched.tokens:
             self._in_flight, self._in_flight_tokens = {}, None
         return StepOutput(
@@ -372,7 +375,8 @@ class ModelRunner:
                 continue  # scheduled (async) before the core heard that it failed here
             state = self.requests[cached.request_id]
             _apply_diff(state, cached)
-            self.sampling.append_tokens(state.row, cached.new_token_ids)
+            if cached.new_token_ids:
+                self.sampling.append_tokens(state.row, cached.new_token_ids)
 
     def _add_request(self, new: NewRequestData) -> None:
         state = _state_from_new(new)

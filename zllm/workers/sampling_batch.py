@@ -186,6 +186,16 @@ class SamplingBatch:
         self._ints[row, _NUM_OUTPUT] += len(token_ids)
         self._penalties.append(row, token_ids)
 
+    def append_sampled(self, rows: list[int], token_ids: list[int]) -> None:
+        """One sampled token for each of `rows`: one indexed add for the whole batch (a torch
+        call per row costs ~10 us; at 256 rows that is a few ms of every step)."""
+        if not rows:
+            return
+        self._ints[torch.tensor(rows), _NUM_OUTPUT] += 1
+        if self._penalties.rows:
+            for row, token_id in zip(rows, token_ids):
+                self._penalties.append(row, [token_id])
+
     def clear(self) -> None:
         for request_id in list(self.rows):
             self.remove(request_id)
