@@ -43,6 +43,13 @@ class PhaseTimer:
         setattr(owner, method_name, timed)
 
 
+def _top_kernels(prof, steps: int, count: int) -> dict[str, float]:
+    """The kernels with the most device time, ms per step (names cut to 60 characters)."""
+    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith("ProfilerStep")),
+                    key=lambda e: e.device_time_total, reverse=True)
+    return {e.key[:60]: round(e.device_time_total / 1000 / steps, 3) for e in events[:count]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -104,6 +111,7 @@ def main() -> None:
         "wall_ms_per_step": round(wall / args.steps * 1000, 3), "phase_ms_per_step": per_step,
         "gpu_kernel_ms_per_step": round(kernel_us / 1000 / args.steps, 3),
         "gpu_busy_share": round(kernel_us / 1e6 / wall, 3),
+        "top_kernels_ms_per_step": _top_kernels(prof, args.steps, 12),
         "gpu": torch.cuda.get_device_name(0),
     }), flush=True)
     engine.shutdown()
