@@ -28,13 +28,15 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: the engine's (on with CUDA)")
     args = parser.parse_args()
 
     from zllm import LLM, SamplingParams
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch_size, 8),
-              tensor_parallel_size=args.tp)
+              tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling)
     vocab = llm.engine.processor.vocab_size
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}
@@ -54,6 +56,7 @@ def main() -> None:
         "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "median_total_s": round(statistics.median(full), 4), "median_ttft_s": round(statistics.median(first), 4),
         "decode_ms_per_token": round(per_token_ms, 3), "enforce_eager": args.enforce_eager,
+        "async_scheduling": llm.engine.config.async_scheduling, "tp": args.tp,
     }))
 
 

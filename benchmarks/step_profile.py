@@ -6,8 +6,10 @@ time from torch.profiler over the same steps.
 
 Admits `batch-size` requests of `input-len` random tokens (ignore_eos), runs until all of them
 decode, then measures `--steps` pure-decode steps. Prints one JSON line: ms per step for each
-phase (schedule, worker = prepare inputs + forward + logits + sampling, of which forward launch,
-update, detokenize/output), and the share of wall time the GPU was busy.
+phase, and the share of wall time the GPU was busy. Synchronous steps: schedule, worker (prepare
+inputs + forward + logits + sampling + waiting for the tokens), update, output processing. Async
+scheduling (the default on CUDA): the worker's launch (inputs + forward + logits, no waiting),
+sample, finish (which waits for the step's tokens: the host's idle time) are timed on their own.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ class PhaseTimer:
         setattr(owner, method_name, timed)
 
 
+def _top_kernels(prof, steps: int, count: int) -> dict[str, float]:
+    """The kernels with the most device time, ms per step (names cut to 60 characters)."""
+    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith("ProfilerStep")),
+                    key=lambda e: e.device_time_total, reverse=True)
+    return {e.key[:60]: round(e.device_time_total / 1000 / steps, 3) for e in events[:count]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -50,6 +59,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args()
 
     import torch
@@ -58,7 +68,8 @@ def main() -> None:
 
     engine = LLMEngine.from_engine_args(args.model, load_format=args.load_format, dtype=args.dtype,
                                         max_model_len=args.max_model_len, max_num_seqs=args.batch_size,
-                                        max_num_batched_tokens=max(8192, args.batch_size))
+                                        max_num_batched_tokens=max(8192, args.batch_size),
+                                        async_scheduling=args.async_scheduling)
     rng = random.Random(0)
     vocab = engine.processor.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - args.input_len - 1, ignore_eos=True,
@@ -74,8 +85,13 @@ def main() -> None:
     timer = PhaseTimer()
     core = engine.core
     timer.wrap(core.scheduler, "schedule", "schedule")
+    runner = core.executor.runner
     timer.wrap(core.executor, "execute_step", "worker")
-    timer.wrap(core.executor.runner, "_forward", "worker.forward_launch")
+    timer.wrap(runner, "launch_step", "worker.launch")
+    timer.wrap(runner, "_prepare_inputs", "worker.launch.prepare_inputs")
+    timer.wrap(runner, "_forward", "worker.launch.forward")
+    timer.wrap(runner, "sample_step", "worker.sample")
+    timer.wrap(runner, "finish_step", "worker.finish (waits for the device)")
     timer.wrap(core.scheduler, "update_from_output", "update")
     timer.wrap(engine.outputs, "process", "output_processing")
     timer.enabled = True
@@ -91,9 +107,11 @@ def main() -> None:
     per_step = {phase: round(total / args.steps * 1000, 3) for phase, total in sorted(timer.totals.items())}
     print(json.dumps({
         "benchmark": "step_profile", "batch_size": args.batch_size, "steps": args.steps,
+        "async_scheduling": engine.config.async_scheduling,
         "wall_ms_per_step": round(wall / args.steps * 1000, 3), "phase_ms_per_step": per_step,
         "gpu_kernel_ms_per_step": round(kernel_us / 1000 / args.steps, 3),
         "gpu_busy_share": round(kernel_us / 1e6 / wall, 3),
+        "top_kernels_ms_per_step": _top_kernels(prof, args.steps, 12),
         "gpu": torch.cuda.get_device_name(0),
     }), flush=True)
     engine.shutdown()

@@ -45,11 +45,12 @@ LOGPROBS = m.TokenLogprobs(token_ids=[[5, 5, 9], [6, 8, 6]], logprobs=[[-0.5, -0
 PROMPT_LOGPROBS = m.TokenLogprobs(token_ids=[[3, 7]], logprobs=[[-9.5, -0.75]], ranks=[812])
 TOKEN_DELTA = m.TokenDelta(
     request_id="ab12/req-1", new_token_ids=[5, 6, 49151], finish_reason="stop", stop_reason="END", num_cached_tokens=32,
-    logprobs=LOGPROBS, prompt_logprobs=PROMPT_LOGPROBS,
+    logprobs=LOGPROBS, prompt_logprobs=PROMPT_LOGPROBS, error="(the codec does not care: set for the round trip)",
 )
 TOKEN_DELTA_INT_STOP = m.TokenDelta(
     request_id="ab12/req-2", new_token_ids=[2], finish_reason="length", stop_reason=2, num_cached_tokens=16,
     logprobs=m.TokenLogprobs(token_ids=[[2]], logprobs=[[-0.0]], ranks=[1]), prompt_logprobs=m.TokenLogprobs([], [], []),
+    error="RuntimeError: boom",
 )
 NEW_REQUEST = m.NewRequestData(
     request_id="ab12/req-1",
@@ -108,6 +109,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             finished_ids=["ab12/req-7"],
             preempted_ids=["ab12/req-8"],
         ),
+        m.FlushStep(step_id=7),
         m.WorkerCall(call_id=1, method="init_kv_cache", args=[364, "extra"]),
     ],
     "WorkerToCore": [
@@ -117,6 +119,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             sampled_token_ids=[5, 6],
             logprobs=LOGPROBS,
             prompt_logprobs={"ab12/req-2": PROMPT_LOGPROBS},
+            failed_requests={"ab12/req-3": "InjectedFault: the prompt holds token 77"},
         ),
         m.WorkerReady(rank=1, num_kv_blocks=100, pid=4242),
         m.WorkerCallResult(rank=1, call_id=2, result=[1, "x", {"y": 2}], error="unknown worker method 'x'"),
@@ -246,7 +249,7 @@ def test_round_trip_keeps_nested_sampling_params():
     decoded = _codec("FrontendToCore").decode(_codec("FrontendToCore").encode(add))
     assert isinstance(decoded.sampling, SamplingParams)
     assert msgspec.structs.asdict(decoded.sampling) == msgspec.structs.asdict(SAMPLING)
-    (step, _) = EXAMPLES["CoreToWorker"]
+    (step, *_) = EXAMPLES["CoreToWorker"]
     decoded = _codec("CoreToWorker").decode(_codec("CoreToWorker").encode(step))
     assert decoded.new_requests[0].sampling == SAMPLING
     assert decoded.total_num_scheduled_tokens == 5
@@ -497,6 +500,7 @@ CONFIG = EngineConfig(
     max_num_batched_tokens=512,
     tensor_parallel_size=2,
     enforce_eager=True,
+    async_scheduling=True,
     served_model_name="served",
     enable_prefix_caching=False,
     scheduling_policy="priority",
@@ -518,7 +522,7 @@ CONFIG = EngineConfig(
     api_key="secret",
     curve_dir="/etc/zllm/curve",
     allow_insecure_tcp=True,
-    client_max_message_bytes=1 << 20,
+    client_max_message_bytes=1 << 20, internal_max_message_bytes=16 << 20,
     host="0.0.0.0",
     port=8123,
     max_request_body_bytes=1 << 20,
@@ -556,3 +560,17 @@ def test_token_ids_only_sampling_params_round_trip():
     assert codec.decode(codec.encode(message)).sampling == params
     with pytest.raises(ValueError, match="^stop:"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_frame_over_the_size_limit_is_rejected_before_decoding():
+    codec = Codec(m.FrontendToCore, max_frame_bytes=64)
+    small = codec.encode(m.AbortRequests(["r1"]))
+    assert codec.decode(small) == m.AbortRequests(["r1"])
+    with pytest.raises(MessageError, match=r"^a frame of 2\d\d bytes exceeds the limit of 64 bytes$"):
+        codec.decode(codec.encode(m.AbortRequests(["r" * 200])))
+
+
+def test_internal_frame_limit_leaves_room_for_any_client_frame():
+    with pytest.raises(ValueError, match=r"^internal_max_message_bytes: must be >= 8 x client_max_message_bytes"):
+        EngineConfig(model="m", max_model_len=16, client_max_message_bytes=1 << 20,
+                     internal_max_message_bytes=4 << 20).validate()

@@ -2,6 +2,8 @@
 
 All prompts run as one continuous batch with staggered arrival; then again with a KV cache so
 small that requests are preempted, and with a token budget so small that every prompt is chunked.
+Each runs with and without async scheduling (step N+1 scheduled while step N runs, its inputs
+taking step N's tokens on the worker).
 """
 
 from __future__ import annotations
@@ -73,29 +75,48 @@ def run_staggered(engine: LLMEngine, prompt_ids: list[list[int]]) -> list[list[i
     return [results[str(i)] for i in range(len(prompt_ids))]
 
 
-def test_continuous_batch_matches_hf(smollm2_dir, prompt_ids, hf_reference):
-    engine = LLMEngine.from_engine_args(smollm2_dir, dtype="float32")
+ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+def drain(engine: LLMEngine) -> None:
+    """Collect the steps still in flight (async scheduling) so every block is back."""
+    while engine.core.has_unfinished_requests():
+        engine.step()
+
+
+@ASYNC
+def test_continuous_batch_matches_hf(smollm2_dir, prompt_ids, hf_reference, async_scheduling):
+    engine = LLMEngine.from_engine_args(smollm2_dir, dtype="float32", async_scheduling=async_scheduling)
     assert run_staggered(engine, prompt_ids) == hf_reference
+    drain(engine)
     assert engine.core.scheduler.kv_cache.pool.num_free_blocks == engine.core.num_kv_blocks
 
 
-def test_preemption_matches_hf(smollm2_dir, prompt_ids, hf_reference):
+@ASYNC
+def test_preemption_matches_hf(smollm2_dir, prompt_ids, hf_reference, async_scheduling):
     # 40 blocks x 16 tokens = 640 tokens for ~1,000 tokens of concurrent context: must preempt.
-    engine = LLMEngine.from_engine_args(smollm2_dir, dtype="float32", num_kv_blocks=40, max_model_len=640)
+    engine = LLMEngine.from_engine_args(
+        smollm2_dir, dtype="float32", num_kv_blocks=40, max_model_len=640, async_scheduling=async_scheduling
+    )
     assert run_staggered(engine, prompt_ids) == hf_reference
+    drain(engine)
     assert engine.core.stats().num_preemptions > 0
     assert engine.core.scheduler.kv_cache.pool.num_free_blocks == 40
 
 
-def test_chunked_prefill_matches_hf(smollm2_dir, prompt_ids, hf_reference):
-    engine = LLMEngine.from_engine_args(smollm2_dir, dtype="float32", max_num_batched_tokens=3)
+@ASYNC
+def test_chunked_prefill_matches_hf(smollm2_dir, prompt_ids, hf_reference, async_scheduling):
+    engine = LLMEngine.from_engine_args(
+        smollm2_dir, dtype="float32", max_num_batched_tokens=3, async_scheduling=async_scheduling
+    )
     chunked = []
-    original_step = engine.core.executor.execute_step
+    method = "submit_step" if async_scheduling else "execute_step"
+    original_step = getattr(engine.core.executor, method)
 
     def spy(step):
         chunked.extend(n for n in step.num_scheduled_tokens if n > 1)
         return original_step(step)
 
-    engine.core.executor.execute_step = spy
+    setattr(engine.core.executor, method, spy)
     assert run_staggered(engine, prompt_ids) == hf_reference
     assert chunked and max(chunked) <= 3

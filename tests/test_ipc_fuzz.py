@@ -408,6 +408,177 @@ def test_live_server_survives_garbage_on_every_open_socket(server):
     assert _generate(server.endpoint) == before
 
 
+# ---- oversized frames and raw bytes on the sockets a server binds ----------------------------------
+
+OVERSIZED = b"\x00" * (2 << 20)  # over the 1 MiB internal limit of the servers below
+SMALL_LIMITS = ("--max-client-message-size", "64KiB", "--max-internal-message-size", "1MiB")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from tests.conftest import save_tiny_llama
+
+    return str(save_tiny_llama(tmp_path_factory.mktemp("tiny"), initializer_range=0.2, max_position_embeddings=4096))
+
+
+def _raw_bytes(path: str, rng: random.Random) -> None:
+    """Not even ZMTP: random bytes straight into a unix socket, then hang up."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.connect(path)
+        raw.sendall(rng.randbytes(4096))
+
+
+@pytest.mark.slow
+def test_live_server_drops_oversized_frames_and_raw_bytes_on_bound_sockets(tmp_path, tiny_model):
+    from tests.conftest import start_server
+
+    server = start_server(tmp_path, tiny_model, *SMALL_LIMITS, env={"OMP_NUM_THREADS": "1"})
+    rng = random.Random(7)
+    try:
+        before = _generate(server.endpoint)
+        children = server.children()
+        engine = server.engine_dir()
+        for endpoint in (f"ipc://{engine}/core-output", f"ipc://{engine}/worker-output", server.endpoint):
+            _push(endpoint, [[OVERSIZED]])
+            _raw_bytes(endpoint[len("ipc://"):], rng)
+        assert _generate(server.endpoint) == before  # the core drains worker output while it steps
+        assert server.process.poll() is None and _alive(children)
+        assert {p.pid for p in server.children()} == {p.pid for p in children}
+        assert "Traceback" not in server.log() and "engine failure" not in server.log()
+    finally:
+        server.stop()
+
+
+# ---- the sockets a process connects: the test plays the peer that binds them ----------------------
+
+
+class _Peer:
+    """Binds a PUSH and a PULL where zllm's process expects its peer (frontend or engine core)."""
+
+    def __init__(self, push_endpoint: str, pull_endpoint: str, pull_channel: str, push_channel: str) -> None:
+        self.context = zmq.Context()
+        self.push = self.context.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.bind(push_endpoint)
+        self.pull = self.context.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.bind(pull_endpoint)
+        self.inbound, self.outbound = _codec(pull_channel), _codec(push_channel)
+
+    def send(self, message) -> None:
+        self.push.send(self.outbound.encode(message))
+
+    def receive(self, kind: type, timeout: float = 120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.pull.poll(100):
+                message = self.inbound.decode(self.pull.recv())
+                if isinstance(message, kind):
+                    return message
+        raise AssertionError(f"no {kind.__name__} within {timeout} s")
+
+    def send_garbage(self, batches: list[list[bytes]]) -> None:
+        for frames in batches:
+            self.push.send_multipart(frames)
+        self.push.send(OVERSIZED)  # refused by its size, on a connection that must survive it
+
+    def call(self, message, kind: type):
+        self.send(message)
+        return self.receive(kind, timeout=30.0)
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
+def _peer_config(tiny_model: str, runtime_dir) -> "EngineConfig":  # noqa: F821
+    from zllm.config import EngineConfig
+
+    runtime_dir.mkdir(mode=0o700)
+    return EngineConfig.create(tiny_model, dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20,
+                               runtime_dir=str(runtime_dir), client_max_message_bytes=64 << 10,
+                               internal_max_message_bytes=1 << 20)
+
+
+@pytest.mark.slow
+def test_engine_core_input_survives_garbage_truncated_and_oversized_frames(tmp_path, tiny_model, capfd, monkeypatch):
+    from zllm.ipc.addresses import InternalEndpoints
+    from zllm.launch.children import spawn_child, stop_children
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    config = _peer_config(tiny_model, tmp_path / "rt")
+    endpoints = InternalEndpoints(config.runtime_dir)
+    frontend = _Peer(endpoints.core_input, endpoints.core_output, "CoreToFrontend", "FrontendToCore")
+    core = spawn_child("zllm.enginecore.process", config)
+    try:
+        frontend.receive(m.EngineReady)
+
+        def generate(request_id: str) -> list[int]:
+            frontend.send(m.AddRequest(request_id, [5, 9, 13, 40], GREEDY, time.time()))
+            tokens = []
+            while True:
+                for delta in frontend.receive(m.EngineOutputs).outputs:
+                    tokens += delta.new_token_ids
+                    if delta.finish_reason is not None:
+                        return tokens
+
+        before = generate("before")
+        frontend.send_garbage(_garbage("FrontendToCore", random.Random(11)))
+        assert isinstance(frontend.call(m.UtilityCall(1, "ping"), m.UtilityResult).result, float)
+        assert generate("after") == before and len(before) == 8
+        assert core.poll() is None
+        frontend.send(m.Shutdown("test over"))
+        assert core.wait(30) == 0
+    finally:
+        stop_children([core], timeout_s=5.0)
+        frontend.close()
+    log = capfd.readouterr().err
+    assert "dropped a malformed message from the frontend: a frame of 2097152 bytes exceeds the limit" in log
+    assert "dropped a malformed message from the frontend: DecodeError" in log
+
+
+@pytest.mark.slow
+def test_worker_input_survives_garbage_truncated_and_oversized_frames(tmp_path, tiny_model, capfd, monkeypatch):
+    from zllm.ipc.addresses import InternalEndpoints
+    from zllm.launch.children import spawn_child, stop_children
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    config = _peer_config(tiny_model, tmp_path / "rt")
+    endpoints = InternalEndpoints(config.runtime_dir)
+    core = _Peer(endpoints.worker_input(0), endpoints.worker_output, "WorkerToCore", "CoreToWorker")
+    worker = spawn_child("zllm.workers.process", config, "--rank", "0")
+    step_ids = iter(range(1, 100))
+    try:
+        core.receive(m.WorkerReady)
+        core.send(m.WorkerCall(0, "init_kv_cache", [8]))
+        assert core.receive(m.WorkerCallResult).error is None
+
+        def first_token(request_id: str) -> int:
+            prompt = [5, 9, 13, 40]
+            core.send(m.StepInput(next(step_ids), [m.NewRequestData(request_id, 4, prompt, GREEDY, [0], 0)], [],
+                                  [request_id], [4]))
+            output = core.receive(m.StepOutput)
+            core.send(m.StepInput(next(step_ids), [], [], [], [], finished_ids=[request_id]))
+            core.receive(m.StepOutput)
+            return output.sampled_token_ids[0]
+
+        before = first_token("before")
+        core.send_garbage(_garbage("CoreToWorker", random.Random(13)))
+        answer = core.call(m.WorkerCall(1, "ping"), m.WorkerCallResult)
+        assert answer.error == "unknown worker method 'ping'"  # answered: it serves again
+        assert first_token("after") == before
+        assert worker.poll() is None
+        core.send(m.WorkerCall(2, "shutdown"))
+        assert worker.wait(30) == 0
+    finally:
+        stop_children([worker], timeout_s=5.0)
+        core.close()
+    log = capfd.readouterr().err
+    assert "rank 0: dropped a malformed message: a frame of 2097152 bytes exceeds the limit" in log
+    assert "rank 0: dropped a malformed message: DecodeError" in log
+
+
 # ---- one bad frame must not take a whole server down ---------------------------------------------
 
 @pytest.mark.slow

@@ -422,7 +422,7 @@ def _aborted(api) -> float:
     return float(line[0].rsplit(" ", 1)[1]) if line else 0.0
 
 
-# ---- health: 503 when the engine is dead or the server drains (in this process, no engine) --------
+# ---- health: 503 when the engine is dead, restarting, or the server drains (in process, no engine) ---
 
 
 def test_health_and_requests_answer_503_when_dead_or_draining(smollm2_dir):
@@ -437,12 +437,13 @@ def test_health_and_requests_answer_503_when_dead_or_draining(smollm2_dir):
         answers = []
         try:
             async with httpx.AsyncClient(base_url=url) as http:
-                for state in ("serving", "dead", "draining"):
+                for state in ("serving", "dead", "draining", "recovering"):
                     frontend.dead_reason = "worker 0 exited" if state == "dead" else None
                     frontend.draining = state == "draining"
+                    frontend.recovering = state == "recovering"
                     health = await http.get("/health")
-                    if state == "serving":  # (no engine behind this frontend: don't submit)
-                        answers.append((health.status_code,))
+                    if state in ("serving", "recovering"):  # (no engine behind this frontend: don't submit)
+                        answers.append((health.status_code, health.json()["error"]["code"] if health.content else None))
                         continue
                     completion = await http.post("/v1/completions", json={"prompt": "Hi"})
                     answers.append((health.status_code, completion.status_code, completion.json()["error"]["code"]))
@@ -451,6 +452,6 @@ def test_health_and_requests_answer_503_when_dead_or_draining(smollm2_dir):
             await frontend.shutdown()
         return answers
 
-    serving, dead, draining = asyncio.run(scenario())
-    assert serving == (200,)
+    serving, dead, draining, recovering = asyncio.run(scenario())
+    assert serving == (200, None) and recovering == (503, "engine_restarting")
     assert dead == (503, 503, "engine_dead") and draining == (503, 503, "draining")

@@ -320,6 +320,12 @@ class FakeKVCache:
                 sampling.append(request_id)
         return sampling
 
+    def append_sampled(self, sampling: list[str], tokens: list[int]) -> None:
+        """The workers append the tokens they sampled themselves (the core sends no token ids)."""
+        for request_id, token in zip(sampling, tokens):
+            if request_id in self.batch:
+                self.batch[request_id][0].append(token)
+
     def _slot(self, blocks: list[int], position: int) -> tuple[int, int]:
         return blocks[position // self.block_size], position % self.block_size
 
@@ -349,6 +355,7 @@ def test_random_shared_prefix_workload_never_reads_stale_blocks(policy):
         if scheduler.requests and rng.random() < 0.02:
             scheduler.abort_requests([rng.choice(sorted(scheduler.requests))])
         tokens = [rng.randint(10, 99) for _ in sampling]
+        kv.append_sampled(sampling, tokens)
         scheduler.update_from_output(StepOutput(step.step_id, sampling, tokens))
     else:
         pytest.fail("the workload did not finish")

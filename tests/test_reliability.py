@@ -190,6 +190,39 @@ def test_crash_loop_gives_up_with_a_clear_error(supervised):
     assert wait_until(lambda: processes_gone(list(seen)), 10)
 
 
+# ---- readiness while the engine restarts ---------------------------------------------------------
+
+
+def test_health_is_503_while_the_engine_restarts_then_200(tmp_path, tiny_model):
+    """kill -9 a worker: /health answers 503 (engine_restarting) and the client's stats say
+    "recovering" until the new engine is up; then 200 and "serving" again, and requests run."""
+    import httpx
+
+    handle = start_server(tmp_path, tiny_model, env=ONE_THREAD)
+    try:
+        with httpx.Client(base_url=handle.http_url, timeout=10) as http, Client(handle.endpoint, timeout=30) as client:
+            assert http.get("/health").status_code == 200 and client.stats()["state"] == "serving"
+            _, workers = _engine_processes(handle)
+            workers[0].kill()
+            seen, reasons = [], set()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (seen and seen[-1][0] == 200 and any(s[0] == 503 for s in seen)):
+                health = http.get("/health")
+                error = health.json()["error"] if health.status_code != 200 else {"code": None}
+                reasons.add(error.get("message"))
+                seen.append((health.status_code, error["code"], client.stats()["state"]))
+                time.sleep(0.05)
+            assert seen[-1] == (200, None, "serving"), seen[-5:]
+            restarting = [s for s in seen if s[0] == 503]
+            assert restarting and all(code == "engine_restarting" for _, code, _ in restarting), seen
+            assert (503, "engine_restarting", "recovering") in seen, seen
+            assert reasons - {None} == {"the engine is restarting after a failure; retry shortly"}
+            assert len(client.generate("t5 t6", SamplingParams(max_tokens=3, ignore_eos=True)).outputs[0].token_ids) == 3
+        assert "engine recovered in" in handle.log()
+    finally:
+        handle.stop()
+
+
 # ---- --on-failure fail ---------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     enable_prefix_caching: bool = False,
     scheduling_policy: str = "fcfs",
+    async_scheduling: bool = False,
 ) -> Scheduler:
     """Prefix caching is off unless asked for: most tests pin other rules with block ids."""
     config = EngineConfig(
@@ -38,6 +39,7 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         scheduling_policy=scheduling_policy,
+        async_scheduling=async_scheduling,
     )
     return Scheduler(config, KVCacheManager(BlockPool(num_blocks), block_size, enable_prefix_caching))
 
@@ -228,18 +230,93 @@ def test_step_input_sends_a_new_request_in_full_then_only_diffs():
     assert first.cached_requests == []
     complete(scheduler, first, {"a": 11})
 
+    # The workers append the tokens they sampled themselves: a diff carries no token ids.
     second = scheduler.schedule()
     assert second.new_requests == []
-    assert second.cached_requests == [CachedRequestData("a", [11], new_block_ids=[], num_computed_tokens=6)]
+    assert second.cached_requests == [CachedRequestData("a", [], new_block_ids=[], num_computed_tokens=6)]
     complete(scheduler, second, {"a": 12})
 
     third = scheduler.schedule()
-    assert third.cached_requests == [CachedRequestData("a", [12], new_block_ids=[], num_computed_tokens=7)]
+    assert third.cached_requests == [CachedRequestData("a", [], new_block_ids=[], num_computed_tokens=7)]
     complete(scheduler, third, {"a": 13})
 
     fourth = scheduler.schedule()
-    assert fourth.cached_requests == [CachedRequestData("a", [13], new_block_ids=[2], num_computed_tokens=8)]
+    assert fourth.cached_requests == [CachedRequestData("a", [], new_block_ids=[2], num_computed_tokens=8)]
     assert scheduler.kv_cache.block_ids("a") == [0, 1, 2]
+    assert scheduler.requests["a"].output_token_ids == [11, 12, 13]
+
+
+# ---- async scheduling: output placeholders -------------------------------------------------------
+
+
+def answer(scheduler: Scheduler, step: StepInput, sampled: dict[str, int]) -> list[TokenDelta]:
+    """Step `step`'s output, arriving after later steps were scheduled."""
+    ids = list(sampled)
+    return scheduler.update_from_output(StepOutput(step.step_id, ids, [sampled[i] for i in ids]))
+
+
+def test_async_schedules_a_decode_before_its_previous_token_arrives():
+    scheduler = make_scheduler(async_scheduling=True)
+    add(scheduler, make_request("a", 6))
+    first = scheduler.schedule()
+    assert scheduled(first) == {"a": 6}
+    second = scheduler.schedule()  # step 1's token is still in flight
+    assert scheduled(second) == {"a": 1}
+    assert second.cached_requests == [CachedRequestData("a", [], new_block_ids=[], num_computed_tokens=6)]
+    request = scheduler.requests["a"]
+    assert request.num_output_placeholders == 2 and request.num_computed_tokens == 7
+    answer(scheduler, first, {"a": 11})
+    third = scheduler.schedule()
+    assert scheduled(third) == {"a": 1} and request.num_computed_tokens == 8
+    answer(scheduler, second, {"a": 12})
+    answer(scheduler, third, {"a": 13})
+    assert request.output_token_ids == [11, 12, 13] and request.num_output_placeholders == 0
+
+
+def test_sync_never_schedules_a_token_it_does_not_have():
+    scheduler = make_scheduler()
+    add(scheduler, make_request("a", 6))
+    scheduler.schedule()
+    assert scheduler.schedule().is_empty
+
+
+def test_async_does_not_compute_past_max_tokens_in_flight():
+    scheduler = make_scheduler(async_scheduling=True)
+    add(scheduler, make_request("a", 4, max_tokens=2))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert scheduled(second) == {"a": 1}
+    assert scheduler.schedule().is_empty  # two tokens in flight: the second is the last
+    answer(scheduler, first, {"a": 11})
+    deltas = answer(scheduler, second, {"a": 12})
+    assert deltas[-1].finish_reason == "length" and "a" not in scheduler.requests
+
+
+def test_async_drops_a_finished_requests_extra_token():
+    scheduler = make_scheduler(async_scheduling=True)
+    add(scheduler, make_request("a", 4))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    deltas = answer(scheduler, first, {"a": EOS})
+    assert deltas[0].finish_reason == "stop"
+    third = scheduler.schedule()
+    assert third.finished_ids == ["a"] and third.is_empty
+    assert answer(scheduler, second, {"a": 11}) == []  # sampled after its end: discarded
+    assert scheduler.kv_cache.pool.num_free_blocks == 64
+
+
+def test_async_drops_tokens_in_flight_when_a_request_is_preempted():
+    # 3 blocks of 4 tokens: a (4 prompt) and b (4 prompt) fill two; growing both needs a fourth.
+    scheduler = make_scheduler(async_scheduling=True, num_blocks=3)
+    a, b = make_request("a", 4, max_tokens=8), make_request("b", 4, max_tokens=8)
+    add(scheduler, a, b)
+    first = scheduler.schedule()
+    assert scheduled(first) == {"a": 4, "b": 4}
+    second = scheduler.schedule()  # both decode into a new block each: b is preempted
+    assert second.preempted_ids == ["b"] and scheduled(second) == {"a": 1}
+    assert b.num_stale_outputs == 1 and b.num_output_placeholders == 0
+    answer(scheduler, first, {"a": 11, "b": 21})  # b's token was sampled before it was preempted
+    assert b.output_token_ids == [] and b.num_stale_outputs == 0
+    answer(scheduler, second, {"a": 12})
+    assert a.output_token_ids == [11, 12]
 
 
 def test_step_ids_increase_by_one():
@@ -634,16 +711,33 @@ class WorkerRequest:
 
 
 class FakeWorkers:
-    """Rebuilds the workers' persistent batch from the StepInput diffs alone, checking each one."""
+    """Rebuilds the workers' persistent batch from the StepInput diffs alone, checking each one.
+    Like the real workers, it appends the tokens it sampled itself (`finish`), which under async
+    scheduling happens after the next step was launched: until then a request may compute one
+    token past the ones it holds (the one in flight)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.batch: dict[str, WorkerRequest] = {}
+        self.in_flight: dict[str, tuple[WorkerRequest, int]] = {}  # samples not yet appended
+
+    def _num_in_flight(self, request_id: str, held: WorkerRequest) -> int:
+        entry = self.in_flight.get(request_id)
+        return entry[1] if entry is not None and entry[0] is held else 0
+
+    def finish(self, sampling: list[str], tokens: list[int]) -> None:
+        for request_id, token in zip(sampling, tokens):
+            held = self.batch.get(request_id)
+            count = self._num_in_flight(request_id, held)
+            if count:
+                held.token_ids.append(token)
+                self.in_flight[request_id] = (held, count - 1)
 
     def execute(self, step: StepInput) -> list[str]:
         for request_id in (*step.finished_ids, *step.preempted_ids):
             assert request_id in self.batch, f"{request_id} dropped but never sent"
             del self.batch[request_id]
+            self.in_flight.pop(request_id, None)
         for new in step.new_requests:
             assert new.request_id not in self.batch, f"{new.request_id} sent in full twice"
             copy = WorkerRequest(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
@@ -658,10 +752,14 @@ class FakeWorkers:
             held = self.batch[request_id]
             assert num_tokens > 0
             held.num_computed_tokens += num_tokens
-            assert held.num_computed_tokens <= len(held.token_ids)
+            known = len(held.token_ids) + self._num_in_flight(request_id, held)
+            assert held.num_computed_tokens <= known
             assert len(held.block_ids) * self.block_size >= held.num_computed_tokens
-            if held.num_computed_tokens == len(held.token_ids):
+            if held.num_computed_tokens == known:
                 sampling.append(request_id)
+        for request_id in sampling:
+            held = self.batch[request_id]
+            self.in_flight[request_id] = (held, self._num_in_flight(request_id, held) + 1)
         return sampling
 
 
@@ -745,7 +843,9 @@ def test_random_workload_with_preemptions_and_aborts_finishes_without_leaks():
             assert scheduler.abort_requests([victim]) == [victim]
             aborted.add(victim)
 
-        deltas = scheduler.update_from_output(StepOutput(step.step_id, sampling, [random_token(rng) for _ in sampling]))
+        tokens = [random_token(rng) for _ in sampling]
+        workers.finish(sampling, tokens)
+        deltas = scheduler.update_from_output(StepOutput(step.step_id, sampling, tokens))
         for delta in deltas:
             assert delta.request_id not in aborted
             streamed[delta.request_id] += delta.new_token_ids
@@ -760,6 +860,10 @@ def test_random_workload_with_preemptions_and_aborts_finishes_without_leaks():
     assert scheduler.num_preemptions > 0
     assert aborted
 
+    assert_finished_correctly(submitted, streamed, max_model_len)
+
+
+def assert_finished_correctly(submitted: dict[str, Request], streamed: dict[str, list[int]], max_model_len: int) -> None:
     for request_id, request in submitted.items():
         assert request.status.is_finished
         assert streamed[request_id] == request.output_token_ids
@@ -802,3 +906,85 @@ def test_engine_core_delivers_finished_ids_even_when_nothing_else_is_scheduled()
     core.step()  # nothing to run, but the workers must hear that "a" is gone
     assert executor.steps[-1].finished_ids == ["a"] and executor.steps[-1].is_empty
     assert core.step() == [] and len(executor.steps) == 2
+
+
+def test_random_async_workload_with_two_steps_in_flight_finishes_without_leaks():
+    """As the engine core runs async scheduling: step N+1 is scheduled and launched before step
+    N's tokens are appended (by the workers) and applied (by the scheduler)."""
+    rng = random.Random(99)
+    block_size, max_model_len = 4, 48
+    scheduler = make_scheduler(
+        num_blocks=20, block_size=block_size, max_model_len=max_model_len, max_num_seqs=6, max_num_batched_tokens=16,
+        async_scheduling=True,
+    )
+    workers = FakeWorkers(block_size)
+    pending = [random_request(rng, i, max_model_len - 1) for i in range(80)]
+    submitted: dict[str, Request] = {}
+    streamed: dict[str, list[int]] = {}
+    in_flight: list[tuple[StepInput, list[str], list[int]]] = []
+    for _ in range(10000):
+        while pending and rng.random() < 0.3:
+            request = pending.pop(0)
+            scheduler.add_request(request)
+            submitted[request.request_id] = request
+            streamed[request.request_id] = []
+        if not pending and not scheduler.has_unfinished_requests() and not in_flight:
+            break
+        if len(in_flight) < 2:
+            step = scheduler.schedule()
+            if not step.is_empty or step.finished_ids or step.preempted_ids:
+                sampling = workers.execute(step)
+                in_flight.append((step, sampling, [random_token(rng) for _ in sampling]))
+                if len(in_flight) < 2:
+                    continue
+        if not in_flight:
+            continue
+        step, sampling, tokens = in_flight.pop(0)
+        workers.finish(sampling, tokens)
+        if scheduler.requests and rng.random() < 0.03:
+            scheduler.abort_requests([rng.choice(sorted(scheduler.requests))])
+        for delta in scheduler.update_from_output(StepOutput(step.step_id, sampling, tokens)):
+            streamed[delta.request_id] += delta.new_token_ids
+    else:
+        pytest.fail("the workload did not finish")
+
+    workers.execute(scheduler.schedule())
+    assert workers.batch == {}
+    assert_all_blocks_free(scheduler)
+    assert scheduler.num_preemptions > 0
+    assert scheduler.requests == {} and scheduler.running == []
+    aborted = {rid for rid, r in submitted.items() if r.status == RequestStatus.FINISHED_ABORTED}
+    assert aborted
+    finished = {rid: r for rid, r in submitted.items() if rid not in aborted}
+    assert_finished_correctly(finished, streamed, max_model_len)
+
+
+# ---- a request that fails on the workers ---------------------------------------------------------
+
+
+def test_request_failed_on_the_workers_ends_alone_and_readers_of_its_blocks_recompute():
+    """A fails on the workers in the step that admits it. B, admitted next in the same step, took
+    A's (never computed) prefix blocks from the cache: B is recomputed from scratch, and those
+    blocks leave the cache. C shares nothing and goes on untouched."""
+    scheduler = make_scheduler(enable_prefix_caching=True)
+    a = make_request("a", 10)
+    b = Request("b", prompt(8) + [500, 501], SamplingParams(temperature=0, max_tokens=16))
+    c = Request("c", [300 + i for i in range(6)], SamplingParams(temperature=0, max_tokens=16))
+    add(scheduler, a, b, c)
+    step = scheduler.schedule()
+    assert scheduled(step) == {"a": 10, "b": 2, "c": 6}  # b starts after a's two full blocks
+
+    output = StepOutput(step.step_id, ["b", "c"], [TOKEN, TOKEN], failed_requests={"a": "RuntimeError: boom"})
+    deltas = scheduler.update_from_output(output)
+
+    assert deltas == [TokenDelta("a", [], finish_reason="error", error="RuntimeError: boom"),
+                      TokenDelta("c", [TOKEN])]
+    assert "a" not in scheduler.requests
+    assert b.status == RequestStatus.PREEMPTED and b.output_token_ids == []  # its token was read off bad blocks
+    assert scheduler.running == [c] and c.output_token_ids == [TOKEN]
+    assert scheduler.kv_cache.find_cached_prefix(make_request("again", 10)) == []  # a's blocks left the cache
+
+    step = scheduler.schedule()
+    assert step.finished_ids == ["a"] and step.preempted_ids == ["b"]  # the workers drop both
+    resent = {r.request_id: r for r in step.new_requests}
+    assert resent["b"].num_computed_tokens == 0 and scheduled(step) == {"c": 1, "b": 10}

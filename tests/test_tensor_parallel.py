@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -108,10 +109,13 @@ def smollm2_tp1_tokens(smollm2_dir):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_llm_tp_n_matches_tp_1_on_smollm2(smollm2_dir, smollm2_tp1_tokens, tp):
+@pytest.mark.parametrize("tp, async_scheduling", [(2, False), (4, False), (2, True)], ids=["tp2", "tp4", "tp2-async"])
+def test_llm_tp_n_matches_tp_1_on_smollm2(smollm2_dir, smollm2_tp1_tokens, tp, async_scheduling):
+    # Async: the core sends step N+1 before step N's answer; every rank feeds rank 0's broadcast
+    # tokens of step N into step N+1 itself.
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    llm = LLM(smollm2_dir, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp)
+    llm = LLM(smollm2_dir, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp,
+              async_scheduling=async_scheduling)
     workers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert len(workers) == tp
     try:
@@ -135,16 +139,26 @@ def test_dummy_weights_are_the_same_model_at_every_tp(tmp_path):
     assert tokens[0] == tokens[1]
 
 
-def test_vllm_launch_tp_2_serves_the_client_like_tp_1(tmp_path, smollm2_dir, smollm2_tp1_tokens):
-    handle = start_server(tmp_path, smollm2_dir, "--tp", "2", "--dtype", "float32")
+@pytest.mark.parametrize("scheduling", ["--no-async-scheduling", "--async-scheduling"])
+def test_vllm_launch_tp_2_serves_the_client_like_tp_1(tmp_path, smollm2_dir, smollm2_tp1_tokens, scheduling):
+    handle = start_server(tmp_path, smollm2_dir, "--tp", "2", "--dtype", "float32", scheduling)
     try:
         workers = [p for p in handle.children() if "zllm.workers.process" in " ".join(p.cmdline())]
         assert len(workers) == 2
         with Client(handle.endpoint) as client:
             got = [client.generate(p, GREEDY).outputs[0].token_ids for p in PROMPTS]
         assert got == smollm2_tp1_tokens
+        # Concurrent requests: one batch, requests finishing while the next step is in flight.
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            concurrent = list(pool.map(lambda p: _generate_once(handle.endpoint, p), PROMPTS))
+        assert concurrent == smollm2_tp1_tokens
     finally:
         assert handle.stop() == 0
+
+
+def _generate_once(endpoint: str, prompt: str) -> list[int]:
+    with Client(endpoint) as client:
+        return client.generate(prompt, GREEDY).outputs[0].token_ids
 
 
 # ---- bad input and failures --------------------------------------------------------------------

@@ -90,12 +90,18 @@ class AuthenticationError(ZllmError, PermissionError):
     """Missing or wrong api key, or a CURVE key the server refuses."""
 
 
+class RequestFailedError(ZllmError):
+    """The server failed this request alone (e.g. the engine could not set it up); the others
+    it serves go on. The message says why."""
+
+
 _ERRORS = {
     "bad_request": RequestError,
     "engine_dead": EngineDeadError,
     "overloaded": OverloadedError,
     "draining": ServerDrainingError,
     "unauthorized": AuthenticationError,
+    "internal": RequestFailedError,
 }
 
 _HWM = 10_000

@@ -44,6 +44,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # worker processes, one model shard (and GPU) each
     distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
     enforce_eager: bool = False  # CUDA: no decode graphs
+    # Schedule step N+1 while step N runs on the device, so host work hides behind GPU work.
+    # None: on when the workers run on CUDA (on CPU the compute is synchronous: nothing to hide).
+    async_scheduling: bool | None = None
     served_model_name: str | None = None
     enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
     scheduling_policy: str = "fcfs"  # fcfs: arrival order; priority: lower `priority` value first
@@ -71,6 +74,15 @@ class EngineConfig:
     curve_dir: str = ""  # CURVE keys of a tcp:// client endpoint: server.key(_secret), clients/*.key
     allow_insecure_tcp: bool = False  # serve a tcp:// client endpoint without CURVE (trusted networks only)
     client_max_message_bytes: int = 64 << 20  # a bigger client frame drops that client's connection
+    # The largest frame between zllm's own processes. A socket that accepts connections (the
+    # frontend's from the core, the core's from the workers) drops a peer that sends a bigger one
+    # before buffering it; a connecting socket (core and worker inputs) drops the frame itself.
+    # NOTE: a fixed, generous bound rather than one derived per message kind: the peers are our own
+    # processes, and a legitimate message cut off would lose a step. The largest ones stay far below
+    # it: a step's prompt logprobs are ~15 bytes x (max_logprobs + 1) per prompt token (41 MB for a
+    # full 131072-token prompt at 20); a request carries at most one client frame's content, which
+    # tokenizing can grow (bad words: ~5 bytes per token), hence at least 8x the client bound.
+    internal_max_message_bytes: int = 1 << 30
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -89,6 +101,8 @@ class EngineConfig:
         config.max_model_len = _resolve_max_model_len(spec, config.max_model_len)
         config.validate()
         _check_tensor_parallel(config, spec)
+        if config.async_scheduling is None:
+            config.async_scheduling = _runs_on_cuda(config)
         return config
 
     @property
@@ -144,6 +158,12 @@ class EngineConfig:
         _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s", "must be >= 0")
         _require(self.max_waiting >= 1, "max_waiting", f"must be >= 1, got {self.max_waiting}")
         _require(self.client_max_message_bytes >= 1 << 16, "client_max_message_bytes", "must be >= 64 KiB")
+        _require(
+            self.internal_max_message_bytes >= 8 * self.client_max_message_bytes,
+            "internal_max_message_bytes",
+            f"must be >= 8 x client_max_message_bytes ({8 * self.client_max_message_bytes}), got "
+            f"{self.internal_max_message_bytes}",
+        )
         if self.client_endpoint.startswith("tcp://"):
             _require(
                 bool(self.curve_dir) or self.allow_insecure_tcp,
@@ -179,6 +199,14 @@ def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
         logger.warning("max_model_len: capped at the model's sliding_window, %d (max_position_embeddings %d)", window, limit)
         return window
     return limit
+
+
+def _runs_on_cuda(config: EngineConfig) -> bool:
+    if config.device != "auto":
+        return config.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _check_tensor_parallel(config: EngineConfig, spec: ModelSpec) -> None:

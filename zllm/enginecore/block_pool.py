@@ -144,8 +144,18 @@ class BlockPool:
         self._cached.clear()
         return count
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Make blocks unfindable: their contents were never computed (the request that was to
+        compute them failed on the workers)."""
+        for block in blocks:
+            self._forget_hash(block)
+
     def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            self._forget_hash(block)
+            self.num_evictions += 1
+
+    def _forget_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
             block.block_hash = None
-            self.num_evictions += 1

@@ -1,12 +1,15 @@
 """The engine core: owns the scheduler and drives an executor one step at a time.
 
 It never touches tensors: the executor (in-process worker now, worker processes later) runs the
-model. One `step()` is schedule -> execute -> update.
+model. One `step()` is schedule -> execute -> update; under async scheduling it is
+schedule -> submit, then collect the oldest step in flight -> update, with up to two steps in
+flight, so the workers run step N while the core schedules step N+1.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Protocol
 
 from zllm.config import EngineConfig
@@ -32,13 +35,23 @@ class Executor(Protocol):
 
     def execute_step(self, step: StepInput) -> StepOutput: ...
 
+    # Async scheduling: steps go out ahead of their answers, which come back in order.
+    def submit_step(self, step: StepInput) -> None: ...
+
+    def collect_step(self, flush: bool) -> StepOutput: ...
+
     def shutdown(self) -> None: ...
+
+
+_PIPELINE_DEPTH = 2  # steps in flight under async scheduling: one running, one queued behind it
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
         self.executor = executor
+        self.async_scheduling = bool(config.async_scheduling)
+        self._in_flight: deque[int] = deque()  # step ids submitted, not yet collected
         self.num_kv_blocks = config.num_kv_blocks or executor.determine_num_kv_blocks()
         _warn_if_a_long_request_cannot_fit(config, self.num_kv_blocks)
         executor.initialize_kv_cache(self.num_kv_blocks)
@@ -84,7 +97,8 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or steps in flight whose answers must still be collected."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -99,16 +113,38 @@ class EngineCore:
         return True
 
     def step(self) -> list[TokenDelta]:
+        if self.async_scheduling:
+            return self._pipelined_step()
         step = self.scheduler.schedule()
-        if step.is_empty and not (step.finished_ids or step.preempted_ids):
+        if not _worth_sending(step):
             return []
-        # NOTE: an empty step still goes out when it carries finished/preempted ids, or the
-        # workers would keep those requests' state forever.
         output = self.executor.execute_step(step)
+        return self.scheduler.update_from_output(output)
+
+    def _pipelined_step(self) -> list[TokenDelta]:
+        """Submit the next step if the pipeline has room; then collect the oldest one, unless
+        the pipeline was not full yet (a step was just submitted and another may follow)."""
+        if len(self._in_flight) < _PIPELINE_DEPTH:
+            step = self.scheduler.schedule()
+            if _worth_sending(step):
+                self.executor.submit_step(step)
+                self._in_flight.append(step.step_id)
+                if len(self._in_flight) < _PIPELINE_DEPTH:
+                    return []
+        if not self._in_flight:
+            return []
+        output = self.executor.collect_step(flush=len(self._in_flight) == 1)
+        self._in_flight.popleft()
         return self.scheduler.update_from_output(output)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _worth_sending(step: StepInput) -> bool:
+    # NOTE: an empty step still goes out when it carries finished/preempted ids, or the workers
+    # would keep those requests' state forever.
+    return not step.is_empty or bool(step.finished_ids or step.preempted_ids)
 
 
 def _warn_if_a_long_request_cannot_fit(config: EngineConfig, num_blocks: int) -> None:

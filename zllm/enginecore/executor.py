@@ -11,6 +11,7 @@ import itertools
 import logging
 import subprocess
 import time
+from collections import deque
 
 import zmq
 
@@ -19,6 +20,7 @@ from zllm.ipc.addresses import InternalEndpoints
 from zllm.ipc.codec import Codec, MessageError
 from zllm.ipc.messages import (
     CoreToWorker,
+    FlushStep,
     StepInput,
     StepOutput,
     WorkerCall,
@@ -44,10 +46,12 @@ class MultiprocExecutor:
         ranks = range(config.tensor_parallel_size)
         hwm = config.socket_hwm
         self.inputs = [make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm) for r in ranks]
-        self.output = make_socket(context, zmq.PULL, endpoints.worker_output, bind=True, hwm=hwm)
+        self.output = make_socket(context, zmq.PULL, endpoints.worker_output, bind=True, hwm=hwm,
+                                  max_message_bytes=config.internal_max_message_bytes)
         self.outbound: Codec = Codec(CoreToWorker)
         self.inbound: Codec = Codec(WorkerToCore)
         self._call_ids = itertools.count()
+        self._submitted: deque[int] = deque()  # step ids sent and not yet answered
         self.processes: list[subprocess.Popen] = [
             spawn_child("zllm.workers.process", config, "--rank", str(r)) for r in ranks
         ]
@@ -72,10 +76,22 @@ class MultiprocExecutor:
         self._call_all("init_kv_cache", [num_blocks])
 
     def execute_step(self, step: StepInput) -> StepOutput:
+        self.submit_step(step)
+        return self.collect_step(flush=True)
+
+    def submit_step(self, step: StepInput) -> None:
         self._broadcast(step)
+        self._submitted.append(step.step_id)
+
+    def collect_step(self, flush: bool) -> StepOutput:
+        """Rank 0's answer to the oldest submitted step; `flush`: no step follows it, so an async
+        worker must be told to answer without waiting for one."""
+        step_id = self._submitted.popleft()
+        if flush and self.config.async_scheduling:
+            self._broadcast(FlushStep(step_id=step_id))
         (output,) = self._gather(StepOutput, 1, timeout_s=None)
-        if output.step_id != step.step_id:
-            raise WorkerDiedError(f"rank 0 answered step {output.step_id}, expected {step.step_id}")
+        if output.step_id != step_id:
+            raise WorkerDiedError(f"rank 0 answered step {output.step_id}, expected {step_id}")
         return output
 
     def shutdown(self) -> None:

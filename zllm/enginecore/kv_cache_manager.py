@@ -45,6 +45,9 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
+    def blocks(self, request_id: str) -> list[KVBlock]:
+        return list(self._blocks.get(request_id, ()))
+
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -156,7 +156,9 @@ class EngineCoreProcess:
     # ---- side threads --------------------------------------------------------------------------
 
     def _receive_loop(self, socket: zmq.Socket) -> None:
-        codec: Codec = Codec(FrontendToCore)
+        # NOTE: the size limit is checked on receipt, not with zmq.MAXMSGSIZE: libzmq ends a
+        # connecting socket's session on an oversized frame and never reconnects it.
+        codec: Codec = Codec(FrontendToCore, max_frame_bytes=self.config.internal_max_message_bytes)
         poll_ms = int(self.config.heartbeat_interval_s * 1000)
         while not self._closing.is_set():
             if not socket.poll(poll_ms):

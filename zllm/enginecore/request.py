@@ -4,6 +4,7 @@
        ^                     |
        +---- PREEMPTED <-----+   (blocks freed; recomputed from scratch when resumed)
     any unfinished state --abort--> FINISHED_ABORTED
+    RUNNING --the workers could not take it--> FINISHED_ERROR   (that request alone)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +37,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",  # vLLM's FinishReason.ERROR
 }
 
 
@@ -51,6 +54,11 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_tokens_on_workers: int = 0  # how many of all_token_ids the workers hold
+    # Tokens being sampled by steps in flight (async scheduling): the next step computes their
+    # positions before their values are known here; the workers fill them in on the device.
+    num_output_placeholders: int = 0
+    # Outputs still to come from steps sent before this request was preempted: dropped on arrival.
+    num_stale_outputs: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
@@ -74,6 +82,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_output_placeholders
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -7,6 +7,12 @@ A waiting request starts after the longest prefix of its blocks found in the pre
 When the block pool runs dry, a running request is preempted — the latest one (fcfs), or the
 one with the largest (priority, arrival) (priority) — its blocks are freed and it is recomputed
 later (mostly from the prefix cache, if its blocks were not evicted meanwhile).
+
+Async scheduling (`config.async_scheduling`): the core schedules step N+1 while step N runs, so a
+request whose step N samples a token is scheduled again before that token is known: the token
+is an output placeholder, whose position step N+1 computes; the workers put the sampled value in
+on the device. A request whose token in flight may be its last (max_tokens, max_model_len) is
+not scheduled again until it arrives; one that stops on EOS costs one discarded step.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from zllm.config import EngineConfig
+from zllm.enginecore.block_pool import KVBlock
 from zllm.enginecore.kv_cache_manager import KVCacheManager
 from zllm.enginecore.request import Request, RequestStatus
 from zllm.enginecore.request_queue import make_waiting_queue, priority_key
@@ -65,6 +72,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.async_scheduling = config.async_scheduling
         self.policy = config.scheduling_policy
         self.kv_cache = kv_cache
         self.requests: dict[str, Request] = {}
@@ -72,6 +80,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._sequence = itertools.count()
         self._finished_ids: list[str] = []  # told to the workers with the next step
+        self._preempted_ids: list[str] = []  # preempted outside schedule(): told with the next step
         self._step_id = 0
         self.num_preemptions = 0
 
@@ -153,6 +162,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self._may_finish_in_flight(request):
+                continue
             num_tokens = self._num_tokens_to_schedule(request, plan.budget)
             if num_tokens == 0:
                 continue
@@ -190,7 +201,19 @@ class Scheduler:
     def _num_tokens_to_schedule(self, request: Request, budget: int, num_computed: int | None = None) -> int:
         num_computed = request.num_computed_tokens if num_computed is None else num_computed
         room = self.max_model_len - num_computed
-        return max(0, min(request.num_tokens - num_computed, budget, room))
+        known = request.num_tokens_with_placeholders if self.async_scheduling else request.num_tokens
+        return max(0, min(known - num_computed, budget, room))
+
+    def _may_finish_in_flight(self, request: Request) -> bool:
+        """A token in flight that reaches max_tokens or max_model_len ends the request: computing
+        past it would only be thrown away."""
+        pending = request.num_output_placeholders
+        if not pending:
+            return False
+        max_tokens = request.sampling.max_tokens
+        return (max_tokens is not None and request.num_output_tokens + pending >= max_tokens) or (
+            request.num_tokens + pending >= self.max_model_len
+        )
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: _StepPlan) -> list[int] | None:
         """Allocate blocks for the request's next tokens, preempting running requests until they
@@ -216,6 +239,9 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_tokens_on_workers = 0
+        # Steps in flight still sample for it; its tokens are recomputed after it resumes.
+        request.num_stale_outputs += request.num_output_placeholders
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -236,6 +262,8 @@ class Scheduler:
                     )
                 )
             request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
             self.kv_cache.cache_full_blocks(request, request.num_computed_tokens)
         self._step_id += 1
         step = StepInput(
@@ -245,9 +273,9 @@ class Scheduler:
             scheduled_ids=[r.request_id for r, _ in plan.scheduled],
             num_scheduled_tokens=[n for _, n in plan.scheduled],
             finished_ids=self._finished_ids,
-            preempted_ids=[r.request_id for r in plan.preempted],
+            preempted_ids=self._preempted_ids + [r.request_id for r in plan.preempted],
         )
-        self._finished_ids = []
+        self._finished_ids, self._preempted_ids = [], []
         return step
 
     def _new_request_data(self, request: Request) -> NewRequestData:
@@ -266,13 +294,21 @@ class Scheduler:
 
     def update_from_output(self, output: StepOutput) -> list[TokenDelta]:
         """Append sampled tokens, apply the stop rules, free what finished."""
-        deltas = []
-        finished = False
+        deltas = self._finish_failed(output.failed_requests)
+        finished = bool(deltas)
         for row, (request_id, token_id) in enumerate(zip(output.request_ids, output.sampled_token_ids)):
             request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request is None:
+                continue  # finished or aborted while the step ran
+            if request.num_stale_outputs:
+                request.num_stale_outputs -= 1  # sampled before it was preempted
+                continue
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_output_placeholders -= 1
             request.append_output_token(token_id)
+            if request.num_tokens_on_workers:
+                request.num_tokens_on_workers += 1  # the workers appended their own sample
             self._apply_stop_rules(request, token_id)
             deltas.append(
                 TokenDelta(
@@ -291,6 +327,40 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.status.is_finished]
         return deltas
+
+    def _finish_failed(self, failures: dict[str, str]) -> list[TokenDelta]:
+        """End each request the workers could not take, alone: free its blocks and tell the
+        frontend why (finish_reason "error"). The caller drops them from `running`."""
+        deltas = []
+        uncomputed: set[KVBlock] = set()
+        for request_id, reason in failures.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            uncomputed.update(self.kv_cache.blocks(request_id))
+            request.status = RequestStatus.FINISHED_ERROR
+            self._release(request)  # the workers dropped it already; the finished id is harmless
+            deltas.append(TokenDelta(request_id, [], finish_reason="error", error=reason))
+        if uncomputed:
+            self._recompute_readers(uncomputed)
+        return deltas
+
+    def _recompute_readers(self, blocks: set[KVBlock]) -> None:
+        """A failed request's blocks entered the prefix cache when they were scheduled (so that
+        requests admitted in the same step share them), but the workers never computed them.
+        Forget their hashes, and preempt every running request that holds one: it may have read
+        them this step, and then wrote wrong KV entries of its own, so its blocks are suspect
+        too (transitively). Conservative: a request sharing only older, sound blocks with the
+        failed one is recomputed as well; failures are rare, wrong outputs are not an option."""
+        suspect = set(blocks)
+        readers = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        while victims := [r for r in readers if suspect.intersection(self.kv_cache.blocks(r.request_id))]:
+            for request in victims:
+                suspect.update(self.kv_cache.blocks(request.request_id))
+                self._preempt(request)  # its token of this step, if any, is dropped: recomputed
+                self._preempted_ids.append(request.request_id)
+                readers.remove(request)
+        self.kv_cache.pool.uncache(suspect)
 
     def _apply_stop_rules(self, request: Request, token_id: int) -> None:
         sampling = request.sampling

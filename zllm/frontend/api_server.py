@@ -13,7 +13,8 @@ in every error. Requests reach the engine through the FrontendServer's in-proces
 
 Every error has OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
 parameters, 401 for a missing or wrong API key on /v1 routes, 404 for an unknown model or route,
-413 for an oversized body, 503 when the engine is dead or the server is draining.
+413 for an oversized body, 503 when the engine is dead or the server is draining (and, on /health
+only, while the engine restarts after a failure).
 """
 
 from __future__ import annotations
@@ -219,7 +220,12 @@ class ApiServer:
         return json_response(ModelList(data=[card]))
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while serving; 503 (with the reason) when dead, draining, or restarting the engine
+        after a failure (requests sent meanwhile are held and served once it is back)."""
         self._check_serving()
+        if self.frontend.recovering:
+            raise ApiError(503, "the engine is restarting after a failure; retry shortly", "server_error",
+                           code="engine_restarting")
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:

@@ -244,7 +244,8 @@ class FrontendServer:
             if hasattr(self, name):
                 getattr(self, name).close(linger=0)
         self.core_in = make_socket(self.context, zmq.PUSH, endpoints.core_input, bind=True, hwm=hwm)
-        self.core_out = make_socket(self.context, zmq.PULL, endpoints.core_output, bind=True, hwm=hwm)
+        self.core_out = make_socket(self.context, zmq.PULL, endpoints.core_output, bind=True, hwm=hwm,
+                                    max_message_bytes=self.config.internal_max_message_bytes)
         self._core_queue = asyncio.Queue(hwm)
         self.engine.spawn_core(dataclasses.replace(self.config, runtime_dir=runtime_dir))
         ready = await self._wait_ready()
@@ -592,6 +593,9 @@ class FrontendServer:
         for failures, kind in ((message.failed, "bad_request"), (message.rejected, "overloaded")):
             for core_id, reason in failures.items():
                 await self._fail(core_id, reason, kind)
+        for delta in message.outputs:
+            if delta.finish_reason == "error":  # failed on the workers, alone; process() skips it now
+                await self._fail(delta.request_id, f"the engine failed this request: {delta.error}", "internal")
         outputs, to_abort = self.outputs.process(message.outputs)
         if to_abort:
             await self._to_core(AbortRequests(request_ids=to_abort))

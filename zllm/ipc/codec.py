@@ -24,14 +24,17 @@ class MessageError(ValueError):
 
 
 class Codec(Generic[T]):
-    def __init__(self, message_type: Any) -> None:
+    def __init__(self, message_type: Any, max_frame_bytes: int | None = None) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(message_type)
+        self._max_frame_bytes = max_frame_bytes  # a bigger frame is refused, not decoded
 
     def encode(self, message: Any) -> bytes:
         return self._encoder.encode(message)
 
     def decode(self, frame: bytes | memoryview) -> T:
+        if self._max_frame_bytes is not None and len(frame) > self._max_frame_bytes:
+            raise MessageError(f"a frame of {len(frame)} bytes exceeds the limit of {self._max_frame_bytes} bytes")
         try:
             return self._decoder.decode(frame)
         except _DECODE_ERRORS as error:

@@ -85,11 +85,12 @@ class TokenDelta(_Message):
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     logprobs: TokenLogprobs | None = None  # one row per new token (SamplingParams.logprobs)
     prompt_logprobs: TokenLogprobs | None = None  # prompt positions 1..P-1, with the first token
+    error: str | None = None  # appended: why the request failed (finish_reason "error")
 
 
 class EngineOutputs(_Message):
@@ -172,6 +173,14 @@ class StepInput(_Message):
         return not self.scheduled_ids
 
 
+class FlushStep(_Message):
+    """Answer the step in flight now. Under async scheduling a worker answers step N once it has
+    launched step N+1 (so the device never waits for the host); the core sends this when it has
+    no step N+1 to send and must wait for step N's tokens."""
+
+    step_id: int
+
+
 class WorkerCall(_Message):
     """A set-up or control call to every worker: "init_kv_cache", "shutdown"."""
 
@@ -194,6 +203,9 @@ class StepOutput(_Message):
     logprobs: TokenLogprobs | None = None
     # Requests whose prefill completed this step and asked for prompt logprobs.
     prompt_logprobs: dict[str, TokenLogprobs] = {}
+    # Appended: requests the workers could not take (request id -> why). They failed alone: the
+    # workers dropped them, the rest of the step ran; the core ends them with finish_reason "error".
+    failed_requests: dict[str, str] = {}
 
 
 class WorkerReady(_Message):
@@ -280,7 +292,8 @@ class ServerError(_ClientMessage, tag="error"):
     """A request (or a stats call) failed. kind says what the client may do about it:
     "bad_request" (fix the request), "unauthorized" (wrong or missing api_key), "overloaded"
     (the waiting queue is full: retry later), "draining" (the server is shutting down: retry
-    elsewhere or later), "engine_dead" (the engine failed; the request is lost), "internal"."""
+    elsewhere or later), "engine_dead" (the engine failed; the request is lost), "internal" (the
+    server failed this request alone, e.g. the workers could not set it up; others go on)."""
 
     request_id: str | None
     message: str
@@ -305,7 +318,7 @@ class ServerUtilityResult(_ClientMessage, tag="utility_result"):
 
 FrontendToCore = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
 CoreToFrontend = Union[EngineOutputs, UtilityResult, EngineReady, EngineDead]
-CoreToWorker = Union[StepInput, WorkerCall]
+CoreToWorker = Union[StepInput, FlushStep, WorkerCall]
 WorkerToCore = Union[StepOutput, WorkerReady, WorkerCallResult, WorkerFailed]
 ClientToServer = Union[ClientGenerate, ClientAbort, ClientPing, ClientStats, ClientUtility]
 ServerToClient = Union[ServerOutput, ServerError, ServerPong, ServerStats, ServerUtilityResult]

@@ -38,7 +38,9 @@ def make_socket(
         # that is how the frontend notices a vanished client.
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if max_message_bytes > 0:
-        # A peer that sends a bigger frame is disconnected before the frame is buffered.
+        # A peer that sends a bigger frame is disconnected before the frame is buffered. Only for
+        # sockets that bind: libzmq ends a connecting socket's session on an oversized frame and
+        # never reconnects it (check the size on receipt there: Codec's max_frame_bytes).
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     if curve_server_keys is not None:
         make_curve_server(socket, curve_server_keys)

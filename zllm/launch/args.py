@@ -40,6 +40,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     group.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
+    group.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="schedule the next step while the current one runs (default: on with CUDA, off on CPU)",
+    )
     group.add_argument("--served-model-name", default=None)
     group.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=defaults.enable_prefix_caching,
@@ -93,6 +97,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         served_model_name=args.served_model_name,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
@@ -124,6 +129,9 @@ def add_reliability_args(parser: argparse.ArgumentParser) -> None:
                        help="serve a tcp:// client endpoint without CURVE (trusted networks only)")
     group.add_argument("--max-client-message-size", type=parse_size, default=defaults.client_max_message_bytes,
                        help="a client sending a bigger message is disconnected (default 64MiB)")
+    group.add_argument("--max-internal-message-size", type=parse_size, default=defaults.internal_max_message_bytes,
+                       help="the largest message between zllm's own processes; a bigger one drops the sender's "
+                       "connection (default 1GiB; at least 8x --max-client-message-size)")
 
 
 def reliability_kwargs(args: argparse.Namespace) -> dict:
@@ -137,4 +145,5 @@ def reliability_kwargs(args: argparse.Namespace) -> dict:
         curve_dir=args.zmq_curve_dir,
         allow_insecure_tcp=args.allow_insecure_tcp,
         client_max_message_bytes=args.max_client_message_size,
+        internal_max_message_bytes=args.max_internal_message_size,
     )

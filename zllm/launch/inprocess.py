@@ -53,6 +53,12 @@ class WorkerProcessGroup:
     def execute_step(self, step: StepInput) -> StepOutput:
         return self.executor.execute_step(step)
 
+    def submit_step(self, step: StepInput) -> None:
+        self.executor.submit_step(step)
+
+    def collect_step(self, flush: bool) -> StepOutput:
+        return self.executor.collect_step(flush)
+
     def shutdown(self) -> None:
         self.executor.shutdown()
         self._release()

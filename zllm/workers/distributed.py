@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 class TensorParallel:
     rank: int = 0
     size: int = 1
+
     @property
     def is_first(self) -> bool:
         return self.rank == 0
@@ -40,6 +41,13 @@ class TensorParallel:
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None
         torch.distributed.gather(x, parts, dst=0)
         return torch.cat(parts, dim=-1) if self.is_first else None
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (the sampled tokens: every rank feeds them to its
+        next step without waiting for the engine core)."""
+        if self.size > 1:
+            torch.distributed.broadcast(x, src=0)
+        return x
 
     def destroy(self) -> None:
         if self.size > 1 and torch.distributed.is_initialized():

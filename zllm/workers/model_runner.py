@@ -10,6 +10,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from zllm.config import EngineConfig
@@ -22,8 +23,10 @@ from zllm.workers.loader import init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
 from zllm.workers.models.spec import ModelSpec
 from zllm.workers.ops import ops_for
+from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, compute_logprobs, sample
 from zllm.workers.sampling_batch import SamplingBatch
+from zllm.workers.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,21 @@ class BatchInputs:
     prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step whose device work is queued: `sample_step` adds its tokens (on the device, with a
+    copy to the host on its way), `finish_step` waits for them."""
+
+    step_id: int
+    sampling_states: list[RequestState] = field(default_factory=list)
+    prompt_logprobs: dict[str, list[LogprobsTensors]] = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # rank 0, until sampled
+    tokens: torch.Tensor | None = None  # sampled, on the device (every rank)
+    host_tokens: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None  # recorded after the copy to the host
+    logprobs: LogprobsTensors | None = None
+
+
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None = None) -> torch.dtype:
     """The serving dtype. "auto": float32 on CPU; on a GPU the checkpoint's half-precision dtype,
     and bfloat16 for float32 (or unspecified) checkpoints, as vLLM does."""
@@ -98,6 +116,11 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.sampling = SamplingBatch(config.max_num_seqs, self.spec.vocab_size, device)
         self.awaiting_prompt_logprobs: dict[str, RequestState] = {}  # prefill not done yet
+        # The last sampled step's tokens while they are on their way to the host: request id ->
+        # (its state, its index in those tokens).
+        self._in_flight: dict[str, tuple[RequestState, int]] = {}
+        self._in_flight_tokens: torch.Tensor | None = None
+        self.failures = RequestFailures()  # new requests this worker could not take, until reported
         self.graphs = None
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -185,6 +208,7 @@ class ModelRunner:
         self.requests.clear()
         self.sampling.clear()
         self.awaiting_prompt_logprobs.clear()
+        self._in_flight, self._in_flight_tokens = {}, None
         scratch = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.kv_caches = []
         return scratch
@@ -216,44 +240,104 @@ class ModelRunner:
             self.graphs.capture()
 
     # ---- one step ------------------------------------------------------------------------------
+    #
+    # A step is launched (inputs, forward, logits: device work queued, no host sync), then sampled
+    # (its tokens stay on the device, where the next step reads them), then finished (the tokens
+    # reach the host). Under async scheduling the worker launches step N+1 before it finishes
+    # step N, so the device always has the next forward queued while the host catches up.
 
     @torch.inference_mode()
     def execute_step(self, step: StepInput) -> StepOutput:
+        """Launch, sample and finish one step (synchronous)."""
+        launched = self.launch_step(step)
+        self.sample_step(launched)
+        return self.finish_step(launched)
+
+    @torch.inference_mode()
+    def launch_step(self, step: StepInput) -> LaunchedStep:
         self._update_states(step)
+        launched = LaunchedStep(step_id=step.step_id)
         if step.is_empty:
-            return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
+            return launched
         batch = self._prepare_inputs(step)
         hidden = self._forward(batch)
         if batch.prompt_spans:
             self._compute_prompt_logprobs(hidden, batch.prompt_spans)
-        if not batch.sampling_states:
-            return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        if logits is None:  # not rank 0: only rank 0 samples and answers
-            return StepOutput(step_id=step.step_id, request_ids=[], sampled_token_ids=[])
-        meta = self.sampling.metadata([s.row for s in batch.sampling_states])
-        tokens = sample(logits, meta)
-        logprobs = None
-        if meta.max_num_logprobs is not None:
-            logprobs = _to_message(compute_logprobs(logits, tokens, meta.max_num_logprobs))
+        launched.prompt_logprobs = self._finished_prompt_logprobs()
+        launched.sampling_states = batch.sampling_states
+        if batch.sampling_states:
+            # Every rank takes part in the gather; only rank 0 gets logits.
+            launched.logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return launched
+
+    @torch.inference_mode()
+    def sample_step(self, launched: LaunchedStep) -> None:
+        """Sample on rank 0 and share the tokens with every rank, on the device; start copying
+        them to the host. The host-side token lists must be current (finish the previous step first)."""
+        states = launched.sampling_states
+        if not states:
+            return
+        if launched.logits is not None:
+            meta = self.sampling.metadata([s.row for s in states])
+            tokens = sample(launched.logits, meta)
+            if meta.max_num_logprobs is not None:
+                launched.logprobs = compute_logprobs(launched.logits, tokens, meta.max_num_logprobs)
+        else:
+            tokens = torch.empty(len(states), dtype=torch.long, device=self.device)
+        launched.logits = None
+        launched.tokens = self.tp.broadcast_from_first(tokens)
+        self._in_flight = {state.request_id: (state, index) for index, state in enumerate(states)}
+        self._in_flight_tokens = launched.tokens
+        launched.host_tokens = self._copy_to_host(launched.tokens)
+        if self.is_cuda:
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+
+    @torch.inference_mode()
+    def finish_step(self, launched: LaunchedStep) -> StepOutput:
+        """Wait for the step's tokens, add them to the requests it sampled, and answer."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        states = launched.sampling_states
+        tokens = launched.host_tokens.tolist() if states else []
+        rows, kept = [], []
+        for state, token in zip(states, tokens):
+            # A request dropped (finished, preempted) since may have a new owner of its row.
+            if self.requests.get(state.request_id) is state:
+                state.token_ids.append(token)
+                rows.append(state.row)
+                kept.append(token)
+        self.sampling.append_sampled(rows, kept)
+        if self._in_flight_tokens is launched.tokens:
+            self._in_flight, self._in_flight_tokens = {}, None
         return StepOutput(
-            step_id=step.step_id,
-            request_ids=[s.request_id for s in batch.sampling_states],
-            sampled_token_ids=tokens.tolist(),
-            logprobs=logprobs,
-            prompt_logprobs=self._finished_prompt_logprobs(),
+            step_id=launched.step_id,
+            request_ids=[s.request_id for s in states] if self.tp.is_first else [],
+            sampled_token_ids=tokens if self.tp.is_first else [],
+            logprobs=None if launched.logprobs is None else _to_message(launched.logprobs),
+            prompt_logprobs={rid: _concat_to_message(parts) for rid, parts in launched.prompt_logprobs.items()},
+            failed_requests=self.failures.take(),  # new requests it could not take, since the last answer
         )
+
+    def _copy_to_host(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not self.is_cuda:
+            return tokens
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        return host.copy_(tokens, non_blocking=True)
+
+    def _to_device(self, values: np.ndarray | list[int]) -> torch.Tensor:
+        return to_device(np.asarray(values, dtype=np.int64), self.device)
 
     def _compute_prompt_logprobs(self, hidden: torch.Tensor, spans: list[PromptSpan]) -> None:
         """Logprobs of each prompt token given the tokens before it, for the positions computed
-        this step; kept on the request until its prefill completes."""
-        indices = torch.cat([torch.arange(s.first_index, s.first_index + s.count) for s in spans]).to(self.device)
+        this step; kept on the request (on the device) until its prefill completes."""
+        indices = np.concatenate([np.arange(s.first_index, s.first_index + s.count) for s in spans])
         targets = [t for s in spans for t in s.state.token_ids[s.first_position + 1 : s.first_position + 1 + s.count]]
         num_top = max(s.state.sampling.prompt_logprobs for s in spans)
-        logits = self.model.compute_logits(hidden[indices])  # every rank takes part; rank 0 gets them
+        logits = self.model.compute_logits(hidden[self._to_device(indices)])  # every rank; rank 0 gets them
         if logits is None:
             return
-        result = compute_logprobs(logits, torch.tensor(targets, device=self.device), num_top)
+        result = compute_logprobs(logits, self._to_device(targets), num_top)
         start = 0
         for span in spans:
             rows = slice(start, start + span.count)
@@ -262,12 +346,12 @@ class ModelRunner:
             )
             start += span.count
 
-    def _finished_prompt_logprobs(self) -> dict[str, TokenLogprobs]:
+    def _finished_prompt_logprobs(self) -> dict[str, list[LogprobsTensors]]:
         """The prompt logprobs of the requests whose prefill completed this step."""
         done = {}
         for request_id, state in list(self.awaiting_prompt_logprobs.items()):
-            if state.num_computed_tokens == len(state.token_ids):
-                done[request_id] = _concat_to_message(state.prompt_logprobs)
+            if state.num_computed_tokens >= state.prompt_len:
+                done[request_id] = state.prompt_logprobs
                 state.prompt_logprobs = None
                 del self.awaiting_prompt_logprobs[request_id]
         return done
@@ -281,21 +365,33 @@ class ModelRunner:
 
     def _update_states(self, step: StepInput) -> None:
         for request_id in (*step.finished_ids, *step.preempted_ids):
-            if self.requests.pop(request_id, None) is not None:
-                self.sampling.remove(request_id)
-                self.awaiting_prompt_logprobs.pop(request_id, None)
+            self._discard_request(request_id)
+            self.failures.forget(request_id)
         for new in step.new_requests:
-            state = _state_from_new(new)
-            state.row = self.sampling.add(
-                new.request_id, new.sampling, state.token_ids, new.prompt_len, new.eos_token_ids, new.bad_words_token_ids
-            )
-            self.requests[new.request_id] = state
-            if state.prompt_logprobs is not None:
-                self.awaiting_prompt_logprobs[new.request_id] = state
+            self.failures.admit(new, self._add_request, self._discard_request)  # a failure fails it alone
+        self.failures.drop_failed(step)
         for cached in step.cached_requests:
+            if self.failures.is_dropped(cached.request_id):
+                continue  # scheduled (async) before the core heard that it failed here
             state = self.requests[cached.request_id]
             _apply_diff(state, cached)
-            self.sampling.append_tokens(state.row, cached.new_token_ids)
+            if cached.new_token_ids:
+                self.sampling.append_tokens(state.row, cached.new_token_ids)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        state = _state_from_new(new)
+        state.row = self.sampling.add(
+            new.request_id, new.sampling, state.token_ids, new.prompt_len, new.eos_token_ids, new.bad_words_token_ids
+        )
+        self.requests[new.request_id] = state
+        if state.prompt_logprobs is not None:
+            self.awaiting_prompt_logprobs[new.request_id] = state
+
+    def _discard_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.sampling.remove(request_id)
+        self.awaiting_prompt_logprobs.pop(request_id, None)
+        self._in_flight.pop(request_id, None)  # a token in flight for it is stale now
 
     def _prepare_inputs(self, step: StepInput) -> BatchInputs:
         # Decodes (one query token) first, shortest context first: attention batches them, and
@@ -306,64 +402,78 @@ class ModelRunner:
 
         order = sorted(range(len(step.scheduled_ids)), key=decode_first)
         token_ids: list[int] = []
-        positions: list[int] = []
+        starts: list[int] = []
         seq_lens: list[int] = []
         query_start_loc = [0]
         logits_indices: list[int] = []
+        fill_at: list[int] = []  # input positions whose token is still on the device...
+        fill_from: list[int] = []  # ...at this index of the previous step's sampled tokens
         sampling_states: list[RequestState] = []
         prompt_spans: list[PromptSpan] = []
         states = []
         for i in order:
             state = self.requests[step.scheduled_ids[i]]
             start, count = state.num_computed_tokens, step.num_scheduled_tokens[i]
+            end, known = start + count, len(state.token_ids)
+            in_flight = self._in_flight.get(state.request_id)
             if state.prompt_logprobs is not None and start < state.prompt_len - 1:
                 # Position p predicts prompt token p + 1; the last prompt position predicts the output.
-                span_count = min(start + count, state.prompt_len - 1) - start
+                span_count = min(end, state.prompt_len - 1) - start
                 prompt_spans.append(PromptSpan(state, query_start_loc[-1], start, span_count))
-            token_ids.extend(state.token_ids[start : start + count])
-            positions.extend(range(start, start + count))
-            seq_lens.append(start + count)
+            token_ids.extend(state.token_ids[start:end])
+            if end > known:  # the one token the previous step sampled, not on the host yet
+                if in_flight is None or in_flight[0] is not state or end != known + 1:
+                    raise RuntimeError(f"request {state.request_id}: step computes up to token {end}, only {known} known")
+                fill_at.append(len(token_ids))
+                fill_from.append(in_flight[1])
+                token_ids.append(0)
+            starts.append(start)
+            seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + count)
-            state.num_computed_tokens = start + count
+            state.num_computed_tokens = end
             states.append(state)
-            if start + count == len(state.token_ids):
+            if end == known + (in_flight is not None and in_flight[0] is state):
                 logits_indices.append(query_start_loc[-1] - 1)
                 sampling_states.append(state)
         num_decodes = sum(1 for i in order if step.num_scheduled_tokens[i] == 1)
-        positions_t = torch.tensor(positions, dtype=torch.long)
+        counts = np.diff(query_start_loc)
+        positions = np.arange(query_start_loc[-1]) + np.repeat(np.asarray(starts) - query_start_loc[:-1], counts)
         block_tables = self._block_tables(states)
+        rows = np.repeat(np.arange(len(states)), counts)
+        slot_mapping = block_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        # One host-to-device copy for every integer input of the step.
+        parts = [token_ids, positions, slot_mapping, seq_lens, logits_indices, fill_at, fill_from, block_tables.ravel()]
+        bounds = np.cumsum([0] + [len(p) for p in parts])
+        packed = self._to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+        (input_ids, positions_t, slots, seq_lens_t, logits_t, fill_at_t, fill_from_t, tables) = (
+            packed[bounds[k] : bounds[k + 1]] for k in range(len(parts))
+        )
+        if fill_at:
+            input_ids.index_copy_(0, fill_at_t, self._in_flight_tokens[fill_from_t])
         attention = AttentionMetadata(
-            slot_mapping=self._slot_mapping(query_start_loc, positions_t, block_tables),
-            block_tables=block_tables.to(device=self.device, dtype=self.index_dtype),
-            seq_lens=torch.tensor(seq_lens, dtype=self.index_dtype, device=self.device),
+            slot_mapping=slots,
+            block_tables=tables.view(block_tables.shape).to(self.index_dtype),
+            seq_lens=seq_lens_t.to(self.index_dtype),
             seq_lens_list=seq_lens,
             query_start_loc=query_start_loc,
             num_decodes=num_decodes,
             block_size=self.block_size,
         )
         return BatchInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            positions=positions_t.to(self.device),
+            input_ids=input_ids,
+            positions=positions_t,
             attention=attention,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            logits_indices=logits_t,
             sampling_states=sampling_states,
             prompt_spans=prompt_spans,
         )
 
-    def _block_tables(self, states: list[RequestState]) -> torch.Tensor:
+    def _block_tables(self, states: list[RequestState]) -> np.ndarray:
         width = max(len(s.block_ids) for s in states)
-        table = torch.zeros((len(states), width), dtype=torch.long)
+        table = np.zeros((len(states), width), dtype=np.int64)
         for row, state in enumerate(states):
-            table[row, : len(state.block_ids)] = torch.tensor(state.block_ids, dtype=torch.long)
+            table[row, : len(state.block_ids)] = state.block_ids
         return table
-
-    def _slot_mapping(
-        self, query_start_loc: list[int], positions: torch.Tensor, block_tables: torch.Tensor
-    ) -> torch.Tensor:
-        query_lens = torch.tensor(query_start_loc).diff()
-        rows = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)
-        blocks = block_tables[rows, positions // self.block_size]
-        return (blocks * self.block_size + positions % self.block_size).to(self.device)
 
 
 def _state_from_new(new: NewRequestData) -> RequestState:

@@ -22,6 +22,7 @@ from zllm.ipc.addresses import InternalEndpoints
 from zllm.ipc.codec import Codec, MessageError
 from zllm.ipc.messages import (
     CoreToWorker,
+    FlushStep,
     StepInput,
     WorkerCall,
     WorkerCallResult,
@@ -43,7 +44,9 @@ class WorkerProcess:
         self.context = zmq.Context()
         self.input = make_socket(self.context, zmq.PULL, endpoints.worker_input(rank), bind=False, hwm=config.socket_hwm)
         self.output = make_socket(self.context, zmq.PUSH, endpoints.worker_output, bind=False, hwm=config.socket_hwm)
-        self.inbound: Codec = Codec(CoreToWorker)
+        # NOTE: the size limit is checked on receipt, not with zmq.MAXMSGSIZE: libzmq ends a
+        # connecting socket's session on an oversized frame and never reconnects it.
+        self.inbound: Codec = Codec(CoreToWorker, max_frame_bytes=config.internal_max_message_bytes)
         self.outbound: Codec = Codec(WorkerToCore)
         self.worker = None
 
@@ -74,14 +77,22 @@ class WorkerProcess:
                 logger.error("rank %d: dropped a malformed message: %s", self.rank, error)
                 continue
             if isinstance(message, StepInput):
-                output = self.worker.execute_step(message)
-                if self.rank == 0:
-                    self._send(output)
+                answers = self.worker.advance(message)
+                if not self.config.async_scheduling:
+                    answers += self.worker.finish_pending()
+                self._answer(answers)
+            elif isinstance(message, FlushStep):
+                self._answer(self.worker.finish_pending())
             elif isinstance(message, WorkerCall):
                 if message.method == "shutdown":
                     self.worker.shutdown()
                     return
                 self._send(self._call(message))
+
+    def _answer(self, outputs: list) -> None:
+        if self.rank == 0:  # every rank holds the same tokens; one answer is enough
+            for output in outputs:
+                self._send(output)
 
     def _call(self, call: WorkerCall) -> WorkerCallResult:
         if call.method == "init_kv_cache":

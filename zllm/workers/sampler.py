@@ -95,7 +95,9 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
         logits = logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
     if meta.banned is not None:
         banned = meta.banned
-        logits = logits.index_put((banned.rows, banned.token_ids), torch.tensor(float("-inf"), device=logits.device))
+        # NOTE: a device-side fill, not a host scalar tensor, which would cost a host-to-device copy.
+        minus_inf = torch.full(banned.rows.shape, float("-inf"), dtype=logits.dtype, device=logits.device)
+        logits = logits.index_put((banned.rows, banned.token_ids), minus_inf)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     return logits

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 
 import torch
 
 from zllm.config import EngineConfig
 from zllm.ipc.messages import StepInput, StepOutput
 from zllm.workers.distributed import init_tensor_parallel
-from zllm.workers.model_runner import ModelRunner
+from zllm.workers.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,12 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
 
 class Worker:
     """One rank's model shard. Also implements the engine core's Executor protocol, so that a
-    single worker can run in-process (tp 1)."""
+    single worker can run in-process (tp 1).
+
+    Steps are pipelined one deep: `advance(step N+1)` launches step N+1's forward before it waits
+    for step N's tokens, so the device has work queued while the host finishes step N, answers
+    it and samples step N+1 (whose inputs take step N's tokens straight from the device).
+    """
 
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
@@ -45,6 +51,8 @@ class Worker:
             # Ranks share the machine's cores; without a cap each would start one thread per core.
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.tp.size))
         torch.manual_seed(config.seed)
+        self._pending: LaunchedStep | None = None  # sampled, not yet answered
+        self._answers: deque[StepOutput] = deque()  # answered here, not yet collected (in-process)
         self.runner = ModelRunner(config, self.device, self.tp)
         self.runner.load_model()
         logger.info(
@@ -58,10 +66,39 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.capture_graphs()
 
+    def advance(self, step: StepInput) -> list[StepOutput]:
+        """Launch `step`, then answer the step before it (if one is pending), then sample `step`
+        and keep it pending. Returns the answers this produced."""
+        launched = self.runner.launch_step(step)
+        answers = self.finish_pending()
+        self.runner.sample_step(launched)
+        self._pending = launched
+        return answers
+
+    def finish_pending(self) -> list[StepOutput]:
+        """Answer the pending step now (nothing follows it yet)."""
+        if self._pending is None:
+            return []
+        launched, self._pending = self._pending, None
+        return [self.runner.finish_step(launched)]
+
+    # ---- the Executor protocol, in-process ------------------------------------------------------
+
     def execute_step(self, step: StepInput) -> StepOutput:
-        return self.runner.execute_step(step)
+        self.submit_step(step)
+        return self.collect_step(flush=True)
+
+    def submit_step(self, step: StepInput) -> None:
+        self._answers.extend(self.advance(step))
+
+    def collect_step(self, flush: bool) -> StepOutput:
+        """The oldest submitted step's answer; `flush`: it is the last submitted one."""
+        if not self._answers:
+            self._answers.extend(self.finish_pending())
+        return self._answers.popleft()
 
     def shutdown(self) -> None:
+        self._pending = None
         self.runner.graphs = None
         self.runner.kv_caches = []
         self.runner.model = None

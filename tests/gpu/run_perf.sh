@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# On nvidia-h100-x1: issue 10's figures (Llama-3-8B shape, dummy bf16), each with async scheduling
+# on (the default) and, where named, off for the before/after. Usage: bash tests/gpu/run_perf.sh PART
+#   PART=correct: csrc build + the engine GPU tests (async vs sync, no host syncs, vs HF)
+#   PART=latency: copy bandwidth, W2 (batch-1 decode), step profile at batch 256 and 1
+#   PART=load:    W1 (1000 x 256/256 offline), W3 (serve.py, Poisson 20 req/s, 400 x 256/256)
+# Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out="${OUT:-/tmp/zllm-perf}"
+mkdir -p "$out"
+model=/tmp/zllm-llama3-8b
+export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has this machine's cmake cache
+[ -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ] || bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" > "$out/build.log" 2>&1
+python benchmarks/dummy_model.py llama3-8b "$model" >/dev/null
+jsonl="$out/perf.jsonl"
+run() {  # run LIMIT_S COMMAND...: JSON lines to perf.jsonl, everything to the log
+  echo "== $*" | tee -a "$out/perf.log"
+  timeout "$1" "${@:2}" 2>&1 | tee -a "$out/perf.log" | grep -E '^\{' | tee -a "$jsonl"
+}
+case "${1:-}" in
+correct)
+  timeout 400 python -m pytest -q -p no:cacheprovider -rs -x -p no:warnings --tb=short tests/gpu/test_async_scheduling_gpu.py tests/gpu/test_engine_gpu.py > "$out/pytest.log" 2>&1; tail -60 "$out/pytest.log"
+  ;;
+latency)
+  run 60 python - <<'PY'
+import json, time, torch
+x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+torch.cuda.synchronize(); t = time.perf_counter()
+for _ in range(20): y.copy_(x)
+torch.cuda.synchronize()
+print(json.dumps({"gpu": torch.cuda.get_device_name(0), "copy_TBps": round(2 * 20 * x.numel() / (time.perf_counter() - t) / 1e12, 3)}))
+PY
+  for mode in --async-scheduling --no-async-scheduling; do
+    run 150 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024 $mode
+  done
+  for batch in 256 1; do
+    run 150 python benchmarks/step_profile.py --model "$model" --load-format dummy --batch-size $batch --steps 50
+  done
+  ;;
+load)
+  for mode in --async-scheduling --no-async-scheduling; do
+    run 200 python benchmarks/throughput.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
+      --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192 $mode
+  done
+  python -m zllm.launch.cli --model "$model" --load-format dummy --max-model-len 1024 --port 8000 > "$out/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 120); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+  run 150 python benchmarks/serve.py --base-url http://127.0.0.1:8000 --model "$model" --num-prompts 400 \
+    --request-rate 20 --input-len 256 --output-len 256 --json "$out/serve.json" --plot "$out/serve.png"
+  kill -TERM $server; wait $server
+  ;;
+*) echo "usage: $0 correct|latency|load"; exit 2 ;;
+esac
