@@ -118,10 +118,12 @@ GREEDY = [
 STORY_PROMPTS = [f"Story number {i}: once upon a time" for i in range(NUM_STREAMS)]
 
 
-@pytest.fixture(scope="module")
-def supervised(tmp_path_factory, smollm2_dir):
-    """A server allowed 2 restarts, and its uninterrupted greedy answers to STORY_PROMPTS."""
-    handle = start_server(tmp_path_factory.mktemp("supervised"), smollm2_dir, "--max-restarts", "2", env=ONE_THREAD)
+@pytest.fixture(scope="module", params=["--no-async-scheduling", "--async-scheduling"], ids=["sync", "async"])
+def supervised(request, tmp_path_factory, smollm2_dir):
+    """A server allowed 2 restarts, and its uninterrupted greedy answers to STORY_PROMPTS. Both
+    step modes: async scheduling (the default on GPUs) has steps in flight when a process dies."""
+    handle = start_server(tmp_path_factory.mktemp("supervised"), smollm2_dir, "--max-restarts", "2", request.param,
+                          env=ONE_THREAD)
     reference, _ = asyncio.run(_streams(handle.endpoint, STORY_PROMPTS, GREEDY))
     assert all(isinstance(r, Streamed) and len(r.tokens) == 8 and r.text for r in reference)
     assert all(len(r.more[1][0]) == 8 for i, r in enumerate(reference) if i % 8 == 3)
