@@ -63,7 +63,7 @@ NEW_REQUEST = m.NewRequestData(
     bad_words_token_ids=[[17], [22, 23]],
 )
 CACHED_REQUEST = m.CachedRequestData(
-    request_id="ab12/req-3", new_token_ids=[9, 10], new_block_ids=[4], num_computed_tokens=17
+    request_id="ab12/req-3", new_block_ids=[4], num_computed_tokens=17
 )
 
 CHANNELS = m.CHANNELS

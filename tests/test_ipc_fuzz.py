@@ -39,7 +39,7 @@ VALID = {
         m.StepInput(
             7,
             [m.NewRequestData("r1", 3, [1, 2, 3], SAMPLING, [0], 0)],
-            [m.CachedRequestData("r2", [4], [1], 5)],
+            [m.CachedRequestData("r2", [1], 5)],
             ["r1", "r2"],
             [3, 1],
             ["r3"],

@@ -51,7 +51,8 @@ class Batch:
 
     def append(self, request_id: str, token_ids: list[int]) -> None:
         self.tokens[request_id].extend(token_ids)
-        self.batch.append_tokens(self.batch.rows[request_id], token_ids)
+        for token_id in token_ids:  # one per step, as the worker samples them
+            self.batch.append_sampled([self.batch.rows[request_id]], [token_id])
 
     def processed(self, request_ids: list[str], logits: torch.Tensor) -> torch.Tensor:
         meta = self.batch.metadata([self.batch.rows[r] for r in request_ids])

@@ -301,7 +301,7 @@ class FakeKVCache:
             self.batch[new.request_id] = (list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
         for cached in step.cached_requests:
             tokens, blocks, _ = self.batch[cached.request_id]
-            self.batch[cached.request_id] = (tokens + cached.new_token_ids, blocks + cached.new_block_ids, cached.num_computed_tokens)
+            self.batch[cached.request_id] = (tokens, blocks + cached.new_block_ids, cached.num_computed_tokens)
         # Writes first (as every layer writes the batch's K/V before attention), then reads.
         for request_id, count in zip(step.scheduled_ids, step.num_scheduled_tokens):
             tokens, blocks, start = self.batch[request_id]

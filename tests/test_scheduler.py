@@ -202,14 +202,14 @@ def test_chunked_prefill_splits_a_long_prompt_over_several_steps():
 
     second = scheduler.schedule()
     assert scheduled(second) == {"long": 4}
-    assert second.cached_requests == [CachedRequestData("long", [], [1], 4)]
+    assert second.cached_requests == [CachedRequestData("long", [1], 4)]
     assert long.num_computed_tokens == 8
     assert complete(scheduler, second) == []
     assert long.output_token_ids == []
 
     third = scheduler.schedule()
     assert scheduled(third) == {"long": 2, "short": 2}
-    assert third.cached_requests == [CachedRequestData("long", [], [2], 8)]
+    assert third.cached_requests == [CachedRequestData("long", [2], 8)]
     assert long.num_computed_tokens == 10
     deltas = complete(scheduler, third, {"long": 11, "short": 12})
     assert [(d.request_id, d.new_token_ids) for d in deltas] == [("long", [11]), ("short", [12])]
@@ -230,18 +230,18 @@ def test_step_input_sends_a_new_request_in_full_then_only_diffs():
     assert first.cached_requests == []
     complete(scheduler, first, {"a": 11})
 
-    # The workers append the tokens they sampled themselves: a diff carries no token ids.
+    # The workers append the tokens they sampled themselves: a diff carries only new blocks.
     second = scheduler.schedule()
     assert second.new_requests == []
-    assert second.cached_requests == [CachedRequestData("a", [], new_block_ids=[], num_computed_tokens=6)]
+    assert second.cached_requests == [CachedRequestData("a", new_block_ids=[], num_computed_tokens=6)]
     complete(scheduler, second, {"a": 12})
 
     third = scheduler.schedule()
-    assert third.cached_requests == [CachedRequestData("a", [], new_block_ids=[], num_computed_tokens=7)]
+    assert third.cached_requests == [CachedRequestData("a", new_block_ids=[], num_computed_tokens=7)]
     complete(scheduler, third, {"a": 13})
 
     fourth = scheduler.schedule()
-    assert fourth.cached_requests == [CachedRequestData("a", [], new_block_ids=[2], num_computed_tokens=8)]
+    assert fourth.cached_requests == [CachedRequestData("a", new_block_ids=[2], num_computed_tokens=8)]
     assert scheduler.kv_cache.block_ids("a") == [0, 1, 2]
     assert scheduler.requests["a"].output_token_ids == [11, 12, 13]
 
@@ -262,7 +262,7 @@ def test_async_schedules_a_decode_before_its_previous_token_arrives():
     assert scheduled(first) == {"a": 6}
     second = scheduler.schedule()  # step 1's token is still in flight
     assert scheduled(second) == {"a": 1}
-    assert second.cached_requests == [CachedRequestData("a", [], new_block_ids=[], num_computed_tokens=6)]
+    assert second.cached_requests == [CachedRequestData("a", new_block_ids=[], num_computed_tokens=6)]
     request = scheduler.requests["a"]
     assert request.num_output_placeholders == 2 and request.num_computed_tokens == 7
     answer(scheduler, first, {"a": 11})
@@ -745,7 +745,6 @@ class FakeWorkers:
         for cached in step.cached_requests:
             held = self.batch[cached.request_id]
             assert held.num_computed_tokens == cached.num_computed_tokens
-            held.token_ids += cached.new_token_ids
             held.block_ids += cached.new_block_ids
         sampling = []
         for request_id, num_tokens in zip(step.scheduled_ids, step.num_scheduled_tokens):

@@ -53,7 +53,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_tokens_on_workers: int = 0  # how many of all_token_ids the workers hold
+    on_workers: bool = False  # sent in full since it was last admitted: the workers hold it
     # Tokens being sampled by steps in flight (async scheduling): the next step computes their
     # positions before their values are known here; the workers fill them in on the device.
     num_output_placeholders: int = 0
@@ -94,9 +94,3 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-    def tokens_for_workers(self) -> list[int]:
-        """The tokens appended since the workers last saw this request; marks them as sent."""
-        new = self.all_token_ids[self.num_tokens_on_workers :]
-        self.num_tokens_on_workers = self.num_tokens
-        return new

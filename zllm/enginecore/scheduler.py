@@ -195,7 +195,7 @@ class Scheduler:
         self.kv_cache.record_lookup(request.num_tokens, num_cached_tokens)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached_tokens
-        request.num_tokens_on_workers = 0  # sent in full
+        request.on_workers = False  # sent in full with this step
         self.running.append(request)
 
     def _num_tokens_to_schedule(self, request: Request, budget: int, num_computed: int | None = None) -> int:
@@ -238,7 +238,7 @@ class Scheduler:
         self.kv_cache.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_tokens_on_workers = 0
+        request.on_workers = False
         # Steps in flight still sample for it; its tokens are recomputed after it resumes.
         request.num_stale_outputs += request.num_output_placeholders
         request.num_output_placeholders = 0
@@ -250,13 +250,13 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
         for request, num_tokens in plan.scheduled:
-            if request.num_tokens_on_workers == 0:
+            if not request.on_workers:
                 new_requests.append(self._new_request_data(request))
+                request.on_workers = True
             else:
                 cached_requests.append(
                     CachedRequestData(
                         request_id=request.request_id,
-                        new_token_ids=request.tokens_for_workers(),
                         new_block_ids=plan.new_block_ids[request.request_id],
                         num_computed_tokens=request.num_computed_tokens,
                     )
@@ -282,7 +282,7 @@ class Scheduler:
         return NewRequestData(
             request_id=request.request_id,
             prompt_len=request.num_prompt_tokens,
-            token_ids=request.tokens_for_workers(),
+            token_ids=list(request.all_token_ids),
             sampling=request.sampling,
             block_ids=self.kv_cache.block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
@@ -306,9 +306,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             request.num_output_placeholders -= 1
-            request.append_output_token(token_id)
-            if request.num_tokens_on_workers:
-                request.num_tokens_on_workers += 1  # the workers appended their own sample
+            request.append_output_token(token_id)  # the workers appended it on their side already
             self._apply_stop_rules(request, token_id)
             deltas.append(
                 TokenDelta(
@@ -378,7 +376,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         """Forget a finished request: free its blocks, tell the workers if they hold it."""
         self.kv_cache.free(request.request_id)
-        if request.num_tokens_on_workers > 0:
+        if request.on_workers:
             self._finished_ids.append(request.request_id)
         del self.requests[request.request_id]
 

@@ -141,10 +141,10 @@ class NewRequestData(_Message):
 
 
 class CachedRequestData(_Message):
-    """A request the workers already hold: only what changed since the last step."""
+    """A request the workers already hold: only what changed since the last step. No token ids:
+    the only tokens a held request gains are the ones the workers sampled and appended themselves."""
 
     request_id: str
-    new_token_ids: list[int]  # tokens appended since the workers last saw it (the sampled ones)
     new_block_ids: list[int]
     num_computed_tokens: int
 

@@ -375,8 +375,6 @@ class ModelRunner:
                 continue  # scheduled (async) before the core heard that it failed here
             state = self.requests[cached.request_id]
             _apply_diff(state, cached)
-            if cached.new_token_ids:
-                self.sampling.append_tokens(state.row, cached.new_token_ids)
 
     def _add_request(self, new: NewRequestData) -> None:
         state = _state_from_new(new)
@@ -506,7 +504,6 @@ def _concat_to_message(parts: list[LogprobsTensors]) -> TokenLogprobs:
 
 
 def _apply_diff(state: RequestState, diff: CachedRequestData) -> None:
-    state.token_ids.extend(diff.new_token_ids)
     state.block_ids.extend(diff.new_block_ids)
     state.num_computed_tokens = diff.num_computed_tokens
 

@@ -181,11 +181,6 @@ class SamplingBatch:
         self._penalties.remove(row)
         self._free.append(row)
 
-    def append_tokens(self, row: int, token_ids: list[int]) -> None:
-        """Output tokens the request gained (the ones sampled last step)."""
-        self._ints[row, _NUM_OUTPUT] += len(token_ids)
-        self._penalties.append(row, token_ids)
-
     def append_sampled(self, rows: list[int], token_ids: list[int]) -> None:
         """One sampled token for each of `rows`: one indexed add for the whole batch (a torch
         call per row costs ~10 us; at 256 rows that is a few ms of every step)."""
