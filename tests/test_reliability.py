@@ -397,8 +397,10 @@ def test_overload_gets_retry_later_errors_not_unbounded_queues(secured):
     overloaded = [r.error for r in results if isinstance(r, Ended)]
     assert all(isinstance(e, OverloadedError) for e in overloaded), overloaded[:3]
     assert all(len(r.tokens) == 200 for r in done)
-    # Accepted: the 2 running and the 2 waiting, plus any that moved up while the burst came in.
-    assert len(done) + len(overloaded) == 40 and 3 <= len(done) <= 10, (len(done), len(overloaded))
+    # Accepted: at least the 2 that fit the waiting queue (all a burst gets when the core reads
+    # the whole burst before its first step), at most those plus the ones that moved up to the 2
+    # running slots while the burst came in.
+    assert len(done) + len(overloaded) == 40 and 2 <= len(done) <= 10, (len(done), len(overloaded))
     assert "max_waiting=2" in str(overloaded[0]) and "retry later" in str(overloaded[0])
     with Client(handle.endpoint, api_key="sesame", **keys) as client:
         stats = client.stats()
