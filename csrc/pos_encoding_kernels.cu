@@ -8,16 +8,31 @@
 //
 // Grid: one block per token; threads stride over the (H + KVH) * D/2 pairs. A position outside
 // [0, max_pos) leaves the token untouched (a kernel cannot raise; never read out of bounds).
+//
+// rotary_embedding_and_cache: the same rotation, then the rotated k and the unchanged v stored at
+// the token's slot of the paged KV cache (reshape_and_cache's layout and padding rule), in one
+// launch: a decode step runs this once per layer, and a second kernel would cost its own launch
+// and a round trip through memory for k.
+//   v [T, KVH, D] token rows may be strided; k_cache, v_cache [num_slots, KVH, D] contiguous;
+//   slot_mapping [T] int64 (negative: padding, nothing stored)
+// Grid (T, H + KVH), D/2 threads: thread i rotates the pair (i, i + D/2) of one head; the blocks
+// of kv heads also store k and v. All loads are issued before the first use, so their latencies
+// overlap.
 #include "common.cuh"
 
 namespace zllm {
 
+// The pair (x1, x2) rotated by (c, s), rounded to T: the one formula both kernels use, with the
+// multiply-adds spelled out so that no compiler contraction choice makes the two kernels differ.
+template <typename T>
+__device__ __forceinline__ void rotated(float x1, float x2, float c, float s, T& y1, T& y2) {
+  y1 = from_float<T>(fmaf(x1, c, -__fmul_rn(x2, s)));
+  y2 = from_float<T>(fmaf(x2, c, __fmul_rn(x1, s)));
+}
+
 template <typename T>
 __device__ __forceinline__ void rotate_pair(T* head, int i, int half, float c, float s) {
-  const float x1 = to_float<T>(head[i]);
-  const float x2 = to_float<T>(head[i + half]);
-  head[i] = from_float<T>(x1 * c - x2 * s);
-  head[i + half] = from_float<T>(x2 * c + x1 * s);
+  rotated<T>(to_float<T>(head[i]), to_float<T>(head[i + half]), c, s, head[i], head[i + half]);
 }
 
 template <typename T>
@@ -49,7 +64,63 @@ __device__ __forceinline__ void rotary_embedding_impl(const i64* __restrict__ po
   }
 }
 
+template <typename T>
+__device__ __forceinline__ void rotary_embedding_and_cache_impl(
+    const i64* __restrict__ positions, T* __restrict__ q, T* __restrict__ k, const T* __restrict__ v,
+    const float* __restrict__ cos_cache, const float* __restrict__ sin_cache, T* __restrict__ k_cache,
+    T* __restrict__ v_cache, const i64* __restrict__ slot_mapping, int num_heads, int num_kv_heads,
+    int head_dim, i64 q_stride, i64 k_stride, i64 v_stride, i64 max_pos, i64 num_slots) {
+  const int half = head_dim / 2;
+  const int i = threadIdx.x;
+  if (i >= half) return;
+  const i64 token = blockIdx.x;
+  const int head = blockIdx.y;
+  const bool is_q = head < num_heads;
+  const int kv_head = head - num_heads;
+  T* x = is_q ? q + token * q_stride + static_cast<i64>(head) * head_dim
+              : k + token * k_stride + static_cast<i64>(kv_head) * head_dim;
+
+  const i64 pos = positions[token];
+  const i64 slot = is_q ? -1 : slot_mapping[token];
+  const T x1 = x[i];
+  const T x2 = x[i + half];
+  T v1 = x1, v2 = x2;
+  if (!is_q) {
+    const T* v_row = v + token * v_stride + static_cast<i64>(kv_head) * head_dim;
+    v1 = v_row[i];
+    v2 = v_row[i + half];
+  }
+
+  T y1 = x1, y2 = x2;
+  if (pos >= 0 && pos < max_pos) {
+    rotated<T>(to_float<T>(x1), to_float<T>(x2), cos_cache[pos * half + i], sin_cache[pos * half + i], y1, y2);
+    x[i] = y1;
+    x[i + half] = y2;
+  }
+  if (slot >= 0 && slot < num_slots) {  // padding (or a bad slot: never write outside)
+    const i64 base = (slot * num_kv_heads + kv_head) * head_dim;
+    k_cache[base + i] = y1;
+    k_cache[base + i + half] = y2;
+    v_cache[base + i] = v1;
+    v_cache[base + i + half] = v2;
+  }
+}
+
 }  // namespace zllm
+
+#define ZLLM_ROTARY_AND_CACHE(NAME, T)                                                            \
+  extern "C" __global__ void NAME(                                                              \
+      const long long* __restrict__ positions, T* __restrict__ q, T* __restrict__ k,            \
+      const T* __restrict__ v, const float* __restrict__ cos_cache,                             \
+      const float* __restrict__ sin_cache, T* __restrict__ k_cache, T* __restrict__ v_cache,    \
+      const long long* __restrict__ slot_mapping, int num_heads, int num_kv_heads, int head_dim, \
+      long long q_stride, long long k_stride, long long v_stride, long long max_pos,            \
+      long long num_slots) {                                                                    \
+    zllm::rotary_embedding_and_cache_impl<T>(positions, q, k, v, cos_cache, sin_cache, k_cache,  \
+                                             v_cache, slot_mapping, num_heads, num_kv_heads,    \
+                                             head_dim, q_stride, k_stride, v_stride, max_pos,   \
+                                             num_slots);                                        \
+  }
 
 #define ZLLM_ROTARY(NAME, T)                                                                     \
   extern "C" __global__ void NAME(const long long* __restrict__ positions, T* __restrict__ q,    \
@@ -64,3 +135,7 @@ __device__ __forceinline__ void rotary_embedding_impl(const i64* __restrict__ po
 ZLLM_ROTARY(rotary_embedding_f32, float)
 ZLLM_ROTARY(rotary_embedding_f16, __half)
 ZLLM_ROTARY(rotary_embedding_bf16, __nv_bfloat16)
+
+ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_f32, float)
+ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_f16, __half)
+ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_bf16, __nv_bfloat16)

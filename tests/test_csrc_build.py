@@ -31,7 +31,8 @@ def expected_entry_points() -> dict[str, set[str]]:
             names["cache_kernels"].add(f"reshape_and_cache_{dt}{vec}")
             names["layernorm_kernels"] |= {f"rms_norm_{dt}{vec}", f"fused_add_rms_norm_{dt}{vec}"}
             names["activation_kernels"].add(f"silu_and_mul_{dt}{vec}")
-        names["pos_encoding_kernels"].add(f"rotary_embedding_{dt}")
+        names["gemv_kernels"].add(f"gemv_{dt}")
+        names["pos_encoding_kernels"] |= {f"rotary_embedding_{dt}", f"rotary_embedding_and_cache_{dt}"}
         for d in (64, 128):
             names["attention_kernels"].add(f"paged_attention_reduce_{dt}_d{d}")
             names["attention_kernels"] |= {f"paged_attention_decode_{dt}_d{d}_g{g}" for g in (1, 4, 8)}

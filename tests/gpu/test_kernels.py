@@ -197,6 +197,26 @@ def test_decode_long_context(dtype, context, gen):
     assert_close(batch.run(), expected, dtype)  # grid sized by the block table's capacity
 
 
+@pytest.mark.parametrize("parts", [2, 8, 9, 40])
+def test_decode_reduce_paths(parts, gen):
+    """The reduce kernel combines up to 8 partitions in one round trip and more in its general
+    path: both, around the switch, with one-partition sequences in the same batch."""
+    lens = [parts * 64, parts * 64 - 63, 64, 1]
+    batch = PagedBatch(lens, num_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16, gen=gen)
+    size, grid_parts = kernels.attention_partitions(4, 32, 8, max(lens), partition_size=64)
+    assert grid_parts == parts
+    assert_close(batch.run(partition_size=64, max_seq_len=max(lens)), batch.reference(), torch.bfloat16)
+
+
+def test_decode_repeated_launches_are_identical(gen):
+    batch = PagedBatch([700, 5, 1500, 129], num_heads=32, kv_heads=8, head_dim=128, block_size=16,
+                       dtype=torch.bfloat16, gen=gen)
+    first = batch.run(partition_size=128).clone()
+    assert_close(first, batch.reference(), torch.bfloat16)
+    for _ in range(3):
+        assert torch.equal(batch.run(partition_size=128), first)
+
+
 def test_decode_strided_query_and_out(gen):
     """q as a view of a fused qkv buffer and out as a view of a wider buffer (token strides)."""
     num_heads, kv_heads, head_dim = 8, 2, 128
@@ -327,6 +347,106 @@ def test_rotary_embedding_query_only_and_bad_position(gen):
     kernels.rotary_embedding(positions, q, None, cos, sin)
     assert_close(q[0], apply_rotary(before[:1].double(), cos[[5]], sin[[5]])[0], torch.float32)
     assert torch.equal(q[1:], before[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8)], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("tokens", [1, 7, 333])
+def test_rotary_embedding_and_cache(dtype, head_dim, heads, tokens, gen):
+    """The fused kernel equals rotary_embedding then reshape_and_cache bit for bit (and so the
+    references): q and k rotated in place on the fused qkv views, the rotated k and the v stored
+    at their slots, padding slots (-1) skipped, a position out of range left unrotated."""
+    num_heads, kv_heads = heads
+    block_size, num_blocks, max_pos = 16, 64, 4096
+    cos, sin = rope_cos_sin_cache(rope_inv_freq(head_dim, 500000.0, {}), max_pos)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen, device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:tokens]
+    if tokens > 1:
+        slots[1] = -1  # padding
+        positions[-1] = max_pos  # out of range: stored unrotated
+    qkv = randn(tokens, (num_heads + 2 * kv_heads) * head_dim, gen=gen, dtype=dtype)
+    cache = randn(2, num_blocks, block_size, kv_heads, head_dim, gen=gen, dtype=dtype)
+
+    def views(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = buffer.split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        return q.view(tokens, num_heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+
+    fused_qkv, fused_cache = qkv.clone(), cache.clone()
+    q, k, v = views(fused_qkv)
+    kernels.rotary_embedding_and_cache(positions, q, k, v, cos, sin, fused_cache, slots)
+    two_qkv, two_cache = qkv.clone(), cache.clone()
+    q2, k2, v2 = views(two_qkv)
+    kernels.rotary_embedding(positions, q2, k2, cos, sin)
+    kernels.reshape_and_cache(two_cache, k2, v2, slots)
+    assert torch.equal(fused_qkv, two_qkv)
+    assert torch.equal(fused_cache, two_cache)
+
+    q0, k0, v0 = views(qkv)
+    valid = (positions < max_pos).view(-1, 1, 1)
+    clamped = positions.clamp(max=max_pos - 1)
+    expected_q = torch.where(valid, apply_rotary(q0.double(), cos[clamped], sin[clamped]), q0.double())
+    expected_k = torch.where(valid, apply_rotary(k0.double(), cos[clamped], sin[clamped]), k0.double())
+    assert_close(q, expected_q, dtype)
+    assert_close(k, expected_k, dtype)
+    expected_cache = cache.double().clone()
+    keep = slots >= 0
+    write_kv_cache(expected_cache, expected_k.to(dtype).double()[keep], v0.double()[keep], slots[keep])
+    assert_close(fused_cache, expected_cache, dtype)
+
+
+def test_rotary_embedding_and_cache_rejects_bad_arguments(gen):
+    cos, sin = rope_cos_sin_cache(rope_inv_freq(64, 10000.0, {}), 100)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    q, k, v = randn(2, 4, 64, gen=gen), randn(2, 2, 64, gen=gen), randn(2, 2, 64, gen=gen)
+    cache = randn(2, 4, 16, 2, 64, gen=gen)
+    positions = torch.tensor([1, 2], device=DEVICE)
+    slots = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernels.rotary_embedding_and_cache(positions, q, k, v, cos, sin, cache, slots[:1])
+    with pytest.raises(ValueError, match="key"):
+        kernels.rotary_embedding_and_cache(positions, q, randn(2, 3, 64, gen=gen), v, cos, sin, cache, slots)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.rotary_embedding_and_cache(positions, q, k, v, cos, sin, cache.half(), slots)
+
+
+# ---- GEMV ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n, k", [(1, 64), (7, 264), (4096, 4096), (5001, 4104), (4096, 14336), (6144, 4096)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_gemv(dtype, n, k, with_bias, gen):
+    """Against float64 x @ w.T on the same rounded inputs; odd row counts (a warp's rows past N)
+    and K not a multiple of the unrolled step (the remainder loop). Rows are scaled by 1/sqrt(K)
+    so every output is O(1) and the tolerance means the same for every K."""
+    x = randn(1, k, gen=gen, dtype=dtype)
+    weight = (randn(n, k, gen=gen) / math.sqrt(k)).to(dtype)
+    bias = randn(n, gen=gen, dtype=dtype) if with_bias else None
+    out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
+    kernels.gemv(out, x, weight, bias)
+    expected = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    assert_close(out, expected, dtype)
+
+
+def test_gemv_dispatch_and_rejects(gen):
+    """ops.linear takes the GEMV for one aligned row and equals F.linear to rounding; every other
+    shape goes to F.linear unchanged. gemv() itself rejects what it cannot take."""
+    from zllm.workers.ops import linear
+
+    weight = randn(300, 512, gen=gen, dtype=torch.bfloat16)
+    x = randn(1, 512, gen=gen, dtype=torch.bfloat16)
+    assert kernels.gemv_supported(x, weight)
+    assert_close(linear(x, weight), torch.nn.functional.linear(x.double(), weight.double()), torch.bfloat16, scale=4)
+    xs = randn(3, 512, gen=gen, dtype=torch.bfloat16)
+    assert torch.equal(linear(xs, weight), torch.nn.functional.linear(xs, weight))
+    assert not kernels.gemv_supported(randn(1, 510, gen=gen, dtype=torch.bfloat16), randn(4, 510, gen=gen, dtype=torch.bfloat16))
+    assert not kernels.gemv_supported(x, weight.t().contiguous().t())  # non-contiguous rows
+    with pytest.raises(ValueError, match="gemv"):
+        kernels.gemv(torch.empty(1, 300, dtype=torch.bfloat16, device=DEVICE), xs, weight)
+    with pytest.raises(ValueError, match="out"):
+        kernels.gemv(torch.empty(1, 299, dtype=torch.bfloat16, device=DEVICE), x, weight)
 
 
 # ---- SiLU and mul -------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +44,15 @@ class TorchOps:
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         ref.write_kv_cache(kv_cache, k, v, slot_mapping)
+
+    def rotary_and_write_kv(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotates q and k, stores k and v in the cache; returns the rotated q."""
+        q, k = self.rotary(positions, q, k, cos, sin)
+        self.write_kv(kv_cache, k, v, slot_mapping)
+        return q
 
     def attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Decodes through the CPU kernel (csrc/cpu) where it runs: it reads K/V in place, where
@@ -95,6 +106,11 @@ class CudaOps(TorchOps):
     def write_kv(self, kv_cache, k, v, slot_mapping):
         self.k.reshape_and_cache(kv_cache, k, v, slot_mapping)
 
+    def rotary_and_write_kv(self, positions, q, k, v, cos, sin, kv_cache, slot_mapping):
+        # One kernel: at decode, two would each cost a launch and k would round-trip through memory.
+        self.k.rotary_embedding_and_cache(positions, q, k, v, cos, sin, kv_cache, slot_mapping)
+        return q
+
     def attention(self, q, kv_cache, meta, scale):
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
@@ -132,6 +148,25 @@ class CudaOps(TorchOps):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(query_len, seq_len), scale=scale)
         return out[0].transpose(0, 1)
 
+
+
+# ZLLM_GEMV=0 sends single rows to cuBLAS too: the A/B switch of benchmarks/gemv.py and latency.py.
+_GEMV_ENABLED = os.environ.get("ZLLM_GEMV", "1") != "0"
+_gemv_kernels = None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear. One CUDA row (a batch-1 decode step) goes through the csrc GEMV instead, which
+    streams the weights closer to the memory bandwidth than cuBLAS does at that shape
+    (benchmarks/gemv.py)."""
+    global _gemv_kernels
+    if _GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
+        if _gemv_kernels is None:
+            from zllm.workers import kernels as _gemv_kernels
+        if _gemv_kernels.gemv_supported(x, weight):
+            out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+            return _gemv_kernels.gemv(out, x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def ops_for(device: torch.device) -> TorchOps:

@@ -18,6 +18,7 @@ from torch import nn
 
 from zllm.partition import Span, padded_vocab_per_rank, vocab_shard
 from zllm.workers.distributed import TensorParallel
+from zllm.workers.ops import linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(rows)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if shard is None:
@@ -78,8 +79,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(linear(x, self.weight))
         # The bias is added once, after the partial sums are combined.
         return out if self.bias is None else out + self.bias
 
@@ -113,7 +114,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on rank 0 (None elsewhere) with this module's weight as the head."""
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight)
         full = self.tp.gather_to_first(local)
         if full is None or full.shape[-1] == self.vocab_size:
             return full

@@ -12,10 +12,13 @@ from zllm.workers.kernels.ops import (
     attention_partitions,
     attention_workspace_numel,
     fused_add_rms_norm,
+    gemv,
+    gemv_supported,
     paged_attention_decode,
     reshape_and_cache,
     rms_norm,
     rotary_embedding,
+    rotary_embedding_and_cache,
     silu_and_mul,
 )
 
@@ -24,12 +27,15 @@ __all__ = [
     "attention_partitions",
     "attention_workspace_numel",
     "fused_add_rms_norm",
+    "gemv",
+    "gemv_supported",
     "is_available",
     "paged_attention_decode",
     "preload",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "silu_and_mul",
 ]
 

@@ -33,6 +33,7 @@ KERNEL_FILES: dict[str, str] = {
     "activation_kernels": "silu_and_mul_f32",
     "attention_kernels": "paged_attention_reduce_f32_d64",
     "cache_kernels": "reshape_and_cache_f32",
+    "gemv_kernels": "gemv_f32",
     "layernorm_kernels": "rms_norm_f32",
     "pos_encoding_kernels": "rotary_embedding_f32",
 }

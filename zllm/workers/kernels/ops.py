@@ -6,6 +6,8 @@ attention.decode_attention(q, kv, meta, scale)   paged_attention_decode(out, q, 
 layers.rms_norm(x, w, eps)                       rms_norm(out, x, w, eps)
 x + y, then layers.rms_norm                      fused_add_rms_norm(x, residual, w, eps)  (in place)
 layers.apply_rotary on q and k                   rotary_embedding(positions, q, k, cos, sin)  (in place)
+apply_rotary, then write_kv_cache                 rotary_embedding_and_cache(positions, q, k, v, cos, sin, kv, slots)
+F.linear(x, w, b) for one row x                  gemv(out, x, w, b)
 layers.silu_and_mul(x)                           silu_and_mul(out, x)
 
 Every function checks shapes, dtypes (float32, float16, bfloat16), devices and layouts and raises
@@ -405,6 +407,86 @@ def rotary_embedding(
             np.int32(head_dim), np.int64(query.stride(0)), np.int64(key_stride), np.int64(cos.shape[0]))
     launch("pos_encoding_kernels", f"rotary_embedding_{suffix}", device, (tokens,), (_threads(pairs, 256),), args)
     return query, key
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_embedding(positions, query, key, cos, sin) then reshape_and_cache(kv_cache, key,
+    value, slot_mapping), in one launch: query and key are rotated in place, and the rotated key
+    and value are stored at their slots (slots < 0 are padding)."""
+    op = "rotary_embedding_and_cache"
+    device = _check_cuda(op, positions=positions, query=query, key=key, value=value, cos=cos, sin=sin,
+                         kv_cache=kv_cache, slot_mapping=slot_mapping)
+    suffix = _suffix(op, query, "query")
+    _check_dtype(op, query.dtype, key=key, value=value, kv_cache=kv_cache)
+    _check_dtype(op, torch.int64, positions=positions, slot_mapping=slot_mapping)
+    _check_dtype(op, torch.float32, cos=cos, sin=sin)
+    _check_contiguous(op, positions=positions, cos=cos, sin=sin, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        _check_heads_layout(op, tensor, name)
+    _check_dim(op, kv_cache, "kv_cache", 5)
+    two, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    tokens, num_heads = query.shape[0], query.shape[1]
+    if two != 2:
+        _fail(op, f"kv_cache must be [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    if query.shape[2] != head_dim or head_dim % 2:
+        _fail(op, f"query {tuple(query.shape)} needs the cache's even head_dim {head_dim}")
+    if tuple(key.shape) != (tokens, kv_heads, head_dim) or value.shape != key.shape:
+        _fail(op, f"key {tuple(key.shape)} and value {tuple(value.shape)} must be [{tokens}, {kv_heads}, {head_dim}]")
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim // 2:
+        _fail(op, f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be [max_pos, {head_dim // 2}]")
+    if tuple(positions.shape) != (tokens,) or tuple(slot_mapping.shape) != (tokens,):
+        _fail(op, f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} must be [{tokens}]")
+    if num_heads + kv_heads > _MAX_GRID_YZ:
+        _fail(op, f"{num_heads} + {kv_heads} heads exceed the grid's {_MAX_GRID_YZ}")
+    if tokens == 0:
+        return query, key
+    slots = num_blocks * block_size
+    value_cache_ptr = kv_cache.data_ptr() + slots * kv_heads * head_dim * kv_cache.element_size()
+    args = (_ptr(positions), _ptr(query), _ptr(key), _ptr(value), _ptr(cos), _ptr(sin), _ptr(kv_cache),
+            np.uint64(value_cache_ptr), _ptr(slot_mapping), np.int32(num_heads), np.int32(kv_heads),
+            np.int32(head_dim), np.int64(query.stride(0)), np.int64(key.stride(0)), np.int64(value.stride(0)),
+            np.int64(cos.shape[0]), np.int64(slots))
+    launch("pos_encoding_kernels", f"rotary_embedding_and_cache_{suffix}", device, (tokens, num_heads + kv_heads),
+           (_threads(head_dim // 2, 1024),), args)
+    return query, key
+
+
+# ---- GEMV (one token) -------------------------------------------------------------------------------------
+
+_GEMV_ROWS_PER_BLOCK = 4  # kGemvWarps warps of one row each
+
+
+def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv() takes this product: one CUDA row, a dtype it has, 16-byte-aligned rows."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.dtype not in _SUFFIX or weight.dtype != x.dtype:
+        return False
+    per16 = 16 // x.element_size()
+    return (x.is_cuda and weight.is_cuda and x.shape[1] == weight.shape[1] and x.shape[1] % per16 == 0
+            and x.is_contiguous() and weight.is_contiguous() and _aligned16(x, weight))
+
+
+def gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out [1, N] = x [1, K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation; returns out."""
+    op = "gemv"
+    device = _check_cuda(op, out=out, x=x, weight=weight, bias=bias)
+    suffix = _suffix(op, x, "x")
+    _check_dtype(op, x.dtype, out=out, weight=weight, bias=bias)
+    if not gemv_supported(x, weight):
+        _fail(op, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be one contiguous row and "
+                  f"contiguous 16-byte-aligned rows of a length divisible by {16 // x.element_size()}")
+    n = weight.shape[0]
+    if tuple(out.shape) != (1, n) or not out.is_contiguous():
+        _fail(op, f"out must be a contiguous [1, {n}], got {tuple(out.shape)}")
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        _fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    if n == 0:
+        return out
+    args = (_ptr(out), _ptr(x), _ptr(weight), _ptr(bias), np.int32(n), np.int32(x.shape[1]))
+    launch("gemv_kernels", f"gemv_{suffix}", device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args)
+    return out
 
 
 # ---- SiLU and mul ---------------------------------------------------------------------------------------------

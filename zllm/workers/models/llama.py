@@ -53,8 +53,12 @@ class Rotary(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         self.ops = ops
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.rotary(positions, q, k, self.cos, self.sin)
+    def apply_and_cache(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotates q and k and stores k and v at their cache slots; returns the rotated q."""
+        return self.ops.rotary_and_write_kv(positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping)
 
 
 class LlamaAttention(nn.Module):
@@ -95,8 +99,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        self.ops.write_kv(kv_cache, k, v, meta.slot_mapping)
+        q = rotary.apply_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping)
         out = self.ops.attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
