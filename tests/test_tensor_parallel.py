@@ -308,3 +308,35 @@ def test_symmetric_path_takes_only_tensors_the_one_shot_kernel_can_load(shape, d
     x = torch.empty(numel + offset, dtype=dtype)[offset:].view(shape)
     assert fast.accepts(x) == accepted
     assert not fast.accepts(torch.empty(8, 4096, dtype=torch.bfloat16).t())  # not contiguous
+
+
+def _vote_rank(rank: int, init_file: str, failing_rank: int, results) -> None:
+    """A set-up phase that raises on `failing_rank` only (-1: nowhere), through the real vote."""
+    from zllm.workers.symmetric_all_reduce import _run_phase
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", world_size=2, rank=rank)
+
+    def phase():
+        if rank == failing_rank:
+            raise RuntimeError("cannot map the peer's buffer")
+        return "buffer"
+
+    try:
+        results[rank] = _run_phase(TensorParallel(rank=rank, size=2), torch.device("cpu"), "rendezvous", phase)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("failing_rank, expected", [(-1, "buffer"), (0, None), (1, None)])
+def test_a_set_up_phase_that_fails_on_one_rank_puts_every_rank_on_the_fallback(tmp_path, failing_rank, expected):
+    """Ranks never part ways: a failure on any one rank means NCCL (here gloo) on all of them."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        context = mp.start_processes(_vote_rank, args=(str(tmp_path / "rendezvous"), failing_rank, results),
+                                     nprocs=2, join=False, start_method="spawn")
+        deadline = time.monotonic() + 120
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks did not finish their vote"
+        assert dict(results) == {0: expected, 1: expected}
