@@ -15,12 +15,14 @@ The barrier spins on the GPU without a timeout, which makes the protocol stricte
   that can fail on one rank alone is followed by an NCCL vote (MIN of "it worked here") before
   any rank moves on, and a failed vote puts every rank on NCCL together.
 
-The first engine runs of this path (commit bcdc8fd, removed in 7c2165c) hung one rank at set-up.
-Likely causes, from PyTorch's source (torch/csrc/distributed/c10d/symm_mem/): the set-up fell
-back to NCCL on the failing rank only (a try/except per rank), so the ranks parted ways; and
-rendezvous also set up NVLink multicast, where a rank that fails cuMulticastAddDevice leaves its
-peers blocked forever in cuMulticastBindMem (fixed after torch 2.11 by pytorch#195596). The
-one-shot kernel reads peers' buffers directly and never needs multicast, so it is switched off.
+The first engine runs of this path (commit bcdc8fd, removed in 7c2165c) hung one rank at set-up;
+nobody saw where. Candidates, from PyTorch's source (torch/csrc/distributed/c10d/symm_mem/) and
+not yet confirmed on the GPUs: the set-up fell back to NCCL on a failing rank only (a try/except
+per rank), so the ranks parted ways, one spinning in the one-shot barrier or blocked inside the
+collective rendezvous while the other waited in NCCL; and rendezvous also set up NVLink
+multicast, where a rank that fails cuMulticastAddDevice can leave its peers blocked in
+cuMulticastBindMem (pytorch/pytorch#195596, after torch 2.11). The one-shot kernel reads peers'
+buffers directly and never needs multicast, so it is switched off here.
 """
 
 from __future__ import annotations
