@@ -15,6 +15,8 @@ import random
 import statistics
 import time
 
+from zllm.launch.args import parse_size
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,13 +32,16 @@ def main() -> None:
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="default: the engine's (on with CUDA)")
+    parser.add_argument("--custom-all-reduce-max-size", dest="custom_all_reduce_max_bytes", type=parse_size,
+                        default=0, help="GPU tp: symmetric-memory all-reduce up to this size (default 0: NCCL)")
     args = parser.parse_args()
 
     from zllm import LLM, SamplingParams
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch_size, 8),
-              tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling)
+              tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling,
+              custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes)
     vocab = llm.engine.processor.vocab_size
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}
@@ -57,6 +62,7 @@ def main() -> None:
         "median_total_s": round(statistics.median(full), 4), "median_ttft_s": round(statistics.median(first), 4),
         "decode_ms_per_token": round(per_token_ms, 3), "enforce_eager": args.enforce_eager,
         "async_scheduling": llm.engine.config.async_scheduling, "tp": args.tp,
+        "custom_all_reduce_max_bytes": args.custom_all_reduce_max_bytes,
     }))
 
 

@@ -507,6 +507,7 @@ CONFIG = EngineConfig(
     max_logprobs=5,
     max_n=4,
     distributed_init_method="tcp://127.0.0.1:29500",
+    custom_all_reduce_max_bytes=4 << 20,
     runtime_dir="/run/user/1000/zllm-abc",
     client_endpoint="tcp://127.0.0.1:5555",
     socket_hwm=10,

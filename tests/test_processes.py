@@ -173,3 +173,18 @@ def test_kill9_frontend_children_exit_by_themselves(tmp_path, smollm2_dir):
     assert wait_until(lambda: processes_gone(pids), timeout=10), [
         psutil.Process(p).status() for p in pids if psutil.pid_exists(p)
     ]
+
+
+def test_debug_hang_env_makes_a_child_dump_every_threads_stack():
+    """ZLLM_DEBUG_HANG_S=N: a process stuck somewhere prints where, every N seconds, to stderr."""
+    code = ("import time; from zllm.launch.children import install_hang_dump\n"
+            "install_hang_dump()\n"
+            "def stuck_in_a_collective(): time.sleep(2.5)\n"
+            "stuck_in_a_collective()\n")
+    env = dict(os.environ, ZLLM_DEBUG_HANG_S="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert result.stderr.count("stuck_in_a_collective") >= 2, result.stderr  # dumped at 1 s and 2 s
+    quiet = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ZLLM_DEBUG_HANG_S=""),
+                           capture_output=True, text=True, timeout=60)
+    assert "stuck_in_a_collective" not in quiet.stderr

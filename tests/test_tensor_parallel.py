@@ -235,3 +235,108 @@ def _wait_until(condition, timeout: float) -> bool:
         time.sleep(0.1)
     return condition()
 
+
+
+# ---- the symmetric-memory all-reduce flag (GPU only; checked and ignored here) -----------------
+
+
+def test_custom_all_reduce_size_flag_is_parsed_and_a_negative_one_refused():
+    import argparse
+
+    from zllm.launch.args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]))["custom_all_reduce_max_bytes"] == 0  # off unless asked
+    args = parser.parse_args(["--custom-all-reduce-max-size", "8MiB"])
+    assert engine_kwargs(args)["custom_all_reduce_max_bytes"] == 8 << 20
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--custom-all-reduce-max-size", "-1"])
+
+
+def test_negative_custom_all_reduce_size_is_refused_before_anything_starts(smollm2_dir):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match=r"^custom_all_reduce_max_bytes: must be >= 0 \(0: NCCL only\), got -1$"):
+        LLM(smollm2_dir, tensor_parallel_size=2, custom_all_reduce_max_bytes=-1)
+    assert not _live_children(before)
+
+
+def test_symmetric_all_reduce_set_up_is_a_no_op_on_cpu():
+    """No collective at all on CPU (none could run here: no process group exists)."""
+    from zllm.config import EngineConfig
+    from zllm.workers.symmetric_all_reduce import attach_symmetric_all_reduce
+
+    tp = TensorParallel(rank=0, size=2)
+    config = EngineConfig(model="", custom_all_reduce_max_bytes=8 << 20)
+    attach_symmetric_all_reduce(tp, config, torch.device("cpu"), torch.float32)
+    assert tp.fast is None and not torch.distributed.is_initialized()
+
+
+def test_tp_2_on_gloo_with_the_custom_all_reduce_flag_matches_tp_1(tmp_path):
+    model_dir = save_tiny_llama(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
+    kwargs = dict(dtype="float32", load_format="dummy", max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10] * 4}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = []
+    for tp, limit in ((1, 0), (2, 8 << 20)):
+        llm = LLM(str(model_dir), tensor_parallel_size=tp, custom_all_reduce_max_bytes=limit, **kwargs)
+        try:
+            tokens.append(_greedy_tokens(llm, prompts, params))
+        finally:
+            llm.shutdown()
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, offset, accepted",
+    [
+        ((1, 4096), torch.bfloat16, 0, True),
+        ((16, 4096), torch.bfloat16, 0, True),  # exactly the buffer's 128 KiB
+        ((17, 4096), torch.bfloat16, 0, False),  # larger than the buffer: NCCL
+        ((1, 4096), torch.float32, 0, False),  # another dtype: NCCL
+        ((1, 3), torch.bfloat16, 0, False),  # 6 bytes: not a whole 16-byte vector
+        ((1, 4096), torch.bfloat16, 3, False),  # starts 6 bytes into its storage
+        ((1, 4096), torch.bfloat16, 8, True),  # 16 bytes in: aligned
+    ],
+)
+def test_symmetric_path_takes_only_tensors_the_one_shot_kernel_can_load(shape, dtype, offset, accepted):
+    """The choice depends on shape, dtype and layout alone, so every rank makes the same one."""
+    from zllm.workers.symmetric_all_reduce import SymmetricAllReduce
+
+    fast = SymmetricAllReduce(torch.empty(64 << 10, dtype=torch.bfloat16), group_name="")
+    numel = shape[0] * shape[1]
+    x = torch.empty(numel + offset, dtype=dtype)[offset:].view(shape)
+    assert fast.accepts(x) == accepted
+    assert not fast.accepts(torch.empty(8, 4096, dtype=torch.bfloat16).t())  # not contiguous
+
+
+def _vote_rank(rank: int, init_file: str, failing_rank: int, results) -> None:
+    """A set-up phase that raises on `failing_rank` only (-1: nowhere), through the real vote."""
+    from zllm.workers.symmetric_all_reduce import _run_phase
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", world_size=2, rank=rank)
+
+    def phase():
+        if rank == failing_rank:
+            raise RuntimeError("cannot map the peer's buffer")
+        return "buffer"
+
+    try:
+        results[rank] = _run_phase(TensorParallel(rank=rank, size=2), torch.device("cpu"), "rendezvous", phase)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("failing_rank, expected", [(-1, "buffer"), (0, None), (1, None)])
+def test_a_set_up_phase_that_fails_on_one_rank_puts_every_rank_on_the_fallback(tmp_path, failing_rank, expected):
+    """Ranks never part ways: a failure on any one rank means NCCL (here gloo) on all of them."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        context = mp.start_processes(_vote_rank, args=(str(tmp_path / "rendezvous"), failing_rank, results),
+                                     nprocs=2, join=False, start_method="spawn")
+        deadline = time.monotonic() + 120
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks did not finish their vote"
+        assert dict(results) == {0: expected, 1: expected}

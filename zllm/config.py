@@ -43,6 +43,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1  # worker processes, one model shard (and GPU) each
     distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
+    # GPU tp: all-reduces of at most this many bytes (in the model's bf16/fp32 dtype) go through
+    # PyTorch's symmetric-memory one-shot kernel instead of NCCL; 0: NCCL only (the default until
+    # engine runs on the H200 pair show it safe; zllm/workers/symmetric_all_reduce.py).
+    custom_all_reduce_max_bytes: int = 0
     enforce_eager: bool = False  # CUDA: no decode graphs
     # Schedule step N+1 while step N runs on the device, so host work hides behind GPU work.
     # None: on when the workers run on CUDA (on CPU the compute is synchronous: nothing to hide).
@@ -149,6 +153,11 @@ class EngineConfig:
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
         self._validate_reliability()
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        _require(
+            self.custom_all_reduce_max_bytes >= 0,
+            "custom_all_reduce_max_bytes",
+            f"must be >= 0 (0: NCCL only), got {self.custom_all_reduce_max_bytes}",
+        )
 
     def _validate_reliability(self) -> None:
         _require(self.on_failure in _ON_FAILURE, "on_failure", f"must be one of {_ON_FAILURE}, got {self.on_failure!r}")

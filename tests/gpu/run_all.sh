@@ -5,14 +5,9 @@
 # $OUT when it is set. Exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source tests/gpu/env.sh
 out="${OUT:-}"
 [ -n "$out" ] && mkdir -p "$out"
-# The GPU image lacks pyzmq and msgspec (engine tests need them): install carried wheels, if any.
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/zllm-site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/zllm-site"
-fi
 
 log() {  # log NAME: copy stdin to stdout and, with $OUT, to $OUT/NAME
   if [ -n "$out" ]; then tee "$out/$1"; else cat; fi

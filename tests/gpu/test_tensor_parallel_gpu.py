@@ -1,9 +1,11 @@
 """Tensor parallelism on two GPUs (NCCL): tp 2 greedy vs HF in fp32, CUDA graphs (with the
-all-reduce captured) vs eager in bf16."""
+all-reduce captured) vs eager in bf16; the symmetric-memory one-shot all-reduce
+(--custom-all-reduce-max-size) against NCCL, alone and in the engine."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -37,3 +39,97 @@ def test_tensor_parallel_cuda_graphs_equal_eager(model_dir, prompt_ids):
     _record(f"tp2_bf16_share_identical_vs_tp1[{os.path.basename(model_dir)}]",
             _share_identical(graphs, _engine_tokens(model_dir, prompt_ids, dtype="bfloat16")))
     assert graphs == eager
+
+
+# ---- the symmetric-memory one-shot all-reduce ----------------------------------------------------
+
+SYMMETRIC_LIMIT = 64 << 10  # bytes: bf16 [8, 4096] is exactly at the limit
+SYMMETRIC_CASES = [((1, 64), "bfloat16"), ((1, 4096), "bfloat16"), ((8, 4096), "bfloat16"),
+                   ((9, 4096), "bfloat16"), ((64, 4096), "bfloat16"), ((1, 4096), "float32")]
+RANK_TIMEOUT_S = 240.0
+
+
+def _symmetric_rank(rank: int, size: int, init_file: str) -> None:
+    """One rank: TensorParallel.all_reduce with the one-shot path on equals NCCL's all_reduce, for
+    sizes below, at and above the limit and another dtype, eagerly and replayed from a CUDA graph."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from zllm.config import EngineConfig
+    from zllm.workers.distributed import TensorParallel
+    from zllm.workers.symmetric_all_reduce import attach_symmetric_all_reduce
+
+    logging.basicConfig(level=logging.INFO)  # the set-up's messages, to the test's log
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", world_size=size, rank=rank, device_id=device)
+    tp = TensorParallel(rank=rank, size=size)
+    attach_symmetric_all_reduce(tp, EngineConfig(model="", custom_all_reduce_max_bytes=SYMMETRIC_LIMIT), device,
+                                torch.bfloat16)
+    assert tp.fast is not None, f"rank {rank}: set-up fell back to NCCL (see the warnings above)"
+    gen = torch.Generator(device=device).manual_seed(100 + rank)
+    inputs = [torch.randn(shape, generator=gen, device=device).to(getattr(torch, dtype)) for shape, dtype in SYMMETRIC_CASES]
+    for x in inputs:
+        nbytes = x.numel() * x.element_size()
+        assert tp.fast.accepts(x) == (x.dtype == torch.bfloat16 and nbytes <= SYMMETRIC_LIMIT)
+
+    def nccl(x):
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    def compare(got, label):
+        for (shape, dtype), x, y in zip(SYMMETRIC_CASES, inputs, got):
+            # Two ranks: one rounding of a + b either way, so the sums are bit-identical.
+            assert torch.equal(y, nccl(x)), f"rank {rank}: {label} {dtype}{list(shape)} differs from NCCL"
+
+    compare([tp.all_reduce(x.clone()) for x in inputs], "eager")
+    static = [x.clone() for x in inputs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph, as DecodeGraphs does
+        [tp.all_reduce(s.clone()) for s in static]
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = [tp.all_reduce(s.clone()) for s in static]
+    for replay in range(3):
+        inputs = [torch.randn(x.shape, generator=gen, device=device).to(x.dtype) for x in inputs]
+        for s, x in zip(static, inputs):
+            s.copy_(x)
+        graph.replay()
+        compare(outputs, f"graph replay {replay}")
+    torch.cuda.synchronize()
+    del graph
+    tp.destroy()
+
+
+def test_symmetric_all_reduce_equals_nccl_eager_and_in_cuda_graphs(tmp_path):
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_symmetric_rank, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    try:
+        while not context.join(timeout=5):  # raises with the rank's traceback if one failed
+            assert time.monotonic() < deadline, f"ranks still running after {RANK_TIMEOUT_S:.0f} s: a hang"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tensor_parallel_symmetric_all_reduce_gives_nccls_tokens(model_dir, prompt_ids, dtype, capfd):
+    """The engine at tp 2 (CUDA graphs, async scheduling) with the one-shot path on and off."""
+    fast = _engine_tokens(model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2,
+                          custom_all_reduce_max_bytes=8 << 20)
+    log = capfd.readouterr().err
+    assert log.count("symmetric-memory one-shot all-reduce for") == 2, "set-up fell back to NCCL:\n" + log[-4000:]
+    nccl = _engine_tokens(model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2)
+    _record(f"tp2_{dtype}_symmetric_share_identical_vs_nccl[{os.path.basename(model_dir)}]",
+            _share_identical(fast, nccl))
+    assert fast == nccl

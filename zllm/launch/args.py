@@ -58,6 +58,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-n", type=int, default=defaults.max_n, help="the most completions (n) per request")
     group.add_argument("--distributed-init-method", default="",
                        help="torch.distributed rendezvous for tp > 1 (default: a file in the runtime dir)")
+    group.add_argument("--custom-all-reduce-max-size", dest="custom_all_reduce_max_bytes", type=parse_size,
+                       default=defaults.custom_all_reduce_max_bytes, metavar="SIZE",
+                       help="GPU tp: all-reduces up to this size (e.g. 8MiB) use PyTorch's symmetric-memory "
+                       "one-shot kernel instead of NCCL (default 0: NCCL only)")
 
 
 def add_http_args(group) -> None:
@@ -104,6 +108,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,
         distributed_init_method=args.distributed_init_method,
+        custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes,
     )
 
 

@@ -10,6 +10,7 @@ parent died before prctl ran, and systems without prctl).
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -24,6 +25,9 @@ from zllm.ipc.codec import decode_json, encode_json
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# Debugging hangs: every this many seconds, the process prints every thread's Python stack to
+# its stderr (unset or 0: never). For a collective that never returns, the stacks show where.
+HANG_DUMP_ENV = "ZLLM_DEBUG_HANG_S"
 
 
 def spawn_child(module: str, config: EngineConfig, *args: str) -> subprocess.Popen:
@@ -52,6 +56,21 @@ def die_with_parent(check_interval_s: float) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     thread = threading.Thread(target=_watch_parent, args=(parent, check_interval_s), daemon=True, name="parent-watch")
     thread.start()
+
+
+def install_hang_dump() -> None:
+    """With $ZLLM_DEBUG_HANG_S=N set, dump every thread's stack to stderr every N seconds."""
+    value = os.environ.get(HANG_DUMP_ENV, "").strip()
+    if not value:
+        return
+    try:
+        seconds = float(value)
+    except ValueError:
+        logger.warning("%s=%r is not a number of seconds; no stack dumps", HANG_DUMP_ENV, value)
+        return
+    if seconds > 0:
+        faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.stderr, exit=False)
+        logger.info("%s: dumping every thread's stack to stderr every %.0f s", HANG_DUMP_ENV, seconds)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

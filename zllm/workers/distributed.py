@@ -1,7 +1,9 @@
 """The tensor-parallel group of one worker: rendezvous, all-reduce, gather of logits to rank 0.
 
-NCCL on GPU, gloo on CPU, both through torch.distributed. The rendezvous is a file in the engine's
-private runtime directory (or whatever `distributed_init_method` names), never a fixed port.
+NCCL on GPU, gloo on CPU, both through torch.distributed; on GPU, small all-reduces may take
+PyTorch's symmetric-memory one-shot kernel instead (zllm/workers/symmetric_all_reduce.py). The
+rendezvous is a file in the engine's private runtime directory (or whatever
+`distributed_init_method` names), never a fixed port.
 """
 
 from __future__ import annotations
@@ -10,10 +12,14 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from zllm.config import EngineConfig
+
+if TYPE_CHECKING:
+    from zllm.workers.symmetric_all_reduce import SymmetricAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -22,15 +28,21 @@ logger = logging.getLogger(__name__)
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    # GPU: the one-shot path for small all-reduces, set on every rank or on none (agreed at set-up).
+    fast: SymmetricAllReduce | None = None
 
     @property
     def is_first(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place (a no-op on one rank)."""
-        if self.size > 1:
-            torch.distributed.all_reduce(x)
+        """The sum of `x` over the ranks: `x` itself, summed in place (NCCL/gloo, or one rank), or a
+        new tensor (the one-shot path, for tensors it accepts). Callers use the return value."""
+        if self.size == 1:
+            return x
+        if self.fast is not None and self.fast.accepts(x):
+            return self.fast.all_reduce(x)
+        torch.distributed.all_reduce(x)
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -50,6 +62,7 @@ class TensorParallel:
         return x
 
     def destroy(self) -> None:
+        self.fast = None  # unmaps the peers' buffers while the group still exists
         if self.size > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

@@ -31,7 +31,7 @@ from zllm.ipc.messages import (
     WorkerToCore,
 )
 from zllm.ipc.sockets import make_socket
-from zllm.launch.children import die_with_parent, read_config_from_stdin, setup_child_logging
+from zllm.launch.children import die_with_parent, install_hang_dump, read_config_from_stdin, setup_child_logging
 
 logger = logging.getLogger("zllm.worker")
 
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     config = read_config_from_stdin()
     die_with_parent(config.heartbeat_interval_s)
     setup_child_logging(f"worker{args.rank}")
+    install_hang_dump()
     return WorkerProcess(config, args.rank).run()
 
 

@@ -16,6 +16,7 @@ from zllm.config import EngineConfig
 from zllm.ipc.messages import StepInput, StepOutput
 from zllm.workers.distributed import init_tensor_parallel
 from zllm.workers.model_runner import LaunchedStep, ModelRunner
+from zllm.workers.symmetric_all_reduce import attach_symmetric_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class Worker:
         self._answers: deque[StepOutput] = deque()  # answered here, not yet collected (in-process)
         self.runner = ModelRunner(config, self.device, self.tp)
         self.runner.load_model()
+        # Before the memory profile (the buffer counts against the KV cache) and before any graph
+        # captures an all-reduce; every rank gets here, so its agreement votes line up.
+        attach_symmetric_all_reduce(self.tp, config, self.device, self.runner.dtype)
         logger.info(
             "rank %d: model loaded: %s on %s (%s)", rank, config.model_name, self.device, self.runner.dtype
         )
