@@ -12,37 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from benchmarks.gpu_timing import graph_time_us
 from zllm.workers import kernels
 
 CALLS_PER_GRAPH = 32  # one per layer of an 8B model
 REPLAYS = 20
-
-
-def time_graph_us(fn) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS_PER_GRAPH)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -75,8 +52,8 @@ def main() -> None:
             partition = None if size == "default" else int(size)
             chosen, parts = kernels.attention_partitions(batch, args.heads, args.kv_heads, max_blocks * block, device,
                                                          partition)
-            micros = time_graph_us(lambda: kernels.paged_attention_decode(
-                out, query, cache, tables, seq_lens, scale, partition_size=partition))
+            micros = graph_time_us(lambda _: kernels.paged_attention_decode(
+                out, query, cache, tables, seq_lens, scale, partition_size=partition), CALLS_PER_GRAPH, REPLAYS)
             print(json.dumps({"benchmark": "attention_decode", "batch_size": batch, "context": context,
                               "capacity": max_blocks * block, "partition_size": chosen, "grid_partitions": parts,
                               "requested": size, "us_per_call": round(micros, 2),

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
-import torch.nn.functional as F
 
+from benchmarks.gpu_timing import graph_time_us
 from zllm.workers import kernels
 
 SHAPES = {  # name -> [(label, N, K)] per rank
@@ -25,29 +24,6 @@ SHAPES = {  # name -> [(label, N, K)] per rank
                        ("lm_head", 64128, 8192)],
 }
 CALLS, REPLAYS = 16, 10
-
-
-def time_us(fn, calls: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -64,7 +40,7 @@ def main() -> None:
         methods = {"cublas": lambda i: torch.matmul(x, weights[i].t(), out=outs[i]),
                    "zllm": lambda i: kernels.gemv(outs[i], x, weights[i])}
         for name, fn in methods.items():
-            micros = time_us(fn, calls)
+            micros = graph_time_us(fn, calls, REPLAYS)
             print(json.dumps({"benchmark": "gemv", "shapes": args.shapes, "proj": label, "n": n, "k": k,
                               "method": name, "us": round(micros, 2),
                               "weight_TBps": round(n * k * 2 / micros / 1e6, 3)}), flush=True)

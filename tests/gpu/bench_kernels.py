@@ -7,11 +7,11 @@ root: `python tests/gpu/bench_kernels.py` (tests/gpu/run_all.sh does).
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.gpu_timing import graph_time_us
 from zllm.workers import kernels
 from zllm.workers.attention import AttentionMetadata, paged_attention, write_kv_cache
 from zllm.workers.layers import apply_rotary, rms_norm, silu_and_mul
@@ -25,26 +25,7 @@ CALLS_PER_GRAPH, REPLAYS = 20, 15
 def time_us(fn: Callable[[], object]) -> float | None:
     """Median microseconds per call of fn, captured CALLS_PER_GRAPH times in a graph."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(CALLS_PER_GRAPH):
-                fn()
-        graph.replay()
-        times = []
-        for _ in range(REPLAYS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000 / CALLS_PER_GRAPH)
-        return statistics.median(times)
+        return graph_time_us(lambda _: fn(), CALLS_PER_GRAPH, REPLAYS)
     except Exception as exc:  # a reference op that cannot be captured, or out of memory
         print(f"  (not timed: {type(exc).__name__}: {str(exc)[:120]})")
         return None

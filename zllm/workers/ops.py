@@ -33,26 +33,17 @@ class TorchOps:
         residual = residual + x
         return rms_norm(residual, weight, eps), residual
 
-    def rotary(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = cos[positions], sin[positions]
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
-
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        ref.write_kv_cache(kv_cache, k, v, slot_mapping)
 
     def rotary_and_write_kv(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
         sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
         """Rotates q and k, stores k and v in the cache; returns the rotated q."""
-        q, k = self.rotary(positions, q, k, cos, sin)
-        self.write_kv(kv_cache, k, v, slot_mapping)
-        return q
+        cos, sin = cos[positions], sin[positions]
+        ref.write_kv_cache(kv_cache, apply_rotary(k, cos, sin), v, slot_mapping)
+        return apply_rotary(q, cos, sin)
 
     def attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Decodes through the CPU kernel (csrc/cpu) where it runs: it reads K/V in place, where
@@ -93,21 +84,14 @@ class CudaOps(TorchOps):
         self.k.fused_add_rms_norm(x, residual, weight, eps)  # in place: residual += x; x = norm(residual)
         return x, residual
 
-    def rotary(self, positions, q, k, cos, sin):
-        # In place on the strided q/k views of the fused QKV output: no copies.
-        self.k.rotary_embedding(positions, q, k, cos, sin)
-        return q, k
-
     def silu_and_mul(self, x):
         out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
         self.k.silu_and_mul(out, x.contiguous())
         return out
 
-    def write_kv(self, kv_cache, k, v, slot_mapping):
-        self.k.reshape_and_cache(kv_cache, k, v, slot_mapping)
-
     def rotary_and_write_kv(self, positions, q, k, v, cos, sin, kv_cache, slot_mapping):
-        # One kernel: at decode, two would each cost a launch and k would round-trip through memory.
+        # One kernel, in place on the strided q/k views of the fused QKV output: at decode, two
+        # would each cost a launch and k would round-trip through memory.
         self.k.rotary_embedding_and_cache(positions, q, k, v, cos, sin, kv_cache, slot_mapping)
         return q
 
