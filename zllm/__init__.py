@@ -16,6 +16,7 @@ _LAZY_NAMES = {
     "LLM": "zllm.frontend.llm",
     "LLMEngine": "zllm.frontend.llm_engine",
     "SamplingParams": "zllm.sampling_params",
+    "StructuredOutputsParams": "zllm.sampling_params",
     "RequestOutput": "zllm.outputs",
     "CompletionOutput": "zllm.outputs",
     "Logprob": "zllm.outputs",
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from zllm.frontend.llm import LLM
     from zllm.frontend.llm_engine import LLMEngine
     from zllm.outputs import CompletionOutput, Logprob, RequestOutput
-    from zllm.sampling_params import SamplingParams
+    from zllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -15,6 +15,23 @@ import msgspec
 _UINT64_MAX = 2**64 - 1
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """Constrain a completion to a grammar (vLLM's names); exactly one kind is set."""
+
+    json: str | dict | None = None  # a JSON schema, as an object or as its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF, in the dialect xgrammar reads (GBNF)
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        _check(len(kinds) == 1, "structured_outputs", f"set exactly one of json, regex, choice, grammar, json_object; got {kinds or 'none'}")
+        if self.choice is not None:
+            _check(len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice), "structured_outputs", "choice must be a non-empty list of strings")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
     """How to sample the completion of one prompt (vLLM's names and defaults)."""
 
@@ -41,6 +58,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
     prompt_logprobs: int | None = None  # top-k logprobs per prompt position (plus the prompt token's own)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     bad_words: list[str] | None = None  # words (token sequences) that must never be completed
+    structured_outputs: StructuredOutputsParams | None = None  # grammar the completion must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
