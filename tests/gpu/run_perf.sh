@@ -4,6 +4,8 @@
 #   PART=correct: csrc build + the engine GPU tests (async vs sync, no host syncs, vs HF)
 #   PART=latency: copy bandwidth, W2 (batch-1 decode), step profile at batch 256 and 1
 #   PART=load:    W1 (1000 x 256/256 offline), W3 (serve.py, Poisson 20 req/s, 400 x 256/256)
+#   PART=mix:     issue 20's baseline: W1, W1's time by kind of step (step_mix.py), W2, and
+#                 serve.py at Poisson 32 req/s, 600 x 256/256 (RATE=... overrides the rate)
 # Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -52,5 +54,18 @@ load)
     --request-rate 20 --input-len 256 --output-len 256 --json "$out/serve.json" --plot "$out/serve.png"
   kill -TERM $server; wait $server
   ;;
-*) echo "usage: $0 correct|latency|load"; exit 2 ;;
+mix)
+  run 200 python benchmarks/throughput.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
+    --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192
+  run 200 python benchmarks/step_mix.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
+    --max-num-batched-tokens 8192
+  run 150 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024
+  python -m zllm.launch.cli --model "$model" --load-format dummy --max-model-len 1024 --port 8000 > "$out/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 120); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+  run 150 python benchmarks/serve.py --base-url http://127.0.0.1:8000 --model "$model" --num-prompts 600 \
+    --request-rate "${RATE:-32}" --input-len 256 --output-len 256 --json "$out/serve.json" --plot "$out/serve.png"
+  kill -TERM $server; wait $server
+  ;;
+*) echo "usage: $0 correct|latency|load|mix"; exit 2 ;;
 esac

@@ -17,8 +17,13 @@ logger = logging.getLogger(__name__)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
-    return [s for s in sizes if s <= max_num_seqs] or [1]
+    """Padded decode batch sizes to capture, up to max_num_seqs itself: fine steps where a padded
+    row costs most (small batches), coarser ones past 256, where a step is compute-bound."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, max_num_seqs + 1, 32))
+    sizes = [s for s in sizes if s <= max_num_seqs]
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
 
 
 class DecodeGraphs:
