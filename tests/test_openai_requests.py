@@ -142,3 +142,12 @@ def test_openapi_documents_the_new_fields_and_routes():
     assert "additionalProperties" not in schemas["ChatCompletionRequest"]  # unknown fields are accepted
     assert {"/tokenize", "/detokenize", "/version", "/v1/models"} <= set(document["paths"])
     assert "max_model_len" in schemas["ModelCard"]["properties"]
+
+
+def test_the_ignored_fields_header_is_printable_ascii_and_bounded():
+    from zllm.frontend.api_server import ignored_fields_header
+
+    assert ignored_fields_header(["a", "messages[0].b"]) == "a, messages[0].b"
+    assert ignored_fields_header(["\x1f", "é\n"]) == "\\u001f, \\u00e9\\n"
+    long = ignored_fields_header([f"field_{i}" for i in range(1000)])
+    assert len(long) < 1100 and long.endswith("more)") and long.isascii()

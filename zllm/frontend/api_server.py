@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import socket
 from collections.abc import AsyncIterator
@@ -63,6 +64,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("zllm.frontend.api")
 
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+_IGNORED_HEADER_MAX_CHARS = 1024  # clients refuse long headers (aiohttp's limit is 8190 bytes)
+_MAX_WARNED_FIELDS = 1024  # distinct names logged; bounded so that fuzzed names cannot grow it forever
 _warned_fields: set[str] = set()  # unknown field names already logged (once each)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # ServerError kinds -> HTTP status (retry-later conditions are 503, as OpenAI answers "overloaded").
@@ -195,10 +198,10 @@ class ApiServer:
         """The request body, and the header listing the fields it had that are ignored."""
         body, ignored = decode_request(await request.read(), type_)
         for name in ignored:
-            if name not in _warned_fields:
+            if name not in _warned_fields and len(_warned_fields) < _MAX_WARNED_FIELDS:
                 _warned_fields.add(name)
                 logger.warning("ignoring the unknown request field %r on %s (logged once)", name, request.path)
-        return body, {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else {}
+        return body, {IGNORED_FIELDS_HEADER: ignored_fields_header(ignored)} if ignored else {}
 
     async def _run(self, request: web.Request, call: CompletionCall | ChatCall, stream: bool,
                    headers: dict[str, str]) -> web.StreamResponse:
@@ -295,6 +298,18 @@ class ApiServer:
             return None
         finally:
             await self.frontend.close_local_client(identity)
+
+
+def ignored_fields_header(paths: list[str]) -> str:
+    """The paths, comma-separated, as printable ASCII (JSON escapes: a header may hold nothing
+    else) and cut to a length every client accepts, saying how many more there were."""
+    text = ""
+    for i, path in enumerate(paths):
+        item = json.dumps(path)[1:-1]
+        if len(text) + len(item) + 2 > _IGNORED_HEADER_MAX_CHARS:
+            return f"{text}, ... ({len(paths) - i} more)"
+        text = f"{text}, {item}" if text else item
+    return text
 
 
 def _has_messages(raw: bytes) -> bool:
