@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import jsonschema
+import msgspec
 import pytest
 
 from zllm.frontend.openai_constraints import structured_outputs_of, tool_choice_schema
@@ -151,3 +152,83 @@ def test_the_ignored_fields_header_is_printable_ascii_and_bounded():
     assert ignored_fields_header(["\x1f", "é\n"]) == "\\u001f, \\u00e9\\n"
     long = ignored_fields_header([f"field_{i}" for i in range(1000)])
     assert len(long) < 1100 and long.endswith("more)") and long.isascii()
+
+
+# ---- tool calls in chat responses, from engine outputs (no model: the text is given) -------------------
+
+
+class _FakeEngineCall:
+    """The part of EngineCall that ChatCall reads, replaying given text deltas for one choice."""
+
+    def __init__(self, deltas: list[str], finish_reason: str = "stop") -> None:
+        from zllm.frontend.openai_serving import _Choice
+        from zllm.ipc.messages import ServerOutput
+
+        last = len(deltas) - 1
+        self.messages = [ServerOutput("0", text=d, finish_reason=finish_reason if i == last else None,
+                                      finished=i == last) for i, d in enumerate(deltas)]
+        self.choices = [_Choice(text=list(deltas), finish_reason=finish_reason)]
+
+    async def wait(self) -> None:
+        pass
+
+    async def outputs(self):
+        for message in self.messages:
+            yield 0, message
+
+    def usage(self):
+        from zllm.frontend.openai_protocol import UsageInfo
+
+        return UsageInfo(prompt_tokens=1, completion_tokens=len(self.messages), total_tokens=1 + len(self.messages))
+
+
+def _chat_call(tool_choice, parser):
+    from zllm.frontend.openai_serving import ChatCall, Prompt, ToolMode
+    from zllm.sampling_params import SamplingParams
+
+    request = chat(tools=TOOLS, tool_choice=tool_choice, stream=True)
+    return ChatCall(request, "m", Prompt("x", [1]), SamplingParams(), ToolMode(tool_choice if isinstance(
+        tool_choice, str) else "named", parser, single=False))
+
+
+HERMES_OUTPUT = ['Sure.', ' <tool_', 'call>{"name": "add", "argu', 'ments": {"a": 1, ', '"b": 2}}</tool_call>']
+
+
+def test_auto_chat_response_and_stream_carry_openai_tool_calls():
+    import asyncio
+
+    from zllm.frontend.tool_parsers import HermesParser
+
+    response = asyncio.run(_chat_call("auto", HermesParser()).response(None, _FakeEngineCall(HERMES_OUTPUT)))
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+        [("add", {"a": 1, "b": 2})]
+
+    async def stream():
+        return [c async for c in _chat_call("auto", HermesParser()).chunks(None, _FakeEngineCall(HERMES_OUTPUT))]
+
+    chunks = [json.loads(msgspec.json.encode(c)) for c in asyncio.run(stream())]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("content", "") for d in deltas) == "Sure. "
+    pieces = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert pieces[0]["id"].startswith("chatcmpl-tool-") and pieces[0]["type"] == "function"
+    assert pieces[0]["function"]["name"] == "add" and all("id" not in p for p in pieces[1:])
+    assert json.loads("".join(p["function"]["arguments"] for p in pieces)) == {"a": 1, "b": 2}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_named_choice_ends_with_stop_and_plain_text_stays_content():
+    import asyncio
+
+    from zllm.frontend.tool_parsers import HermesParser, NamedParser
+
+    named = {"type": "function", "function": {"name": "add"}}
+    response = asyncio.run(_chat_call(named, NamedParser("add")).response(None, _FakeEngineCall(['{"a": 1,', ' "b": 2}'])))
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    assert choice.message.tool_calls[0].function.arguments == '{"a": 1, "b": 2}'
+    plain = asyncio.run(_chat_call("auto", HermesParser()).response(None, _FakeEngineCall(["No", " tools."])))
+    assert plain.choices[0].message.content == "No tools." and plain.choices[0].message.tool_calls == []
+    assert plain.choices[0].finish_reason == "stop"
