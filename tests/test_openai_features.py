@@ -156,7 +156,8 @@ def test_required_and_named_tool_arguments_validate_20_of_20_streaming_and_not(c
 
 def test_auto_reads_hermes_calls_out_of_the_text(client):
     # The regex makes the model write one hermes call; the parser turns it into tool_calls.
-    call = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,9}", "unit": "celsius"\}\}</tool_call>'
+    call = (r'<tool_call>\{"name": "get_weather", "arguments": '
+            r'\{"city": "[A-Z][a-z]{2,9}", "unit": "celsius"\}\}</tool_call>')
     response = client.chat.completions.create(model=MODEL, messages=ask("Paris"), tools=TOOLS, max_tokens=60,
                                               temperature=0, extra_body={"structured_outputs": {"regex": call}})
     choice = response.choices[0]

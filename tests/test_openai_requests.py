@@ -225,7 +225,8 @@ def test_named_choice_ends_with_stop_and_plain_text_stays_content():
     from zllm.frontend.tool_parsers import HermesParser, NamedParser
 
     named = {"type": "function", "function": {"name": "add"}}
-    response = asyncio.run(_chat_call(named, NamedParser("add")).response(None, _FakeEngineCall(['{"a": 1,', ' "b": 2}'])))
+    outputs = _FakeEngineCall(['{"a": 1,', ' "b": 2}'])
+    response = asyncio.run(_chat_call(named, NamedParser("add")).response(None, outputs))
     choice = response.choices[0]
     assert choice.finish_reason == "stop" and choice.message.content is None
     assert choice.message.tool_calls[0].function.arguments == '{"a": 1, "b": 2}'

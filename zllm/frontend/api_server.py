@@ -8,9 +8,9 @@ Built on aiohttp: its AppRunner runs inside an event loop someone else owns (the
 also serves the ZMQ endpoint and talks to the engine core) and leaves signal handling to
 `vllm-launch`; it can cancel a handler the moment its client disconnects (so the request is
 aborted in the engine, streaming or not); it enforces a body size limit itself (413). Bodies are
-decoded with msgspec, the project's one serialization library, with the field named
-in every error (unknown fields are ignored, below). Requests reach the engine through the FrontendServer's in-process client path
-(see openai_serving.py).
+decoded with msgspec, the project's one serialization library, with the field named in every
+error (unknown fields are ignored, below). Requests reach the engine through the
+FrontendServer's in-process client path (see openai_serving.py).
 
 Every error has OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
 parameters, 401 for a missing or wrong API key on /v1 routes, 404 for an unknown model or route,

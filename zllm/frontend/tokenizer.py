@@ -71,5 +71,6 @@ def _check_messages(messages: Messages) -> None:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"messages: item {i} must be a dict with a string 'role'")
         # An assistant turn that called tools may have no text (OpenAI sends content null).
-        if not isinstance(message.get("content"), str) and not (message.get("tool_calls") and message.get("content") is None):
+        called = bool(message.get("tool_calls"))
+        if not isinstance(message.get("content"), str) and not (called and message.get("content") is None):
             raise ValueError(f"messages: item {i} must have a string 'content'")
