@@ -25,6 +25,11 @@ from zllm.frontend.openai_protocol import (
 )
 from zllm.sampling_params import StructuredOutputsParams
 
+try:  # the grammar backend (xgrammar) parses a spec without the engine: a bad one is our 400
+    from zllm.frontend.structured_outputs import validate_structured_outputs as _grammar_check
+except ImportError:  # NOTE: until the structured-outputs branch is merged; then import it plainly
+    _grammar_check = None
+
 _NO_ARGUMENTS = {"type": "object", "properties": {}}
 
 
@@ -44,7 +49,8 @@ def structured_outputs_of(request: CompletionRequest | ChatCompletionRequest,
         params = StructuredOutputsParams(**fields)
     except ValueError as error:
         raise BadRequest(f"{name}: {str(error).removeprefix('structured_outputs: ')}", name) from None
-    _validate_structured_outputs(params, name)
+    # A tool's parameters schema that cannot work is the tools' fault, not tool_choice's.
+    _validate_structured_outputs(params, "tools" if name == "tool_choice" else name)
     return params
 
 
@@ -80,12 +86,11 @@ def _response_format(request: CompletionRequest | ChatCompletionRequest) -> dict
 
 
 def _validate_structured_outputs(params: StructuredOutputsParams, field_name: str) -> None:
-    """Refuse a constraint that cannot work, with a 400 naming the field.
+    """Refuse a constraint that cannot work, with a 400 naming the request field it came from.
 
-    NOTE: the single call site for the grammar backend's compile check (xgrammar, in the engine
-    core's structured-outputs module): the lead wires it here at merge, so a schema, regex or
-    grammar that cannot compile is refused before the request reaches the engine. Until then the
-    checks below are the frontend's own (the schema must be a JSON object)."""
+    The one call site of the grammar backend's check (`validate_structured_outputs`: xgrammar
+    parses the schema, regex or grammar); the engine's InputProcessor checks again, but its
+    error can only name `structured_outputs`. The frontend's own checks come first."""
     if params.json is not None:
         schema = params.json
         if isinstance(schema, str):
@@ -98,6 +103,12 @@ def _validate_structured_outputs(params: StructuredOutputsParams, field_name: st
     for name in ("regex", "grammar"):
         if getattr(params, name) == "":
             raise BadRequest(f"{field_name}: {name} must not be empty", field_name)
+    if _grammar_check is not None:
+        try:
+            _grammar_check(params)
+        except ValueError as error:
+            reason = str(error).removeprefix("structured_outputs: ")
+            raise BadRequest(f"{field_name}: {reason}", field_name) from None
 
 
 # ---- tool_choice -----------------------------------------------------------------------------------
