@@ -233,3 +233,19 @@ def test_named_choice_ends_with_stop_and_plain_text_stays_content():
     plain = asyncio.run(_chat_call("auto", HermesParser()).response(None, _FakeEngineCall(["No", " tools."])))
     assert plain.choices[0].message.content == "No tools." and plain.choices[0].message.tool_calls == []
     assert plain.choices[0].finish_reason == "stop"
+
+
+def test_tool_flags_are_checked_with_the_config():
+    import argparse
+
+    from zllm.config import EngineConfig
+    from zllm.launch.args import add_http_args, http_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_http_args(parser)
+    args = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert http_kwargs(args)["tool_call_parser"] == "llama3_json" and http_kwargs(args)["enable_auto_tool_choice"]
+    for fields, name in [({"enable_auto_tool_choice": True}, "enable_auto_tool_choice"),
+                         ({"tool_call_parser": "pythonic"}, "tool_call_parser")]:
+        with pytest.raises(ValueError, match=f"^{name}"):
+            EngineConfig(model="m", max_model_len=64, **fields).validate()
