@@ -258,3 +258,15 @@ def test_bad_fields_are_400_naming_them(api, path, body, param):
     response = post(api, path, body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}},
+     "response_format"),
+])
+def test_a_constraint_the_grammar_engine_cannot_compile_is_400_naming_it(api, body, param):
+    response = post(api, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
