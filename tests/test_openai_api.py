@@ -248,7 +248,7 @@ def test_chat_n2_and_logprobs(client):
         ({"prompt": [1, "two"]}, 400, "prompt"),
         ({"prompt": [[10**9]]}, 400, "prompt"),
         ({"prompt": ""}, 400, "prompt"),
-        ({"prompt": "Hi", "temprature": 0.5}, 400, "temprature"),
+        ({"prompt": "Hi", "temperature": "hot", "temprature": 0.5}, 400, "temperature"),  # the typo is ignored
         ({"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
     ],

@@ -22,6 +22,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
 _ON_FAILURE = ("restart", "fail")
+_TOOL_CALL_PARSERS = (None, "hermes", "llama3_json", "mistral")  # zllm.frontend.tool_parsers.PARSERS
 
 
 @dataclass(slots=True)
@@ -87,6 +88,10 @@ class EngineConfig:
     # full 131072-token prompt at 20); a request carries at most one client frame's content, which
     # tokenizing can grow (bad words: ~5 bytes per token), hence at least 8x the client bound.
     internal_max_message_bytes: int = 1 << 30
+    # OpenAI tool calling, as vLLM's flags: tool_choice "auto" reads calls with this parser
+    # (hermes, llama3_json, mistral); "required" and named choices need neither.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -152,6 +157,10 @@ class EngineConfig:
         _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
         self._validate_reliability()
+        _require(self.tool_call_parser in _TOOL_CALL_PARSERS, "tool_call_parser",
+                 f"must be one of {_TOOL_CALL_PARSERS[1:]}, got {self.tool_call_parser!r}")
+        _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None, "enable_auto_tool_choice",
+                 "needs tool_call_parser (--tool-call-parser)")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
         _require(
             self.custom_all_reduce_max_bytes >= 0,

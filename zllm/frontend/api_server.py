@@ -1,26 +1,31 @@
 """The OpenAI-compatible HTTP API, served by the frontend process on its own asyncio loop.
 
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
+    POST /tokenize              POST /detokenize
     GET  /health                GET  /version                    GET /metrics     GET /openapi.json
 
 Built on aiohttp: its AppRunner runs inside an event loop someone else owns (the frontend's, which
 also serves the ZMQ endpoint and talks to the engine core) and leaves signal handling to
 `vllm-launch`; it can cancel a handler the moment its client disconnects (so the request is
 aborted in the engine, streaming or not); it enforces a body size limit itself (413). Bodies are
-decoded with msgspec, the project's one serialization library, strictly and with the field named
-in every error. Requests reach the engine through the FrontendServer's in-process client path
-(see openai_serving.py).
+decoded with msgspec, the project's one serialization library, with the field named in every
+error (unknown fields are ignored, below). Requests reach the engine through the
+FrontendServer's in-process client path (see openai_serving.py).
 
 Every error has OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
 parameters, 401 for a missing or wrong API key on /v1 routes, 404 for an unknown model or route,
 413 for an oversized body, 503 when the engine is dead or the server is draining (and, on /health
 only, while the engine restarts after a failure).
+
+Request fields the server does not know are ignored, as vLLM does; each name is logged once (at
+warning level) and a response that ignored any lists them in its `X-Ignored-Fields` header.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import socket
 from collections.abc import AsyncIterator
@@ -35,17 +40,22 @@ from zllm.frontend.openai_protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     VersionInfo,
     decode_request,
     now_s,
     openapi_document,
     param_of,
 )
-from zllm.frontend.openai_serving import ChatCall, CompletionCall, EngineError
+from zllm.frontend.openai_serving import ChatCall, CompletionCall, EngineError, conversation_prompt
 from zllm.ipc.messages import ClientStats, ServerStats
 
 if TYPE_CHECKING:
@@ -53,6 +63,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("zllm.frontend.api")
 
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+_IGNORED_HEADER_MAX_CHARS = 1024  # clients refuse long headers (aiohttp's limit is 8190 bytes)
+_MAX_WARNED_FIELDS = 1024  # distinct names logged; bounded so that fuzzed names cannot grow it forever
+_warned_fields: set[str] = set()  # unknown field names already logged (once each)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # ServerError kinds -> HTTP status (retry-later conditions are 503, as OpenAI answers "overloaded").
 _ENGINE_ERROR_STATUS = {"bad_request": 400, "unauthorized": 401, "engine_dead": 503, "overloaded": 503,
@@ -74,8 +88,8 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return web.Response(status=status, body=error_body(message, type_, param, code), content_type="application/json")
 
 
-def json_response(value: msgspec.Struct) -> web.Response:
-    return web.Response(body=msgspec.json.encode(value), content_type="application/json")
+def json_response(value: msgspec.Struct, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=msgspec.json.encode(value), content_type="application/json", headers=headers)
 
 
 def _from_engine_error(error: EngineError) -> ApiError:
@@ -108,6 +122,8 @@ class ApiServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics)
@@ -169,25 +185,36 @@ class ApiServer:
     # ---- generation ----------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = decode_request(await request.read(), CompletionRequest)
+        body, ignored = await self._decode(request, CompletionRequest)
         call = CompletionCall.build(self.frontend, body, self._model(body.model))
-        return await self._run(request, call, body.stream)
+        return await self._run(request, call, body.stream, ignored)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = decode_request(await request.read(), ChatCompletionRequest)
+        body, ignored = await self._decode(request, ChatCompletionRequest)
         call = ChatCall.build(self.frontend, body, self._model(body.model))
-        return await self._run(request, call, body.stream)
+        return await self._run(request, call, body.stream, ignored)
 
-    async def _run(self, request: web.Request, call: CompletionCall | ChatCall, stream: bool) -> web.StreamResponse:
+    async def _decode(self, request: web.Request, type_: type) -> tuple[msgspec.Struct, dict[str, str]]:
+        """The request body, and the header listing the fields it had that are ignored."""
+        body, ignored = decode_request(await request.read(), type_)
+        for name in ignored:
+            if name not in _warned_fields and len(_warned_fields) < _MAX_WARNED_FIELDS:
+                _warned_fields.add(name)
+                logger.warning("ignoring the unknown request field %r on %s (logged once)", name, request.path)
+        return body, {IGNORED_FIELDS_HEADER: ignored_fields_header(ignored)} if ignored else {}
+
+    async def _run(self, request: web.Request, call: CompletionCall | ChatCall, stream: bool,
+                   headers: dict[str, str]) -> web.StreamResponse:
         self._check_serving()
         async with call.engine_call(self.frontend) as engine:
             if not stream:
-                return json_response(await call.response(self.frontend, engine))
-            return await self._stream(request, call.chunks(self.frontend, engine))
+                return json_response(await call.response(self.frontend, engine), headers)
+            return await self._stream(request, call.chunks(self.frontend, engine), headers)
 
-    async def _stream(self, request: web.Request, chunks: AsyncIterator[msgspec.Struct]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, chunks: AsyncIterator[msgspec.Struct],
+                      headers: dict[str, str]) -> web.StreamResponse:
         """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`."""
-        response = web.StreamResponse(headers=_SSE_HEADERS)
+        response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         await response.prepare(request)
         try:
             async for chunk in chunks:
@@ -218,6 +245,26 @@ class ApiServer:
         card = ModelCard(id=self.config.model_name, created=now_s(), root=self.config.model,
                          max_model_len=self.config.max_model_len)
         return json_response(ModelList(data=[card]))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt (with the tokenizer's special tokens by default) or chat
+        messages (through the chat template, as /v1/chat/completions renders them)."""
+        chat = _has_messages(await request.read())
+        body, headers = await self._decode(request, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+        self._model(body.model)
+        text = conversation_prompt(self.frontend, body).text if chat else body.prompt
+        tokens = self.frontend.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        return json_response(TokenizeResponse(count=len(tokens), max_model_len=self.config.max_model_len,
+                                              tokens=tokens), headers)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body, headers = await self._decode(request, DetokenizeRequest)
+        self._model(body.model)
+        vocab_size = len(self.frontend.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"tokens: ids must be in [0, {vocab_size}), got {bad[:5]}", "tokens")
+        return json_response(DetokenizeResponse(prompt=self.frontend.tokenizer.decode(body.tokens)), headers)
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while serving; 503 (with the reason) when dead, draining, or restarting the engine
@@ -251,6 +298,26 @@ class ApiServer:
             return None
         finally:
             await self.frontend.close_local_client(identity)
+
+
+def ignored_fields_header(paths: list[str]) -> str:
+    """The paths, comma-separated, as printable ASCII (JSON escapes: a header may hold nothing
+    else) and cut to a length every client accepts, saying how many more there were."""
+    text = ""
+    for i, path in enumerate(paths):
+        item = json.dumps(path)[1:-1]
+        if len(text) + len(item) + 2 > _IGNORED_HEADER_MAX_CHARS:
+            return f"{text}, ... ({len(paths) - i} more)"
+        text = f"{text}, {item}" if text else item
+    return text
+
+
+def _has_messages(raw: bytes) -> bool:
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return False  # decode_request reports it
+    return isinstance(value, dict) and "messages" in value
 
 
 def _http_error_message(request: web.Request, error: web.HTTPException) -> str:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API's request and response bodies, as msgspec Structs.
 
-Requests are decoded strictly: a wrong type or an unknown field is a 400 that names the field
+Requests are decoded tolerantly, as vLLM does: a field this server does not know is accepted and
+ignored (clients and SDKs send fields a server may not use), logged once per name and listed in
+the `X-Ignored-Fields` response header; a known field with a wrong type is a 400 that names it
 (msgspec reports the JSON path). Field names are OpenAI's, plus vLLM's extensions (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...), with vLLM's meanings.
-Responses have OpenAI's shapes; `openapi_document` describes both for tools and fuzzers.
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, structured_outputs, guided_*, ...),
+with vLLM's meanings. Responses have OpenAI's shapes; `openapi_document` describes both.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 
-class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class _Request(msgspec.Struct, kw_only=True):
     pass
 
 
@@ -24,6 +26,30 @@ class _Response(msgspec.Struct, kw_only=True):
 
 
 # ---- requests ---------------------------------------------------------------------------------
+
+
+class JsonSchemaFormat(_Request, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None  # accepted; the grammar always enforces the schema
+
+
+class ResponseFormat(_Request, kw_only=True):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request, kw_only=True):
+    """vLLM's structured_outputs object: exactly one constraint."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(_Request, kw_only=True):
@@ -46,7 +72,12 @@ class _SamplingRequest(_Request, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted and ignored, as OpenAI's end-user id
+    best_of: int | None = None  # generate this many, return the n with the highest cumulative logprob
+    response_format: ResponseFormat | None = None
+    # Accepted and ignored: OpenAI's end-user id, request tags and processing tier.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -58,6 +89,12 @@ class _SamplingRequest(_Request, kw_only=True):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older names for structured_outputs' fields
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingRequest, kw_only=True):
@@ -79,10 +116,46 @@ class ImageContent(_Request, kw_only=True, tag_field="type", tag="image_url"):
     image_url: dict[str, Any]
 
 
+class FunctionCall(_Request, kw_only=True):
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+
+class ToolCallMessage(_Request, kw_only=True):
+    """A call an earlier assistant turn made (in the request's messages)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request, kw_only=True):
     role: str
     content: str | list[TextContent | ImageContent] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # role "assistant"
+    tool_call_id: str | None = None  # role "tool": the call this message answers
+
+
+class FunctionDefinition(_Request, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Request, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(_Request, kw_only=True):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -90,6 +163,9 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call
     # vLLM's extension. (A per-request chat_template is not accepted: it would run any Jinja.)
     add_generation_prompt: bool = True
 
@@ -144,9 +220,35 @@ class ChatLogprobs(_Response, kw_only=True):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(_Response, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Response, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(_Response, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] = []
+
+
+class DeltaFunctionCall(_Response, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response, kw_only=True, omit_defaults=True):
+    """A streamed piece of a tool call: id, type and name in the first piece, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatChoice(_Response, kw_only=True):
@@ -169,6 +271,7 @@ class ChatCompletionResponse(_Response, kw_only=True):
 class DeltaMessage(_Response, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response, kw_only=True):
@@ -206,6 +309,35 @@ class VersionInfo(_Response, kw_only=True):
     version: str
 
 
+class TokenizeCompletionRequest(_Request, kw_only=True):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Request, kw_only=True):
+    model: str | None = None
+    messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the chat template already holds them
+
+
+class TokenizeResponse(_Response, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response, kw_only=True):
+    prompt: str
+
+
 class ErrorInfo(_Response, kw_only=True):
     message: str
     type: str
@@ -234,14 +366,45 @@ _PARAM_UNKNOWN = re.compile(r"unknown field `(\w+)`")
 _PARAM_LEADING = re.compile(r"^(\w+): ")
 
 
-def decode_request(body: bytes, type_: type[_Request]) -> Any:
-    """Strictly decode a JSON body; any failure is a BadRequest naming the field."""
+def decode_request(body: bytes, type_: type[_Request]) -> tuple[Any, list[str]]:
+    """Decode a JSON body: the request, and the fields it has that `type_` does not know (as
+    `messages[0].foo` paths), which are ignored. A wrong type or value is a BadRequest naming the
+    field."""
     try:
-        return msgspec.json.decode(body, type=type_)
+        request = msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as error:
         raise BadRequest(f"invalid request: {error}", param_of(str(error))) from None
     except msgspec.DecodeError as error:
         raise BadRequest(f"the body is not valid JSON: {error}") from None
+    return request, unknown_fields(msgspec.json.decode(body), msgspec.inspect.type_info(type_))
+
+
+def unknown_fields(value: Any, info: msgspec.inspect.Type, path: str = "") -> list[str]:
+    """Paths of the object keys in `value` (already known to decode as `info`) that no Struct
+    field takes."""
+    if isinstance(info, msgspec.inspect.UnionType):
+        return next((unknown_fields(value, t, path) for t in info.types if _matches(value, t)), [])
+    if isinstance(info, msgspec.inspect.StructType) and isinstance(value, dict):
+        fields = {f.encode_name: f.type for f in info.fields}
+        known = set(fields) | ({info.tag_field} if info.tag_field else set())
+        found = [f"{path}{key}" for key in value if key not in known]
+        for key, field_type in fields.items():
+            if key in value:
+                found += unknown_fields(value[key], field_type, f"{path}{key}.")
+        return found
+    if isinstance(info, msgspec.inspect.ListType) and isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in unknown_fields(item, info.item_type, f"{path[:-1]}[{i}].")]
+    return []
+
+
+def _matches(value: Any, info: msgspec.inspect.Type) -> bool:
+    """Whether this union member is the one `value` decoded as (Structs in our unions are told
+    apart by their tag or by being the only object type)."""
+    if isinstance(info, msgspec.inspect.StructType):
+        return isinstance(value, dict) and (info.tag_field is None or value.get(info.tag_field) == info.tag)
+    if isinstance(info, msgspec.inspect.ListType):
+        return isinstance(value, list)
+    return False
 
 
 def param_of(message: str) -> str | None:
@@ -274,7 +437,8 @@ def _errors(*codes: int) -> dict:
 
 def _generation(summary: str, request: str, response: str) -> dict:
     ok = {"description": "The completion; with `stream: true`, server-sent events ending with `data: [DONE]`",
-          "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}}}
+          "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}},
+          "headers": _IGNORED_HEADER}
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": _json(request)},
@@ -283,10 +447,25 @@ def _generation(summary: str, request: str, response: str) -> dict:
     }}
 
 
+def _utility(summary: str, request_schema: dict, response: str) -> dict:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}},
+        "responses": {"200": {"description": "OK", "content": _json(response)}, **_errors(400, 404, 413)},
+    }}
+
+
+_IGNORED_HEADER = {"X-Ignored-Fields": {
+    "description": "The request's fields this server does not know and ignored, comma-separated "
+                   "(as JSON paths: `foo`, `messages[0].bar`); absent when none",
+    "schema": {"type": "string"}}}
+
+
 def openapi_document(version: str) -> dict:
     """OpenAPI 3.1 for every route, with schemas generated from the Structs above."""
-    types = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, ModelList,
-             VersionInfo, ErrorResponse]
+    types = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
+             ChatCompletionChunk, ModelList, VersionInfo, ErrorResponse, TokenizeCompletionRequest,
+             TokenizeChatRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse]
     _, schemas = msgspec.json.schema_components(types, ref_template=_REF)
     text = {"text/plain": {"schema": {"type": "string"}}}
     return {
@@ -296,6 +475,12 @@ def openapi_document(version: str) -> dict:
             "/v1/completions": _generation("Complete prompts", "CompletionRequest", "CompletionResponse"),
             "/v1/chat/completions": _generation("Answer a conversation", "ChatCompletionRequest",
                                                 "ChatCompletionResponse"),
+            "/tokenize": _utility("Token ids of a prompt, or of chat messages rendered by the chat template",
+                                  {"oneOf": [{"$ref": _REF.format(name="TokenizeCompletionRequest")},
+                                             {"$ref": _REF.format(name="TokenizeChatRequest")}]},
+                                  "TokenizeResponse"),
+            "/detokenize": _utility("The text of token ids", {"$ref": _REF.format(name="DetokenizeRequest")},
+                                    "DetokenizeResponse"),
             "/v1/models": {"get": {"summary": "The served model", "security": [{"bearer": []}], "responses": {
                 "200": {"description": "Models", "content": _json("ModelList")}, **_errors(401)}}},
             "/health": {"get": {"summary": "200 while serving", "responses": {

@@ -10,6 +10,7 @@ gone — closes that client, which aborts whatever is still running in the engin
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,14 +32,23 @@ from zllm.frontend.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    NamedToolChoice,
+    ResponseFunctionCall,
+    ResponseToolCall,
     TextContent,
     TopLogprob,
     UsageInfo,
     now_s,
     param_of,
 )
+from zllm.frontend.openai_constraints import structured_outputs_of, tool_choice_schema
+from zllm.frontend.parallel_sampling import best_of_indices
 from zllm.frontend.tokenizer import chat_prompt
+from zllm.frontend.tool_parsers import CallDelta, NamedParser, RequiredParser, ToolCallStream, ToolParser, tool_parser
+from zllm.sampling_params import StructuredOutputsParams
 from zllm.ipc.messages import ClientGenerate, ServerError, ServerOutput
 from zllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from zllm.sampling_params import SamplingParams
@@ -70,18 +80,25 @@ class _Choice:
     logprobs: SampleLogprobs = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
 
 
 class EngineCall:
     """The engine requests of one API call, as one in-process client of the frontend server:
-    one request per prompt, each with its n completions (the server fans them out)."""
+    one request per prompt, each with its n completions (the server fans them out).
 
-    def __init__(self, server: FrontendServer, prompts: list[Prompt], sampling: SamplingParams) -> None:
+    best_of: the engine generates sampling.n candidates per prompt and `keep_best` leaves the
+    `keep_n` with the highest cumulative logprob (the usage still counts every generated token)."""
+
+    def __init__(self, server: FrontendServer, prompts: list[Prompt], sampling: SamplingParams,
+                 keep_n: int | None = None) -> None:
         self.server = server
         self.prompts = prompts
         self.sampling = msgspec.to_builtins(sampling)  # non-default fields, as a client sends them
         self.n = sampling.n
+        self.keep_n = keep_n or sampling.n
         self.choices = [_Choice() for _ in range(len(prompts) * self.n)]
+        self._dropped_tokens = 0
         self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
         self._identity: bytes | None = None
 
@@ -134,16 +151,32 @@ class EngineCall:
         choice.text.append(message.text)
         choice.token_ids.extend(message.token_ids)
         choice.logprobs.extend(message.logprobs or ())
+        if message.cumulative_logprob is not None:
+            choice.cumulative_logprob = message.cumulative_logprob
         if message.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = message.finish_reason, message.stop_reason
 
     async def wait(self) -> None:
+        """Until every request has finished; then only the best `keep_n` choices per prompt remain."""
         async for _ in self.outputs():
             pass
+        self._keep_best()
+
+    def _keep_best(self) -> None:
+        if self.keep_n == self.n:
+            return
+        kept = []
+        for start in range(0, len(self.choices), self.n):
+            candidates = self.choices[start:start + self.n]
+            best = best_of_indices([c.cumulative_logprob for c in candidates], self.keep_n)
+            kept += [candidates[i] for i in best]
+            self._dropped_tokens += sum(len(c.token_ids) for c in candidates) - sum(len(candidates[i].token_ids)
+                                                                                     for i in best)
+        self.choices, self.n = kept, self.keep_n
 
     def usage(self) -> UsageInfo:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        completion_tokens = sum(len(c.token_ids) for c in self.choices)
+        completion_tokens = sum(len(c.token_ids) for c in self.choices) + self._dropped_tokens
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens)
 
@@ -151,26 +184,53 @@ class EngineCall:
 # ---- from requests to engine inputs ---------------------------------------------------------------
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None,
+                    structured_outputs: StructuredOutputsParams | None = None,
+                    skip_special_tokens: bool | None = None) -> SamplingParams:
     """vLLM's SamplingParams from the request's fields; any refusal is a BadRequest naming the field.
-    (Limits that depend on the engine, such as max_n and max_logprobs, are the server's to check.)"""
+    (Limits that depend on the engine, such as max_n and max_logprobs, are the server's to check.)
+    With best_of > n the engine generates best_of completions, with logprobs (at least the sampled
+    token's) so that their cumulative logprobs can be compared."""
     if request.stream_options is not None and not request.stream:
         raise BadRequest("stream_options: only allowed with stream: true", "stream_options")
+    n = _best_of(request)
+    if n > request.n and logprobs is None:
+        logprobs = 0
+    if request.skip_special_tokens is not None:
+        skip_special_tokens = request.skip_special_tokens
     fields: dict[str, Any] = dict(
-        n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+        n=n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
         min_p=request.min_p, seed=request.seed, min_tokens=request.min_tokens, stop=request.stop,
         stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=request.skip_special_tokens,
+        skip_special_tokens=skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty, logit_bias=_logit_bias(request.logit_bias),
         bad_words=request.bad_words, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured_outputs,
     )
     try:
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
     except ValueError as error:
         raise BadRequest(str(error), param_of(str(error))) from None
+
+
+def _best_of(request: CompletionRequest | ChatCompletionRequest) -> int:
+    """How many completions per prompt the engine generates: best_of (>= n), else n."""
+    if request.best_of is None or request.best_of == request.n:
+        return request.n
+    if request.best_of < request.n:
+        raise BadRequest(f"best_of: must be >= n ({request.n}), got {request.best_of}", "best_of")
+    if request.stream:
+        raise BadRequest("best_of: greater than n cannot be streamed (the best are known only at the end)",
+                         "best_of")
+    return request.best_of
+
+
+def check_best_of(server: FrontendServer, request: CompletionRequest | ChatCompletionRequest) -> None:
+    if request.best_of is not None and request.best_of > server.config.max_n:
+        raise BadRequest(f"best_of: must be at most max_n ({server.config.max_n}), got {request.best_of}", "best_of")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -203,10 +263,11 @@ def _text_prompt(server: FrontendServer, text: str) -> Prompt:
 
 
 def conversation_prompt(server: FrontendServer, request: ChatCompletionRequest) -> Prompt:
-    """The messages rendered through the model's chat template (transformers)."""
+    """The messages (and tools) rendered through the model's chat template (transformers)."""
     messages = [_message_dict(m) for m in request.messages]
+    tools = [msgspec.to_builtins(tool) for tool in request.tools] if request.tools else None
     try:
-        rendered = chat_prompt(server.tokenizer, messages, request.add_generation_prompt)
+        rendered = chat_prompt(server.tokenizer, messages, request.add_generation_prompt, tools=tools)
     except ValueError as error:
         raise BadRequest(str(error), "messages") from None
     return Prompt(rendered["prompt"], rendered["prompt_token_ids"])
@@ -221,7 +282,21 @@ def _message_dict(message) -> dict[str, Any]:
     result = {"role": message.role, "content": content or ""}
     if message.name is not None:
         result["name"] = message.name
+    if message.tool_call_id is not None:
+        result["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        result["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
     return result
+
+
+def _template_tool_call(call) -> dict[str, Any]:
+    """A past call as chat templates read it: arguments as an object (OpenAI sends JSON text;
+    templates such as Hermes' and Llama's serialise them with `tojson`), as vLLM passes them."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise BadRequest(f"messages: tool call {call.id!r} has arguments that are not JSON", "messages") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def check_context(prompts: list[Prompt], max_tokens: int | None, max_model_len: int, field_name: str) -> None:
@@ -312,18 +387,20 @@ class CompletionCall:
         echo_logprobs = request.echo and request.logprobs is not None
         if echo_logprobs and request.stream:
             raise BadRequest("echo: with logprobs, only without stream", "echo")
+        check_best_of(server, request)
         prompts = completion_prompts(server, request.prompt)
         check_context(prompts, request.max_tokens, server.config.max_model_len, "prompt")
         # Echoed prompt tokens come with their own logprobs, as OpenAI's API gives them.
         prompt_logprobs = request.logprobs if echo_logprobs else None
-        sampling = sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
+        sampling = sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs,
+                                   structured_outputs_of(request))
         return cls(request, model, prompts, sampling)
 
     def engine_call(self, server: FrontendServer) -> EngineCall:
-        return EngineCall(server, self.prompts, self.sampling)
+        return EngineCall(server, self.prompts, self.sampling, keep_n=self.request.n)
 
     def _prompt_of(self, server: FrontendServer, index: int) -> Prompt:
-        prompt = self.prompts[index // self.sampling.n]
+        prompt = self.prompts[index // self.request.n]
         if prompt.text is None:
             prompt.text = server.tokenizer.decode(prompt.token_ids)
         return prompt
@@ -335,7 +412,7 @@ class CompletionCall:
         if not self.request.echo:
             return completion_logprobs(server, choice.logprobs, [], 0)
         prompt = self._prompt_of(server, index)
-        prompt_positions = call.prompt_logprobs[index // self.sampling.n] or [None] * len(prompt.token_ids)
+        prompt_positions = call.prompt_logprobs[index // call.n] or [None] * len(prompt.token_ids)
         return completion_logprobs(server, [*prompt_positions, *choice.logprobs], prompt.token_ids, 0)
 
     async def response(self, server: FrontendServer, call: EngineCall) -> CompletionResponse:
@@ -377,6 +454,52 @@ class CompletionCall:
 
 
 @dataclass(slots=True)
+class ToolMode:
+    """How a chat request's tools are used: the parser that reads calls out of the output, and
+    the tool_choice that picked it ("auto", "required" or "named")."""
+
+    choice: str
+    parser: ToolParser
+    single: bool  # parallel_tool_calls: false
+
+    def finish_reason(self, called: bool, reason: str | None) -> str | None:
+        # OpenAI: "tool_calls" when the model chose to call; a forced named call ends with "stop".
+        return "tool_calls" if called and reason == "stop" and self.choice != "named" else reason
+
+
+def tool_mode(server: FrontendServer, request: ChatCompletionRequest) -> ToolMode | None:
+    """The request's tool mode as vLLM decides it (None: no tool calls are read)."""
+    choice = request.tool_choice
+    if choice is None:
+        choice = "auto" if request.tools else "none"
+    if choice == "none":
+        return None
+    if not request.tools:
+        raise BadRequest("tool_choice: needs tools", "tool_choice")
+    single = request.parallel_tool_calls is False
+    if isinstance(choice, NamedToolChoice):
+        return ToolMode("named", NamedParser(choice.function.name), single)
+    if choice == "required":
+        return ToolMode("required", RequiredParser(), single)
+    config = server.config
+    if not config.enable_auto_tool_choice or config.tool_call_parser is None:
+        raise BadRequest('tool_choice: "auto" tool choice requires --enable-auto-tool-choice and '
+                         '--tool-call-parser to be set', "tool_choice")
+    return ToolMode("auto", tool_parser(config.tool_call_parser), single)
+
+
+def _response_tool_calls(calls) -> list[ResponseToolCall]:
+    return [ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls]
+
+
+def _delta_tool_calls(deltas: list[CallDelta]) -> list[DeltaToolCall]:
+    return [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                          function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+            for d in deltas]
+
+
+@dataclass(slots=True)
 class ChatCall:
     """One /v1/chat/completions request, validated and ready to run."""
 
@@ -384,6 +507,7 @@ class ChatCall:
     model: str
     prompt: Prompt
     sampling: SamplingParams
+    tools: ToolMode | None = None
     id: str = field(default_factory=lambda: request_id("chatcmpl"))
     created: int = field(default_factory=now_s)
 
@@ -391,46 +515,72 @@ class ChatCall:
     def build(cls, server: FrontendServer, request: ChatCompletionRequest, model: str) -> ChatCall:
         if request.top_logprobs is not None and not request.logprobs:
             raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
+        check_best_of(server, request)
+        tools = tool_mode(server, request)
         prompt = conversation_prompt(server, request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         check_context([prompt], max_tokens, server.config.max_model_len, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        sampling = sampling_params(request, max_tokens, logprobs)
-        return cls(request, model, prompt, sampling)
+        schema = tool_choice_schema(request.tools, request.tool_choice, not tools.single) if tools else None
+        # A parser whose marker is a special token needs it in the text.
+        keep_special = False if tools is not None and tools.parser.needs_special_tokens else None
+        sampling = sampling_params(request, max_tokens, logprobs, None, structured_outputs_of(request, schema),
+                                   keep_special)
+        return cls(request, model, prompt, sampling, tools)
 
     def engine_call(self, server: FrontendServer) -> EngineCall:
-        return EngineCall(server, [self.prompt], self.sampling)
+        return EngineCall(server, [self.prompt], self.sampling, keep_n=self.request.n)
 
     def _logprobs(self, server: FrontendServer, positions: SampleLogprobs | None) -> ChatLogprobs | None:
         if not self.request.logprobs:
             return None
         return chat_logprobs(server, positions or [], self.request.top_logprobs or 0)
 
+    def _message(self, choice: _Choice) -> tuple[ChatResponseMessage, str | None]:
+        text = "".join(choice.text)
+        if self.tools is None:
+            return ChatResponseMessage(content=text), choice.finish_reason
+        content, calls = self.tools.parser.extract(text)
+        if self.tools.single:
+            calls = calls[:1]
+        message = ChatResponseMessage(content=content, tool_calls=_response_tool_calls(calls))
+        return message, self.tools.finish_reason(bool(calls), choice.finish_reason)
+
     async def response(self, server: FrontendServer, call: EngineCall) -> ChatCompletionResponse:
         await call.wait()
-        choices = [
-            ChatChoice(index=i, message=ChatResponseMessage(content="".join(c.text)),
-                       logprobs=self._logprobs(server, c.logprobs), finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason)
-            for i, c in enumerate(call.choices)
-        ]
+        choices = []
+        for i, c in enumerate(call.choices):
+            message, finish_reason = self._message(c)
+            choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(server, c.logprobs),
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=call.usage())
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
+    def _delta(self, stream: ToolCallStream | None, out: ServerOutput) -> tuple[DeltaMessage, str | None]:
+        """The delta to send for one engine output, and the choice's finish reason."""
+        if stream is None:
+            return (DeltaMessage(content=out.text) if out.text else DeltaMessage()), out.finish_reason
+        content, deltas = stream.feed(out.text, final=out.finish_reason is not None)
+        if self.tools.single:
+            deltas = [d for d in deltas if d.index == 0]
+        delta = DeltaMessage(content=content or None, tool_calls=_delta_tool_calls(deltas) or None)
+        return delta, self.tools.finish_reason(stream.called, out.finish_reason)
+
     async def chunks(self, server: FrontendServer, call: EngineCall) -> AsyncIterator[ChatCompletionChunk]:
         options = self.request.stream_options
+        streams = [ToolCallStream(self.tools.parser) if self.tools else None for _ in call.choices]
         # The role comes first, once per choice, as OpenAI sends it.
         for index in range(len(call.choices)):
             yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         async for index, out in call.outputs():
-            if not out.text and out.finish_reason is None and not out.logprobs:
-                continue
-            delta = DeltaMessage(content=out.text) if out.text else DeltaMessage()
+            delta, finish_reason = self._delta(streams[index], out)
+            if delta == DeltaMessage() and finish_reason is None and not out.logprobs:
+                continue  # nothing to show yet (held back while a stop string or a tool marker may match)
             choice = ChatStreamChoice(index=index, delta=delta, logprobs=self._logprobs(server, out.logprobs),
-                                      finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                                      finish_reason=finish_reason, stop_reason=out.stop_reason)
             yield self._chunk([choice], call.usage() if options and options.continuous_usage_stats else None)
         if options and options.include_usage:
             yield self._chunk([], call.usage())

@@ -35,14 +35,17 @@ def apply_chat_template(
     messages: Messages,
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Render a conversation to the prompt text the model was trained on."""
+    """Render a conversation (and the tools it may call, as OpenAI's `tools` entries) to the
+    prompt text the model was trained on; a template that ignores tools renders without them."""
     _check_messages(messages)
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("messages: this model's tokenizer has no chat template; pass chat_template=")
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            tools=tools,
         )
     except Exception as error:  # a template may reject what it does not expect, in any way
         raise ValueError(f"messages: the chat template rejected them: {type(error).__name__}: {error}") from None
@@ -53,9 +56,10 @@ def chat_prompt(
     messages: Messages,
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A conversation as a prompt: its rendered text and token ids."""
-    text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template)
+    text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tools)
     # The template already holds the special tokens; don't let the tokenizer add a BOS twice.
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
@@ -66,5 +70,7 @@ def _check_messages(messages: Messages) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"messages: item {i} must be a dict with a string 'role'")
-        if not isinstance(message.get("content"), str):
+        # An assistant turn that called tools may have no text (OpenAI sends content null).
+        called = bool(message.get("tool_calls"))
+        if not isinstance(message.get("content"), str) and not (called and message.get("content") is None):
             raise ValueError(f"messages: item {i} must have a string 'content'")

@@ -73,6 +73,10 @@ def add_http_args(group) -> None:
                        "and the key in every ZMQ client request (default: $ZLLM_API_KEY if set)")
     group.add_argument("--max-request-body", dest="max_request_body_bytes", type=parse_size,
                        default=defaults.max_request_body_bytes, help="largest HTTP request body, e.g. 8MiB (413 above)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let tool_choice "auto" read tool calls out of the output (needs --tool-call-parser)')
+    group.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
+                       help="the model's tool-call format, as vLLM names it")
 
 
 def http_kwargs(args: argparse.Namespace) -> dict:
@@ -81,6 +85,8 @@ def http_kwargs(args: argparse.Namespace) -> dict:
         port=args.port,
         api_key=args.api_key or os.environ.get("ZLLM_API_KEY") or None,
         max_request_body_bytes=args.max_request_body_bytes,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
