@@ -13,7 +13,7 @@ from zllm.config import EngineConfig
 from zllm.ipc import messages as m
 from zllm.ipc.codec import Codec, MessageError, convert, decode_json, encode_json
 from zllm.outputs import Logprob
-from zllm.sampling_params import SamplingParams
+from zllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Every field differs from its default, except detokenize (False forbids stop strings; its round
 # trip is checked separately).
@@ -39,6 +39,7 @@ SAMPLING = SamplingParams(
     prompt_logprobs=2,
     logit_bias={17: -100.0, 3: 2.5},
     bad_words=["darn", "heck"],
+    structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
 )
 
 LOGPROBS = m.TokenLogprobs(token_ids=[[5, 5, 9], [6, 8, 6]], logprobs=[[-0.5, -0.5, -1.25], [-2.0, -0.1, -2.0]], ranks=[1, 2])
@@ -108,8 +109,10 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             num_scheduled_tokens=[4, 1],
             finished_ids=["ab12/req-7"],
             preempted_ids=["ab12/req-8"],
+            structured_ids=["ab12/req-1"],
         ),
         m.FlushStep(step_id=7),
+        m.GrammarBitmask(step_id=42, request_ids=["ab12/req-1", "ab12/req-3"], words=2, bitmask=bytes(range(16))),
         m.WorkerCall(call_id=1, method="init_kv_cache", args=[364, "extra"]),
     ],
     "WorkerToCore": [
@@ -524,6 +527,7 @@ CONFIG = EngineConfig(
     curve_dir="/etc/zllm/curve",
     allow_insecure_tcp=True,
     client_max_message_bytes=1 << 20, internal_max_message_bytes=16 << 20,
+    enable_auto_tool_choice=True, tool_call_parser="hermes", grammar_cache_size=8, grammar_threads=2,
     host="0.0.0.0",
     port=8123,
     max_request_body_bytes=1 << 20,

@@ -889,8 +889,11 @@ def test_engine_core_delivers_finished_ids_even_when_nothing_else_is_scheduled()
         def initialize_kv_cache(self, num_blocks):
             pass
 
-        def execute_step(self, step):
+        def submit_step(self, step):
             self.steps.append(step)
+
+        def collect_step(self, flush):
+            step = self.steps[-1]
             sampled = [rid for rid, n in zip(step.scheduled_ids, step.num_scheduled_tokens)]
             return StepOutput(step_id=step.step_id, request_ids=sampled, sampled_token_ids=[2] * len(sampled))
 

@@ -92,6 +92,10 @@ class EngineConfig:
     # (hermes, llama3_json, mistral); "required" and named choices need neither.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # Structured outputs (xgrammar in the engine core): compiled grammars kept for reuse, and the
+    # threads that compile one and fill a step's bitmask rows.
+    grammar_cache_size: int = 1024
+    grammar_threads: int = 4
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -161,6 +165,8 @@ class EngineConfig:
                  f"must be one of {_TOOL_CALL_PARSERS[1:]}, got {self.tool_call_parser!r}")
         _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None, "enable_auto_tool_choice",
                  "needs tool_call_parser (--tool-call-parser)")
+        _require(self.grammar_cache_size >= 1, "grammar_cache_size", f"must be >= 1, got {self.grammar_cache_size}")
+        _require(self.grammar_threads >= 1, "grammar_threads", f"must be >= 1, got {self.grammar_threads}")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
         _require(
             self.custom_all_reduce_max_bytes >= 0,

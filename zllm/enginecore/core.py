@@ -17,7 +17,8 @@ from zllm.enginecore.block_pool import BlockPool
 from zllm.enginecore.kv_cache_manager import KVCacheManager
 from zllm.enginecore.request import Request
 from zllm.enginecore.scheduler import Scheduler, SchedulerStats
-from zllm.ipc.messages import AddRequest, StepInput, StepOutput, TokenDelta
+from zllm.enginecore.structured_outputs import StructuredOutputs
+from zllm.ipc.messages import AddRequest, GrammarBitmask, StepInput, StepOutput, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,14 @@ class Executor(Protocol):
 
     def collect_step(self, flush: bool) -> StepOutput: ...
 
+    # Structured outputs: the bitmask a submitted step's constrained rows sample under (rank 0).
+    def send_grammar_bitmask(self, bitmask: GrammarBitmask) -> None: ...
+
     def shutdown(self) -> None: ...
 
 
 _PIPELINE_DEPTH = 2  # steps in flight under async scheduling: one running, one queued behind it
+_COMPILE_WAIT_S = 0.01  # idle except for compiling grammars: how long to wait before looking at inputs again
 
 
 class EngineCore:
@@ -52,11 +57,13 @@ class EngineCore:
         self.executor = executor
         self.async_scheduling = bool(config.async_scheduling)
         self._in_flight: deque[int] = deque()  # step ids submitted, not yet collected
+        self._bitmask_due: dict[int, list[str]] = {}  # step id -> its structured_ids, mask not sent yet
         self.num_kv_blocks = config.num_kv_blocks or executor.determine_num_kv_blocks()
         _warn_if_a_long_request_cannot_fit(config, self.num_kv_blocks)
         executor.initialize_kv_cache(self.num_kv_blocks)
         pool = BlockPool(self.num_kv_blocks)
         self.scheduler = Scheduler(config, KVCacheManager(pool, config.block_size, config.enable_prefix_caching))
+        self.structured = StructuredOutputs(config)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max concurrency at %d tokens each: %.1fx",
             self.num_kv_blocks,
@@ -92,8 +99,12 @@ class EngineCore:
             output_token_ids=list(message.output_token_ids),
         )
         self.scheduler.add_request(request)
+        if message.sampling.structured_outputs is not None:
+            request.grammar = self.structured.start(request, message.sampling.structured_outputs)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
+        for request_id in request_ids:
+            self.structured.forget(request_id)
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
@@ -113,13 +124,15 @@ class EngineCore:
         return True
 
     def step(self) -> list[TokenDelta]:
+        deltas = self._start_compiled_grammars()
         if self.async_scheduling:
-            return self._pipelined_step()
+            return deltas + self._pipelined_step()
         step = self.scheduler.schedule()
         if not _worth_sending(step):
-            return []
-        output = self.executor.execute_step(step)
-        return self.scheduler.update_from_output(output)
+            self._wait_if_only_compiling()
+            return deltas
+        self._submit(step)
+        return deltas + self._collect(flush=True)
 
     def _pipelined_step(self) -> list[TokenDelta]:
         """Submit the next step if the pipeline has room; then collect the oldest one, unless
@@ -127,17 +140,51 @@ class EngineCore:
         if len(self._in_flight) < _PIPELINE_DEPTH:
             step = self.scheduler.schedule()
             if _worth_sending(step):
-                self.executor.submit_step(step)
-                self._in_flight.append(step.step_id)
+                self._submit(step)
                 if len(self._in_flight) < _PIPELINE_DEPTH:
                     return []
         if not self._in_flight:
+            self._wait_if_only_compiling()
             return []
-        output = self.executor.collect_step(flush=len(self._in_flight) == 1)
+        return self._collect(flush=len(self._in_flight) == 1)
+
+    def _submit(self, step: StepInput) -> None:
+        self.executor.submit_step(step)
+        self._in_flight.append(step.step_id)
+        if step.structured_ids:
+            self._bitmask_due[step.step_id] = step.structured_ids
+        self._send_bitmask_if_due()
+
+    def _collect(self, flush: bool) -> list[TokenDelta]:
+        output = self.executor.collect_step(flush)
         self._in_flight.popleft()
-        return self.scheduler.update_from_output(output)
+        deltas = self.scheduler.update_from_output(output)
+        self._send_bitmask_if_due()  # the next step's grammars have taken this step's tokens now
+        return deltas
+
+    def _send_bitmask_if_due(self) -> None:
+        """The oldest step in flight samples after every earlier step was answered, so its
+        requests' grammars have taken all their tokens: its bitmask can be computed now."""
+        if not self._in_flight or self._in_flight[0] not in self._bitmask_due:
+            return
+        step_id = self._in_flight[0]
+        request_ids = self._bitmask_due.pop(step_id)
+        grammars = [getattr(self.scheduler.requests.get(rid), "grammar", None) for rid in request_ids]
+        self.executor.send_grammar_bitmask(GrammarBitmask.of(step_id, request_ids, self.structured.bitmask(grammars)))
+
+    def _start_compiled_grammars(self) -> list[TokenDelta]:
+        if not self.structured.has_compiling:
+            return []
+        return self.scheduler.fail_waiting(self.structured.activate_compiled())
+
+    def _wait_if_only_compiling(self) -> None:
+        """Nothing ran: if requests wait for their grammars, wait a little for one (rather than
+        spin) before the caller looks at its inputs again."""
+        if self.structured.has_compiling:
+            self.structured.wait_for_a_compile(_COMPILE_WAIT_S)
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
 

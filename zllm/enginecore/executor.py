@@ -21,6 +21,7 @@ from zllm.ipc.codec import Codec, MessageError
 from zllm.ipc.messages import (
     CoreToWorker,
     FlushStep,
+    GrammarBitmask,
     StepInput,
     StepOutput,
     WorkerCall,
@@ -93,6 +94,10 @@ class MultiprocExecutor:
         if output.step_id != step_id:
             raise WorkerDiedError(f"rank 0 answered step {output.step_id}, expected {step_id}")
         return output
+
+    def send_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
+        """To rank 0 alone: it samples and shares the tokens with the other ranks."""
+        self.inputs[0].send(self.outbound.encode(bitmask), copy=False)
 
     def shutdown(self) -> None:
         try:

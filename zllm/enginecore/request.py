@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from zllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from zllm.enginecore.structured_outputs import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,6 +70,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, extended lazily
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     sequence: int = 0  # admission order; breaks ties between equal priorities and arrival times
+    grammar: RequestGrammar | None = None  # SamplingParams.structured_outputs: compiling, then matching
 
     def __post_init__(self) -> None:
         # Output tokens may be given up front: a request resumed after an engine restart.

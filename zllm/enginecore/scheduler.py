@@ -173,8 +173,12 @@ class Scheduler:
             plan.add(request, num_tokens, new_block_ids)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        compiling: list[Request] = []  # passed over: their grammar is not ready
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.grammar is not None and not request.grammar.is_ready:
+                compiling.append(self.waiting.pop())
+                continue
             cached_prefix = self.kv_cache.find_cached_prefix(request)
             num_cached_tokens = len(cached_prefix) * self.kv_cache.block_size
             num_tokens = self._num_tokens_to_schedule(request, plan.budget, num_cached_tokens)
@@ -188,6 +192,8 @@ class Scheduler:
             # every layer writes the whole batch's K/V before any request attends.
             self.kv_cache.cache_full_blocks(request, total)
             plan.add(request, num_tokens, new_block_ids)
+        for request in reversed(compiling):
+            self.waiting.add_preempted(request)  # back where they were: at the front
 
     def _admit(self, request: Request, num_cached_tokens: int) -> None:
         if request.num_preemptions == 0:
@@ -249,6 +255,7 @@ class Scheduler:
     def _to_step_input(self, plan: _StepPlan) -> StepInput:
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
+        structured_ids: list[str] = []
         for request, num_tokens in plan.scheduled:
             if not request.on_workers:
                 new_requests.append(self._new_request_data(request))
@@ -264,6 +271,8 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
+                if request.grammar is not None:
+                    structured_ids.append(request.request_id)
             self.kv_cache.cache_full_blocks(request, request.num_computed_tokens)
         self._step_id += 1
         step = StepInput(
@@ -274,6 +283,7 @@ class Scheduler:
             num_scheduled_tokens=[n for _, n in plan.scheduled],
             finished_ids=self._finished_ids,
             preempted_ids=self._preempted_ids + [r.request_id for r in plan.preempted],
+            structured_ids=structured_ids,
         )
         self._finished_ids, self._preempted_ids = [], []
         return step
@@ -308,6 +318,10 @@ class Scheduler:
             request.num_output_placeholders -= 1
             request.append_output_token(token_id)  # the workers appended it on their side already
             self._apply_stop_rules(request, token_id)
+            if request.grammar is not None and not request.grammar.accept(token_id) and not request.status.is_finished:
+                # NOTE: cannot happen while rank 0 masks with the grammar's bitmask; if it does, the
+                # output no longer follows the grammar, so end it rather than go on unconstrained.
+                request.status = RequestStatus.FINISHED_ERROR
             deltas.append(
                 TokenDelta(
                     request_id=request_id,
@@ -317,6 +331,7 @@ class Scheduler:
                     num_cached_tokens=request.num_cached_tokens,
                     logprobs=_logprobs_row(output.logprobs, row, request.sampling.logprobs),
                     prompt_logprobs=output.prompt_logprobs.get(request_id),
+                    error=_GRAMMAR_REJECTED if request.status == RequestStatus.FINISHED_ERROR else None,
                 )
             )
             if request.status.is_finished:
@@ -341,6 +356,19 @@ class Scheduler:
             deltas.append(TokenDelta(request_id, [], finish_reason="error", error=reason))
         if uncomputed:
             self._recompute_readers(uncomputed)
+        return deltas
+
+    def fail_waiting(self, failures: dict[str, str]) -> list[TokenDelta]:
+        """End waiting requests that can never run (their grammar did not compile), alone."""
+        deltas = []
+        for request_id, reason in failures.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._release(request)
+            deltas.append(TokenDelta(request_id, [], finish_reason="error", error=reason))
         return deltas
 
     def _recompute_readers(self, blocks: set[KVBlock]) -> None:
@@ -379,6 +407,9 @@ class Scheduler:
         if request.on_workers:
             self._finished_ids.append(request.request_id)
         del self.requests[request.request_id]
+
+
+_GRAMMAR_REJECTED = "structured_outputs: the sampled token does not follow the grammar"
 
 
 def _logprobs_row(logprobs: TokenLogprobs | None, row: int, num_top: int | None) -> TokenLogprobs | None:

@@ -23,12 +23,8 @@ from zllm.frontend.openai_protocol import (
     CompletionRequest,
     NamedToolChoice,
 )
+from zllm.grammars import grammar_of
 from zllm.sampling_params import StructuredOutputsParams
-
-try:  # the grammar backend (xgrammar) parses a spec without the engine: a bad one is our 400
-    from zllm.frontend.structured_outputs import validate_structured_outputs as _grammar_check
-except ImportError:  # NOTE: until the structured-outputs branch is merged; then import it plainly
-    _grammar_check = None
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}}
 
@@ -88,9 +84,8 @@ def _response_format(request: CompletionRequest | ChatCompletionRequest) -> dict
 def _validate_structured_outputs(params: StructuredOutputsParams, field_name: str) -> None:
     """Refuse a constraint that cannot work, with a 400 naming the request field it came from.
 
-    The one call site of the grammar backend's check (`validate_structured_outputs`: xgrammar
-    parses the schema, regex or grammar); the engine's InputProcessor checks again, but its
-    error can only name `structured_outputs`. The frontend's own checks come first."""
+    xgrammar builds the schema, regex or grammar here (`grammar_of`); the InputProcessor checks
+    again, but its error can only name `structured_outputs`. The frontend's own checks come first."""
     if params.json is not None:
         schema = params.json
         if isinstance(schema, str):
@@ -103,12 +98,11 @@ def _validate_structured_outputs(params: StructuredOutputsParams, field_name: st
     for name in ("regex", "grammar"):
         if getattr(params, name) == "":
             raise BadRequest(f"{field_name}: {name} must not be empty", field_name)
-    if _grammar_check is not None:
-        try:
-            _grammar_check(params)
-        except ValueError as error:
-            reason = str(error).removeprefix("structured_outputs: ")
-            raise BadRequest(f"{field_name}: {reason}", field_name) from None
+    try:
+        grammar_of(params)
+    except ValueError as error:
+        reason = str(error).removeprefix("structured_outputs: ")
+        raise BadRequest(f"{field_name}: {reason}", field_name) from None
 
 
 # ---- tool_choice -----------------------------------------------------------------------------------

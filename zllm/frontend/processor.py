@@ -10,6 +10,7 @@ from typing import Any, Union
 
 from transformers import PreTrainedTokenizerBase
 
+from zllm.grammars import grammar_of
 from zllm.ipc.messages import AddRequest
 from zllm.sampling_params import SamplingParams
 
@@ -93,6 +94,8 @@ class InputProcessor:
                 raise ValueError(f"{name}: {value} is more than max_logprobs ({self.max_logprobs})")
         self._check_token_ids(sampling.stop_token_ids or [], "stop_token_ids")
         self._check_token_ids(list(sampling.logit_bias or {}), "logit_bias")
+        if sampling.structured_outputs is not None:
+            grammar_of(sampling.structured_outputs)  # what xgrammar cannot build is refused here
 
     def _check_priority(self, priority: int) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):

@@ -10,12 +10,15 @@ NOTE: fields are append-only. Add new fields last, with a default, or old peers 
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import msgspec
 
 from zllm.outputs import Logprob
 from zllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class _Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -163,6 +166,9 @@ class StepInput(_Message):
     num_scheduled_tokens: list[int]
     finished_ids: list[str] = []
     preempted_ids: list[str] = []
+    # Appended: requests that sample this step under a grammar (SamplingParams.structured_outputs).
+    # Rank 0 samples the step only once the GrammarBitmask with its step_id has arrived.
+    structured_ids: list[str] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -179,6 +185,34 @@ class FlushStep(_Message):
     no step N+1 to send and must wait for step N's tokens."""
 
     step_id: int
+
+
+class GrammarBitmask(_Message):
+    """The tokens each structured request of a step may sample next (to rank 0, which samples).
+
+    Row i belongs to request_ids[i] (the step's structured_ids): `words` little-endian int32
+    words, bit j of word w allowing token 32 * w + j (xgrammar's layout). The core sends it once
+    every step before this one has been answered, so that the grammars have taken every token
+    sampled so far; under async scheduling the worker runs the step's forward meanwhile."""
+
+    step_id: int
+    request_ids: list[str]
+    words: int  # int32 words per row
+    bitmask: bytes  # len(request_ids) * words * 4 bytes
+
+    @classmethod
+    def of(cls, step_id: int, request_ids: list[str], rows: "np.ndarray") -> "GrammarBitmask":
+        """From an int32 array [len(request_ids), words]."""
+        return cls(step_id, request_ids, int(rows.shape[1]), rows.astype("<i4", copy=False).tobytes())
+
+    def rows(self) -> "np.ndarray":
+        """The int32 array [len(request_ids), words] (read-only, over the message's bytes)."""
+        import numpy as np
+
+        expected = len(self.request_ids) * self.words * 4
+        if len(self.bitmask) != expected:
+            raise ValueError(f"GrammarBitmask: {len(self.bitmask)} bytes, expected {expected}")
+        return np.frombuffer(self.bitmask, dtype="<i4").reshape(len(self.request_ids), self.words)
 
 
 class WorkerCall(_Message):
@@ -318,7 +352,7 @@ class ServerUtilityResult(_ClientMessage, tag="utility_result"):
 
 FrontendToCore = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
 CoreToFrontend = Union[EngineOutputs, UtilityResult, EngineReady, EngineDead]
-CoreToWorker = Union[StepInput, FlushStep, WorkerCall]
+CoreToWorker = Union[StepInput, FlushStep, WorkerCall, GrammarBitmask]
 WorkerToCore = Union[StepOutput, WorkerReady, WorkerCallResult, WorkerFailed]
 ClientToServer = Union[ClientGenerate, ClientAbort, ClientPing, ClientStats, ClientUtility]
 ServerToClient = Union[ServerOutput, ServerError, ServerPong, ServerStats, ServerUtilityResult]

@@ -62,6 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        default=defaults.custom_all_reduce_max_bytes, metavar="SIZE",
                        help="GPU tp: all-reduces up to this size (e.g. 8MiB) use PyTorch's symmetric-memory "
                        "one-shot kernel instead of NCCL (default 0: NCCL only)")
+    group.add_argument("--grammar-cache-size", type=int, default=defaults.grammar_cache_size,
+                       help="structured outputs: compiled grammars kept for reuse")
+    group.add_argument("--grammar-threads", type=int, default=defaults.grammar_threads,
+                       help="structured outputs: threads compiling grammars and filling a step's bitmask")
 
 
 def add_http_args(group) -> None:
@@ -115,6 +119,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_n=args.max_n,
         distributed_init_method=args.distributed_init_method,
         custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes,
+        grammar_cache_size=args.grammar_cache_size,
+        grammar_threads=args.grammar_threads,
     )
 
 

@@ -16,7 +16,7 @@ from zllm.config import EngineConfig
 from zllm.enginecore.core import EngineCore
 from zllm.enginecore.executor import MultiprocExecutor
 from zllm.ipc.addresses import make_private_runtime_dir
-from zllm.ipc.messages import StepInput, StepOutput
+from zllm.ipc.messages import GrammarBitmask, StepInput, StepOutput
 
 
 def build_inprocess_core(config: EngineConfig) -> EngineCore:
@@ -58,6 +58,9 @@ class WorkerProcessGroup:
 
     def collect_step(self, flush: bool) -> StepOutput:
         return self.executor.collect_step(flush)
+
+    def send_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
+        self.executor.send_grammar_bitmask(bitmask)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from zllm.config import EngineConfig
-from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput, StepOutput, TokenLogprobs
+from zllm.ipc.messages import CachedRequestData, GrammarBitmask, NewRequestData, StepInput, StepOutput, TokenLogprobs
 from zllm.partition import head_shards
 from zllm.sampling_params import SamplingParams
 from zllm.workers.attention import AttentionMetadata
@@ -24,7 +24,7 @@ from zllm.workers.models import build_model
 from zllm.workers.models.spec import ModelSpec
 from zllm.workers.ops import ops_for
 from zllm.workers.request_failures import RequestFailures
-from zllm.workers.sampler import LogprobsTensors, compute_logprobs, sample
+from zllm.workers.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
 from zllm.workers.sampling_batch import SamplingBatch
 from zllm.workers.transfer import to_device
 
@@ -271,13 +271,16 @@ class ModelRunner:
         return launched
 
     @torch.inference_mode()
-    def sample_step(self, launched: LaunchedStep) -> None:
-        """Sample on rank 0 and share the tokens with every rank, on the device; start copying
-        them to the host. The host-side token lists must be current (finish the previous step first)."""
+    def sample_step(self, launched: LaunchedStep, grammar: GrammarBitmask | None = None) -> None:
+        """Sample on rank 0 (the rows of structured requests under `grammar`'s bitmask) and share
+        the tokens with every rank, on the device; start copying them to the host. The host-side
+        token lists must be current (finish the previous step first)."""
         states = launched.sampling_states
         if not states:
             return
         if launched.logits is not None:
+            if grammar is not None:
+                self._mask_by_grammar(launched.logits, states, grammar)
             meta = self.sampling.metadata([s.row for s in states])
             tokens = sample(launched.logits, meta)
             if meta.max_num_logprobs is not None:
@@ -318,6 +321,17 @@ class ModelRunner:
             prompt_logprobs={rid: _concat_to_message(parts) for rid, parts in launched.prompt_logprobs.items()},
             failed_requests=self.failures.take(),  # new requests it could not take, since the last answer
         )
+
+    def _mask_by_grammar(self, logits: torch.Tensor, states: list[RequestState], grammar: GrammarBitmask) -> None:
+        """-inf, in place, for every token a request's grammar does not allow next. The logprobs
+        are then those of the constrained distribution, as in vLLM."""
+        index = {state.request_id: i for i, state in enumerate(states)}
+        present = [k for k, request_id in enumerate(grammar.request_ids) if request_id in index]
+        if not present:
+            return  # each was dropped here (it failed on this worker)
+        rows = self._to_device([index[grammar.request_ids[k]] for k in present])
+        bitmask = to_device(np.ascontiguousarray(grammar.rows()[present]), self.device)
+        apply_token_bitmask(logits, rows, bitmask)
 
     def _copy_to_host(self, tokens: torch.Tensor) -> torch.Tensor:
         if not self.is_cuda:

@@ -23,6 +23,7 @@ from zllm.ipc.codec import Codec, MessageError
 from zllm.ipc.messages import (
     CoreToWorker,
     FlushStep,
+    GrammarBitmask,
     StepInput,
     WorkerCall,
     WorkerCallResult,
@@ -78,9 +79,13 @@ class WorkerProcess:
                 continue
             if isinstance(message, StepInput):
                 answers = self.worker.advance(message)
-                if not self.config.async_scheduling:
+                if not self.config.async_scheduling and not self.worker.awaiting_bitmask:
                     answers += self.worker.finish_pending()
                 self._answer(answers)
+            elif isinstance(message, GrammarBitmask):
+                self.worker.apply_grammar_bitmask(message)
+                if not self.config.async_scheduling:
+                    self._answer(self.worker.finish_pending())
             elif isinstance(message, FlushStep):
                 self._answer(self.worker.finish_pending())
             elif isinstance(message, WorkerCall):

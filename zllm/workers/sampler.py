@@ -103,6 +103,15 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf unless bit t % 32 of bitmask[i, t // 32] is set
+    (xgrammar's layout: int32 words [R, ceil(V / 32)]). A few batched ops on any device, inside
+    no graph, with no host sync."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.to(torch.int32)[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """Repetition (HF/CTRL: divide positive logits, multiply negative ones, for tokens seen in the
     prompt or output), then OpenAI's frequency and presence penalties over the output:

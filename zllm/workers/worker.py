@@ -13,7 +13,7 @@ from collections import deque
 import torch
 
 from zllm.config import EngineConfig
-from zllm.ipc.messages import StepInput, StepOutput
+from zllm.ipc.messages import GrammarBitmask, StepInput, StepOutput
 from zllm.workers.distributed import init_tensor_parallel
 from zllm.workers.model_runner import LaunchedStep, ModelRunner
 from zllm.workers.symmetric_all_reduce import attach_symmetric_all_reduce
@@ -52,7 +52,8 @@ class Worker:
             # Ranks share the machine's cores; without a cap each would start one thread per core.
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.tp.size))
         torch.manual_seed(config.seed)
-        self._pending: LaunchedStep | None = None  # sampled, not yet answered
+        self._pending: LaunchedStep | None = None  # sampled (or awaiting its bitmask), not yet answered
+        self.awaiting_bitmask = False  # rank 0: the pending step samples once its GrammarBitmask arrives
         self._answers: deque[StepOutput] = deque()  # answered here, not yet collected (in-process)
         self.runner = ModelRunner(config, self.device, self.tp)
         self.runner.load_model()
@@ -72,17 +73,34 @@ class Worker:
 
     def advance(self, step: StepInput) -> list[StepOutput]:
         """Launch `step`, then answer the step before it (if one is pending), then sample `step`
-        and keep it pending. Returns the answers this produced."""
+        and keep it pending. Returns the answers this produced.
+
+        A step with structured requests is sampled on rank 0 only once its GrammarBitmask arrives
+        (`apply_grammar_bitmask`): the core computes it after it has the answer given here. The
+        other ranks sample at once: they only receive rank 0's tokens."""
         launched = self.runner.launch_step(step)
         answers = self.finish_pending()
-        self.runner.sample_step(launched)
         self._pending = launched
+        if step.structured_ids and self.tp.is_first:
+            self.awaiting_bitmask = True
+        else:
+            self.runner.sample_step(launched)
         return answers
+
+    def apply_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
+        """Sample the pending step under its grammars' bitmask."""
+        if not self.awaiting_bitmask or self._pending is None or self._pending.step_id != bitmask.step_id:
+            pending = None if self._pending is None else self._pending.step_id
+            raise RuntimeError(f"a grammar bitmask for step {bitmask.step_id}, but the step awaiting one is {pending}")
+        self.awaiting_bitmask = False
+        self.runner.sample_step(self._pending, bitmask)
 
     def finish_pending(self) -> list[StepOutput]:
         """Answer the pending step now (nothing follows it yet)."""
         if self._pending is None:
             return []
+        if self.awaiting_bitmask:
+            raise RuntimeError(f"step {self._pending.step_id} cannot be answered: its grammar bitmask has not arrived")
         launched, self._pending = self._pending, None
         return [self.runner.finish_step(launched)]
 
@@ -101,8 +119,11 @@ class Worker:
             self._answers.extend(self.finish_pending())
         return self._answers.popleft()
 
+    def send_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
+        self.apply_grammar_bitmask(bitmask)
+
     def shutdown(self) -> None:
-        self._pending = None
+        self._pending, self.awaiting_bitmask = None, False
         self.runner.graphs = None
         self.runner.kv_caches = []
         self.runner.model = None
