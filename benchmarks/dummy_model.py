@@ -2,6 +2,13 @@
 
     python benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b
     python benchmarks/dummy_model.py llama3-70b /tmp/llama3-70b
+    python benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b-bpe --tokenizer DIR
+
+--tokenizer copies a real tokenizer (tokenizer.json, tokenizer_config.json) from DIR, e.g. the
+embedded SmolLM2's, and makes the model's vocabulary the tokenizer's: grammars (structured
+outputs) need real sub-word tokens, and xgrammar's bitmask costs grow with every model id the
+tokenizer lacks (79k of them for SmolLM2's 49k tokens under Llama-3's 128k: about 5x the fill
+time), which real checkpoints, padded by a few hundred ids at most, do not have.
 
 The directory gets config.json and generation_config.json for the shape, plus a placeholder
 word-level tokenizer so the frontend can start (no model files needed, so it works on machines
@@ -10,8 +17,9 @@ without network); benchmarks send token ids and set detokenize=False.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+import shutil
 from pathlib import Path
 
 SHAPES = {
@@ -32,19 +40,34 @@ def write_placeholder_tokenizer(target: Path, vocab_size: int = 256) -> None:
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t2", bos_token="t1").save_pretrained(target)
 
 
-def write_dummy_model(shape: str, target: Path) -> Path:
+def write_dummy_model(shape: str, target: Path, tokenizer: Path | None = None) -> Path:
     config = dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
         max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
         bos_token_id=128000, eos_token_id=128001, **SHAPES[shape],
     )
     target.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        real = AutoTokenizer.from_pretrained(tokenizer)
+        config.update(vocab_size=len(real), bos_token_id=real.bos_token_id, eos_token_id=real.eos_token_id)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tokenizer / name).is_file():
+                shutil.copyfile(tokenizer / name, target / name)
     (target / "config.json").write_text(json.dumps(config, indent=2))
-    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": 128001}))
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))
+    if tokenizer is not None:
+        return target
     # A word for every token id, so that streamed text has one word per generated token.
     write_placeholder_tokenizer(target, vocab_size=config["vocab_size"])
     return target
 
 
 if __name__ == "__main__":
-    print(write_dummy_model(sys.argv[1], Path(sys.argv[2])))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("target", type=Path)
+    parser.add_argument("--tokenizer", type=Path, default=None, help="copy this directory's tokenizer")
+    args = parser.parse_args()
+    print(write_dummy_model(args.shape, args.target, args.tokenizer))

@@ -56,8 +56,8 @@ def hf_greedy(
 
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            torch.tensor([prompt_ids], device=model.device),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=eos_token_id,
