@@ -44,21 +44,32 @@ def emit(**fields) -> dict:
     return fields
 
 
-def compile_times(model_dir: str, repeats: int) -> None:
-    """Median compile time of each schema against the model's vocabulary (no cache)."""
+def tokenizer_info(model_dir: str):
+    """xgrammar's view of the model's vocabulary (as the engine core builds it)."""
     import xgrammar as xgr
     from transformers import AutoConfig, AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=AutoConfig.from_pretrained(model_dir).vocab_size)
+
+
+def schema_grammar(schema: dict):
     from zllm.grammars import grammar_of
     from zllm.sampling_params import StructuredOutputsParams
 
+    return grammar_of(StructuredOutputsParams(json=schema))
+
+
+def compile_times(model_dir: str, repeats: int) -> None:
+    """Median compile time of each schema against the model's vocabulary (no cache)."""
+    import xgrammar as xgr
+
     start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=AutoConfig.from_pretrained(model_dir).vocab_size)
+    info = tokenizer_info(model_dir)
     emit(measure="tokenizer_info", seconds=round(time.perf_counter() - start, 3), vocab=info.vocab_size)
     compiler = xgr.GrammarCompiler(info, cache_enabled=False)
     for name, schema in SCHEMAS.items():
-        grammar = grammar_of(StructuredOutputsParams(json=schema))
+        grammar = schema_grammar(schema)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -70,14 +81,8 @@ def compile_times(model_dir: str, repeats: int) -> None:
 def constrained_share(model_dir: str, outputs: list[list[int]], eos: list[int]) -> float:
     """The fraction of output tokens sampled while the grammar still constrained them."""
     import xgrammar as xgr
-    from transformers import AutoConfig, AutoTokenizer
 
-    from zllm.grammars import grammar_of
-    from zllm.sampling_params import StructuredOutputsParams
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=AutoConfig.from_pretrained(model_dir).vocab_size)
-    compiled = xgr.GrammarCompiler(info).compile_grammar(grammar_of(StructuredOutputsParams(json=NOTES)))
+    compiled = xgr.GrammarCompiler(tokenizer_info(model_dir)).compile_grammar(schema_grammar(NOTES))
     constrained = 0
     for tokens in outputs:
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=eos)
