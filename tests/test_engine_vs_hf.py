@@ -110,13 +110,12 @@ def test_chunked_prefill_matches_hf(smollm2_dir, prompt_ids, hf_reference, async
         smollm2_dir, dtype="float32", max_num_batched_tokens=3, async_scheduling=async_scheduling
     )
     chunked = []
-    method = "submit_step" if async_scheduling else "execute_step"
-    original_step = getattr(engine.core.executor, method)
+    original_step = engine.core.executor.submit_step
 
     def spy(step):
         chunked.extend(n for n in step.num_scheduled_tokens if n > 1)
         return original_step(step)
 
-    setattr(engine.core.executor, method, spy)
+    engine.core.executor.submit_step = spy
     assert run_staggered(engine, prompt_ids) == hf_reference
     assert chunked and max(chunked) <= 3
