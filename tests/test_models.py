@@ -125,7 +125,7 @@ def test_dummy_weights_run_any_shape(tmp_path):
 def _spec(architecture: str, **overrides):
     import transformers
 
-    from zllm.workers.models.spec import ModelSpec
+    from zllm.model_spec import ModelSpec
 
     config_class = getattr(transformers, TINY_ARCHITECTURES[architecture][0])
     config = config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **overrides)
@@ -155,7 +155,7 @@ def test_sliding_window_only_where_a_layer_uses_it():
 def test_config_without_architectures_falls_back_on_model_type():
     from transformers import Qwen2Config
 
-    from zllm.workers.models.spec import ModelSpec
+    from zllm.model_spec import ModelSpec
 
     assert ModelSpec.from_hf_config(Qwen2Config()).architecture == "Qwen2ForCausalLM"
 
@@ -176,7 +176,7 @@ def test_auto_dtype_follows_the_checkpoint_on_gpu_only():
 
 @pytest.mark.parametrize("key", ["dtype", "torch_dtype"])  # transformers 5 / 4.x spelling
 def test_checkpoint_dtype_is_read_from_config(tmp_path, key):
-    from zllm.workers.models.spec import ModelSpec
+    from zllm.model_spec import ModelSpec
 
     model_dir = save_tiny_model(tmp_path, "qwen2")
     config = json.loads((model_dir / "config.json").read_text())

@@ -177,7 +177,7 @@ def test_kill9_frontend_children_exit_by_themselves(tmp_path, smollm2_dir):
 
 def test_debug_hang_env_makes_a_child_dump_every_threads_stack():
     """ZLLM_DEBUG_HANG_S=N: a process stuck somewhere prints where, every N seconds, to stderr."""
-    code = ("import time; from zllm.launch.children import install_hang_dump\n"
+    code = ("import time; from zllm.procs.children import install_hang_dump\n"
             "install_hang_dump()\n"
             "def stuck_in_a_collective(): time.sleep(2.5)\n"
             "stuck_in_a_collective()\n")

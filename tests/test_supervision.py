@@ -20,7 +20,7 @@ from tests.conftest import save_tiny_llama
 from zllm.frontend.replay import ReplayLog
 from zllm.ipc.messages import AddRequest
 from zllm.launch.sd_notify import SystemdNotifier
-from zllm.launch.supervisor import RestartPolicy, wait_for_any_exit
+from zllm.frontend.supervisor import RestartPolicy, wait_for_any_exit
 from zllm.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -248,7 +248,7 @@ def test_log_lines_carry_syslog_priorities_under_journald(tmp_path):
     code = (
         "import logging, os, sys\n"
         "st = os.fstat(sys.stderr.fileno()); os.environ['JOURNAL_STREAM'] = f'{st.st_dev}:{st.st_ino}'\n"
-        "from zllm.launch.log import configure_logging\n"
+        "from zllm.procs.log import configure_logging\n"
         "configure_logging('frontend', 'INFO')\n"
         "log = logging.getLogger('zllm.test')\n"
         "log.info('hello'); log.warning('careful')\n"
@@ -314,6 +314,14 @@ def test_network_endpoints_need_authentication(tmp_path):
         EngineConfig(model="m", max_model_len=16, client_endpoint="tcp://0.0.0.0:5555").validate()
     EngineConfig(model="m", max_model_len=16, client_endpoint="tcp://0.0.0.0:5555", curve_dir="/k").validate()
     EngineConfig(model="m", max_model_len=16, client_endpoint="tcp://0.0.0.0:5555", allow_insecure_tcp=True).validate()
+    for loopback in ("tcp://127.0.0.1:5555", "tcp://localhost:5555", "tcp://[::1]:5555", "tcp://127.0.0.2:5555"):
+        # Only this machine reaches it, but any user of it can: said so, and still refused.
+        with pytest.raises(ValueError, match=r"^client_endpoint: \S+ without CURVE lets any local user connect"):
+            EngineConfig(model="m", max_model_len=16, client_endpoint=loopback).validate()
+        EngineConfig(model="m", max_model_len=16, client_endpoint=loopback, allow_insecure_tcp=True).validate()
+    for network in ("tcp://*:5555", "tcp://eth0:5555", "tcp://10.0.0.1:5555", "tcp://[::]:5555"):
+        with pytest.raises(ValueError, match="is reachable from the network"):
+            EngineConfig(model="m", max_model_len=16, client_endpoint=network).validate()
     assert client_endpoint_keys("ipc:///run/zllm.sock", "", None) is None
     # CURVE keys but no authorized client and no api key: nobody could ever be authenticated.
     with pytest.raises(ValueError, match="no client is authorized"):

@@ -10,10 +10,9 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from zllm.workers.models.spec import ModelSpec
+from zllm.ipc.addresses import is_loopback_tcp
+from zllm.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +101,6 @@ class EngineConfig:
         """Resolve the model (None: the embedded default; a .gguf file: converted once), check that
         its architecture is supported, and validate every field."""
         from zllm.model_files import gguf_model_name, resolve_model_dir
-        from zllm.workers.models.spec import ModelSpec  # plain Python: no torch in the frontend
 
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
@@ -189,15 +187,19 @@ class EngineConfig:
             f"{self.internal_max_message_bytes}",
         )
         if self.client_endpoint.startswith("tcp://"):
-            _require(
-                bool(self.curve_dir) or self.allow_insecure_tcp,
-                "client_endpoint",
-                f"{self.client_endpoint} is reachable from the network: give --zmq-curve-dir DIR (CURVE "
-                "keys, see docs/deployment.md) or, on a trusted network only, --allow-insecure-tcp",
-            )
+            _require(bool(self.curve_dir) or self.allow_insecure_tcp, "client_endpoint", _insecure_tcp(self.client_endpoint))
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+
+def _insecure_tcp(endpoint: str) -> str:
+    """Why a tcp:// client endpoint without CURVE is refused, and how to serve it anyway."""
+    fix = "give --zmq-curve-dir DIR (CURVE keys, see docs/deployment.md) or"
+    if is_loopback_tcp(endpoint):
+        return (f"{endpoint} without CURVE lets any local user connect (no file permissions guard a tcp port, "
+                f"as they guard an ipc:// socket): {fix}, if every user of this machine is trusted, --allow-insecure-tcp")
+    return f"{endpoint} is reachable from the network: {fix}, on a trusted network only, --allow-insecure-tcp"
 
 
 def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:

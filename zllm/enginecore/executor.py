@@ -31,7 +31,7 @@ from zllm.ipc.messages import (
     WorkerToCore,
 )
 from zllm.ipc.sockets import make_socket
-from zllm.launch.children import spawn_child, stop_children
+from zllm.procs.children import spawn_child, stop_children
 
 logger = logging.getLogger(__name__)
 

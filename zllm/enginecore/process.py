@@ -40,7 +40,7 @@ from zllm.ipc.messages import (
     UtilityResult,
 )
 from zllm.ipc.sockets import make_socket
-from zllm.launch.children import die_with_parent, read_config_from_stdin, setup_child_logging
+from zllm.procs.children import die_with_parent, read_config_from_stdin, setup_child_logging
 
 logger = logging.getLogger("zllm.enginecore")
 

@@ -9,7 +9,7 @@ that could still turn into a stop string is held back until it can't), and abort
 when its client cancels, vanishes (a send to it fails) or falls silent past client_timeout_s.
 The OpenAI HTTP API (api_server.py) is a client inside this process: `open_local_client`.
 
-Engine failures (zllm/launch/supervisor.py watches the core and every worker): with
+Engine failures (zllm/frontend/supervisor.py watches the core and every worker): with
 on_failure="restart" the engine is killed, restarted with back-off, and every request in flight
 is re-sent as a continuation of what its client already received (zllm/frontend/replay.py), so
 streams simply go on; with on_failure="fail", or once the crash loop gives up, every request
@@ -40,6 +40,7 @@ from zllm.frontend.metrics import FrontendMetrics
 from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor
 from zllm.frontend.replay import ReplayLog
+from zllm.frontend.supervisor import EngineProcesses, RestartPolicy
 from zllm.frontend.tokenizer import chat_prompt, load_tokenizer
 from zllm.ipc.addresses import InternalEndpoints, default_client_endpoint, engine_runtime_dir
 from zllm.ipc.codec import Codec, MessageError, convert
@@ -69,9 +70,8 @@ from zllm.ipc.messages import (
     UtilityResult,
 )
 from zllm.ipc.sockets import make_socket
-from zllm.launch.children import stop_children
-from zllm.launch.supervisor import EngineProcesses, RestartPolicy
 from zllm.outputs import CompletionOutput, RequestOutput
+from zllm.procs.children import stop_children
 from zllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("zllm.frontend")

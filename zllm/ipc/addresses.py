@@ -3,6 +3,7 @@ engine instance; tcp:// is used only where the user asks for it (e.g. a remote c
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tempfile
 
@@ -27,6 +28,21 @@ def engine_runtime_dir(runtime_dir: str, generation: int) -> str:
     """A fresh directory (inside the private runtime dir) for each start of the engine core:
     a restarted core and its workers share no socket, and no stale message, with a dead one."""
     return os.path.join(runtime_dir, f"engine-{generation}")
+
+
+def is_loopback_tcp(endpoint: str) -> bool:
+    """A tcp:// endpoint on a loopback address (127.0.0.0/8, [::1], localhost): no other machine
+    can connect to it, but every user of this one can (unlike an ipc:// file, nothing checks who).
+    A wildcard (*), an interface name or any other address counts as reachable from the network."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def ipc_path(endpoint: str) -> str | None:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import zmq
 import zmq.auth
 
+from zllm.ipc.addresses import is_loopback_tcp
+
 logger = logging.getLogger("zllm.ipc.curve")
 
 SERVER_NAME = "server"
@@ -61,8 +63,9 @@ def client_endpoint_keys(endpoint: str, curve_dir: str, api_key: str | None) -> 
     asked for but no client could ever be authenticated (no client key on file, no api key)."""
     if not curve_dir:
         if endpoint.startswith("tcp://"):
-            logger.warning("%s serves without CURVE (--allow-insecure-tcp): traffic%s is in clear text",
-                           endpoint, " and the api key" if api_key else "")
+            who = "any local user can connect" if is_loopback_tcp(endpoint) else "anyone who reaches it can connect"
+            logger.warning("%s serves without CURVE (--allow-insecure-tcp): %s; traffic%s is in clear text",
+                           endpoint, who, " and the api key" if api_key else "")
         return None
     keys = load_or_create_server_keys(curve_dir)
     if not authorized_client_keys(keys.clients_dir) and api_key is None:

@@ -143,7 +143,8 @@ def add_reliability_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zmq-curve-dir", default=defaults.curve_dir, metavar="DIR",
                        help="CURVE keys for a tcp:// client endpoint (server key pair, clients/*.key)")
     group.add_argument("--allow-insecure-tcp", action="store_true",
-                       help="serve a tcp:// client endpoint without CURVE (trusted networks only)")
+                       help="serve a tcp:// client endpoint without CURVE: anyone who reaches it connects (on 127.0.0.1, "
+                            "any local user; elsewhere, the network: trusted networks only)")
     group.add_argument("--max-client-message-size", type=parse_size, default=defaults.client_max_message_bytes,
                        help="a client sending a bigger message is disconnected (default 64MiB)")
     group.add_argument("--max-internal-message-size", type=parse_size, default=defaults.internal_max_message_bytes,

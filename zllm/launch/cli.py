@@ -5,7 +5,7 @@
         workers; serves the ZMQ client endpoint and the OpenAI-compatible HTTP API (default
         http://127.0.0.1:8000) until SIGINT/SIGTERM, which drains: requests in flight finish
         first (zllm/launch/service.py). The engine is supervised and restarted after a crash
-        (zllm/launch/supervisor.py); see docs/deployment.md for systemd.
+        (zllm/frontend/supervisor.py); see docs/deployment.md for systemd.
     vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
         runs the engine in this process, prints the completions, exits.
 """
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zllm.launch.log import configure_logging
+    from zllm.procs.log import configure_logging
 
     args = build_parser().parse_args(argv)
     configure_logging("frontend", args.log_level)

@@ -21,7 +21,7 @@ from zllm.workers.attention import AttentionMetadata
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.loader import init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
-from zllm.workers.models.spec import ModelSpec
+from zllm.model_spec import ModelSpec
 from zllm.workers.ops import ops_for
 from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample

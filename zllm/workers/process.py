@@ -32,7 +32,7 @@ from zllm.ipc.messages import (
     WorkerToCore,
 )
 from zllm.ipc.sockets import make_socket
-from zllm.launch.children import die_with_parent, install_hang_dump, read_config_from_stdin, setup_child_logging
+from zllm.procs.children import die_with_parent, install_hang_dump, read_config_from_stdin, setup_child_logging
 
 logger = logging.getLogger("zllm.worker")
 

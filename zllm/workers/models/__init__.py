@@ -1,8 +1,8 @@
-"""Model architectures, picked by the HF config's `architectures` (registry in models/spec.py)."""
+"""Model architectures, picked by the HF config's `architectures` (registry in zllm/model_spec.py)."""
 
 from __future__ import annotations
 
-from zllm.workers.models.spec import MODEL_REGISTRY, ModelSpec, unsupported_architecture
+from zllm.model_spec import MODEL_REGISTRY, ModelSpec, unsupported_architecture
 
 __all__ = ["MODEL_REGISTRY", "ModelSpec", "build_model"]
 

@@ -1,4 +1,4 @@
-"""The Llama-family decoder shared by every registered architecture (models/spec.py): GQA
+"""The Llama-family decoder shared by every registered architecture (zllm/model_spec.py): GQA
 attention, SwiGLU MLP, RMSNorm, RoPE. The spec's flags carry what differs: Qwen2's q/k/v bias,
 Qwen3's per-head q/k RMSNorm, Llama's optional attention/MLP bias.
 
@@ -17,7 +17,7 @@ from zllm.partition import Span, even_split, head_shards
 from zllm.workers.attention import AttentionMetadata
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.layers import rope_cos_sin_cache, rope_inv_freq
-from zllm.workers.models.spec import ModelSpec
+from zllm.model_spec import ModelSpec
 from zllm.workers.ops import TorchOps
 from zllm.workers.parallel_layers import (
     ColumnParallelLinear,

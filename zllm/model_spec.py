@@ -1,7 +1,9 @@
 """The shape of a model, read once from its HF config, and the registry of supported architectures.
 
-Plain Python (no torch): `EngineConfig.create` reads the spec in the frontend to refuse an
-unsupported architecture, and to size `max_model_len`, before any worker starts.
+Plain Python (no torch, no worker code), below every process: `EngineConfig.create` reads the
+spec in the frontend to refuse an unsupported architecture, to size `max_model_len` and to check
+the tensor-parallel split before any worker starts; the workers build their model from it
+(zllm/workers/models/).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Supervision of the engine's processes, from the launcher (the frontend process).
+"""Supervision of the engine's processes, run by the frontend process (the launcher).
 
     launcher ── spawns ──> engine core ── spawns ──> worker × tp
         │                      ▲                        ▲
@@ -24,9 +24,9 @@ from collections import deque
 import psutil
 
 from zllm.config import EngineConfig
-from zllm.launch.children import spawn_child
+from zllm.procs.children import spawn_child
 
-logger = logging.getLogger("zllm.launch.supervisor")
+logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.5  # without pidfds: how often the watched processes are polled
 _KILL_WAIT_S = 30.0  # a process SIGKILLed and still present after this long is reported, not waited on

@@ -21,6 +21,7 @@ import time
 
 from zllm.config import EngineConfig
 from zllm.ipc.codec import decode_json, encode_json
+from zllm.procs.log import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,4 @@ def stop_children(processes: list[subprocess.Popen], timeout_s: float) -> None:
 
 
 def setup_child_logging(name: str) -> None:
-    from zllm.launch.log import configure_logging
-
     configure_logging(name)

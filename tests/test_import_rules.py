@@ -1,0 +1,122 @@
+"""The import rules of docs/architecture.md ("Imports flow one way"), checked on the source and on
+what importing each process's entry module loads, so that they stay true.
+
+    zllm/launch                       assembles and supervises: may import anything
+    zllm/frontend  zllm/enginecore  zllm/workers     one package per process; none imports another
+    shared: zllm/ipc, zllm/procs, config, model_spec, sampling_params, outputs, ...   import no process
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SOURCE = Path(__file__).resolve().parent.parent / "zllm"
+PROCESSES = ("zllm.frontend", "zllm.enginecore", "zllm.workers")
+LAUNCH = "zllm.launch"
+# The offline LLM (vLLM's API) assembles an engine core and worker inside the calling process: its
+# one entry point, LLMEngine.from_engine_args, reaches up to the assembly when called.
+ALLOWED_UPWARD = {("zllm.frontend.llm_engine", "zllm.launch.inprocess")}
+CLIENT_MAY_IMPORT = ("zllm.ipc", "zllm.outputs", "zllm.sampling_params")  # pyzmq + msgspec only
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SOURCE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module the file imports, at the top or inside a function (a lazy import is still a
+    dependency); `if TYPE_CHECKING:` blocks are left out: they never run."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            node.body = []
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def package_of(module: str) -> str:
+    """The process package (or zllm.launch) a module belongs to; "shared" for everything else."""
+    for package in (*PROCESSES, LAUNCH):
+        if module == package or module.startswith(package + "."):
+            return package
+    return "shared"
+
+
+def zllm_edges() -> list[tuple[str, str]]:
+    """(importer, imported) for every import of a zllm module by a zllm module."""
+    paths = sorted(SOURCE.rglob("*.py"))
+    modules = {module_name(path) for path in paths}
+    return [(module_name(path), imported) for path in paths for imported in imported_modules(path) & modules]
+
+
+def test_processes_import_neither_each_other_nor_the_launcher():
+    wrong = [
+        (importer, imported)
+        for importer, imported in zllm_edges()
+        if package_of(importer) in PROCESSES
+        and package_of(imported) not in ("shared", package_of(importer))
+        and (importer, imported) not in ALLOWED_UPWARD
+    ]
+    assert not wrong, f"a process package imports another process or zllm/launch: {wrong}"
+
+
+def test_shared_modules_import_no_process_and_not_the_launcher():
+    wrong = [
+        (importer, imported)
+        for importer, imported in zllm_edges()
+        if package_of(importer) == "shared" and importer != "zllm"  # the package root names LLM lazily
+        and package_of(imported) != "shared"
+    ]
+    assert not wrong, f"a shared module imports a process package or zllm/launch: {wrong}"
+
+
+def test_the_client_needs_only_ipc_outputs_and_sampling_params():
+    wrong = [imported for importer, imported in zllm_edges()
+             if importer == "zllm.client" and not imported.startswith(CLIENT_MAY_IMPORT)]
+    assert not wrong, wrong
+
+
+def test_only_ipc_knows_the_wire_format():
+    wrong = [module_name(path) for path in SOURCE.rglob("*.py")
+             if not module_name(path).startswith("zllm.ipc") and {"msgspec.msgpack", "pickle"} & imported_modules(path)]
+    assert not wrong, f"msgpack or pickle outside zllm/ipc: {wrong}"
+
+
+@pytest.mark.parametrize(
+    ("entry_modules", "must_not_load"),
+    [
+        # The engine core starts without torch (xgrammar, which needs it, comes with the first
+        # structured-output request) and without any worker code.
+        (["zllm.enginecore.core", "zllm.enginecore.process"],
+         ["torch", "zllm.workers", "zllm.frontend", "zllm.launch"]),
+        (["zllm.frontend.server", "zllm.frontend.api_server", "zllm.frontend.llm"],
+         ["zllm.workers", "zllm.enginecore", "zllm.launch"]),
+        (["zllm.workers.process"], ["zllm.frontend", "zllm.enginecore", "zllm.launch"]),
+        (["zllm.config", "zllm.procs.children", "zllm.model_spec"],
+         ["torch", "transformers", "zllm.workers", "zllm.enginecore", "zllm.frontend", "zllm.launch"]),
+    ],
+)
+def test_importing_a_process_loads_only_its_own_layer(entry_modules, must_not_load):
+    code = textwrap.dedent(f"""
+        import importlib, sys
+        for name in {entry_modules!r}:
+            importlib.import_module(name)
+        loaded = [m for m in sys.modules if any(m == p or m.startswith(p + ".") for p in {must_not_load!r})]
+        print(sorted(loaded))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"importing {entry_modules} loaded {done.stdout.strip()}"
