@@ -65,9 +65,9 @@ def test_each_rank_loads_only_its_slice_and_the_slices_rebuild_the_model(tmp_pat
     """Ranks of tp 3 (uneven: 4 heads, 2 KV heads) hold exactly the matching slices of HF's tensors."""
     from safetensors.torch import load_file
 
+    from zllm.model_spec import ModelSpec
     from zllm.workers.loader import load_safetensors
     from zllm.workers.models import build_model
-    from zllm.model_spec import ModelSpec
 
     model_dir = save_tiny_llama(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2, vocab_size=250)
     hf = load_file(str(model_dir / "model.safetensors"))

@@ -628,6 +628,8 @@ class Client:
         """Close the connection and stop the loop thread (at once, even with the server gone)."""
         if self._closed:
             return
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("Client.close() from its own event-loop thread would wait for itself")
         self._closed = True
         inner = getattr(self, "_async", None)
         if inner is not None and self._thread.is_alive():
@@ -636,8 +638,7 @@ class Client:
             except (ZllmError, RuntimeError):
                 pass  # the loop thread stopped meanwhile: nothing is left to close
         self._stop()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5.0)
+        self._thread.join(timeout=5.0)
 
     def __enter__(self) -> "Client":
         return self
