@@ -467,7 +467,12 @@ def report(args, server: Server, samples, baseline: Sample, final: Sample, tally
 
 
 def plot(path: str, result: dict) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a plot is a convenience: the checks and the JSON stand without it
+        print(f"matplotlib is not installed: no plot at {path} (pip install matplotlib; --plot-from redraws it)",
+              file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
