@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from zllm.workers.attention import AttentionMetadata, paged_attention, write_kv_cache
+from zllm.workers.attention import AttentionMetadata, pack_prefill, packed_prefill_of, paged_attention, write_kv_cache
 from zllm.workers.layers import apply_rotary, rope_cos_sin_cache, rope_inv_freq
 
 BLOCK_SIZE = 16
@@ -187,6 +187,31 @@ def test_paged_attention_ignores_other_requests_and_padding():
     mixed, reference = run_paged(batch, seed=3)  # same seed: the target's data is drawn first
     torch.testing.assert_close(mixed[:1], alone, atol=1e-6, rtol=0)
     torch.testing.assert_close(mixed, reference.float(), atol=1e-5, rtol=0)
+
+
+def test_packed_prefill_gathers_every_context_token_of_the_prefills_in_order():
+    """The packed layout the GPU's one-call prefill attention reads (tests/gpu checks the call):
+    after the decodes, each prefill request's whole context (cached prefix and new tokens) in
+    order, with its query and key offsets."""
+    generator = torch.Generator().manual_seed(7)
+    reqs = [Req(context_len=40, query_len=1), Req(context_len=3, query_len=1), Req(context_len=37, query_len=37),
+            Req(context_len=50, query_len=18), Req(context_len=17, query_len=2), Req(context_len=16, query_len=16)]
+    fill_requests(reqs, generator)
+    meta = build_metadata(reqs)
+    kv_cache = new_cache(generator)
+    write_step(kv_cache, reqs, meta)
+    slots, cu = pack_prefill(meta.block_tables.numpy(), meta.seq_lens_list, meta.query_start_loc, meta.num_decodes, BLOCK_SIZE)
+    prefill = packed_prefill_of(torch.from_numpy(slots), torch.from_numpy(cu), meta.seq_lens_list, meta.query_start_loc,
+                                meta.num_decodes)
+    prefills = reqs[meta.num_decodes:]
+    keys = kv_cache[0].view(-1, NUM_KV_HEADS, HEAD_DIM).index_select(0, prefill.context_slots)
+    values = kv_cache[1].view(-1, NUM_KV_HEADS, HEAD_DIM).index_select(0, prefill.context_slots)
+    assert torch.equal(keys, torch.cat([r.keys for r in prefills]))
+    assert torch.equal(values, torch.cat([r.values for r in prefills]))
+    assert prefill.cu_seq_q.dtype == prefill.cu_seq_k.dtype == torch.int32
+    assert prefill.cu_seq_q.tolist() == [0, 37, 55, 57, 73]
+    assert prefill.cu_seq_k.tolist() == [0, 37, 87, 104, 120]
+    assert (prefill.max_q, prefill.max_k) == (37, 50)
 
 
 def test_dense_reference_is_plain_softmax_attention():

@@ -6,6 +6,8 @@
 #   PART=load:    W1 (1000 x 256/256 offline), W3 (serve.py, Poisson 20 req/s, 400 x 256/256)
 #   PART=mix:     issue 20's baseline: W1, W1's time by kind of step (step_mix.py), W2, and
 #                 serve.py at Poisson 32 req/s, 600 x 256/256 (RATE=... overrides the rate)
+#   PART=prefill: the packed prefill's A/B (ZLLM_PACKED_PREFILL=0 then 1): W1, W2 and serve.py at
+#                 Poisson 32 req/s, each measured back to back in this one call
 # Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,6 +22,21 @@ jsonl="$out/perf.jsonl"
 run() {  # run LIMIT_S COMMAND...: JSON lines to perf.jsonl, everything to the log
   echo "== $*" | tee -a "$out/perf.log"
   timeout "$1" "${@:2}" 2>&1 | tee -a "$out/perf.log" | grep -E '^\{' | tee -a "$jsonl"
+}
+w1() {  # W1: 1000 x 256/256 offline
+  run 200 python benchmarks/throughput.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
+    --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192
+}
+w2() {  # W2: batch-1 decode
+  run 150 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024
+}
+serve32() {  # serve32 SUFFIX: vllm-launch under serve.py, Poisson ${RATE:-32} req/s, 600 x 256/256
+  python -m zllm.launch.cli --model "$model" --load-format dummy --max-model-len 1024 --port 8000 > "$out/server$1.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 120); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
+  run 150 python benchmarks/serve.py --base-url http://127.0.0.1:8000 --model "$model" --num-prompts 600 \
+    --request-rate "${RATE:-32}" --input-len 256 --output-len 256 --json "$out/serve$1.json" --plot "$out/serve$1.png"
+  kill -TERM $server; wait $server
 }
 case "${1:-}" in
 correct)
@@ -55,17 +72,20 @@ load)
   kill -TERM $server; wait $server
   ;;
 mix)
-  run 200 python benchmarks/throughput.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
-    --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192
+  w1
   run 200 python benchmarks/step_mix.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
     --max-num-batched-tokens 8192
-  run 150 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024
-  python -m zllm.launch.cli --model "$model" --load-format dummy --max-model-len 1024 --port 8000 > "$out/server.log" 2>&1 &
-  server=$!
-  for _ in $(seq 120); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
-  run 150 python benchmarks/serve.py --base-url http://127.0.0.1:8000 --model "$model" --num-prompts 600 \
-    --request-rate "${RATE:-32}" --input-len 256 --output-len 256 --json "$out/serve.json" --plot "$out/serve.png"
-  kill -TERM $server; wait $server
+  w2
+  serve32 ""
   ;;
-*) echo "usage: $0 correct|latency|load|mix"; exit 2 ;;
+prefill)
+  for packed in 0 1; do
+    export ZLLM_PACKED_PREFILL=$packed
+    echo "{\"ZLLM_PACKED_PREFILL\": $packed}" | tee -a "$jsonl"
+    w1
+    w2
+    serve32 $packed
+  done
+  ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill"; exit 2 ;;
 esac

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +27,44 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [num_reqs + 1]: query tokens of request i are [q[i], q[i+1])
     num_decodes: int
     block_size: int
+    # The prefill requests (those after the decodes) packed for one variable-length attention call:
+    # the cache slots of every context token of each, in order, and the int32 offsets of each
+    # request's queries and keys in the packed rows (None when the step has no prefill).
+    prefill: PackedPrefill | None = None
+
+
+@dataclass(slots=True)
+class PackedPrefill:
+    context_slots: torch.Tensor  # [sum of seq_lens] long: cache slot of each context token
+    cu_seq_q: torch.Tensor  # [num_prefills + 1] int32: query offsets, from the first prefill token
+    cu_seq_k: torch.Tensor  # [num_prefills + 1] int32: key offsets into context_slots
+    max_q: int
+    max_k: int
+
+
+def pack_prefill(
+    block_tables: np.ndarray, seq_lens: list[int], query_start_loc: list[int], num_decodes: int, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Host side of PackedPrefill: the cache slot of every context token of the prefill requests
+    (the rows after the decodes), request after request, and their offsets: cu_seq_q then cu_seq_k."""
+    lens = np.asarray(seq_lens[num_decodes:], dtype=np.int64)
+    cu_k = np.concatenate(([0], np.cumsum(lens)))
+    rows = np.repeat(np.arange(num_decodes, len(seq_lens)), lens)
+    positions = np.arange(cu_k[-1]) - np.repeat(cu_k[:-1], lens)
+    slots = block_tables[rows, positions // block_size] * block_size + positions % block_size
+    cu_q = np.asarray(query_start_loc[num_decodes:], dtype=np.int64) - query_start_loc[num_decodes]
+    return slots, np.concatenate((cu_q, cu_k))
+
+
+def packed_prefill_of(
+    context_slots: torch.Tensor, cu_seqs: torch.Tensor, seq_lens: list[int], query_start_loc: list[int], num_decodes: int
+) -> PackedPrefill:
+    """PackedPrefill from pack_prefill's arrays once on the device (cu_seqs as one tensor)."""
+    cu = cu_seqs.to(torch.int32)
+    half = cu.shape[0] // 2
+    query_lens = np.diff(query_start_loc[num_decodes:])
+    return PackedPrefill(context_slots=context_slots, cu_seq_q=cu[:half], cu_seq_k=cu[half:],
+                         max_q=int(query_lens.max()), max_k=max(seq_lens[num_decodes:]))
 
 
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from zllm.config import EngineConfig
 from zllm.ipc.messages import CachedRequestData, GrammarBitmask, NewRequestData, StepInput, StepOutput, TokenLogprobs
 from zllm.partition import head_shards
 from zllm.sampling_params import SamplingParams
-from zllm.workers.attention import AttentionMetadata
+from zllm.workers.attention import AttentionMetadata, pack_prefill, packed_prefill_of
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.loader import init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
@@ -453,11 +453,16 @@ class ModelRunner:
         block_tables = self._block_tables(states)
         rows = np.repeat(np.arange(len(states)), counts)
         slot_mapping = block_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        packs_prefill = self.ops.packs_prefill and num_decodes < len(states)
+        context_slots, cu_seqs = (
+            pack_prefill(block_tables, seq_lens, query_start_loc, num_decodes, self.block_size) if packs_prefill else ([], [])
+        )
         # One host-to-device copy for every integer input of the step.
-        parts = [token_ids, positions, slot_mapping, seq_lens, logits_indices, fill_at, fill_from, block_tables.ravel()]
+        parts = [token_ids, positions, slot_mapping, seq_lens, logits_indices, fill_at, fill_from, block_tables.ravel(),
+                 context_slots, cu_seqs]
         bounds = np.cumsum([0] + [len(p) for p in parts])
         packed = self._to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
-        (input_ids, positions_t, slots, seq_lens_t, logits_t, fill_at_t, fill_from_t, tables) = (
+        (input_ids, positions_t, slots, seq_lens_t, logits_t, fill_at_t, fill_from_t, tables, context_slots_t, cu_seqs_t) = (
             packed[bounds[k] : bounds[k + 1]] for k in range(len(parts))
         )
         if fill_at:
@@ -471,6 +476,8 @@ class ModelRunner:
             num_decodes=num_decodes,
             block_size=self.block_size,
         )
+        if packs_prefill:
+            attention.prefill = packed_prefill_of(context_slots_t, cu_seqs_t, seq_lens, query_start_loc, num_decodes)
         return BatchInputs(
             input_ids=input_ids,
             positions=positions_t,

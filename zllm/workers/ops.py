@@ -15,13 +15,14 @@ import torch.nn.functional as F
 
 from zllm.workers import attention as ref
 from zllm.workers import cpu_kernels
-from zllm.workers.attention import AttentionMetadata
+from zllm.workers.attention import AttentionMetadata, PackedPrefill
 from zllm.workers.layers import apply_rotary, rms_norm, silu_and_mul
 
 
 class TorchOps:
     name = "torch"
     supports_graphs = False
+    packs_prefill = False  # whether attention() wants AttentionMetadata.prefill
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -62,11 +63,12 @@ class CudaOps(TorchOps):
     name = "cuda"
     supports_graphs = True
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         from zllm.workers import kernels
 
         self.k = kernels
         self.workspace: torch.Tensor | None = None
+        self.packs_prefill = flash_varlen_available(device)
 
     def reserve_decode_workspace(self, max_batch: int, num_heads: int, head_dim: int, max_len: int, device) -> None:
         """Allocate the split-K scratch once, for the worst case (128-token partitions), so no
@@ -106,6 +108,10 @@ class CudaOps(TorchOps):
                 out[:num_decodes], q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
                 meta.seq_lens[:num_decodes], scale, max_seq_len=longest, workspace=self.workspace,
             )
+        if meta.prefill is not None and q.dtype in _FLASH_DTYPES and q.shape[-1] in _FLASH_HEAD_DIMS:
+            start = meta.query_start_loc[num_decodes]
+            out[start:] = packed_prefill_attention(q[start:], kv_cache, meta.prefill, scale)
+            return out
         for i in range(num_decodes, len(meta.query_start_loc) - 1):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = self.prefill_attention(q[start:end], kv_cache, meta, i, scale)
@@ -133,6 +139,41 @@ class CudaOps(TorchOps):
         return out[0].transpose(0, 1)
 
 
+# FlashAttention-2 (inside PyTorch) takes half precision and these head sizes; fp32 models keep
+# the per-request SDPA path, which is also what the fp32 HF-exactness tests exercise.
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+# ZLLM_PACKED_PREFILL=0 keeps the per-request prefill loop: the A/B switch of
+# benchmarks/prefill_attention.py, throughput.py and the real-model check.
+_PACKED_PREFILL_ENABLED = os.environ.get("ZLLM_PACKED_PREFILL", "1") != "0"
+
+
+def flash_varlen_available(device: torch.device) -> bool:
+    """PyTorch was built with FlashAttention and the GPU is Ampere or newer (its minimum)."""
+    return (_PACKED_PREFILL_ENABLED and device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(device)[0] >= 8)
+
+
+def packed_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, prefill: PackedPrefill, scale: float) -> torch.Tensor:
+    """Every prefill request of the step in one FlashAttention call over variable lengths.
+
+    query [prefill tokens, heads, head_dim], request after request. Each request's context is
+    gathered from the paged cache into one packed key/value run (a single index_select for all
+    of them); FlashAttention aligns the causal diagonal to the bottom right when a request has
+    fewer queries than keys, which is a chunk (or a prefix-cache hit) attending to its prefix,
+    and takes fewer KV heads than query heads as they are (GQA). Where the per-request loop
+    costs a dozen launches per request and layer, this is three per layer."""
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    keys = kv_cache[0].view(-1, num_kv_heads, head_dim).index_select(0, prefill.context_slots)
+    values = kv_cache[1].view(-1, num_kv_heads, head_dim).index_select(0, prefill.context_slots)
+    out = torch.ops.aten._flash_attention_forward(
+        query, keys, values, prefill.cu_seq_q, prefill.cu_seq_k, prefill.max_q, prefill.max_k,
+        0.0, True, False, scale=scale,
+    )[0]
+    return out
+
 
 # ZLLM_GEMV=0 sends single rows to cuBLAS too: the A/B switch of benchmarks/gemv.py and latency.py.
 _GEMV_ENABLED = os.environ.get("ZLLM_GEMV", "1") != "0"
@@ -154,4 +195,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def ops_for(device: torch.device) -> TorchOps:
-    return CudaOps() if device.type == "cuda" else TorchOps()
+    return CudaOps(device) if device.type == "cuda" else TorchOps()
