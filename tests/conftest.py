@@ -72,6 +72,9 @@ TINY_ARCHITECTURES = {  # architecture: (transformers config class, model class)
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -108,6 +111,8 @@ def save_tiny_model(directory: Path, architecture: str = "llama", shards: int = 
         for name, param in model.named_parameters():
             if name.endswith("bias") or name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith("gate.weight"):  # MoE routers: HF may start them at zero (every expert tied)
+                param.copy_(torch.randn_like(param))
     max_shard = None if shards == 1 else f"{max(1, _param_bytes(model) // shards // 1024 + 1)}KB"
     kwargs = {} if max_shard is None else {"max_shard_size": max_shard}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)

@@ -6,6 +6,7 @@ checkpoints fail at LLM construction with errors naming the file and tensor."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,19 @@ CASES = {  # name: (architecture, config overrides)
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),  # q/k/v bias, no o_proj bias
     "qwen3": ("qwen3", {"head_dim": 32}),  # q/k RMSNorm, head_dim apart from hidden/heads
     "qwen3-bias": ("qwen3", {"attention_bias": True, "head_dim": 16}),
+    # Mixture of experts: expert counts, top-k 1/2/4, odd expert sizes, shared expert on/off,
+    # dense layers between sparse ones.
+    "mixtral-8x2": ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 40}),
+    "mixtral-top1": ("mixtral", {"num_local_experts": 3, "num_experts_per_tok": 1, "intermediate_size": 37}),
+    "qwen2-moe-shared": ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                       "shared_expert_intermediate_size": 56}),
+    "qwen2-moe-sparse-step": ("qwen2_moe", {"num_experts": 5, "num_experts_per_tok": 4, "moe_intermediate_size": 19,
+                                            "shared_expert_intermediate_size": 0, "norm_topk_prob": True,
+                                            "decoder_sparse_step": 2, "num_hidden_layers": 3}),
+    "qwen3-moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 24,
+                                "norm_topk_prob": True, "head_dim": 32}),
+    "qwen3-moe-mlp-only": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 33,
+                                         "norm_topk_prob": False, "mlp_only_layers": [0], "num_hidden_layers": 3}),
 }
 
 
@@ -42,7 +56,10 @@ def _hf_generate_all(model_dir, prompts, max_new_tokens):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    # MoE: HF's expert-by-expert loop, the reference (its grouped-GEMM path refuses odd sizes on CPU).
+    moe = {"experts_implementation": "eager"} if "num_experts" in config or "num_local_experts" in config else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **moe).eval()
     return [hf_greedy(model, p, max_new_tokens, eos_token_id=None) for p in prompts]
 
 
@@ -98,11 +115,22 @@ def test_worker_process_serves_a_registered_architecture(tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-@pytest.mark.parametrize(("architecture", "tp"), [("qwen2", 2), ("qwen3", 3)])
-def test_tensor_parallel_matches_hf(tmp_path, architecture, tp):
-    """Each rank loads its slice of the q/k/v biases (Qwen2) or a copy of the q/k norms (Qwen3);
-    tp 3 splits 4 heads over 2 KV heads unevenly, replicating KV heads."""
-    model_dir = save_tiny_model(tmp_path, architecture, initializer_range=0.2, head_dim=32)
+TP_CASES = {  # name: (architecture, tp, config overrides)
+    # Each rank loads its slice of the q/k/v biases (Qwen2) or a copy of the q/k norms (Qwen3);
+    # tp 3 splits 4 heads over 2 KV heads unevenly, replicating KV heads.
+    "qwen2-tp2": ("qwen2", 2, {"head_dim": 32}),
+    "qwen3-tp3": ("qwen3", 3, {"head_dim": 32}),
+    # MoE (gloo): each rank holds every expert's slice of the intermediate dimension (37 rows split
+    # 19/18 for mixtral-top1) and the shared expert's; one all-reduce per MoE block.
+    "mixtral-top1-tp2": ("mixtral", 2, CASES["mixtral-top1"][1]),
+    "qwen2-moe-shared-tp2": ("qwen2_moe", 2, CASES["qwen2-moe-shared"][1]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TP_CASES))
+def test_tensor_parallel_matches_hf(tmp_path, case):
+    architecture, tp, overrides = TP_CASES[case]
+    model_dir = save_tiny_model(tmp_path, architecture, initializer_range=0.2, **overrides)
     expected = _hf_generate_all(model_dir, PROMPTS, 16)
     llm = LLM(str(model_dir), dtype="float32", tensor_parallel_size=tp, max_model_len=256, kv_cache_memory_bytes=8 << 20)
     try:
@@ -111,6 +139,29 @@ def test_tensor_parallel_matches_hf(tmp_path, architecture, tp):
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_moe_staggered_arrivals_with_prefix_hits_match_hf(tmp_path):
+    """Requests join a running MoE batch one step apart and share a 32-token prefix (prefix-cache
+    hits after the first; 8-token steps chunk the prompts): still HF's tokens."""
+    architecture, overrides = CASES["qwen3-moe"]
+    model_dir = save_tiny_model(tmp_path, architecture, initializer_range=0.2, **overrides)
+    prefix = list(range(10, 42))
+    prompts = [prefix + [100 + i, 7, 8 + i] for i in range(4)]
+    expected = _hf_generate_all(model_dir, prompts, 12)
+    engine = LLMEngine.from_engine_args(str(model_dir), dtype="float32", block_size=8, max_num_batched_tokens=16,
+                                        enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    results, cached, pending = {}, {}, list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, ids = pending.pop(0)
+            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id], cached[out.request_id] = out.outputs[0].token_ids, out.num_cached_tokens
+    assert [results[str(i)] for i in range(len(prompts))] == expected
+    assert max(cached.values()) >= 24  # later requests found the shared prefix's full blocks cached
 
 
 def test_dummy_weights_run_any_shape(tmp_path):
@@ -249,6 +300,31 @@ def test_missing_tensor_is_named_as_in_the_checkpoint(tmp_path):
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"^model: checkpoint in .* lacks tensor\(s\) model.layers.1.self_attn.k_proj.bias$"):
         LLM(str(model_dir), dtype="float32")
+
+
+@pytest.mark.parametrize(("case", "missing"), [
+    ("mixtral-top1", "model.layers.1.block_sparse_moe.experts.2.w3.weight"),
+    ("qwen2-moe-shared", "model.layers.0.mlp.experts.5.down_proj.weight"),
+    ("qwen2-moe-shared", "model.layers.1.mlp.shared_expert.gate_proj.weight"),
+])
+def test_missing_expert_tensor_is_named_as_in_the_checkpoint(tmp_path, case, missing):
+    from safetensors.torch import load_file, save_file
+
+    architecture, overrides = CASES[case]
+    model_dir = save_tiny_model(tmp_path, architecture, **overrides)
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    del tensors[missing]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"^model: checkpoint in .* lacks tensor\(s\) {re.escape(missing)}$"):
+        LLM(str(model_dir), dtype="float32")
+
+
+def test_moe_dummy_weights_run(tmp_path):
+    architecture, overrides = CASES["qwen2-moe-shared"]
+    model_dir = save_tiny_model(tmp_path, architecture, **overrides)
+    (tokens,) = _engine_generate_all(model_dir, PROMPTS[:1], 5, load_format="dummy")
+    assert len(tokens) == 5 and all(0 <= t < 256 for t in tokens)
 
 
 def test_tensor_in_two_files_is_named(tmp_path):

@@ -23,6 +23,27 @@ class Architecture:
     o_proj_bias: bool | None = None
     mlp_bias: bool | None = None
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head, before rotary
+    moe: MoeFormat | None = None  # a Mixture-of-Experts model: how its config and checkpoint say so
+
+
+@dataclass(frozen=True, slots=True)
+class MoeFormat:
+    """Where an MoE architecture keeps its experts: the config's field names and the checkpoint's
+    tensor names (`model.layers.N.<block>.experts.E.<gate|up|down>.weight`)."""
+
+    block: str  # the MoE block's name in a layer: "block_sparse_moe" (Mixtral) or "mlp" (Qwen)
+    expert_parts: tuple[str, str, str]  # gate, up, down projections of one expert
+    num_experts_key: str
+    intermediate_key: str
+    always_renormalize: bool = False  # Mixtral renormalizes the top-k always; Qwen per norm_topk_prob
+    fp32_routing_weights: bool = False  # Mixtral keeps the weights fp32; Qwen casts them to the model dtype
+    sparse_layer_keys: bool = False  # Qwen: decoder_sparse_step and mlp_only_layers pick the MoE layers
+
+
+_MIXTRAL = MoeFormat("block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts", "intermediate_size",
+                     always_renormalize=True, fp32_routing_weights=True)
+_QWEN_MOE = MoeFormat("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size",
+                      sparse_layer_keys=True)
 
 
 # Keyed by `config.architectures`; every entry is the shared decoder in models/llama.py.
@@ -31,10 +52,14 @@ MODEL_REGISTRY: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture(qkv_bias=False, o_proj_bias=False, mlp_bias=False),
     "Qwen2ForCausalLM": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False),  # Qwen2, Qwen2.5
     "Qwen3ForCausalLM": Architecture(mlp_bias=False, qk_norm=True),
+    "MixtralForCausalLM": Architecture(qkv_bias=False, o_proj_bias=False, mlp_bias=False, moe=_MIXTRAL),
+    "Qwen2MoeForCausalLM": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False, moe=_QWEN_MOE),
+    "Qwen3MoeForCausalLM": Architecture(mlp_bias=False, qk_norm=True, moe=_QWEN_MOE),
 }
 # Configs without `architectures` (hand-written, or converted from GGUF by older zllm).
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +85,7 @@ class ModelSpec:
     sliding_window: int | None = None
     checkpoint_dtype: str | None = None  # the config's torch_dtype, e.g. "bfloat16"
     rope_scaling: dict[str, Any] = field(default_factory=dict)
+    moe: MoeSpec | None = None  # None: a dense model
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "ModelSpec":
@@ -94,6 +120,7 @@ class ModelSpec:
             sliding_window=_sliding_window(hf_config),
             checkpoint_dtype=_checkpoint_dtype(hf_config),
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
+            moe=None if arch.moe is None else MoeSpec.from_hf_config(hf_config, arch.moe),
         )
 
     @classmethod
@@ -101,6 +128,43 @@ class ModelSpec:
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_dir))
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """The experts of an MoE model. Routing as transformers does it: softmax over all experts in
+    fp32, the top k, renormalized if `renormalize`; layers outside `layers` keep a dense MLP of
+    the config's `intermediate_size`."""
+
+    format: MoeFormat
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    shared_expert_intermediate_size: int  # 0: no shared expert (Qwen2-MoE has one, with a sigmoid gate)
+    renormalize: bool
+    layers: tuple[int, ...]
+
+    @classmethod
+    def from_hf_config(cls, hf_config, fmt: MoeFormat) -> "MoeSpec":
+        num_experts = int(getattr(hf_config, fmt.num_experts_key))
+        num_layers = hf_config.num_hidden_layers
+        layers = tuple(range(num_layers))
+        if fmt.sparse_layer_keys:
+            step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+            dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+            layers = tuple(i for i in layers if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+        top_k = int(hf_config.num_experts_per_tok)
+        if layers and not 0 < top_k <= num_experts:
+            raise ValueError(f"model: num_experts_per_tok {top_k} must be in 1..{num_experts} (the number of experts)")
+        return cls(
+            format=fmt,
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=int(getattr(hf_config, fmt.intermediate_key)),
+            shared_expert_intermediate_size=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
+            renormalize=fmt.always_renormalize or bool(getattr(hf_config, "norm_topk_prob", False)),
+            layers=layers,
+        )
 
 
 def pick_architecture(hf_config) -> str:

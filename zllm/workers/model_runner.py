@@ -139,11 +139,17 @@ class ModelRunner:
 
     def _weights_do_not_fit(self) -> str:
         spec = self.spec
+        moe = spec.moe
+        sparse = len(moe.layers) if moe else 0
         params = spec.num_layers * (
             spec.hidden_size * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
             + spec.num_heads * spec.head_dim * spec.hidden_size
-            + 3 * spec.hidden_size * spec.intermediate_size
-        ) + spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+        ) + (spec.num_layers - sparse) * 3 * spec.hidden_size * spec.intermediate_size
+        if moe:  # every expert, the router, the shared expert and its gate
+            params += sparse * spec.hidden_size * (
+                moe.num_experts * (3 * moe.intermediate_size + 1) + 3 * moe.shared_expert_intermediate_size + 1
+            )
+        params += spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
         free, total = torch.cuda.mem_get_info(self.device)
         return (
             f"rank {self.tp.rank}: model weights need about {params * self.dtype.itemsize / _GIB:.1f} GiB in "
@@ -231,6 +237,11 @@ class ModelRunner:
             self.config.max_num_seqs, self.num_heads, self.spec.head_dim, self.config.max_model_len, self.device
         )
         if self.config.enforce_eager:
+            return
+        if self.spec.moe is not None:
+            # The torch expert loop picks the experts on the host (a sync): no graph can hold it.
+            logger.info("decode CUDA graphs off: %s's experts run eagerly until the fused MoE kernels land",
+                        self.spec.architecture)
             return
         from zllm.workers.cuda_graphs import DecodeGraphs
 

@@ -69,16 +69,23 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, full_input_size: int, output_size: int, span: Span, bias: bool, tp: TensorParallel) -> None:
+    def __init__(
+        self, full_input_size: int, output_size: int, span: Span, bias: bool, tp: TensorParallel, reduce: bool = True
+    ) -> None:
+        """reduce=False leaves this rank's partial product for the caller to sum with others in
+        one all-reduce (an MoE block: its experts and shared expert)."""
         super().__init__()
         self.full_input_size = full_input_size
         self.span = span
         self.tp = tp
+        self.reduce = reduce
+        if bias and not reduce:
+            raise ValueError("a bias needs the reduction: it is added once, after the partial sums")
         self.weight = nn.Parameter(torch.empty(output_size, span.count))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
+        if self.tp.size == 1 or not self.reduce:
             return linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(linear(x, self.weight))
         # The bias is added once, after the partial sums are combined.

@@ -8,6 +8,7 @@ maps HF's separate tensors onto their shard of the fused one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import torch
@@ -18,6 +19,7 @@ from zllm.workers.attention import AttentionMetadata
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.layers import rope_cos_sin_cache, rope_inv_freq
 from zllm.model_spec import ModelSpec
+from zllm.workers.models.moe import Experts, SparseMoeBlock
 from zllm.workers.ops import TorchOps
 from zllm.workers.parallel_layers import (
     ColumnParallelLinear,
@@ -120,10 +122,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately so the add fuses into the norm."""
 
-    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, ops, tp)
-        self.mlp = LlamaMLP(spec, ops, tp)
+        if spec.moe is not None and index in spec.moe.layers:
+            self.mlp = SparseMoeBlock(spec, tp)
+        else:
+            self.mlp = LlamaMLP(spec, ops, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
@@ -149,7 +154,7 @@ class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, ops, tp) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, ops, tp, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.rotary = Rotary(spec, ops)
 
@@ -197,13 +202,38 @@ class LlamaForCausalLM(nn.Module):
             return None
         if hf_name == "lm_head.weight" and self.lm_head is None:
             return None  # tied: the embedding serves as the head
+        if self.spec.moe is not None:
+            hf_name = hf_name.replace(f".{self.spec.moe.format.block}.", ".mlp.")
+            if ".shared_expert" in hf_name and not self.spec.moe.shared_expert_intermediate_size:
+                return None  # HF builds a zero-width shared expert: its output is 0, whatever its gate says
+            expert = _EXPERT_TENSOR.search(hf_name)
+            if expert is not None:
+                return self._expert_target(hf_name, expert)
         for fused, part, shard in self.STACKED:
             if f".{part}." in hf_name:
                 return hf_name.replace(f".{part}.", f".{fused}."), shard
         return hf_name, None
 
+    def _expert_target(self, hf_name: str, match: re.Match) -> tuple[str, int] | None:
+        """experts.E.<gate|up>.weight -> (experts.gate_up_proj, 2E | 2E + 1); <down> -> (down_proj, E)."""
+        expert, part = int(match.group(1)), match.group(2)
+        gate, up, down = self.spec.moe.format.expert_parts
+        prefix = hf_name[: match.start()]
+        if part in (gate, up):
+            return f"{prefix}.experts.gate_up_proj", 2 * expert + (part == up)
+        if part == down:
+            return f"{prefix}.experts.down_proj", expert
+        return hf_name, None  # an unknown part: the loader names it as matching no parameter
+
     def checkpoint_name(self, name: str, shard: int | None) -> str:
         """The HF tensor name that fills (parameter, shard): checkpoint_targets reversed."""
+        if self.spec.moe is not None and ".experts." in name:
+            gate, up, down = self.spec.moe.format.expert_parts
+            prefix, param = name.rsplit(".experts.", 1)
+            expert, part = (shard // 2, (gate, up)[shard % 2]) if param == "gate_up_proj" else (shard, down)
+            name = f"{prefix}.experts.{expert}.{part}.weight"
+        if self.spec.moe is not None:
+            name = name.replace(".mlp.", f".{self.spec.moe.format.block}.")
         for fused, part, index in self.STACKED:
             if shard == index and f".{fused}." in name:
                 return name.replace(f".{fused}.", f".{part}.")
@@ -216,6 +246,9 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, ColumnParallelLinear) and len(module.parts) > 1:
                 for shard in range(len(module.parts)):
                     yield name, shard
+            elif isinstance(module, Experts):
+                for shard in range(module.num_shards(name.rsplit(".", 1)[1])):
+                    yield name, shard
             else:
                 yield name, None
 
@@ -226,6 +259,10 @@ class LlamaForCausalLM(nn.Module):
         if hasattr(module, "load_target"):
             return module.load_target(param_name, shard)
         return whole_tensor_target(getattr(module, param_name))
+
+
+# One expert's matrix in an HF MoE checkpoint: ...experts.<expert>.<part>.weight
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 def _scaled(heads: Span, head_dim: int) -> Span:

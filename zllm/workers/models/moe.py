@@ -1,0 +1,119 @@
+"""The Mixture-of-Experts block of Mixtral, Qwen2-MoE and Qwen3-MoE (zllm/model_spec.py's MoeSpec),
+which replaces the dense MLP in the layers the spec names; attention, norms and the rest are
+models/llama.py's.
+
+Tensor parallelism as vLLM does it by default: every rank holds every expert, sliced along the
+expert's intermediate dimension (gate/up rows, down columns), plus a replicated router; the
+experts' and the shared expert's partial products are summed in one all-reduce per block.
+
+The experts run in torch, expert by expert in ascending order, each adding its weighted output
+with index_add_ as transformers does: the CPU path and the oracle of any fused kernel to come.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zllm.model_spec import ModelSpec, MoeSpec
+from zllm.partition import Span, even_split
+from zllm.workers.distributed import TensorParallel
+from zllm.workers.parallel_layers import ColumnParallelLinear, FusedPart, LoadTarget, RowParallelLinear
+
+
+class Router(nn.Module):
+    """The replicated gate: hidden -> one logit per expert (no bias in any supported model)."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def route(self, x: torch.Tensor, moe: MoeSpec, fp32_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k weights [T, k], expert ids [T, k]): softmax in fp32 over all experts, top k,
+        renormalized if the model says so; cast back to the model dtype unless it keeps fp32."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if fp32_weights else weights.to(logits.dtype)), experts
+
+
+class Experts(nn.Module):
+    """Every expert's weights stacked, this rank's slice of the intermediate dimension:
+    gate_up_proj [E, 2 * I_rank, H] (gate rows, then up rows) and down_proj [E, H, I_rank].
+
+    Checkpoint shards: gate_up_proj has 2E (expert e's gate is 2e, its up 2e + 1), down_proj E."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, span: Span) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.span = span
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * span.count, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, span.count))
+
+    def num_shards(self, param_name: str) -> int:
+        return 2 * self.num_experts if param_name == "gate_up_proj" else self.num_experts
+
+    def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
+        rows = slice(self.span.start, self.span.stop)
+        if param_name == "gate_up_proj":
+            expert, part = divmod(shard, 2)
+            dest = self.gate_up_proj.data[expert].narrow(0, part * self.span.count, self.span.count)
+            return LoadTarget(dest, (self.intermediate_size, self.hidden_size), (rows,))
+        return LoadTarget(self.down_proj.data[shard], (self.hidden_size, self.intermediate_size), (slice(None), rows))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """sum over each token's top-k experts e of weight * down_e(silu(gate_e x) * up_e x)."""
+        out = torch.zeros_like(x)
+        # [E, k, T]: which (slot, token) pairs chose each expert.
+        chosen = F.one_hot(experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert in (chosen.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
+            slot, token = torch.where(chosen[expert])
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's always-on expert: a SwiGLU MLP whose output a sigmoid gate scales; this rank's
+    slice, left unreduced (the block reduces once)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        rows = even_split(intermediate_size, tp.size, tp.rank)
+        part = FusedPart(intermediate_size, rows)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [part, part], bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, rows, False, tp, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel) -> None:
+        super().__init__()
+        moe = spec.moe
+        self.moe = moe
+        self.tp = tp
+        self.fp32_weights = moe.format.fp32_routing_weights
+        self.gate = Router(spec.hidden_size, moe.num_experts)
+        span = even_split(moe.intermediate_size, tp.size, tp.rank)
+        self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size, span)
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(spec.hidden_size, moe.shared_expert_intermediate_size, tp)
+            self.shared_expert_gate = Router(spec.hidden_size, 1)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate.route(x, self.moe, self.fp32_weights)
+        out = self.experts(x, weights, experts)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
