@@ -94,7 +94,7 @@ def test_packed_prefill_matches_reference(dtype, heads, block_size, step):
                                            block_size=block_size, dtype=dtype, qkv_view=True)
     scale = head_dim**-0.5
     ops = CudaOps(torch.device(DEVICE))
-    assert meta.prefill is not None and ops.packs_prefill
+    assert meta.prefill is not None and ops.packs_prefill(dtype, head_dim)
     out = ops.attention(query, holes, meta, scale)
     expected = reference(query, clean, meta, scale)
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
@@ -114,9 +114,13 @@ def test_packed_equals_the_per_request_loop():
 
 
 def test_fp32_keeps_the_per_request_path():
-    """FlashAttention has no fp32 kernel: an fp32 step ignores the packed layout and stays exact."""
+    """FlashAttention has no fp32 kernel: the runner packs nothing for an fp32 model (nor for a
+    head size flash lacks), and the per-request path stays exact."""
+    ops = CudaOps(torch.device(DEVICE))
+    assert not ops.packs_prefill(torch.float32, 64) and not ops.packs_prefill(torch.bfloat16, 80)
     requests = [(0, 40), (12, 20)]
     query, holes, clean, meta = build_step(requests, num_heads=8, kv_heads=2, head_dim=64, block_size=16,
                                            dtype=torch.float32, seed=5)
-    out = CudaOps(torch.device(DEVICE)).attention(query, holes, meta, 0.125)
+    meta.prefill = None
+    out = ops.attention(query, holes, meta, 0.125)
     torch.testing.assert_close(out.double(), reference(query, clean, meta, 0.125), rtol=1e-5, atol=1e-5)

@@ -108,6 +108,7 @@ class ModelRunner:
         self.num_kv_heads = heads.kv_heads.count
         self.block_size = config.block_size
         self.ops = ops_for(device)
+        self.packs_prefill = self.ops.packs_prefill(self.dtype, self.spec.head_dim)
         self.is_cuda = device.type == "cuda"
         # The CUDA kernels take int32 block tables; torch indexing takes int64.
         self.index_dtype = torch.int32 if self.is_cuda else torch.long
@@ -464,7 +465,7 @@ class ModelRunner:
         block_tables = self._block_tables(states)
         rows = np.repeat(np.arange(len(states)), counts)
         slot_mapping = block_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
-        packs_prefill = self.ops.packs_prefill and num_decodes < len(states)
+        packs_prefill = self.packs_prefill and num_decodes < len(states)
         context_slots, cu_seqs = (
             pack_prefill(block_tables, seq_lens, query_start_loc, num_decodes, self.block_size) if packs_prefill else ([], [])
         )

@@ -22,7 +22,11 @@ from zllm.workers.layers import apply_rotary, rms_norm, silu_and_mul
 class TorchOps:
     name = "torch"
     supports_graphs = False
-    packs_prefill = False  # whether attention() wants AttentionMetadata.prefill
+
+    def packs_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether attention() takes a step's prefills packed (AttentionMetadata.prefill) for a
+        model of this dtype and head size; the runner asks once and packs every step then."""
+        return False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -68,7 +72,12 @@ class CudaOps(TorchOps):
 
         self.k = kernels
         self.workspace: torch.Tensor | None = None
-        self.packs_prefill = flash_varlen_available(device)
+        self.flash_varlen = flash_varlen_available(device)
+
+    def packs_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
+        # FlashAttention-2 (inside PyTorch) takes half precision and these head sizes only; fp32
+        # models keep the per-request SDPA path, which the fp32 HF-exactness tests exercise.
+        return self.flash_varlen and dtype in (torch.float16, torch.bfloat16) and head_dim in _FLASH_HEAD_DIMS
 
     def reserve_decode_workspace(self, max_batch: int, num_heads: int, head_dim: int, max_len: int, device) -> None:
         """Allocate the split-K scratch once, for the worst case (128-token partitions), so no
@@ -108,7 +117,7 @@ class CudaOps(TorchOps):
                 out[:num_decodes], q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
                 meta.seq_lens[:num_decodes], scale, max_seq_len=longest, workspace=self.workspace,
             )
-        if meta.prefill is not None and q.dtype in _FLASH_DTYPES and q.shape[-1] in _FLASH_HEAD_DIMS:
+        if meta.prefill is not None:
             start = meta.query_start_loc[num_decodes]
             out[start:] = packed_prefill_attention(q[start:], kv_cache, meta.prefill, scale)
             return out
@@ -139,9 +148,6 @@ class CudaOps(TorchOps):
         return out[0].transpose(0, 1)
 
 
-# FlashAttention-2 (inside PyTorch) takes half precision and these head sizes; fp32 models keep
-# the per-request SDPA path, which is also what the fp32 HF-exactness tests exercise.
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
 
@@ -168,11 +174,10 @@ def packed_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, prefil
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
     keys = kv_cache[0].view(-1, num_kv_heads, head_dim).index_select(0, prefill.context_slots)
     values = kv_cache[1].view(-1, num_kv_heads, head_dim).index_select(0, prefill.context_slots)
-    out = torch.ops.aten._flash_attention_forward(
+    return torch.ops.aten._flash_attention_forward(
         query, keys, values, prefill.cu_seq_q, prefill.cu_seq_k, prefill.max_q, prefill.max_k,
         0.0, True, False, scale=scale,
     )[0]
-    return out
 
 
 # ZLLM_GEMV=0 sends single rows to cuBLAS too: the A/B switch of benchmarks/gemv.py and latency.py.
