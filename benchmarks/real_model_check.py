@@ -6,7 +6,7 @@ For each zllm configuration (dtype, prefill path, step budget) it reports:
 - perplexity of a fixed passage, from zllm's prompt logprobs, beside HF's in fp32 and bf16;
 - greedy agreement: 16 prompts x 64 tokens, how many outputs equal HF fp32's token for token,
   and the mean length of the common prefix.
-Configurations: fp32 (must equal HF), bf16 through the packed prefill (one FlashAttention call
+Configurations: fp32 (must equal HF), online FP8 (--quantization fp8) in bf16 and fp32, bf16 through the packed prefill (one FlashAttention call
 per layer) and through the per-request loop (ZLLM_PACKED_PREFILL's A/B, switched in-process),
 and bf16 packed with a 64-token step budget so that prompts arrive as chunks over cached prefixes.
 Precision changes are checked with this script (DEVELOPERS.md: real weights on the GPU).
@@ -79,12 +79,15 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
                                          return_dict=False)
 
 
-def zllm_run(model_dir: str, tokenizer, dtype: str, packed: bool, budget: int | None, reference: list[list[int]]) -> dict:
+def zllm_run(model_dir: str, tokenizer, dtype: str, packed: bool, budget: int | None, reference: list[list[int]],
+             quantization: str | None = None) -> dict:
     from zllm import LLM, SamplingParams
     from zllm.workers import ops
 
     ops._PACKED_PREFILL_ENABLED = packed
     kwargs = {"max_num_batched_tokens": budget} if budget else {}
+    if quantization:
+        kwargs["quantization"] = quantization
     llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=1024, **kwargs)
     try:
         passage = tokenizer.encode(PASSAGE)
@@ -97,7 +100,8 @@ def zllm_run(model_dir: str, tokenizer, dtype: str, packed: bool, budget: int | 
         release_memory()
     ours = [list(o.outputs[0].token_ids) for o in outs]
     prefixes = [common_prefix(a, b) for a, b in zip(ours, reference)]
-    return {"dtype": dtype, "packed_prefill": packed, "max_num_batched_tokens": budget, "ppl": round(math.exp(nll), 3),
+    return {"dtype": dtype, "quantization": quantization, "packed_prefill": packed, "max_num_batched_tokens": budget,
+            "ppl": round(math.exp(nll), 3),
             "greedy_equal": f"{sum(a == b for a, b in zip(ours, reference))}/{len(PROMPTS)}",
             "mean_common_prefix": round(sum(prefixes) / len(prefixes), 1)}
 
@@ -114,6 +118,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="a model directory or a .gguf file")
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--device", default="cuda", help="where HF runs (cpu: a quick check of this script)")
+    parser.add_argument("--quick", action="store_true", help="skip the prefill-path and step-budget variants")
     args = parser.parse_args()
     from zllm.frontend.tokenizer import load_tokenizer
     from zllm.model_files import resolve_model_dir
@@ -124,9 +129,13 @@ def main() -> None:
     reference = hf.pop("hf_fp32_greedy")
     print(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "passage_tokens": len(tokenizer.encode(PASSAGE)), **hf}), flush=True)
     runs = []
-    for dtype, packed, budget in [("float32", True, None), ("bfloat16", True, None), ("bfloat16", False, None),
-                                  ("bfloat16", True, 64), ("bfloat16", False, 64)]:
-        runs.append(zllm_run(model_dir, tokenizer, dtype, packed, budget, reference))
+    configs = [("float32", True, None, None), ("bfloat16", True, None, None), ("bfloat16", False, None, None),
+               ("bfloat16", True, 64, None), ("bfloat16", False, 64, None), ("bfloat16", True, None, "fp8"),
+               ("float32", True, None, "fp8"), ("bfloat16", True, 64, "fp8")]
+    if args.quick:
+        configs = [c for c in configs if c[1] and c[2] is None]
+    for dtype, packed, budget, quantization in configs:
+        runs.append(zllm_run(model_dir, tokenizer, dtype, packed, budget, reference, quantization))
         print(json.dumps(runs[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -57,7 +57,7 @@ def run_zllm(args, prompts, outputs) -> dict:
     from zllm import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, device=args.device, load_format=args.load_format,
+              max_num_seqs=args.max_num_seqs, device=args.device, load_format=args.load_format, quantization=args.quantization,
               max_model_len=args.max_model_len, tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=not args.no_detokenize)
               for n in outputs]
@@ -67,7 +67,7 @@ def run_zllm(args, prompts, outputs) -> dict:
     results = llm.generate(requests, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
     assert [len(r.outputs[0].token_ids) for r in results] == outputs
-    return report("zllm", elapsed, prompts, outputs, max_num_batched_tokens=args.max_num_batched_tokens,
+    return report("zllm", elapsed, prompts, outputs, max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
                   async_scheduling=llm.engine.config.async_scheduling)
 
 
@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--quantization", "-q", default=None, help="fp8: FP8 weights, quantized while loading")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate")

@@ -11,6 +11,8 @@
 // accumulation in a different order than cuBLAS: results agree to rounding, not bit for bit.
 // One row and 8 loads per warp beat two rows and 4 loads on every Llama-3-8B projection (H100,
 // benchmarks/gemv.py, 2026-11-22), so only that variant is built.
+#include <cuda_fp8.h>
+
 #include "common.cuh"
 
 namespace zllm {
@@ -94,3 +96,87 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
 ZLLM_GEMV(gemv_f32, float, 1, 8)
 ZLLM_GEMV(gemv_f16, __half, 1, 8)
 ZLLM_GEMV(gemv_bf16, __nv_bfloat16, 1, 8)
+
+// ---- FP8 weights ----------------------------------------------------------------------------------
+// gemv_fp8_<T>[_block]: y[n] = sum_k x[k] * (w8[n, k] * scale) (+ bias[n]), the batch-1 product
+// of an FP8 linear layer (zllm/workers/fp8.py): the weights are read as E4M3 bytes and the
+// activation stays in T (no quantization launch at this size). scale: per output row
+// (scale[n]) or per 128x128 tile (scale[n / 128 * kb + k / 128], kb = ceil(K / 128)).
+//   K a multiple of 16 (16 weights per 16-byte load); x, w 16-byte aligned.
+// Same layout as the dense GEMV: a warp per row, lanes striding over K in 16-byte weight units.
+namespace zllm {
+
+template <typename T>
+__device__ __forceinline__ float dot_fp8x16(uint4 wv, const T* __restrict__ x16) {
+  float xf[16];
+  load_floats<T, 16>(x16, xf);
+  const unsigned words[4] = {wv.x, wv.y, wv.z, wv.w};
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>((words[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pair));
+      s = fmaf(f.x, xf[4 * i + 2 * h], s);
+      s = fmaf(f.y, xf[4 * i + 2 * h + 1], s);
+    }
+  }
+  return s;
+}
+
+template <typename T, bool kBlock, int kUnroll>
+__device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __restrict__ x,
+                                              const unsigned char* __restrict__ w,
+                                              const float* __restrict__ scale, const T* __restrict__ bias,
+                                              int n, int k) {
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kGemvWarps + warp;
+  if (row >= n) return;
+  const int units = k / 16;
+  const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(row) * k);
+  // Block scales: a 128-column group is 8 units; this row's tiles are one row of the grid.
+  const float* tile_scales = kBlock ? scale + static_cast<i64>(row / 128) * ((k + 127) / 128) : nullptr;
+  float acc = 0.f;
+  int u = lane;
+  for (; u + 32 * (kUnroll - 1) < units; u += 32 * kUnroll) {
+    uint4 wv[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) wv[j] = __ldcs(w16 + u + 32 * j);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const float d = dot_fp8x16<T>(wv[j], x + 16 * (u + 32 * j));
+      acc = kBlock ? fmaf(d, __ldg(tile_scales + ((u + 32 * j) >> 3)), acc) : acc + d;
+    }
+  }
+  for (; u < units; u += 32) {
+    const float d = dot_fp8x16<T>(__ldcs(w16 + u), x + 16 * u);
+    acc = kBlock ? fmaf(d, __ldg(tile_scales + (u >> 3)), acc) : acc + d;
+  }
+  float total = warp_sum(acc);
+  if (lane == 0) {
+    if (!kBlock) total *= scale[row];
+    y[row] = from_float<T>(bias == nullptr ? total : total + to_float<T>(bias[row]));
+  }
+}
+
+}  // namespace zllm
+
+#define ZLLM_GEMV_FP8(NAME, T, BLOCK, UNROLL)                                                     \
+  extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) NAME(                        \
+      T* __restrict__ y, const T* __restrict__ x, const unsigned char* __restrict__ w,          \
+      const float* __restrict__ scale, const T* __restrict__ bias, int n, int k) {              \
+    zllm::gemv_fp8_impl<T, BLOCK, UNROLL>(y, x, w, scale, bias, n, k);                          \
+  }
+
+ZLLM_GEMV_FP8(gemv_fp8_f32, float, false, 4)
+ZLLM_GEMV_FP8(gemv_fp8_f16, __half, false, 4)
+ZLLM_GEMV_FP8(gemv_fp8_bf16, __nv_bfloat16, false, 4)
+ZLLM_GEMV_FP8(gemv_fp8_f32_block, float, true, 4)
+ZLLM_GEMV_FP8(gemv_fp8_f16_block, __half, true, 4)
+ZLLM_GEMV_FP8(gemv_fp8_bf16_block, __nv_bfloat16, true, 4)
+// Variants for benchmarks/fp8_linear.py's unroll comparison (bf16, per-row scales).
+ZLLM_GEMV_FP8(gemv_fp8_bf16_u2, __nv_bfloat16, false, 2)
+ZLLM_GEMV_FP8(gemv_fp8_bf16_u8, __nv_bfloat16, false, 8)

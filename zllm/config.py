@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from zllm.ipc.addresses import is_loopback_tcp
 from zllm.model_spec import ModelSpec
+from zllm.quantization import resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     load_format: str = "auto"
+    # "fp8": quantize an unquantized checkpoint's linear layers to FP8 while loading (as vLLM's
+    # --quantization fp8). FP8 checkpoints are recognised from their config without it.
+    quantization: str | None = None
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # override the size derived from memory
@@ -111,6 +115,7 @@ class EngineConfig:
         spec = ModelSpec.from_pretrained(config.model)
         config.max_model_len = _resolve_max_model_len(spec, config.max_model_len)
         config.validate()
+        resolve_quantization(spec.quantization, config.quantization, config.load_format == "dummy", spec.moe is not None)
         _check_tensor_parallel(config, spec)
         if config.async_scheduling is None:
             config.async_scheduling = _runs_on_cuda(config)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from zllm.quantization import QuantSpec, checkpoint_quantization
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -86,6 +88,7 @@ class ModelSpec:
     checkpoint_dtype: str | None = None  # the config's torch_dtype, e.g. "bfloat16"
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     moe: MoeSpec | None = None  # None: a dense model
+    quantization: QuantSpec | None = None  # the checkpoint's (config.json quantization_config); None: none
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "ModelSpec":
@@ -121,6 +124,7 @@ class ModelSpec:
             checkpoint_dtype=_checkpoint_dtype(hf_config),
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
             moe=None if arch.moe is None else MoeSpec.from_hf_config(hf_config, arch.moe),
+            quantization=checkpoint_quantization(hf_config),
         )
 
     @classmethod

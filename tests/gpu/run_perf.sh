@@ -6,6 +6,8 @@
 #   PART=load:    W1 (1000 x 256/256 offline), W3 (serve.py, Poisson 20 req/s, 400 x 256/256)
 #   PART=mix:     issue 20's baseline: W1, W1's time by kind of step (step_mix.py), W2, and
 #                 serve.py at Poisson 32 req/s, 600 x 256/256 (RATE=... overrides the rate)
+#   PART=fp8:     issue 17: FP8 GPU tests, benchmarks/fp8_linear.py, then W2 and W1 in bf16 and with
+#                 --quantization fp8, back to back in this one call
 #   PART=prefill: the packed prefill's A/B (ZLLM_PACKED_PREFILL=0 then 1): W1, W2 and serve.py at
 #                 Poisson 32 req/s, each measured back to back in this one call
 # Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
@@ -87,5 +89,16 @@ prefill)
     serve32 $packed
   done
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill"; exit 2 ;;
+fp8)
+  timeout 300 python -m pytest -q -p no:cacheprovider -x -p no:warnings --tb=short tests/gpu/test_fp8_gpu.py > "$out/pytest_fp8.log" 2>&1
+  tail -15 "$out/pytest_fp8.log"
+  timeout 200 python benchmarks/fp8_linear.py 2>&1 | tee "$out/fp8_linear.log" | tail -45
+  for q in "" "--quantization fp8"; do
+    echo "{\"quantization\": \"${q:-none}\"}" | tee -a "$jsonl"
+    run 150 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024 $q
+    run 200 python benchmarks/throughput.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
+      --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192 $q
+  done
+  ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8"; exit 2 ;;
 esac

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -49,18 +50,33 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: str) -> None:
                 if name not in params:
                     raise ValueError(f"model: {path}: tensor {hf_name!r} matches no parameter of the model")
                 where = model.load_target(name, shard)
-                stored = f.get_slice(hf_name)
-                shape = tuple(stored.get_shape())
-                if shape != where.full_shape:
-                    raise ValueError(
-                        f"model: {path}: tensor {hf_name!r} has shape {shape}, expected {where.full_shape}"
-                    )
-                where.dest.copy_(stored[where.region])
+                where.fill(_read_region(f, hf_name, where, path))
                 loaded.add(target)
     missing = sorted(model.checkpoint_name(name, shard) for name, shard in expected - loaded)
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise ValueError(f"model: checkpoint in {model_dir} lacks tensor(s) {', '.join(missing[:8])}{more}")
+
+
+def _read_region(f, hf_name: str, where: LoadTarget, path: Path) -> torch.Tensor:
+    """The part of checkpoint tensor `hf_name` that `where` takes, its shape checked first."""
+    stored = f.get_slice(hf_name)
+    shape = tuple(stored.get_shape())
+    if where.full_shape is None:  # one value: a per-tensor scale, stored as [] or [1]
+        if math.prod(shape) != 1:
+            raise ValueError(f"model: {path}: tensor {hf_name!r} has shape {shape}, expected one value")
+        return f.get_tensor(hf_name).reshape(1)
+    if shape != where.full_shape:
+        raise ValueError(f"model: {path}: tensor {hf_name!r} has shape {shape}, expected {where.full_shape}")
+    return stored[where.region]
+
+
+def finish_loading(model: LlamaForCausalLM) -> None:
+    """Let every layer derive what it keeps from its loaded tensors (e.g. one static FP8 input
+    scale from its fused parts')."""
+    for module in model.modules():
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
 
 
 def _open_safetensors(path: Path):
@@ -83,19 +99,24 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
         where = model.load_target(name, shard)
         if name.endswith("norm.weight"):
             where.dest.fill_(1.0)
-        else:
-            _fill_hashed(where, _stable_seed(seed, name, shard))
+        elif where.store is None:
+            _fill_hashed(where.dest, where, _stable_seed(seed, name, shard))
+        else:  # quantized while loading: the same values, then quantized as a checkpoint's would be
+            values = torch.empty(where.dest.shape, dtype=torch.float32, device=where.dest.device)
+            _fill_hashed(values, where, _stable_seed(seed, name, shard))
+            where.fill(values)
 
 
 _DUMMY_STD = 0.02
 _CHUNK_ELEMENTS = 1 << 24  # bounds the int64 scratch per step (128 MiB)
 
 
-def _fill_hashed(where: LoadTarget, seed: int) -> None:
-    if where.dest.dim() == 1:  # a vector is one row of the hash's index space
-        dest, full_cols, row0, col0 = where.dest.view(1, -1), where.full_shape[0], 0, where.region[0].start or 0
+def _fill_hashed(dest: torch.Tensor, where: LoadTarget, seed: int) -> None:
+    """dest (where.dest or a tensor of its shape) <- the hashed values of where's region."""
+    if dest.dim() == 1:  # a vector is one row of the hash's index space
+        dest, full_cols, row0, col0 = dest.view(1, -1), where.full_shape[0], 0, where.region[0].start or 0
     else:
-        dest, full_cols = where.dest, where.full_shape[1]
+        full_cols = where.full_shape[1]
         row0, col0 = where.region[0].start or 0, where.region[1].start or 0 if len(where.region) > 1 else 0
     rows, cols = dest.shape
     device = dest.device

@@ -19,9 +19,10 @@ from zllm.partition import head_shards
 from zllm.sampling_params import SamplingParams
 from zllm.workers.attention import AttentionMetadata, pack_prefill, packed_prefill_of
 from zllm.workers.distributed import TensorParallel
-from zllm.workers.loader import init_dummy_weights, load_safetensors
+from zllm.workers.loader import finish_loading, init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
 from zllm.model_spec import ModelSpec
+from zllm.quantization import resolve_quantization
 from zllm.workers.ops import ops_for
 from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
@@ -103,6 +104,9 @@ class ModelRunner:
         self.tp = tp or TensorParallel()
         self.spec = ModelSpec.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, device, self.spec.checkpoint_dtype)
+        self.quant = resolve_quantization(
+            self.spec.quantization, config.quantization, config.load_format == "dummy", self.spec.moe is not None
+        )
         heads = head_shards(self.spec.num_heads, self.spec.num_kv_heads, self.tp.size)[self.tp.rank]
         self.num_heads = heads.q_heads.count  # on this rank
         self.num_kv_heads = heads.kv_heads.count
@@ -129,11 +133,12 @@ class ModelRunner:
     def load_model(self) -> None:
         try:
             with _default_dtype(self.dtype), torch.device(self.device):
-                model = build_model(self.spec, self.ops, self.tp)
+                model = build_model(self.spec, self.ops, self.tp, self.quant)
             if self.config.load_format == "dummy":
                 init_dummy_weights(model, self.config.seed)
             else:
                 load_safetensors(model, self.config.model)
+            finish_loading(model)
         except torch.cuda.OutOfMemoryError:
             raise OutOfDeviceMemory(self._weights_do_not_fit()) from None
         self.model = model.eval()
@@ -152,9 +157,13 @@ class ModelRunner:
             )
         params += spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
         free, total = torch.cuda.mem_get_info(self.device)
+        size = params * self.dtype.itemsize
+        if self.quant is not None:  # the projections in one byte per weight, the rest in the dtype
+            projections = params - spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+            size -= projections * (self.dtype.itemsize - 1)
         return (
-            f"rank {self.tp.rank}: model weights need about {params * self.dtype.itemsize / _GIB:.1f} GiB in "
-            f"{self.dtype} ({params * self.dtype.itemsize / self.tp.size / _GIB:.1f} GiB per rank at tp "
+            f"rank {self.tp.rank}: model weights need about {size / _GIB:.1f} GiB with "
+            f"{self.dtype}{' and fp8' if self.quant else ''} ({size / self.tp.size / _GIB:.1f} GiB per rank at tp "
             f"{self.tp.size}), but only {free / _GIB:.1f} GiB of {total / _GIB:.1f} GiB are free on {self.device}"
         )
 

@@ -6,55 +6,76 @@ the checkpoint's full tensor fills it, so loading reads only that part from disk
 - VocabParallelEmbedding / ParallelLMHead: vocabulary rows split in equal padded blocks; the
   embedding all-reduces the rows each rank found, the head gathers logits to rank 0.
 At tp 1 every one of them computes exactly what nn.Linear / nn.Embedding would.
+
+The linear layers hold their weights through a weights object (zllm/workers/linear_weights.py:
+the model dtype or FP8), which creates the parameters, says where each checkpoint tensor lands
+and multiplies; the layers only know the tensor-parallel geometry.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from zllm.partition import Span, padded_vocab_per_rank, vocab_shard
+from zllm.quantization import QuantSpec
 from zllm.workers.distributed import TensorParallel
+from zllm.workers.linear_weights import (
+    DenseWeights,
+    FusedPart,
+    LoadTarget,
+    WeightRegion,
+    check_block_aligned,
+    weights_for,
+    whole_tensor_target,
+)
 from zllm.workers.ops import linear
 
 
-@dataclass(frozen=True, slots=True)
-class LoadTarget:
-    """Where one checkpoint tensor goes: `dest` is filled from `region` of a tensor of `full_shape`."""
+class _Linear(nn.Module):
+    """What both parallel linear layers share: the weights object and switching it off for a
+    module the checkpoint leaves unquantized."""
 
-    dest: torch.Tensor
-    full_shape: tuple[int, ...]
-    region: tuple[slice, ...]
+    def _build(self, rows: int, cols: int, num_parts: int, quant: QuantSpec | None) -> None:
+        self.rows, self.cols, self.num_parts = rows, cols, num_parts
+        self.weights = weights_for(quant)
+        self.weights.create(self, rows, cols, num_parts)
+
+    def use_dense_weights(self) -> None:
+        for name in ("weight", "weight_scale", "weight_scale_inv", "input_scale"):
+            if hasattr(self, name):
+                delattr(self, name)
+        self.weights = DenseWeights()
+        self.weights.create(self, self.rows, self.cols, self.num_parts)
+
+    def checkpoint_params(self) -> tuple[str, ...]:
+        return self.weights.checkpoint_params()
+
+    def finish_loading(self) -> None:
+        self.weights.finish_loading(self)
+
+    def _weight_target(self, param_name: str, region: WeightRegion) -> LoadTarget:
+        return self.weights.load_target(self, param_name, region)
 
 
-@dataclass(frozen=True, slots=True)
-class FusedPart:
-    """One logical matrix inside a fused column-parallel weight: its full row count and this
-    rank's rows of it."""
-
-    full_rows: int
-    span: Span
-
-
-def whole_tensor_target(param: torch.Tensor) -> LoadTarget:
-    """A replicated parameter (norms, biases after a reduction): every rank loads all of it."""
-    return LoadTarget(param.data, tuple(param.shape), tuple(slice(None) for _ in param.shape))
-
-
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, input_size: int, parts: list[FusedPart], bias: bool) -> None:
+class ColumnParallelLinear(_Linear):
+    def __init__(self, input_size: int, parts: list[FusedPart], bias: bool, quant: QuantSpec | None = None) -> None:
         super().__init__()
         self.input_size = input_size
         self.parts = parts
         rows = sum(p.span.count for p in parts)
-        self.weight = nn.Parameter(torch.empty(rows, input_size))
+        if quant is not None and quant.block:
+            offset = 0
+            for p in parts:
+                check_block_aligned("fused part", offset, p.span.count, rows)
+                check_block_aligned("column-parallel shard", p.span.start, p.span.count, p.full_rows)
+                offset += p.span.count
+        self._build(rows, input_size, len(parts), quant)
         self.bias = nn.Parameter(torch.empty(rows)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.weights.apply(self, x, self.bias)
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if shard is None:
@@ -63,14 +84,17 @@ class ColumnParallelLinear(nn.Module):
             shard = 0
         part = self.parts[shard]
         offset = sum(p.span.count for p in self.parts[:shard])
-        param = self.weight if param_name == "weight" else self.bias
-        full_shape = (part.full_rows, self.input_size) if param_name == "weight" else (part.full_rows,)
-        return LoadTarget(param.data.narrow(0, offset, part.span.count), full_shape, (slice(part.span.start, part.span.stop),))
+        rows, src_rows = slice(offset, offset + part.span.count), slice(part.span.start, part.span.stop)
+        if param_name == "bias":
+            return LoadTarget(self.bias.data[rows], (part.full_rows,), (src_rows,))
+        region = WeightRegion(rows, src_rows, slice(None), (part.full_rows, self.input_size), shard)
+        return self._weight_target(param_name, region)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     def __init__(
-        self, full_input_size: int, output_size: int, span: Span, bias: bool, tp: TensorParallel, reduce: bool = True
+        self, full_input_size: int, output_size: int, span: Span, bias: bool, tp: TensorParallel, reduce: bool = True,
+        quant: QuantSpec | None = None,
     ) -> None:
         """reduce=False leaves this rank's partial product for the caller to sum with others in
         one all-reduce (an MoE block: its experts and shared expert)."""
@@ -81,21 +105,25 @@ class RowParallelLinear(nn.Module):
         self.reduce = reduce
         if bias and not reduce:
             raise ValueError("a bias needs the reduction: it is added once, after the partial sums")
-        self.weight = nn.Parameter(torch.empty(output_size, span.count))
+        if quant is not None and quant.block:
+            check_block_aligned("row-parallel shard", span.start, span.count, full_input_size)
+        self._build(output_size, span.count, 1, quant)
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1 or not self.reduce:
-            return linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(linear(x, self.weight))
+            return self.weights.apply(self, x, self.bias)
+        out = self.tp.all_reduce(self.weights.apply(self, x, None))
         # The bias is added once, after the partial sums are combined.
         return out if self.bias is None else out + self.bias
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if param_name == "bias":
             return whole_tensor_target(self.bias)
-        full_shape = (self.weight.shape[0], self.full_input_size)
-        return LoadTarget(self.weight.data, full_shape, (slice(None), slice(self.span.start, self.span.stop)))
+        rows = self.weight.shape[0]
+        region = WeightRegion(slice(0, rows), slice(None), slice(self.span.start, self.span.stop),
+                              (rows, self.full_input_size), 0)
+        return self._weight_target(param_name, region)
 
 
 class VocabParallelEmbedding(nn.Module):

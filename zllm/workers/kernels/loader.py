@@ -36,6 +36,7 @@ KERNEL_FILES: dict[str, str] = {
     "gemv_kernels": "gemv_f32",
     "layernorm_kernels": "rms_norm_f32",
     "pos_encoding_kernels": "rotary_embedding_f32",
+    "quant_kernels": "quant_fp8_rows_f32",
 }
 NVRTC_OPTIONS = ("-std=c++17",)
 _MODES = ("auto", "prebuilt", "nvrtc")

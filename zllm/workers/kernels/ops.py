@@ -489,6 +489,100 @@ def gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return out
 
 
+def fp8_gemv_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether fp8_gemv() takes this product: one CUDA row, E4M3 weights with rows of a multiple
+    of 16 bytes, fp32 scales per row [N, 1] or per 128x128 tile."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.dtype not in _SUFFIX:
+        return False
+    if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or not scale.is_contiguous():
+        return False
+    n, k = weight.shape
+    per_row = tuple(scale.shape) == (n, 1)
+    per_tile = tuple(scale.shape) == (-(-n // 128), -(-k // 128))
+    return (x.is_cuda and weight.is_cuda and scale.is_cuda and x.shape[1] == k and k % 16 == 0 and (per_row or per_tile)
+            and x.is_contiguous() and weight.is_contiguous() and _aligned16(x, weight))
+
+
+def fp8_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None = None, block: bool = False, variant: str = "") -> torch.Tensor:
+    """out [1, N] = x [1, K] @ (weight [N, K] (E4M3) * scale)^T (+ bias [N]), fp32 accumulation;
+    scale [N, 1] per row or, with block, [ceil(N/128), ceil(K/128)] per tile. Returns out. `variant` picks a
+    benchmark build ("_u2", "_u8": other unroll depths; per-row bf16 only)."""
+    op = "fp8_gemv"
+    device = _check_cuda(op, out=out, x=x, weight=weight, scale=scale, bias=bias)
+    suffix = _suffix(op, x, "x")
+    _check_dtype(op, x.dtype, out=out, bias=bias)
+    if not fp8_gemv_supported(x, weight, scale):
+        _fail(op, f"x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} "
+                  f"{scale.dtype}: need one contiguous row, contiguous 16-byte-aligned E4M3 rows of a multiple of "
+                  f"16, and fp32 scales per row [N, 1] or per 128x128 tile")
+    n = weight.shape[0]
+    if tuple(out.shape) != (1, n) or not out.is_contiguous():
+        _fail(op, f"out must be a contiguous [1, {n}], got {tuple(out.shape)}")
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        _fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    if n == 0:
+        return out
+    expected = (-(-n // 128), -(-weight.shape[1] // 128)) if block else (n, 1)
+    if tuple(scale.shape) != expected:
+        _fail(op, f"scale must be {expected} ({'per tile' if block else 'per row'}), got {tuple(scale.shape)}")
+    name = f"gemv_fp8_{suffix}{'_block' if block else ''}{variant}"
+    args = (_ptr(out), _ptr(x), _ptr(weight), _ptr(scale), _ptr(bias), np.int32(n), np.int32(weight.shape[1]))
+    launch("gemv_kernels", name, device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args)
+    return out
+
+
+# ---- FP8 activation quantization -------------------------------------------------------------------
+
+
+def quant_fp8_rows(q: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor,
+                   static_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [M, K] (E4M3) = x / s per token: s = amax(|row|) / 448 written to scales [M, 1] (fp32),
+    or the one fp32 `static_scale` (scales unused). Returns q."""
+    op = "quant_fp8_rows"
+    device = _check_cuda(op, q=q, scales=scales, x=x, static_scale=static_scale)
+    suffix = _suffix(op, x, "x")
+    rows, x_stride = _rows(op, x, "x")
+    _check_fp8_out(op, q, x)
+    if static_scale is None:
+        if scales is None or scales.dtype != torch.float32 or scales.numel() != rows or not scales.is_contiguous():
+            _fail(op, f"scales must be a contiguous fp32 tensor of {rows} elements")
+    elif static_scale.dtype != torch.float32 or static_scale.numel() != 1:
+        _fail(op, "static_scale must be one fp32 value")
+    if rows == 0 or x.shape[-1] == 0:
+        return q
+    args = (_ptr(q), _ptr(scales), _ptr(x), np.int32(x.shape[-1]), np.int64(x_stride), _ptr(static_scale))
+    launch("quant_kernels", f"quant_fp8_rows_{suffix}", device, (rows,), (_threads(x.shape[-1] // 8, 256),), args)
+    return q
+
+
+def quant_fp8_groups(q: torch.Tensor, scales_t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """q [M, K] (E4M3) = x / s per token and 128 columns; the scales go to scales_t [G, M]
+    (G = ceil(K / 128); its transpose is the [M, G] column-major layout of cuBLASLt's 1x128
+    scaling). Returns q."""
+    op = "quant_fp8_groups"
+    device = _check_cuda(op, q=q, scales_t=scales_t, x=x)
+    suffix = _suffix(op, x, "x")
+    rows, x_stride = _rows(op, x, "x")
+    _check_fp8_out(op, q, x)
+    groups = -(-x.shape[-1] // 128)
+    if scales_t.dtype != torch.float32 or tuple(scales_t.shape) != (groups, rows) or not scales_t.is_contiguous():
+        _fail(op, f"scales_t must be a contiguous fp32 [{groups}, {rows}], got {tuple(scales_t.shape)} {scales_t.dtype}")
+    if rows == 0 or groups == 0:
+        return q
+    if groups > 4 * _MAX_GRID_YZ:
+        _fail(op, f"x has too many columns ({x.shape[-1]})")
+    args = (_ptr(q), _ptr(scales_t), _ptr(x), np.int32(rows), np.int32(x.shape[-1]), np.int64(x_stride))
+    launch("quant_kernels", f"quant_fp8_groups_{suffix}", device, (rows, -(-groups // 4)), (128,), args)
+    return q
+
+
+def _check_fp8_out(op: str, q: torch.Tensor, x: torch.Tensor) -> None:
+    if q.dtype != torch.float8_e4m3fn or tuple(q.shape) != tuple(x.shape) or not q.is_contiguous():
+        _fail(op, f"q must be a contiguous float8_e4m3fn tensor of x's shape {tuple(x.shape)}, got "
+                  f"{tuple(q.shape)} {q.dtype}")
+
+
 # ---- SiLU and mul ---------------------------------------------------------------------------------------------
 
 

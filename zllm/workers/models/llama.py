@@ -19,6 +19,7 @@ from zllm.workers.attention import AttentionMetadata
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.layers import rope_cos_sin_cache, rope_inv_freq
 from zllm.model_spec import ModelSpec
+from zllm.quantization import QuantSpec
 from zllm.workers.models.moe import Experts, SparseMoeBlock
 from zllm.workers.ops import TorchOps
 from zllm.workers.parallel_layers import (
@@ -66,7 +67,7 @@ class Rotary(nn.Module):
 class LlamaAttention(nn.Module):
     """This rank's heads: a slice of q/k/v in, a partial o_proj product all-reduced out."""
 
-    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, quant: QuantSpec | None) -> None:
         super().__init__()
         self.ops = ops
         shard = head_shards(spec.num_heads, spec.num_kv_heads, tp.size)[tp.rank]
@@ -84,8 +85,8 @@ class LlamaAttention(nn.Module):
             FusedPart(spec.num_kv_heads * d, kv_rows),
             FusedPart(spec.num_kv_heads * d, kv_rows),
         ]
-        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, parts, bias=spec.qkv_bias)
-        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, q_rows, spec.o_proj_bias, tp)
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, parts, bias=spec.qkv_bias, quant=quant)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, q_rows, spec.o_proj_bias, tp, quant=quant)
         if spec.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by all heads (replicated on every rank)
             self.q_norm = RMSNorm(d, spec.rms_norm_eps, ops)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, ops)
@@ -107,13 +108,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, quant: QuantSpec | None) -> None:
         super().__init__()
         self.ops = ops
         rows = even_split(spec.intermediate_size, tp.size, tp.rank)
         part = FusedPart(spec.intermediate_size, rows)
-        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [part, part], bias=spec.mlp_bias)
-        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, rows, spec.mlp_bias, tp)
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [part, part], bias=spec.mlp_bias, quant=quant)
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, rows, spec.mlp_bias, tp, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -122,13 +123,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately so the add fuses into the norm."""
 
-    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, index: int) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, index: int, quant: QuantSpec | None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, ops, tp)
+        self.self_attn = LlamaAttention(spec, ops, tp, quant)
         if spec.moe is not None and index in spec.moe.layers:
             self.mlp = SparseMoeBlock(spec, tp)
         else:
-            self.mlp = LlamaMLP(spec, ops, tp)
+            self.mlp = LlamaMLP(spec, ops, tp, quant)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
@@ -151,10 +152,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, quant: QuantSpec | None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, ops, tp, i) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, ops, tp, i, quant) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.rotary = Rotary(spec, ops)
 
@@ -169,16 +170,38 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     )
 
-    def __init__(self, spec: ModelSpec, ops: TorchOps | None = None, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, ops: TorchOps | None = None, tp: TensorParallel | None = None,
+        quant: QuantSpec | None = None,
+    ) -> None:
+        """quant: how the attention and MLP projections hold their weights (None: the model
+        dtype); embeddings, norms, routers, experts and the head always stay in the model dtype."""
         super().__init__()
         self.spec = spec
         tp = tp or TensorParallel()
         self.tp = tp
-        self.model = LlamaModel(spec, ops or TorchOps(), tp)
+        self.model = LlamaModel(spec, ops or TorchOps(), tp, quant)
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
+        if quant is not None and quant.ignore:
+            self._keep_ignored_modules_dense(quant)
+
+    def _keep_ignored_modules_dense(self, quant: QuantSpec) -> None:
+        """The modules a checkpoint's `ignore` list names keep model-dtype weights; a fused layer
+        must be ignored in all of its parts or none."""
+        for name, module in self.named_modules():
+            if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                continue
+            shards = range(len(module.parts)) if isinstance(module, ColumnParallelLinear) and len(module.parts) > 1 else [None]
+            hf_modules = [self.checkpoint_name(f"{name}.weight", shard).removesuffix(".weight") for shard in shards]
+            ignored = [quant.ignores(hf) for hf in hf_modules]
+            if all(ignored):
+                module.use_dense_weights()
+            elif any(ignored):
+                raise ValueError(f"model: the checkpoint quantizes some of {', '.join(hf_modules)} but not all; "
+                                 f"zllm fuses them into one matrix")
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
@@ -242,7 +265,10 @@ class LlamaForCausalLM(nn.Module):
     def expected_checkpoint_tensors(self) -> Iterator[tuple[str, int | None]]:
         """Every (parameter, shard) that a checkpoint must provide exactly once."""
         for name, _ in self.named_parameters():
-            module = self.get_submodule(name.rsplit(".", 1)[0])
+            module_name, param_name = name.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            if hasattr(module, "checkpoint_params") and param_name not in module.checkpoint_params():
+                continue  # derived while loading (the scales of weights quantized online)
             if isinstance(module, ColumnParallelLinear) and len(module.parts) > 1:
                 for shard in range(len(module.parts)):
                     yield name, shard

@@ -1,0 +1,93 @@
+// FP8 E4M3 activation quantization for the FP8 linear layers, following zllm/workers/fp8.py:
+//   q = e4m3(clamp(x / s, -448, 448)), rounded to nearest even (the cast's saturating mode is
+//   the clamp), with s = max(amax, 1e-12) / 448 over the row or group, or a given static scale.
+//   The division by 448 is a product with its fp32 reciprocal, as torch computes it on CUDA, so
+//   the kernels equal the torch reference on the same GPU bit for bit.
+//
+// quant_fp8_rows_<T>(q [M, K], scales [M], x [M, K] rows of stride x_stride, k, static_scale):
+//   grid M, one block per token; static_scale null: each row's amax first, its scale written to
+//   scales; otherwise *static_scale for every row (scales untouched).
+// quant_fp8_groups_<T>(q [M, K], scales_t [G, M], x, m, k, x_stride): a scale per token and 128
+//   columns (G = ceil(K / 128)), written transposed: [G, M] row-major is the [M, G] column-major
+//   layout cuBLASLt's 1x128 block scaling takes. Grid (M, ceil(G / 4)), 4 warps, one group each.
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+
+namespace zllm {
+
+constexpr float kInvFp8Max = 1.f / 448.f;  // times, not divided: torch's CUDA `tensor / 448.0` multiplies by the reciprocal
+constexpr float kMinScale = 1e-12f;
+constexpr int kGroup = 128;
+constexpr int kGroupWarps = 4;
+
+__device__ __forceinline__ __nv_fp8_storage_t to_e4m3(float v) {
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+template <typename T>
+__device__ __forceinline__ void quant_rows_impl(__nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales,
+                                                const T* __restrict__ x, int k, i64 x_stride,
+                                                const float* __restrict__ static_scale) {
+  __shared__ float scratch[32];
+  const int row = blockIdx.x;
+  const T* xr = x + static_cast<i64>(row) * x_stride;
+  __nv_fp8_storage_t* qr = q + static_cast<i64>(row) * k;
+  float scale;
+  if (static_scale != nullptr) {
+    scale = *static_scale;
+  } else {
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) amax = fmaxf(amax, fabsf(to_float<T>(xr[i])));
+    scale = fmaxf(block_max(amax, scratch), kMinScale) * kInvFp8Max;
+    if (threadIdx.x == 0) scales[row] = scale;
+  }
+  for (int i = threadIdx.x; i < k; i += blockDim.x) qr[i] = to_e4m3(to_float<T>(xr[i]) / scale);
+}
+
+template <typename T>
+__device__ __forceinline__ void quant_groups_impl(__nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales_t,
+                                                  const T* __restrict__ x, int m, int k, i64 x_stride) {
+  const int row = blockIdx.x;
+  const int group = blockIdx.y * kGroupWarps + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  const int first = group * kGroup;
+  if (first >= k) return;
+  constexpr int kPerLane = kGroup / 32;
+  const T* xr = x + static_cast<i64>(row) * x_stride + first;
+  float v[kPerLane];
+  float amax = 0.f;
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) {
+    const int col = lane * kPerLane + e;
+    v[e] = first + col < k ? to_float<T>(xr[col]) : 0.f;
+    amax = fmaxf(amax, fabsf(v[e]));
+  }
+  const float scale = fmaxf(warp_max(amax), kMinScale) * kInvFp8Max;
+  __nv_fp8_storage_t* qr = q + static_cast<i64>(row) * k + first;
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) {
+    const int col = lane * kPerLane + e;
+    if (first + col < k) qr[col] = to_e4m3(v[e] / scale);
+  }
+  if (lane == 0) scales_t[static_cast<i64>(group) * m + row] = scale;
+}
+
+}  // namespace zllm
+
+#define ZLLM_QUANT(SUFFIX, T)                                                                        \
+  extern "C" __global__ void quant_fp8_rows_##SUFFIX(__nv_fp8_storage_t* __restrict__ q,            \
+                                                     float* __restrict__ scales,                    \
+                                                     const T* __restrict__ x, int k, long long x_stride, \
+                                                     const float* __restrict__ static_scale) {      \
+    zllm::quant_rows_impl<T>(q, scales, x, k, x_stride, static_scale);                             \
+  }                                                                                                  \
+  extern "C" __global__ void __launch_bounds__(zllm::kGroupWarps * 32)                              \
+      quant_fp8_groups_##SUFFIX(__nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales_t,   \
+                                const T* __restrict__ x, int m, int k, long long x_stride) {        \
+    zllm::quant_groups_impl<T>(q, scales_t, x, m, k, x_stride);                                     \
+  }
+
+ZLLM_QUANT(f32, float)
+ZLLM_QUANT(f16, __half)
+ZLLM_QUANT(bf16, __nv_bfloat16)

@@ -1,0 +1,122 @@
+"""FP8 on the GPU: the csrc quantization kernels bit for bit against the torch arithmetic of
+zllm/workers/fp8.py, the FP8 GEMV against fp32 products of the dequantized weights, and every
+GPU path of fp8_linear (GEMV, row-wise and block-scaled cuBLASLt) against the emulation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zllm.workers import kernels
+from zllm.workers.fp8 import (
+    E4M3,
+    dequantize,
+    emulated_fp8_linear,
+    fp8_linear,
+    quantize_blocks,
+    quantize_groups,
+    quantize_rows,
+    quantize_static,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernels.is_available(), reason="needs a CUDA GPU and CuPy")]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (7, 4096), (33, 14336), (5, 100)])
+def test_quant_rows_equals_torch_bit_for_bit(dtype, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape[0], shape[1] + 8, device="cuda") * 3).to(dtype)[:, : shape[1]]  # strided rows
+    x[0, 3] = 0  # zeros and one outlier row
+    x[-1] *= 100
+    q = torch.empty(shape, dtype=E4M3, device="cuda")
+    scales = torch.empty(shape[0], 1, device="cuda")
+    kernels.quant_fp8_rows(q, scales, x)
+    ref_q, ref_s = quantize_rows(x)
+    assert torch.equal(scales, ref_s)
+    assert torch.equal(_bits(q), _bits(ref_q))
+    static = torch.tensor([0.02], device="cuda")
+    kernels.quant_fp8_rows(q, None, x, static_scale=static)
+    assert torch.equal(_bits(q), _bits(quantize_static(x, static)))  # saturates at +-448
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 4096), (9, 14336), (4, 300)])
+def test_quant_groups_equals_torch_bit_for_bit(dtype, shape):
+    torch.manual_seed(1)
+    x = (torch.randn(shape, device="cuda") * 2).to(dtype)
+    groups = -(-shape[1] // 128)
+    q = torch.empty(shape, dtype=E4M3, device="cuda")
+    scales_t = torch.empty(groups, shape[0], device="cuda")
+    kernels.quant_fp8_groups(q, scales_t, x)
+    ref_q, ref_s = quantize_groups(x)
+    assert torch.equal(scales_t.t(), ref_s)
+    assert torch.equal(_bits(q), _bits(ref_q))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (960, 576), (200, 272)])
+def test_fp8_gemv_against_fp32_products(dtype, block, n, k):
+    torch.manual_seed(2)
+    w = torch.randn(n, k, device="cuda") * 0.02
+    q, scale = quantize_blocks(w) if block else quantize_rows(w)
+    x = torch.randn(1, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    out = torch.empty(1, n, dtype=dtype, device="cuda")
+    kernels.fp8_gemv(out, x, q, scale.contiguous(), bias, block=block)
+    expected = x.float() @ dequantize(q, scale, block).t() + bias.float()
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+CASES = {  # activation scheme: (weight quantizer, block)
+    "token": (quantize_rows, False),
+    "tensor": (quantize_rows, False),
+    "group": (quantize_blocks, True),
+    "none": (quantize_rows, False),
+}
+
+
+@pytest.mark.parametrize("activation", sorted(CASES))
+@pytest.mark.parametrize("m", [1, 2, 16, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_linear_gpu_paths_against_the_emulation(activation, m, dtype):
+    torch.manual_seed(3)
+    n, k = 1024, 2048
+    quantizer, block = CASES[activation]
+    q, scale = quantizer(torch.randn(n, k, device="cuda") * 0.02)
+    scale = scale.contiguous()
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    input_scale = (x.abs().amax().float() / 448).reshape(1, 1) if activation == "tensor" else None
+    out = fp8_linear(x, q, scale, input_scale, activation, block, bias)
+    if m == 1:  # the GEMV: unquantized activations times the FP8 weights
+        expected = emulated_fp8_linear(x, q, scale, None, "none", block, bias)
+    else:
+        expected = emulated_fp8_linear(x, q, scale, input_scale, activation, block, bias)
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+def test_fp8_linear_is_captured_by_a_cuda_graph():
+    torch.manual_seed(4)
+    q, scale = quantize_rows(torch.randn(512, 1024, device="cuda") * 0.02)
+    for m in (1, 8):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        eager = fp8_linear(x, q, scale, None, "token", False, None)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            fp8_linear(x, q, scale, None, "token", False, None)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                out = fp8_linear(x, q, scale, None, "token", False, None)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
