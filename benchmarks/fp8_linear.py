@@ -7,43 +7,27 @@ For the Llama-3-8B projections (qkv, o, gate_up, down) and a range of token coun
   block     the 128x128 block-scaled weight format, where this torch can multiply it
   quant     the cost of quantizing the activations per token with torch ops (what a fused kernel
             replaces)
-with CUDA events over a CUDA graph of 20 calls, median of 5. Run on a GPU:
-  python benchmarks/fp8_linear.py [--m 1,16,64,256,2048]
+with CUDA events over a CUDA graph of 20 calls, median of 5. Run on a GPU, from the repository root:
+  python -m benchmarks.fp8_linear [--m 1,16,64,256,2048]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.gpu_timing import graph_time_us
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-def time_graph(fn, calls: int = 20, repeats: int = 5) -> float:
-    """Median µs of one call, captured `calls` times in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
+def time_graph(fn, calls: int = 20, replays: int = 5) -> float:
+    """Median µs of one call, `calls` of them captured in a CUDA graph."""
+    return graph_time_us(lambda i: fn(), calls, replays)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -361,9 +361,11 @@ def _perplexity(model_dir: str, **engine_args) -> float:
     from zllm import LLM, SamplingParams
 
     llm = LLM(model_dir, **engine_args)
-    ids = llm.get_tokenizer().encode(PASSAGE)
-    [out] = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    llm.shutdown() if hasattr(llm, "shutdown") else None
+    try:
+        ids = llm.get_tokenizer().encode(PASSAGE)
+        [out] = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        llm.shutdown()
     nll = -sum(entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[1:])) / (len(ids) - 1)
     return math.exp(nll)
 

@@ -104,12 +104,11 @@ def resolve_quantization(
 
 
 def _compressed_tensors(config: dict[str, Any]) -> QuantSpec:
-    fmt = config.get("format")
     groups = config.get("config_groups") or {}
     if len(groups) != 1:
         raise _unsupported(f"compressed-tensors with {len(groups)} config groups (zllm reads exactly one)")
     group = next(iter(groups.values()))
-    fmt = group.get("format") or fmt
+    fmt = group.get("format") or config.get("format")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _unsupported(f"compressed-tensors format {fmt!r}")
     targets = group.get("targets") or []

@@ -19,12 +19,11 @@ launch would cost more than it saves.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from zllm.quantization import BLOCK
+from zllm.workers import ops
 
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite E4M3 value
@@ -104,8 +103,6 @@ def emulated_fp8_linear(
 # ---- the GPU path ----------------------------------------------------------------------------------
 
 _kernels = None
-# ZLLM_GEMV=0 sends single rows through the scaled GEMM too (the A/B switch of the benchmarks).
-_GEMV_ENABLED = os.environ.get("ZLLM_GEMV", "1") != "0"
 
 
 def fp8_linear(
@@ -119,7 +116,7 @@ def fp8_linear(
     global _kernels
     if _kernels is None:
         from zllm.workers import kernels as _kernels
-    if _GEMV_ENABLED and x.shape[0] == 1 and _kernels.fp8_gemv_supported(x, weight, weight_scale):
+    if ops.GEMV_ENABLED and x.shape[0] == 1 and _kernels.fp8_gemv_supported(x, weight, weight_scale):
         out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
         return _kernels.fp8_gemv(out, x, weight, weight_scale, bias, block=block)
     n, k = weight.shape
@@ -128,9 +125,9 @@ def fp8_linear(
         # arithmetic in fp32, slow but exact.
         return emulated_fp8_linear(x, weight, weight_scale, input_scale, activation, block, bias)
     x = x.contiguous()
-    q = torch.empty(x.shape, dtype=E4M3, device=x.device)
     if activation == "group":
-        return _block_scaled_mm(x, q, weight, weight_scale, bias)
+        return _block_scaled_mm(x, weight, weight_scale, bias)
+    q = torch.empty(x.shape, dtype=E4M3, device=x.device)
     if activation == "token":
         scale_a = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
         _kernels.quant_fp8_rows(q, scale_a, x)
@@ -148,17 +145,18 @@ def fp8_linear(
 _MIN_BLOCK_SCALED_ROWS = 16
 
 
-def _block_scaled_mm(x: torch.Tensor, q: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def _block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """1x128 activation groups times 128x128 weight tiles through F.scaled_mm."""
     m, k = x.shape
     rows = max(m, _MIN_BLOCK_SCALED_ROWS)
+    dtype = x.dtype
     if rows != m:
         x = F.pad(x, (0, 0, 0, rows - m))
-        q = torch.empty(x.shape, dtype=E4M3, device=x.device)
+    q = torch.empty(x.shape, dtype=E4M3, device=x.device)
     scales_t = torch.empty((k // BLOCK, rows), dtype=torch.float32, device=x.device)
     _kernels.quant_fp8_groups(q, scales_t, x)
     out = F.scaled_mm(q, weight.t(), scale_a=scales_t.t(), scale_recipe_a=F.ScalingType.BlockWise1x128,
                       scale_b=weight_scale.t(), scale_recipe_b=F.ScalingType.BlockWise128x128,
-                      output_dtype=torch.bfloat16)[:m].to(x.dtype)
+                      output_dtype=torch.bfloat16)[:m].to(dtype)
     return out if bias is None else out + bias

@@ -180,8 +180,9 @@ def packed_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, prefil
     )[0]
 
 
-# ZLLM_GEMV=0 sends single rows to cuBLAS too: the A/B switch of benchmarks/gemv.py and latency.py.
-_GEMV_ENABLED = os.environ.get("ZLLM_GEMV", "1") != "0"
+# ZLLM_GEMV=0 sends single rows to cuBLAS too (dense and FP8 layers): the A/B switch of
+# benchmarks/gemv.py and latency.py.
+GEMV_ENABLED = os.environ.get("ZLLM_GEMV", "1") != "0"
 _gemv_kernels = None
 
 
@@ -190,7 +191,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     streams the weights closer to the memory bandwidth than cuBLAS does at that shape
     (benchmarks/gemv.py)."""
     global _gemv_kernels
-    if _GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
+    if GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
         if _gemv_kernels is None:
             from zllm.workers import kernels as _gemv_kernels
         if _gemv_kernels.gemv_supported(x, weight):

@@ -478,15 +478,19 @@ def gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
         _fail(op, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be one contiguous row and "
                   f"contiguous 16-byte-aligned rows of a length divisible by {16 // x.element_size()}")
     n = weight.shape[0]
-    if tuple(out.shape) != (1, n) or not out.is_contiguous():
-        _fail(op, f"out must be a contiguous [1, {n}], got {tuple(out.shape)}")
-    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
-        _fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    _check_gemv_out(op, out, bias, n)
     if n == 0:
         return out
     args = (_ptr(out), _ptr(x), _ptr(weight), _ptr(bias), np.int32(n), np.int32(x.shape[1]))
     launch("gemv_kernels", f"gemv_{suffix}", device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args)
     return out
+
+
+def _check_gemv_out(op: str, out: torch.Tensor, bias: torch.Tensor | None, n: int) -> None:
+    if tuple(out.shape) != (1, n) or not out.is_contiguous():
+        _fail(op, f"out must be a contiguous [1, {n}], got {tuple(out.shape)}")
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        _fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
 
 
 def fp8_gemv_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -517,10 +521,7 @@ def fp8_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: to
                   f"{scale.dtype}: need one contiguous row, contiguous 16-byte-aligned E4M3 rows of a multiple of "
                   f"16, and fp32 scales per row [N, 1] or per 128x128 tile")
     n = weight.shape[0]
-    if tuple(out.shape) != (1, n) or not out.is_contiguous():
-        _fail(op, f"out must be a contiguous [1, {n}], got {tuple(out.shape)}")
-    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
-        _fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    _check_gemv_out(op, out, bias, n)
     if n == 0:
         return out
     expected = (-(-n // 128), -(-weight.shape[1] // 128)) if block else (n, 1)
