@@ -494,6 +494,7 @@ CONFIG = EngineConfig(
     device="cpu",
     seed=7,
     load_format="dummy",
+    quantization="fp8",
     max_model_len=1024,
     block_size=32,
     num_kv_blocks=99,
