@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--quantization", "-q", default=None, help="fp8: FP8 weights, quantized while loading")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="fp8: an FP8 E4M3 KV cache")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
@@ -39,7 +40,8 @@ def main() -> None:
 
     from zllm import LLM, SamplingParams
 
-    llm = LLM(args.model, load_format=args.load_format, quantization=args.quantization, dtype=args.dtype, max_model_len=args.max_model_len,
+    llm = LLM(args.model, load_format=args.load_format, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch_size, 8),
               tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling,
               custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes)
@@ -63,7 +65,7 @@ def main() -> None:
         "median_total_s": round(statistics.median(full), 4), "median_ttft_s": round(statistics.median(first), 4),
         "decode_ms_per_token": round(per_token_ms, 3), "enforce_eager": args.enforce_eager,
         "async_scheduling": llm.engine.config.async_scheduling, "tp": args.tp, "quantization": args.quantization,
-        "custom_all_reduce_max_bytes": args.custom_all_reduce_max_bytes,
+        "kv_cache_dtype": args.kv_cache_dtype, "custom_all_reduce_max_bytes": args.custom_all_reduce_max_bytes,
     }))
 
 

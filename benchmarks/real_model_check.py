@@ -6,7 +6,8 @@ For each zllm configuration (dtype, prefill path, step budget) it reports:
 - perplexity of a fixed passage, from zllm's prompt logprobs, beside HF's in fp32 and bf16;
 - greedy agreement: 16 prompts x 64 tokens, how many outputs equal HF fp32's token for token,
   and the mean length of the common prefix.
-Configurations: fp32 (must equal HF), online FP8 (--quantization fp8) in bf16 and fp32, bf16 through the packed prefill (one FlashAttention call
+Configurations: fp32 (must equal HF), online FP8 (--quantization fp8) in bf16 and fp32, the FP8 KV
+cache (--kv-cache-dtype fp8) in fp32 and bf16 and with FP8 weights, bf16 through the packed prefill (one FlashAttention call
 per layer) and through the per-request loop (ZLLM_PACKED_PREFILL's A/B, switched in-process),
 and bf16 packed with a 64-token step budget so that prompts arrive as chunks over cached prefixes.
 Precision changes are checked with this script (DEVELOPERS.md: real weights on the GPU).
@@ -80,7 +81,7 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def zllm_run(model_dir: str, tokenizer, dtype: str, packed: bool, budget: int | None, reference: list[list[int]],
-             quantization: str | None = None) -> dict:
+             quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     from zllm import LLM, SamplingParams
     from zllm.workers import ops
 
@@ -88,7 +89,7 @@ def zllm_run(model_dir: str, tokenizer, dtype: str, packed: bool, budget: int | 
     kwargs = {"max_num_batched_tokens": budget} if budget else {}
     if quantization:
         kwargs["quantization"] = quantization
-    llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=1024, **kwargs)
+    llm = LLM(model=model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=0.3, max_model_len=1024, **kwargs)
     try:
         passage = tokenizer.encode(PASSAGE)
         [out] = llm.generate([{"prompt_token_ids": passage}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
@@ -100,7 +101,7 @@ def zllm_run(model_dir: str, tokenizer, dtype: str, packed: bool, budget: int | 
         release_memory()
     ours = [list(o.outputs[0].token_ids) for o in outs]
     prefixes = [common_prefix(a, b) for a, b in zip(ours, reference)]
-    return {"dtype": dtype, "quantization": quantization, "packed_prefill": packed, "max_num_batched_tokens": budget,
+    return {"dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "packed_prefill": packed, "max_num_batched_tokens": budget,
             "ppl": round(math.exp(nll), 3),
             "greedy_equal": f"{sum(a == b for a, b in zip(ours, reference))}/{len(PROMPTS)}",
             "mean_common_prefix": round(sum(prefixes) / len(prefixes), 1)}
@@ -132,10 +133,12 @@ def main() -> None:
     configs = [("float32", True, None, None), ("bfloat16", True, None, None), ("bfloat16", False, None, None),
                ("bfloat16", True, 64, None), ("bfloat16", False, 64, None), ("bfloat16", True, None, "fp8"),
                ("float32", True, None, "fp8"), ("bfloat16", True, 64, "fp8")]
+    configs = [(*c, "auto") for c in configs] + [  # the FP8 KV cache: alone, and with FP8 weights
+        ("float32", True, None, None, "fp8"), ("bfloat16", True, None, None, "fp8"), ("bfloat16", True, None, "fp8", "fp8")]
     if args.quick:
         configs = [c for c in configs if c[1] and c[2] is None]
-    for dtype, packed, budget, quantization in configs:
-        runs.append(zllm_run(model_dir, tokenizer, dtype, packed, budget, reference, quantization))
+    for dtype, packed, budget, quantization, kv_cache_dtype in configs:
+        runs.append(zllm_run(model_dir, tokenizer, dtype, packed, budget, reference, quantization, kv_cache_dtype))
         print(json.dumps(runs[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -58,7 +58,7 @@ def run_zllm(args, prompts, outputs) -> dict:
 
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, device=args.device, load_format=args.load_format, quantization=args.quantization,
-              max_model_len=args.max_model_len, tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling)
+              kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=not args.no_detokenize)
               for n in outputs]
     requests = [{"prompt_token_ids": p} for p in prompts]
@@ -68,6 +68,7 @@ def run_zllm(args, prompts, outputs) -> dict:
     elapsed = time.perf_counter() - start
     assert [len(r.outputs[0].token_ids) for r in results] == outputs
     return report("zllm", elapsed, prompts, outputs, max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=llm.engine.core.num_kv_blocks,
                   async_scheduling=llm.engine.config.async_scheduling)
 
 
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--quantization", "-q", default=None, help="fp8: FP8 weights, quantized while loading")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="fp8: an FP8 E4M3 KV cache")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate")

@@ -1,7 +1,10 @@
 // Paged attention for decode: one query token per sequence, GQA-aware, split along the context.
 //
 //   q            [B, H, D]        token rows may be strided; heads contiguous
-//   k/v cache    [num_blocks, block_size, KVH, D]  (the two halves of the [2, ...] layer cache)
+//   k/v cache    [num_blocks, block_size, KVH, D]  (the two halves of the [2, ...] layer cache),
+//                elements of T, or E4M3 bytes (the _kvfp8 entry points: an FP8 cache, whose keys
+//                are scaled by k_scale, folded into scale_log2 by the caller, and whose values
+//                by v_scale, applied to each output)
 //   block_tables [B, max_blocks] int32 (rows may be strided), seq_lens [B] int32
 //   out          [B, H, D]        token rows may be strided; heads contiguous
 //   H = KVH * group; query head i reads kv head i / group (torch's enable_gqa convention).
@@ -32,6 +35,7 @@
 // table's capacity and to the grid's partitions (never a read or write out of bounds);
 // seq_len 0 gives zeros.
 #include "common.cuh"
+#include "fp8.cuh"
 
 namespace zllm {
 
@@ -93,16 +97,17 @@ __device__ __forceinline__ int clamped_len(int raw_len, int max_blocks, int bloc
   return len > 0 ? static_cast<int>(len) : 0;
 }
 
-template <typename T, int D, int kGC>
+// T: the queries' and outputs' type; C: the cache's (T, or fp8_t).
+template <typename T, typename C, int D, int kGC>
 __device__ __forceinline__ void paged_attention_impl(
     T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml,
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const T* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, float scale_log2,
-    int num_kv_heads, int group, int num_chunks, int block_size, int max_blocks, i64 bt_stride,
+    float v_scale, int num_kv_heads, int group, int num_chunks, int block_size, int max_blocks, i64 bt_stride,
     i64 q_stride, i64 out_stride, int partition_size, int max_parts) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   constexpr int kE = D / 32;  // output dims per lane
-  typedef typename Raw<kE * static_cast<int>(sizeof(T))>::type VRaw;  // one lane's value slice
+  typedef typename Raw<kE * static_cast<int>(sizeof(C))>::type VRaw;  // one lane's value slice
 
   __shared__ __align__(16) float q_s[kGC][D];
   __shared__ __align__(16) float p_s[kAttnWarps][kTile][kGC];
@@ -176,7 +181,7 @@ __device__ __forceinline__ void paged_attention_impl(
       const int block = tile == warp ? first_block_s[warp][lane] : table[logical];
       const i64 slot = static_cast<i64>(block) * block_size + (t - logical * block_size);
       row = slot * slot_stride + head_offset;
-      qk_dot<T, D, kGC>(k_cache + row, q_s, s);
+      qk_dot<C, D, kGC>(k_cache + row, q_s, s);
     } else {
 #pragma unroll
       for (int g = 0; g < kGC; ++g) s[g] = neg_inf();
@@ -199,7 +204,7 @@ __device__ __forceinline__ void paged_attention_impl(
     __syncwarp();
 
     // PV: lane owns dims [lane * kE, lane * kE + kE); kPvBatch value rows in flight.
-    const T* v_lane = v_cache + lane * kE;
+    const C* v_lane = v_cache + lane * kE;
     for (int tt = 0; tt < count; tt += kPvBatch) {
       VRaw raw[kPvBatch];
 #pragma unroll
@@ -210,7 +215,7 @@ __device__ __forceinline__ void paged_attention_impl(
       for (int j = 0; j < kPvBatch; ++j) {
         if (tt + j < count) {
           float v[kE];
-          unpack<T>(raw[j], v);
+          unpack<C>(raw[j], v);
 #pragma unroll
           for (int g = 0; g < kGC; ++g) {
             const float p = p_s[warp][tt + j][g];
@@ -251,6 +256,7 @@ __device__ __forceinline__ void paged_attention_impl(
       l_sum = fmaf(f, l_s[w][g], l_sum);
       o = fmaf(f, acc_s[w][g][d], o);
     }
+    o *= v_scale;  // 1 unless the cache is FP8
     if (num_parts == 1) {
       out_b[static_cast<i64>(head0 + g) * D + d] = from_float<T>(o / l_sum);
     } else {
@@ -335,18 +341,19 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
 
 }  // namespace zllm
 
-#define ZLLM_PAGED_ATTENTION(NAME, T, D, GC, MIN_BLOCKS)                                          \
+#define ZLLM_PAGED_ATTENTION(NAME, T, C, D, GC, MIN_BLOCKS)                                       \
   extern "C" __global__ void __launch_bounds__(zllm::kAttnThreads, MIN_BLOCKS) NAME(              \
       T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml,               \
-      const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,    \
+      const T* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,    \
       const int* __restrict__ block_tables, const int* __restrict__ seq_lens, float scale_log2, \
-      int num_kv_heads, int group, int num_chunks, int block_size, int max_blocks,             \
-      long long bt_stride, long long q_stride, long long out_stride, int partition_size,       \
-      int max_parts) {                                                                          \
-    zllm::paged_attention_impl<T, D, GC>(out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, \
-                                         seq_lens, scale_log2, num_kv_heads, group,            \
-                                         num_chunks, block_size, max_blocks, bt_stride,        \
-                                         q_stride, out_stride, partition_size, max_parts);     \
+      float v_scale, int num_kv_heads, int group, int num_chunks, int block_size,              \
+      int max_blocks, long long bt_stride, long long q_stride, long long out_stride,           \
+      int partition_size, int max_parts) {                                                      \
+    zllm::paged_attention_impl<T, C, D, GC>(out, ws_out, ws_ml, q, k_cache, v_cache,            \
+                                            block_tables, seq_lens, scale_log2, v_scale,       \
+                                            num_kv_heads, group, num_chunks, block_size,       \
+                                            max_blocks, bt_stride, q_stride, out_stride,       \
+                                            partition_size, max_parts);                        \
   }
 
 #define ZLLM_PAGED_ATTENTION_REDUCE(NAME, T, D)                                                   \
@@ -369,14 +376,21 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
 #ifndef ZLLM_ATTN_MIN_BLOCKS_16BIT_G8
 #define ZLLM_ATTN_MIN_BLOCKS_16BIT_G8 3
 #endif
-#define ZLLM_PAGED_ATTENTION_DTYPE(SUFFIX, T, MIN_BLOCKS, MIN_BLOCKS_G8)                      \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g1, T, 64, 1, MIN_BLOCKS)      \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g4, T, 64, 4, MIN_BLOCKS)      \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d64_g8, T, 64, 8, MIN_BLOCKS_G8)   \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g1, T, 128, 1, MIN_BLOCKS)    \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g4, T, 128, 4, MIN_BLOCKS)    \
-  ZLLM_PAGED_ATTENTION(paged_attention_decode_##SUFFIX##_d128_g8, T, 128, 8, MIN_BLOCKS_G8) \
-  ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d64, T, 64)                 \
+#define ZLLM_PAGED_ATTENTION_CACHE(NAME, T, C, MIN_BLOCKS, MIN_BLOCKS_G8)                 \
+  ZLLM_PAGED_ATTENTION(NAME##_d64_g1, T, C, 64, 1, MIN_BLOCKS)                           \
+  ZLLM_PAGED_ATTENTION(NAME##_d64_g4, T, C, 64, 4, MIN_BLOCKS)                           \
+  ZLLM_PAGED_ATTENTION(NAME##_d64_g8, T, C, 64, 8, MIN_BLOCKS_G8)                        \
+  ZLLM_PAGED_ATTENTION(NAME##_d128_g1, T, C, 128, 1, MIN_BLOCKS)                         \
+  ZLLM_PAGED_ATTENTION(NAME##_d128_g4, T, C, 128, 4, MIN_BLOCKS)                         \
+  ZLLM_PAGED_ATTENTION(NAME##_d128_g8, T, C, 128, 8, MIN_BLOCKS_G8)
+
+// Per query dtype: the kernels over a cache of the same dtype and over an FP8 cache (whose
+// smaller rows take the 16-bit register budget, fp32 queries included), and the reduce.
+#define ZLLM_PAGED_ATTENTION_DTYPE(SUFFIX, T, MIN_BLOCKS, MIN_BLOCKS_G8)                                 \
+  ZLLM_PAGED_ATTENTION_CACHE(paged_attention_decode_##SUFFIX, T, T, MIN_BLOCKS, MIN_BLOCKS_G8)          \
+  ZLLM_PAGED_ATTENTION_CACHE(paged_attention_decode_##SUFFIX##_kvfp8, T, zllm::fp8_t,                  \
+                             ZLLM_ATTN_MIN_BLOCKS_16BIT, ZLLM_ATTN_MIN_BLOCKS_16BIT_G8)                \
+  ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d64, T, 64)                            \
   ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d128, T, 128)
 
 ZLLM_PAGED_ATTENTION_DTYPE(f32, float, 2, 2)

@@ -100,6 +100,10 @@ struct Word<__nv_bfloat16> {
 template <int kBytes>
 struct Raw;
 template <>
+struct Raw<2> {
+  typedef unsigned short type;
+};
+template <>
 struct Raw<4> {
   typedef unsigned type;
 };

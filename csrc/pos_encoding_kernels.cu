@@ -15,12 +15,26 @@
 // and a round trip through memory for k.
 //   v [T, KVH, D] token rows may be strided; k_cache, v_cache [num_slots, KVH, D] contiguous;
 //   slot_mapping [T] int64 (negative: padding, nothing stored)
+//   The _kvfp8 entry points store into an FP8 cache: e4m3(x * inv_k_scale) for keys and
+//   e4m3(x * inv_v_scale) for values (zllm/workers/attention.py quantize_kv); the others ignore
+//   the two scales.
 // Grid (T, H + KVH), D/2 threads: thread i rotates the pair (i, i + D/2) of one head; the blocks
 // of kv heads also store k and v. All loads are issued before the first use, so their latencies
 // overlap.
 #include "common.cuh"
+#include "fp8.cuh"
 
 namespace zllm {
+
+// A rotated key or a value as the cache holds it: unchanged in a cache of T, else quantized.
+template <typename C, typename T>
+__device__ __forceinline__ C to_cache(T x, float inv_scale) {
+  if constexpr (sizeof(C) == 1) {
+    return to_e4m3(to_float<T>(x) * inv_scale);
+  } else {
+    return x;
+  }
+}
 
 // The pair (x1, x2) rotated by (c, s), rounded to T: the one formula both kernels use, with the
 // multiply-adds spelled out so that no compiler contraction choice makes the two kernels differ.
@@ -64,12 +78,13 @@ __device__ __forceinline__ void rotary_embedding_impl(const i64* __restrict__ po
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 __device__ __forceinline__ void rotary_embedding_and_cache_impl(
     const i64* __restrict__ positions, T* __restrict__ q, T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ cos_cache, const float* __restrict__ sin_cache, T* __restrict__ k_cache,
-    T* __restrict__ v_cache, const i64* __restrict__ slot_mapping, int num_heads, int num_kv_heads,
-    int head_dim, i64 q_stride, i64 k_stride, i64 v_stride, i64 max_pos, i64 num_slots) {
+    const float* __restrict__ cos_cache, const float* __restrict__ sin_cache, C* __restrict__ k_cache,
+    C* __restrict__ v_cache, const i64* __restrict__ slot_mapping, int num_heads, int num_kv_heads,
+    int head_dim, i64 q_stride, i64 k_stride, i64 v_stride, i64 max_pos, i64 num_slots,
+    float inv_k_scale, float inv_v_scale) {
   const int half = head_dim / 2;
   const int i = threadIdx.x;
   if (i >= half) return;
@@ -99,27 +114,28 @@ __device__ __forceinline__ void rotary_embedding_and_cache_impl(
   }
   if (slot >= 0 && slot < num_slots) {  // padding (or a bad slot: never write outside)
     const i64 base = (slot * num_kv_heads + kv_head) * head_dim;
-    k_cache[base + i] = y1;
-    k_cache[base + i + half] = y2;
-    v_cache[base + i] = v1;
-    v_cache[base + i + half] = v2;
+    k_cache[base + i] = to_cache<C>(y1, inv_k_scale);
+    k_cache[base + i + half] = to_cache<C>(y2, inv_k_scale);
+    v_cache[base + i] = to_cache<C>(v1, inv_v_scale);
+    v_cache[base + i + half] = to_cache<C>(v2, inv_v_scale);
   }
 }
 
 }  // namespace zllm
 
-#define ZLLM_ROTARY_AND_CACHE(NAME, T)                                                            \
+#define ZLLM_ROTARY_AND_CACHE(NAME, T, C)                                                         \
   extern "C" __global__ void NAME(                                                              \
       const long long* __restrict__ positions, T* __restrict__ q, T* __restrict__ k,            \
       const T* __restrict__ v, const float* __restrict__ cos_cache,                             \
-      const float* __restrict__ sin_cache, T* __restrict__ k_cache, T* __restrict__ v_cache,    \
+      const float* __restrict__ sin_cache, C* __restrict__ k_cache, C* __restrict__ v_cache,    \
       const long long* __restrict__ slot_mapping, int num_heads, int num_kv_heads, int head_dim, \
       long long q_stride, long long k_stride, long long v_stride, long long max_pos,            \
-      long long num_slots) {                                                                    \
-    zllm::rotary_embedding_and_cache_impl<T>(positions, q, k, v, cos_cache, sin_cache, k_cache,  \
-                                             v_cache, slot_mapping, num_heads, num_kv_heads,    \
-                                             head_dim, q_stride, k_stride, v_stride, max_pos,   \
-                                             num_slots);                                        \
+      long long num_slots, float inv_k_scale, float inv_v_scale) {                              \
+    zllm::rotary_embedding_and_cache_impl<T, C>(positions, q, k, v, cos_cache, sin_cache,       \
+                                                k_cache, v_cache, slot_mapping, num_heads,      \
+                                                num_kv_heads, head_dim, q_stride, k_stride,     \
+                                                v_stride, max_pos, num_slots, inv_k_scale,      \
+                                                inv_v_scale);                                   \
   }
 
 #define ZLLM_ROTARY(NAME, T)                                                                     \
@@ -136,6 +152,9 @@ ZLLM_ROTARY(rotary_embedding_f32, float)
 ZLLM_ROTARY(rotary_embedding_f16, __half)
 ZLLM_ROTARY(rotary_embedding_bf16, __nv_bfloat16)
 
-ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_f32, float)
-ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_f16, __half)
-ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_bf16, __nv_bfloat16)
+ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_f32, float, float)
+ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_f16, __half, __half)
+ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_bf16, __nv_bfloat16, __nv_bfloat16)
+ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_f32_kvfp8, float, zllm::fp8_t)
+ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_f16_kvfp8, __half, zllm::fp8_t)
+ZLLM_ROTARY_AND_CACHE(rotary_embedding_and_cache_bf16_kvfp8, __nv_bfloat16, zllm::fp8_t)

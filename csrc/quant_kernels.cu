@@ -12,7 +12,7 @@
 //   layout cuBLASLt's 1x128 block scaling takes. Grid (M, ceil(G / 4)), 4 warps, one group each.
 #include <cuda_fp8.h>
 
-#include "common.cuh"
+#include "fp8.cuh"
 
 namespace zllm {
 
@@ -20,10 +20,6 @@ constexpr float kInvFp8Max = 1.f / 448.f;  // times, not divided: torch's CUDA `
 constexpr float kMinScale = 1e-12f;
 constexpr int kGroup = 128;
 constexpr int kGroupWarps = 4;
-
-__device__ __forceinline__ __nv_fp8_storage_t to_e4m3(float v) {
-  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
-}
 
 template <typename T>
 __device__ __forceinline__ void quant_rows_impl(__nv_fp8_storage_t* __restrict__ q, float* __restrict__ scales,

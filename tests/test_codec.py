@@ -495,6 +495,7 @@ CONFIG = EngineConfig(
     seed=7,
     load_format="dummy",
     quantization="fp8",
+    kv_cache_dtype="fp8",
     max_model_len=1024,
     block_size=32,
     num_kv_blocks=99,

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
 _ON_FAILURE = ("restart", "fail")
 _TOOL_CALL_PARSERS = (None, "hermes", "llama3_json", "mistral")  # zllm.frontend.tool_parsers.PARSERS
@@ -38,6 +39,10 @@ class EngineConfig:
     # "fp8": quantize an unquantized checkpoint's linear layers to FP8 while loading (as vLLM's
     # --quantization fp8). FP8 checkpoints are recognised from their config without it.
     quantization: str | None = None
+    # "fp8" (or "fp8_e4m3"): keys and values stored as FP8 E4M3, scaled by the checkpoint's
+    # k_scale/v_scale where it has them (else 1.0): twice the tokens of a 16-bit cache in the same
+    # memory. "auto": the model dtype.
+    kv_cache_dtype: str = "auto"
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # override the size derived from memory
@@ -135,6 +140,8 @@ class EngineConfig:
         _require(
             self.load_format in _LOAD_FORMATS, "load_format", f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
         )
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.block_size in (8, 16, 32, 64, 128), "block_size", f"must be 8, 16, 32, 64 or 128, got {self.block_size}")
         _require(self.max_model_len >= 2, "max_model_len", f"must be >= 2, got {self.max_model_len}")
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")

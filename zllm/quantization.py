@@ -12,6 +12,8 @@ Supported, all FP8 E4M3 weights:
   static per tensor (`input_scale`), dynamic per 1x128 group, or not quantized (weight-only).
 - `quant_method: "fp8"` with `weight_block_size: [128, 128]` (Qwen3 / DeepSeek FP8 releases):
   `weight_scale_inv` per block, activations dynamic per 1x128 group.
+A compressed-tensors `kv_cache_scheme` (static per-tensor FP8) adds per-layer key and value
+scales, which `--kv-cache-dtype fp8` uses.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class QuantSpec:
     weight: str
     activation: str
     ignore: tuple[str, ...] = ()  # HF module names (or "re:<regex>") left unquantized
+    # The checkpoint has a per-tensor FP8 scale for each layer's keys and values
+    # (`self_attn.k_scale` / `v_scale`, compressed-tensors' kv_cache_scheme); an FP8 KV cache
+    # (--kv-cache-dtype fp8) divides by them, the model-dtype cache ignores them.
+    kv_cache_scales: bool = False
 
     @property
     def serialized(self) -> bool:
@@ -126,9 +132,11 @@ def _compressed_tensors(config: dict[str, Any]) -> QuantSpec:
     if (weight == "block") != (activation == "group") and activation != "none":
         raise _unsupported(f"compressed-tensors {weight} weight scales with {activation} activation scales "
                            f"(zllm pairs 128x128 weight blocks with 1x128 activation groups)")
-    if config.get("kv_cache_scheme"):
-        raise _unsupported("compressed-tensors kv_cache_scheme (an FP8 KV cache from the checkpoint)")
-    return QuantSpec("compressed-tensors", weight, activation, tuple(config.get("ignore") or ()))
+    kv_scheme = config.get("kv_cache_scheme")
+    if kv_scheme and not (_is_fp8(kv_scheme) and kv_scheme.get("strategy") == "tensor" and not kv_scheme.get("dynamic")):
+        raise _unsupported(f"compressed-tensors kv_cache_scheme {_describe(kv_scheme)} "
+                           "(zllm reads static per-tensor 8-bit float key/value scales)")
+    return QuantSpec("compressed-tensors", weight, activation, tuple(config.get("ignore") or ()), bool(kv_scheme))
 
 
 def _compressed_tensors_activation(acts: dict[str, Any] | None) -> str:

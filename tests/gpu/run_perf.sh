@@ -8,6 +8,8 @@
 #                 serve.py at Poisson 32 req/s, 600 x 256/256 (RATE=... overrides the rate)
 #   PART=fp8:     issue 17: FP8 GPU tests, benchmarks/fp8_linear.py, then W2 and W1 in bf16 and with
 #                 --quantization fp8, back to back in this one call
+#   PART=kvfp8:   issue 17's FP8 KV cache: W1 with the bf16 cache, the FP8 cache, and FP8 weights
+#                 plus the FP8 cache (the KV block counts are in each W1 line); W2 with the FP8 cache
 #   PART=prefill: the packed prefill's A/B (ZLLM_PACKED_PREFILL=0 then 1): W1, W2 and serve.py at
 #                 Poisson 32 req/s, each measured back to back in this one call
 # Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
@@ -100,5 +102,13 @@ fp8)
       --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192 $q
   done
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill|fp8"; exit 2 ;;
+kvfp8)
+  for flags in "" "--kv-cache-dtype fp8" "--kv-cache-dtype fp8 --quantization fp8"; do
+    echo "{\"flags\": \"${flags:-none}\"}" | tee -a "$jsonl"
+    run 200 python benchmarks/throughput.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
+      --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192 $flags
+    [ -n "$flags" ] && run 150 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024 $flags
+  done
+  ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8"; exit 2 ;;
 esac

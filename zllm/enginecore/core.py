@@ -65,7 +65,8 @@ class EngineCore:
         self.scheduler = Scheduler(config, KVCacheManager(pool, config.block_size, config.enable_prefix_caching))
         self.structured = StructuredOutputs(config)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens); max concurrency at %d tokens each: %.1fx",
+            "KV cache (%s): %d blocks of %d tokens (%d tokens); max concurrency at %d tokens each: %.1fx",
+            "fp8_e4m3" if config.kv_cache_dtype.startswith("fp8") else "model dtype",
             self.num_kv_blocks,
             config.block_size,
             self.num_kv_blocks * config.block_size,

@@ -32,6 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=defaults.load_format)
     group.add_argument("--quantization", "-q", choices=["fp8"], default=None,
                        help="fp8: quantize the linear layers' weights to FP8 while loading (FP8 checkpoints need no flag)")
+    group.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default=defaults.kv_cache_dtype,
+                       help="fp8: store keys and values as FP8 E4M3 (twice the tokens per GiB); auto: the model dtype")
     group.add_argument("--max-model-len", type=int, default=0, help="0: the model's max_position_embeddings")
     group.add_argument("--block-size", type=int, default=defaults.block_size)
     group.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV cache size in blocks")
@@ -106,6 +108,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         load_format=args.load_format,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,

@@ -4,6 +4,11 @@ KV cache of one layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_d
 keys, 1 values. Token t of a request lives in slot block_table[t // block_size] * block_size +
 t % block_size.
 
+An FP8 cache (`--kv-cache-dtype fp8`, dtype float8_e4m3fn) stores e4m3(clamp(x / s, ±448)) for
+the layer's key or value scale s (KVScales: the checkpoint's, else 1.0) and is read back as the
+stored value times s, in fp32, then in the query's dtype. The CUDA kernels do the same arithmetic
+(multiplying by the float32 reciprocal of s, as torch does for a division by a scalar).
+
 A batch is ordered decodes first: requests 0..num_decodes-1 have exactly one query token each
 (attended as one batched call); each remaining request has a run of query tokens that attend
 causally to their cached prefix and to each other.
@@ -16,6 +21,49 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+KV_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0  # the largest finite E4M3 value: stores saturate to it
+
+
+@dataclass(frozen=True, slots=True)
+class KVScales:
+    """One layer's FP8 KV cache scales (unused by a model-dtype cache)."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+
+UNSCALED = KVScales()
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as the FP8 cache stores it (float8_e4m3fn): x / scale, saturated, rounded to nearest even."""
+    return (x.to(torch.float32) * (1.0 / scale)).clamp(-_FP8_MAX, _FP8_MAX).to(KV_FP8)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cached values in `dtype`: as stored (a model-dtype cache), or fp8 times its scale."""
+    if x.dtype != KV_FP8:
+        return x if x.dtype == dtype else x.to(dtype)
+    values = x.to(torch.float32)
+    if scale != 1.0:
+        values = values * scale
+    return values.to(dtype)
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor seen as uint8 (index_copy_ and index_select take no float8 on every
+    backend); any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype == KV_FP8 else t
+
+
+def select_slots(cache_half: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows [len(slots), kv_heads, head_dim] of one half of a layer's cache, in its own dtype."""
+    num_kv_heads, head_dim = cache_half.shape[-2], cache_half.shape[-1]
+    rows = _byte_view(cache_half).view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    return rows.view(cache_half.dtype)
 
 
 @dataclass(slots=True)
@@ -67,58 +115,75 @@ def packed_prefill_of(
                          max_q=int(query_lens.max()), max_k=max(seq_lens[num_decodes:]))
 
 
-def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store [tokens, kv_heads, head_dim] keys and values at their slots."""
+def write_kv_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+    scales: KVScales = UNSCALED,
+) -> None:
+    """Store [tokens, kv_heads, head_dim] keys and values at their slots (quantized for an FP8 cache)."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    if kv_cache.dtype == KV_FP8:
+        key, value = quantize_kv(key, scales.k), quantize_kv(value, scales.v)
+    for half, rows in ((0, key), (1, value)):
+        _byte_view(kv_cache[half]).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _byte_view(rows))
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_scales: KVScales = UNSCALED
+) -> torch.Tensor:
     """query [tokens, heads, head_dim] -> [tokens, heads, head_dim], over the paged cache."""
     out = torch.empty_like(query)
     num_decodes = meta.num_decodes
     if num_decodes:
-        out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta, scale)
-    prefill_attention(out, query, kv_cache, meta, scale)
+        out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta, scale, kv_scales)
+    prefill_attention(out, query, kv_cache, meta, scale, kv_scales)
     return out
 
 
-def prefill_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
+def prefill_attention(
+    out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    kv_scales: KVScales = UNSCALED,
+) -> None:
     """Fill the rows of `out` that belong to the requests after the decodes."""
     for i in range(meta.num_decodes, len(meta.seq_lens_list)):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        out[start:end] = _prefill_attention(query[start:end], kv_cache, meta, i, scale)
+        out[start:end] = _prefill_attention(query[start:end], kv_cache, meta, i, scale, kv_scales)
 
 
-def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the given blocks: [..., num_blocks * block_size, kv_heads, head_dim]."""
+def gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, kv_scales: KVScales, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the given blocks, in `dtype`: [..., num_blocks * block_size, kv_heads, head_dim]."""
     # index_select copies whole contiguous blocks: ~2x faster on CPU than advanced indexing.
     flat = block_table.reshape(-1)
-    keys = torch.index_select(kv_cache[0], 0, flat)
-    values = torch.index_select(kv_cache[1], 0, flat)
+    keys = torch.index_select(_byte_view(kv_cache[0]), 0, flat).view(kv_cache.dtype)
+    values = torch.index_select(_byte_view(kv_cache[1]), 0, flat).view(kv_cache.dtype)
     shape = (*block_table.shape[:-1], -1, *keys.shape[-2:])
-    return keys.reshape(shape), values.reshape(shape)
+    return (dequantize_kv(keys, kv_scales.k, dtype).reshape(shape),
+            dequantize_kv(values, kv_scales.v, dtype).reshape(shape))
 
 
 _DECODE_GROUP = 16  # decodes per attention call: each group is padded to its own longest context
 
 
-def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_scales: KVScales = UNSCALED
+) -> torch.Tensor:
     """The first meta.num_decodes requests' single queries [num_decodes, heads, head_dim]."""
     groups = [
-        _decode_group(query[i : i + _DECODE_GROUP], kv_cache, meta, i, scale)
+        _decode_group(query[i : i + _DECODE_GROUP], kv_cache, meta, i, scale, kv_scales)
         for i in range(0, query.shape[0], _DECODE_GROUP)
     ]
     return groups[0] if len(groups) == 1 else torch.cat(groups)
 
 
-def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, first: int, scale: float) -> torch.Tensor:
+def _decode_group(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, first: int, scale: float, kv_scales: KVScales
+) -> torch.Tensor:
     rows = slice(first, first + query.shape[0])
     seq_lens = meta.seq_lens[rows]
     max_len = max(meta.seq_lens_list[rows])
     num_blocks = -(-max_len // meta.block_size)
-    keys, values = _gather_context(kv_cache, meta.block_tables[rows, :num_blocks])
+    keys, values = gather_context(kv_cache, meta.block_tables[rows, :num_blocks], kv_scales, query.dtype)
     positions = torch.arange(keys.shape[1], device=query.device)
     mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(
@@ -133,12 +198,13 @@ def _decode_group(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
 
 
 def _prefill_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, index: int, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, index: int, scale: float,
+    kv_scales: KVScales = UNSCALED,
 ) -> torch.Tensor:
     query_len = query.shape[0]
     seq_len = meta.seq_lens_list[index]
     num_blocks = -(-seq_len // meta.block_size)
-    keys, values = _gather_context(kv_cache, meta.block_tables[index, :num_blocks])
+    keys, values = gather_context(kv_cache, meta.block_tables[index, :num_blocks], kv_scales, query.dtype)
     keys, values = keys[:seq_len].transpose(0, 1), values[:seq_len].transpose(0, 1)  # [KVH, L, D]
     q = query.transpose(0, 1)  # [H, Q, D]
     if query_len == seq_len:

@@ -17,7 +17,7 @@ from zllm.config import EngineConfig
 from zllm.ipc.messages import CachedRequestData, GrammarBitmask, NewRequestData, StepInput, StepOutput, TokenLogprobs
 from zllm.partition import head_shards
 from zllm.sampling_params import SamplingParams
-from zllm.workers.attention import AttentionMetadata, pack_prefill, packed_prefill_of
+from zllm.workers.attention import KV_FP8, AttentionMetadata, pack_prefill, packed_prefill_of
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.loader import finish_loading, init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
@@ -111,6 +111,7 @@ class ModelRunner:
         self.num_heads = heads.q_heads.count  # on this rank
         self.num_kv_heads = heads.kv_heads.count
         self.block_size = config.block_size
+        self.kv_cache_dtype = KV_FP8 if config.kv_cache_dtype.startswith("fp8") else self.dtype
         self.ops = ops_for(device)
         self.packs_prefill = self.ops.packs_prefill(self.dtype, self.spec.head_dim)
         self.is_cuda = device.type == "cuda"
@@ -168,13 +169,24 @@ class ModelRunner:
         )
 
     def kv_cache_bytes_per_block(self) -> int:
-        per_token = 2 * self.spec.num_layers * self.num_kv_heads * self.spec.head_dim * self.dtype.itemsize
+        per_token = 2 * self.spec.num_layers * self.num_kv_heads * self.spec.head_dim * self.kv_cache_dtype.itemsize
         return per_token * self.block_size
 
     def determine_num_kv_blocks(self) -> int:
         if not self.is_cuda:
-            return self.config.kv_cache_memory_bytes // self.kv_cache_bytes_per_block()
+            num_blocks = self.config.kv_cache_memory_bytes // self.kv_cache_bytes_per_block()
+            logger.info("KV cache %.2f GiB %s: %d blocks", self.config.kv_cache_memory_bytes / _GIB,
+                        self._kv_cache_dtype_note(), num_blocks)
+            return num_blocks
         return self._profile_kv_blocks()
+
+    def _kv_cache_dtype_note(self) -> str:
+        """What the KV cache holds per value, and what FP8 gains over the model dtype."""
+        if self.kv_cache_dtype == self.dtype:
+            return f"in {_dtype_name(self.dtype)}"
+        ratio = self.dtype.itemsize / self.kv_cache_dtype.itemsize
+        return (f"in {_dtype_name(self.kv_cache_dtype)} ({self.kv_cache_dtype.itemsize} byte per value: "
+                f"{ratio:g}x the tokens of a {_dtype_name(self.dtype)} cache)")
 
     def _profile_kv_blocks(self) -> int:
         """Blocks that fit in gpu_memory_utilization after weights and a forward at the token budget."""
@@ -191,9 +203,9 @@ class ModelRunner:
         num_blocks = int(budget // self.kv_cache_bytes_per_block())
         logger.info(
             "memory: %.2f GiB total x %.2f; weights %.2f GiB, activation peak %.2f GiB, other %.2f GiB -> "
-            "KV cache %.2f GiB (%d blocks)",
+            "KV cache %.2f GiB %s (%d blocks)",
             total / _GIB, self.config.gpu_memory_utilization, weights / _GIB, activations / _GIB,
-            not_torch / _GIB, max(budget, 0) / _GIB, max(num_blocks, 0),
+            not_torch / _GIB, max(budget, 0) / _GIB, self._kv_cache_dtype_note(), max(num_blocks, 0),
         )
         if num_blocks < 1:
             raise OutOfDeviceMemory(
@@ -232,7 +244,9 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.spec.head_dim)
         try:
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+            self.kv_caches = [
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.spec.num_layers)
+            ]
         except torch.cuda.OutOfMemoryError:
             raise OutOfDeviceMemory(
                 f"KV cache of {num_blocks} blocks needs {num_blocks * self.kv_cache_bytes_per_block() / _GIB:.2f} GiB, "
@@ -559,3 +573,7 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return "fp8_e4m3" if dtype == KV_FP8 else str(dtype).removeprefix("torch.")

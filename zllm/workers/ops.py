@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from zllm.workers import attention as ref
 from zllm.workers import cpu_kernels
-from zllm.workers.attention import AttentionMetadata, PackedPrefill
+from zllm.workers.attention import UNSCALED, AttentionMetadata, KVScales, PackedPrefill, dequantize_kv
 from zllm.workers.layers import apply_rotary, rms_norm, silu_and_mul
 
 
@@ -43,23 +43,27 @@ class TorchOps:
 
     def rotary_and_write_kv(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-        sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: KVScales = UNSCALED,
     ) -> torch.Tensor:
-        """Rotates q and k, stores k and v in the cache; returns the rotated q."""
+        """Rotates q and k, stores k and v in the cache (quantized for an FP8 cache); returns the rotated q."""
         cos, sin = cos[positions], sin[positions]
-        ref.write_kv_cache(kv_cache, apply_rotary(k, cos, sin), v, slot_mapping)
+        ref.write_kv_cache(kv_cache, apply_rotary(k, cos, sin), v, slot_mapping, kv_scales)
         return apply_rotary(q, cos, sin)
 
-    def attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        kv_scales: KVScales = UNSCALED,
+    ) -> torch.Tensor:
         """Decodes through the CPU kernel (csrc/cpu) where it runs: it reads K/V in place, where
-        the reference gathers them first; the reference otherwise, and for the prefills."""
+        the reference gathers them first; the reference otherwise (an FP8 cache too), and for
+        the prefills."""
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n and not cpu_kernels.paged_attention_decode(
             out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale
         ):
-            out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale)
-        ref.prefill_attention(out, q, kv_cache, meta, scale)
+            out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale, kv_scales)
+        ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales)
         return out
 
 
@@ -100,13 +104,13 @@ class CudaOps(TorchOps):
         self.k.silu_and_mul(out, x.contiguous())
         return out
 
-    def rotary_and_write_kv(self, positions, q, k, v, cos, sin, kv_cache, slot_mapping):
+    def rotary_and_write_kv(self, positions, q, k, v, cos, sin, kv_cache, slot_mapping, kv_scales=UNSCALED):
         # One kernel, in place on the strided q/k views of the fused QKV output: at decode, two
         # would each cost a launch and k would round-trip through memory.
-        self.k.rotary_embedding_and_cache(positions, q, k, v, cos, sin, kv_cache, slot_mapping)
+        self.k.rotary_embedding_and_cache(positions, q, k, v, cos, sin, kv_cache, slot_mapping, kv_scales)
         return q
 
-    def attention(self, q, kv_cache, meta, scale):
+    def attention(self, q, kv_cache, meta, scale, kv_scales=UNSCALED):
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes:
@@ -116,17 +120,18 @@ class CudaOps(TorchOps):
             self.k.paged_attention_decode(
                 out[:num_decodes], q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
                 meta.seq_lens[:num_decodes], scale, max_seq_len=longest, workspace=self.workspace,
+                k_scale=kv_scales.k, v_scale=kv_scales.v,
             )
         if meta.prefill is not None:
             start = meta.query_start_loc[num_decodes]
-            out[start:] = packed_prefill_attention(q[start:], kv_cache, meta.prefill, scale)
+            out[start:] = packed_prefill_attention(q[start:], kv_cache, meta.prefill, scale, kv_scales)
             return out
         for i in range(num_decodes, len(meta.query_start_loc) - 1):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[start:end] = self.prefill_attention(q[start:end], kv_cache, meta, i, scale)
+            out[start:end] = self.prefill_attention(q[start:end], kv_cache, meta, i, scale, kv_scales)
         return out
 
-    def prefill_attention(self, query, kv_cache, meta, index, scale):
+    def prefill_attention(self, query, kv_cache, meta, index, scale, kv_scales=UNSCALED):
         """A chunk of new tokens against its request's cached prefix, through PyTorch's fused SDPA.
 
         NOTE: an explicit boolean mask (the reference's way to offset the causal diagonal) sends
@@ -136,7 +141,9 @@ class CudaOps(TorchOps):
         from torch.nn.attention.bias import causal_lower_right
 
         query_len, seq_len = query.shape[0], meta.seq_lens_list[index]
-        keys, values = ref._gather_context(kv_cache, meta.block_tables[index, : -(-seq_len // meta.block_size)])
+        keys, values = ref.gather_context(
+            kv_cache, meta.block_tables[index, : -(-seq_len // meta.block_size)], kv_scales, query.dtype
+        )
         group = query.shape[1] // keys.shape[1]
         keys = keys[:seq_len].transpose(0, 1).repeat_interleave(group, dim=0)[None]  # [1, H, L, D]
         values = values[:seq_len].transpose(0, 1).repeat_interleave(group, dim=0)[None]
@@ -162,18 +169,22 @@ def flash_varlen_available(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 8)
 
 
-def packed_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, prefill: PackedPrefill, scale: float) -> torch.Tensor:
+def packed_prefill_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, prefill: PackedPrefill, scale: float, kv_scales: KVScales = UNSCALED
+) -> torch.Tensor:
     """Every prefill request of the step in one FlashAttention call over variable lengths.
 
     query [prefill tokens, heads, head_dim], request after request. Each request's context is
     gathered from the paged cache into one packed key/value run (a single index_select for all
-    of them); FlashAttention aligns the causal diagonal to the bottom right when a request has
+    of them; an FP8 cache's rows are dequantized after the gather); FlashAttention aligns the causal diagonal to the bottom right when a request has
     fewer queries than keys, which is a chunk (or a prefix-cache hit) attending to its prefix,
     and takes fewer KV heads than query heads as they are (GQA). Where the per-request loop
     costs a dozen launches per request and layer, this is three per layer."""
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-    keys = kv_cache[0].view(-1, num_kv_heads, head_dim).index_select(0, prefill.context_slots)
-    values = kv_cache[1].view(-1, num_kv_heads, head_dim).index_select(0, prefill.context_slots)
+    keys, values = (
+        dequantize_kv(ref.select_slots(kv_cache[half], prefill.context_slots), s, query.dtype)
+        for half, s in ((0, kv_scales.k), (1, kv_scales.v))
+    )
     return torch.ops.aten._flash_attention_forward(
         query, keys, values, prefill.cu_seq_q, prefill.cu_seq_k, prefill.max_q, prefill.max_k,
         0.0, True, False, scale=scale,

@@ -7,6 +7,7 @@ layers.rms_norm(x, w, eps)                       rms_norm(out, x, w, eps)
 x + y, then layers.rms_norm                      fused_add_rms_norm(x, residual, w, eps)  (in place)
 layers.apply_rotary on q and k                   rotary_embedding(positions, q, k, cos, sin)  (in place)
 apply_rotary, then write_kv_cache                 rotary_embedding_and_cache(positions, q, k, v, cos, sin, kv, slots)
+  (an FP8 kv cache: quantize_kv / dequantize_kv)   (the same, with kv_scales / k_scale, v_scale)
 F.linear(x, w, b) for one row x                  gemv(out, x, w, b)
 layers.silu_and_mul(x)                           silu_and_mul(out, x)
 
@@ -103,6 +104,25 @@ def _rows(op: str, tensor: torch.Tensor, name: str) -> tuple[int, int]:
     if not tensor.is_contiguous():
         _fail(op, f"{name} with more than 2 dimensions must be contiguous (strides {tensor.stride()})")
     return tensor.numel() // tensor.shape[-1], tensor.shape[-1]
+
+
+_KV_FP8 = torch.float8_e4m3fn
+
+
+def _cache_variant(op: str, kv_cache: torch.Tensor, dtype: torch.dtype) -> str:
+    """The entry-point suffix for this cache: "" for a cache of the model dtype, "_kvfp8" for an
+    FP8 E4M3 one."""
+    if kv_cache.dtype == dtype:
+        return ""
+    if kv_cache.dtype == _KV_FP8:
+        return "_kvfp8"
+    _fail(op, f"kv_cache has dtype {kv_cache.dtype}; expected {dtype} or {_KV_FP8}")
+
+
+def _kv_scale(op: str, name: str, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        _fail(op, f"{name} must be finite and positive, got {value}")
+    return value
 
 
 def _ptr(tensor: torch.Tensor | None) -> np.uint64:
@@ -220,11 +240,14 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     workspace: torch.Tensor | None = None,
     partition_size: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; writes and returns out.
 
     out, query: [B, H, D] (token stride free, heads contiguous, out must not overlap query);
-    kv_cache: [2, num_blocks, block_size, KVH, D] contiguous, H a multiple of KVH, D 64 or 128;
+    kv_cache: [2, num_blocks, block_size, KVH, D] contiguous, H a multiple of KVH, D 64 or 128,
+    in the query's dtype or FP8 E4M3 (keys read as stored * k_scale, values * v_scale);
     block_tables: int32 [>= B, max_blocks]; seq_lens: int32 [>= B] (context length including the
     new token). max_seq_len bounds every seq_len (default: the block table's capacity) and sizes
     the grid: pass the batch's real maximum to skip empty partitions. Longer contexts are split
@@ -235,7 +258,11 @@ def paged_attention_decode(
     device = _check_cuda(op, out=out, query=query, kv_cache=kv_cache, block_tables=block_tables,
                          seq_lens=seq_lens, workspace=workspace)
     suffix = _suffix(op, query, "query")
-    _check_dtype(op, query.dtype, out=out, kv_cache=kv_cache)
+    _check_dtype(op, query.dtype, out=out)
+    variant = _cache_variant(op, kv_cache, query.dtype)
+    k_scale, v_scale = _kv_scale(op, "k_scale", k_scale), _kv_scale(op, "v_scale", v_scale)
+    if not variant:  # a model-dtype cache holds the values themselves
+        k_scale = v_scale = 1.0
     _check_dtype(op, torch.int32, block_tables=block_tables, seq_lens=seq_lens)
     _check_heads_layout(op, query, "query")
     _check_heads_layout(op, out, "out")
@@ -299,12 +326,12 @@ def paged_attention_decode(
     value_cache_ptr = kv_cache.data_ptr() + num_blocks * block_size * kv_heads * head_dim * kv_cache.element_size()
     args = (
         _ptr(out), ws_out_ptr, ws_ml_ptr, _ptr(query), _ptr(kv_cache), np.uint64(value_cache_ptr),
-        _ptr(block_tables), _ptr(seq_lens), np.float32(scale * math.log2(math.e)),
-        np.int32(kv_heads), np.int32(group), np.int32(num_chunks), np.int32(block_size), np.int32(max_blocks),
+        _ptr(block_tables), _ptr(seq_lens), np.float32(scale * k_scale * math.log2(math.e)),
+        np.float32(v_scale), np.int32(kv_heads), np.int32(group), np.int32(num_chunks), np.int32(block_size), np.int32(max_blocks),
         np.int64(block_tables.stride(0)), np.int64(query.stride(0)), np.int64(out.stride(0)),
         np.int32(size), np.int32(parts),
     )
-    kernel = f"paged_attention_decode_{suffix}_d{head_dim}_g{chunk}"
+    kernel = f"paged_attention_decode_{suffix}{variant}_d{head_dim}_g{chunk}"
     launch("attention_kernels", kernel, device, (parts, kv_heads * num_chunks, batch), (_ATTN_THREADS,), args)
     if parts > 1:
         reduce_args = (
@@ -411,16 +438,20 @@ def rotary_embedding(
 
 def rotary_embedding_and_cache(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_embedding(positions, query, key, cos, sin) then reshape_and_cache(kv_cache, key,
     value, slot_mapping), in one launch: query and key are rotated in place, and the rotated key
-    and value are stored at their slots (slots < 0 are padding)."""
+    and value are stored at their slots (slots < 0 are padding). An FP8 E4M3 kv_cache stores
+    them quantized as attention.quantize_kv does, by kv_scales (.k, .v; None: 1.0)."""
     op = "rotary_embedding_and_cache"
     device = _check_cuda(op, positions=positions, query=query, key=key, value=value, cos=cos, sin=sin,
                          kv_cache=kv_cache, slot_mapping=slot_mapping)
     suffix = _suffix(op, query, "query")
-    _check_dtype(op, query.dtype, key=key, value=value, kv_cache=kv_cache)
+    _check_dtype(op, query.dtype, key=key, value=value)
+    variant = _cache_variant(op, kv_cache, query.dtype)
+    k_scale = _kv_scale(op, "k_scale", 1.0 if kv_scales is None else kv_scales.k)
+    v_scale = _kv_scale(op, "v_scale", 1.0 if kv_scales is None else kv_scales.v)
     _check_dtype(op, torch.int64, positions=positions, slot_mapping=slot_mapping)
     _check_dtype(op, torch.float32, cos=cos, sin=sin)
     _check_contiguous(op, positions=positions, cos=cos, sin=sin, kv_cache=kv_cache, slot_mapping=slot_mapping)
@@ -448,8 +479,8 @@ def rotary_embedding_and_cache(
     args = (_ptr(positions), _ptr(query), _ptr(key), _ptr(value), _ptr(cos), _ptr(sin), _ptr(kv_cache),
             np.uint64(value_cache_ptr), _ptr(slot_mapping), np.int32(num_heads), np.int32(kv_heads),
             np.int32(head_dim), np.int64(query.stride(0)), np.int64(key.stride(0)), np.int64(value.stride(0)),
-            np.int64(cos.shape[0]), np.int64(slots))
-    launch("pos_encoding_kernels", f"rotary_embedding_and_cache_{suffix}", device, (tokens, num_heads + kv_heads),
+            np.int64(cos.shape[0]), np.int64(slots), np.float32(1.0 / k_scale), np.float32(1.0 / v_scale))
+    launch("pos_encoding_kernels", f"rotary_embedding_and_cache_{suffix}{variant}", device, (tokens, num_heads + kv_heads),
            (_threads(head_dim // 2, 1024),), args)
     return query, key
 

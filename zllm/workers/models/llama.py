@@ -8,6 +8,7 @@ maps HF's separate tensors onto their shard of the fused one.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from zllm.partition import Span, even_split, head_shards
-from zllm.workers.attention import AttentionMetadata
+from zllm.workers.attention import UNSCALED, AttentionMetadata, KVScales
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.layers import rope_cos_sin_cache, rope_inv_freq
 from zllm.model_spec import ModelSpec
@@ -58,10 +59,10 @@ class Rotary(nn.Module):
 
     def apply_and_cache(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor, kv_scales: KVScales = UNSCALED,
     ) -> torch.Tensor:
         """Rotates q and k and stores k and v at their cache slots; returns the rotated q."""
-        return self.ops.rotary_and_write_kv(positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping)
+        return self.ops.rotary_and_write_kv(positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping, kv_scales)
 
 
 class LlamaAttention(nn.Module):
@@ -92,6 +93,23 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, ops)
         else:
             self.q_norm = self.k_norm = None
+        # The checkpoint's FP8 KV cache scales (one value each); 1.0 where it has none.
+        if quant is not None and quant.kv_cache_scales:
+            self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+            self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+        self.kv_scales = UNSCALED
+
+    def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
+        """k_scale / v_scale: one value each, the same on every rank."""
+        param = getattr(self, param_name)
+        return LoadTarget(param.data, None, ())
+
+    def finish_loading(self) -> None:
+        if hasattr(self, "k_scale"):
+            k, v = float(self.k_scale), float(self.v_scale)
+            if not (math.isfinite(k) and math.isfinite(v) and k > 0 and v > 0):
+                raise ValueError(f"model: KV cache scales must be finite and positive, got k_scale {k}, v_scale {v}")
+            self.kv_scales = KVScales(k, v)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -102,8 +120,8 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary.apply_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping)
-        out = self.ops.attention(q, kv_cache, meta, self.scale)
+        q = rotary.apply_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping, self.kv_scales)
+        out = self.ops.attention(q, kv_cache, meta, self.scale, self.kv_scales)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
