@@ -7,6 +7,8 @@ For the Llama-3-8B projections (qkv, o, gate_up, down) and a range of token coun
   block     the 128x128 block-scaled weight format, where this torch can multiply it
   quant     the cost of quantizing the activations per token with torch ops (what a fused kernel
             replaces)
+  qscalar   csrc quant_fp8_rows, the scalar two-pass kernel
+  qvec      csrc quant_fp8_rows, the one-pass vectorized kernel (what zllm runs)
 with CUDA events over a CUDA graph of 20 calls, median of 5. Run on a GPU, from the repository root:
   python -m benchmarks.fp8_linear [--m 1,16,64,256,2048]
 """
@@ -63,11 +65,12 @@ def main() -> None:
                 row["rowwise"] = float("nan")
                 print(f"rowwise {name} M={m}: {type(error).__name__}: {error}"[:300])
             row["quant"] = time_graph(lambda: quantize_rows(x))
+            row["qscalar"], row["qvec"] = (_time_csrc_quant(x, vectorized) for vectorized in (False, True))
             row["zllm"] = _time_zllm(x, wq, wscale)
             if has_block:
                 row["block"] = _time_block(x, w, m, n, k)
             rows.append(row)
-    keys = ["bf16", "tensor", "rowwise", "quant", "zllm"] + (["block"] if has_block else [])
+    keys = ["bf16", "tensor", "rowwise", "quant", "qscalar", "qvec", "zllm"] + (["block"] if has_block else [])
     print(f"{'shape':8} {'M':>5} " + " ".join(f"{key + ' µs':>11}" for key in keys) + f" {'zllm GB/s':>10}")
     for row in rows:
         gbps = row["bytes_fp8"] / (row["zllm"] * 1e3)
@@ -82,6 +85,14 @@ def _time_zllm(x, wq, wscale) -> float:
 
     scale = wscale.contiguous()
     return time_graph(lambda: fp8_linear(x, wq, scale, None, "token", False, None))
+
+
+def _time_csrc_quant(x, vectorized: bool) -> float:
+    from zllm.workers import kernels
+
+    q = torch.empty(x.shape, dtype=E4M3, device=x.device)
+    scales = torch.empty(x.shape[0], 1, device=x.device)
+    return time_graph(lambda: kernels.quant_fp8_rows(q, scales, x, vectorized=vectorized))
 
 
 def _gemv_variants() -> None:

@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--quantization", "-q", default=None, help="fp8: FP8 weights, quantized while loading")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="fp8: an FP8 E4M3 KV cache")
     args = parser.parse_args()
 
     import torch
@@ -69,7 +71,8 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(args.model, load_format=args.load_format, dtype=args.dtype,
                                         max_model_len=args.max_model_len, max_num_seqs=args.batch_size,
                                         max_num_batched_tokens=max(8192, args.batch_size),
-                                        async_scheduling=args.async_scheduling)
+                                        async_scheduling=args.async_scheduling, quantization=args.quantization,
+                                        kv_cache_dtype=args.kv_cache_dtype)
     rng = random.Random(0)
     vocab = engine.processor.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - args.input_len - 1, ignore_eos=True,
@@ -107,6 +110,7 @@ def main() -> None:
     per_step = {phase: round(total / args.steps * 1000, 3) for phase, total in sorted(timer.totals.items())}
     print(json.dumps({
         "benchmark": "step_profile", "batch_size": args.batch_size, "steps": args.steps,
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "async_scheduling": engine.config.async_scheduling,
         "wall_ms_per_step": round(wall / args.steps * 1000, 3), "phase_ms_per_step": per_step,
         "gpu_kernel_ms_per_step": round(kernel_us / 1000 / args.steps, 3),

@@ -10,6 +10,10 @@
 #                 --quantization fp8, back to back in this one call
 #   PART=kvfp8:   issue 17's FP8 KV cache: W1 with the bf16 cache, the FP8 cache, and FP8 weights
 #                 plus the FP8 cache (the KV block counts are in each W1 line); W2 with the FP8 cache
+#   PART=quant:   the one-pass FP8 activation quantization's A/B (ZLLM_QUANT_VEC=0 then 1): FP8 GPU
+#                 tests, benchmarks/fp8_linear.py, W1 with --quantization fp8 both ways
+#   PART=fp8profile: W1 and W2 with FP8 weights and the FP8 cache, and the step profile at batch 1
+#                 and 256 with both
 #   PART=prefill: the packed prefill's A/B (ZLLM_PACKED_PREFILL=0 then 1): W1, W2 and serve.py at
 #                 Poisson 32 req/s, each measured back to back in this one call
 # Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
@@ -110,5 +114,25 @@ kvfp8)
     [ -n "$flags" ] && run 150 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024 $flags
   done
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8"; exit 2 ;;
+quant)
+  timeout 200 python -m pytest -q -p no:cacheprovider -x -p no:warnings --tb=short tests/gpu/test_fp8_gpu.py > "$out/pytest_fp8.log" 2>&1
+  tail -3 "$out/pytest_fp8.log"
+  timeout 200 python benchmarks/fp8_linear.py --m 1,8,64,256,2048 2>&1 | tee "$out/fp8_linear.log" | tail -30
+  for vec in 0 1; do
+    export ZLLM_QUANT_VEC=$vec
+    echo "{\"ZLLM_QUANT_VEC\": $vec}" | tee -a "$jsonl"
+    run 200 python benchmarks/throughput.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
+      --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192 --quantization fp8
+  done
+  ;;
+fp8profile)
+  flags="--kv-cache-dtype fp8 --quantization fp8"
+  run 200 python benchmarks/throughput.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
+    --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192 $flags
+  run 150 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024 $flags
+  for batch in 1 256; do
+    run 150 python benchmarks/step_profile.py --model "$model" --load-format dummy --batch-size $batch --steps 50 $flags
+  done
+  ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile"; exit 2 ;;
 esac

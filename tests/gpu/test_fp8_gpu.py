@@ -27,21 +27,24 @@ def _bits(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8)
 
 
+@pytest.mark.parametrize("vectorized", [True, False], ids=["vec", "scalar"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 576), (7, 4096), (33, 14336), (5, 100)])
-def test_quant_rows_equals_torch_bit_for_bit(dtype, shape):
+@pytest.mark.parametrize("shape", [(1, 576), (7, 4096), (33, 14336), (5, 100), (3, 32768), (2, 40000)])
+def test_quant_rows_equals_torch_bit_for_bit(dtype, shape, vectorized):
+    """Every one-pass variant (1, 2, 4 and 8 pieces per thread, by K and dtype) and the scalar
+    kernel it falls back to (K of 100 bf16 values; 40000 fp32 values need more than 8 pieces)."""
     torch.manual_seed(0)
     x = (torch.randn(shape[0], shape[1] + 8, device="cuda") * 3).to(dtype)[:, : shape[1]]  # strided rows
     x[0, 3] = 0  # zeros and one outlier row
     x[-1] *= 100
     q = torch.empty(shape, dtype=E4M3, device="cuda")
     scales = torch.empty(shape[0], 1, device="cuda")
-    kernels.quant_fp8_rows(q, scales, x)
+    kernels.quant_fp8_rows(q, scales, x, vectorized=vectorized)
     ref_q, ref_s = quantize_rows(x)
     assert torch.equal(scales, ref_s)
     assert torch.equal(_bits(q), _bits(ref_q))
     static = torch.tensor([0.02], device="cuda")
-    kernels.quant_fp8_rows(q, None, x, static_scale=static)
+    kernels.quant_fp8_rows(q, None, x, static_scale=static, vectorized=vectorized)
     assert torch.equal(_bits(q), _bits(quantize_static(x, static)))  # saturates at +-448
 
 

@@ -20,6 +20,7 @@ and grown only outside CUDA-graph capture), so the calls can be captured by torc
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -567,10 +568,19 @@ def fp8_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: to
 # ---- FP8 activation quantization -------------------------------------------------------------------
 
 
+_QUANT_VECS = (1, 2, 4, 8)  # 16-byte pieces per thread of the quant_fp8_rows_vec<V> kernels
+_MAX_THREADS = 1024
+# ZLLM_QUANT_VEC=0 sends every row through the scalar two-pass kernel: the A/B switch of
+# tests/gpu/run_perf.sh's fp8 part.
+QUANT_VEC_ENABLED = os.environ.get("ZLLM_QUANT_VEC", "1") != "0"
+
+
 def quant_fp8_rows(q: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor,
-                   static_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   static_scale: torch.Tensor | None = None, *, vectorized: bool | None = None) -> torch.Tensor:
     """q [M, K] (E4M3) = x / s per token: s = amax(|row|) / 448 written to scales [M, 1] (fp32),
-    or the one fp32 `static_scale` (scales unused). Returns q."""
+    or the one fp32 `static_scale` (scales unused). Returns q. Rows of whole, aligned 16-byte
+    pieces go through the one-pass kernel; vectorized=False forces the scalar one (the A/B of
+    benchmarks/fp8_linear.py; None: QUANT_VEC_ENABLED)."""
     op = "quant_fp8_rows"
     device = _check_cuda(op, q=q, scales=scales, x=x, static_scale=static_scale)
     suffix = _suffix(op, x, "x")
@@ -583,8 +593,18 @@ def quant_fp8_rows(q: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor
         _fail(op, "static_scale must be one fp32 value")
     if rows == 0 or x.shape[-1] == 0:
         return q
-    args = (_ptr(q), _ptr(scales), _ptr(x), np.int32(x.shape[-1]), np.int64(x_stride), _ptr(static_scale))
-    launch("quant_kernels", f"quant_fp8_rows_{suffix}", device, (rows,), (_threads(x.shape[-1] // 8, 256),), args)
+    k = x.shape[-1]
+    args = (_ptr(q), _ptr(scales), _ptr(x), np.int32(k), np.int64(x_stride), _ptr(static_scale))
+    per16 = 16 // x.element_size()
+    units = k // per16
+    vecs = next((v for v in _QUANT_VECS if -(-units // v) <= _MAX_THREADS), None)
+    if vectorized is None:
+        vectorized = QUANT_VEC_ENABLED
+    if vectorized and vecs is not None and k % per16 == 0 and x_stride % per16 == 0 and _aligned16(x, q):
+        launch("quant_kernels", f"quant_fp8_rows_vec{vecs}_{suffix}", device, (rows,),
+               (_threads(-(-units // vecs), _MAX_THREADS),), args)
+    else:
+        launch("quant_kernels", f"quant_fp8_rows_{suffix}", device, (rows,), (_threads(k // 8, 256),), args)
     return q
 
 
