@@ -40,7 +40,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", default="1,8,32,64,128,256,512,2048")
+    parser.add_argument("--gemv-only", action="store_true", help="only the FP8 GEMV builds' table")
     args = parser.parse_args()
+    if args.gemv_only:
+        _gemv_variants()
+        return
     ms = [int(m) for m in args.m.split(",")]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     has_block = hasattr(torch.nn.functional, "scaled_mm") and hasattr(torch.nn.functional, "ScalingType")
@@ -96,10 +100,13 @@ def _time_csrc_quant(x, vectorized: bool) -> float:
 
 
 def _gemv_variants() -> None:
-    """The FP8 GEMV's unroll depths (bf16, per-row scales), GB/s of weight bytes at M=1."""
+    """The FP8 GEMV's builds (rows per warp, loads per row in flight; bf16, per-row scales), GB/s
+    of weight bytes at M=1."""
     from zllm.workers import kernels
+    from zllm.workers.kernels.ops import _FP8_GEMV_SHAPES
 
-    print(f"{'GEMV':8} " + " ".join(f"{v or '_u4':>8}" for v in ("_u2", "", "_u8")))
+    variants = sorted(_FP8_GEMV_SHAPES)
+    print(f"{'GEMV':8} " + " ".join(f"{v or 'default':>8}" for v in variants))
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wq, wscale = quantize_rows(w)
@@ -107,7 +114,7 @@ def _gemv_variants() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
         speeds = [n * k / (time_graph(lambda v=v: kernels.fp8_gemv(out, x, wq, wscale, variant=v)) * 1e3)
-                  for v in ("_u2", "", "_u8")]
+                  for v in variants]
         print(f"{name:8} " + " ".join(f"{s:>8.0f}" for s in speeds) + "  GB/s")
 
 

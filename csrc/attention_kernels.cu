@@ -384,12 +384,23 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
   ZLLM_PAGED_ATTENTION(NAME##_d128_g4, T, C, 128, 4, MIN_BLOCKS)                         \
   ZLLM_PAGED_ATTENTION(NAME##_d128_g8, T, C, 128, 8, MIN_BLOCKS_G8)
 
-// Per query dtype: the kernels over a cache of the same dtype and over an FP8 cache (whose
-// smaller rows take the 16-bit register budget, fp32 queries included), and the reduce.
+// The FP8-cache kernels take the 16-bit register budget (their rows are smaller), except where
+// the E4M3 conversion has no instruction (before sm_89, so in the compute_80 PTX as well): the
+// software conversion needs more registers and spills under 128 (sm_80: 48 bytes at kGC 4).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+#define ZLLM_ATTN_MIN_BLOCKS_FP8 2
+#define ZLLM_ATTN_MIN_BLOCKS_FP8_G8 2
+#else
+#define ZLLM_ATTN_MIN_BLOCKS_FP8 ZLLM_ATTN_MIN_BLOCKS_16BIT
+#define ZLLM_ATTN_MIN_BLOCKS_FP8_G8 ZLLM_ATTN_MIN_BLOCKS_16BIT_G8
+#endif
+
+// Per query dtype: the kernels over a cache of the same dtype and over an FP8 cache, and the
+// reduce.
 #define ZLLM_PAGED_ATTENTION_DTYPE(SUFFIX, T, MIN_BLOCKS, MIN_BLOCKS_G8)                                 \
   ZLLM_PAGED_ATTENTION_CACHE(paged_attention_decode_##SUFFIX, T, T, MIN_BLOCKS, MIN_BLOCKS_G8)          \
   ZLLM_PAGED_ATTENTION_CACHE(paged_attention_decode_##SUFFIX##_kvfp8, T, zllm::fp8_t,                  \
-                             ZLLM_ATTN_MIN_BLOCKS_16BIT, ZLLM_ATTN_MIN_BLOCKS_16BIT_G8)                \
+                             ZLLM_ATTN_MIN_BLOCKS_FP8, ZLLM_ATTN_MIN_BLOCKS_FP8_G8)                    \
   ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d64, T, 64)                            \
   ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d128, T, 128)
 

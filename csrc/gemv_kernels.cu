@@ -106,10 +106,8 @@ ZLLM_GEMV(gemv_bf16, __nv_bfloat16, 1, 8)
 // Same layout as the dense GEMV: a warp per row, lanes striding over K in 16-byte weight units.
 namespace zllm {
 
-template <typename T>
-__device__ __forceinline__ float dot_fp8x16(uint4 wv, const T* __restrict__ x16) {
-  float xf[16];
-  load_floats<T, 16>(x16, xf);
+// 16 E4M3 weights dotted with 16 activations already in fp32 registers.
+__device__ __forceinline__ float dot_fp8x16(uint4 wv, const float (&xf)[16]) {
   const unsigned words[4] = {wv.x, wv.y, wv.z, wv.w};
   float s = 0.f;
 #pragma unroll
@@ -126,57 +124,96 @@ __device__ __forceinline__ float dot_fp8x16(uint4 wv, const T* __restrict__ x16)
   return s;
 }
 
-template <typename T, bool kBlock, int kUnroll>
+// A warp takes kRows consecutive rows (each 16 activations loaded once serve all of them: the
+// activations are T, up to twice the weights' bytes, so reusing them matters) with kUnroll
+// 16-byte weight loads per row in flight. kRows divides 128, so a warp's rows share one row of
+// block scales.
+template <typename T, bool kBlock, int kRows, int kUnroll>
 __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __restrict__ x,
                                               const unsigned char* __restrict__ w,
                                               const float* __restrict__ scale, const T* __restrict__ bias,
                                               int n, int k) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * kGemvWarps + warp;
-  if (row >= n) return;
+  const int row0 = (blockIdx.x * kGemvWarps + warp) * kRows;
+  if (row0 >= n) return;
   const int units = k / 16;
-  const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(row) * k);
-  // Block scales: a 128-column group is 8 units; this row's tiles are one row of the grid.
-  const float* tile_scales = kBlock ? scale + static_cast<i64>(row / 128) * ((k + 127) / 128) : nullptr;
-  float acc = 0.f;
+  const uint4* w16[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = imin(row0 + r, n - 1);  // rows past n repeat the last one; never stored
+    w16[r] = reinterpret_cast<const uint4*>(w + static_cast<i64>(row) * k);
+  }
+  // Block scales: a 128-column group is 8 units; this warp's tiles are one row of the grid.
+  const float* tile_scales = kBlock ? scale + static_cast<i64>(row0 / 128) * ((k + 127) / 128) : nullptr;
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
   int u = lane;
   for (; u + 32 * (kUnroll - 1) < units; u += 32 * kUnroll) {
-    uint4 wv[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) wv[j] = __ldcs(w16 + u + 32 * j);
+    uint4 wv[kRows][kUnroll];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
-      const float d = dot_fp8x16<T>(wv[j], x + 16 * (u + 32 * j));
-      acc = kBlock ? fmaf(d, __ldg(tile_scales + ((u + 32 * j) >> 3)), acc) : acc + d;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) wv[r][j] = __ldcs(w16[r] + u + 32 * j);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      float xf[16];
+      load_floats<T, 16>(x + 16 * (u + 32 * j), xf);
+      const float ts = kBlock ? __ldg(tile_scales + ((u + 32 * j) >> 3)) : 1.f;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float d = dot_fp8x16(wv[r][j], xf);
+        acc[r] = kBlock ? fmaf(d, ts, acc[r]) : acc[r] + d;
+      }
     }
   }
   for (; u < units; u += 32) {
-    const float d = dot_fp8x16<T>(__ldcs(w16 + u), x + 16 * u);
-    acc = kBlock ? fmaf(d, __ldg(tile_scales + (u >> 3)), acc) : acc + d;
+    float xf[16];
+    load_floats<T, 16>(x + 16 * u, xf);
+    const float ts = kBlock ? __ldg(tile_scales + (u >> 3)) : 1.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float d = dot_fp8x16(__ldcs(w16[r] + u), xf);
+      acc[r] = kBlock ? fmaf(d, ts, acc[r]) : acc[r] + d;
+    }
   }
-  float total = warp_sum(acc);
-  if (lane == 0) {
-    if (!kBlock) total *= scale[row];
-    y[row] = from_float<T>(bias == nullptr ? total : total + to_float<T>(bias[row]));
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    float total = warp_sum(acc[r]);
+    const int row = row0 + r;
+    if (lane == 0 && row < n) {
+      if (!kBlock) total *= scale[row];
+      y[row] = from_float<T>(bias == nullptr ? total : total + to_float<T>(bias[row]));
+    }
   }
 }
 
 }  // namespace zllm
 
-#define ZLLM_GEMV_FP8(NAME, T, BLOCK, UNROLL)                                                     \
+#define ZLLM_GEMV_FP8(NAME, T, BLOCK, ROWS, UNROLL)                                               \
   extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) NAME(                        \
       T* __restrict__ y, const T* __restrict__ x, const unsigned char* __restrict__ w,          \
       const float* __restrict__ scale, const T* __restrict__ bias, int n, int k) {              \
-    zllm::gemv_fp8_impl<T, BLOCK, UNROLL>(y, x, w, scale, bias, n, k);                          \
+    zllm::gemv_fp8_impl<T, BLOCK, ROWS, UNROLL>(y, x, w, scale, bias, n, k);                    \
   }
 
-ZLLM_GEMV_FP8(gemv_fp8_f32, float, false, 4)
-ZLLM_GEMV_FP8(gemv_fp8_f16, __half, false, 4)
-ZLLM_GEMV_FP8(gemv_fp8_bf16, __nv_bfloat16, false, 4)
-ZLLM_GEMV_FP8(gemv_fp8_f32_block, float, true, 4)
-ZLLM_GEMV_FP8(gemv_fp8_f16_block, __half, true, 4)
-ZLLM_GEMV_FP8(gemv_fp8_bf16_block, __nv_bfloat16, true, 4)
-// Variants for benchmarks/fp8_linear.py's unroll comparison (bf16, per-row scales).
-ZLLM_GEMV_FP8(gemv_fp8_bf16_u2, __nv_bfloat16, false, 2)
-ZLLM_GEMV_FP8(gemv_fp8_bf16_u8, __nv_bfloat16, false, 8)
+// The default shape (rows per warp, loads per row): zllm/workers/kernels/ops.py's
+// _FP8_GEMV_SHAPES must agree.
+#define ZLLM_FP8_GEMV_ROWS 1
+#define ZLLM_FP8_GEMV_UNROLL 2  // 2 beat 4 by 6% on W2 (3.640 vs 3.874 ms/token, H100, 2026-11-25)
+#define ZLLM_GEMV_FP8_DTYPE(SUFFIX, T)                                                                   \
+  ZLLM_GEMV_FP8(gemv_fp8_##SUFFIX, T, false, ZLLM_FP8_GEMV_ROWS, ZLLM_FP8_GEMV_UNROLL)                  \
+  ZLLM_GEMV_FP8(gemv_fp8_##SUFFIX##_block, T, true, ZLLM_FP8_GEMV_ROWS, ZLLM_FP8_GEMV_UNROLL)
+
+ZLLM_GEMV_FP8_DTYPE(f32, float)
+ZLLM_GEMV_FP8_DTYPE(f16, __half)
+ZLLM_GEMV_FP8_DTYPE(bf16, __nv_bfloat16)
+// Other shapes for benchmarks/fp8_linear.py's comparison and ZLLM_FP8_GEMV (bf16, per-row scales).
+ZLLM_GEMV_FP8(gemv_fp8_bf16_r1u4, __nv_bfloat16, false, 1, 4)
+ZLLM_GEMV_FP8(gemv_fp8_bf16_r1u8, __nv_bfloat16, false, 1, 8)
+ZLLM_GEMV_FP8(gemv_fp8_bf16_r2u2, __nv_bfloat16, false, 2, 2)
+ZLLM_GEMV_FP8(gemv_fp8_bf16_r2u4, __nv_bfloat16, false, 2, 4)
+ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u1, __nv_bfloat16, false, 4, 1)
+ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u2, __nv_bfloat16, false, 4, 2)

@@ -14,6 +14,8 @@
 #                 tests, benchmarks/fp8_linear.py, W1 with --quantization fp8 both ways
 #   PART=fp8profile: W1 and W2 with FP8 weights and the FP8 cache, and the step profile at batch 1
 #                 and 256 with both
+#   PART=gemv:    the FP8 GEMV's builds (rows per warp x loads in flight): FP8 GPU tests, their
+#                 GB/s table, then W2 with --quantization fp8 under each ZLLM_FP8_GEMV build
 #   PART=prefill: the packed prefill's A/B (ZLLM_PACKED_PREFILL=0 then 1): W1, W2 and serve.py at
 #                 Poisson 32 req/s, each measured back to back in this one call
 # Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
@@ -24,7 +26,8 @@ out="${OUT:-/tmp/zllm-perf}"
 mkdir -p "$out"
 model=/tmp/zllm-llama3-8b
 export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has this machine's cmake cache
-[ -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ] || bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" > "$out/build.log" 2>&1
+[ -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ] || bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" > "$out/build.log" 2>&1 \
+  || { echo "csrc build failed (the loader falls back to what was built, or NVRTC):"; tail -15 "$out/build.log"; }
 python benchmarks/dummy_model.py llama3-8b "$model" >/dev/null
 jsonl="$out/perf.jsonl"
 run() {  # run LIMIT_S COMMAND...: JSON lines to perf.jsonl, everything to the log
@@ -134,5 +137,15 @@ fp8profile)
     run 150 python benchmarks/step_profile.py --model "$model" --load-format dummy --batch-size $batch --steps 50 $flags
   done
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile"; exit 2 ;;
+gemv)
+  timeout 200 python -m pytest -q -p no:cacheprovider -x -p no:warnings --tb=short tests/gpu/test_fp8_gpu.py > "$out/pytest_fp8.log" 2>&1
+  tail -3 "$out/pytest_fp8.log"
+  timeout 120 python benchmarks/fp8_linear.py --gemv-only 2>&1 | tee "$out/fp8_gemv.log" | tail -6
+  for build in "" _r1u4 _r2u2 _r2u4 _r4u2; do
+    export ZLLM_FP8_GEMV=$build
+    echo "{\"ZLLM_FP8_GEMV\": \"${build:-default}\"}" | tee -a "$jsonl"
+    run 100 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024 --quantization fp8
+  done
+  ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv"; exit 2 ;;
 esac

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from zllm.workers import kernels
+from zllm.workers.kernels.ops import _FP8_GEMV_SHAPES
 from zllm.workers.fp8 import (
     E4M3,
     dequantize,
@@ -76,6 +77,23 @@ def test_fp8_gemv_against_fp32_products(dtype, block, n, k):
     expected = x.float() @ dequantize(q, scale, block).t() + bias.float()
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("variant", sorted(_FP8_GEMV_SHAPES))
+@pytest.mark.parametrize("n,k", [(4096, 14336), (1030, 576), (3, 272)])
+def test_fp8_gemv_builds_agree(variant, n, k):
+    """Every rows-per-warp / unroll build (bf16, per-row scales), N not a multiple of the rows a
+    block takes, against fp32 products; and the builds refused elsewhere."""
+    torch.manual_seed(3)
+    q, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels.fp8_gemv(out, x, q, scale.contiguous(), variant=variant)
+    expected = x.float() @ dequantize(q, scale, False).t()
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    if variant:
+        with pytest.raises(ValueError, match="variant"):
+            kernels.fp8_gemv(out.half(), x.half(), q, scale.contiguous(), variant=variant)
 
 
 CASES = {  # activation scheme: (weight quantizer, block)

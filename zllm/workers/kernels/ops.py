@@ -539,11 +539,21 @@ def fp8_gemv_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
             and x.is_contiguous() and weight.is_contiguous() and _aligned16(x, weight))
 
 
+# (rows per warp, 16-byte loads per row in flight) of each build of gemv_fp8 in csrc/gemv_kernels.cu:
+# "" is the default of every dtype; the others exist for bf16 with per-row scales.
+_FP8_GEMV_SHAPES = {"": (1, 2), "_r1u4": (1, 4), "_r1u8": (1, 8), "_r2u2": (2, 2), "_r2u4": (2, 4),
+                    "_r4u1": (4, 1), "_r4u2": (4, 2)}
+# ZLLM_FP8_GEMV=_r2u2 (say) runs that build for the model's bf16 per-row layers: the A/B switch of
+# tests/gpu/run_perf.sh's gemv part.
+FP8_GEMV_VARIANT = os.environ.get("ZLLM_FP8_GEMV", "")
+
+
 def fp8_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             bias: torch.Tensor | None = None, block: bool = False, variant: str = "") -> torch.Tensor:
+             bias: torch.Tensor | None = None, block: bool = False, variant: str | None = None) -> torch.Tensor:
     """out [1, N] = x [1, K] @ (weight [N, K] (E4M3) * scale)^T (+ bias [N]), fp32 accumulation;
-    scale [N, 1] per row or, with block, [ceil(N/128), ceil(K/128)] per tile. Returns out. `variant` picks a
-    benchmark build ("_u2", "_u8": other unroll depths; per-row bf16 only)."""
+    scale [N, 1] per row or, with block, [ceil(N/128), ceil(K/128)] per tile. Returns out. `variant`
+    picks another build (a key of _FP8_GEMV_SHAPES; bf16 with per-row scales only; None:
+    FP8_GEMV_VARIANT there, the default build elsewhere)."""
     op = "fp8_gemv"
     device = _check_cuda(op, out=out, x=x, weight=weight, scale=scale, bias=bias)
     suffix = _suffix(op, x, "x")
@@ -559,9 +569,15 @@ def fp8_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: to
     expected = (-(-n // 128), -(-weight.shape[1] // 128)) if block else (n, 1)
     if tuple(scale.shape) != expected:
         _fail(op, f"scale must be {expected} ({'per tile' if block else 'per row'}), got {tuple(scale.shape)}")
+    per_row_bf16 = suffix == "bf16" and not block
+    if variant is None:
+        variant = FP8_GEMV_VARIANT if per_row_bf16 else ""
+    if variant not in _FP8_GEMV_SHAPES or (variant and not per_row_bf16):
+        _fail(op, f"variant {variant!r}: the builds are {sorted(_FP8_GEMV_SHAPES)}, all but '' for bf16 with per-row scales")
+    rows_per_warp = _FP8_GEMV_SHAPES[variant][0]
     name = f"gemv_fp8_{suffix}{'_block' if block else ''}{variant}"
     args = (_ptr(out), _ptr(x), _ptr(weight), _ptr(scale), _ptr(bias), np.int32(n), np.int32(weight.shape[1]))
-    launch("gemv_kernels", name, device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args)
+    launch("gemv_kernels", name, device, (-(-n // (_GEMV_ROWS_PER_BLOCK * rows_per_warp)),), (128,), args)
     return out
 
 
