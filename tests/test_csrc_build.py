@@ -78,9 +78,11 @@ def test_nvrtc_source_inlines_the_headers():
     source = loader.kernel_source("attention_kernels")
     assert '#include "' not in source and "#pragma once" not in source
     assert "struct Cvt<__nv_bfloat16>" in source  # common.cuh, inlined
-    assert '#line 1 "common.cuh"' in source
+    assert '#line 1 "common.cuh"' in source and '#line 1 "fp8.cuh"' in source
+    assert source.count('#line 1 "common.cuh"') == 1  # included by the file and by fp8.cuh: inlined once
     includes = set(re.findall(r"#include <([^>]+)>", source))
-    assert includes == {"cuda_fp16.h", "cuda_bf16.h"}  # all NVRTC needs beyond its built-ins
+    # All NVRTC needs beyond its built-ins (cuda_fp8.h for the FP8 KV cache's E4M3 conversions).
+    assert includes == {"cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"}
 
 
 def test_ops_reject_cpu_tensors_without_touching_cupy():

@@ -138,7 +138,12 @@ def _calibrated_kv_scales(model_dir: Path) -> list[tuple[float, float]]:
                 model(torch.tensor([prompt + list(range(60, 80))]))
     finally:
         modeling_llama.apply_rotary_pos_emb = rotary
-    return [(k / 448.0, v / 448.0) for k, v in amax]
+    # float32, as the checkpoint stores them: the reference then uses the engine's values exactly.
+    return [(_float32(k / 448.0), _float32(v / 448.0)) for k, v in amax]
+
+
+def _float32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
 
 
 def test_checkpoint_kv_scales_are_used_by_the_fp8_cache(tmp_path):

@@ -40,8 +40,8 @@ class EngineConfig:
     # --quantization fp8). FP8 checkpoints are recognised from their config without it.
     quantization: str | None = None
     # "fp8" (or "fp8_e4m3"): keys and values stored as FP8 E4M3, scaled by the checkpoint's
-    # k_scale/v_scale where it has them (else 1.0): twice the tokens of a 16-bit cache in the same
-    # memory. "auto": the model dtype.
+    # k_scale/v_scale when its config declares a kv_cache_scheme (else 1.0): twice the tokens of a
+    # 16-bit cache in the same memory. "auto": the model dtype.
     kv_cache_dtype: str = "auto"
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     block_size: int = 16

@@ -31,9 +31,18 @@ def _bits(q: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("vectorized", [True, False], ids=["vec", "scalar"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 576), (7, 4096), (33, 14336), (5, 100), (3, 32768), (2, 40000)])
-def test_quant_rows_equals_torch_bit_for_bit(dtype, shape, vectorized):
+def test_quant_rows_equals_torch_bit_for_bit(dtype, shape, vectorized, monkeypatch):
     """Every one-pass variant (1, 2, 4 and 8 pieces per thread, by K and dtype) and the scalar
     kernel it falls back to (K of 100 bf16 values; 40000 fp32 values need more than 8 pieces)."""
+    from zllm.workers.kernels import ops as kernel_ops
+
+    launched, launch = [], kernel_ops.launch
+
+    def recorded(module, name, *args, **kwargs):
+        launched.append(name)
+        return launch(module, name, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_ops, "launch", recorded)
     torch.manual_seed(0)
     x = (torch.randn(shape[0], shape[1] + 8, device="cuda") * 3).to(dtype)[:, : shape[1]]  # strided rows
     x[0, 3] = 0  # zeros and one outlier row
@@ -47,6 +56,9 @@ def test_quant_rows_equals_torch_bit_for_bit(dtype, shape, vectorized):
     static = torch.tensor([0.02], device="cuda")
     kernels.quant_fp8_rows(q, None, x, static_scale=static, vectorized=vectorized)
     assert torch.equal(_bits(q), _bits(quantize_static(x, static)))  # saturates at +-448
+    per16 = 16 // x.element_size()
+    takes_vec = vectorized and shape[1] % per16 == 0 and -(-shape[1] // per16) <= 8 * 1024
+    assert launched and all(("_vec" in name) == takes_vec for name in launched), launched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

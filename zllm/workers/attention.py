@@ -6,8 +6,10 @@ t % block_size.
 
 An FP8 cache (`--kv-cache-dtype fp8`, dtype float8_e4m3fn) stores e4m3(clamp(x / s, ±448)) for
 the layer's key or value scale s (KVScales: the checkpoint's, else 1.0) and is read back as the
-stored value times s, in fp32, then in the query's dtype. The CUDA kernels do the same arithmetic
-(multiplying by the float32 reciprocal of s, as torch does for a division by a scalar).
+stored value times s, in fp32, then in the query's dtype. The CUDA kernels store exactly this
+(multiplying by the float32 reciprocal of s, as torch does for a division by a scalar); their
+decode attention reads the E4M3 values in fp32 without rounding them to the query's dtype, and
+folds s into the query scale (keys) and the output (values): equal up to fp32 rounding.
 
 A batch is ordered decodes first: requests 0..num_decodes-1 have exactly one query token each
 (attended as one batched call); each remaining request has a run of query tokens that attend

@@ -93,7 +93,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, ops)
         else:
             self.q_norm = self.k_norm = None
-        # The checkpoint's FP8 KV cache scales (one value each); 1.0 where it has none.
+        # The checkpoint's FP8 KV cache scales, one value each, required of every layer when its
+        # config declares a kv_cache_scheme; 1.0 for other checkpoints.
         if quant is not None and quant.kv_cache_scales:
             self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
             self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
