@@ -209,7 +209,18 @@ def test_fp8_kv_cache_holds_more_blocks_in_the_same_memory_and_says_so(tiny, cap
     assert {c.dtype for c in runner.kv_caches} == {KV_FP8}
 
 
-def test_bad_kv_cache_dtype_and_scheme_are_refused(tmp_path):
+def test_bad_kv_cache_dtype_and_scheme_are_refused(tmp_path, capsys):
+    import argparse
+
+    from zllm.launch.args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args(["--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
+    assert engine_kwargs(parser.parse_args([]))["kv_cache_dtype"] == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "fp8_e5m2"])
+    assert "invalid choice: 'fp8_e5m2'" in capsys.readouterr().err
     model_dir = save_tiny_llama(tmp_path / "m")
     with pytest.raises(ValueError, match="kv_cache_dtype: must be one of"):
         EngineConfig.create(str(model_dir), kv_cache_dtype="int8")
