@@ -20,6 +20,17 @@ namespace zllm {
 constexpr int kGemvWarps = 4;
 constexpr int kGemvThreads = kGemvWarps * 32;
 
+// The 16-byte views of a warp's kRows weight rows (k elements each) from row0 on; rows past n
+// repeat the last one and are never stored.
+template <typename E, int kRows>
+__device__ __forceinline__ void row_pointers(const E* __restrict__ w, int row0, int n, int k,
+                                             const uint4* (&w16)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    w16[r] = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row0 + r, n - 1)) * k);
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ float dot16(uint4 wv, uint4 xv) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
@@ -44,11 +55,7 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
   const int units = k / kVec;
   const uint4* x16 = reinterpret_cast<const uint4*>(x);
   const uint4* w16[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = imin(row0 + r, n - 1);  // rows past n repeat the last one; never stored
-    w16[r] = reinterpret_cast<const uint4*>(w + static_cast<i64>(row) * k);
-  }
+  row_pointers(w, row0, n, k, w16);
   float acc[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
@@ -139,11 +146,7 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __rest
   if (row0 >= n) return;
   const int units = k / 16;
   const uint4* w16[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int row = imin(row0 + r, n - 1);  // rows past n repeat the last one; never stored
-    w16[r] = reinterpret_cast<const uint4*>(w + static_cast<i64>(row) * k);
-  }
+  row_pointers(w, row0, n, k, w16);
   // Block scales: a 128-column group is 8 units; this warp's tiles are one row of the grid.
   const float* tile_scales = kBlock ? scale + static_cast<i64>(row0 / 128) * ((k + 127) / 128) : nullptr;
   float acc[kRows];

@@ -44,7 +44,7 @@ def test_rotary_and_cache_stores_quantize_kv_bit_for_bit(dtype, scales, head_dim
     q, k, v = qkv.split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
     cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=KV_FP8, device=DEVICE)
-    kernels.rotary_embedding_and_cache(positions, q, k, v, cos, sin, cache, slots, scales)
+    kernels.rotary_embedding_and_cache(positions, q, k, v, cos, sin, cache, slots, scales.k, scales.v)
 
     keep = slots >= 0
     stored = cache.view(torch.uint8).view(2, -1, kv_heads, head_dim)

@@ -47,12 +47,9 @@ def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Cached values in `dtype`: as stored (a model-dtype cache), or fp8 times its scale."""
-    if x.dtype != KV_FP8:
+    if x.dtype != KV_FP8 or scale == 1.0:  # every E4M3 value is exact in fp16, bf16 and fp32
         return x if x.dtype == dtype else x.to(dtype)
-    values = x.to(torch.float32)
-    if scale != 1.0:
-        values = values * scale
-    return values.to(dtype)
+    return (x.to(torch.float32) * scale).to(dtype)
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,9 @@ class CudaOps(TorchOps):
     def rotary_and_write_kv(self, positions, q, k, v, cos, sin, kv_cache, slot_mapping, kv_scales=UNSCALED):
         # One kernel, in place on the strided q/k views of the fused QKV output: at decode, two
         # would each cost a launch and k would round-trip through memory.
-        self.k.rotary_embedding_and_cache(positions, q, k, v, cos, sin, kv_cache, slot_mapping, kv_scales)
+        self.k.rotary_embedding_and_cache(
+            positions, q, k, v, cos, sin, kv_cache, slot_mapping, kv_scales.k, kv_scales.v
+        )
         return q
 
     def attention(self, q, kv_cache, meta, scale, kv_scales=UNSCALED):

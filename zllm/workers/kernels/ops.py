@@ -7,7 +7,7 @@ layers.rms_norm(x, w, eps)                       rms_norm(out, x, w, eps)
 x + y, then layers.rms_norm                      fused_add_rms_norm(x, residual, w, eps)  (in place)
 layers.apply_rotary on q and k                   rotary_embedding(positions, q, k, cos, sin)  (in place)
 apply_rotary, then write_kv_cache                 rotary_embedding_and_cache(positions, q, k, v, cos, sin, kv, slots)
-  (an FP8 kv cache: quantize_kv / dequantize_kv)   (the same, with kv_scales / k_scale, v_scale)
+  (an FP8 kv cache: quantize_kv / dequantize_kv)   (the same, with k_scale, v_scale)
 F.linear(x, w, b) for one row x                  gemv(out, x, w, b)
 layers.silu_and_mul(x)                           silu_and_mul(out, x)
 
@@ -25,6 +25,7 @@ import os
 import numpy as np
 import torch
 
+from zllm.workers.attention import KV_FP8
 from zllm.workers.kernels.loader import launch
 
 _SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -107,17 +108,14 @@ def _rows(op: str, tensor: torch.Tensor, name: str) -> tuple[int, int]:
     return tensor.numel() // tensor.shape[-1], tensor.shape[-1]
 
 
-_KV_FP8 = torch.float8_e4m3fn
-
-
 def _cache_variant(op: str, kv_cache: torch.Tensor, dtype: torch.dtype) -> str:
     """The entry-point suffix for this cache: "" for a cache of the model dtype, "_kvfp8" for an
     FP8 E4M3 one."""
     if kv_cache.dtype == dtype:
         return ""
-    if kv_cache.dtype == _KV_FP8:
+    if kv_cache.dtype == KV_FP8:
         return "_kvfp8"
-    _fail(op, f"kv_cache has dtype {kv_cache.dtype}; expected {dtype} or {_KV_FP8}")
+    _fail(op, f"kv_cache has dtype {kv_cache.dtype}; expected {dtype} or {KV_FP8}")
 
 
 def _kv_scale(op: str, name: str, value: float) -> float:
@@ -439,20 +437,20 @@ def rotary_embedding(
 
 def rotary_embedding_and_cache(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales=None,
+    sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_embedding(positions, query, key, cos, sin) then reshape_and_cache(kv_cache, key,
     value, slot_mapping), in one launch: query and key are rotated in place, and the rotated key
     and value are stored at their slots (slots < 0 are padding). An FP8 E4M3 kv_cache stores
-    them quantized as attention.quantize_kv does, by kv_scales (.k, .v; None: 1.0)."""
+    them quantized as attention.quantize_kv does, by k_scale and v_scale."""
     op = "rotary_embedding_and_cache"
     device = _check_cuda(op, positions=positions, query=query, key=key, value=value, cos=cos, sin=sin,
                          kv_cache=kv_cache, slot_mapping=slot_mapping)
     suffix = _suffix(op, query, "query")
     _check_dtype(op, query.dtype, key=key, value=value)
     variant = _cache_variant(op, kv_cache, query.dtype)
-    k_scale = _kv_scale(op, "k_scale", 1.0 if kv_scales is None else kv_scales.k)
-    v_scale = _kv_scale(op, "v_scale", 1.0 if kv_scales is None else kv_scales.v)
+    k_scale, v_scale = _kv_scale(op, "k_scale", k_scale), _kv_scale(op, "v_scale", v_scale)
     _check_dtype(op, torch.int64, positions=positions, slot_mapping=slot_mapping)
     _check_dtype(op, torch.float32, cos=cos, sin=sin)
     _check_contiguous(op, positions=positions, cos=cos, sin=sin, kv_cache=kv_cache, slot_mapping=slot_mapping)
