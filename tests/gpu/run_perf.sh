@@ -18,6 +18,8 @@
 #                 GB/s table, then W2 with --quantization fp8 under each ZLLM_FP8_GEMV build
 #   PART=prefill: the packed prefill's A/B (ZLLM_PACKED_PREFILL=0 then 1): W1, W2 and serve.py at
 #                 Poisson 32 req/s, each measured back to back in this one call
+#   PART=moe:     issue 18: the MoE GPU tests, benchmarks/moe_kernels.py, then W2 and W1 on the
+#                 Qwen3-30B-A3B shape (dummy bf16, ~61 GB: an 80 GB H100)
 # Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -147,5 +149,15 @@ gemv)
     run 100 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024 --quantization fp8
   done
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv"; exit 2 ;;
+moe)
+  timeout 400 python -m pytest -q -p no:cacheprovider -p no:warnings --tb=short tests/gpu/test_moe_gpu.py > "$out/pytest_moe.log" 2>&1
+  grep -E "passed|failed|Error|assert" "$out/pytest_moe.log" | tail -25
+  run 200 python benchmarks/moe_kernels.py
+  moe=/tmp/zllm-qwen3-30b-a3b
+  python benchmarks/dummy_model.py qwen3-30b-a3b "$moe" >/dev/null
+  run 150 python benchmarks/latency.py --model "$moe" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024
+  run 250 python benchmarks/throughput.py --model "$moe" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
+    --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192
+  ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|moe"; exit 2 ;;
 esac

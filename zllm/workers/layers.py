@@ -26,6 +26,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Mixture-of-Experts router's choice as transformers makes it: (top-k weights [T, k],
+    expert ids [T, k]) from router logits [T, E]; softmax over all experts in fp32, the k largest,
+    renormalized if the model says so, cast back to the logits' dtype unless it keeps fp32."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if fp32_weights else weights.to(logits.dtype)), experts
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, with Llama-3 scaling when configured."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim

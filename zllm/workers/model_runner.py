@@ -262,10 +262,10 @@ class ModelRunner:
         )
         if self.config.enforce_eager:
             return
-        if self.spec.moe is not None:
+        if self.spec.moe is not None and not self.ops.fuses_moe(self.dtype):
             # The torch expert loop picks the experts on the host (a sync): no graph can hold it.
-            logger.info("decode CUDA graphs off: %s's experts run eagerly until the fused MoE kernels land",
-                        self.spec.architecture)
+            logger.info("decode CUDA graphs off: %s's experts run in the torch loop in %s (the fused MoE kernels "
+                        "take float16 and bfloat16)", self.spec.architecture, self.dtype)
             return
         from zllm.workers.cuda_graphs import DecodeGraphs
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from zllm.workers import attention as ref
 from zllm.workers import cpu_kernels
 from zllm.workers.attention import UNSCALED, AttentionMetadata, KVScales, PackedPrefill, dequantize_kv
-from zllm.workers.layers import apply_rotary, rms_norm, silu_and_mul
+from zllm.workers.layers import apply_rotary, moe_route, rms_norm, silu_and_mul
 
 
 class TorchOps:
@@ -40,6 +40,20 @@ class TorchOps:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
+
+    def fuses_moe(self, dtype: torch.dtype) -> bool:
+        """Whether moe() runs fused kernels for this dtype (no host sync: graphs can hold it)."""
+        return False
+
+    def moe(
+        self, x: torch.Tensor, logits: torch.Tensor, experts: torch.nn.Module, top_k: int, renormalize: bool,
+        fp32_weights: bool,
+    ) -> torch.Tensor:
+        """A Mixture-of-Experts block's expert output (this rank's part, unreduced) for tokens x
+        [T, H] with router logits [T, E]; `experts` is models/moe.py's Experts, whose forward is
+        the reference."""
+        weights, ids = moe_route(logits, top_k, renormalize, fp32_weights)
+        return experts(x, weights, ids)
 
     def rotary_and_write_kv(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -103,6 +117,23 @@ class CudaOps(TorchOps):
         out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
         self.k.silu_and_mul(out, x.contiguous())
         return out
+
+    def fuses_moe(self, dtype):
+        return dtype in (torch.float16, torch.bfloat16)
+
+    def moe(self, x, logits, experts, top_k, renormalize, fp32_weights):
+        # fp32 models (and shapes the kernels do not take) keep the reference loop, which syncs.
+        from zllm.workers.kernels import moe as fused
+
+        x = x.contiguous()
+        if not (self.fuses_moe(x.dtype) and fused.fused_experts_supported(x, experts.gate_up_proj, experts.down_proj)
+                and top_k <= min(logits.shape[-1], 32)):
+            return super().moe(x, logits, experts, top_k, renormalize, fp32_weights)
+        tokens = x.shape[0]
+        weights = torch.empty((tokens, top_k), dtype=torch.float32, device=x.device)
+        ids = torch.empty((tokens, top_k), dtype=torch.int32, device=x.device)
+        fused.moe_topk_softmax(weights, ids, logits.contiguous(), renormalize, round_weights=not fp32_weights)
+        return fused.experts(x, weights, ids, experts.gate_up_proj, experts.down_proj)
 
     def rotary_and_write_kv(self, positions, q, k, v, cos, sin, kv_cache, slot_mapping, kv_scales=UNSCALED):
         # One kernel, in place on the strided q/k views of the fused QKV output: at decode, two

@@ -146,7 +146,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(spec, ops, tp, quant)
         if spec.moe is not None and index in spec.moe.layers:
-            self.mlp = SparseMoeBlock(spec, tp)
+            self.mlp = SparseMoeBlock(spec, ops, tp)
         else:
             self.mlp = LlamaMLP(spec, ops, tp, quant)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)

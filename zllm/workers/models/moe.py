@@ -6,8 +6,10 @@ Tensor parallelism as vLLM does it by default: every rank holds every expert, sl
 expert's intermediate dimension (gate/up rows, down columns), plus a replicated router; the
 experts' and the shared expert's partial products are summed in one all-reduce per block.
 
-The experts run in torch, expert by expert in ascending order, each adding its weighted output
-with index_add_ as transformers does: the CPU path and the oracle of any fused kernel to come.
+How the block runs is the ops' choice (zllm/workers/ops.py `moe`): TorchOps routes with
+layers.moe_route and runs Experts.forward, expert by expert in ascending order, each adding its
+weighted output with index_add_ as transformers does (the CPU path and the oracle); CudaOps runs
+the fused kernels of csrc/moe_kernels.cu on fp16/bf16 (no host sync: decode graphs hold them).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from zllm.model_spec import ModelSpec, MoeSpec
 from zllm.partition import Span, even_split
 from zllm.workers.distributed import TensorParallel
+from zllm.workers.ops import TorchOps, linear
 from zllm.workers.parallel_layers import ColumnParallelLinear, FusedPart, LoadTarget, RowParallelLinear
 
 
@@ -29,15 +32,8 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
 
-    def route(self, x: torch.Tensor, moe: MoeSpec, fp32_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(top-k weights [T, k], expert ids [T, k]): softmax in fp32 over all experts, top k,
-        renormalized if the model says so; cast back to the model dtype unless it keeps fp32."""
-        logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, moe.top_k, dim=-1)
-        if moe.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return (weights if fp32_weights else weights.to(logits.dtype)), experts
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 class Experts(nn.Module):
@@ -96,10 +92,11 @@ class SharedExpert(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel) -> None:
         super().__init__()
         moe = spec.moe
         self.moe = moe
+        self.ops = ops
         self.tp = tp
         self.fp32_weights = moe.format.fp32_routing_weights
         self.gate = Router(spec.hidden_size, moe.num_experts)
@@ -112,8 +109,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.gate.route(x, self.moe, self.fp32_weights)
-        out = self.experts(x, weights, experts)
+        out = self.ops.moe(x, self.gate(x), self.experts, self.moe.top_k, self.moe.renormalize, self.fp32_weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out

@@ -1,0 +1,243 @@
+"""The fused Mixture-of-Experts kernels (csrc/moe_kernels.cu) on torch tensors.
+
+Reference (zllm/workers/models/moe.py)            Kernels here
+layers.moe_route (softmax, top-k, renormalize)  moe_topk_softmax(weights, ids, logits, ...)
+Experts.forward (the expert loop)                 fused_experts(x, weights, ids, gate_up, down):
+                                                  moe_align, moe_gate_up, moe_down, moe_sum
+                                                  grouped_mm_experts(...): the same through
+                                                  torch._grouped_mm (CUTLASS) for large batches
+
+Like zllm.workers.kernels.ops: arguments are checked (ValueError with the reason), launches go to
+torch's current stream, nothing synchronises with the host, and every shape depends on the
+number of tokens only, never on the routing, so a decode step with MoE layers can be captured in
+a CUDA graph. fused_experts allocates its scratch with torch (the graph's pool under capture).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from zllm.workers.kernels.loader import launch
+from zllm.workers.kernels.ops import (
+    _check_contiguous, _check_cuda, _check_dim, _check_dtype, _fail, _ptr, _suffix, silu_and_mul,
+)
+
+_FILE = "moe_kernels"
+MAX_EXPERTS = 512  # kMaxExpertsPerLane * 32 in csrc/moe_kernels.cu
+_GEMM_DTYPES = (torch.float16, torch.bfloat16)
+_GEMM_WARPS = 4  # kMoeWarps
+_ALIGN_THREADS = 1024  # kAlignThreads
+_TILE_MULTIPLES = (1, 2, 4)  # the built MT: tiles of 16, 32 or 64 rows
+_SPLIT_K = {"m1": True, "m2": False, "m4": False, "m1nosplit": False}  # csrc: the block's warps share rows
+
+
+def moe_topk_softmax(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, logits: torch.Tensor, renormalize: bool, round_weights: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fill topk_weights (fp32 [T, k]) and topk_ids (int32 [T, k]) from router logits [T, E]:
+    softmax in fp32, the k largest in descending order, renormalized if asked, rounded through
+    the logits' dtype if round_weights (the models that cast the routing weights)."""
+    op = "moe_topk_softmax"
+    device = _check_cuda(op, topk_weights=topk_weights, topk_ids=topk_ids, logits=logits)
+    suffix = _suffix(op, logits, "logits")
+    _check_dtype(op, torch.float32, topk_weights=topk_weights)
+    _check_dtype(op, torch.int32, topk_ids=topk_ids)
+    _check_dim(op, logits, "logits", 2)
+    _check_contiguous(op, topk_weights=topk_weights, topk_ids=topk_ids, logits=logits)
+    tokens, num_experts = logits.shape
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        _fail(op, f"{num_experts} experts; 1 to {MAX_EXPERTS} are supported")
+    if topk_weights.dim() != 2 or topk_weights.shape[0] != tokens or topk_ids.shape != topk_weights.shape:
+        _fail(op, f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{tokens}, k]")
+    top_k = topk_weights.shape[1]
+    if not 1 <= top_k <= min(num_experts, 32):
+        _fail(op, f"top_k {top_k} must be between 1 and min({num_experts} experts, 32)")
+    if tokens:
+        warps = 4
+        args = (_ptr(topk_weights), _ptr(topk_ids), _ptr(logits), np.int32(tokens), np.int32(num_experts),
+                np.int32(top_k), np.int32(renormalize), np.int32(round_weights))
+        launch(_FILE, f"moe_topk_softmax_{suffix}", device, (-(-tokens // warps),), (32 * warps,), args)
+    return topk_weights, topk_ids
+
+
+def tile_rows(pairs: int, num_experts: int) -> int:
+    """Rows per tile (16, 32 or 64) for `pairs` (token, expert) rows over num_experts: the
+    smallest that holds an expert's average share, so a decode batch reads each chosen expert's
+    weights about once, and large batches (prefill) reuse each weight load for 64 rows."""
+    per_expert = pairs / max(num_experts, 1)
+    for multiple in _TILE_MULTIPLES:
+        if per_expert <= 16 * multiple:
+            return 16 * multiple
+    return 16 * _TILE_MULTIPLES[-1]
+
+
+def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
+    """Tiles the sorted rows can take whatever the routing: each expert used pads to whole tiles."""
+    return -(-pairs // block_m) + min(num_experts, pairs)
+
+
+def moe_align(
+    sorted_pairs: torch.Tensor, tile_experts: torch.Tensor, num_tiles: torch.Tensor, topk_ids: torch.Tensor,
+    num_experts: int, block_m: int,
+) -> None:
+    """Sort the (token, slot) pairs of topk_ids [T, k] (int32, flattened: pair = token * k + slot)
+    by expert into tiles of block_m rows: sorted_pairs [tiles * block_m] holds pair indices, each
+    expert's from the start of a tile, padded with -1; tile_experts [tiles] each tile's expert (-1
+    for the unused); num_tiles [1] the tiles used. tiles >= max_tiles(pairs, E, block_m)."""
+    op = "moe_align"
+    device = _check_cuda(op, sorted_pairs=sorted_pairs, tile_experts=tile_experts, num_tiles=num_tiles,
+                         topk_ids=topk_ids)
+    _check_dtype(op, torch.int32, sorted_pairs=sorted_pairs, tile_experts=tile_experts, num_tiles=num_tiles,
+                 topk_ids=topk_ids)
+    _check_contiguous(op, sorted_pairs=sorted_pairs, tile_experts=tile_experts, topk_ids=topk_ids)
+    pairs = topk_ids.numel()
+    tiles = tile_experts.numel()
+    if not 1 <= num_experts <= MAX_EXPERTS or block_m % 16 or block_m <= 0:
+        _fail(op, f"{num_experts} experts (1 to {MAX_EXPERTS}) and tiles of {block_m} rows (a multiple of 16)")
+    if tiles < max_tiles(pairs, num_experts, block_m) or sorted_pairs.numel() != tiles * block_m:
+        _fail(op, f"{tiles} tiles and {sorted_pairs.numel()} rows cannot hold {pairs} pairs in tiles of {block_m}")
+    launch(_FILE, "moe_align", device, (1,), (_ALIGN_THREADS,),
+           (_ptr(sorted_pairs), _ptr(tile_experts), _ptr(num_tiles), _ptr(topk_ids), np.int32(pairs),
+            np.int32(num_experts), np.int32(block_m), np.int32(tiles)),
+           shared_mem=2 * num_experts * 4)
+
+
+def fused_experts_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether fused_experts takes these: CUDA fp16/bf16 tensors, contiguous stacked weights
+    [E, 2I, H] and [E, H, I], H and I multiples of 8 (16-byte rows), E <= MAX_EXPERTS."""
+    if x.dtype not in _GEMM_DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        return False
+    if not (x.is_cuda and gate_up.is_cuda and down.is_cuda) or gate_up.dim() != 3 or down.dim() != 3:
+        return False
+    num_experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    return (
+        tuple(down.shape) == (num_experts, hidden, inter) and two_inter % 2 == 0 and 1 <= num_experts <= MAX_EXPERTS
+        and hidden % 8 == 0 and inter % 8 == 0 and inter > 0 and gate_up.is_contiguous() and down.is_contiguous()
+        and gate_up.data_ptr() % 16 == 0 and down.data_ptr() % 16 == 0
+    )
+
+
+def _check_experts(op: str, x, topk_weights, topk_ids, gate_up, down) -> tuple[torch.device, str, int]:
+    """(device, dtype suffix, top_k) of valid fused_experts / grouped_mm_experts arguments."""
+    device = _check_cuda(op, x=x, topk_weights=topk_weights, topk_ids=topk_ids, gate_up=gate_up, down=down)
+    suffix = _suffix(op, x, "x")
+    _check_dim(op, x, "x", 2)
+    if not fused_experts_supported(x, gate_up, down):
+        _fail(op, f"x {tuple(x.shape)} {x.dtype}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}: need fp16 or "
+                  f"bf16, contiguous [E, 2I, H] and [E, H, I] of one dtype, H and I multiples of 8, 1 to {MAX_EXPERTS} experts")
+    hidden = gate_up.shape[2]
+    if x.shape[1] != hidden or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        _fail(op, f"x {tuple(x.shape)} (strides {x.stride()}) must be [T, {hidden}] with 16-byte-aligned contiguous rows")
+    _check_dtype(op, torch.float32, topk_weights=topk_weights)
+    _check_dtype(op, torch.int32, topk_ids=topk_ids)
+    _check_contiguous(op, topk_weights=topk_weights, topk_ids=topk_ids)
+    tokens = x.shape[0]
+    if topk_weights.dim() != 2 or topk_weights.shape[0] != tokens or topk_ids.shape != topk_weights.shape:
+        _fail(op, f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{tokens}, k]")
+    return device, suffix, topk_weights.shape[1]
+
+
+def _weighted_sum(out: torch.Tensor, weighted: torch.Tensor, top_k: int, suffix: str, device) -> torch.Tensor:
+    """out [T, H] = the sum over each token's k rows of weighted [T * k, H] (pair order)."""
+    tokens, hidden = out.shape
+    threads = min(256, max(32, -(-hidden // 8 // 32) * 32))
+    launch(_FILE, f"moe_sum_{suffix}", device, (tokens, -(-hidden // (8 * threads))), (threads,),
+           (_ptr(out), _ptr(weighted), np.int32(top_k), np.int32(hidden)))
+    return out
+
+
+def grouped_mm_available(device: torch.device) -> bool:
+    """torch._grouped_mm's CUTLASS kernels run here (Hopper, a torch that has them)."""
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def grouped_mm_experts(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """fused_experts' result through torch._grouped_mm: the pairs sorted by expert (torch.sort,
+    no host sync), one grouped GEMM for gate_up, the SiLU-and-mul kernel, one grouped GEMM for
+    down, then the weighted sum. Tensor-core tiles of CUTLASS's size: the path for prefill-sized
+    batches, where fused_experts' register tiles run short of the matmul rate."""
+    op = "grouped_mm_experts"
+    device, suffix, top_k = _check_experts(op, x, topk_weights, topk_ids, gate_up, down)
+    num_experts, hidden = gate_up.shape[0], gate_up.shape[2]
+    out = torch.empty((x.shape[0], hidden), dtype=x.dtype, device=device)
+    if out.numel() == 0:
+        return out
+    flat = topk_ids.flatten()
+    order = torch.sort(flat, stable=True).indices  # pair indices, grouped by expert
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat))  # bincount would sync for its size
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    rows = x.index_select(0, order // top_k)
+    hidden_states = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)
+    inter = torch.empty((rows.shape[0], hidden_states.shape[1] // 2), dtype=x.dtype, device=device)
+    silu_and_mul(inter, hidden_states)
+    expert_out = torch._grouped_mm(inter, down.transpose(1, 2), offs=ends)
+    weighted = torch.empty_like(expert_out)
+    # bf16 output times the fp32 weight, rounded: the reference's index_add_ addend.
+    weighted[order] = (expert_out * topk_weights.flatten()[order, None]).to(x.dtype)
+    return _weighted_sum(out, weighted, top_k, suffix, device)
+
+
+# Rows per expert (on average) from which experts() takes torch._grouped_mm over fused_experts.
+# H100, benchmarks/moe_kernels.py, Qwen3-30B-A3B's layer: even at 0.5 rows per expert (batch 8:
+# 258 vs 255 us), ahead from 4 (batch 64: 526 vs 574 us; batch 256: 575 vs 616 us; batch 2048:
+# 134 vs 69 TFLOP/s). ZLLM_MOE_GROUPED_MM_ROWS overrides it (0: never).
+GROUPED_MM_MIN_ROWS = float(os.environ.get("ZLLM_MOE_GROUPED_MM_ROWS", "4"))
+
+
+def experts(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The MoE experts' output by the faster path for this batch: fused_experts' register tiles
+    while each expert sees few rows (decode), torch._grouped_mm from GROUPED_MM_MIN_ROWS rows per
+    expert on (prefill), where it is available. Both are graph-safe."""
+    per_expert = topk_ids.numel() / gate_up.shape[0]
+    if 0 < GROUPED_MM_MIN_ROWS <= per_expert and grouped_mm_available(x.device):
+        return grouped_mm_experts(x, topk_weights, topk_ids, gate_up, down)
+    return fused_experts(x, topk_weights, topk_ids, gate_up, down)
+
+
+def fused_experts(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    variant: str = "",
+) -> torch.Tensor:
+    """sum over each token's k experts e of topk_weights * down_e(silu(gate_e x) * up_e x):
+    x [T, H] (fp16/bf16, row stride free, 16-byte-aligned rows), topk_weights fp32 [T, k],
+    topk_ids int32 [T, k] (each in [0, E)), gate_up [E, 2I, H], down [E, H, I]. Returns [T, H].
+    `variant` "nosplit" runs the 16-row tiles without split-K (bf16; benchmarks only)."""
+    op = "fused_experts"
+    device, suffix, top_k = _check_experts(op, x, topk_weights, topk_ids, gate_up, down)
+    num_experts, two_inter, hidden = gate_up.shape
+    inter = two_inter // 2
+    tokens = x.shape[0]
+    out = torch.empty((tokens, hidden), dtype=x.dtype, device=device)
+    pairs = tokens * top_k
+    if pairs == 0:
+        return out
+    block_m = tile_rows(pairs, num_experts)
+    tiles = max_tiles(pairs, num_experts, block_m)
+    rows = tiles * block_m
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=device)
+    tile_experts = torch.empty(tiles, dtype=torch.int32, device=device)
+    num_tiles = torch.empty(1, dtype=torch.int32, device=device)
+    moe_align(sorted_pairs, tile_experts, num_tiles, topk_ids, num_experts, block_m)
+
+    name = f"m{block_m // 16}{variant if block_m == 16 else ''}"
+    rows_per_block = 8 if _SPLIT_K[name] else 8 * _GEMM_WARPS
+    inter_rows = torch.empty((rows, inter), dtype=x.dtype, device=device)
+    launch(_FILE, f"moe_gate_up_{suffix}_{name}", device, (tiles, -(-inter // rows_per_block)),
+           (32 * _GEMM_WARPS,),
+           (_ptr(inter_rows), _ptr(x), _ptr(gate_up), _ptr(sorted_pairs), _ptr(tile_experts), np.int32(top_k),
+            np.int32(inter), np.int32(hidden), np.int64(x.stride(0))))
+    weighted = torch.empty((pairs, hidden), dtype=x.dtype, device=device)
+    launch(_FILE, f"moe_down_{suffix}_{name}", device, (tiles, -(-hidden // rows_per_block)),
+           (32 * _GEMM_WARPS,),
+           (_ptr(weighted), _ptr(inter_rows), _ptr(down), _ptr(sorted_pairs), _ptr(tile_experts), _ptr(topk_weights),
+            np.int32(hidden), np.int32(inter)))
+    return _weighted_sum(out, weighted, top_k, suffix, device)
