@@ -18,11 +18,11 @@ import json
 import time
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.gpu_timing import graph_time_us
 from zllm.workers.kernels import moe as fused
 from zllm.workers.layers import moe_route
+from zllm.workers.models.moe import expert_loop  # the reference loop (host syncs: timed eagerly)
 
 SHAPES = {  # name -> (experts, top_k, hidden, expert intermediate), per layer at tp 1
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -45,17 +45,6 @@ def matmul_tflops() -> float:
     out = torch.empty_like(a)
     micros = graph_time_us(lambda i: torch.matmul(a, b, out=out), 4, REPLAYS)
     return 2 * 8192**3 / micros / 1e6
-
-
-def torch_loop(x, weights, ids, gate_up, down):
-    """models/moe.py's reference loop (host syncs: timed eagerly)."""
-    out = torch.zeros_like(x)
-    for expert in ids.unique().tolist():
-        token, slot = torch.where(ids == expert)
-        gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert]) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
-    return out
 
 
 def eager_time_us(fn, calls: int) -> float:
@@ -90,7 +79,7 @@ def run_shape(name: str, batches: list[int], loop_batches: set[int]) -> None:
         if fused.grouped_mm_available(x.device) and batch >= 8:
             methods["grouped-mm"] = lambda i: fused.grouped_mm_experts(x, weights, ids32, gate_ups[i], downs[i])
         if batch in loop_batches:
-            methods["torch-loop"] = lambda i: torch_loop(x, weights, ids, gate_ups[i], downs[i])
+            methods["torch-loop"] = lambda i: expert_loop(x, weights, ids, gate_ups[i], downs[i])
         for method, fn in methods.items():
             micros = graph_time_us(fn, layers, REPLAYS) if method != "torch-loop" else eager_time_us(fn, layers)
             print(json.dumps({"benchmark": "moe_kernels", "shape": name, "batch": batch, "method": method,

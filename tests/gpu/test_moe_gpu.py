@@ -14,24 +14,12 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-import torch.nn.functional as F  # noqa: E402
-
 from zllm import LLMEngine, SamplingParams  # noqa: E402
 from zllm.workers.kernels import moe as fused  # noqa: E402
 from zllm.workers.layers import moe_route  # noqa: E402
+from zllm.workers.models.moe import expert_loop  # noqa: E402
 
 HALF = [torch.bfloat16, torch.float16]
-
-
-def _reference_experts(x, weights, ids, gate_up, down):
-    """models/moe.py's expert loop, in whatever dtype its operands have."""
-    out = torch.zeros_like(x)
-    for expert in ids.unique().tolist():
-        token, slot = torch.where(ids == expert)
-        gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert]) * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
-    return out
 
 
 def _operands(tokens, num_experts, top_k, hidden, inter, dtype, seed=0):
@@ -47,8 +35,8 @@ def _operands(tokens, num_experts, top_k, hidden, inter, dtype, seed=0):
 def _check_against_float64(x, weights, ids, gate_up, down):
     """Each path's error against a float64 evaluation is at most about that of torch's own
     half-precision loop (all round the same intermediates; only summation orders differ)."""
-    torch_half = _reference_experts(x, weights, ids.long(), gate_up, down).double()
-    exact = _reference_experts(x.double(), weights.double(), ids.long(), gate_up.double(), down.double())
+    torch_half = expert_loop(x, weights, ids.long(), gate_up, down).double()
+    exact = expert_loop(x.double(), weights.double(), ids.long(), gate_up.double(), down.double())
     scale = exact.abs().max().item()
     torch_err = (torch_half - exact).abs().max().item()
     paths = {"fused": fused.fused_experts}

@@ -36,6 +36,24 @@ class Router(nn.Module):
         return linear(x, self.weight)
 
 
+def expert_loop(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """sum over each token's top-k experts e of weight * down_e(silu(gate_e x) * up_e x), expert by
+    expert in ascending order as transformers' eager path: x [T, H], weights [T, k], experts [T, k]
+    (int64), gate_up [E, 2I, H], down [E, H, I], in whatever dtype they have (the oracle of the
+    fused kernels and of their float64 checks)."""
+    out = torch.zeros_like(x)
+    # [E, k, T]: which (slot, token) pairs chose each expert.
+    chosen = F.one_hot(experts, num_classes=gate_up.shape[0]).permute(2, 1, 0)
+    for expert in (chosen.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
+        slot, token = torch.where(chosen[expert])
+        gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
 class Experts(nn.Module):
     """Every expert's weights stacked, this rank's slice of the intermediate dimension:
     gate_up_proj [E, 2 * I_rank, H] (gate rows, then up rows) and down_proj [E, H, I_rank].
@@ -63,16 +81,7 @@ class Experts(nn.Module):
         return LoadTarget(self.down_proj.data[shard], (self.hidden_size, self.intermediate_size), (slice(None), rows))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """sum over each token's top-k experts e of weight * down_e(silu(gate_e x) * up_e x)."""
-        out = torch.zeros_like(x)
-        # [E, k, T]: which (slot, token) pairs chose each expert.
-        chosen = F.one_hot(experts, num_classes=self.num_experts).permute(2, 1, 0)
-        for expert in (chosen.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
-            slot, token = torch.where(chosen[expert])
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        return expert_loop(x, weights, experts, self.gate_up_proj, self.down_proj)
 
 
 class SharedExpert(nn.Module):
