@@ -1,5 +1,6 @@
-"""One-token GEMV: zllm's csrc kernel vs cuBLAS through F.linear, on the
-projections of a batch-1 decode step, with the weight bytes streamed per microsecond.
+"""One-token GEMV: zllm's csrc kernels (one warp a row, and the split builds) vs cuBLAS through
+F.linear, on the projections of a batch-1 decode step, with the weight bytes streamed per
+microsecond.
 
     python benchmarks/gemv.py --shapes llama3-8b
 
@@ -20,10 +21,14 @@ from zllm.workers import kernels
 SHAPES = {  # name -> [(label, N, K)] per rank
     "llama3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
                   ("lm_head", 128256, 4096)],
+    "qwen3-30b-a3b": [("qkv", 5120, 2048), ("o", 2048, 4096), ("router", 128, 2048), ("lm_head", 151936, 2048)],
     "llama3-70b-tp2": [("qkv", 5120, 8192), ("o", 8192, 4096), ("gate_up", 28672, 8192), ("down", 8192, 14336),
                        ("lm_head", 64128, 8192)],
 }
 CALLS, REPLAYS = 16, 10
+# "": one warp a row; "b<B>": split over gemv_split's warps, __launch_bounds__ minimum blocks B;
+# "s<S>_b<B>": S warps a row (zllm.workers.kernels.ops.gemv's variant).
+VARIANTS = ["", "b0", "b4", "b6", "s2_b4", "s4_b4", "s4_b6"]
 
 
 def main() -> None:
@@ -37,8 +42,10 @@ def main() -> None:
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(calls)]
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
         outs = [torch.empty(1, n, device=device, dtype=torch.bfloat16) for _ in range(calls)]
-        methods = {"cublas": lambda i: torch.matmul(x, weights[i].t(), out=outs[i]),
-                   "zllm": lambda i: kernels.gemv(outs[i], x, weights[i])}
+        methods = {"cublas": lambda i: torch.matmul(x, weights[i].t(), out=outs[i])}
+        for variant in VARIANTS:
+            methods[f"zllm{'-' + variant if variant else ''}"] = (
+                lambda i, variant=variant: kernels.gemv(outs[i], x, weights[i], variant=variant))
         for name, fn in methods.items():
             micros = graph_time_us(fn, calls, REPLAYS)
             print(json.dumps({"benchmark": "gemv", "shapes": args.shapes, "proj": label, "n": n, "k": k,

@@ -1,6 +1,7 @@
-"""The fused MoE kernels (csrc/moe_kernels.cu: route, sort, gate_up + SiLU, down, weighted sum)
-on one MoE layer's shapes, against the torch expert loop and the GPU's own limits measured in the
-same run (device-to-device copy bandwidth, a bf16 8192^3 matmul).
+"""The fused MoE kernels (csrc/moe_kernels.cu: route, sort, gate_up + SiLU, down, weighted sum;
+the sort-free GEMVs for a few tokens) on one MoE layer's shapes, against the torch expert loop
+and the GPU's own limits measured in the same run (device-to-device copy bandwidth, a bf16
+8192^3 matmul).
 
     python benchmarks/moe_kernels.py --shapes qwen3-30b-a3b mixtral-8x7b --batches 1 8 64 256 2048
 
@@ -73,6 +74,11 @@ def run_shape(name: str, batches: list[int], loop_batches: set[int]) -> None:
         read = chosen * 3 * inter * hidden * 2
         flops = 2 * batch * top_k * 3 * inter * hidden
         methods = {"fused": lambda i: fused.fused_experts(x, weights, ids32, gate_ups[i], downs[i])}
+        if batch <= 16:  # the sort-free GEMVs: each (token, slot) pair reads its expert
+            for split, bound in fused.GEMV_BUILDS:
+                methods[f"gemv-s{split}-{bound}"] = (
+                    lambda i, split=split, bound=bound: fused.gemv_experts(x, weights, ids32, gate_ups[i], downs[i],
+                                                                           split=split, bound=bound))
         if fused.tile_rows(batch * top_k, experts) == 16:  # the 16-row tiles without split-K
             methods["fused-nosplit"] = lambda i: fused.fused_experts(x, weights, ids32, gate_ups[i], downs[i],
                                                                      variant="nosplit")

@@ -9,7 +9,9 @@ For each zllm configuration (dtype, prefill path, step budget) it reports:
 Configurations: fp32 (must equal HF), online FP8 (--quantization fp8) in bf16 and fp32, the FP8 KV
 cache (--kv-cache-dtype fp8) in fp32 and bf16 and with FP8 weights, bf16 through the packed prefill (one FlashAttention call
 per layer) and through the per-request loop (ZLLM_PACKED_PREFILL's A/B, switched in-process),
-and bf16 packed with a 64-token step budget so that prompts arrive as chunks over cached prefixes.
+and bf16 packed with a 64-token step budget so that prompts arrive as chunks over cached prefixes;
+with --batch-one, fp32, bf16 and FP8 weights again one sequence at a time (batch-1 decode steps,
+the GEMV kernels' path).
 Precision changes are checked with this script (DEVELOPERS.md: real weights on the GPU).
 """
 
@@ -81,12 +83,14 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def zllm_run(model_dir: str, tokenizer, dtype: str, packed: bool, budget: int | None, reference: list[list[int]],
-             quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
+             quantization: str | None = None, kv_cache_dtype: str = "auto", max_num_seqs: int | None = None) -> dict:
     from zllm import LLM, SamplingParams
     from zllm.workers import ops
 
     ops._PACKED_PREFILL_ENABLED = packed
     kwargs = {"max_num_batched_tokens": budget} if budget else {}
+    if max_num_seqs:
+        kwargs["max_num_seqs"] = max_num_seqs
     if quantization:
         kwargs["quantization"] = quantization
     llm = LLM(model=model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=0.3, max_model_len=1024, **kwargs)
@@ -102,6 +106,7 @@ def zllm_run(model_dir: str, tokenizer, dtype: str, packed: bool, budget: int | 
     ours = [list(o.outputs[0].token_ids) for o in outs]
     prefixes = [common_prefix(a, b) for a, b in zip(ours, reference)]
     return {"dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "packed_prefill": packed, "max_num_batched_tokens": budget,
+            "max_num_seqs": max_num_seqs,
             "ppl": round(math.exp(nll), 3),
             "greedy_equal": f"{sum(a == b for a, b in zip(ours, reference))}/{len(PROMPTS)}",
             "mean_common_prefix": round(sum(prefixes) / len(prefixes), 1)}
@@ -120,6 +125,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--device", default="cuda", help="where HF runs (cpu: a quick check of this script)")
     parser.add_argument("--quick", action="store_true", help="skip the prefill-path and step-budget variants")
+    parser.add_argument("--batch-one", action="store_true",
+                        help="also generate one sequence at a time (max_num_seqs 1: batch-1 decode, the GEMVs)")
     args = parser.parse_args()
     from zllm.frontend.tokenizer import load_tokenizer
     from zllm.model_files import resolve_model_dir
@@ -137,8 +144,13 @@ def main() -> None:
         ("float32", True, None, None, "fp8"), ("bfloat16", True, None, None, "fp8"), ("bfloat16", True, None, "fp8", "fp8")]
     if args.quick:
         configs = [c for c in configs if c[1] and c[2] is None]
-    for dtype, packed, budget, quantization, kv_cache_dtype in configs:
-        runs.append(zllm_run(model_dir, tokenizer, dtype, packed, budget, reference, quantization, kv_cache_dtype))
+    configs = [(*c, None) for c in configs]
+    if args.batch_one:  # every decode step at batch 1: the GEMV kernels (one token) on every projection
+        configs += [("float32", True, None, None, "auto", 1), ("bfloat16", True, None, None, "auto", 1),
+                    ("bfloat16", True, None, "fp8", "auto", 1)]
+    for dtype, packed, budget, quantization, kv_cache_dtype, max_num_seqs in configs:
+        runs.append(zllm_run(model_dir, tokenizer, dtype, packed, budget, reference, quantization, kv_cache_dtype,
+                             max_num_seqs))
         print(json.dumps(runs[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -180,6 +180,19 @@ __device__ __forceinline__ void store_floats(T* p, const float (&in)[N]) {
   }
 }
 
+// The dot product of two 16-byte runs of T (8 fp16/bf16 or 4 fp32), in fp32.
+template <typename T>
+__device__ __forceinline__ float dot16(uint4 wv, uint4 xv) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  float wf[kVec], xf[kVec];
+  unpack<T>(wv, wf);
+  unpack<T>(xv, xf);
+  float s = 0.f;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) s = fmaf(wf[e], xf[e], s);
+  return s;
+}
+
 // ---- reductions -------------------------------------------------------------------------------
 
 __device__ __forceinline__ float warp_sum(float v) {

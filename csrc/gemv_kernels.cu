@@ -10,7 +10,8 @@
 // loads, x from the read-only cache), accumulate in fp32 and finish with a warp sum. fp32
 // accumulation in a different order than cuBLAS: results agree to rounding, not bit for bit.
 // One row and 8 loads per warp beat two rows and 4 loads on every Llama-3-8B projection (H100,
-// benchmarks/gemv.py, 2026-11-22), so only that variant is built.
+// benchmarks/gemv.py, 2026-11-22), so only that variant is built; gemv_<T>_s<S>_b<B> (below)
+// split each row over S warps and mask their last round.
 #include <cuda_fp8.h>
 
 #include "common.cuh"
@@ -29,18 +30,6 @@ __device__ __forceinline__ void row_pointers(const E* __restrict__ w, int row0, 
   for (int r = 0; r < kRows; ++r) {
     w16[r] = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row0 + r, n - 1)) * k);
   }
-}
-
-template <typename T>
-__device__ __forceinline__ float dot16(uint4 wv, uint4 xv) {
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  float wf[kVec], xf[kVec];
-  unpack<T>(wv, wf);
-  unpack<T>(xv, xf);
-  float s = 0.f;
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) s = fmaf(wf[e], xf[e], s);
-  return s;
 }
 
 template <typename T, int kRows, int kUnroll>
@@ -91,6 +80,56 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
   }
 }
 
+// Split-K (kSplit = 1, 2 or 4 warps per row, kGemvWarps / kSplit rows a block): each warp takes a
+// contiguous kSplit-th of the row (whole 32-unit strides) in rounds of kUnroll loads, the last
+// round masked, and the row's warps add their sums through shared memory. For rows too short
+// for a warp to keep kUnroll loads in flight more than once or twice (Qwen3-30B-A3B's attention
+// projections: K = 2048 and 4096) and for too few rows to fill the SMs with warps, where the
+// one-warp-per-row kernel waits on memory round trips one after another.
+template <typename T, int kUnroll, int kSplit>
+__device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __restrict__ x,
+                                                const T* __restrict__ w, const T* __restrict__ bias,
+                                                int n, int k) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  constexpr int kRowsPerBlock = kGemvWarps / kSplit;
+  __shared__ float partial[kGemvWarps];
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kRowsPerBlock + warp / kSplit;  // may pass n: computed, not stored
+  const int units = k / kVec;
+  const int span = ((units + kSplit - 1) / kSplit + 31) / 32 * 32;
+  const int begin = imin((warp % kSplit) * span, units);
+  const int end = imin(begin + span, units);
+  const uint4* x16 = reinterpret_cast<const uint4*>(x);
+  const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row, n - 1)) * k);
+  float acc = 0.f;
+  for (int base = begin; base < end; base += 32 * kUnroll) {
+    // The last round is masked by clamping to the last unit and dropping those products (a
+    // select: a branch around each load would keep the loads from being in flight together).
+    uint4 wv[kUnroll], xv[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) wv[j] = __ldcs(w16 + imin(base + lane + 32 * j, end - 1));
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) xv[j] = __ldg(x16 + imin(base + lane + 32 * j, end - 1));
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const float d = dot16<T>(wv[j], xv[j]);
+      acc += base + lane + 32 * j < end ? d : 0.f;
+    }
+  }
+  float total = warp_sum(acc);
+  if constexpr (kSplit > 1) {
+    if (lane == 0) partial[warp] = total;
+    __syncthreads();
+    if (warp % kSplit != 0) return;
+    total = 0.f;
+#pragma unroll
+    for (int p = 0; p < kSplit; ++p) total += partial[warp + p];
+  }
+  if (lane != 0 || row >= n) return;
+  y[row] = from_float<T>(bias == nullptr ? total : total + to_float<T>(bias[row]));
+}
+
 }  // namespace zllm
 
 #define ZLLM_GEMV(NAME, T, ROWS, UNROLL)                                                          \
@@ -103,6 +142,32 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
 ZLLM_GEMV(gemv_f32, float, 1, 8)
 ZLLM_GEMV(gemv_f16, __half, 1, 8)
 ZLLM_GEMV(gemv_bf16, __nv_bfloat16, 1, 8)
+
+// gemv_<T>_s<S>_b<B>: S warps a row; B = __launch_bounds__' minimum blocks per SM (b0: none).
+// The bound decides how ptxas schedules the loop: without one it interleaves each load with the
+// products of the one before (few registers, ~2-5 loads in flight, latency hidden only by a
+// full SM of warps); with 4 or 6 it issues a round's loads (8-16) before the first product.
+#define ZLLM_GEMV_BOUNDS_b0 __launch_bounds__(zllm::kGemvThreads)
+#define ZLLM_GEMV_BOUNDS_b4 __launch_bounds__(zllm::kGemvThreads, 4)
+#define ZLLM_GEMV_BOUNDS_b6 __launch_bounds__(zllm::kGemvThreads, 6)
+#define ZLLM_GEMV_SPLIT(SUFFIX, T, SPLIT, BOUND)                                                  \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_##BOUND gemv_##SUFFIX##_s##SPLIT##_##BOUND(        \
+      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      const T* __restrict__ bias, int n, int k) {                                               \
+    zllm::gemv_split_impl<T, 8, SPLIT>(y, x, w, bias, n, k);                                    \
+  }
+#define ZLLM_GEMV_SPLITS(SUFFIX, T, BOUND)      \
+  ZLLM_GEMV_SPLIT(SUFFIX, T, 1, BOUND)          \
+  ZLLM_GEMV_SPLIT(SUFFIX, T, 2, BOUND)          \
+  ZLLM_GEMV_SPLIT(SUFFIX, T, 4, BOUND)
+#define ZLLM_GEMV_SPLITS_DTYPE(SUFFIX, T) \
+  ZLLM_GEMV_SPLITS(SUFFIX, T, b0)         \
+  ZLLM_GEMV_SPLITS(SUFFIX, T, b4)         \
+  ZLLM_GEMV_SPLITS(SUFFIX, T, b6)
+
+ZLLM_GEMV_SPLITS_DTYPE(f32, float)
+ZLLM_GEMV_SPLITS_DTYPE(f16, __half)
+ZLLM_GEMV_SPLITS_DTYPE(bf16, __nv_bfloat16)
 
 // ---- FP8 weights ----------------------------------------------------------------------------------
 // gemv_fp8_<T>[_block]: y[n] = sum_k x[k] * (w8[n, k] * scale) (+ bias[n]), the batch-1 product
@@ -213,7 +278,19 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __rest
 ZLLM_GEMV_FP8_DTYPE(f32, float)
 ZLLM_GEMV_FP8_DTYPE(f16, __half)
 ZLLM_GEMV_FP8_DTYPE(bf16, __nv_bfloat16)
-// Other shapes for benchmarks/fp8_linear.py's comparison and ZLLM_FP8_GEMV (bf16, per-row scales).
+// Other shapes for benchmarks/fp8_linear.py's comparison and ZLLM_FP8_GEMV (bf16, per-row scales);
+// _b<B>: __launch_bounds__ with B minimum blocks per SM (ptxas then issues a round's loads
+// together; see ZLLM_GEMV_BOUNDS_b4 above).
+#define ZLLM_GEMV_FP8_BOUND(NAME, T, ROWS, UNROLL, BOUND)                                          \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_##BOUND NAME(                                       \
+      T* __restrict__ y, const T* __restrict__ x, const unsigned char* __restrict__ w,          \
+      const float* __restrict__ scale, const T* __restrict__ bias, int n, int k) {              \
+    zllm::gemv_fp8_impl<T, false, ROWS, UNROLL>(y, x, w, scale, bias, n, k);                    \
+  }
+ZLLM_GEMV_FP8_BOUND(gemv_fp8_bf16_r1u2_b6, __nv_bfloat16, 1, 2, b6)
+ZLLM_GEMV_FP8_BOUND(gemv_fp8_bf16_r1u4_b6, __nv_bfloat16, 1, 4, b6)
+ZLLM_GEMV_FP8_BOUND(gemv_fp8_bf16_r1u4_b4, __nv_bfloat16, 1, 4, b4)
+ZLLM_GEMV_FP8_BOUND(gemv_fp8_bf16_r1u8_b4, __nv_bfloat16, 1, 8, b4)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r1u4, __nv_bfloat16, false, 1, 4)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r1u8, __nv_bfloat16, false, 1, 8)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r2u2, __nv_bfloat16, false, 2, 2)

@@ -16,6 +16,9 @@
 //   moe_down_<T>_m<MT>     y[pair] = to_T(to_T(inter[row] @ down_e^T) * w[pair]): each pair's
 //                          weighted expert output, the addend of the reference's index_add_
 //                          (which rounds it to T whether the weights are fp32 or T).
+//   moe_gemv_gate_up_<T>_s<S>_b<B>, the same for a few tokens without the sort: each pair's
+//   moe_gemv_down_<T>_s<S>_b<B>     expert rows read straight from topk_ids by GEMVs (S warps an
+//                                   output), the weighted sum fused into down.
 //   moe_sum_<T>            out[t] = sum over the k slots of y[t * k + j], summed in fp32 in slot
 //                          order and rounded once (the reference rounds after every expert: the
 //                          results agree to rounding).
@@ -401,6 +404,147 @@ __device__ __forceinline__ void sum_impl(T* __restrict__ out, const T* __restric
   store_floats<T, 8>(out + token * hidden + col, total);
 }
 
+// ---- a few tokens: GEMVs straight from the routing --------------------------------------------
+// No sort and no tiles: each (token, slot) pair reads its own expert's rows, as the dense GEMV
+// (gemv_kernels.cu) reads a weight matrix: lanes stride over k in 16-byte units, kGemvUnroll
+// loads per row in flight a round (the last round masked), weights streamed with evict-first
+// loads, fp32 sums. kSplit warps share an output element, each taking a contiguous kSplit-th of
+// its k (whole 32-unit strides), and add their sums through shared memory: with few outputs
+// (batch 1) that keeps more warps, each with fewer rounds, on the SMs. A pair re-reads an
+// expert that another token also chose, so this is the path for a handful of tokens (decode at
+// small batch), where that is rare and the tiles' padding and the sort and sum launches cost
+// more than it. Grids: (ceil(outputs / (kMoeWarps / kSplit)), pairs or tokens).
+constexpr int kGemvUnroll = 8;
+
+// The last round of a warp's range is masked by clamping its units to the last one and
+// dropping their products (a select, not a branch around the load: every load of a round is
+// issued before the first product waits on one).
+template <typename T>
+__device__ __forceinline__ float masked_dot(bool live, uint4 wv, uint4 xv) {
+  const float d = dot16<T>(wv, xv);
+  return live ? d : 0.f;
+}
+
+// [begin, end) of this warp's kSplit-th of `units` 16-byte units, whole 32-unit strides each.
+template <int kSplit>
+__device__ __forceinline__ void split_range(int units, int& begin, int& end) {
+  const int span = ((units + kSplit - 1) / kSplit + 31) / 32 * 32;
+  begin = imin(((threadIdx.x >> 5) % kSplit) * span, units);
+  end = imin(begin + span, units);
+}
+
+// The sum over the kSplit warps of an output of each warp's `value` (warp-summed already), in the
+// first of them (returns whether this thread holds it: lane 0 of that warp).
+template <int kSplit>
+__device__ __forceinline__ bool split_sum(float& value, float* partial) {
+  const int warp = threadIdx.x >> 5;
+  if constexpr (kSplit == 1) {
+    return (threadIdx.x & 31) == 0;
+  } else {
+    if ((threadIdx.x & 31) == 0) partial[warp] = value;
+    __syncthreads();
+    if ((threadIdx.x & 31) != 0 || warp % kSplit != 0) return false;
+    value = 0.f;
+#pragma unroll
+    for (int p = 0; p < kSplit; ++p) value += partial[warp + p];
+    return true;
+  }
+}
+
+// inter[p] = silu(x[p / k] @ gate_e^T) * (x[p / k] @ up_e^T), e = topk_ids[p], rounded to T
+// after each product as moe_gate_up. Output element: intermediate column i of pair blockIdx.y.
+template <typename T, int kSplit>
+__device__ __forceinline__ void gemv_gate_up_impl(T* __restrict__ inter, const T* __restrict__ x,
+                                                  const T* __restrict__ gate_up, const int* __restrict__ topk_ids,
+                                                  int top_k, int inter_size, int hidden, i64 x_stride) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  __shared__ float partial[2][kMoeWarps];
+  const int lane = threadIdx.x & 31;
+  const int col = blockIdx.x * (kMoeWarps / kSplit) + (threadIdx.x >> 5) / kSplit;  // may pass I
+  const int pair = blockIdx.y;
+  const T* gate_row = gate_up + (static_cast<i64>(topk_ids[pair]) * 2 * inter_size + imin(col, inter_size - 1)) * hidden;
+  const uint4* g16 = reinterpret_cast<const uint4*>(gate_row);
+  const uint4* u16 = reinterpret_cast<const uint4*>(gate_row + static_cast<i64>(inter_size) * hidden);
+  const uint4* x16 = reinterpret_cast<const uint4*>(x + static_cast<i64>(pair / top_k) * x_stride);
+  int begin, end;
+  split_range<kSplit>(hidden / kVec, begin, end);
+  float gate = 0.f, up = 0.f;
+  for (int base = begin; base < end; base += 32 * kGemvUnroll) {
+    uint4 gv[kGemvUnroll], uv[kGemvUnroll], xv[kGemvUnroll];
+#pragma unroll
+    for (int j = 0; j < kGemvUnroll; ++j) {
+      const int u = imin(base + lane + 32 * j, end - 1);  // see masked_dot
+      gv[j] = __ldcs(g16 + u);
+      uv[j] = __ldcs(u16 + u);
+    }
+#pragma unroll
+    for (int j = 0; j < kGemvUnroll; ++j) xv[j] = __ldg(x16 + imin(base + lane + 32 * j, end - 1));
+#pragma unroll
+    for (int j = 0; j < kGemvUnroll; ++j) {
+      const bool live = base + lane + 32 * j < end;
+      gate += masked_dot<T>(live, gv[j], xv[j]);
+      up += masked_dot<T>(live, uv[j], xv[j]);
+    }
+  }
+  gate = warp_sum(gate);
+  up = warp_sum(up);
+  const bool gate_held = split_sum<kSplit>(gate, partial[0]);
+  if (!split_sum<kSplit>(up, partial[1]) || !gate_held || col >= inter_size) return;
+  gate = round_to<T>(gate);
+  up = round_to<T>(up);
+  inter[static_cast<i64>(pair) * inter_size + col] = from_float<T>(round_to<T>(gate / (1.f + expf(-gate))) * up);
+}
+
+// out[t, n] = sum_j w[t, j] * (inter[t * k + j] . down_{e_j}[n]), in fp32 and rounded once (the
+// reference rounds each expert's output, its weighted addend and every partial sum to T: the
+// results agree to rounding). Output element: hidden row n of token blockIdx.y. A token's k
+// intermediate rows are contiguous, so the warps of an output walk them as one run of k * I
+// columns, each unit taking its slot's expert row: a short I (Qwen3: 768) still fills a round.
+template <typename T, int kSplit>
+__device__ __forceinline__ void gemv_down_impl(T* __restrict__ out, const T* __restrict__ inter,
+                                               const T* __restrict__ down, const int* __restrict__ topk_ids,
+                                               const float* __restrict__ topk_weights, int top_k, int hidden,
+                                               int inter_size) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  __shared__ const T* experts[32];  // top_k <= 32 (moe_topk_softmax's bound)
+  __shared__ float weights[32];
+  __shared__ float partial[kMoeWarps];
+  const int token = blockIdx.y;
+  if (threadIdx.x < top_k) {
+    const i64 pair = static_cast<i64>(token) * top_k + threadIdx.x;
+    experts[threadIdx.x] = down + static_cast<i64>(topk_ids[pair]) * hidden * inter_size;
+    weights[threadIdx.x] = topk_weights[pair];
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * (kMoeWarps / kSplit) + (threadIdx.x >> 5) / kSplit;  // may pass H
+  const int units = inter_size / kVec;
+  const i64 row_offset = static_cast<i64>(imin(row, hidden - 1)) * inter_size;
+  const uint4* x16 = reinterpret_cast<const uint4*>(inter + static_cast<i64>(token) * top_k * inter_size);
+  int begin, end;
+  split_range<kSplit>(top_k * units, begin, end);
+  float acc = 0.f;
+  for (int base = begin; base < end; base += 32 * kGemvUnroll) {
+    uint4 wv[kGemvUnroll], xv[kGemvUnroll];
+    float w[kGemvUnroll];
+#pragma unroll
+    for (int j = 0; j < kGemvUnroll; ++j) {
+      const int unit = imin(base + lane + 32 * j, end - 1);  // see masked_dot
+      const int slot = unit / units;
+      wv[j] = __ldcs(reinterpret_cast<const uint4*>(experts[slot] + row_offset) + (unit - slot * units));
+      w[j] = weights[slot];
+    }
+#pragma unroll
+    for (int j = 0; j < kGemvUnroll; ++j) xv[j] = __ldg(x16 + imin(base + lane + 32 * j, end - 1));
+#pragma unroll
+    for (int j = 0; j < kGemvUnroll; ++j) {
+      acc = fmaf(w[j], masked_dot<T>(base + lane + 32 * j < end, wv[j], xv[j]), acc);
+    }
+  }
+  acc = warp_sum(acc);
+  if (split_sum<kSplit>(acc, partial) && row < hidden) out[static_cast<i64>(token) * hidden + row] = from_float<T>(acc);
+}
+
 }  // namespace zllm
 
 #define ZLLM_MOE_TOPK(NAME, T)                                                                          \
@@ -454,6 +598,33 @@ ZLLM_MOE_GEMMS_DTYPE(f16, __half)
 ZLLM_MOE_GEMMS_DTYPE(bf16, __nv_bfloat16)
 // The 16-row tiles without split-K, for benchmarks/moe_kernels.py's comparison (bf16).
 ZLLM_MOE_GEMMS(bf16, m1nosplit, __nv_bfloat16, 1, 8, 1)
+
+// _s<S>_b<B>: S warps per output element, B the minimum blocks per SM of __launch_bounds__ (b0:
+// none), which decides whether ptxas issues a round's loads together (see gemv_kernels.cu; b6
+// and up spill here).
+#define ZLLM_MOE_BOUNDS_b0 __launch_bounds__(zllm::kMoeThreads)
+#define ZLLM_MOE_BOUNDS_b4 __launch_bounds__(zllm::kMoeThreads, 4)
+#define ZLLM_MOE_GEMV(SUFFIX, T, SPLIT, BOUND)                                                              \
+  extern "C" __global__ void ZLLM_MOE_BOUNDS_##BOUND moe_gemv_gate_up_##SUFFIX##_s##SPLIT##_##BOUND(         \
+      T* __restrict__ inter, const T* __restrict__ x, const T* __restrict__ gate_up,                          \
+      const int* __restrict__ topk_ids, int top_k, int inter_size, int hidden, long long x_stride) {          \
+    zllm::gemv_gate_up_impl<T, SPLIT>(inter, x, gate_up, topk_ids, top_k, inter_size, hidden, x_stride);     \
+  }                                                                                                            \
+  extern "C" __global__ void ZLLM_MOE_BOUNDS_##BOUND moe_gemv_down_##SUFFIX##_s##SPLIT##_##BOUND(            \
+      T* __restrict__ out, const T* __restrict__ inter, const T* __restrict__ down,                           \
+      const int* __restrict__ topk_ids, const float* __restrict__ topk_weights, int top_k, int hidden,        \
+      int inter_size) {                                                                                        \
+    zllm::gemv_down_impl<T, SPLIT>(out, inter, down, topk_ids, topk_weights, top_k, hidden, inter_size);     \
+  }
+// s1_b4 is the default; s1_b0 and s4_b4 stay for benchmarks/moe_kernels.py's comparison (H100:
+// on Qwen3-30B-A3B's layer at batch 1, 29.7 us against 34.0 and 38.1).
+#define ZLLM_MOE_GEMV_DTYPE(SUFFIX, T) \
+  ZLLM_MOE_GEMV(SUFFIX, T, 1, b4)      \
+  ZLLM_MOE_GEMV(SUFFIX, T, 1, b0)      \
+  ZLLM_MOE_GEMV(SUFFIX, T, 4, b4)
+
+ZLLM_MOE_GEMV_DTYPE(f16, __half)
+ZLLM_MOE_GEMV_DTYPE(bf16, __nv_bfloat16)
 
 ZLLM_MOE_SUM(moe_sum_f16, __half)
 ZLLM_MOE_SUM(moe_sum_bf16, __nv_bfloat16)

@@ -32,11 +32,14 @@ def expected_entry_points() -> dict[str, set[str]]:
             names["layernorm_kernels"] |= {f"rms_norm_{dt}{vec}", f"fused_add_rms_norm_{dt}{vec}"}
             names["activation_kernels"].add(f"silu_and_mul_{dt}{vec}")
         names["gemv_kernels"].add(f"gemv_{dt}")
+        names["gemv_kernels"] |= {f"gemv_{dt}_s{s}_b{b}" for s in (1, 2, 4) for b in (0, 4, 6)}
         names["pos_encoding_kernels"] |= {f"rotary_embedding_{dt}", f"rotary_embedding_and_cache_{dt}"}
         names["moe_kernels"].add(f"moe_topk_softmax_{dt}")
         if dt != "f32":  # the grouped GEMMs run on tensor cores: half precision only
             names["moe_kernels"] |= {f"moe_{part}_{dt}_m{m}" for part in ("gate_up", "down") for m in (1, 2, 4)}
             names["moe_kernels"].add(f"moe_sum_{dt}")
+            names["moe_kernels"] |= {f"moe_gemv_{part}_{dt}_s{s}_b{b}" for part in ("gate_up", "down")
+                                     for s, b in ((1, 4), (1, 0), (4, 4))}
         for d in (64, 128):
             names["attention_kernels"].add(f"paged_attention_reduce_{dt}_d{d}")
             names["attention_kernels"] |= {f"paged_attention_decode_{dt}_d{d}_g{g}" for g in (1, 4, 8)}

@@ -20,6 +20,15 @@
 #                 Poisson 32 req/s, each measured back to back in this one call
 #   PART=moe:     issue 18: the MoE GPU tests, benchmarks/moe_kernels.py, then W2 and W1 on the
 #                 Qwen3-30B-A3B shape (dummy bf16, ~61 GB: an 80 GB H100)
+#   PART=moedecode: issue 18's batch-1 decode: the MoE and GEMV GPU tests, the GEMV builds on
+#                 Qwen3-30B-A3B's and Llama-3-8B's projections, the MoE kernels at batch 1-16,
+#                 W2 on the Qwen3-30B-A3B shape without and with the sort-free GEMVs and each
+#                 dense GEMV build
+#   PART=gemvcheck: the kernel, MoE, FP8 and engine GPU tests, then benchmarks/real_model_check.py
+#                 --quick --batch-one on /tmp/smol.gguf (the real weights, batch-1 decode included)
+#   PART=gemvperf: W2 on Llama-3-8B with the old and the split GEMV, W2 with FP8 weights by the
+#                 default FP8 GEMV and the builds in $FP8_BUILDS (default _r1u4_b6), then W2 on the
+#                 Qwen3-30B-A3B shape
 # Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -159,5 +168,46 @@ moe)
   run 250 python benchmarks/throughput.py --model "$moe" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
     --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|moe"; exit 2 ;;
+moedecode)
+  timeout 400 python -m pytest -q -p no:cacheprovider -p no:warnings --tb=short tests/gpu/test_moe_gpu.py "tests/gpu/test_kernels.py::test_gemv" > "$out/pytest_moe.log" 2>&1
+  grep -E "passed|failed|Error|assert" "$out/pytest_moe.log" | tail -25
+  run 100 python benchmarks/gemv.py --shapes qwen3-30b-a3b
+  run 100 python benchmarks/gemv.py --shapes llama3-8b
+  run 200 python benchmarks/moe_kernels.py --batches 1 2 4 8 16 --loop-batches
+  moe=/tmp/zllm-qwen3-30b-a3b
+  python benchmarks/dummy_model.py qwen3-30b-a3b "$moe" >/dev/null
+  # W2 on the Qwen3-30B-A3B shape: the sort + tiles at every batch (before), then the sort-free
+  # MoE GEMVs with the dense GEMV one warp a row, and with the split dense GEMV of each bound.
+  for setting in "ZLLM_MOE_GEMV_PAIRS=0" "ZLLM_GEMV_BOUND=" "ZLLM_GEMV_BOUND=b4" "ZLLM_GEMV_BOUND=b6"; do
+    echo "{\"setting\": \"$setting\"}" | tee -a "$jsonl"
+    env "$setting" timeout 150 python benchmarks/latency.py --model "$moe" --load-format dummy --input-len 128 \
+      --output-len 256 --iters 3 --max-model-len 1024 2>&1 | tee -a "$out/perf.log" | grep -E '^\{' | tee -a "$jsonl"
+  done
+  ;;
+gemvcheck)
+  # The GPU tests of every kernel the GEMV builds touch, then the real SmolLM2 weights against HF
+  # (needs /tmp/smol.gguf: ../shared/gpu/NOTES.md), batch-1 decode included.
+  timeout 400 python -m pytest -q -p no:cacheprovider -p no:warnings --tb=short tests/gpu/test_kernels.py tests/gpu/test_moe_gpu.py \
+    tests/gpu/test_fp8_gpu.py tests/gpu/test_engine_gpu.py > "$out/pytest_gemv.log" 2>&1
+  grep -E "passed|failed|Error|assert" "$out/pytest_gemv.log" | tail -25
+  run 300 python benchmarks/real_model_check.py --model /tmp/smol.gguf --quick --batch-one
+  ;;
+gemvperf)
+  # W2 on Llama-3-8B: the one-warp-per-row GEMV (before) and the split b6 build (the default);
+  # with FP8 weights, the default FP8 GEMV and $FP8_BUILDS; then W2 on Qwen3-30B-A3B.
+  for setting in "ZLLM_GEMV_BOUND=" "ZLLM_GEMV_BOUND=b6"; do
+    echo "{\"setting\": \"$setting\"}" | tee -a "$jsonl"
+    env "$setting" timeout 100 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 \
+      --iters 3 --max-model-len 1024 2>&1 | tee -a "$out/perf.log" | grep -E '^\{' | tee -a "$jsonl"
+  done
+  for build in "" ${FP8_BUILDS:-_r1u4_b6}; do
+    echo "{\"ZLLM_FP8_GEMV\": \"${build:-default}\"}" | tee -a "$jsonl"
+    ZLLM_FP8_GEMV=$build run 100 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 \
+      --iters 3 --max-model-len 1024 --quantization fp8
+  done
+  moe=/tmp/zllm-qwen3-30b-a3b
+  python benchmarks/dummy_model.py qwen3-30b-a3b "$moe" >/dev/null
+  run 150 python benchmarks/latency.py --model "$moe" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024
+  ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|moe|moedecode|gemvcheck|gemvperf"; exit 2 ;;
 esac

@@ -414,18 +414,23 @@ def test_rotary_embedding_and_cache_rejects_bad_arguments(gen):
 # ---- GEMV ----------------------------------------------------------------------------------------------------
 
 
+GEMV_VARIANTS = ["", "b0", "b4", "b6", "s1_b4", "s2_b4", "s4_b4", "s4_b6"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("n, k", [(1, 64), (7, 264), (4096, 4096), (5001, 4104), (4096, 14336), (6144, 4096)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_gemv(dtype, n, k, with_bias, gen):
-    """Against float64 x @ w.T on the same rounded inputs; odd row counts (a warp's rows past N)
-    and K not a multiple of the unrolled step (the remainder loop). Rows are scaled by 1/sqrt(K)
+@pytest.mark.parametrize("variant", GEMV_VARIANTS, ids=lambda v: v or "warp-per-row")
+def test_gemv(dtype, n, k, with_bias, variant, gen):
+    """Against float64 x @ w.T on the same rounded inputs, every build; odd row counts (a
+    block's rows past N) and K not a multiple of the unrolled step (the remainder loop, the
+    masked last round, warps of a split row with nothing to do). Rows are scaled by 1/sqrt(K)
     so every output is O(1) and the tolerance means the same for every K."""
     x = randn(1, k, gen=gen, dtype=dtype)
     weight = (randn(n, k, gen=gen) / math.sqrt(k)).to(dtype)
     bias = randn(n, gen=gen, dtype=dtype) if with_bias else None
     out = torch.full((1, n), float("nan"), dtype=dtype, device=DEVICE)
-    kernels.gemv(out, x, weight, bias)
+    kernels.gemv(out, x, weight, bias, variant=variant)
     expected = x.double() @ weight.double().T + (0 if bias is None else bias.double())
     assert_close(out, expected, dtype)
 

@@ -1,6 +1,7 @@
 """The fused MoE kernels (csrc/moe_kernels.cu) against torch, and MoE models on the GPU engine
-against transformers: routing, the expert sort, the grouped GEMMs at batch sizes 1 to 512 with
-skewed routings, CUDA-graph replay, and tiny Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints."""
+against transformers: routing, the expert sort, the grouped GEMMs and the GEMV path at batch
+sizes 1 to 512 with skewed routings, CUDA-graph replay, and tiny Mixtral / Qwen2-MoE / Qwen3-MoE
+checkpoints."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ def _check_against_float64(x, weights, ids, gate_up, down):
     scale = exact.abs().max().item()
     torch_err = (torch_half - exact).abs().max().item()
     paths = {"fused": fused.fused_experts}
+    for split, bound in fused.GEMV_BUILDS:
+        paths[f"gemv-s{split}-{bound}"] = (
+            lambda *args, split=split, bound=bound: fused.gemv_experts(*args, split=split, bound=bound))
     if fused.grouped_mm_available(x.device):
         paths["grouped_mm"] = fused.grouped_mm_experts
     for name, path in paths.items():
@@ -51,6 +55,7 @@ def _check_against_float64(x, weights, ids, gate_up, down):
 @pytest.mark.parametrize("tokens,num_experts,top_k,hidden,inter", [
     (1, 128, 8, 2048, 768),   # Qwen3-30B-A3B's layer at batch 1
     (1, 8, 2, 512, 1024),     # Mixtral-like, scaled down
+    (2, 8, 2, 4096, 1792),    # Mixtral's H: several unrolled rounds of the GEMVs
     (3, 8, 2, 256, 72),       # I not a multiple of 32: the masked last chunk
     (64, 16, 4, 200, 96),     # H not a multiple of 32
     (257, 60, 4, 128, 56),    # an odd batch over Qwen2-MoE's 60 experts
@@ -114,7 +119,7 @@ def test_topk_softmax_matches_torch(dtype, num_experts, top_k, renormalize):
         torch.testing.assert_close(weights, ref_weights.float(), rtol=2e-6 if fp32_weights else 1e-2, atol=1e-7)
 
 
-@pytest.mark.parametrize("path", ["fused_experts", "grouped_mm_experts"])
+@pytest.mark.parametrize("path", ["fused_experts", "gemv_experts", "grouped_mm_experts"])
 def test_graph_replay_equals_eager(path):
     if path == "grouped_mm_experts" and not fused.grouped_mm_available(torch.device("cuda")):
         pytest.skip("torch._grouped_mm runs on Hopper only")
@@ -145,6 +150,8 @@ def test_bad_arguments_are_refused():
         fused.fused_experts(x.float(), weights, ids, gate_up.float(), down.float())
     with pytest.raises(ValueError, match="int32"):
         fused.fused_experts(x, weights, ids.long(), gate_up, down)
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        fused.gemv_experts(x, weights, ids, gate_up.float(), down)
     with pytest.raises(ValueError, match="must be \\[4, k\\]"):
         fused.fused_experts(x, weights[:2], ids[:2], gate_up, down)
     with pytest.raises(ValueError, match="experts"):

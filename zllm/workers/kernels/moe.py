@@ -4,6 +4,8 @@ Reference (zllm/workers/models/moe.py)            Kernels here
 layers.moe_route (softmax, top-k, renormalize)  moe_topk_softmax(weights, ids, logits, ...)
 Experts.forward (the expert loop)                 fused_experts(x, weights, ids, gate_up, down):
                                                   moe_align, moe_gate_up, moe_down, moe_sum
+                                                  gemv_experts(...): moe_gemv_gate_up and
+                                                  moe_gemv_down, no sort (a few tokens)
                                                   grouped_mm_experts(...): the same through
                                                   torch._grouped_mm (CUTLASS) for large batches
 
@@ -16,6 +18,7 @@ a CUDA graph. fused_experts allocates its scratch with torch (the graph's pool u
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +34,7 @@ _GEMM_DTYPES = (torch.float16, torch.bfloat16)
 _GEMM_WARPS = 4  # kMoeWarps
 _ALIGN_THREADS = 1024  # kAlignThreads
 _TILE_MULTIPLES = (1, 2, 4)  # the built MT: tiles of 16, 32 or 64 rows
+_MAX_GRID_Y = 65535  # CUDA's grid limit in y: gemv_experts' pairs
 _SPLIT_K = {"m1": True, "m2": False, "m4": False, "m1nosplit": False}  # csrc: the block's warps share rows
 
 
@@ -121,8 +125,21 @@ def fused_experts_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.
     )
 
 
-def _check_experts(op: str, x, topk_weights, topk_ids, gate_up, down) -> tuple[torch.device, str, int]:
-    """(device, dtype suffix, top_k) of valid fused_experts / grouped_mm_experts arguments."""
+class _Experts(NamedTuple):
+    """The sizes of a valid experts() call."""
+
+    device: torch.device
+    suffix: str  # the dtype's kernel suffix
+    top_k: int
+    num_experts: int
+    hidden: int
+    inter: int
+    tokens: int
+    pairs: int  # tokens * top_k
+
+
+def _check_experts(op: str, x, topk_weights, topk_ids, gate_up, down) -> _Experts:
+    """The sizes of valid gemv_experts / fused_experts / grouped_mm_experts arguments."""
     device = _check_cuda(op, x=x, topk_weights=topk_weights, topk_ids=topk_ids, gate_up=gate_up, down=down)
     suffix = _suffix(op, x, "x")
     _check_dim(op, x, "x", 2)
@@ -138,7 +155,8 @@ def _check_experts(op: str, x, topk_weights, topk_ids, gate_up, down) -> tuple[t
     tokens = x.shape[0]
     if topk_weights.dim() != 2 or topk_weights.shape[0] != tokens or topk_ids.shape != topk_weights.shape:
         _fail(op, f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{tokens}, k]")
-    return device, suffix, topk_weights.shape[1]
+    top_k = topk_weights.shape[1]
+    return _Experts(device, suffix, top_k, gate_up.shape[0], hidden, gate_up.shape[1] // 2, tokens, tokens * top_k)
 
 
 def _weighted_sum(out: torch.Tensor, weighted: torch.Tensor, top_k: int, suffix: str, device) -> torch.Tensor:
@@ -163,9 +181,8 @@ def grouped_mm_experts(
     down, then the weighted sum. Tensor-core tiles of CUTLASS's size: the path for prefill-sized
     batches, where fused_experts' register tiles run short of the matmul rate."""
     op = "grouped_mm_experts"
-    device, suffix, top_k = _check_experts(op, x, topk_weights, topk_ids, gate_up, down)
-    num_experts, hidden = gate_up.shape[0], gate_up.shape[2]
-    out = torch.empty((x.shape[0], hidden), dtype=x.dtype, device=device)
+    device, suffix, top_k, num_experts, hidden, _, tokens, _ = _check_experts(op, x, topk_weights, topk_ids, gate_up, down)
+    out = torch.empty((tokens, hidden), dtype=x.dtype, device=device)
     if out.numel() == 0:
         return out
     flat = topk_ids.flatten()
@@ -184,6 +201,60 @@ def grouped_mm_experts(
     return _weighted_sum(out, weighted, top_k, suffix, device)
 
 
+# The sort-free GEMVs' builds (csrc: moe_gemv_*_s<S>_b<B>): S warps per output element, B the
+# __launch_bounds__ minimum blocks per SM (b0: none; b4: ptxas issues a round's loads together).
+# s1_b4, the default, was fastest on the H100 (benchmarks/moe_kernels.py; the others stay built
+# for that comparison).
+GEMV_BUILDS = ((1, "b4"), (1, "b0"), (4, "b4"))
+
+
+def gemv_experts(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    split: int | None = None, bound: str | None = None,
+) -> torch.Tensor:
+    """fused_experts' result without the sort, for a few tokens: moe_gemv_gate_up reads each
+    (token, slot) pair's expert rows straight from topk_ids, moe_gemv_down adds the k weighted
+    expert outputs of a token in the same pass. Two launches; a pair re-reads an expert that
+    another token also chose, which only a handful of tokens can afford. split (warps per
+    output) and bound pick another of GEMV_BUILDS; for benchmarks."""
+    op = "gemv_experts"
+    device, suffix, top_k, _, hidden, inter, tokens, pairs = _check_experts(op, x, topk_weights, topk_ids, gate_up, down)
+    split, bound = split or GEMV_BUILDS[0][0], bound or GEMV_BUILDS[0][1]
+    if (split, bound) not in GEMV_BUILDS:
+        _fail(op, f"split {split} and bound {bound!r}: the builds are {GEMV_BUILDS}")
+    out = torch.empty((tokens, hidden), dtype=x.dtype, device=device)
+    if pairs == 0:
+        return out
+    if pairs > _MAX_GRID_Y:
+        _fail(op, f"{pairs} (token, expert) pairs; at most {_MAX_GRID_Y} (use fused_experts)")
+    inter_rows = torch.empty((pairs, inter), dtype=x.dtype, device=device)
+    name = f"{suffix}_s{split}_{bound}"
+    launch(_FILE, f"moe_gemv_gate_up_{name}", device, (-(-inter * split // _GEMM_WARPS), pairs),
+           (32 * _GEMM_WARPS,),
+           (_ptr(inter_rows), _ptr(x), _ptr(gate_up), _ptr(topk_ids), np.int32(top_k), np.int32(inter),
+            np.int32(hidden), np.int64(x.stride(0))))
+    launch(_FILE, f"moe_gemv_down_{name}", device, (-(-hidden * split // _GEMM_WARPS), tokens),
+           (32 * _GEMM_WARPS,),
+           (_ptr(out), _ptr(inter_rows), _ptr(down), _ptr(topk_ids), _ptr(topk_weights), np.int32(top_k),
+            np.int32(hidden), np.int32(inter)))
+    return out
+
+
+# experts() takes gemv_experts while the pairs number at most GEMV_PAIRS_PER_EXPERT times the
+# experts (or one token's k): past that, tokens share experts often enough that re-reading them
+# costs more than the sort. H100, benchmarks/moe_kernels.py: Qwen3-30B-A3B's layer (128
+# experts, top 8) gains up to batch 8 (64 pairs: 192 vs 251 us) and loses at 16 (378 vs 341);
+# Mixtral's (8, top 2) gains up to batch 4 (8 pairs: 895 vs 1016) and loses at 8. Half the
+# experts keeps both on the safe side. ZLLM_MOE_GEMV_PAIRS overrides it (0: never).
+GEMV_PAIRS_PER_EXPERT = float(os.environ.get("ZLLM_MOE_GEMV_PAIRS", "0.5"))
+
+
+def takes_gemv(tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether experts() runs gemv_experts for this batch."""
+    pairs = tokens * top_k
+    return GEMV_PAIRS_PER_EXPERT > 0 and pairs <= max(top_k, GEMV_PAIRS_PER_EXPERT * num_experts)
+
+
 # Rows per expert (on average) from which experts() takes torch._grouped_mm over fused_experts.
 # H100, benchmarks/moe_kernels.py, Qwen3-30B-A3B's layer: even at 0.5 rows per expert (batch 8:
 # 258 vs 255 us), ahead from 4 (batch 64: 526 vs 574 us; batch 256: 575 vs 616 us; batch 2048:
@@ -194,9 +265,12 @@ GROUPED_MM_MIN_ROWS = float(os.environ.get("ZLLM_MOE_GROUPED_MM_ROWS", "4"))
 def experts(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
-    """The MoE experts' output by the faster path for this batch: fused_experts' register tiles
-    while each expert sees few rows (decode), torch._grouped_mm from GROUPED_MM_MIN_ROWS rows per
-    expert on (prefill), where it is available. Both are graph-safe."""
+    """The MoE experts' output by the faster path for this batch: gemv_experts for a few
+    tokens (takes_gemv), fused_experts' register tiles while each expert sees few rows
+    (decode), torch._grouped_mm from GROUPED_MM_MIN_ROWS rows per expert on (prefill), where it
+    is available. All are graph-safe."""
+    if takes_gemv(x.shape[0], topk_ids.shape[-1], gate_up.shape[0]):
+        return gemv_experts(x, topk_weights, topk_ids, gate_up, down)
     per_expert = topk_ids.numel() / gate_up.shape[0]
     if 0 < GROUPED_MM_MIN_ROWS <= per_expert and grouped_mm_available(x.device):
         return grouped_mm_experts(x, topk_weights, topk_ids, gate_up, down)
@@ -212,12 +286,9 @@ def fused_experts(
     topk_ids int32 [T, k] (each in [0, E)), gate_up [E, 2I, H], down [E, H, I]. Returns [T, H].
     `variant` "nosplit" runs the 16-row tiles without split-K (bf16; benchmarks only)."""
     op = "fused_experts"
-    device, suffix, top_k = _check_experts(op, x, topk_weights, topk_ids, gate_up, down)
-    num_experts, two_inter, hidden = gate_up.shape
-    inter = two_inter // 2
-    tokens = x.shape[0]
+    device, suffix, top_k, num_experts, hidden, inter, tokens, pairs = _check_experts(
+        op, x, topk_weights, topk_ids, gate_up, down)
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=device)
-    pairs = tokens * top_k
     if pairs == 0:
         return out
     block_m = tile_rows(pairs, num_experts)

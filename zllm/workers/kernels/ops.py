@@ -498,8 +498,13 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.is_contiguous() and weight.is_contiguous() and _aligned16(x, weight))
 
 
-def gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """out [1, N] = x [1, K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation; returns out."""
+def gemv(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """out [1, N] = x [1, K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation; returns out.
+    variant (benchmarks): "" the one-warp-per-row kernel, "b<B>" the split kernel of that bound
+    with gemv_split's warps per row, "s<S>_b<B>" a given split; default GEMV_BOUND."""
     op = "gemv"
     device = _check_cuda(op, out=out, x=x, weight=weight, bias=bias)
     suffix = _suffix(op, x, "x")
@@ -512,8 +517,38 @@ def gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if n == 0:
         return out
     args = (_ptr(out), _ptr(x), _ptr(weight), _ptr(bias), np.int32(n), np.int32(x.shape[1]))
-    launch("gemv_kernels", f"gemv_{suffix}", device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args)
+    bound = GEMV_BOUND if variant is None else variant
+    if not bound:
+        launch("gemv_kernels", f"gemv_{suffix}", device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args)
+        return out
+    split_text, _, bound = bound.rpartition("_") if bound.startswith("s") else ("", "", bound)
+    split = int(split_text[1:]) if split_text else gemv_split(x.shape[1] // (16 // x.element_size()))
+    if bound not in GEMV_BOUNDS or split not in GEMV_SPLITS:
+        _fail(op, f"variant {variant!r}: built are splits {GEMV_SPLITS} and bounds {GEMV_BOUNDS}")
+    launch("gemv_kernels", f"gemv_{suffix}_s{split}_{bound}", device,
+           (-(-n * split // _GEMV_ROWS_PER_BLOCK),), (128,), args)
     return out
+
+
+# The split GEMV's builds (csrc/gemv_kernels.cu gemv_<T>_s<S>_b<B>): S warps per row, B the
+# __launch_bounds__ minimum blocks per SM (b0: none; b4, b6: ptxas issues a round's loads
+# together). GEMV_BOUND picks the bound of the default GEMV ("": the one-warp-per-row kernel).
+# b6 with gemv_split's warps beat the one-warp-per-row kernel on every projection of Llama-3-8B
+# (2.41-3.12 -> 2.61-3.17 TB/s) and Qwen3-30B-A3B (o: 1.63 -> 2.16 TB/s) on the H100
+# (benchmarks/gemv.py, 2026-11-25); ZLLM_GEMV_BOUND overrides it.
+GEMV_SPLITS = (1, 2, 4)
+GEMV_BOUNDS = ("b0", "b4", "b6")
+GEMV_BOUND = os.environ.get("ZLLM_GEMV_BOUND", "b6")
+_GEMV_ROUND_UNITS = 32 * 8  # 16-byte units a warp covers in one round of 8 loads a lane
+
+
+def gemv_split(units: int) -> int:
+    """Warps per row for rows of `units` 16-byte units: the fewest that leave each warp one
+    round of loads, at most 4."""
+    for split in GEMV_SPLITS:
+        if -(-units // split) <= _GEMV_ROUND_UNITS:
+            return split
+    return GEMV_SPLITS[-1]
 
 
 def _check_gemv_out(op: str, out: torch.Tensor, bias: torch.Tensor | None, n: int) -> None:
@@ -540,7 +575,8 @@ def fp8_gemv_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
 # (rows per warp, 16-byte loads per row in flight) of each build of gemv_fp8 in csrc/gemv_kernels.cu:
 # "" is the default of every dtype; the others exist for bf16 with per-row scales.
 _FP8_GEMV_SHAPES = {"": (1, 2), "_r1u4": (1, 4), "_r1u8": (1, 8), "_r2u2": (2, 2), "_r2u4": (2, 4),
-                    "_r4u1": (4, 1), "_r4u2": (4, 2)}
+                    "_r4u1": (4, 1), "_r4u2": (4, 2), "_r1u2_b6": (1, 2), "_r1u4_b6": (1, 4), "_r1u4_b4": (1, 4),
+                    "_r1u8_b4": (1, 8)}  # _b<B>: __launch_bounds__' minimum blocks (see GEMV_BOUNDS)
 # ZLLM_FP8_GEMV=_r2u2 (say) runs that build for the model's bf16 per-row layers: the A/B switch of
 # tests/gpu/run_perf.sh's gemv part.
 FP8_GEMV_VARIANT = os.environ.get("ZLLM_FP8_GEMV", "")
