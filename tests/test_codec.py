@@ -92,6 +92,8 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             outputs=[TOKEN_DELTA, TOKEN_DELTA_INT_STOP],
             failed={"ab12/req-9": "prompt too long"},
             rejected={"ab12/req-10": "overloaded"},
+            num_waiting=3,
+            num_running=5,
         ),
         m.UtilityResult(call_id=3, result={"num_running": 1, "nested": [1, 2.5, "x"]}, error="partial"),
         m.EngineReady(

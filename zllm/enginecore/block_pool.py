@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from zllm.enginecore.block_hash import BlockHash
+from zllm.block_hash import BlockHash
 
 
 class KVBlock:

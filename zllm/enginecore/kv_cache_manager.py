@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zllm.enginecore.block_hash import BlockHash, extend_block_hashes
+from zllm.block_hash import BlockHash, extend_block_hashes
 from zllm.enginecore.block_pool import BlockPool, KVBlock
 from zllm.enginecore.request import Request
 

@@ -112,7 +112,7 @@ class EngineCoreProcess:
             if core.has_unfinished_requests():
                 deltas = core.step()
                 if deltas:
-                    self.outputs.put(EngineOutputs(outputs=deltas))
+                    self.outputs.put(self._engine_outputs(outputs=deltas))
 
     def _handle_inputs(self, block: bool) -> None:
         try:
@@ -131,9 +131,9 @@ class EngineCoreProcess:
             try:
                 self.core.add_request(message)
             except ValueError as error:
-                self.outputs.put(EngineOutputs(outputs=[], failed={message.request_id: str(error)}))
+                self.outputs.put(self._engine_outputs(failed={message.request_id: str(error)}))
             except QueueFullError as error:
-                self.outputs.put(EngineOutputs(outputs=[], rejected={message.request_id: str(error)}))
+                self.outputs.put(self._engine_outputs(rejected={message.request_id: str(error)}))
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids)
         elif isinstance(message, UtilityCall):
@@ -141,6 +141,12 @@ class EngineCoreProcess:
         elif isinstance(message, Shutdown):
             logger.info("shutting down (%s)", message.reason or "asked by the frontend")
             self._running = False
+
+    def _engine_outputs(self, outputs: list | None = None, **ended: dict[str, str]) -> EngineOutputs:
+        """An EngineOutputs with the scheduler's queue lengths as they are now."""
+        scheduler = self.core.scheduler
+        return EngineOutputs(outputs=outputs or [], **ended, num_waiting=len(scheduler.waiting),
+                             num_running=len(scheduler.running))
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         if call.method == "stats":

@@ -102,6 +102,10 @@ class EngineOutputs(_Message):
     failed: dict[str, str] = {}
     # Requests refused because the waiting queue is full (max_waiting): the client may retry.
     rejected: dict[str, str] = {}
+    # Appended: the scheduler's queue lengths when the message was made, the load a frontend in
+    # front of several engines (data parallelism) balances on.
+    num_waiting: int = 0
+    num_running: int = 0
 
 
 class UtilityResult(_Message):
