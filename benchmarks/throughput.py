@@ -58,7 +58,8 @@ def run_zllm(args, prompts, outputs) -> dict:
 
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, device=args.device, load_format=args.load_format, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling)
+              kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, tensor_parallel_size=args.tp,
+              data_parallel_size=args.dp, async_scheduling=args.async_scheduling)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=not args.no_detokenize)
               for n in outputs]
     requests = [{"prompt_token_ids": p} for p in prompts]
@@ -69,7 +70,7 @@ def run_zllm(args, prompts, outputs) -> dict:
     assert [len(r.outputs[0].token_ids) for r in results] == outputs
     return report("zllm", elapsed, prompts, outputs, max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=llm.engine.core.num_kv_blocks,
-                  async_scheduling=llm.engine.config.async_scheduling)
+                  async_scheduling=llm.engine.config.async_scheduling, tp=args.tp, dp=args.dp)
 
 
 def run_hf(args, prompts, outputs, batch_size: int) -> dict:
@@ -114,6 +115,8 @@ def main() -> None:
     parser.add_argument("--no-detokenize", action="store_true", help="token ids only (dummy-weight runs)")
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    parser.add_argument("-dp", "--dp", "--data-parallel-size", dest="dp", type=int, default=1,
+                        help="engine-core processes, each with its own --tp GPUs")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="default: the engine's (on with CUDA)")
     args = parser.parse_args()

@@ -440,7 +440,7 @@ def test_health_and_requests_answer_503_when_dead_or_draining(smollm2_dir):
                 for state in ("serving", "dead", "draining", "recovering"):
                     frontend.dead_reason = "worker 0 exited" if state == "dead" else None
                     frontend.draining = state == "draining"
-                    frontend.recovering = state == "recovering"
+                    frontend.engines[0].recovering = state == "recovering"
                     health = await http.get("/health")
                     if state in ("serving", "recovering"):  # (no engine behind this frontend: don't submit)
                         answers.append((health.status_code, health.json()["error"]["code"] if health.content else None))

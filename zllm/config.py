@@ -51,6 +51,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1  # worker processes, one model shard (and GPU) each
+    # Data parallelism: this many engine cores behind one frontend, each with its own tp group of
+    # workers (GPUs dp_rank * tp ... dp_rank * tp + tp - 1). The frontend sets data_parallel_rank
+    # in the config it hands each engine core.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
     # GPU tp: all-reduces of at most this many bytes (in the model's bf16/fp32 dtype) go through
     # PyTorch's symmetric-memory one-shot kernel instead of NCCL; 0: NCCL only (the default until
@@ -178,6 +183,13 @@ class EngineConfig:
         _require(self.grammar_cache_size >= 1, "grammar_cache_size", f"must be >= 1, got {self.grammar_cache_size}")
         _require(self.grammar_threads >= 1, "grammar_threads", f"must be >= 1, got {self.grammar_threads}")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        _require(self.data_parallel_size >= 1, "data_parallel_size", f"must be >= 1, got {self.data_parallel_size}")
+        _require(0 <= self.data_parallel_rank < self.data_parallel_size, "data_parallel_rank",
+                 f"must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank}")
+        # Every engine would meet its workers at the same address: only per-engine files can work.
+        _require(self.data_parallel_size == 1 or not self.distributed_init_method, "distributed_init_method",
+                 "cannot be shared by several data-parallel engines; leave it empty (a file in each engine's "
+                 "runtime dir)")
         _require(
             self.custom_all_reduce_max_bytes >= 0,
             "custom_all_reduce_max_bytes",
@@ -200,6 +212,11 @@ class EngineConfig:
         )
         if self.client_endpoint.startswith("tcp://"):
             _require(bool(self.curve_dir) or self.allow_insecure_tcp, "client_endpoint", _insecure_tcp(self.client_endpoint))
+
+    @property
+    def first_gpu(self) -> int:
+        """The GPU of this engine's tp rank 0: each data-parallel engine has its own tp GPUs."""
+        return self.data_parallel_rank * self.tensor_parallel_size
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -252,17 +269,16 @@ def _check_tensor_parallel(config: EngineConfig, spec: ModelSpec) -> None:
     from zllm.partition import head_shards
 
     head_shards(spec.num_heads, spec.num_kv_heads, config.tensor_parallel_size)
-    if config.tensor_parallel_size == 1 or config.device == "cpu":
+    needed = config.tensor_parallel_size * config.data_parallel_size
+    if needed == 1 or config.device == "cpu":
         return
     import torch
 
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if config.device == "cuda" or available:
-        _require(
-            config.tensor_parallel_size <= available,
-            "tensor_parallel_size",
-            f"{config.tensor_parallel_size} ranks need {config.tensor_parallel_size} GPUs, but {available} are visible",
-        )
+        field = "tensor_parallel_size" if config.data_parallel_size == 1 else "data_parallel_size"
+        _require(needed <= available, field, f"{config.data_parallel_size} engine(s) x {config.tensor_parallel_size} "
+                 f"rank(s) need {needed} GPUs, but {available} are visible")
 
 
 def _require(ok: bool, field: str, reason: str) -> None:

@@ -32,6 +32,7 @@ class LLM:
         seed: int = 0,
         max_model_len: int | None = None,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         **engine_args: Any,
     ) -> None:
         self.engine = LLMEngine.from_engine_args(
@@ -41,10 +42,11 @@ class LLM:
             seed=seed,
             max_model_len=max_model_len or 0,
             tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
             **engine_args,
         )
         self._ids = itertools.count()
-        # Worker processes (tp > 1) stop with the LLM, or at interpreter exit at the latest.
+        # Worker (tp > 1) and engine-core (dp > 1) processes stop with the LLM, or at interpreter exit at the latest.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
     def shutdown(self) -> None:

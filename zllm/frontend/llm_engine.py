@@ -39,10 +39,15 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":
-        """An engine whose core and worker run in this process."""
+        """An engine whose core and worker run in this process; with data_parallel_size > 1, one
+        engine-core process per data-parallel rank instead."""
+        config = EngineConfig.create(model, **kwargs)
+        if config.data_parallel_size > 1:
+            from zllm.frontend.core_client import DataParallelCoreClient
+
+            return cls(config, DataParallelCoreClient(config))
         from zllm.launch.inprocess import build_inprocess_core
 
-        config = EngineConfig.create(model, **kwargs)
         return cls(config, build_inprocess_core(config))
 
     def add_request(

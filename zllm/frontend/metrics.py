@@ -6,7 +6,7 @@ Two sources:
   request's outputs leave for its client — the ZMQ clients and the HTTP API alike;
 - engine figures (requests running / waiting, KV cache usage, preemptions, prefix-cache queries
   and hits) are the engine core's own counters, read with the `stats` utility call just before
-  each scrape (`update_engine_stats`).
+  each scrape (`update_engine_stats`), one series per data-parallel engine (label `dp_rank`).
 
 Each instance has its own registry, so several servers (or tests) in one process never clash.
 """
@@ -140,27 +140,26 @@ class _EngineStats:
         return []  # the series depend on the snapshot; nothing to check at registration
 
     def collect(self) -> Iterator[Metric]:
+        """One series per data-parallel engine, labelled with its dp_rank."""
         stats = self.stats
         if not stats:
             return
+        engines = stats.get("engines") or [{"dp_rank": 0, **stats}]
         gauges = [
-            ("zllm:num_requests_running", "Requests in the engine's running batch.", stats.get("num_running")),
-            ("zllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.get("num_waiting")),
-            ("zllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", stats.get("kv_cache_usage")),
+            ("zllm:num_requests_running", "Requests in the engine's running batch.", "num_running"),
+            ("zllm:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            ("zllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", "kv_cache_usage"),
         ]
         counters = [
-            ("zllm:num_preemptions", "Requests preempted by the engine.", stats.get("num_preemptions")),
-            ("zllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             stats.get("prefix_cache_queries", 0)),
-            ("zllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.get("prefix_cache_hits", 0)),
+            ("zllm:num_preemptions", "Requests preempted by the engine.", "num_preemptions"),
+            ("zllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+            ("zllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
         ]
-        for name, doc, value in gauges:
-            if value is not None:
-                family = GaugeMetricFamily(name, doc, labels=["model_name"])
-                family.add_metric([self.model_name], float(value))
-                yield family
-        for name, doc, value in counters:
-            if value is not None:
-                family = CounterMetricFamily(name, doc, labels=["model_name"])
-                family.add_metric([self.model_name], float(value))
-                yield family
+        for family_type, metrics in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, key in metrics:
+                family = family_type(name, doc, labels=["model_name", "dp_rank"])
+                for engine in engines:
+                    if engine.get(key) is not None:
+                        family.add_metric([self.model_name, str(engine["dp_rank"])], float(engine[key]))
+                if family.samples:
+                    yield family

@@ -1,7 +1,8 @@
-"""The frontend process: owns the tokenizer and the client endpoint, spawns the engine core.
+"""The frontend process: owns the tokenizer and the client endpoint, spawns the engine core(s).
 
     clients --DEALER--> [client endpoint] ROUTER  frontend  PUSH --> [core-input]  --> core
     clients <---------- deltas ---------- ROUTER  frontend  PULL <-- [core-output] <-- core
+                                                     (one such pair per data-parallel engine)
 
 Clients speak the map-encoded Client*/Server* messages of zllm.ipc.messages. Each request is
 validated here (errors go back to that client only), streamed back as text/token deltas (text
@@ -9,26 +10,27 @@ that could still turn into a stop string is held back until it can't), and abort
 when its client cancels, vanishes (a send to it fails) or falls silent past client_timeout_s.
 The OpenAI HTTP API (api_server.py) is a client inside this process: `open_local_client`.
 
-Engine failures (zllm/frontend/supervisor.py watches the core and every worker): with
-on_failure="restart" the engine is killed, restarted with back-off, and every request in flight
-is re-sent as a continuation of what its client already received (zllm/frontend/replay.py), so
-streams simply go on; with on_failure="fail", or once the crash loop gives up, every request
-ends with an engine_dead error. Each engine start gets its own sockets in its own runtime
-subdirectory, so nothing from a dead core can reach its successor.
+With --data-parallel-size N the frontend drives N engines (zllm/frontend/engines.py), and each
+new request goes to the least loaded one that is up (zllm/frontend/router.py); stats and utility
+calls go to every engine, and their answers are merged.
+
+Engine failures (zllm/frontend/supervisor.py watches each core and every worker): with
+on_failure="restart" the failed engine alone is killed, restarted with back-off, and each of its
+requests in flight is re-sent as a continuation of what its client already received
+(zllm/frontend/replay.py), so streams simply go on; the other engines serve on meanwhile. With
+on_failure="fail", or once an engine's crash loop gives up, every request ends with an
+engine_dead error. Each engine start gets its own sockets in its own runtime subdirectory, so
+nothing from a dead core can reach its successor.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import errno
 import hmac
 import itertools
 import logging
-import os
 import secrets
-import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -39,10 +41,10 @@ from zllm.config import EngineConfig
 from zllm.frontend.metrics import FrontendMetrics
 from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor
-from zllm.frontend.replay import ReplayLog
-from zllm.frontend.supervisor import EngineProcesses, RestartPolicy
+from zllm.frontend.engines import MAX_REPLAYS, EngineLink, EngineStartError
+from zllm.frontend.router import LoadBalancer
 from zllm.frontend.tokenizer import chat_prompt, load_tokenizer
-from zllm.ipc.addresses import InternalEndpoints, default_client_endpoint, engine_runtime_dir
+from zllm.ipc.addresses import default_client_endpoint
 from zllm.ipc.codec import Codec, MessageError, convert
 from zllm.ipc.curve import ClientKeyCheck, ServerKeys, client_endpoint_keys, start_authenticator
 from zllm.ipc.messages import (
@@ -54,36 +56,22 @@ from zllm.ipc.messages import (
     ClientStats,
     ClientToServer,
     ClientUtility,
-    CoreToFrontend,
-    EngineDead,
     EngineOutputs,
     EngineReady,
-    FrontendToCore,
     ServerError,
     ServerOutput,
     ServerPong,
     ServerStats,
     ServerToClient,
     ServerUtilityResult,
-    Shutdown,
     UtilityCall,
     UtilityResult,
 )
 from zllm.ipc.sockets import make_socket
 from zllm.outputs import CompletionOutput, RequestOutput
-from zllm.procs.children import stop_children
 from zllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("zllm.frontend")
-
-
-# A request in flight through this many engine failures is failed alone rather than replayed
-# again: it may be what crashes the engine.
-_MAX_REPLAYS = 2
-
-
-class EngineStartError(RuntimeError):
-    pass
 
 
 # Engine utilities a client may call by name (ClientUtility).
@@ -106,8 +94,20 @@ class _ClientRequest:
     request_id: str  # the client's id; the engine sees identity-prefixed ids
     holdback: int  # characters of text withheld while a stop string could still match
     sent: list[_Sent]  # one per completion (n)
+    engine: EngineLink  # the data-parallel engine that serves it
     sent_prompt: bool = False
     sent_prompt_logprobs: bool = False
+
+
+@dataclass(slots=True)
+class _Call:
+    """A client's stats or utility call, sent to every engine that is up."""
+
+    identity: bytes
+    client_call_id: int
+    method: str
+    pending: dict[int, int] = field(default_factory=dict)  # engine call id -> dp rank, until answered
+    results: dict[int, UtilityResult] = field(default_factory=dict)  # by dp rank
 
 
 @dataclass(slots=True)
@@ -127,72 +127,77 @@ class FrontendServer:
         self.processor = InputProcessor.from_config(config, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
         self.context = zmq.asyncio.Context()
-        self.to_core: Codec = Codec(FrontendToCore)
-        self.from_core: Codec = Codec(CoreToFrontend)
         self.from_clients: Codec = Codec(ClientToServer)
         self.to_clients: Codec = Codec(ServerToClient)
         self.requests: dict[str, _ClientRequest] = {}
         self.clients: dict[bytes, _Client] = {}
-        self.stats_waiters: dict[int, tuple[bytes, int]] = {}
-        self.utility_waiters: dict[int, tuple[bytes, int]] = {}
         self._call_ids = itertools.count()
-        self.engine = EngineProcesses()
-        self.restart_policy = RestartPolicy(config.max_restarts, config.restart_window_s)
-        self.replay = ReplayLog(_MAX_REPLAYS)
-        self.ready: EngineReady | None = None
+        self.calls: dict[int, _Call] = {}  # engine utility call id -> the client call it answers
+        self.engines = [EngineLink(config, rank, self.context, self._call_ids) for rank in range(config.data_parallel_size)]
+        self.balancer = LoadBalancer(len(self.engines), config.block_size)
         self.dead_reason: str | None = None
-        self.num_restarts = 0
-        self.recovering = False  # the engine is being restarted: new requests are held meanwhile
         self.draining = False  # a graceful shutdown began: new requests are refused (/health: 503)
         self.metrics = FrontendMetrics(config.model_name)
-        self._generation = 0
-        self._core_queue: asyncio.Queue = asyncio.Queue(config.socket_hwm)
-        self._held_while_recovering = 0
-        self._last_engine_message = 0.0
         self._answering = asyncio.Event()
+
+    @property
+    def ready(self) -> EngineReady | None:
+        """Engine 0's EngineReady (every data-parallel engine serves the same model and shape)."""
+        return self.engines[0].ready
+
+    @property
+    def recovering(self) -> bool:
+        """No engine can take a request now: every one is being restarted after a failure."""
+        return all(engine.recovering for engine in self.engines)
+
+    @property
+    def num_restarts(self) -> int:
+        return sum(engine.num_restarts for engine in self.engines)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> EngineReady:
         # Before the model loads, so that a key problem fails fast.
         keys = client_endpoint_keys(self.client_endpoint, self.config.curve_dir, self.config.api_key)
-        self.ready = await self._start_engine()
+        for engine in self.engines:
+            engine.spawn()  # all at once: the engines load their models side by side
+        await asyncio.gather(*(engine.wait_ready() for engine in self.engines))
         if keys is not None:
             self._start_authenticator(keys)
         self.client_socket = make_socket(
             self.context, zmq.ROUTER, self.client_endpoint, bind=True, hwm=self.config.socket_hwm,
             router_mandatory=True, curve_server_keys=keys, max_message_bytes=self.config.client_max_message_bytes,
         )
-        logger.info("serving %s on %s%s", self.ready.model, self.client_endpoint, " (CURVE)" if keys else "")
+        engines = f" ({len(self.engines)} data-parallel engines)" if len(self.engines) > 1 else ""
+        logger.info("serving %s on %s%s%s", self.ready.model, self.client_endpoint, " (CURVE)" if keys else "", engines)
         return self.ready
 
     async def serve(self) -> None:
-        """Serve until cancelled, or until the engine fails for good (dead_reason says why)."""
+        """Serve until cancelled, or until an engine fails for good (dead_reason says why)."""
         background = {
             asyncio.create_task(self._client_loop(), name="clients"),
             asyncio.create_task(self._drop_silent_clients(), name="silent-clients"),
         }
+        supervisors = {asyncio.create_task(self._supervise(engine), name=engine.name) for engine in self.engines}
         try:
-            while True:
-                reason = await self._run_engine(background)
-                if not await self._recover(reason):
-                    return
+            done, _ = await asyncio.wait(background | supervisors, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a background task failed: raise its error
+            if not done & supervisors:
+                raise RuntimeError("the client loop ended")
         finally:
-            for task in background:
+            for task in background | supervisors:
                 task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            await asyncio.gather(*background, *supervisors, return_exceptions=True)
 
     async def wait_answering(self) -> None:
-        """Return once the server has answered: the engine core replied through the serving loop."""
+        """Return once the server has answered: an engine core replied through the serving loop."""
         await self._answering.wait()
 
     def engine_responsive(self) -> bool:
-        """Is the engine making progress (stepping, or idle and answering), or being restarted
+        """Is every engine making progress (stepping, or idle and answering), or being restarted
         under the supervisor's bounded policy? What the systemd watchdog is fed from."""
-        if self.recovering:
-            return True
-        silent = time.monotonic() - self._last_engine_message
-        return self.dead_reason is None and silent < self.config.engine_hang_timeout_s
+        return self.dead_reason is None and all(engine.responsive() for engine in self.engines)
 
     def begin_drain(self) -> None:
         """Stop accepting requests (they get a "draining" error); those in flight go on."""
@@ -207,164 +212,94 @@ class FrontendServer:
             await asyncio.sleep(0.05)
         return not self.requests
 
-    async def fail_all(self, message: str, kind: str) -> None:
-        """End every request in flight with this error."""
-        for engine_id in list(self.requests):
+    async def fail_all(self, message: str, kind: str, engine: EngineLink | None = None) -> None:
+        """End every request in flight (on `engine`, or on any) with this error."""
+        for engine_id in [i for i, r in self.requests.items() if engine is None or r.engine is engine]:
             request = self._forget(engine_id)
             self.outputs.abort(engine_id)
             await self._send(request.identity, ServerError(request.request_id, message, kind))
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        core = self.engine.core
-        if core is not None and core.poll() is None:
-            try:
-                await self.core_in.send(self.to_core.encode(Shutdown(reason="frontend shutdown")), zmq.NOBLOCK)
-                await asyncio.to_thread(core.wait, timeout_s)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                pass
-            stop_children([core], timeout_s=5.0)
+        await asyncio.gather(*(engine.shutdown(timeout_s) for engine in self.engines))
         self.context.destroy(linger=0)
 
     async def kill_engine(self) -> None:
         """Take every engine process down at once (second signal, or after a failure)."""
-        await self.engine.kill()
-        shutil.rmtree(engine_runtime_dir(self.config.runtime_dir, self._generation), ignore_errors=True)
+        await asyncio.gather(*(engine.kill() for engine in self.engines))
 
-    # ---- the engine: start, run, recover -------------------------------------------------------
+    # ---- the engines: run, recover -------------------------------------------------------------
 
-    async def _start_engine(self) -> EngineReady:
-        """Start a new engine core (which starts its workers) with fresh sockets; wait until ready."""
-        self._generation += 1
-        runtime_dir = engine_runtime_dir(self.config.runtime_dir, self._generation)
-        os.makedirs(runtime_dir, mode=0o700, exist_ok=True)  # left by a killed instance: make_socket checks it
-        os.chmod(runtime_dir, 0o700)
-        endpoints = InternalEndpoints(runtime_dir)
-        hwm = self.config.socket_hwm
-        for name in ("core_in", "core_out"):
-            if hasattr(self, name):
-                getattr(self, name).close(linger=0)
-        self.core_in = make_socket(self.context, zmq.PUSH, endpoints.core_input, bind=True, hwm=hwm)
-        self.core_out = make_socket(self.context, zmq.PULL, endpoints.core_output, bind=True, hwm=hwm,
-                                    max_message_bytes=self.config.internal_max_message_bytes)
-        self._core_queue = asyncio.Queue(hwm)
-        self.engine.spawn_core(dataclasses.replace(self.config, runtime_dir=runtime_dir))
-        ready = await self._wait_ready()
-        self.engine.adopt_workers(ready.worker_pids)
-        self._last_engine_message = time.monotonic()
-        return ready
+    async def _supervise(self, engine: EngineLink) -> None:
+        """Serve with this engine, restarting it after each failure; return when it failed for
+        good (the whole server then gives up: dead_reason)."""
+        while True:
+            reason = await engine.run(self._on_engine_message)
+            if not await self._recover(engine, reason):
+                return
 
-    async def _wait_ready(self) -> EngineReady:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while time.monotonic() < deadline:
-            if await self.core_out.poll(int(self.config.heartbeat_interval_s * 1000)):
-                try:
-                    message = self.from_core.decode_frames(await self.core_out.recv_multipart())
-                except MessageError as error:
-                    logger.error("dropped a malformed message from the engine core: %s", error)
-                    continue
-                if isinstance(message, EngineReady):
-                    return message
-                if isinstance(message, EngineDead):
-                    raise EngineStartError(f"engine failed to start: {message.reason}")
-            elif (code := self.engine.core_exit_code()) is not None:
-                raise EngineStartError(f"engine core exited with code {code} during start-up")
-        raise EngineStartError(f"engine not ready after {self.config.startup_timeout_s:.0f} s")
+    async def _on_engine_message(self, engine: EngineLink, message) -> None:
+        if isinstance(message, EngineOutputs):
+            self.balancer.report(engine.dp_rank, message.num_waiting, message.num_running)
+            await self._deliver(engine, message)
+        elif isinstance(message, UtilityResult):
+            self._answering.set()
+            await self._answer_utility(engine, message)
 
-    async def _run_engine(self, background: set[asyncio.Task]) -> str:
-        """Serve with the current engine until it fails; returns the reason."""
-        tasks = {
-            asyncio.create_task(self._engine_loop(), name="engine"),
-            asyncio.create_task(self._send_loop(), name="to-core"),
-            asyncio.create_task(self.engine.wait_for_exit(), name="supervise"),
-            asyncio.create_task(self._liveness_loop(), name="liveness"),
-        }
-        try:
-            done, _ = await asyncio.wait(tasks | background, return_when=asyncio.FIRST_COMPLETED)
-            for task in done - background:
-                return task.result()
-            for task in done:
-                task.result()  # a background task failed: raise its error
-            raise RuntimeError("the client loop ended")
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _recover(self, reason: str) -> bool:
-        """After an engine failure: restart it and replay the requests in flight (True), or end
-        them all with an engine_dead error (False: the server cannot go on)."""
+    async def _recover(self, engine: EngineLink, reason: str) -> bool:
+        """After an engine failure: restart that engine and replay its requests in flight (True),
+        or end every request with an engine_dead error (False: the server cannot go on). The
+        other engines serve on meanwhile."""
         failed_at = time.monotonic()
-        logger.error("engine failure: %s; %d request(s) in flight", reason, len(self.requests))
-        self.recovering, self._held_while_recovering = True, 0
-        await self._answer_calls_locally()
-        await self.kill_engine()
+        logger.error("%s failure: %s; %d request(s) in flight", engine.name, reason, len(engine.replay))
+        engine.recovering, engine.held_while_recovering = True, 0
+        await self._answer_calls_locally(engine)
+        await engine.kill()
         if self.config.on_failure == "fail" or self.draining:
-            return await self._give_up(f"engine is dead: {reason}")
-        while (delay := self.restart_policy.next_delay()) is not None:
-            logger.warning("restarting the engine%s (restart %d of at most %d within %.0f s)",
-                           f" in {delay:.0f} s" if delay else "", self.restart_policy.recent_restarts,
+            return await self._give_up(f"{engine.name} is dead: {reason}")
+        while (delay := engine.restart_policy.next_delay()) is not None:
+            logger.warning("restarting the %s%s (restart %d of at most %d within %.0f s)", engine.name,
+                           f" in {delay:.0f} s" if delay else "", engine.restart_policy.recent_restarts,
                            self.config.max_restarts, self.config.restart_window_s)
             await asyncio.sleep(delay)
             try:
-                self.ready = await self._start_engine()
+                await engine.start()
                 break
             except EngineStartError as error:
                 reason = str(error)
-                logger.error("engine restart failed: %s", reason)
-                await self.kill_engine()
+                logger.error("%s restart failed: %s", engine.name, reason)
+                await engine.kill()
         else:
             return await self._give_up(
-                f"engine is dead: {reason}; gave up after {self.config.max_restarts} restart(s) "
+                f"{engine.name} is dead: {reason}; gave up after {self.config.max_restarts} restart(s) "
                 f"within {self.config.restart_window_s:.0f} s"
             )
-        self.recovering = False
-        self.num_restarts += 1
-        replayed = await self._replay()
-        logger.warning("engine recovered in %.2f s: %d request(s) replayed", time.monotonic() - failed_at, replayed)
+        engine.recovering = False
+        engine.num_restarts += 1
+        replayed = await self._replay(engine)
+        logger.warning("%s recovered in %.2f s: %d request(s) replayed", engine.name, time.monotonic() - failed_at,
+                       replayed)
         return True
 
     async def _give_up(self, reason: str) -> bool:
-        self.dead_reason, self.recovering = reason, False
+        self.dead_reason = reason
         logger.error("%s; failing %d request(s)", reason, len(self.requests))
         await self.fail_all(reason, "engine_dead")
+        for engine in self.engines:
+            engine.recovering = False
         return False
 
-    async def _replay(self) -> int:
-        """Send the new engine core every unfinished completion, continued; returns how many
-        requests that continues."""
-        resend, given_up = self.replay.continuations(self.outputs.received_token_ids)
+    async def _replay(self, engine: EngineLink) -> int:
+        """Send the restarted engine core every unfinished completion it had, continued; returns
+        how many requests that continues."""
+        resend, given_up = engine.replay.continuations(self.outputs.received_token_ids)
         for engine_id in given_up:
             request = self._forget(engine_id)
             self.outputs.abort(engine_id)
-            reason = f"engine is dead: it failed {_MAX_REPLAYS + 1} times while this request ran; not retried"
+            reason = f"engine is dead: it failed {MAX_REPLAYS + 1} times while this request ran; not retried"
             await self._send(request.identity, ServerError(request.request_id, reason, "engine_dead"))
         for message in resend:
-            await self._submit(message)
-        return len(self.replay)
-
-    async def _liveness_loop(self) -> str:
-        """Ping the engine core every heartbeat; an answer proves its busy loop still turns."""
-        interval = self.config.heartbeat_interval_s
-        while True:
-            await self._to_core(UtilityCall(call_id=next(self._call_ids), method="ping"))
-            await asyncio.sleep(interval)
-            silent = time.monotonic() - self._last_engine_message
-            if silent > self.config.engine_hang_timeout_s:
-                return f"engine core unresponsive for {silent:.0f} s"
-
-    async def _send_loop(self) -> str:
-        """The only writer of core_in: the client loop never blocks on a dead engine."""
-        while True:
-            message = await self._core_queue.get()
-            await self.core_in.send(self.to_core.encode(message))
-
-    async def _to_core(self, message) -> bool:
-        """Queue a message for the current engine core; False if the queue is full."""
-        try:
-            self._core_queue.put_nowait(message)
-            return True
-        except asyncio.QueueFull:
-            return False
+            await self._submit(engine, message)
+        return len(engine.replay)
 
     # ---- in-process clients (the HTTP API) ----------------------------------------------------
 
@@ -436,27 +371,35 @@ class FrontendServer:
         return message.api_key is not None and hmac.compare_digest(given, self.config.api_key.encode())
 
     async def _stats(self, identity: bytes, client_call_id: int) -> None:
-        call_id = next(self._call_ids)
-        if self.recovering or not await self._to_core(UtilityCall(call_id=call_id, method="stats")):
+        call = _Call(identity, client_call_id, "stats")
+        if not self._call_engines(call):
             await self._send(identity, ServerStats(call_id=client_call_id, stats=self._server_stats()))
-            return
-        self.stats_waiters[call_id] = (identity, client_call_id)
 
     def _server_stats(self) -> dict:
         state = "draining" if self.draining else "recovering" if self.recovering else "serving"
-        return {"state": state, "engine_restarts": self.num_restarts, "num_requests": len(self.requests)}
+        stats = {"state": state, "engine_restarts": self.num_restarts, "num_requests": len(self.requests)}
+        if len(self.engines) > 1:
+            stats["engines_recovering"] = [engine.dp_rank for engine in self.engines if engine.recovering]
+        return stats
 
     async def _call_utility(self, identity: bytes, message: ClientUtility) -> None:
         if message.method not in _CLIENT_UTILITIES:
             error = f"method: {message.method!r} is not one of {list(_CLIENT_UTILITIES)}"
             await self._send(identity, ServerUtilityResult(call_id=message.call_id, error=error))
             return
-        call_id = next(self._call_ids)
-        if self.recovering or not await self._to_core(UtilityCall(call_id=call_id, method=message.method)):
+        call = _Call(identity, message.call_id, message.method)
+        if any(engine.recovering for engine in self.engines) or not self._call_engines(call):
             error = "the engine is restarting after a failure; retry later"
             await self._send(identity, ServerUtilityResult(call_id=message.call_id, error=error))
-            return
-        self.utility_waiters[call_id] = (identity, message.call_id)
+
+    def _call_engines(self, call: _Call) -> bool:
+        """Send a utility call to every engine that is up; False if none took it."""
+        for engine in self.engines:
+            call_id = next(self._call_ids)
+            if not engine.recovering and engine.send(UtilityCall(call_id=call_id, method=call.method)):
+                self.calls[call_id] = call
+                call.pending[call_id] = engine.dp_rank
+        return bool(call.pending)
 
     async def _add_request(self, identity: bytes, message: ClientGenerate) -> None:
         engine_id = self._engine_id(identity, message.request_id)
@@ -477,15 +420,21 @@ class FrontendServer:
             return
         holdback = max((len(s) for s in sampling.stop_strings), default=1) - 1
         sent = [_Sent() for _ in range(sampling.n)]
-        self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback, sent)
+        engine = self._choose_engine(add, len(core_messages))
+        self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback, sent, engine)
         self.clients[identity].requests.add(engine_id)
         self.metrics.request_added(engine_id, len(add.prompt_token_ids))
-        self.replay.record(engine_id, core_messages)
-        if self.recovering:
-            self._held_while_recovering += 1  # sent with the replayed requests once the engine is back
+        engine.replay.record(engine_id, core_messages)
+        if engine.recovering:
+            engine.held_while_recovering += 1  # sent with the replayed requests once the engine is back
             return
         for core_message in core_messages:
-            await self._submit(core_message)
+            await self._submit(engine, core_message)
+
+    def _choose_engine(self, add: AddRequest, count: int) -> EngineLink:
+        """The least loaded engine that is up (all being restarted: the least loaded one)."""
+        live = [engine.dp_rank for engine in self.engines if not engine.recovering] or None
+        return self.engines[self.balancer.choose(add.prompt_token_ids, add.cache_salt, live, count)]
 
     def _refusal(self) -> tuple[str, str] | None:
         """(message, kind) when no request can be taken now."""
@@ -493,15 +442,16 @@ class FrontendServer:
             return f"engine is dead: {self.dead_reason}", "engine_dead"
         if self.draining:
             return "server is shutting down: not accepting new requests; retry on another server or later", "draining"
-        if self.recovering and self._held_while_recovering >= self.config.max_waiting:
-            return (f"overloaded: the engine is restarting and {self._held_while_recovering} requests already wait "
+        held = min(engine.held_while_recovering for engine in self.engines)
+        if self.recovering and held >= self.config.max_waiting:
+            return (f"overloaded: the engine is restarting and {held} requests already wait "
                     f"for it (max_waiting={self.config.max_waiting}); retry later", "overloaded")
         return None
 
-    async def _submit(self, core_message: AddRequest) -> None:
-        if not await self._to_core(core_message):
+    async def _submit(self, engine: EngineLink, core_message: AddRequest) -> None:
+        if not engine.send(core_message):
             message = "overloaded: the engine core is not keeping up with its input queue; retry later"
-            await self._fail(core_message.request_id, message, "overloaded")
+            await self._fail(engine, core_message.request_id, message, "overloaded")
 
     def _prompt(self, message: ClientGenerate):
         given = [x is not None for x in (message.prompt, message.prompt_token_ids, message.messages)]
@@ -539,20 +489,22 @@ class FrontendServer:
             await self._abort(list(client.requests))
 
     async def _abort(self, engine_ids: list[str]) -> None:
-        core_ids = []
+        core_ids: dict[EngineLink, list[str]] = {}
         for engine_id in [i for i in engine_ids if i in self.requests]:
-            self._forget(engine_id)
-            core_ids += self.outputs.core_request_ids(engine_id)
+            request = self._forget(engine_id)
+            core_ids.setdefault(request.engine, []).extend(self.outputs.core_request_ids(engine_id))
             self.outputs.abort(engine_id)
-        if core_ids and not self.recovering:
-            await self._to_core(AbortRequests(request_ids=core_ids))
+        for engine, ids in core_ids.items():
+            if ids and not engine.recovering:
+                engine.send(AbortRequests(request_ids=ids))
 
     def _forget(self, engine_id: str) -> _ClientRequest | None:
         request = self.requests.pop(engine_id, None)
-        self.replay.forget(engine_id)
         self.metrics.request_ended(engine_id)
-        if request is not None and request.identity in self.clients:
-            self.clients[request.identity].requests.discard(engine_id)
+        if request is not None:
+            request.engine.replay.forget(engine_id)
+            if request.identity in self.clients:
+                self.clients[request.identity].requests.discard(engine_id)
         return request
 
     async def _drop_silent_clients(self) -> None:
@@ -572,39 +524,22 @@ class FrontendServer:
 
     # ---- engine core ---------------------------------------------------------------------------
 
-    async def _engine_loop(self) -> str:
-        while True:
-            frames = await self.core_out.recv_multipart()
-            try:
-                message = self.from_core.decode_frames(frames)
-            except MessageError as error:
-                logger.error("dropped a malformed message from the engine core: %s", error)
-                continue
-            self._last_engine_message = time.monotonic()
-            if isinstance(message, EngineOutputs):
-                await self._deliver(message)
-            elif isinstance(message, UtilityResult):
-                self._answering.set()
-                await self._answer_utility(message)
-            elif isinstance(message, EngineDead):
-                return f"engine core reported: {message.reason}"
-
-    async def _deliver(self, message: EngineOutputs) -> None:
+    async def _deliver(self, engine: EngineLink, message: EngineOutputs) -> None:
         for failures, kind in ((message.failed, "bad_request"), (message.rejected, "overloaded")):
             for core_id, reason in failures.items():
-                await self._fail(core_id, reason, kind)
+                await self._fail(engine, core_id, reason, kind)
         for delta in message.outputs:
             if delta.finish_reason == "error":  # failed on the workers, alone; process() skips it now
-                await self._fail(delta.request_id, f"the engine failed this request: {delta.error}", "internal")
+                await self._fail(engine, delta.request_id, f"the engine failed this request: {delta.error}", "internal")
         outputs, to_abort = self.outputs.process(message.outputs)
         if to_abort:
-            await self._to_core(AbortRequests(request_ids=to_abort))
+            engine.send(AbortRequests(request_ids=to_abort))
         for output in outputs:
             request = self.requests.get(output.request_id)
             if request is not None:
                 await self._send_deltas(request, output)
 
-    async def _fail(self, core_id: str, reason: str, kind: str = "bad_request") -> None:
+    async def _fail(self, engine: EngineLink, core_id: str, reason: str, kind: str = "bad_request") -> None:
         """The core refused one of a request's completions: the whole request fails."""
         engine_id = self.outputs.request_id_of(core_id)
         if engine_id is None:
@@ -612,7 +547,7 @@ class FrontendServer:
         siblings = [i for i in self.outputs.core_request_ids(engine_id) if i != core_id]
         self.outputs.abort(engine_id)
         if siblings:
-            await self._to_core(AbortRequests(request_ids=siblings))
+            engine.send(AbortRequests(request_ids=siblings))
         request = self._forget(engine_id)
         if request is not None:
             await self._send(request.identity, ServerError(request.request_id, reason, kind))
@@ -661,22 +596,49 @@ class FrontendServer:
         sent.finished = completion.finished
         return delta
 
-    async def _answer_utility(self, result: UtilityResult) -> None:
-        if (waiter := self.stats_waiters.pop(result.call_id, None)) is not None:
-            identity, call_id = waiter
-            stats = {**(result.result or {}), **self._server_stats()}
-            await self._send(identity, ServerStats(call_id=call_id, stats=stats))
-        elif (waiter := self.utility_waiters.pop(result.call_id, None)) is not None:
-            identity, call_id = waiter
-            await self._send(identity, ServerUtilityResult(call_id=call_id, result=result.result, error=result.error))
+    async def _answer_utility(self, engine: EngineLink, result: UtilityResult) -> None:
+        call = self.calls.pop(result.call_id, None)  # None: a ping
+        if call is not None:
+            del call.pending[result.call_id]
+            call.results[engine.dp_rank] = result
+            await self._answer_when_complete(call)
 
-    async def _answer_calls_locally(self) -> None:
-        """Calls the failed engine will never answer: stats get the frontend's own view, other
-        utilities an error."""
-        waiters, self.stats_waiters = self.stats_waiters, {}
-        for identity, call_id in waiters.values():
-            await self._send(identity, ServerStats(call_id=call_id, stats=self._server_stats()))
-        waiters, self.utility_waiters = self.utility_waiters, {}
-        for identity, call_id in waiters.values():
-            error = "the engine failed before answering; retry later"
-            await self._send(identity, ServerUtilityResult(call_id=call_id, error=error))
+    async def _answer_when_complete(self, call: _Call) -> None:
+        """Answer the client's call once every engine it went to has answered (or failed)."""
+        if call.pending:
+            return
+        if call.method == "stats":
+            per_engine = {rank: r.result or {} for rank, r in call.results.items() if r.error is None}
+            stats = {**merge_engine_stats(per_engine), **self._server_stats()}
+            await self._send(call.identity, ServerStats(call_id=call.client_call_id, stats=stats))
+            return
+        errors = [r.error for r in call.results.values() if r.error is not None]
+        results = [r.result for r in call.results.values()]
+        result = None if errors else results[0] if len(results) == 1 else all(results)
+        error = "; ".join(errors) or None
+        await self._send(call.identity, ServerUtilityResult(call_id=call.client_call_id, result=result, error=error))
+
+    async def _answer_calls_locally(self, engine: EngineLink) -> None:
+        """Calls the failed engine will never answer: stats are answered without it, other
+        utilities get an error."""
+        for call_id, call in [(i, c) for i, c in self.calls.items() if c.pending.get(i) == engine.dp_rank]:
+            del self.calls[call_id], call.pending[call_id]
+            call.results[engine.dp_rank] = UtilityResult(call_id=call_id, error="the engine failed before answering; retry later")
+            await self._answer_when_complete(call)
+
+
+def merge_engine_stats(per_engine: dict[int, dict]) -> dict:
+    """One view of several engines' stats: counts added up, KV cache usage and the prefix-cache
+    hit rate over all of them, and each engine's own stats under "engines" (with its dp_rank)."""
+    if not per_engine:
+        return {}
+    merged: dict = {}
+    for stats in per_engine.values():
+        for key, value in stats.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                merged[key] = merged.get(key, 0) + value
+    merged["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per_engine.values()) / len(per_engine)
+    queries = merged.get("prefix_cache_queries", 0)
+    merged["prefix_cache_hit_rate"] = merged.get("prefix_cache_hits", 0) / queries if queries else 0.0
+    merged["engines"] = [{"dp_rank": rank, **per_engine[rank]} for rank in sorted(per_engine)]
+    return merged

@@ -24,10 +24,11 @@ def make_private_runtime_dir() -> str:
     return path
 
 
-def engine_runtime_dir(runtime_dir: str, generation: int) -> str:
-    """A fresh directory (inside the private runtime dir) for each start of the engine core:
-    a restarted core and its workers share no socket, and no stale message, with a dead one."""
-    return os.path.join(runtime_dir, f"engine-{generation}")
+def engine_runtime_dir(runtime_dir: str, generation: int, dp_rank: int = 0) -> str:
+    """A fresh directory (inside the private runtime dir) for each start of each engine core:
+    a restarted core and its workers share no socket, and no stale message, with a dead one or
+    with another data-parallel engine."""
+    return os.path.join(runtime_dir, f"engine-{generation}" if dp_rank == 0 else f"dp{dp_rank}-engine-{generation}")
 
 
 def is_loopback_tcp(endpoint: str) -> bool:

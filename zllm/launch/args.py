@@ -26,6 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     group.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
+    group.add_argument("-dp", "--dp", "--data-parallel-size", dest="data_parallel_size", type=int, default=1,
+                       help="engine cores behind one frontend, each with its own --tp workers (and GPUs)")
     group.add_argument("--device", choices=["auto", "cuda", "cpu"], default=defaults.device)
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=defaults.dtype)
     group.add_argument("--seed", type=int, default=defaults.seed)
@@ -103,6 +105,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         tokenizer=args.tokenizer,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         device=args.device,
         dtype=args.dtype,
         seed=args.seed,

@@ -21,18 +21,20 @@ from zllm.workers.symmetric_all_reduce import attach_symmetric_all_reduce
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(name: str, rank: int = 0) -> torch.device:
-    """Rank R of a tensor-parallel group uses GPU R."""
+def resolve_device(name: str, rank: int = 0, first_gpu: int = 0) -> torch.device:
+    """Rank R of a tensor-parallel group uses GPU first_gpu + R (first_gpu: the data-parallel
+    engine's first GPU)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but no CUDA device is available")
-    if rank >= torch.cuda.device_count():
-        raise ValueError(f"device: rank {rank} needs GPU {rank}, but only {torch.cuda.device_count()} are visible")
-    torch.cuda.set_device(rank)
-    return torch.device("cuda", rank)
+    index = first_gpu + rank
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device: rank {rank} needs GPU {index}, but only {torch.cuda.device_count()} are visible")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 class Worker:
@@ -46,11 +48,13 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
-        self.device = resolve_device(config.device, rank)
+        self.device = resolve_device(config.device, rank, config.first_gpu)
         self.tp = init_tensor_parallel(config, rank, self.device)
-        if self.device.type == "cpu" and self.tp.size > 1:
-            # Ranks share the machine's cores; without a cap each would start one thread per core.
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.tp.size))
+        sharers = self.tp.size * config.data_parallel_size
+        if self.device.type == "cpu" and sharers > 1:
+            # Ranks (of every engine) share the machine's cores; without a cap each would start
+            # one thread per core.
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // sharers))
         torch.manual_seed(config.seed)
         self._pending: LaunchedStep | None = None  # sampled (or awaiting its bitmask), not yet answered
         self.awaiting_bitmask = False  # rank 0: the pending step samples once its GrammarBitmask arrives

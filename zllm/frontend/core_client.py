@@ -1,0 +1,209 @@
+"""Engine cores in processes of their own, driven synchronously: `LLM(data_parallel_size=N)`.
+
+    LLMEngine ── add_request ──> the least loaded core (LoadBalancer) ── PUSH ──> engine core d
+              <── step() ───── TokenDeltas of whichever cores answered ── PULL <── (its workers)
+
+Each core runs its own tp group of workers (GPUs d*tp ... d*tp+tp-1), exactly as under
+`vllm-launch --data-parallel-size N`, so N engines step at once instead of taking turns on this
+process's interpreter. There is no supervision here: a core that dies fails the `LLM` call with
+an error naming it (the server restarts engines; an offline batch is simply run again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import shutil
+import time
+
+import zmq
+
+from zllm.config import EngineConfig
+from zllm.frontend.router import LoadBalancer
+from zllm.frontend.supervisor import EngineProcesses
+from zllm.ipc.addresses import InternalEndpoints, engine_runtime_dir, make_private_runtime_dir
+from zllm.ipc.codec import Codec
+from zllm.ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreToFrontend,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    FrontendToCore,
+    Shutdown,
+    TokenDelta,
+    UtilityCall,
+    UtilityResult,
+)
+from zllm.ipc.sockets import make_socket
+from zllm.procs.children import stop_children
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCoreError(RuntimeError):
+    """An engine core process failed or exited."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Core:
+    rank: int
+    processes: EngineProcesses
+    to_core: zmq.Socket
+    from_core: zmq.Socket
+    ready: EngineReady | None = None
+
+
+class DataParallelCoreClient:
+    """The EngineCoreClient of LLMEngine over `data_parallel_size` engine-core processes."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runtime_dir = make_private_runtime_dir()
+        self.context = zmq.Context()
+        self.balancer = LoadBalancer(config.data_parallel_size, config.block_size)
+        self.owner: dict[str, int] = {}  # core request id -> the rank serving it
+        self._encode = Codec(FrontendToCore).encode
+        self._decode = Codec(CoreToFrontend).decode_frames
+        self._call_ids = itertools.count()
+        self._pending_deltas: list[TokenDelta] = []  # received while waiting for a utility result
+        self.cores: list[_Core] = []
+        try:
+            for rank in range(config.data_parallel_size):
+                self.cores.append(self._spawn(rank))
+            for core in self.cores:
+                core.ready = self._wait_ready(core)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_kv_blocks = min(core.ready.num_kv_blocks for core in self.cores)
+
+    # ---- EngineCoreClient ----------------------------------------------------------------------
+
+    def add_request(self, message: AddRequest) -> None:
+        rank = self.balancer.choose(message.prompt_token_ids, message.cache_salt)
+        self.owner[message.request_id] = rank
+        self.cores[rank].to_core.send(self._encode(message))
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        by_rank: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            if (rank := self.owner.pop(request_id, None)) is not None:
+                by_rank.setdefault(rank, []).append(request_id)
+        for rank, ids in by_rank.items():
+            self.cores[rank].to_core.send(self._encode(AbortRequests(request_ids=ids)))
+        return [i for ids in by_rank.values() for i in ids]
+
+    def step(self) -> list[TokenDelta]:
+        """The deltas the cores have sent; waits for some while any request is unfinished."""
+        deltas, self._pending_deltas = self._pending_deltas, []
+        while not deltas and self.owner:
+            deltas = self._receive(timeout_ms=int(self.config.heartbeat_interval_s * 1000))
+            if not deltas:
+                self._check_alive()
+        return deltas
+
+    def reset_prefix_cache(self) -> bool:
+        results = self._call_all("reset_prefix_cache")
+        return all(results)
+
+    def stats(self) -> list[dict]:
+        """Each core's stats, by dp rank."""
+        return self._call_all("stats")
+
+    def shutdown(self) -> None:
+        for core in self.cores:
+            if core.processes.core is not None and core.processes.core.poll() is None:
+                try:
+                    core.to_core.send(self._encode(Shutdown(reason="LLM shut down")), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        stop_children([c.processes.core for c in self.cores if c.processes.core is not None], timeout_s=10.0)
+        self.cores = []
+        self.context.destroy(linger=0)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    # ---- processes and sockets -----------------------------------------------------------------
+
+    def _spawn(self, rank: int) -> _Core:
+        runtime_dir = engine_runtime_dir(self.runtime_dir, 1, rank)
+        os.makedirs(runtime_dir, mode=0o700)
+        endpoints = InternalEndpoints(runtime_dir)
+        hwm = self.config.socket_hwm
+        core = _Core(
+            rank, EngineProcesses(),
+            make_socket(self.context, zmq.PUSH, endpoints.core_input, bind=True, hwm=hwm),
+            make_socket(self.context, zmq.PULL, endpoints.core_output, bind=True, hwm=hwm,
+                        max_message_bytes=self.config.internal_max_message_bytes),
+        )
+        core.processes.spawn_core(dataclasses.replace(self.config, runtime_dir=runtime_dir, data_parallel_rank=rank))
+        return core
+
+    def _wait_ready(self, core: _Core) -> EngineReady:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if core.from_core.poll(int(self.config.heartbeat_interval_s * 1000)):
+                message = self._decode(core.from_core.recv_multipart())
+                if isinstance(message, EngineReady):
+                    core.processes.adopt_workers(message.worker_pids)
+                    return message
+                if isinstance(message, EngineDead):
+                    raise EngineCoreError(f"engine {core.rank} failed to start: {message.reason}")
+            elif (code := core.processes.core_exit_code()) is not None:
+                raise EngineCoreError(f"engine {core.rank} core exited with code {code} during start-up")
+        raise EngineCoreError(f"engine {core.rank} not ready after {self.config.startup_timeout_s:.0f} s")
+
+    def _receive(self, timeout_ms: int, results: dict[int, UtilityResult] | None = None) -> list[TokenDelta]:
+        """Everything the cores have sent within timeout_ms: deltas returned, utility results
+        filed into `results` by call id."""
+        poller = zmq.Poller()
+        for core in self.cores:
+            poller.register(core.from_core, zmq.POLLIN)
+        deltas: list[TokenDelta] = []
+        for socket, _ in poller.poll(timeout_ms):
+            core = next(c for c in self.cores if c.from_core is socket)
+            while socket.poll(0):
+                deltas += self._handle(core, self._decode(socket.recv_multipart()), results)
+        return deltas
+
+    def _handle(self, core: _Core, message, results: dict[int, UtilityResult] | None) -> list[TokenDelta]:
+        if isinstance(message, EngineDead):
+            raise EngineCoreError(f"engine {core.rank} failed: {message.reason}")
+        if isinstance(message, UtilityResult):
+            if results is not None:
+                results[message.call_id] = message
+            return []
+        if not isinstance(message, EngineOutputs):
+            return []
+        self.balancer.report(core.rank, message.num_waiting, message.num_running)
+        # A request the core refused ends with an error, as one the workers failed does.
+        refused = {**message.failed, **message.rejected}
+        deltas = [TokenDelta(request_id=i, new_token_ids=[], finish_reason="error", error=reason)
+                  for i, reason in refused.items()] + message.outputs
+        for delta in deltas:
+            if delta.finish_reason is not None:
+                self.owner.pop(delta.request_id, None)
+        return deltas
+
+    def _call_all(self, method: str) -> list:
+        """A utility call to every core; their results in dp rank order. Deltas that arrive
+        meanwhile are kept for the next step."""
+        call_ids = [next(self._call_ids) for _ in self.cores]
+        for core, call_id in zip(self.cores, call_ids):
+            core.to_core.send(self._encode(UtilityCall(call_id=call_id, method=method)))
+        results: dict[int, UtilityResult] = {}
+        while not all(i in results for i in call_ids):
+            self._pending_deltas += self._receive(int(self.config.heartbeat_interval_s * 1000), results)
+            self._check_alive()
+        errors = [results[i].error for i in call_ids if results[i].error]
+        if errors:
+            raise EngineCoreError("; ".join(errors))
+        return [results[i].result for i in call_ids]
+
+    def _check_alive(self) -> None:
+        for core in self.cores:
+            if (code := core.processes.core_exit_code()) is not None:
+                raise EngineCoreError(f"engine {core.rank} core exited with code {code}")
