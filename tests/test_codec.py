@@ -130,6 +130,20 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
         m.WorkerCallResult(rank=1, call_id=2, result=[1, "x", {"y": 2}], error="unknown worker method 'x'"),
         m.WorkerFailed(rank=1, error="rank 1: RuntimeError: out of memory"),
     ],
+    "NodeToHead": [
+        m.NodeJoin(node_rank=1, nnodes=2),
+        m.WorkersExited(generation=3, reason="rank 1 (pid 77) exited with code -9"),
+        m.NodeHeartbeat(),
+        m.NodeLeaving(reason="SIGTERM"),
+    ],
+    "HeadToNode": [
+        m.NodeAccepted(config_json=b'{"model": "/models/smollm2"}'),
+        m.NodeRefused(reason="this node says --nnodes 3; the head runs 2 nodes"),
+        m.StartWorkers(generation=2),
+        m.StopWorkers(generation=2),
+        m.HeadHeartbeat(),
+        m.NodeShutdown(reason="frontend shutdown"),
+    ],
     "ClientToServer": [
         m.ClientGenerate(
             request_id="req-1",

@@ -53,6 +53,11 @@ VALID = {
         m.WorkerCallResult(0, 1, None, "err"),
         m.WorkerFailed(0, "boom"),
     ],
+    "NodeToHead": [m.NodeJoin(1, 2), m.WorkersExited(1, "rank 1 exited"), m.NodeHeartbeat(), m.NodeLeaving("bye")],
+    "HeadToNode": [
+        m.NodeAccepted(b"{}"), m.NodeRefused("no"), m.StartWorkers(1), m.StopWorkers(1), m.HeadHeartbeat(),
+        m.NodeShutdown("bye"),
+    ],
     "ClientToServer": [
         m.ClientGenerate("c1", prompt="Hi", sampling={"max_tokens": 3}, priority=2),
         m.ClientAbort("c1"),
@@ -236,6 +241,8 @@ DEEP = {
     "CoreToFrontend": ["UtilityResult", 1, _DEEP],
     "CoreToWorker": ["WorkerCall", 1, "init_kv_cache", [_DEEP]],
     "WorkerToCore": ["WorkerCallResult", 0, 1, _DEEP],
+    "NodeToHead": ["NodeLeaving", _DEEP],  # (no Any here: a typed field refuses the nesting at once)
+    "HeadToNode": ["NodeRefused", _DEEP],
     "ClientToServer": {"type": "generate", "request_id": "deep", "prompt": "x", "sampling": {"seed": _DEEP}},
     "ServerToClient": {"type": "stats_result", "call_id": 1, "stats": {"a": _DEEP}},
 }

@@ -109,6 +109,18 @@ class EngineConfig:
     # threads that compile one and fill a step's bitmask rows.
     grammar_cache_size: int = 1024
     grammar_threads: int = 4
+    # Tensor parallelism across nodes: the tp ranks split evenly over `nnodes` machines; node 0
+    # (the head) runs the frontend, the engine core and ranks 0 .. tp/nnodes - 1, every other node
+    # runs `vllm-launch --headless` (its workers only). torch.distributed meets at
+    # tcp://master_addr:master_port; the head's node channel listens on master_port + 1, the
+    # engine core's worker sockets on master_port + 2 (outputs) and master_port + 3 + rank (inputs
+    # of remote ranks), all with CURVE (curve_dir) unless allow_insecure_tcp.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 29500
+    headless: bool = False
+    node_join_timeout_s: float = 300.0  # the head gives up when a node has not joined by then
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -186,6 +198,7 @@ class EngineConfig:
         _require(self.data_parallel_size >= 1, "data_parallel_size", f"must be >= 1, got {self.data_parallel_size}")
         _require(0 <= self.data_parallel_rank < self.data_parallel_size, "data_parallel_rank",
                  f"must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank}")
+        self._validate_nodes()
         # Every engine would meet its workers at the same address: only per-engine files can work.
         _require(self.data_parallel_size == 1 or not self.distributed_init_method, "distributed_init_method",
                  "cannot be shared by several data-parallel engines; leave it empty (a file in each engine's "
@@ -195,6 +208,26 @@ class EngineConfig:
             "custom_all_reduce_max_bytes",
             f"must be >= 0 (0: NCCL only), got {self.custom_all_reduce_max_bytes}",
         )
+
+    def _validate_nodes(self) -> None:
+        _require(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")
+        _require(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
+        _require(not self.headless or self.node_rank > 0, "headless", "node 0 is the head: a headless node has --node-rank >= 1")
+        _require(self.headless or self.node_rank == 0, "node_rank",
+                 f"{self.node_rank} is not the head (0): the other nodes run `vllm-launch --headless`")
+        _require(self.node_join_timeout_s > 0, "node_join_timeout_s", "must be > 0")
+        if self.nnodes == 1:
+            return
+        _require(self.tensor_parallel_size % self.nnodes == 0, "tensor_parallel_size",
+                 f"{self.tensor_parallel_size} ranks do not split evenly over {self.nnodes} nodes")
+        _require(bool(self.master_addr), "master_addr", "is required with nnodes > 1: the head node's address")
+        _require(1 <= self.master_port <= 65535 - 3 - self.tensor_parallel_size, "master_port",
+                 f"must leave room for master_port + 3 + tp - 1 <= 65535, got {self.master_port}")
+        _require(self.data_parallel_size == 1, "data_parallel_size", "multi-node engines run one engine (dp 1)")
+        _require(not self.distributed_init_method, "distributed_init_method",
+                 "is tcp://master_addr:master_port with nnodes > 1; leave it empty")
+        _require(bool(self.curve_dir) or self.allow_insecure_tcp, "nnodes", _insecure_tcp(
+            f"tcp://{self.master_addr}:{self.master_port + 1}", "the node channel and the workers' sockets"))
 
     def _validate_reliability(self) -> None:
         _require(self.on_failure in _ON_FAILURE, "on_failure", f"must be one of {_ON_FAILURE}, got {self.on_failure!r}")
@@ -214,21 +247,32 @@ class EngineConfig:
             _require(bool(self.curve_dir) or self.allow_insecure_tcp, "client_endpoint", _insecure_tcp(self.client_endpoint))
 
     @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def local_ranks(self, node_rank: int | None = None) -> range:
+        """The tp ranks whose workers run on that node (default: this one)."""
+        node = self.node_rank if node_rank is None else node_rank
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    @property
     def first_gpu(self) -> int:
-        """The GPU of this engine's tp rank 0: each data-parallel engine has its own tp GPUs."""
-        return self.data_parallel_rank * self.tensor_parallel_size
+        """The GPU index that tp rank 0 would have on this node: each data-parallel engine has its
+        own tp GPUs; on node k of a multi-node group, rank k * ranks_per_node takes GPU 0."""
+        return self.data_parallel_rank * self.tensor_parallel_size - self.node_rank * self.ranks_per_node
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
 
-def _insecure_tcp(endpoint: str) -> str:
-    """Why a tcp:// client endpoint without CURVE is refused, and how to serve it anyway."""
+def _insecure_tcp(endpoint: str, what: str = "") -> str:
+    """Why a tcp:// endpoint without CURVE is refused, and how to serve it anyway."""
     fix = "give --zmq-curve-dir DIR (CURVE keys, see docs/deployment.md) or"
+    name = f"{endpoint} ({what})" if what else endpoint
     if is_loopback_tcp(endpoint):
-        return (f"{endpoint} without CURVE lets any local user connect (no file permissions guard a tcp port, "
+        return (f"{name} without CURVE lets any local user connect (no file permissions guard a tcp port, "
                 f"as they guard an ipc:// socket): {fix}, if every user of this machine is trusted, --allow-insecure-tcp")
-    return f"{endpoint} is reachable from the network: {fix}, on a trusted network only, --allow-insecure-tcp"
+    return f"{name} is reachable from the network: {fix}, on a trusted network only, --allow-insecure-tcp"
 
 
 def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
@@ -269,7 +313,7 @@ def _check_tensor_parallel(config: EngineConfig, spec: ModelSpec) -> None:
     from zllm.partition import head_shards
 
     head_shards(spec.num_heads, spec.num_kv_heads, config.tensor_parallel_size)
-    needed = config.tensor_parallel_size * config.data_parallel_size
+    needed = config.ranks_per_node * config.data_parallel_size  # on this node
     if needed == 1 or config.device == "cpu":
         return
     import torch
@@ -277,8 +321,8 @@ def _check_tensor_parallel(config: EngineConfig, spec: ModelSpec) -> None:
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if config.device == "cuda" or available:
         field = "tensor_parallel_size" if config.data_parallel_size == 1 else "data_parallel_size"
-        _require(needed <= available, field, f"{config.data_parallel_size} engine(s) x {config.tensor_parallel_size} "
-                 f"rank(s) need {needed} GPUs, but {available} are visible")
+        _require(needed <= available, field, f"{config.data_parallel_size} engine(s) x {config.ranks_per_node} "
+                 f"rank(s) on this node need {needed} GPUs, but {available} are visible")
 
 
 def _require(ok: bool, field: str, reason: str) -> None:

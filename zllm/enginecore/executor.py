@@ -3,6 +3,11 @@
 Each step goes once to every rank (one PUSH socket per rank); rank 0 answers. While waiting,
 the executor checks every `heartbeat_interval_s` that all worker processes are alive, so a
 dead worker surfaces as WorkerDiedError instead of a hang.
+
+With nnodes > 1 only this node's ranks are children of the core (ipc sockets); the ranks of the
+other nodes are started by their `vllm-launch --headless` and reach the core over tcp
+(NodeEndpoints, CURVE from curve_dir). A remote rank that dies makes its peers fail in their
+next collective, which rank 0 reports; the frontend also watches the nodes themselves.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from collections import deque
 import zmq
 
 from zllm.config import EngineConfig
-from zllm.ipc.addresses import InternalEndpoints
+from zllm.ipc.addresses import InternalEndpoints, NodeEndpoints
 from zllm.ipc.codec import Codec, MessageError
+from zllm.ipc.curve import ClientKeyCheck, load_or_create_server_keys, start_thread_authenticator
 from zllm.ipc.messages import (
     CoreToWorker,
     FlushStep,
@@ -43,32 +49,55 @@ class WorkerDiedError(RuntimeError):
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, context: zmq.Context) -> None:
         self.config = config
-        endpoints = InternalEndpoints(config.runtime_dir)
-        ranks = range(config.tensor_parallel_size)
-        hwm = config.socket_hwm
-        self.inputs = [make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm) for r in ranks]
-        self.output = make_socket(context, zmq.PULL, endpoints.worker_output, bind=True, hwm=hwm,
-                                  max_message_bytes=config.internal_max_message_bytes)
+        self._authenticator = None
+        self.inputs, self.outputs = self._bind_sockets(config, context)
         self.outbound: Codec = Codec(CoreToWorker)
         self.inbound: Codec = Codec(WorkerToCore)
         self._call_ids = itertools.count()
         self._submitted: deque[int] = deque()  # step ids sent and not yet answered
-        self.processes: list[subprocess.Popen] = [
-            spawn_child("zllm.workers.process", config, "--rank", str(r)) for r in ranks
-        ]
+        self.processes: dict[int, subprocess.Popen] = {
+            r: spawn_child("zllm.workers.process", config, "--rank", str(r)) for r in config.local_ranks(0)
+        }
         try:
-            ready = self._gather(WorkerReady, len(self.processes), config.startup_timeout_s)
+            ready = self._gather(WorkerReady, config.tensor_parallel_size, config.startup_timeout_s)
         except BaseException:
             # One rank failed to start: the others may be blocked in a collective waiting for it.
-            stop_children(self.processes, timeout_s=5.0)
+            self._stop_local()
             raise
         # Every rank must hold the same blocks, so the smallest capacity is the capacity.
         self._num_kv_blocks = min(r.num_kv_blocks for r in ready)
         logger.info("%d worker(s) ready: pids %s", len(ready), [r.pid for r in ready])
 
+    def _bind_sockets(self, config: EngineConfig, context: zmq.Context) -> tuple[list[zmq.Socket], list[zmq.Socket]]:
+        """A PUSH per rank and the PULL(s) the ranks answer on: ipc for this node's ranks, tcp
+        (with CURVE unless allow_insecure_tcp) for the other nodes'."""
+        endpoints = InternalEndpoints(config.runtime_dir)
+        hwm = config.socket_hwm
+        limit = config.internal_max_message_bytes
+        outputs = [make_socket(context, zmq.PULL, endpoints.worker_output, bind=True, hwm=hwm, max_message_bytes=limit)]
+        if config.nnodes == 1:
+            inputs = [make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm)
+                      for r in range(config.tensor_parallel_size)]
+            return inputs, outputs
+        nodes = NodeEndpoints(config.master_addr, config.master_port)
+        keys = None
+        if config.curve_dir:
+            keys = load_or_create_server_keys(config.curve_dir)
+            self._authenticator = start_thread_authenticator(context, ClientKeyCheck(keys.clients_dir, False))
+        local = config.local_ranks(0)
+        inputs = [
+            make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm) if r in local
+            else make_socket(context, zmq.PUSH, nodes.worker_input(r), bind=True, hwm=hwm, curve_server_keys=keys)
+            for r in range(config.tensor_parallel_size)
+        ]
+        outputs.append(make_socket(context, zmq.PULL, nodes.worker_output, bind=True, hwm=hwm, max_message_bytes=limit,
+                                   curve_server_keys=keys))
+        return inputs, outputs
+
     @property
     def worker_pids(self) -> list[int]:
-        return [process.pid for process in self.processes]
+        """This node's workers (a headless node supervises its own)."""
+        return [process.pid for process in self.processes.values()]
 
     def determine_num_kv_blocks(self) -> int:
         return self._num_kv_blocks
@@ -105,14 +134,20 @@ class MultiprocExecutor:
             self._broadcast(WorkerCall(call_id=next(self._call_ids), method="shutdown"), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-        stop_children(self.processes, timeout_s=5.0)
+        self._stop_local()
+
+    def _stop_local(self) -> None:
+        stop_children(list(self.processes.values()), timeout_s=5.0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
 
     # ---- plumbing ------------------------------------------------------------------------------
 
     def _call_all(self, method: str, args: list) -> None:
         call = WorkerCall(call_id=next(self._call_ids), method=method, args=args)
         self._broadcast(call)
-        for result in self._gather(WorkerCallResult, len(self.processes), self.config.startup_timeout_s):
+        for result in self._gather(WorkerCallResult, self.config.tensor_parallel_size, self.config.startup_timeout_s):
             if result.error:
                 raise WorkerDiedError(f"rank {result.rank}: {method} failed: {result.error}")
 
@@ -129,24 +164,30 @@ class MultiprocExecutor:
         received = []
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         poll_ms = int(self.config.heartbeat_interval_s * 1000)
+        poller = zmq.Poller()
+        for socket in self.outputs:
+            poller.register(socket, zmq.POLLIN)
         while len(received) < count:
-            if self.output.poll(poll_ms):
-                message = self._receive()
+            ready = poller.poll(poll_ms)
+            for socket, _ in ready:
+                message = self._receive(socket)
                 if isinstance(message, WorkerFailed):
                     raise WorkerDiedError(self._root_cause(message))
                 if isinstance(message, kind):
                     received.append(message)
                 elif message is not None:
                     logger.warning("unexpected %s while waiting for %s", type(message).__name__, kind.__name__)
+            if ready:
                 continue
             self._check_alive()
             if deadline is not None and time.monotonic() > deadline:
-                raise WorkerDiedError(f"workers did not answer with {kind.__name__} within {timeout_s:.0f} s")
+                raise WorkerDiedError(f"workers did not answer with {kind.__name__} within {timeout_s:.0f} s"
+                                      f" ({len(received)} of {count} did)")
         return received
 
-    def _receive(self):
+    def _receive(self, socket: zmq.Socket):
         try:
-            return self.inbound.decode_frames(self.output.recv_multipart())
+            return self.inbound.decode_frames(socket.recv_multipart())
         except MessageError as error:
             logger.error("dropped a malformed message from a worker: %s", error)
             return None
@@ -159,7 +200,7 @@ class MultiprocExecutor:
     def _dead_ranks(self, except_rank: int | None = None) -> list[str]:
         return [
             f"rank {rank} (pid {process.pid}) exited with code {process.poll()}"
-            for rank, process in enumerate(self.processes)
+            for rank, process in self.processes.items()
             if rank != except_rank and process.poll() is not None
         ]
 

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from zllm.config import EngineConfig
+from zllm.frontend.nodes import NodeFailure, NodeHub
 from zllm.frontend.replay import ReplayLog
 from zllm.frontend.supervisor import EngineProcesses, RestartPolicy
 from zllm.ipc.addresses import InternalEndpoints, engine_runtime_dir
@@ -51,10 +52,12 @@ MessageHandler = Callable[["EngineLink", object], Awaitable[None]]
 
 
 class EngineLink:
-    def __init__(self, config: EngineConfig, dp_rank: int, context: zmq.asyncio.Context, call_ids: itertools.count) -> None:
+    def __init__(self, config: EngineConfig, dp_rank: int, context: zmq.asyncio.Context, call_ids: itertools.count,
+                 nodes: NodeHub | None = None) -> None:
         self.config = dataclasses.replace(config, data_parallel_rank=dp_rank)
         self.dp_rank = dp_rank
         self.context = context
+        self.nodes = nodes  # the other nodes' workers (multi-node tp), started with each core
         self.processes = EngineProcesses()
         self.restart_policy = RestartPolicy(config.max_restarts, config.restart_window_s)
         self.replay = ReplayLog(MAX_REPLAYS)  # the requests this engine serves, until they end
@@ -82,8 +85,9 @@ class EngineLink:
 
     # ---- start, run, stop ----------------------------------------------------------------------
 
-    def spawn(self) -> None:
-        """Bind fresh sockets in a fresh runtime subdirectory and start the engine core there."""
+    async def spawn(self) -> None:
+        """Bind fresh sockets in a fresh runtime subdirectory and start the engine core there
+        (and, across nodes, have every node start its ranks for it)."""
         # NOTE: from the main thread (the event loop's): PR_SET_PDEATHSIG fires when the *thread*
         # that spawned the child exits.
         self._generation += 1
@@ -97,6 +101,8 @@ class EngineLink:
                                      max_message_bytes=self.config.internal_max_message_bytes)
         self._queue = asyncio.Queue(hwm)
         self.processes.spawn_core(dataclasses.replace(self.config, runtime_dir=self.runtime_dir))
+        if self.nodes is not None:
+            await self.nodes.start_workers(self._generation)
 
     async def wait_ready(self) -> EngineReady:
         """Wait for the core's EngineReady (its workers are up and the KV cache sized)."""
@@ -116,7 +122,12 @@ class EngineLink:
         raise EngineStartError(f"{self.name} not ready after {self.config.startup_timeout_s:.0f} s")
 
     async def start(self) -> EngineReady:
-        self.spawn()
+        if self.nodes is not None:
+            try:
+                await self.nodes.wait_joined()
+            except NodeFailure as error:
+                raise EngineStartError(str(error)) from None
+        await self.spawn()
         return await self.wait_ready()
 
     async def run(self, handle: MessageHandler) -> str:
@@ -128,6 +139,8 @@ class EngineLink:
             asyncio.create_task(self.processes.wait_for_exit(), name=f"{self.name}-supervise"),
             asyncio.create_task(self._liveness_loop(), name=f"{self.name}-liveness"),
         }
+        if self.nodes is not None:
+            tasks.add(asyncio.create_task(self.nodes.wait_for_failure(), name=f"{self.name}-nodes"))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             return done.pop().result()
@@ -150,6 +163,8 @@ class EngineLink:
 
     async def kill(self) -> None:
         """Take every process of this engine down at once; return when all are gone."""
+        if self.nodes is not None:
+            await self.nodes.stop_workers()
         await self.processes.kill()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 

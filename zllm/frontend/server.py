@@ -42,6 +42,7 @@ from zllm.frontend.metrics import FrontendMetrics
 from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor
 from zllm.frontend.engines import MAX_REPLAYS, EngineLink, EngineStartError
+from zllm.frontend.nodes import NodeFailure, NodeHub
 from zllm.frontend.router import LoadBalancer
 from zllm.frontend.tokenizer import chat_prompt, load_tokenizer
 from zllm.ipc.addresses import default_client_endpoint
@@ -133,7 +134,9 @@ class FrontendServer:
         self.clients: dict[bytes, _Client] = {}
         self._call_ids = itertools.count()
         self.calls: dict[int, _Call] = {}  # engine utility call id -> the client call it answers
-        self.engines = [EngineLink(config, rank, self.context, self._call_ids) for rank in range(config.data_parallel_size)]
+        self.nodes = NodeHub(config) if config.nnodes > 1 else None
+        self.engines = [EngineLink(config, rank, self.context, self._call_ids, self.nodes)
+                        for rank in range(config.data_parallel_size)]
         self.balancer = LoadBalancer(len(self.engines), config.block_size)
         self.dead_reason: str | None = None
         self.draining = False  # a graceful shutdown began: new requests are refused (/health: 503)
@@ -159,8 +162,14 @@ class FrontendServer:
     async def start(self) -> EngineReady:
         # Before the model loads, so that a key problem fails fast.
         keys = client_endpoint_keys(self.client_endpoint, self.config.curve_dir, self.config.api_key)
+        if self.nodes is not None:
+            self.nodes.open()
+            try:
+                await self.nodes.wait_joined()
+            except NodeFailure as error:
+                raise EngineStartError(str(error)) from None
         for engine in self.engines:
-            engine.spawn()  # all at once: the engines load their models side by side
+            await engine.spawn()  # all at once: the engines load their models side by side
         await asyncio.gather(*(engine.wait_ready() for engine in self.engines))
         if keys is not None:
             self._start_authenticator(keys)
@@ -221,6 +230,8 @@ class FrontendServer:
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         await asyncio.gather(*(engine.shutdown(timeout_s) for engine in self.engines))
+        if self.nodes is not None:
+            await self.nodes.close("the head shut down")
         self.context.destroy(linger=0)
 
     async def kill_engine(self) -> None:

@@ -70,3 +70,33 @@ class InternalEndpoints:
     @property
     def worker_output(self) -> str:  # workers -> engine core
         return f"ipc://{self.runtime_dir}/worker-output"
+
+
+class NodeEndpoints:
+    """The head node's tcp endpoints for multi-node tensor parallelism, all derived from
+    master_addr:master_port, so every node computes the same ones from its flags.
+
+        master_port       torch.distributed's rendezvous (TCPStore, on tp rank 0)
+        master_port + 1   the node channel: headless nodes join the head's frontend
+        master_port + 2   workers -> engine core (the remote ranks' outputs)
+        master_port + 3 + r   engine core -> tp rank r (remote ranks only)
+    """
+
+    def __init__(self, master_addr: str, master_port: int) -> None:
+        self.host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        self.port = master_port
+
+    @property
+    def rendezvous(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def node_channel(self) -> str:
+        return f"tcp://{self.host}:{self.port + 1}"
+
+    @property
+    def worker_output(self) -> str:
+        return f"tcp://{self.host}:{self.port + 2}"
+
+    def worker_input(self, rank: int) -> str:
+        return f"tcp://{self.host}:{self.port + 3 + rank}"

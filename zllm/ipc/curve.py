@@ -43,6 +43,30 @@ class ServerKeys:
     clients_dir: str
 
 
+@dataclass(frozen=True, slots=True)
+class ClientKeys:
+    """What a CURVE client needs: the server's public key and its own key pair."""
+
+    server_public: bytes
+    key_pair: tuple[bytes, bytes]
+
+
+def load_node_keys(curve_dir: str) -> ClientKeys:
+    """A headless node's keys (multi-node tp): the head's `server.key` and the node's own key pair,
+    the one `*.key_secret` file in `curve_dir` (made by `python -m zllm.launch.keys new-client`
+    on the head, which authorizes its public key there)."""
+    server_key = os.path.join(curve_dir, f"{SERVER_NAME}.key")
+    pairs = sorted(p for p in glob.glob(os.path.join(curve_dir, "*.key_secret"))
+                   if os.path.basename(p) != f"{SERVER_NAME}.key_secret")
+    if not os.path.exists(server_key):
+        raise ValueError(f"zmq_curve_dir: {server_key} is missing: copy the head's {SERVER_NAME}.key there")
+    if len(pairs) != 1:
+        raise ValueError(f"zmq_curve_dir: expected this node's key pair, one *.key_secret file, in {curve_dir}; "
+                         f"found {len(pairs)} (make one on the head: python -m zllm.launch.keys new-client ...)")
+    _require_private(pairs[0], 0o077)
+    return ClientKeys(load_public_key(server_key), load_key_pair(pairs[0]))
+
+
 def load_or_create_server_keys(curve_dir: str) -> ServerKeys:
     """The server's key pair from `curve_dir` (generated on first use, kept private)."""
     with _private_umask():
@@ -161,6 +185,17 @@ def start_authenticator(context: zmq.Context, check: ClientKeyCheck):
     from zmq.auth.asyncio import AsyncioAuthenticator
 
     authenticator = AsyncioAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve_callback("*", credentials_provider=check)
+    return authenticator
+
+
+def start_thread_authenticator(context: zmq.Context, check: ClientKeyCheck):
+    """ZeroMQ's authentication handler (ZAP) for a plain (threaded) context; stop() it before the
+    context goes."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    authenticator = ThreadAuthenticator(context)
     authenticator.start()
     authenticator.configure_curve_callback("*", credentials_provider=check)
     return authenticator

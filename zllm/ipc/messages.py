@@ -266,6 +266,65 @@ class WorkerFailed(_Message):
     error: str
 
 
+# ---- head node <-> headless nodes (multi-node tensor parallelism) -------------------------------
+
+
+class NodeJoin(_Message):
+    """A headless node offers its workers (`vllm-launch --headless`)."""
+
+    node_rank: int
+    nnodes: int
+
+
+class NodeAccepted(_Message):
+    """The head's EngineConfig (JSON; the node's own node_rank and keys are filled in there)."""
+
+    config_json: bytes
+
+
+class NodeRefused(_Message):
+    reason: str
+
+
+class StartWorkers(_Message):
+    """Start this node's tp ranks for the engine core started as `generation`."""
+
+    generation: int
+
+
+class StopWorkers(_Message):
+    """The engine of `generation` is gone (failed or stopped): kill this node's workers of it."""
+
+    generation: int
+
+
+class WorkersExited(_Message):
+    """A worker of this node exited while its engine ran."""
+
+    generation: int
+    reason: str
+
+
+class NodeHeartbeat(_Message):
+    """A node is alive (every heartbeat): a node silent for engine_hang_timeout_s is lost."""
+
+
+class HeadHeartbeat(_Message):
+    """The head is alive (every heartbeat): a node whose head is silent that long stops."""
+
+
+class NodeLeaving(_Message):
+    """The node was asked to stop (SIGTERM): the head drains and shuts the whole engine down."""
+
+    reason: str
+
+
+class NodeShutdown(_Message):
+    """The head is shutting down: stop the workers and exit."""
+
+    reason: str
+
+
 # ---- client <-> frontend (the public ZMQ protocol) ----------------------------------------------
 
 
@@ -358,6 +417,8 @@ FrontendToCore = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
 CoreToFrontend = Union[EngineOutputs, UtilityResult, EngineReady, EngineDead]
 CoreToWorker = Union[StepInput, FlushStep, WorkerCall, GrammarBitmask]
 WorkerToCore = Union[StepOutput, WorkerReady, WorkerCallResult, WorkerFailed]
+NodeToHead = Union[NodeJoin, WorkersExited, NodeHeartbeat, NodeLeaving]
+HeadToNode = Union[NodeAccepted, NodeRefused, StartWorkers, StopWorkers, HeadHeartbeat, NodeShutdown]
 ClientToServer = Union[ClientGenerate, ClientAbort, ClientPing, ClientStats, ClientUtility]
 ServerToClient = Union[ServerOutput, ServerError, ServerPong, ServerStats, ServerUtilityResult]
 
@@ -367,6 +428,8 @@ CHANNELS = {
     "CoreToFrontend": CoreToFrontend,
     "CoreToWorker": CoreToWorker,
     "WorkerToCore": WorkerToCore,
+    "NodeToHead": NodeToHead,
+    "HeadToNode": HeadToNode,
     "ClientToServer": ClientToServer,
     "ServerToClient": ServerToClient,
 }

@@ -12,7 +12,7 @@ import socket as pysocket
 import zmq
 
 from zllm.ipc.addresses import ipc_path
-from zllm.ipc.curve import ServerKeys, make_curve_server
+from zllm.ipc.curve import ClientKeys, ServerKeys, make_curve_client, make_curve_server
 
 
 def make_socket(
@@ -25,6 +25,7 @@ def make_socket(
     identity: bytes | None = None,
     router_mandatory: bool = False,
     curve_server_keys: ServerKeys | None = None,
+    curve_client_keys: ClientKeys | None = None,
     max_message_bytes: int = -1,
 ) -> zmq.Socket:
     socket = context.socket(kind)
@@ -44,6 +45,8 @@ def make_socket(
         socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     if curve_server_keys is not None:
         make_curve_server(socket, curve_server_keys)
+    if curve_client_keys is not None:
+        make_curve_client(socket, curve_client_keys.server_public, curve_client_keys.key_pair)
     if bind:
         path = ipc_path(endpoint)
         if path is not None and os.path.exists(path):

@@ -174,3 +174,23 @@ def reliability_kwargs(args: argparse.Namespace) -> dict:
         client_max_message_bytes=args.max_client_message_size,
         internal_max_message_bytes=args.max_internal_message_size,
     )
+
+
+def add_node_args(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism across nodes (docs/deployment.md)."""
+    defaults = EngineConfig(model="")
+    group = parser.add_argument_group("multi-node tensor parallelism")
+    group.add_argument("--nnodes", type=int, default=defaults.nnodes, help="machines the --tp ranks split over")
+    group.add_argument("--node-rank", type=int, default=defaults.node_rank, help="0: the head (frontend, engine core)")
+    group.add_argument("--master-addr", default=defaults.master_addr, help="the head node's address (an IP)")
+    group.add_argument("--master-port", type=int, default=defaults.master_port,
+                       help="torch.distributed's port on the head; zllm also uses the next 2 + tp ports")
+    group.add_argument("--headless", action="store_true",
+                       help="run only this node's workers for the head's engine (needs --node-rank >= 1)")
+    group.add_argument("--node-join-timeout", type=float, default=defaults.node_join_timeout_s, metavar="SECONDS",
+                       help="how long the head waits for every node to join (and a node for the head's answer)")
+
+
+def node_kwargs(args: argparse.Namespace) -> dict:
+    return dict(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                master_port=args.master_port, node_join_timeout_s=args.node_join_timeout)

@@ -8,6 +8,9 @@
         (zllm/frontend/supervisor.py); see docs/deployment.md for systemd.
     vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
         runs the engine in this process, prints the completions, exits.
+    vllm-launch --headless --nnodes N --node-rank R --master-addr HEAD --master-port P [--zmq-curve-dir DIR]
+        runs this node's tp ranks for the head's engine (zllm/launch/headless.py); the head is
+        `vllm-launch --tp T --nnodes N --node-rank 0 --master-addr HEAD --master-port P ...`.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import logging
 import shutil
 import sys
 
-from zllm.launch.args import add_engine_args, add_http_args, add_reliability_args, engine_kwargs, http_kwargs
-from zllm.launch.args import reliability_kwargs
+from zllm.launch.args import add_engine_args, add_http_args, add_node_args, add_reliability_args, engine_kwargs
+from zllm.launch.args import http_kwargs, node_kwargs, reliability_kwargs
 
 logger = logging.getLogger("zllm.launch")
 
@@ -34,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: a fresh private one, removed at exit)")
     add_http_args(serving)
     add_reliability_args(parser)
+    add_node_args(parser)
     smoke = parser.add_argument_group("one-shot generation (no server)")
     smoke.add_argument("--prompt", action="append", default=None, help="complete this prompt and exit (repeatable)")
     smoke.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -47,8 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     from zllm.procs.log import configure_logging
 
     args = build_parser().parse_args(argv)
-    configure_logging("frontend", args.log_level)
+    configure_logging("node" if args.headless else "frontend", args.log_level)
     try:
+        if args.headless:
+            from zllm.launch.headless import run_headless
+
+            return run_headless(args)
         if args.prompt:
             return _run_prompts(args)
         return _serve(args)
@@ -72,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"runtime_dir: {runtime_dir} must be private (mode 0700)")
     try:
         config = EngineConfig.create(
-            args.model, **engine_kwargs(args), **http_kwargs(args), **reliability_kwargs(args),
+            args.model, **engine_kwargs(args), **http_kwargs(args), **reliability_kwargs(args), **node_kwargs(args),
             client_endpoint=args.zmq_endpoint,
             runtime_dir=runtime_dir,
         )

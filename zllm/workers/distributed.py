@@ -3,7 +3,7 @@
 NCCL on GPU, gloo on CPU, both through torch.distributed; on GPU, small all-reduces may take
 PyTorch's symmetric-memory one-shot kernel instead (zllm/workers/symmetric_all_reduce.py). The
 rendezvous is a file in the engine's private runtime directory (or whatever
-`distributed_init_method` names), never a fixed port.
+`distributed_init_method` names), never a fixed port; across nodes, master_addr:master_port.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zllm.config import EngineConfig
+from zllm.ipc.addresses import NodeEndpoints
 
 if TYPE_CHECKING:
     from zllm.workers.symmetric_all_reduce import SymmetricAllReduce
@@ -70,6 +71,8 @@ class TensorParallel:
 def rendezvous_method(config: EngineConfig) -> str:
     if config.distributed_init_method:
         return config.distributed_init_method
+    if config.nnodes > 1:  # rank 0, on the head, hosts the store
+        return NodeEndpoints(config.master_addr, config.master_port).rendezvous
     return f"file://{os.path.join(config.runtime_dir, 'tp-rendezvous')}"
 
 

@@ -18,8 +18,9 @@ import traceback
 import zmq
 
 from zllm.config import EngineConfig
-from zllm.ipc.addresses import InternalEndpoints
+from zllm.ipc.addresses import InternalEndpoints, NodeEndpoints
 from zllm.ipc.codec import Codec, MessageError
+from zllm.ipc.curve import load_node_keys
 from zllm.ipc.messages import (
     CoreToWorker,
     FlushStep,
@@ -41,15 +42,25 @@ class WorkerProcess:
     def __init__(self, config: EngineConfig, rank: int) -> None:
         self.config = config
         self.rank = rank
-        endpoints = InternalEndpoints(config.runtime_dir)
         self.context = zmq.Context()
-        self.input = make_socket(self.context, zmq.PULL, endpoints.worker_input(rank), bind=False, hwm=config.socket_hwm)
-        self.output = make_socket(self.context, zmq.PUSH, endpoints.worker_output, bind=False, hwm=config.socket_hwm)
+        self.input, self.output = self._connect(config, rank)
         # NOTE: the size limit is checked on receipt, not with zmq.MAXMSGSIZE: libzmq ends a
         # connecting socket's session on an oversized frame and never reconnects it.
         self.inbound: Codec = Codec(CoreToWorker, max_frame_bytes=config.internal_max_message_bytes)
         self.outbound: Codec = Codec(WorkerToCore)
         self.worker = None
+
+    def _connect(self, config: EngineConfig, rank: int) -> tuple[zmq.Socket, zmq.Socket]:
+        """To the engine core: over ipc on its node, over tcp (CURVE) from a headless node."""
+        hwm = config.socket_hwm
+        if config.node_rank == 0:
+            endpoints = InternalEndpoints(config.runtime_dir)
+            return (make_socket(self.context, zmq.PULL, endpoints.worker_input(rank), bind=False, hwm=hwm),
+                    make_socket(self.context, zmq.PUSH, endpoints.worker_output, bind=False, hwm=hwm))
+        head = NodeEndpoints(config.master_addr, config.master_port)
+        keys = load_node_keys(config.curve_dir) if config.curve_dir else None
+        return (make_socket(self.context, zmq.PULL, head.worker_input(rank), bind=False, hwm=hwm, curve_client_keys=keys),
+                make_socket(self.context, zmq.PUSH, head.worker_output, bind=False, hwm=hwm, curve_client_keys=keys))
 
     def run(self) -> int:
         try:

@@ -1,0 +1,268 @@
+"""`vllm-launch --headless`: a node that runs tp ranks for the head's engine, and nothing else.
+
+    vllm-launch --headless --nnodes 2 --node-rank 1 --master-addr HEAD --master-port P --zmq-curve-dir DIR
+
+The node agent joins the head's node channel (tcp://HEAD:P+1, CURVE with the keys in DIR: the
+head's server.key and this node's own key pair), takes the head's EngineConfig, and from then
+on runs this node's ranks (tp / nnodes of them, GPUs 0, 1, ...) for every start of the head's
+engine (StartWorkers), killing them when the engine goes (StopWorkers). It reports a worker
+that exits (WorkersExited), and exits itself when the head says so (NodeShutdown: 0), when the
+head refuses it (a wrong --nnodes or --node-rank, or a key the head does not know: 2), or when
+the head falls silent for engine_hang_timeout_s (1). SIGTERM/SIGINT asks the head to stop the
+whole service (NodeLeaving); the node's workers serve until the head's drain ends them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import shutil
+import signal
+import subprocess
+import time
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from zllm.config import EngineConfig
+from zllm.frontend.supervisor import wait_for_any_exit
+from zllm.ipc.addresses import NodeEndpoints, make_private_runtime_dir
+from zllm.ipc.codec import Codec, MessageError, decode_json
+from zllm.ipc.curve import HANDSHAKE_FAILURE_EVENTS, describe_handshake_failure, load_node_keys
+from zllm.ipc.messages import (
+    HeadToNode,
+    NodeAccepted,
+    NodeHeartbeat,
+    NodeJoin,
+    NodeLeaving,
+    NodeRefused,
+    NodeShutdown,
+    NodeToHead,
+    StartWorkers,
+    StopWorkers,
+    WorkersExited,
+)
+from zllm.ipc.sockets import make_socket
+from zllm.procs.children import spawn_child, stop_children
+
+logger = logging.getLogger("zllm.node")
+
+_HEARTBEAT_S = 1.0  # before the head's config (and its heartbeat interval) arrives
+
+
+class NodeRefusedError(RuntimeError):
+    """The head will not have this node: exit 2 with the reason."""
+
+
+class HeadLostError(RuntimeError):
+    """The head never answered, or fell silent: exit 1."""
+
+
+@dataclasses.dataclass(slots=True)
+class NodeArgs:
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    curve_dir: str
+    allow_insecure_tcp: bool
+    join_timeout_s: float
+
+    def validate(self) -> None:
+        if self.nnodes < 2:
+            raise ValueError(f"nnodes: a headless node belongs to a group of >= 2 nodes, got {self.nnodes}")
+        if not 1 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank: a headless node is 1 .. {self.nnodes - 1} (0 is the head), got {self.node_rank}")
+        if not self.master_addr:
+            raise ValueError("master_addr: the head node's address is required")
+        if not self.curve_dir and not self.allow_insecure_tcp:
+            raise ValueError("zmq_curve_dir: the head's server.key and this node's key pair are required "
+                             "(or --allow-insecure-tcp, on a trusted network only)")
+
+
+class NodeAgent:
+    def __init__(self, args: NodeArgs) -> None:
+        self.args = args
+        self.keys = load_node_keys(args.curve_dir) if args.curve_dir else None
+        self.context = zmq.asyncio.Context()
+        self.head = NodeEndpoints(args.master_addr, args.master_port)
+        self.to_head = Codec(NodeToHead)
+        self.from_head = Codec(HeadToNode)
+        self.config: EngineConfig | None = None
+        self.runtime_dir = make_private_runtime_dir()
+        self.workers: dict[int, subprocess.Popen] = {}
+        self.generation = 0
+        self.last_heard = time.monotonic()
+        self.leaving = asyncio.Event()
+
+    async def run(self) -> int:
+        self.socket = make_socket(self.context, zmq.DEALER, self.head.node_channel, bind=False, hwm=1000,
+                                  curve_client_keys=self.keys)
+        self.monitor = self.socket.get_monitor_socket(HANDSHAKE_FAILURE_EVENTS)
+        try:
+            await self._join()
+            return await self._serve()
+        finally:
+            await self._stop_workers()
+            self.socket.disable_monitor()
+            self.context.destroy(linger=200)
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    # ---- joining -------------------------------------------------------------------------------
+
+    async def _join(self) -> None:
+        await self._send(NodeJoin(node_rank=self.args.node_rank, nnodes=self.args.nnodes))
+        logger.info("node %d of %d: joining %s%s", self.args.node_rank, self.args.nnodes, self.head.node_channel,
+                    " (CURVE)" if self.keys else "")
+        deadline = time.monotonic() + self.args.join_timeout_s
+        poller = zmq.asyncio.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        while time.monotonic() < deadline:
+            for socket, _ in await poller.poll(int(_HEARTBEAT_S * 1000)):
+                if socket is self.monitor:
+                    self._check_handshake(await self.monitor.recv_multipart())
+                    continue
+                message = await self._receive()
+                if isinstance(message, NodeRefused):
+                    raise NodeRefusedError(f"the head refused this node: {message.reason}")
+                if isinstance(message, NodeAccepted):
+                    self._take_config(message)
+                    return
+        raise HeadLostError(f"no answer from the head at {self.head.node_channel} within {self.args.join_timeout_s:.0f} s")
+
+    def _check_handshake(self, frames: list[bytes]) -> None:
+        reason = describe_handshake_failure(parse_monitor_message(frames)["event"])
+        if reason is not None:
+            raise NodeRefusedError(f"the head at {self.head.node_channel} refused the connection: {reason}")
+
+    def _take_config(self, accepted: NodeAccepted) -> None:
+        head = decode_json(accepted.config_json, EngineConfig)
+        self.config = dataclasses.replace(head, node_rank=self.args.node_rank, headless=True, curve_dir=self.args.curve_dir,
+                                          runtime_dir=self.runtime_dir)
+        self.last_heard = time.monotonic()
+        ranks = list(self.config.local_ranks())
+        logger.info("joined: %s, tp ranks %s here", self.config.model_name, ranks)
+
+    # ---- serving -------------------------------------------------------------------------------
+
+    async def _serve(self) -> int:
+        tasks = {asyncio.create_task(self._receive_loop(), name="from-head"),
+                 asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+                 asyncio.create_task(self._leave_when_asked(), name="leave")}
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            return done.pop().result()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _receive_loop(self) -> int:
+        watcher: asyncio.Task | None = None
+        try:
+            while True:
+                message = await self._receive()
+                self.last_heard = time.monotonic()
+                if isinstance(message, StartWorkers):
+                    if watcher is not None:
+                        watcher.cancel()
+                    await self._start_workers(message.generation)
+                    watcher = asyncio.create_task(self._watch_workers(message.generation), name="workers")
+                elif isinstance(message, StopWorkers) and message.generation == self.generation:
+                    await self._stop_workers()
+                elif isinstance(message, NodeShutdown):
+                    logger.info("the head stops this node (%s): exiting", message.reason)
+                    return 0
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    async def _heartbeat_loop(self) -> int:
+        interval = self.config.heartbeat_interval_s
+        while True:
+            await self._send(NodeHeartbeat())
+            await asyncio.sleep(interval)
+            silent = time.monotonic() - self.last_heard
+            if silent > self.config.engine_hang_timeout_s:
+                raise HeadLostError(f"the head has been silent for {silent:.0f} s")
+
+    async def _leave_when_asked(self) -> int:
+        """On the first SIGTERM/SIGINT ask the head to stop the service; its drain ends this node."""
+        await self.leaving.wait()
+        await self._send(NodeLeaving(reason="the node was asked to stop"))
+        logger.info("asked the head to stop the service; serving until it does")
+        await asyncio.Event().wait()  # until NodeShutdown (another task) or a second signal
+
+    async def _start_workers(self, generation: int) -> None:
+        await self._stop_workers()
+        self.generation = generation
+        self.workers = {r: spawn_child("zllm.workers.process", self.config, "--rank", str(r))
+                        for r in self.config.local_ranks()}
+        logger.info("engine %d: started ranks %s (pids %s)", generation, list(self.workers),
+                    [p.pid for p in self.workers.values()])
+
+    async def _watch_workers(self, generation: int) -> None:
+        pids = {p.pid: rank for rank, p in self.workers.items()}
+        pid = await wait_for_any_exit(list(pids))
+        code = self.workers[pids[pid]].poll()
+        if code == 0:  # told to shut down by its engine core: the head stops this node next
+            logger.info("engine %d: rank %d shut down", generation, pids[pid])
+            return
+        reason = f"rank {pids[pid]} (pid {pid}) exited with code {code}"
+        logger.error("engine %d: %s", generation, reason)
+        await self._send(WorkersExited(generation=generation, reason=reason))
+
+    async def _stop_workers(self) -> None:
+        if self.workers:
+            workers, self.workers = list(self.workers.values()), {}
+            await asyncio.to_thread(stop_children, workers, 5.0)
+
+    async def _send(self, message) -> None:
+        await self.socket.send(self.to_head.encode(message))
+
+    async def _receive(self):
+        while True:
+            try:
+                return self.from_head.decode(await self.socket.recv())
+            except MessageError as error:
+                logger.warning("dropped a malformed message from the head: %s", error)
+
+
+async def _run_until_signal(agent: NodeAgent) -> int:
+    loop = asyncio.get_running_loop()
+    second = asyncio.Event()
+
+    def received(signum: int) -> None:
+        (second if agent.leaving.is_set() else agent.leaving).set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, received, sig)
+    running = asyncio.create_task(agent.run())
+    stopped = asyncio.create_task(second.wait())
+    await asyncio.wait({running, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not running.done():
+        logger.warning("second signal: stopping the workers and exiting now")
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        return 130
+    stopped.cancel()
+    return running.result()
+
+
+def run_headless(args: argparse.Namespace) -> int:
+    node = NodeArgs(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                    master_port=args.master_port, curve_dir=args.zmq_curve_dir,
+                    allow_insecure_tcp=args.allow_insecure_tcp, join_timeout_s=args.node_join_timeout)
+    node.validate()
+    try:
+        return asyncio.run(_run_until_signal(NodeAgent(node)))
+    except NodeRefusedError as error:
+        logger.error("%s", error)
+        return 2
+    except HeadLostError as error:
+        logger.error("%s", error)
+        return 1
