@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -215,5 +214,52 @@ def test_wrong_keys_and_wrong_nnodes_are_refused_and_a_missing_node_fails_the_he
         assert group.head.wait(60) == 1  # nobody else joins
         assert "node(s) [1] of 2 did not join within 20 s" in group.log("head"), group.log("head")[-2000:]
         assert "zllm ready" not in group.log("head")
+    finally:
+        group.kill_all()
+
+
+def test_a_lost_node_restarts_the_engine_once_it_is_back(tmp_path, tiny_model):
+    """kill -9 of the headless node under load (its worker goes with it): an engine failure; the
+    head restarts the engine when a node has joined again and every stream completes exactly."""
+    import asyncio
+
+    from zllm import AsyncClient
+
+    group = TwoNodes(tmp_path, tiny_model, "--node-join-timeout", "60")
+    prompts = [f"t{3 + i} t{40 + i} t{90 + i}" for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+
+    async def stream_all(kill=None):
+        counts = [0] * len(prompts)
+        async with AsyncClient(group.endpoint, server_key=str(group.keys.head / "server.key"),
+                               client_key=str(group.keys.client / "client.key_secret"), timeout=120) as client:
+            async def consume(i: int) -> list[int]:
+                tokens = []
+                async for delta in client.stream(prompts[i], params):
+                    tokens += delta.outputs[0].token_ids
+                    counts[i] = len(tokens)
+                return tokens
+
+            tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
+            if kill is not None:
+                while min(counts) < 10:
+                    await asyncio.sleep(0.01)
+                await asyncio.to_thread(kill)
+            return await asyncio.gather(*tasks)
+
+    def kill_the_node_then_start_another():
+        group.nodes[0].kill()
+        assert wait_until(lambda: "engine failure: node 1" in group.log("head"), 30), group.log("head")[-2000:]
+        group.start_node("node-again")
+
+    try:
+        group.start_node()
+        group.wait_ready()
+        reference = asyncio.run(stream_all())
+        results = asyncio.run(stream_all(kill_the_node_then_start_another))
+        assert results == reference
+        log = group.log("head")
+        assert "engine recovered in" in log and "8 request(s) replayed" in log, log[-3000:]
+        assert log.count("node 1 joined (1 of 1)") == 2
     finally:
         group.kill_all()

@@ -119,6 +119,8 @@ class EngineLink:
                     raise EngineStartError(f"{self.name} failed to start: {message.reason}")
             elif (code := self.processes.core_exit_code()) is not None:
                 raise EngineStartError(f"{self.name} core exited with code {code} during start-up")
+            elif self.nodes is not None and (failure := self.nodes.pending_failure()) is not None:
+                raise EngineStartError(f"{self.name} failed to start: {failure}")
         raise EngineStartError(f"{self.name} not ready after {self.config.startup_timeout_s:.0f} s")
 
     async def start(self) -> EngineReady:

@@ -18,6 +18,7 @@ whole service as SIGTERM does: drain, then shut down, which ends every node (Nod
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -163,6 +164,9 @@ class NodeHub:
             os.kill(os.getpid(), signal.SIGTERM)  # the service's own drain and shutdown
 
     async def _join(self, identity: bytes, join: NodeJoin) -> None:
+        present = self.nodes.get(join.node_rank)
+        if present is not None and present.identity != identity:
+            await self._send(present.identity, HeadHeartbeat())  # a probe: is the agent it replaces gone?
         refusal = self._refusal(identity, join)
         if refusal is not None:
             logger.error("refused node %d: %s", join.node_rank, refusal)
@@ -190,10 +194,9 @@ class NodeHub:
         """Send heartbeats; a node silent for engine_hang_timeout_s is lost."""
         while True:
             await self._broadcast(HeadHeartbeat())
-            for rank, node in list(self.nodes.items()):
+            for node in list(self.nodes.values()):
                 if not self._fresh(node):
-                    del self.nodes[rank]
-                    self._failures.put_nowait(f"node {rank} silent for over {self.config.engine_hang_timeout_s:.0f} s")
+                    self._lose(node.identity, f"silent for over {self.config.engine_hang_timeout_s:.0f} s")
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _broadcast(self, message) -> None:
@@ -203,5 +206,18 @@ class NodeHub:
     async def _send(self, identity: bytes, message) -> None:
         try:
             await self._socket.send_multipart([identity, self._to_node.encode(message)], zmq.NOBLOCK)
-        except zmq.ZMQError:  # the agent went away (EHOSTUNREACH) or is not reading: it times out
-            pass
+        except zmq.ZMQError as error:
+            if error.errno == errno.EHOSTUNREACH:  # its connection closed: the agent is gone
+                self._lose(identity, "disconnected")
+            # else (EAGAIN) it is not reading: the heartbeat check finds it silent
+
+    def _lose(self, identity: bytes, why: str) -> None:
+        for rank, node in list(self.nodes.items()):
+            if node.identity == identity:
+                del self.nodes[rank]
+                logger.error("node %d %s", rank, why)
+                self._failures.put_nowait(f"node {rank} {why}")
+
+    def pending_failure(self) -> str | None:
+        """A failure reported while the engine was starting (it ends that start)."""
+        return None if self._failures.empty() else self._failures.get_nowait()
