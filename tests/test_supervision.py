@@ -262,24 +262,37 @@ def test_log_lines_carry_syslog_priorities_under_journald(tmp_path):
     assert all(line.startswith("<3>") for line in lines[2:]) and any("ZeroDivisionError" in x for x in lines[2:])
 
 
-def test_unit_file_passes_systemd_analyze_verify(tmp_path):
+def _verify_unit(tmp_path: Path, name: str) -> str:
+    """systemd-analyze verify on deploy/<name>, its ExecStart pointed at this vllm-launch."""
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd; .ci/run does)")
-    unit = (REPO / "deploy" / "zllm.service").read_text()
+    unit = (REPO / "deploy" / name).read_text()
     # verify checks that ExecStart exists: point it at the vllm-launch installed here.
     launcher = shutil.which("vllm-launch") or str(Path(sys.executable).parent / "vllm-launch")
     if not os.access(launcher, os.X_OK):
         pytest.skip("vllm-launch is not installed (pip install -e .)")
     assert "/opt/zllm/venv/bin/vllm-launch" in unit
-    (tmp_path / "zllm.service").write_text(unit.replace("/opt/zllm/venv/bin/vllm-launch", launcher))
-    result = subprocess.run([analyze, "verify", str(tmp_path / "zllm.service")], capture_output=True, text=True)
+    (tmp_path / name).write_text(unit.replace("/opt/zllm/venv/bin/vllm-launch", launcher))
+    result = subprocess.run([analyze, "verify", str(tmp_path / name)], capture_output=True, text=True)
     assert result.returncode == 0 and result.stderr == "", result.stderr
+    return unit
+
+
+def test_unit_file_passes_systemd_analyze_verify(tmp_path):
+    unit = _verify_unit(tmp_path, "zllm.service")
     for line in ("Type=notify", "KillMode=control-group", "Restart=on-failure", "WatchdogSec=", "TimeoutStopSec=90",
                  "--shutdown-timeout 60"):
         assert line in unit
     # TimeoutStopSec must leave the drain its time.
     assert int(unit.split("TimeoutStopSec=")[1].split()[0]) > int(unit.split("--shutdown-timeout ")[1].split()[0])
+
+
+def test_headless_node_unit_passes_systemd_analyze_verify(tmp_path):
+    unit = _verify_unit(tmp_path, "zllm-node.service")
+    for line in ("--headless $ZLLM_NODE_ARGS", "KillMode=control-group", "Restart=on-failure",
+                 "RestartPreventExitStatus=2"):  # a refused node (exit 2) must not loop
+        assert line in unit
 
 
 # ---- CURVE key files -----------------------------------------------------------------------------
