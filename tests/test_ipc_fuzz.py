@@ -53,9 +53,11 @@ VALID = {
         m.WorkerCallResult(0, 1, None, "err"),
         m.WorkerFailed(0, "boom"),
     ],
-    "NodeToHead": [m.NodeJoin(1, 2), m.WorkersExited(1, "rank 1 exited"), m.NodeHeartbeat(), m.NodeLeaving("bye")],
+    "NodeToHead": [m.NodeJoin(1, 2), m.WorkersExited(1, "rank 1 exited"), m.EngineExited(1, 2, "stopped"),
+                   m.NodeHeartbeat(), m.NodeLeaving("bye")],
     "HeadToNode": [
-        m.NodeAccepted(b"{}"), m.NodeRefused("no"), m.StartWorkers(1), m.StopWorkers(1), m.HeadHeartbeat(),
+        m.NodeAccepted(b"{}"), m.NodeRefused("no"), m.StartWorkers(1), m.StopWorkers(1), m.StartEngine(1, 2),
+        m.StopEngine(1, 2), m.HeadHeartbeat(),
         m.NodeShutdown("bye"),
     ],
     "ClientToServer": [

@@ -37,7 +37,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     ({"nnodes": 2, "tensor_parallel_size": 2, "curve_dir": "/k"}, "master_addr: is required"),
     ({"nnodes": 2, "tensor_parallel_size": 2, "master_addr": "10.0.0.1"}, r"nnodes: tcp://10.0.0.1:29501 \(the node"),
     ({"nnodes": 2, "tensor_parallel_size": 2, "master_addr": "10.0.0.1", "curve_dir": "/k", "data_parallel_size": 2},
-     "multi-node engines run one engine"),
+     "without it the nodes split one engine's tp ranks"),
+    ({"nnodes": 2, "master_addr": "10.0.0.1", "curve_dir": "/k", "data_parallel_size": 4, "data_parallel_size_local": 1},
+     "1 engines on each of 2 nodes is not --data-parallel-size 4"),
+    ({"data_parallel_size": 2, "data_parallel_size_local": 1}, "splits the engines over nodes: it needs --nnodes > 1"),
     ({"nnodes": 2, "node_rank": 1, "tensor_parallel_size": 2, "master_addr": "10.0.0.1", "curve_dir": "/k"},
      "the other nodes run `vllm-launch --headless`"),
     ({"nnodes": 2, "node_rank": 2}, r"node_rank: must be in \[0, 2\)"),
@@ -52,6 +55,12 @@ def test_ranks_and_gpus_per_node():
     node = EngineConfig(model="m", tensor_parallel_size=4, nnodes=2, node_rank=1, headless=True, master_addr="h")
     assert list(head.local_ranks()) == [0, 1] and list(node.local_ranks()) == [2, 3]
     assert head.first_gpu == 0 and node.first_gpu == -2  # rank 2 takes GPU 0 of node 1
+    spread = dict(model="m", tensor_parallel_size=2, data_parallel_size=4, data_parallel_size_local=2, nnodes=2,
+                  master_addr="h", curve_dir="/k")
+    engine3 = EngineConfig(**spread, node_rank=1, headless=True, data_parallel_rank=3)
+    assert engine3.dp_spans_nodes and not engine3.tp_spans_nodes
+    assert list(engine3.local_ranks()) == [0, 1] and engine3.first_gpu == 2  # engine 3 = the node's second: GPUs 2, 3
+    assert [EngineConfig(**spread).node_of_engine(d) for d in range(4)] == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -106,15 +115,16 @@ class Keys:
 
 
 class TwoNodes:
-    """A head (`--tp 2 --nnodes 2 --node-rank 0`) and headless nodes, as real process trees."""
+    """A head (`--tp 2 --nnodes 2 --node-rank 0`, or other `parallel` flags) and headless nodes, as
+    real process trees."""
 
-    def __init__(self, root: Path, model: str, *extra: str) -> None:
+    def __init__(self, root: Path, model: str, *extra: str, parallel: tuple[str, ...] = ("--tp", "2")) -> None:
         self.root = root
         self.keys = Keys(root)
         self.port = _free_port_block(6)
         self.endpoint = f"ipc://{root}/client.sock"
         self.common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(self.port)]
-        self.head = self._launch("head", "--model", model, "--tp", "2", "--node-rank", "0", "--zmq-curve-dir",
+        self.head = self._launch("head", "--model", model, *parallel, "--node-rank", "0", "--zmq-curve-dir",
                                  str(self.keys.head), "--zmq-endpoint", self.endpoint, "--runtime-dir",
                                  str(root / "head-rt"), "--port", "0", "--max-model-len", "512",
                                  "--kv-cache-memory", "64MiB", *extra)
@@ -261,5 +271,71 @@ def test_a_lost_node_restarts_the_engine_once_it_is_back(tmp_path, tiny_model):
         log = group.log("head")
         assert "engine recovered in" in log and "8 request(s) replayed" in log, log[-3000:]
         assert log.count("node 1 joined (1 of 1)") == 2
+    finally:
+        group.kill_all()
+
+
+# ---- data parallelism across nodes ---------------------------------------------------------------
+
+
+def test_engines_spread_over_two_nodes_serve_exactly_and_restart_where_they_run(tmp_path, tiny_model, monkeypatch):
+    """-dp 2 -dpl 1 --nnodes 2: engine 0 on the head, engine 1 (a whole engine core) on the
+    headless node, talking to the head's frontend over tcp with CURVE. Concurrent streams equal
+    one engine's answers and use both engines; kill -9 of the remote engine's core restarts it on
+    its node and its streams complete exactly; stopping the head stops the node."""
+    import asyncio
+
+    from zllm import AsyncClient
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    prompts = [f"t{3 + i} t{40 + i} t{90 + i}" for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    with LLM(tiny_model, max_model_len=512) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    group = TwoNodes(tmp_path, tiny_model, parallel=("-dp", "2", "-dpl", "1"))
+
+    async def stream_all(kill=None):
+        counts = [0] * len(prompts)
+        async with AsyncClient(group.endpoint, server_key=str(group.keys.head / "server.key"),
+                               client_key=str(group.keys.client / "client.key_secret"), timeout=120) as client:
+            async def consume(i: int) -> list[int]:
+                tokens = []
+                async for delta in client.stream(prompts[i], params):
+                    tokens += delta.outputs[0].token_ids
+                    counts[i] = len(tokens)
+                return tokens
+
+            tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
+            if kill is not None:
+                while min(counts) < 10:
+                    await asyncio.sleep(0.01)
+                kill()
+            return await asyncio.gather(*tasks)
+
+    def remote_core() -> psutil.Process:
+        agent = psutil.Process(group.nodes[0].pid)
+        return next(p for p in agent.children() if "zllm.enginecore.process" in " ".join(p.cmdline()))
+
+    try:
+        node = group.start_node()
+        group.wait_ready()
+        assert asyncio.run(stream_all()) == reference
+        with group.client() as client:
+            engines = client.stats()["engines"]
+        assert [e["prefix_cache_queries"] > 0 for e in engines] == [True, True], engines
+        assert "engines [1] here" in group.log("node")
+
+        victim = remote_core()
+        assert asyncio.run(stream_all(victim.kill)) == reference
+        log = group.log("head")
+        assert "engine 1 failure: node 1: engine core" in log and "engine 0 failure" not in log, log[-3000:]
+        assert "engine 1 recovered in" in log
+        assert remote_core().pid != victim.pid  # restarted on the node
+
+        pids = group.all_pids()
+        group.head.send_signal(signal.SIGTERM)
+        assert group.head.wait(60) == 0 and node.wait(30) == 0
+        assert wait_until(lambda: processes_gone(pids), 15)
     finally:
         group.kill_all()

@@ -115,12 +115,16 @@ class EngineConfig:
     # tcp://master_addr:master_port; the head's node channel listens on master_port + 1, the
     # engine core's worker sockets on master_port + 2 (outputs) and master_port + 3 + rank (inputs
     # of remote ranks), all with CURVE (curve_dir) unless allow_insecure_tcp.
+    # Data parallelism across nodes instead: with data_parallel_size_local set (< dp), node k runs
+    # the whole engines k * local .. (k + 1) * local - 1 (each with its tp ranks on its own GPUs),
+    # and engine d talks to the head's frontend on master_port + 2 + 2d (in) and + 3 + 2d (out).
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = ""
     master_port: int = 29500
     headless: bool = False
     node_join_timeout_s: float = 300.0  # the head gives up when a node has not joined by then
+    data_parallel_size_local: int = 0  # engines per node when engines split over nodes; 0: all on the head
 
     @classmethod
     def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
@@ -216,18 +220,30 @@ class EngineConfig:
         _require(self.headless or self.node_rank == 0, "node_rank",
                  f"{self.node_rank} is not the head (0): the other nodes run `vllm-launch --headless`")
         _require(self.node_join_timeout_s > 0, "node_join_timeout_s", "must be > 0")
+        _require(self.data_parallel_size_local >= 0, "data_parallel_size_local", "must be >= 0")
         if self.nnodes == 1:
+            _require(self.data_parallel_size_local in (0, self.data_parallel_size), "data_parallel_size_local",
+                     "splits the engines over nodes: it needs --nnodes > 1")
             return
-        _require(self.tensor_parallel_size % self.nnodes == 0, "tensor_parallel_size",
-                 f"{self.tensor_parallel_size} ranks do not split evenly over {self.nnodes} nodes")
         _require(bool(self.master_addr), "master_addr", "is required with nnodes > 1: the head node's address")
-        _require(1 <= self.master_port <= 65535 - 3 - self.tensor_parallel_size, "master_port",
-                 f"must leave room for master_port + 3 + tp - 1 <= 65535, got {self.master_port}")
-        _require(self.data_parallel_size == 1, "data_parallel_size", "multi-node engines run one engine (dp 1)")
         _require(not self.distributed_init_method, "distributed_init_method",
-                 "is tcp://master_addr:master_port with nnodes > 1; leave it empty")
+                 "is set by zllm with nnodes > 1; leave it empty")
         _require(bool(self.curve_dir) or self.allow_insecure_tcp, "nnodes", _insecure_tcp(
-            f"tcp://{self.master_addr}:{self.master_port + 1}", "the node channel and the workers' sockets"))
+            f"tcp://{self.master_addr}:{self.master_port + 1}", "the node channel and the engines' sockets"))
+        if self.dp_spans_nodes:
+            _require(self.data_parallel_size_local * self.nnodes == self.data_parallel_size, "data_parallel_size_local",
+                     f"{self.data_parallel_size_local} engines on each of {self.nnodes} nodes is not "
+                     f"--data-parallel-size {self.data_parallel_size}")
+            last_port = self.master_port + 3 + 2 * (self.data_parallel_size - 1)
+        else:
+            _require(self.data_parallel_size == 1, "data_parallel_size",
+                     "engines spread over nodes with --data-parallel-size-local; without it the nodes split one "
+                     "engine's tp ranks (dp 1)")
+            _require(self.tensor_parallel_size % self.nnodes == 0, "tensor_parallel_size",
+                     f"{self.tensor_parallel_size} ranks do not split evenly over {self.nnodes} nodes")
+            last_port = self.master_port + 2 + self.tensor_parallel_size
+        _require(1 <= self.master_port and last_port <= 65535, "master_port",
+                 f"{self.master_port}: zllm uses the ports up to {last_port}, beyond 65535")
 
     def _validate_reliability(self) -> None:
         _require(self.on_failure in _ON_FAILURE, "on_failure", f"must be one of {_ON_FAILURE}, got {self.on_failure!r}")
@@ -247,19 +263,42 @@ class EngineConfig:
             _require(bool(self.curve_dir) or self.allow_insecure_tcp, "client_endpoint", _insecure_tcp(self.client_endpoint))
 
     @property
+    def dp_spans_nodes(self) -> bool:
+        """Whole engines run on several nodes (data_parallel_size_local < data_parallel_size)."""
+        return self.nnodes > 1 and 0 < self.data_parallel_size_local < self.data_parallel_size
+
+    @property
+    def tp_spans_nodes(self) -> bool:
+        """One engine's tp ranks run on several nodes."""
+        return self.nnodes > 1 and not self.dp_spans_nodes
+
+    @property
+    def local_engines(self) -> int:
+        """Engines per node."""
+        return self.data_parallel_size_local if self.dp_spans_nodes else self.data_parallel_size
+
+    def node_of_engine(self, dp_rank: int) -> int:
+        return dp_rank // self.local_engines if self.dp_spans_nodes else 0
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.tensor_parallel_size // self.nnodes if self.tp_spans_nodes else self.tensor_parallel_size
 
     def local_ranks(self, node_rank: int | None = None) -> range:
-        """The tp ranks whose workers run on that node (default: this one)."""
+        """The tp ranks of this engine whose workers run on that node (default: this one)."""
+        if not self.tp_spans_nodes:
+            return range(self.tensor_parallel_size)
         node = self.node_rank if node_rank is None else node_rank
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
     @property
     def first_gpu(self) -> int:
         """The GPU index that tp rank 0 would have on this node: each data-parallel engine has its
-        own tp GPUs; on node k of a multi-node group, rank k * ranks_per_node takes GPU 0."""
-        return self.data_parallel_rank * self.tensor_parallel_size - self.node_rank * self.ranks_per_node
+        own tp GPUs (counted from the node's first engine); on node k of a multi-node tp group,
+        rank k * ranks_per_node takes GPU 0."""
+        if self.tp_spans_nodes:
+            return -self.node_rank * self.ranks_per_node
+        return (self.data_parallel_rank - self.node_rank * self.local_engines) * self.tensor_parallel_size
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -313,16 +352,18 @@ def _check_tensor_parallel(config: EngineConfig, spec: ModelSpec) -> None:
     from zllm.partition import head_shards
 
     head_shards(spec.num_heads, spec.num_kv_heads, config.tensor_parallel_size)
-    needed = config.ranks_per_node * config.data_parallel_size  # on this node
+    needed = config.ranks_per_node * config.local_engines  # on this node
     if needed == 1 or config.device == "cpu":
         return
     import torch
 
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if config.device == "cuda" or available:
-        field = "tensor_parallel_size" if config.data_parallel_size == 1 else "data_parallel_size"
-        _require(needed <= available, field, f"{config.data_parallel_size} engine(s) x {config.ranks_per_node} "
-                 f"rank(s) on this node need {needed} GPUs, but {available} are visible")
+        if config.local_engines == 1:
+            _require(needed <= available, "tensor_parallel_size",
+                     f"{needed} ranks need {needed} GPUs, but {available} are visible")
+        _require(needed <= available, "data_parallel_size", f"{config.local_engines} engines x "
+                 f"{config.ranks_per_node} rank(s) need {needed} GPUs, but {available} are visible")
 
 
 def _require(ok: bool, field: str, reason: str) -> None:

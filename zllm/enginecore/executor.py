@@ -75,7 +75,7 @@ class MultiprocExecutor:
         hwm = config.socket_hwm
         limit = config.internal_max_message_bytes
         outputs = [make_socket(context, zmq.PULL, endpoints.worker_output, bind=True, hwm=hwm, max_message_bytes=limit)]
-        if config.nnodes == 1:
+        if not config.tp_spans_nodes:
             inputs = [make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm)
                       for r in range(config.tensor_parallel_size)]
             return inputs, outputs

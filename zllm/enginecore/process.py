@@ -25,8 +25,9 @@ import zmq
 from zllm.config import EngineConfig
 from zllm.enginecore.core import EngineCore, QueueFullError
 from zllm.enginecore.executor import MultiprocExecutor
-from zllm.ipc.addresses import InternalEndpoints
+from zllm.ipc.addresses import InternalEndpoints, NodeEndpoints
 from zllm.ipc.codec import Codec, MessageError
+from zllm.ipc.curve import load_node_keys
 from zllm.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -59,10 +60,7 @@ class EngineCoreProcess:
         self._closing = threading.Event()  # tells the input thread to close its socket and end
 
     def run(self) -> int:
-        endpoints = InternalEndpoints(self.config.runtime_dir)
-        hwm = self.config.socket_hwm
-        input_socket = make_socket(self.context, zmq.PULL, endpoints.core_input, bind=False, hwm=hwm)
-        output_socket = make_socket(self.context, zmq.PUSH, endpoints.core_output, bind=False, hwm=hwm)
+        input_socket, output_socket = self._connect_to_frontend()
         receiver = threading.Thread(target=self._receive_loop, args=(input_socket,), daemon=True, name="core-in")
         receiver.start()
         sender = threading.Thread(target=self._send_loop, args=(output_socket,), daemon=True, name="core-out")
@@ -90,6 +88,20 @@ class EngineCoreProcess:
             sender.join(timeout=5.0)
             self.context.destroy(linger=0)
         return code
+
+    def _connect_to_frontend(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """ipc on the frontend's node; from another node (data parallelism across nodes) tcp to
+        the head, with this node's CURVE keys."""
+        config, hwm = self.config, self.config.socket_hwm
+        if config.node_rank == 0:
+            endpoints = InternalEndpoints(config.runtime_dir)
+            return (make_socket(self.context, zmq.PULL, endpoints.core_input, bind=False, hwm=hwm),
+                    make_socket(self.context, zmq.PUSH, endpoints.core_output, bind=False, hwm=hwm))
+        head = NodeEndpoints(config.master_addr, config.master_port)
+        keys = load_node_keys(config.curve_dir) if config.curve_dir else None
+        rank = config.data_parallel_rank
+        return (make_socket(self.context, zmq.PULL, head.engine_input(rank), bind=False, hwm=hwm, curve_client_keys=keys),
+                make_socket(self.context, zmq.PUSH, head.engine_output(rank), bind=False, hwm=hwm, curve_client_keys=keys))
 
     def _ready_message(self) -> EngineReady:
         return EngineReady(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import itertools
 import logging
 import os
@@ -31,7 +32,7 @@ from zllm.config import EngineConfig
 from zllm.frontend.nodes import NodeFailure, NodeHub
 from zllm.frontend.replay import ReplayLog
 from zllm.frontend.supervisor import EngineProcesses, RestartPolicy
-from zllm.ipc.addresses import InternalEndpoints, engine_runtime_dir
+from zllm.ipc.addresses import InternalEndpoints, NodeEndpoints, engine_runtime_dir
 from zllm.ipc.codec import Codec, MessageError
 from zllm.ipc.messages import CoreToFrontend, EngineDead, EngineReady, FrontendToCore, Shutdown, UtilityCall
 from zllm.ipc.sockets import make_socket
@@ -58,6 +59,11 @@ class EngineLink:
         self.dp_rank = dp_rank
         self.context = context
         self.nodes = nodes  # the other nodes' workers (multi-node tp), started with each core
+        # Data parallelism across nodes: this engine's core runs on another node, started there by
+        # its agent, and reaches this frontend over tcp (CURVE: the hub's context checks the keys).
+        self.remote = nodes is not None and self.config.node_of_engine(dp_rank) != 0
+        if self.remote:
+            self.context = nodes.context
         self.processes = EngineProcesses()
         self.restart_policy = RestartPolicy(config.max_restarts, config.restart_window_s)
         self.replay = ReplayLog(MAX_REPLAYS)  # the requests this engine serves, until they end
@@ -91,18 +97,44 @@ class EngineLink:
         # NOTE: from the main thread (the event loop's): PR_SET_PDEATHSIG fires when the *thread*
         # that spawned the child exits.
         self._generation += 1
+        self._close_sockets()
+        self._queue = asyncio.Queue(self.config.socket_hwm)
+        if self.remote:
+            await self._bind_tcp()
+        else:
+            self._bind_ipc()
+            self.processes.spawn_core(dataclasses.replace(self.config, runtime_dir=self.runtime_dir))
+        if self.nodes is not None:
+            await self.nodes.start(self.dp_rank, self._generation)
+
+    def _bind_ipc(self) -> None:
         os.makedirs(self.runtime_dir, mode=0o700, exist_ok=True)  # left by a killed instance: make_socket checks it
         os.chmod(self.runtime_dir, 0o700)
         endpoints = InternalEndpoints(self.runtime_dir)
         hwm = self.config.socket_hwm
-        self._close_sockets()
         self._core_in = make_socket(self.context, zmq.PUSH, endpoints.core_input, bind=True, hwm=hwm)
         self._core_out = make_socket(self.context, zmq.PULL, endpoints.core_output, bind=True, hwm=hwm,
                                      max_message_bytes=self.config.internal_max_message_bytes)
-        self._queue = asyncio.Queue(hwm)
-        self.processes.spawn_core(dataclasses.replace(self.config, runtime_dir=self.runtime_dir))
-        if self.nodes is not None:
-            await self.nodes.start_workers(self._generation)
+
+    async def _bind_tcp(self) -> None:
+        """The remote core's sockets, on the same ports every generation (the core's node is told
+        to stop the last one, and has, before these are bound again)."""
+        head = NodeEndpoints(self.config.master_addr, self.config.master_port)
+        hwm, keys = self.config.socket_hwm, self.nodes.server_keys
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                self._core_in = make_socket(self.context, zmq.PUSH, head.engine_input(self.dp_rank), bind=True,
+                                            hwm=hwm, curve_server_keys=keys)
+                self._core_out = make_socket(self.context, zmq.PULL, head.engine_output(self.dp_rank), bind=True,
+                                             hwm=hwm, curve_server_keys=keys,
+                                             max_message_bytes=self.config.internal_max_message_bytes)
+                return
+            except zmq.ZMQError as error:  # the last generation's listener may still be closing
+                self._close_sockets()
+                if error.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise EngineStartError(f"{self.name}: cannot listen for its core: {error}") from None
+                await asyncio.sleep(0.05)
 
     async def wait_ready(self) -> EngineReady:
         """Wait for the core's EngineReady (its workers are up and the KV cache sized)."""
@@ -112,14 +144,15 @@ class EngineLink:
                 message = self._decode(await self._core_out.recv_multipart())
                 if isinstance(message, EngineReady):
                     self.ready = message
-                    self.processes.adopt_workers(message.worker_pids)
+                    if not self.remote:  # a remote engine's pids are its node's to watch
+                        self.processes.adopt_workers(message.worker_pids)
                     self.last_message = time.monotonic()
                     return message
                 if isinstance(message, EngineDead):
                     raise EngineStartError(f"{self.name} failed to start: {message.reason}")
             elif (code := self.processes.core_exit_code()) is not None:
                 raise EngineStartError(f"{self.name} core exited with code {code} during start-up")
-            elif self.nodes is not None and (failure := self.nodes.pending_failure()) is not None:
+            elif self.nodes is not None and (failure := self.nodes.pending_failure(self.dp_rank)) is not None:
                 raise EngineStartError(f"{self.name} failed to start: {failure}")
         raise EngineStartError(f"{self.name} not ready after {self.config.startup_timeout_s:.0f} s")
 
@@ -138,11 +171,12 @@ class EngineLink:
         tasks = {
             asyncio.create_task(self._receive_loop(handle), name=f"{self.name}-out"),
             asyncio.create_task(self._send_loop(), name=f"{self.name}-in"),
-            asyncio.create_task(self.processes.wait_for_exit(), name=f"{self.name}-supervise"),
             asyncio.create_task(self._liveness_loop(), name=f"{self.name}-liveness"),
         }
+        if not self.remote:
+            tasks.add(asyncio.create_task(self.processes.wait_for_exit(), name=f"{self.name}-supervise"))
         if self.nodes is not None:
-            tasks.add(asyncio.create_task(self.nodes.wait_for_failure(), name=f"{self.name}-nodes"))
+            tasks.add(asyncio.create_task(self.nodes.wait_for_failure(self.dp_rank), name=f"{self.name}-nodes"))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             return done.pop().result()
@@ -166,12 +200,16 @@ class EngineLink:
     async def kill(self) -> None:
         """Take every process of this engine down at once; return when all are gone."""
         if self.nodes is not None:
-            await self.nodes.stop_workers()
-        await self.processes.kill()
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            await self.nodes.stop(self.dp_rank)
+        if not self.remote:
+            await self.processes.kill()
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     async def shutdown(self, timeout_s: float) -> None:
         """Ask the core to stop (it stops its workers); SIGTERM, then SIGKILL, what lingers."""
+        if self.remote:
+            await self._shutdown_remote(timeout_s)
+            return
         core = self.processes.core
         if core is not None and core.poll() is None:
             try:
@@ -180,6 +218,16 @@ class EngineLink:
             except (zmq.ZMQError, subprocess.TimeoutExpired):
                 pass
             await asyncio.to_thread(stop_children, [core], 5.0)
+        self._close_sockets()
+
+    async def _shutdown_remote(self, timeout_s: float) -> None:
+        if self._core_in is not None:
+            try:
+                await self._core_in.send(self._to_core.encode(Shutdown(reason="frontend shutdown")), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            await self.nodes.wait_exited(self.dp_rank, timeout_s)
+        await self.nodes.stop(self.dp_rank)  # if it did not exit by itself
         self._close_sockets()
 
     # ---- the loops of a running engine ---------------------------------------------------------

@@ -8,7 +8,11 @@
 A node joins with NodeJoin; the hub checks it (its --nnodes and --node-rank against the head's,
 one agent per node) and answers with the head's EngineConfig, or NodeRefused and the reason.
 Each start of the engine tells every node to start its ranks for that generation
-(StartWorkers), each failure or stop to kill them (StopWorkers). Both sides send a heartbeat
+(StartWorkers), each failure or stop to kill them (StopWorkers). With data parallelism across
+nodes (--data-parallel-size-local) a node runs whole engines instead: StartEngine(d) /
+StopEngine(d) for the engines it holds, answered by EngineExited; those engines' cores talk to
+the frontend over tcp (their EngineLinks bind on this hub's context, whose ZAP handler checks
+the nodes' keys). Both sides send a heartbeat
 every heartbeat_interval_s; a node silent for engine_hang_timeout_s, or one whose worker
 exited, is an engine failure (the supervisor restarts the engine once every node has joined
 again, within node_join_timeout_s, or gives up). A node asked to stop (NodeLeaving) stops the
@@ -33,6 +37,7 @@ from zllm.ipc.addresses import NodeEndpoints
 from zllm.ipc.codec import Codec, MessageError, encode_json
 from zllm.ipc.curve import ClientKeyCheck, load_or_create_server_keys, start_authenticator
 from zllm.ipc.messages import (
+    EngineExited,
     HeadHeartbeat,
     HeadToNode,
     NodeAccepted,
@@ -42,7 +47,9 @@ from zllm.ipc.messages import (
     NodeRefused,
     NodeShutdown,
     NodeToHead,
+    StartEngine,
     StartWorkers,
+    StopEngine,
     StopWorkers,
     WorkersExited,
 )
@@ -68,10 +75,13 @@ class NodeHub:
         # client endpoint's may use other keys.
         self.context = zmq.asyncio.Context()
         self.nodes: dict[int, _Node] = {}  # node rank -> its agent, once joined
-        self.generation = 0  # the engine generation whose workers the nodes should be running
+        self.server_keys = None  # the CURVE keys the node channel and remote engines bind with
         self._to_node = Codec(HeadToNode)
         self._from_node = Codec(NodeToHead)
-        self._failures: asyncio.Queue[str] = asyncio.Queue()
+        # Per engine (dp rank): the generation the nodes should run, its failures, its exit.
+        self._generations: dict[int, int] = {}
+        self._failures: dict[int, asyncio.Queue[str]] = {}
+        self._exited: dict[int, asyncio.Event] = {}
         self._joined = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._socket: zmq.asyncio.Socket | None = None
@@ -85,7 +95,7 @@ class NodeHub:
         endpoint = NodeEndpoints(self.config.master_addr, self.config.master_port).node_channel
         keys = None
         if self.config.curve_dir:
-            keys = load_or_create_server_keys(self.config.curve_dir)
+            keys = self.server_keys = load_or_create_server_keys(self.config.curve_dir)
             self._authenticator = start_authenticator(self.context, ClientKeyCheck(keys.clients_dir, False))
         self._socket = make_socket(self.context, zmq.ROUTER, endpoint, bind=True, hwm=self.config.socket_hwm,
                                    router_mandatory=True, curve_server_keys=keys, max_message_bytes=1 << 20)
@@ -111,18 +121,53 @@ class NodeHub:
             except asyncio.TimeoutError:
                 pass
 
-    async def start_workers(self, generation: int) -> None:
-        self.generation = generation
-        while not self._failures.empty():  # failures of an earlier generation
-            self._failures.get_nowait()
-        await self._broadcast(StartWorkers(generation=generation))
+    async def start(self, dp_rank: int, generation: int) -> None:
+        """Have the nodes run engine `dp_rank`'s part: their tp ranks, or the whole engine."""
+        self._generations[dp_rank] = generation
+        self._failures[dp_rank] = asyncio.Queue()  # an earlier generation's are moot
+        self._exited[dp_rank] = asyncio.Event()
+        if self.config.tp_spans_nodes:
+            await self._broadcast(StartWorkers(generation=generation))
+        elif not await self._send_to_node(self.config.node_of_engine(dp_rank), StartEngine(dp_rank, generation)):
+            self._fail(dp_rank, f"node {self.config.node_of_engine(dp_rank)} has not joined")
 
-    async def stop_workers(self) -> None:
-        await self._broadcast(StopWorkers(generation=self.generation))
+    async def stop(self, dp_rank: int) -> None:
+        """Kill what the nodes run of engine `dp_rank`; for a whole engine, until its node says it
+        is gone (or is lost itself, or engine_hang_timeout_s passes)."""
+        generation = self._generations.get(dp_rank, 0)
+        if self.config.tp_spans_nodes:
+            await self._broadcast(StopWorkers(generation=generation))
+            return
+        exited = self._exited.setdefault(dp_rank, asyncio.Event())
+        if not exited.is_set() and await self._send_to_node(self.config.node_of_engine(dp_rank),
+                                                             StopEngine(dp_rank, generation)):
+            await self.wait_exited(dp_rank, self.config.engine_hang_timeout_s)
 
-    async def wait_for_failure(self) -> str:
-        """The first node failure of the current generation, in words."""
-        return await self._failures.get()
+    async def wait_exited(self, dp_rank: int, timeout_s: float) -> bool:
+        """Wait until a remote engine's node reports its core gone (or the node is lost)."""
+        try:
+            await asyncio.wait_for(self._exited.setdefault(dp_rank, asyncio.Event()).wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def wait_for_failure(self, dp_rank: int = 0) -> str:
+        """The first node failure of engine `dp_rank`'s current generation, in words."""
+        return await self._failures.setdefault(dp_rank, asyncio.Queue()).get()
+
+    def pending_failure(self, dp_rank: int = 0) -> str | None:
+        """A failure reported while the engine was starting (it ends that start)."""
+        failures = self._failures.setdefault(dp_rank, asyncio.Queue())
+        return None if failures.empty() else failures.get_nowait()
+
+    def _engines_on(self, node_rank: int) -> list[int]:
+        if self.config.tp_spans_nodes:
+            return [0]
+        local = self.config.local_engines
+        return list(range(node_rank * local, (node_rank + 1) * local))
+
+    def _fail(self, dp_rank: int, reason: str) -> None:
+        self._failures.setdefault(dp_rank, asyncio.Queue()).put_nowait(reason)
 
     async def close(self, reason: str) -> None:
         await self._broadcast(NodeShutdown(reason=reason))
@@ -157,8 +202,13 @@ class NodeHub:
         elif isinstance(message, NodeHeartbeat):
             self.nodes[node_rank].last_seen = time.monotonic()
         elif isinstance(message, WorkersExited):
-            if message.generation == self.generation:
-                self._failures.put_nowait(f"node {node_rank}: {message.reason}")
+            if message.generation == self._generations.get(0):
+                self._fail(0, f"node {node_rank}: {message.reason}")
+        elif isinstance(message, EngineExited):
+            if message.generation == self._generations.get(message.dp_rank):
+                self._exited.setdefault(message.dp_rank, asyncio.Event()).set()
+                if message.reason != "stopped":
+                    self._fail(message.dp_rank, f"node {node_rank}: {message.reason}")
         elif isinstance(message, NodeLeaving):
             logger.warning("node %d is stopping (%s): stopping the service", node_rank, message.reason)
             os.kill(os.getpid(), signal.SIGTERM)  # the service's own drain and shutdown
@@ -216,8 +266,13 @@ class NodeHub:
             if node.identity == identity:
                 del self.nodes[rank]
                 logger.error("node %d %s", rank, why)
-                self._failures.put_nowait(f"node {rank} {why}")
+                for dp_rank in self._engines_on(rank):
+                    self._exited.setdefault(dp_rank, asyncio.Event()).set()
+                    self._fail(dp_rank, f"node {rank} {why}")
 
-    def pending_failure(self) -> str | None:
-        """A failure reported while the engine was starting (it ends that start)."""
-        return None if self._failures.empty() else self._failures.get_nowait()
+    async def _send_to_node(self, node_rank: int, message) -> bool:
+        """False if that node is not (or no longer) joined."""
+        node = self.nodes.get(node_rank)
+        if node is not None:
+            await self._send(node.identity, message)
+        return node is not None and node_rank in self.nodes

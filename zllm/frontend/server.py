@@ -135,13 +135,19 @@ class FrontendServer:
         self._call_ids = itertools.count()
         self.calls: dict[int, _Call] = {}  # engine utility call id -> the client call it answers
         self.nodes = NodeHub(config) if config.nnodes > 1 else None
-        self.engines = [EngineLink(config, rank, self.context, self._call_ids, self.nodes)
+        self.engines = [EngineLink(config, rank, self.context, self._call_ids, self._nodes_of(rank))
                         for rank in range(config.data_parallel_size)]
         self.balancer = LoadBalancer(len(self.engines), config.block_size)
         self.dead_reason: str | None = None
         self.draining = False  # a graceful shutdown began: new requests are refused (/health: 503)
         self.metrics = FrontendMetrics(config.model_name)
         self._answering = asyncio.Event()
+
+    def _nodes_of(self, dp_rank: int) -> NodeHub | None:
+        """The hub, for an engine that runs (partly) on other nodes."""
+        if self.nodes is not None and (self.config.tp_spans_nodes or self.config.node_of_engine(dp_rank) != 0):
+            return self.nodes
+        return None
 
     @property
     def ready(self) -> EngineReady | None:

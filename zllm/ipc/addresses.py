@@ -80,6 +80,8 @@ class NodeEndpoints:
         master_port + 1   the node channel: headless nodes join the head's frontend
         master_port + 2   workers -> engine core (the remote ranks' outputs)
         master_port + 3 + r   engine core -> tp rank r (remote ranks only)
+    or, when whole engines run on other nodes (data parallelism across nodes):
+        master_port + 2 + 2d  frontend -> engine core d     master_port + 3 + 2d  engine core d -> frontend
     """
 
     def __init__(self, master_addr: str, master_port: int) -> None:
@@ -100,3 +102,9 @@ class NodeEndpoints:
 
     def worker_input(self, rank: int) -> str:
         return f"tcp://{self.host}:{self.port + 3 + rank}"
+
+    def engine_input(self, dp_rank: int) -> str:
+        return f"tcp://{self.host}:{self.port + 2 + 2 * dp_rank}"
+
+    def engine_output(self, dp_rank: int) -> str:
+        return f"tcp://{self.host}:{self.port + 3 + 2 * dp_rank}"

@@ -305,6 +305,28 @@ class WorkersExited(_Message):
     reason: str
 
 
+class StartEngine(_Message):
+    """Start engine core `dp_rank` (data parallelism across nodes) as `generation`."""
+
+    dp_rank: int
+    generation: int
+
+
+class StopEngine(_Message):
+    """Kill engine core `dp_rank` of `generation` and its workers; answered with EngineExited."""
+
+    dp_rank: int
+    generation: int
+
+
+class EngineExited(_Message):
+    """Engine core `dp_rank` of `generation` exited (or was stopped: reason "stopped")."""
+
+    dp_rank: int
+    generation: int
+    reason: str
+
+
 class NodeHeartbeat(_Message):
     """A node is alive (every heartbeat): a node silent for engine_hang_timeout_s is lost."""
 
@@ -417,8 +439,9 @@ FrontendToCore = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
 CoreToFrontend = Union[EngineOutputs, UtilityResult, EngineReady, EngineDead]
 CoreToWorker = Union[StepInput, FlushStep, WorkerCall, GrammarBitmask]
 WorkerToCore = Union[StepOutput, WorkerReady, WorkerCallResult, WorkerFailed]
-NodeToHead = Union[NodeJoin, WorkersExited, NodeHeartbeat, NodeLeaving]
-HeadToNode = Union[NodeAccepted, NodeRefused, StartWorkers, StopWorkers, HeadHeartbeat, NodeShutdown]
+NodeToHead = Union[NodeJoin, WorkersExited, EngineExited, NodeHeartbeat, NodeLeaving]
+HeadToNode = Union[NodeAccepted, NodeRefused, StartWorkers, StopWorkers, StartEngine, StopEngine, HeadHeartbeat,
+                   NodeShutdown]
 ClientToServer = Union[ClientGenerate, ClientAbort, ClientPing, ClientStats, ClientUtility]
 ServerToClient = Union[ServerOutput, ServerError, ServerPong, ServerStats, ServerUtilityResult]
 

@@ -189,8 +189,13 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                        help="run only this node's workers for the head's engine (needs --node-rank >= 1)")
     group.add_argument("--node-join-timeout", type=float, default=defaults.node_join_timeout_s, metavar="SECONDS",
                        help="how long the head waits for every node to join (and a node for the head's answer)")
+    group.add_argument("-dpl", "--data-parallel-size-local", dest="data_parallel_size_local", type=int,
+                       default=defaults.data_parallel_size_local,
+                       help="engines per node: the -dp engines spread over the --nnodes nodes (each engine's "
+                       "--tp ranks stay on one node) instead of one engine's ranks")
 
 
 def node_kwargs(args: argparse.Namespace) -> dict:
     return dict(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                master_port=args.master_port, node_join_timeout_s=args.node_join_timeout)
+                master_port=args.master_port, node_join_timeout_s=args.node_join_timeout,
+                data_parallel_size_local=args.data_parallel_size_local)

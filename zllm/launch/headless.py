@@ -1,4 +1,4 @@
-"""`vllm-launch --headless`: a node that runs tp ranks for the head's engine, and nothing else.
+"""`vllm-launch --headless`: a node that runs tp ranks (or whole engines) for the head, and nothing else.
 
     vllm-launch --headless --nnodes 2 --node-rank 1 --master-addr HEAD --master-port P --zmq-curve-dir DIR
 
@@ -6,7 +6,9 @@ The node agent joins the head's node channel (tcp://HEAD:P+1, CURVE with the key
 head's server.key and this node's own key pair), takes the head's EngineConfig, and from then
 on runs this node's ranks (tp / nnodes of them, GPUs 0, 1, ...) for every start of the head's
 engine (StartWorkers), killing them when the engine goes (StopWorkers). It reports a worker
-that exits (WorkersExited), and exits itself when the head says so (NodeShutdown: 0), when the
+that exits (WorkersExited). With data parallelism across nodes it runs whole engine cores
+instead (StartEngine / StopEngine, answered with EngineExited), whose sockets reach the head's
+frontend over tcp. It exits itself when the head says so (NodeShutdown: 0), when the
 head refuses it (a wrong --nnodes or --node-rank, or a key the head does not know: 2), or when
 the head falls silent for engine_hang_timeout_s (1). SIGTERM/SIGINT asks the head to stop the
 whole service (NodeLeaving); the node's workers serve until the head's drain ends them.
@@ -18,6 +20,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -28,11 +31,12 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from zllm.config import EngineConfig
-from zllm.frontend.supervisor import wait_for_any_exit
+from zllm.frontend.supervisor import EngineProcesses, wait_for_any_exit
 from zllm.ipc.addresses import NodeEndpoints, make_private_runtime_dir
 from zllm.ipc.codec import Codec, MessageError, decode_json
 from zllm.ipc.curve import HANDSHAKE_FAILURE_EVENTS, describe_handshake_failure, load_node_keys
 from zllm.ipc.messages import (
+    EngineExited,
     HeadToNode,
     NodeAccepted,
     NodeHeartbeat,
@@ -41,7 +45,9 @@ from zllm.ipc.messages import (
     NodeRefused,
     NodeShutdown,
     NodeToHead,
+    StartEngine,
     StartWorkers,
+    StopEngine,
     StopWorkers,
     WorkersExited,
 )
@@ -95,6 +101,7 @@ class NodeAgent:
         self.runtime_dir = make_private_runtime_dir()
         self.workers: dict[int, subprocess.Popen] = {}
         self.generation = 0
+        self.engines: dict[int, tuple[int, EngineProcesses, asyncio.Task]] = {}  # dp rank -> (generation, core, watcher)
         self.last_heard = time.monotonic()
         self.leaving = asyncio.Event()
 
@@ -107,6 +114,8 @@ class NodeAgent:
             return await self._serve()
         finally:
             await self._stop_workers()
+            for dp_rank in list(self.engines):
+                await self._stop_engine(dp_rank)
             self.socket.disable_monitor()
             self.context.destroy(linger=200)
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
@@ -144,8 +153,12 @@ class NodeAgent:
         self.config = dataclasses.replace(head, node_rank=self.args.node_rank, headless=True, curve_dir=self.args.curve_dir,
                                           runtime_dir=self.runtime_dir)
         self.last_heard = time.monotonic()
-        ranks = list(self.config.local_ranks())
-        logger.info("joined: %s, tp ranks %s here", self.config.model_name, ranks)
+        if self.config.dp_spans_nodes:
+            local = self.config.local_engines
+            here = f"engines {list(range(self.args.node_rank * local, (self.args.node_rank + 1) * local))}"
+        else:
+            here = f"tp ranks {list(self.config.local_ranks())}"
+        logger.info("joined: %s, %s here", self.config.model_name, here)
 
     # ---- serving -------------------------------------------------------------------------------
 
@@ -174,6 +187,11 @@ class NodeAgent:
                     watcher = asyncio.create_task(self._watch_workers(message.generation), name="workers")
                 elif isinstance(message, StopWorkers) and message.generation == self.generation:
                     await self._stop_workers()
+                elif isinstance(message, StartEngine):
+                    await self._start_engine(message.dp_rank, message.generation)
+                elif isinstance(message, StopEngine):
+                    await self._stop_engine(message.dp_rank)
+                    await self._send(EngineExited(message.dp_rank, message.generation, "stopped"))
                 elif isinstance(message, NodeShutdown):
                     logger.info("the head stops this node (%s): exiting", message.reason)
                     return 0
@@ -215,6 +233,29 @@ class NodeAgent:
         reason = f"rank {pids[pid]} (pid {pid}) exited with code {code}"
         logger.error("engine %d: %s", generation, reason)
         await self._send(WorkersExited(generation=generation, reason=reason))
+
+    async def _start_engine(self, dp_rank: int, generation: int) -> None:
+        await self._stop_engine(dp_rank)
+        runtime_dir = os.path.join(self.runtime_dir, f"engine-{dp_rank}-{generation}")
+        os.makedirs(runtime_dir, mode=0o700)
+        core = EngineProcesses()
+        core.spawn_core(dataclasses.replace(self.config, data_parallel_rank=dp_rank, runtime_dir=runtime_dir))
+        watcher = asyncio.create_task(self._watch_engine(dp_rank, generation, core), name=f"engine-{dp_rank}")
+        self.engines[dp_rank] = (generation, core, watcher)
+        logger.info("engine %d (start %d): core pid %d", dp_rank, generation, core.core.pid)
+
+    async def _watch_engine(self, dp_rank: int, generation: int, core: EngineProcesses) -> None:
+        reason = await core.wait_for_exit()
+        code = core.core_exit_code()
+        (logger.info if code == 0 else logger.error)("engine %d: %s", dp_rank, reason)
+        await self._send(EngineExited(dp_rank, generation, reason))
+
+    async def _stop_engine(self, dp_rank: int) -> None:
+        """Kill engine `dp_rank`'s core and workers, if it runs here; return once all are gone."""
+        if dp_rank in self.engines:
+            _, core, watcher = self.engines.pop(dp_rank)
+            watcher.cancel()
+            await core.kill()
 
     async def _stop_workers(self) -> None:
         if self.workers:

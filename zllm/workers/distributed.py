@@ -71,7 +71,7 @@ class TensorParallel:
 def rendezvous_method(config: EngineConfig) -> str:
     if config.distributed_init_method:
         return config.distributed_init_method
-    if config.nnodes > 1:  # rank 0, on the head, hosts the store
+    if config.tp_spans_nodes:  # rank 0, on the head, hosts the store
         return NodeEndpoints(config.master_addr, config.master_port).rendezvous
     return f"file://{os.path.join(config.runtime_dir, 'tp-rendezvous')}"
 

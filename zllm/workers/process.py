@@ -51,9 +51,9 @@ class WorkerProcess:
         self.worker = None
 
     def _connect(self, config: EngineConfig, rank: int) -> tuple[zmq.Socket, zmq.Socket]:
-        """To the engine core: over ipc on its node, over tcp (CURVE) from a headless node."""
+        """To the engine core: over ipc on its node, over tcp (CURVE) from another node."""
         hwm = config.socket_hwm
-        if config.node_rank == 0:
+        if not config.tp_spans_nodes or config.node_rank == 0:
             endpoints = InternalEndpoints(config.runtime_dir)
             return (make_socket(self.context, zmq.PULL, endpoints.worker_input(rank), bind=False, hwm=hwm),
                     make_socket(self.context, zmq.PUSH, endpoints.worker_output, bind=False, hwm=hwm))

@@ -50,7 +50,7 @@ class Worker:
         self.config = config
         self.device = resolve_device(config.device, rank, config.first_gpu)
         self.tp = init_tensor_parallel(config, rank, self.device)
-        sharers = config.ranks_per_node * config.data_parallel_size
+        sharers = config.ranks_per_node * config.local_engines
         if self.device.type == "cpu" and sharers > 1:
             # Ranks (of every engine) share the machine's cores; without a cap each would start
             # one thread per core.
