@@ -5,6 +5,7 @@ or with a wrong --nnodes, is refused with a clear error; a node that never joins
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import processes_gone, save_tiny_llama, wait_until
-from zllm import LLM, Client, SamplingParams
+from zllm import LLM, AsyncClient, Client, SamplingParams
 from zllm.config import EngineConfig
 from zllm.ipc.curve import create_client_keys, load_or_create_server_keys
 from zllm.launch.headless import NodeArgs
@@ -162,6 +163,29 @@ class TwoNodes:
         return Client(self.endpoint, server_key=str(self.keys.head / "server.key"),
                       client_key=str(self.keys.client / "client.key_secret"), timeout=60)
 
+    def stream_all(self, prompts: list[str], params: SamplingParams, kill=None) -> list[list[int]]:
+        """Stream every prompt at once; with `kill`, call it (in a thread) once each stream has 10
+        tokens. Returns each stream's tokens."""
+        async def scenario():
+            counts = [0] * len(prompts)
+            async with AsyncClient(self.endpoint, server_key=str(self.keys.head / "server.key"),
+                                   client_key=str(self.keys.client / "client.key_secret"), timeout=120) as client:
+                async def consume(i: int) -> list[int]:
+                    tokens = []
+                    async for delta in client.stream(prompts[i], params):
+                        tokens += delta.outputs[0].token_ids
+                        counts[i] = len(tokens)
+                    return tokens
+
+                tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
+                if kill is not None:
+                    while min(counts) < 10:
+                        await asyncio.sleep(0.01)
+                    await asyncio.to_thread(kill)
+                return await asyncio.gather(*tasks)
+
+        return asyncio.run(scenario())
+
     def kill_all(self) -> None:
         for process in [self.head, *self.nodes]:
             if process.poll() is None:
@@ -231,31 +255,9 @@ def test_wrong_keys_and_wrong_nnodes_are_refused_and_a_missing_node_fails_the_he
 def test_a_lost_node_restarts_the_engine_once_it_is_back(tmp_path, tiny_model):
     """kill -9 of the headless node under load (its worker goes with it): an engine failure; the
     head restarts the engine when a node has joined again and every stream completes exactly."""
-    import asyncio
-
-    from zllm import AsyncClient
-
     group = TwoNodes(tmp_path, tiny_model, "--node-join-timeout", "60")
     prompts = [f"t{3 + i} t{40 + i} t{90 + i}" for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-
-    async def stream_all(kill=None):
-        counts = [0] * len(prompts)
-        async with AsyncClient(group.endpoint, server_key=str(group.keys.head / "server.key"),
-                               client_key=str(group.keys.client / "client.key_secret"), timeout=120) as client:
-            async def consume(i: int) -> list[int]:
-                tokens = []
-                async for delta in client.stream(prompts[i], params):
-                    tokens += delta.outputs[0].token_ids
-                    counts[i] = len(tokens)
-                return tokens
-
-            tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
-            if kill is not None:
-                while min(counts) < 10:
-                    await asyncio.sleep(0.01)
-                await asyncio.to_thread(kill)
-            return await asyncio.gather(*tasks)
 
     def kill_the_node_then_start_another():
         group.nodes[0].kill()
@@ -265,8 +267,8 @@ def test_a_lost_node_restarts_the_engine_once_it_is_back(tmp_path, tiny_model):
     try:
         group.start_node()
         group.wait_ready()
-        reference = asyncio.run(stream_all())
-        results = asyncio.run(stream_all(kill_the_node_then_start_another))
+        reference = group.stream_all(prompts, params)
+        results = group.stream_all(prompts, params, kill_the_node_then_start_another)
         assert results == reference
         log = group.log("head")
         assert "engine recovered in" in log and "8 request(s) replayed" in log, log[-3000:]
@@ -283,10 +285,6 @@ def test_engines_spread_over_two_nodes_serve_exactly_and_restart_where_they_run(
     headless node, talking to the head's frontend over tcp with CURVE. Concurrent streams equal
     one engine's answers and use both engines; kill -9 of the remote engine's core restarts it on
     its node and its streams complete exactly; stopping the head stops the node."""
-    import asyncio
-
-    from zllm import AsyncClient
-
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     prompts = [f"t{3 + i} t{40 + i} t{90 + i}" for i in range(16)]
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
@@ -295,24 +293,6 @@ def test_engines_spread_over_two_nodes_serve_exactly_and_restart_where_they_run(
 
     group = TwoNodes(tmp_path, tiny_model, parallel=("-dp", "2", "-dpl", "1"))
 
-    async def stream_all(kill=None):
-        counts = [0] * len(prompts)
-        async with AsyncClient(group.endpoint, server_key=str(group.keys.head / "server.key"),
-                               client_key=str(group.keys.client / "client.key_secret"), timeout=120) as client:
-            async def consume(i: int) -> list[int]:
-                tokens = []
-                async for delta in client.stream(prompts[i], params):
-                    tokens += delta.outputs[0].token_ids
-                    counts[i] = len(tokens)
-                return tokens
-
-            tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
-            if kill is not None:
-                while min(counts) < 10:
-                    await asyncio.sleep(0.01)
-                kill()
-            return await asyncio.gather(*tasks)
-
     def remote_core() -> psutil.Process:
         agent = psutil.Process(group.nodes[0].pid)
         return next(p for p in agent.children() if "zllm.enginecore.process" in " ".join(p.cmdline()))
@@ -320,14 +300,14 @@ def test_engines_spread_over_two_nodes_serve_exactly_and_restart_where_they_run(
     try:
         node = group.start_node()
         group.wait_ready()
-        assert asyncio.run(stream_all()) == reference
+        assert group.stream_all(prompts, params) == reference
         with group.client() as client:
             engines = client.stats()["engines"]
         assert [e["prefix_cache_queries"] > 0 for e in engines] == [True, True], engines
         assert "engines [1] here" in group.log("node")
 
         victim = remote_core()
-        assert asyncio.run(stream_all(victim.kill)) == reference
+        assert group.stream_all(prompts, params, victim.kill) == reference
         log = group.log("head")
         assert "engine 1 failure: node 1: engine core" in log and "engine 0 failure" not in log, log[-3000:]
         assert "engine 1 recovered in" in log

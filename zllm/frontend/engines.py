@@ -31,7 +31,7 @@ import zmq.asyncio
 from zllm.config import EngineConfig
 from zllm.frontend.nodes import NodeFailure, NodeHub
 from zllm.frontend.replay import ReplayLog
-from zllm.frontend.supervisor import EngineProcesses, RestartPolicy
+from zllm.frontend.supervisor import EngineProcesses, RestartPolicy, first_result
 from zllm.ipc.addresses import InternalEndpoints, NodeEndpoints, engine_runtime_dir
 from zllm.ipc.codec import Codec, MessageError
 from zllm.ipc.messages import CoreToFrontend, EngineDead, EngineReady, FrontendToCore, Shutdown, UtilityCall
@@ -177,13 +177,7 @@ class EngineLink:
             tasks.add(asyncio.create_task(self.processes.wait_for_exit(), name=f"{self.name}-supervise"))
         if self.nodes is not None:
             tasks.add(asyncio.create_task(self.nodes.wait_for_failure(self.dp_rank), name=f"{self.name}-nodes"))
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            return done.pop().result()
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await first_result(tasks)
 
     def send(self, message) -> bool:
         """Queue a message for the engine core; False if the queue is full."""

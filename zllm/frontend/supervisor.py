@@ -121,6 +121,17 @@ class RestartPolicy:
             self._restarts.popleft()
 
 
+async def first_result(tasks: set[asyncio.Task]):
+    """The result (or error) of whichever task finishes first; the others are cancelled."""
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        return done.pop().result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def wait_for_any_exit(pids: list[int]) -> int:
     """Wait until one of `pids` has exited (or is a zombie); return it. Works for non-children."""
     if not pids:

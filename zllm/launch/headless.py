@@ -31,7 +31,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from zllm.config import EngineConfig
-from zllm.frontend.supervisor import EngineProcesses, wait_for_any_exit
+from zllm.frontend.supervisor import EngineProcesses, first_result, wait_for_any_exit
 from zllm.ipc.addresses import NodeEndpoints, make_private_runtime_dir
 from zllm.ipc.codec import Codec, MessageError, decode_json
 from zllm.ipc.curve import HANDSHAKE_FAILURE_EVENTS, describe_handshake_failure, load_node_keys
@@ -166,13 +166,7 @@ class NodeAgent:
         tasks = {asyncio.create_task(self._receive_loop(), name="from-head"),
                  asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
                  asyncio.create_task(self._leave_when_asked(), name="leave")}
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            return done.pop().result()
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await first_result(tasks)
 
     async def _receive_loop(self) -> int:
         watcher: asyncio.Task | None = None
