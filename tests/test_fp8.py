@@ -370,9 +370,10 @@ def _perplexity(model_dir: str, **engine_args) -> float:
     return math.exp(nll)
 
 
-def _hf_fp8_perplexity(model_dir: str, ids: list[int]) -> float:
+def _hf_fp8_model(model_dir: str, nudge: dict | None = None):
     """transformers' model with every projection's weights rounded to E4M3 per output channel
-    and its input per token (plain torch, independent of zllm's code)."""
+    and its input per token (plain torch, independent of zllm's code); the inputs are scaled by
+    nudge["factor"] first when given."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -381,15 +382,58 @@ def _hf_fp8_perplexity(model_dir: str, ids: list[int]) -> float:
             if isinstance(module, torch.nn.Linear) and name.endswith("_proj"):
                 scale = module.weight.abs().amax(1, keepdim=True) / 448.0
                 module.weight.copy_((module.weight / scale).clamp(-448, 448).to(E4M3).float() * scale)
-                module.register_forward_pre_hook(lambda mod, args: (_token_fake_quant(args[0], 1),))
-        logits = model(torch.tensor([ids])).logits[0, :-1]
-    return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
+                module.register_forward_pre_hook(
+                    lambda mod, args: (_token_fake_quant(args[0] * (nudge["factor"] if nudge else 1.0), 1),))
+    return model
+
+
+def _hf_fp8_perplexities(model_dir: str, ids: list[int], nudges) -> list[float]:
+    """The reference's perplexity with every projection input scaled by 1 + k * 1e-7 for each k
+    in nudges: fp32 differences of that size (two attention/RMSNorm implementations, or two
+    CPUs' vector kernels) flip E4M3 roundings, and this is how far that moves the result."""
+    nudge = {"factor": 1.0}
+    model = _hf_fp8_model(model_dir, nudge)
+    out = []
+    with torch.no_grad():
+        for k in nudges:
+            nudge["factor"] = 1.0 + k * 1e-7
+            logits = model(torch.tensor([ids])).logits[0, :-1]
+            out.append(math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item()))
+    return out
+
+
+def test_online_fp8_smollm2_projections_equal_the_reference(smollm2_dir):
+    """The real weights quantized online by zllm's loader: every fused projection equals
+    transformers' layers rounded per channel with per-token inputs, bit for bit."""
+    from zllm.model_spec import ModelSpec
+    from zllm.quantization import resolve_quantization
+    from zllm.workers.loader import finish_loading, load_safetensors
+    from zllm.workers.models import build_model
+
+    reference = _hf_fp8_model(smollm2_dir)
+    spec = ModelSpec.from_pretrained(smollm2_dir)
+    model = build_model(spec, quant=resolve_quantization(spec.quantization, "fp8", False))
+    load_safetensors(model, smollm2_dir)
+    finish_loading(model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for ours, ref in zip(model.model.layers, reference.model.layers):
+            x, h = torch.randn(7, spec.hidden_size), torch.randn(7, spec.intermediate_size)
+            a, m = ref.self_attn, ref.mlp
+            assert torch.equal(ours.self_attn.qkv_proj(x), torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1))
+            assert torch.equal(ours.self_attn.o_proj(x), a.o_proj(x))
+            assert torch.equal(ours.mlp.gate_up_proj(x), torch.cat([m.gate_proj(x), m.up_proj(x)], -1))
+            assert torch.equal(ours.mlp.down_proj(h), m.down_proj(h))
 
 
 def test_online_fp8_smollm2_perplexity(smollm2_dir):
-    """The real weights: zllm's online FP8 perplexity equals that of transformers' model rounded
-    the same way, and stays within 10% of fp32. NOTE: the issue's 3% is not reached on this
-    model: rounding its weights alone to E4M3 per channel costs 5.7% (transformers, plain
+    """The real weights, whole model: zllm's online FP8 perplexity lies within the spread of
+    transformers' model rounded the same way (test above: the projections are bit-exact), and
+    within 10% of fp32. NOTE: not equal to one reference value: per-token activation rounding
+    turns the ~1e-7 fp32 differences of the attention and RMSNorm arithmetic into whole E4M3
+    steps; on this 84-token passage, inputs scaled by 1 +- 3e-7 move the reference between 66.0
+    and 70.1 (fp32: 63.0), and so does torch's choice of CPU vector kernels (AVX-512 66.05, AVX2
+    67.87). Rounding its weights alone to E4M3 per channel costs 5.7% (transformers, plain
     torch: 45.30 -> 47.87 on benchmarks/real_model_check.py's passage); SmolLM2's weights come
     from a Q4_1 GGUF and the model is small (docs/quantization.md)."""
     from transformers import AutoTokenizer
@@ -397,6 +441,6 @@ def test_online_fp8_smollm2_perplexity(smollm2_dir):
     ids = AutoTokenizer.from_pretrained(smollm2_dir).encode(PASSAGE)
     fp32 = _perplexity(smollm2_dir, dtype="float32")
     fp8 = _perplexity(smollm2_dir, dtype="float32", quantization="fp8")
-    reference = _hf_fp8_perplexity(smollm2_dir, ids)
-    assert abs(fp8 - reference) / reference < 0.005, (fp8, reference)
+    spread = _hf_fp8_perplexities(smollm2_dir, ids, nudges=range(-3, 4))
+    assert 0.995 * min(spread) < fp8 < 1.005 * max(spread), (fp8, spread)
     assert fp32 < fp8 < 1.10 * fp32, (fp32, fp8)
