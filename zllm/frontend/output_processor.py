@@ -32,15 +32,15 @@ class _Completion:
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
 
-    def to_output(self) -> CompletionOutput:
+    def to_output(self, copy: bool) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
             text=self.text,
-            token_ids=list(self.token_ids),
+            token_ids=list(self.token_ids) if copy else self.token_ids,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
+            logprobs=None if self.logprobs is None else list(self.logprobs) if copy else self.logprobs,
         )
 
 
@@ -56,14 +56,17 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        for completion in self.completions:  # (a loop: this runs for every request every step)
+            if completion.finish_reason is None:
+                return False
+        return True
 
-    def to_output(self) -> RequestOutput:
+    def to_output(self, copy: bool = True) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.to_output() for c in self.completions],
+            outputs=[c.to_output(copy) for c in self.completions],
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
@@ -115,9 +118,12 @@ class OutputProcessor:
         entry = self._completions.get(core_id)
         return None if entry is None else entry[0].request_id
 
-    def process(self, deltas: list[TokenDelta]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, deltas: list[TokenDelta], copy: bool = True) -> tuple[list[RequestOutput], list[str]]:
         """Apply deltas; return the updated outputs (one per request, with all its completions)
-        and the engine-core ids to abort (completions this side finished on a stop string)."""
+        and the engine-core ids to abort (completions this side finished on a stop string).
+        copy=False: the outputs' token and logprob lists are this processor's own, which grow
+        with later steps; for a caller that reads them at once (the server sends the new part),
+        it saves copying every token of every request every step."""
         touched: dict[str, _Request] = {}
         to_abort = []
         for delta in deltas:
@@ -131,7 +137,7 @@ class OutputProcessor:
             if completion.finish_reason is not None:
                 del self._completions[delta.request_id]
             touched[request.request_id] = request
-        outputs = [request.to_output() for request in touched.values()]
+        outputs = [request.to_output(copy) for request in touched.values()]
         for request in touched.values():
             if request.finished:
                 del self._requests[request.request_id]

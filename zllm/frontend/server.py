@@ -548,7 +548,8 @@ class FrontendServer:
         for delta in message.outputs:
             if delta.finish_reason == "error":  # failed on the workers, alone; process() skips it now
                 await self._fail(engine, delta.request_id, f"the engine failed this request: {delta.error}", "internal")
-        outputs, to_abort = self.outputs.process(message.outputs)
+        # copy=False: _send_deltas takes the new part of each output before anything else runs.
+        outputs, to_abort = self.outputs.process(message.outputs, copy=False)
         if to_abort:
             engine.send(AbortRequests(request_ids=to_abort))
         for output in outputs:
