@@ -191,7 +191,10 @@ class NodeHub:
             except MessageError as error:
                 logger.warning("dropped a malformed message from a node: %s", error)
                 continue
-            await self._handle(identity, message)
+            try:
+                await self._handle(identity, message)
+            except Exception:  # one bad exchange must not stop every node's channel
+                logger.exception("failed to handle %s from a node", type(message).__name__)
 
     async def _handle(self, identity: bytes, message) -> None:
         node_rank = next((rank for rank, node in self.nodes.items() if node.identity == identity), None)
