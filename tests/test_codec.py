@@ -145,6 +145,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
         m.StartEngine(dp_rank=2, generation=4),
         m.StopEngine(dp_rank=2, generation=4),
         m.HeadHeartbeat(),
+        m.NodeUnknown(),
         m.NodeShutdown(reason="frontend shutdown"),
     ],
     "ClientToServer": [

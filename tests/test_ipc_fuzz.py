@@ -57,7 +57,7 @@ VALID = {
                    m.NodeHeartbeat(), m.NodeLeaving("bye")],
     "HeadToNode": [
         m.NodeAccepted(b"{}"), m.NodeRefused("no"), m.StartWorkers(1), m.StopWorkers(1), m.StartEngine(1, 2),
-        m.StopEngine(1, 2), m.HeadHeartbeat(),
+        m.StopEngine(1, 2), m.HeadHeartbeat(), m.NodeUnknown(),
         m.NodeShutdown("bye"),
     ],
     "ClientToServer": [

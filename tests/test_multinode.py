@@ -125,11 +125,14 @@ class TwoNodes:
         self.port = _free_port_block(6)
         self.endpoint = f"ipc://{root}/client.sock"
         self.common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(self.port)]
-        self.head = self._launch("head", "--model", model, *parallel, "--node-rank", "0", "--zmq-curve-dir",
-                                 str(self.keys.head), "--zmq-endpoint", self.endpoint, "--runtime-dir",
-                                 str(root / "head-rt"), "--port", "0", "--max-model-len", "512",
-                                 "--kv-cache-memory", "64MiB", *extra)
+        self.head_args = ["--model", model, *parallel, "--node-rank", "0", "--zmq-curve-dir", str(self.keys.head),
+                          "--zmq-endpoint", self.endpoint, "--port", "0", "--max-model-len", "512",
+                          "--kv-cache-memory", "64MiB", *extra]
+        self.head = self.start_head("head")
         self.nodes: list[subprocess.Popen] = []
+
+    def start_head(self, name: str) -> subprocess.Popen:
+        return self._launch(name, *self.head_args, "--runtime-dir", str(self.root / f"{name}-rt"))
 
     def _launch(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "wb")
@@ -145,10 +148,10 @@ class TwoNodes:
     def log(self, name: str) -> str:
         return (self.root / f"{name}.log").read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        assert wait_until(lambda: "zllm ready" in self.log("head") or self.head.poll() is not None, timeout), \
-            self.log("head")[-3000:]
-        assert self.head.poll() is None, self.log("head")[-3000:]
+    def wait_ready(self, name: str = "head", timeout: float = 120.0) -> None:
+        assert wait_until(lambda: "zllm ready" in self.log(name) or self.head.poll() is not None, timeout), \
+            self.log(name)[-3000:]
+        assert self.head.poll() is None, self.log(name)[-3000:]
 
     def all_pids(self) -> list[int]:
         pids = []
@@ -317,5 +320,27 @@ def test_engines_spread_over_two_nodes_serve_exactly_and_restart_where_they_run(
         group.head.send_signal(signal.SIGTERM)
         assert group.head.wait(60) == 0 and node.wait(30) == 0
         assert wait_until(lambda: processes_gone(pids), 15)
+    finally:
+        group.kill_all()
+
+
+def test_a_restarted_head_gets_its_node_back(tmp_path, tiny_model):
+    """kill -9 of the head (its engine goes with it); a new head on the same ports: the node, which
+    never stopped, is told it is unknown there, stops its workers, joins again and serves."""
+    group = TwoNodes(tmp_path, tiny_model)
+    try:
+        node = group.start_node()
+        group.wait_ready()
+        with group.client() as client:
+            before = client.generate("t5 t9 t11", GREEDY).outputs[0].token_ids
+        head_tree = [group.head.pid] + [c.pid for c in psutil.Process(group.head.pid).children(recursive=True)]
+        group.head.kill()
+        group.head.wait()
+        assert wait_until(lambda: processes_gone(head_tree), 15)
+        group.head = group.start_head("head-again")
+        group.wait_ready("head-again")
+        with group.client() as client:
+            assert client.generate("t5 t9 t11", GREEDY).outputs[0].token_ids == before
+        assert node.poll() is None and "joining again" in group.log("node")
     finally:
         group.kill_all()

@@ -47,6 +47,7 @@ from zllm.ipc.messages import (
     NodeRefused,
     NodeShutdown,
     NodeToHead,
+    NodeUnknown,
     StartEngine,
     StartWorkers,
     StopEngine,
@@ -201,7 +202,8 @@ class NodeHub:
         if isinstance(message, NodeJoin):
             await self._join(identity, message)
         elif node_rank is None:
-            return  # not (or no longer) a member: ignored
+            if isinstance(message, NodeHeartbeat):  # a node of an earlier head process, or one dropped as lost
+                await self._send(identity, NodeUnknown())
         elif isinstance(message, NodeHeartbeat):
             self.nodes[node_rank].last_seen = time.monotonic()
         elif isinstance(message, WorkersExited):

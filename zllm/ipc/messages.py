@@ -341,6 +341,11 @@ class NodeLeaving(_Message):
     reason: str
 
 
+class NodeUnknown(_Message):
+    """To a node that is not a member (it joined an earlier head process, or was dropped as
+    lost): join again."""
+
+
 class NodeShutdown(_Message):
     """The head is shutting down: stop the workers and exit."""
 
@@ -441,7 +446,7 @@ CoreToWorker = Union[StepInput, FlushStep, WorkerCall, GrammarBitmask]
 WorkerToCore = Union[StepOutput, WorkerReady, WorkerCallResult, WorkerFailed]
 NodeToHead = Union[NodeJoin, WorkersExited, EngineExited, NodeHeartbeat, NodeLeaving]
 HeadToNode = Union[NodeAccepted, NodeRefused, StartWorkers, StopWorkers, StartEngine, StopEngine, HeadHeartbeat,
-                   NodeShutdown]
+                   NodeUnknown, NodeShutdown]
 ClientToServer = Union[ClientGenerate, ClientAbort, ClientPing, ClientStats, ClientUtility]
 ServerToClient = Union[ServerOutput, ServerError, ServerPong, ServerStats, ServerUtilityResult]
 

@@ -45,6 +45,7 @@ from zllm.ipc.messages import (
     NodeRefused,
     NodeShutdown,
     NodeToHead,
+    NodeUnknown,
     StartEngine,
     StartWorkers,
     StopEngine,
@@ -57,6 +58,7 @@ from zllm.procs.children import spawn_child, stop_children
 logger = logging.getLogger("zllm.node")
 
 _HEARTBEAT_S = 1.0  # before the head's config (and its heartbeat interval) arrives
+_REJOIN = -1  # what serving returns when the head asks this node to join again
 
 
 class NodeRefusedError(RuntimeError):
@@ -110,12 +112,16 @@ class NodeAgent:
                                   curve_client_keys=self.keys)
         self.monitor = self.socket.get_monitor_socket(HANDSHAKE_FAILURE_EVENTS)
         try:
-            await self._join()
-            return await self._serve()
+            while True:
+                await self._join()
+                code = await self._serve()
+                if code != _REJOIN:
+                    return code
+                await self._stop_everything()
+                logger.warning("the head no longer counts this node as a member (it restarted, or lost this node): "
+                               "joining again")
         finally:
-            await self._stop_workers()
-            for dp_rank in list(self.engines):
-                await self._stop_engine(dp_rank)
+            await self._stop_everything()
             self.socket.disable_monitor()
             self.context.destroy(linger=200)
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
@@ -189,6 +195,8 @@ class NodeAgent:
                 elif isinstance(message, NodeShutdown):
                     logger.info("the head stops this node (%s): exiting", message.reason)
                     return 0
+                elif isinstance(message, NodeUnknown):
+                    return _REJOIN
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -250,6 +258,11 @@ class NodeAgent:
             _, core, watcher = self.engines.pop(dp_rank)
             watcher.cancel()
             await core.kill()
+
+    async def _stop_everything(self) -> None:
+        await self._stop_workers()
+        for dp_rank in list(self.engines):
+            await self._stop_engine(dp_rank)
 
     async def _stop_workers(self) -> None:
         if self.workers:
