@@ -10,6 +10,11 @@ client never blocks on a dead engine), hands every message the core sends to the
 handler, pings it every heartbeat, and reports the first failure: a process exits, the core
 says EngineDead, or it falls silent past engine_hang_timeout_s. What to do about a failure
 (restart and replay, or give up) is the server's decision: it owns the requests.
+
+Across nodes (zllm/frontend/nodes.py) an engine's tp ranks on other nodes are started and
+stopped with its core, and a node failure is one of its failures; a *remote* engine (data
+parallelism across nodes) has its core on another node: its sockets are tcp on the head, and its
+node starts, watches and stops the core.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ MessageHandler = Callable[["EngineLink", object], Awaitable[None]]
 
 
 class EngineLink:
+    """Everything the frontend keeps of one engine (dp rank), across its restarts."""
+
     def __init__(self, config: EngineConfig, dp_rank: int, context: zmq.asyncio.Context, call_ids: itertools.count,
                  nodes: NodeHub | None = None) -> None:
         self.config = dataclasses.replace(config, data_parallel_rank=dp_rank)
