@@ -177,16 +177,18 @@ def reliability_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
-    """Tensor parallelism across nodes (docs/deployment.md)."""
+    """Tensor or data parallelism across nodes (docs/deployment.md)."""
     defaults = EngineConfig(model="")
-    group = parser.add_argument_group("multi-node tensor parallelism")
-    group.add_argument("--nnodes", type=int, default=defaults.nnodes, help="machines the --tp ranks split over")
+    group = parser.add_argument_group("several nodes")
+    group.add_argument("--nnodes", type=int, default=defaults.nnodes,
+                       help="machines the --tp ranks (with -dpl: the -dp engines) split over")
     group.add_argument("--node-rank", type=int, default=defaults.node_rank, help="0: the head (frontend, engine core)")
     group.add_argument("--master-addr", default=defaults.master_addr, help="the head node's address (an IP)")
     group.add_argument("--master-port", type=int, default=defaults.master_port,
-                       help="torch.distributed's port on the head; zllm also uses the next 2 + tp ports")
+                       help="torch.distributed's port on the head; zllm also uses the next 2 + tp ports "
+                       "(with -dpl: the next 3 + 2 (dp - 1))")
     group.add_argument("--headless", action="store_true",
-                       help="run only this node's workers for the head's engine (needs --node-rank >= 1)")
+                       help="run only this node's part (tp ranks, or engines) for the head (needs --node-rank >= 1)")
     group.add_argument("--node-join-timeout", type=float, default=defaults.node_join_timeout_s, metavar="SECONDS",
                        help="how long the head waits for every node to join (and a node for the head's answer)")
     group.add_argument("-dpl", "--data-parallel-size-local", dest="data_parallel_size_local", type=int,
