@@ -193,3 +193,23 @@ def test_kill9_of_one_engines_worker_restarts_that_engine_alone(tmp_path, tiny_m
           f"{longest * 1e3:.1f} ms longest during the recovery")
     # Measured here: a 3.0 s restart while the survivor's longest gap was 8 ms (4.3 ms typical).
     assert longest < min(0.25, recovery_s / 10), (longest, typical_step, recovery_s)
+
+
+def test_llm_with_two_engines_names_an_engine_that_died(tiny_model, monkeypatch):
+    """Offline there is no supervision: a core that dies fails the call with an error naming it,
+    and shutting the LLM down leaves no process behind."""
+    from zllm.frontend.core_client import EngineCoreError
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    llm = LLM(tiny_model, max_model_len=512, data_parallel_size=2)
+    try:
+        cores = llm.engine.core.cores
+        pids = [c.processes.core.pid for c in cores] + [p.pid for c in cores
+                                                         for p in psutil.Process(c.processes.core.pid).children()]
+        cores[1].processes.core.kill()
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        with pytest.raises(EngineCoreError, match="engine 1"):
+            llm.generate([f"t{5 + i} t9" for i in range(8)], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert processes_gone(pids)
