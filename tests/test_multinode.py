@@ -344,3 +344,26 @@ def test_a_restarted_head_gets_its_node_back(tmp_path, tiny_model):
         assert node.poll() is None and "joining again" in group.log("node")
     finally:
         group.kill_all()
+
+
+def test_a_remote_worker_that_dies_restarts_the_engine_with_its_node(tmp_path, tiny_model):
+    """kill -9 of the headless node's worker (its agent lives on) under 8 streams: an engine
+    failure; the node confirms its old workers are gone before the new core starts, and every
+    stream completes exactly."""
+    group = TwoNodes(tmp_path, tiny_model)
+    prompts = [f"t{3 + i} t{40 + i} t{90 + i}" for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+
+    def kill_the_remote_worker():
+        psutil.Process(group.nodes[0].pid).children()[0].kill()
+
+    try:
+        group.start_node()
+        group.wait_ready()
+        reference = group.stream_all(prompts, params)
+        assert group.stream_all(prompts, params, kill_the_remote_worker) == reference
+        log = group.log("head")
+        assert "engine failure: " in log and "8 request(s) replayed" in log, log[-3000:]
+        assert "did not confirm" not in log and group.nodes[0].poll() is None
+    finally:
+        group.kill_all()

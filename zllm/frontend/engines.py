@@ -199,7 +199,8 @@ class EngineLink:
         return self.recovering or time.monotonic() - self.last_message < self.config.engine_hang_timeout_s
 
     async def kill(self) -> None:
-        """Take every process of this engine down at once; return when all are gone."""
+        """Take every process of this engine down at once; return when all are gone (on other
+        nodes: when their agents say so)."""
         if self.nodes is not None:
             await self.nodes.stop(self.dp_rank)
         if not self.remote:

@@ -8,7 +8,8 @@
 A node joins with NodeJoin; the hub checks it (its --nnodes and --node-rank against the head's,
 one agent per node) and answers with the head's EngineConfig, or NodeRefused and the reason.
 Each start of the engine tells every node to start its ranks for that generation
-(StartWorkers), each failure or stop to kill them (StopWorkers). With data parallelism across
+(StartWorkers), each failure or stop to kill them (StopWorkers, confirmed with WorkersExited
+"stopped" before the next core binds the same ports). With data parallelism across
 nodes (--data-parallel-size-local) a node runs whole engines instead: StartEngine(d) /
 StopEngine(d) for the engines it holds, answered by EngineExited; those engines' cores talk to
 the frontend over tcp (their EngineLinks bind on this hub's context, whose ZAP handler checks
@@ -83,6 +84,8 @@ class NodeHub:
         self._generations: dict[int, int] = {}
         self._failures: dict[int, asyncio.Queue[str]] = {}
         self._exited: dict[int, asyncio.Event] = {}
+        self._stopping: set[int] = set()  # nodes yet to confirm StopWorkers (multi-node tp)
+        self._stopped = asyncio.Event()
         self._joined = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._socket: zmq.asyncio.Socket | None = None
@@ -137,7 +140,15 @@ class NodeHub:
         is gone (or is lost itself, or engine_hang_timeout_s passes)."""
         generation = self._generations.get(dp_rank, 0)
         if self.config.tp_spans_nodes:
+            # Until every node has its workers gone: the next core binds the same ports, and an
+            # old worker must not connect to it.
+            self._stopping, self._stopped = set(self.nodes), asyncio.Event()
             await self._broadcast(StopWorkers(generation=generation))
+            if self._stopping:
+                try:
+                    await asyncio.wait_for(self._stopped.wait(), self.config.engine_hang_timeout_s)
+                except asyncio.TimeoutError:
+                    logger.error("node(s) %s did not confirm that their workers stopped", sorted(self._stopping))
             return
         exited = self._exited.setdefault(dp_rank, asyncio.Event())
         if not exited.is_set() and await self._send_to_node(self.config.node_of_engine(dp_rank),
@@ -160,6 +171,12 @@ class NodeHub:
         """A failure reported while the engine was starting (it ends that start)."""
         failures = self._failures.setdefault(dp_rank, asyncio.Queue())
         return None if failures.empty() else failures.get_nowait()
+
+    def _stop_confirmed(self, node_rank: int) -> None:
+        """A node's workers are gone (it said so, or the node itself is)."""
+        self._stopping.discard(node_rank)
+        if not self._stopping:
+            self._stopped.set()
 
     def _engines_on(self, node_rank: int) -> list[int]:
         if self.config.tp_spans_nodes:
@@ -207,7 +224,9 @@ class NodeHub:
         elif isinstance(message, NodeHeartbeat):
             self.nodes[node_rank].last_seen = time.monotonic()
         elif isinstance(message, WorkersExited):
-            if message.generation == self._generations.get(0):
+            if message.reason == "stopped":
+                self._stop_confirmed(node_rank)
+            elif message.generation == self._generations.get(0):
                 self._fail(0, f"node {node_rank}: {message.reason}")
         elif isinstance(message, EngineExited):
             if message.generation == self._generations.get(message.dp_rank):
@@ -271,6 +290,7 @@ class NodeHub:
             if node.identity == identity:
                 del self.nodes[rank]
                 logger.error("node %d %s", rank, why)
+                self._stop_confirmed(rank)
                 for dp_rank in self._engines_on(rank):
                     self._exited.setdefault(dp_rank, asyncio.Event()).set()
                     self._fail(dp_rank, f"node {rank} {why}")

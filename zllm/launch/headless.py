@@ -185,8 +185,11 @@ class NodeAgent:
                         watcher.cancel()
                     await self._start_workers(message.generation)
                     watcher = asyncio.create_task(self._watch_workers(message.generation), name="workers")
-                elif isinstance(message, StopWorkers) and message.generation == self.generation:
+                elif isinstance(message, StopWorkers):
+                    if watcher is not None:
+                        watcher.cancel()  # their exit now is no failure to report
                     await self._stop_workers()
+                    await self._send(WorkersExited(message.generation, "stopped"))  # the head waits for this
                 elif isinstance(message, StartEngine):
                     await self._start_engine(message.dp_rank, message.generation)
                 elif isinstance(message, StopEngine):
