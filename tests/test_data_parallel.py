@@ -207,6 +207,8 @@ def test_llm_with_two_engines_names_an_engine_that_died(tiny_model, monkeypatch)
         pids = [c.processes.core.pid for c in cores] + [p.pid for c in cores
                                                          for p in psutil.Process(c.processes.core.pid).children()]
         cores[1].processes.core.kill()
+        cores[1].processes.core.wait()
+        time.sleep(0.5)  # the PUSH socket has seen the peer go: a blocking send would wait forever
         params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
         with pytest.raises(EngineCoreError, match="engine 1"):
             llm.generate([f"t{5 + i} t9" for i in range(8)], params, use_tqdm=False)

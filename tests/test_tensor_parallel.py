@@ -207,6 +207,8 @@ def test_a_rank_that_dies_later_is_detected(tmp_path):
     try:
         rank1 = next(p for p in _live_children(before) if "--rank" in p.cmdline() and p.cmdline()[-1] == "1")
         rank1.kill()
+        rank1.wait(10)
+        time.sleep(0.5)  # rank 1's socket has seen it go: a blocking send to it would wait forever
         started = time.monotonic()
         with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\) exited"):
             llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=8), use_tqdm=False)

@@ -126,7 +126,7 @@ class MultiprocExecutor:
 
     def send_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
         """To rank 0 alone: it samples and shares the tokens with the other ranks."""
-        self.inputs[0].send(self.outbound.encode(bitmask), copy=False)
+        self._send_watching(self.inputs[0], self.outbound.encode(bitmask))
 
     def shutdown(self) -> None:
         try:
@@ -154,10 +154,26 @@ class MultiprocExecutor:
     def _broadcast(self, message, flags: int = 0) -> None:
         frame = self.outbound.encode(message)
         for socket in self.inputs:
+            if not flags & zmq.NOBLOCK:
+                self._send_watching(socket, frame)
+                continue
             try:
                 socket.send(frame, flags=flags, copy=False)
             except zmq.Again:
                 continue  # that rank is gone; only shutdown sends without blocking
+
+    def _send_watching(self, socket: zmq.Socket, frame: bytes) -> None:
+        """A send that waits for room (the rank is busy, or still connecting) but not for a rank
+        that died: a PUSH socket whose peer is gone would block a plain send forever."""
+        poll_ms = int(self.config.heartbeat_interval_s * 1000)
+        while True:
+            try:
+                socket.send(frame, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            self._check_alive()
+            socket.poll(poll_ms, zmq.POLLOUT)
 
     def _gather(self, kind: type, count: int, timeout_s: float | None) -> list:
         """Receive `count` messages of `kind`, watching the workers' health meanwhile."""

@@ -86,7 +86,7 @@ class DataParallelCoreClient:
     def add_request(self, message: AddRequest) -> None:
         rank = self.balancer.choose(message.prompt_token_ids, message.cache_salt)
         self.owner[message.request_id] = rank
-        self.cores[rank].to_core.send(self._encode(message))
+        self._send(self.cores[rank], message)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         by_rank: dict[int, list[str]] = {}
@@ -94,7 +94,7 @@ class DataParallelCoreClient:
             if (rank := self.owner.pop(request_id, None)) is not None:
                 by_rank.setdefault(rank, []).append(request_id)
         for rank, ids in by_rank.items():
-            self.cores[rank].to_core.send(self._encode(AbortRequests(request_ids=ids)))
+            self._send(self.cores[rank], AbortRequests(request_ids=ids))
         return [i for ids in by_rank.values() for i in ids]
 
     def step(self) -> list[TokenDelta]:
@@ -141,6 +141,21 @@ class DataParallelCoreClient:
         )
         core.processes.spawn_core(dataclasses.replace(self.config, runtime_dir=runtime_dir, data_parallel_rank=rank))
         return core
+
+    def _send(self, core: _Core, message) -> None:
+        """Sends to one core, failing if that core has exited. A PUSH socket whose only peer is
+        gone blocks a plain send forever, so wait for room a heartbeat at a time and look at the
+        core in between."""
+        payload = self._encode(message)
+        while True:
+            try:
+                core.to_core.send(payload, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            if (code := core.processes.core_exit_code()) is not None:
+                raise EngineCoreError(f"engine {core.rank} core exited with code {code}")
+            core.to_core.poll(int(self.config.heartbeat_interval_s * 1000), zmq.POLLOUT)
 
     def _wait_ready(self, core: _Core) -> EngineReady:
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -193,7 +208,7 @@ class DataParallelCoreClient:
         meanwhile are kept for the next step."""
         call_ids = [next(self._call_ids) for _ in self.cores]
         for core, call_id in zip(self.cores, call_ids):
-            core.to_core.send(self._encode(UtilityCall(call_id=call_id, method=method)))
+            self._send(core, UtilityCall(call_id=call_id, method=method))
         results: dict[int, UtilityResult] = {}
         while not all(i in results for i in call_ids):
             self._pending_deltas += self._receive(int(self.config.heartbeat_interval_s * 1000), results)
