@@ -68,7 +68,8 @@ def run_zllm(args, prompts, outputs) -> dict:
     results = llm.generate(requests, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
     assert [len(r.outputs[0].token_ids) for r in results] == outputs
-    return report("zllm", elapsed, prompts, outputs, max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
+    return report("zllm", elapsed, prompts, outputs, max_num_batched_tokens=llm.engine.config.max_num_batched_tokens,
+                  max_num_seqs=llm.engine.config.max_num_seqs, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=llm.engine.core.num_kv_blocks,
                   async_scheduling=llm.engine.config.async_scheduling, tp=args.tp, dp=args.dp)
 
@@ -106,8 +107,8 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--quantization", "-q", default=None, help="fp8: FP8 weights, quantized while loading")
     parser.add_argument("--kv-cache-dtype", default="auto", help="fp8: an FP8 E4M3 KV cache")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: LLM's (GPU 8192, CPU 2048)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: LLM's (GPU 512, CPU 256)")
     parser.add_argument("--hf", action="store_true", help="also run HF transformers generate")
     parser.add_argument("--hf-batch-size", type=int, action="append", default=None)
     parser.add_argument("--skip-zllm", action="store_true")

@@ -990,3 +990,29 @@ def test_request_failed_on_the_workers_ends_alone_and_readers_of_its_blocks_reco
     assert step.finished_ids == ["a"] and step.preempted_ids == ["b"]  # the workers drop both
     resent = {r.request_id: r for r in step.new_requests}
     assert resent["b"].num_computed_tokens == 0 and scheduled(step) == {"c": 1, "b": 10}
+
+
+# ---- default limits by use and device ---------------------------------------------------------------
+
+
+def test_offline_use_on_a_gpu_raises_only_the_limits_left_unset(tmp_path):
+    """LLM (usage "offline") on a GPU takes 512 sequences and 8192 tokens per step unless given
+    others; a server, and anything on CPU, keeps 256 and 2048. No GPU is needed: device="cuda"
+    decides it, and creating the config starts nothing."""
+    from tests.conftest import save_tiny_llama
+
+    model = str(save_tiny_llama(tmp_path / "m"))
+
+    def limits(**kwargs) -> tuple[int, int]:
+        config = EngineConfig.create(model, **kwargs)
+        return config.max_num_seqs, config.max_num_batched_tokens
+
+    assert limits(usage="offline", device="cuda") == (512, 8192)
+    assert limits(usage="offline", device="cuda", max_num_seqs=64) == (64, 8192)
+    assert limits(usage="offline", device="cuda", max_num_batched_tokens=None, max_num_seqs=None) == (512, 8192)
+    assert limits(usage="offline", device="cuda", max_num_batched_tokens=1024) == (512, 1024)
+    assert limits(usage="serving", device="cuda") == (256, 2048)
+    assert limits(usage="offline", device="cpu") == (256, 2048)
+    assert limits(device="cpu") == (256, 2048)
+    with pytest.raises(ValueError, match="usage: must be one of"):
+        EngineConfig.create(model, usage="batch", device="cpu")

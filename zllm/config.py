@@ -24,6 +24,14 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
 _ON_FAILURE = ("restart", "fail")
 _TOOL_CALL_PARSERS = (None, "hermes", "llama3_json", "mistral")  # zllm.frontend.tool_parsers.PARSERS
+USAGES = ("serving", "offline")
+# An offline batch (LLM) on a GPU wants the largest decode batches and prefill chunks that fit:
+# nobody waits on a single token, and a batch-256 decode step of an 8B model is bound by its
+# weight reads, so twice the rows cost far less than twice the time (W1 on the H100: max_num_seqs
+# 512 did 8.5% more than 256; docs/benchmarks.md, issue 20). A server keeps the smaller serving
+# defaults above: a big prefill chunk in a step delays every stream's next token. The scheduler
+# still admits no more sequences than the KV cache holds, whatever the limit.
+OFFLINE_GPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
 
 
 @dataclass(slots=True)
@@ -48,6 +56,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the size derived from memory
     kv_cache_memory_bytes: int = 1 << 30  # CPU: memory for the KV cache
     gpu_memory_utilization: float = 0.9
+    # Scheduler limits: requests in a step, and tokens in a step (prefill chunks included). These
+    # are the serving defaults; EngineConfig.create(usage="offline") on a GPU raises the ones the
+    # caller left unset (OFFLINE_GPU_SCHEDULER_DEFAULTS).
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1  # worker processes, one model shard (and GPU) each
@@ -127,17 +138,25 @@ class EngineConfig:
     data_parallel_size_local: int = 0  # engines per node when engines split over nodes; 0: all on the head
 
     @classmethod
-    def create(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+    def create(cls, model: str | None = None, usage: str = "serving", **kwargs) -> "EngineConfig":
         """Resolve the model (None: the embedded default; a .gguf file: converted once), check that
-        its architecture is supported, and validate every field."""
+        its architecture is supported, and validate every field. usage: "serving" (vllm-launch)
+        or "offline" (LLM), which picks the scheduler limits the caller leaves unset."""
         from zllm.model_files import gguf_model_name, resolve_model_dir
 
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        if usage not in USAGES:
+            raise ValueError(f"usage: must be one of {USAGES}, got {usage!r}")
+        unset_limits = {name: value for name, value in OFFLINE_GPU_SCHEDULER_DEFAULTS.items() if kwargs.get(name) is None}
+        kwargs = {name: value for name, value in kwargs.items() if not (name in unset_limits and value is None)}
         served_name = kwargs.pop("served_model_name", None) or gguf_model_name(model)
         config = cls(model=str(resolve_model_dir(model)), served_model_name=served_name, **kwargs)
+        if usage == "offline" and unset_limits and _runs_on_cuda(config):
+            for name, value in unset_limits.items():
+                setattr(config, name, value)
         spec = ModelSpec.from_pretrained(config.model)
         config.max_model_len = _resolve_max_model_len(spec, config.max_model_len)
         config.validate()

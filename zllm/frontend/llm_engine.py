@@ -41,7 +41,7 @@ class LLMEngine:
     def from_engine_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":
         """An engine whose core and worker run in this process; with data_parallel_size > 1, one
         engine-core process per data-parallel rank instead."""
-        config = EngineConfig.create(model, **kwargs)
+        config = EngineConfig.create(model, usage="offline", **kwargs)
         if config.data_parallel_size > 1:
             from zllm.frontend.core_client import DataParallelCoreClient
 
