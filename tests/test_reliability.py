@@ -299,6 +299,43 @@ def test_sigterm_drains_in_flight_refuses_new_and_notifies_systemd(tmp_path, tin
     assert "drained: shutting down" in handle.log()
 
 
+# ---- a client that stops reading -------------------------------------------------------------------
+
+
+def test_a_client_that_stops_reading_is_dropped_and_the_others_stream_on(tmp_path, tiny_model):
+    """A raw client asks for 64 x 300 tokens (one message each) and never reads: once its
+    socket_hwm (10,000) messages are queued it loses its requests, instead of the server waiting
+    for it, which would stall every other client on the shared socket (or crash the server)."""
+    import zmq
+
+    from zllm.ipc.codec import Codec
+    from zllm.ipc.messages import ClientGenerate, ClientToServer
+
+    handle = start_server(tmp_path, tiny_model, env=ONE_THREAD)
+    context = zmq.Context()
+    try:
+        stuck = context.socket(zmq.DEALER)
+        stuck.setsockopt(zmq.LINGER, 0)
+        stuck.setsockopt(zmq.RCVHWM, 1)
+        stuck.setsockopt(zmq.RCVBUF, 4096)
+        stuck.connect(handle.endpoint)
+        encode = Codec(ClientToServer).encode
+        sampling = {"max_tokens": 300, "ignore_eos": True, "temperature": 0.0}
+        for i in range(64):
+            stuck.send(encode(ClientGenerate(request_id=f"stuck-{i}", prompt=f"t{5 + i} t9", sampling=sampling)))
+        prompts = [f"t{7 + i} t8" for i in range(16)]
+        params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+        results, _ = asyncio.run(_streams(handle.endpoint, prompts, params))
+        assert all(isinstance(r, Streamed) and len(r.tokens) == 300 for r in results), results[:2]
+        assert wait_until(lambda: "not reading (10000 messages queued for it)" in handle.log(), 60), handle.log()[-2000:]
+        with Client(handle.endpoint) as client:
+            assert wait_until(lambda: client.stats()["num_running"] == 0, 30)  # its requests were aborted
+        assert handle.process.poll() is None
+    finally:
+        context.destroy(linger=0)
+        handle.stop()
+
+
 # ---- the client endpoint: CURVE, api key, bounded waiting queue ------------------------------------
 
 

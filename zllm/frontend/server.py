@@ -491,8 +491,13 @@ class FrontendServer:
             client.inbox.put_nowait(message)
             return True
         try:
-            await self.client_socket.send_multipart([identity, self.to_clients.encode(message)])
+            # Never wait for one client: every client shares this socket, and the engine's output
+            # loop is what calls here, so a parked send would stall every stream.
+            await self.client_socket.send_multipart([identity, self.to_clients.encode(message)], zmq.NOBLOCK)
             return True
+        except zmq.Again:
+            await self._drop_client(identity, f"not reading ({self.config.socket_hwm} messages queued for it)")
+            return False
         except zmq.ZMQError as error:
             if error.errno != errno.EHOSTUNREACH:
                 raise
