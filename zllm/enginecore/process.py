@@ -77,7 +77,9 @@ class EngineCoreProcess:
             self.outputs.put(EngineDead(reason=f"{type(error).__name__}: {error}"))
             code = 1
         finally:
-            if executor is not None:
+            if self.core is not None:
+                self.core.shutdown()  # the grammar threads too, so that exit does not wait on queued compiles
+            elif executor is not None:
                 executor.shutdown()
             # NOTE: each side thread closes its own socket (zmq sockets are not thread-safe; a
             # context destroyed under a thread blocked in recv aborts the process) before the
@@ -189,12 +191,27 @@ class EngineCoreProcess:
 
     def _send_loop(self, socket: zmq.Socket) -> None:
         codec: Codec = Codec(CoreToFrontend)
+        poll_ms = int(self.config.heartbeat_interval_s * 1000)
         while (message := self.outputs.get()) is not _STOP:
+            frame = codec.encode(message)
             try:
-                socket.send(codec.encode(message), copy=False)
+                # A frontend that stopped reading fills the pipe: wait for room, but stop waiting
+                # once the core is closing (its context goes soon after).
+                while not self._send_now(socket, frame):
+                    if self._closing.is_set():
+                        raise zmq.Again()
+                    socket.poll(poll_ms, zmq.POLLOUT)
             except zmq.ZMQError:
                 break
         socket.close(linger=_FLUSH_MS)
+
+    @staticmethod
+    def _send_now(socket: zmq.Socket, frame: bytes) -> bool:
+        try:
+            socket.send(frame, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
 
 
 def main() -> int:

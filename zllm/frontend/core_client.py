@@ -16,8 +16,10 @@ import itertools
 import logging
 import os
 import shutil
+import subprocess
 import time
 
+import psutil
 import zmq
 
 from zllm.config import EngineConfig
@@ -42,6 +44,26 @@ from zllm.ipc.sockets import make_socket
 from zllm.procs.children import stop_children
 
 logger = logging.getLogger(__name__)
+
+
+_SHUTDOWN_GRACE_S = 10.0  # how long cores told to stop get before SIGTERM
+_SURVIVOR_WAIT_S = 10.0
+
+
+def _kill_survivors(pids: list[int]) -> None:
+    """SIGKILL the workers a stopped (or killed) core left behind, and wait until they are gone."""
+    survivors = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            if "zllm.workers.process" in " ".join(process.cmdline()):  # not a pid reused since
+                process.kill()
+                survivors.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(survivors, timeout=_SURVIVOR_WAIT_S)
+    if alive:
+        logger.error("worker processes %s survived SIGKILL for %.0f s", [p.pid for p in alive], _SURVIVOR_WAIT_S)
 
 
 class EngineCoreError(RuntimeError):
@@ -115,13 +137,23 @@ class DataParallelCoreClient:
         return self._call_all("stats")
 
     def shutdown(self) -> None:
+        live = [c.processes.core for c in self.cores if c.processes.core is not None and c.processes.core.poll() is None]
         for core in self.cores:
-            if core.processes.core is not None and core.processes.core.poll() is None:
+            if core.processes.core in live:
                 try:
                     core.to_core.send(self._encode(Shutdown(reason="LLM shut down")), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
+        # A core told to stop stops its workers first; a SIGTERM in the middle of that would
+        # leave them to notice their parent's death on their own.
+        deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+        for process in live:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
         stop_children([c.processes.core for c in self.cores if c.processes.core is not None], timeout_s=10.0)
+        _kill_survivors([pid for c in self.cores for pid in c.processes.worker_pids])
         self.cores = []
         self.context.destroy(linger=0)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

@@ -26,6 +26,8 @@ from zllm.procs.log import configure_logging
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_KILL_WAIT_S = 30.0  # a child SIGKILLed and still present after this long is reported, not waited on
+_TEARDOWN_LIMIT_S = 60  # a child told to stop (SIGTERM) that has not exited by then is killed by SIGALRM
 # Debugging hangs: every this many seconds, the process prints every thread's Python stack to
 # its stderr (unset or 0: never). For a collective that never returns, the stacks show where.
 HANG_DUMP_ENV = "ZLLM_DEBUG_HANG_S"
@@ -75,6 +77,11 @@ def install_hang_dump() -> None:
 
 
 def _exit_on_sigterm(signum, frame) -> None:
+    # The exit unwinds through finally blocks and interpreter teardown (process groups, CUDA),
+    # where the parent watchdog thread no longer runs: a default-action SIGALRM ends the process
+    # if that teardown hangs.
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(_TEARDOWN_LIMIT_S)
     raise SystemExit(128 + signum)
 
 
@@ -97,7 +104,10 @@ def stop_children(processes: list[subprocess.Popen], timeout_s: float) -> None:
             process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
-            process.wait()
+            try:
+                process.wait(_KILL_WAIT_S)
+            except subprocess.TimeoutExpired:  # e.g. stuck in the GPU driver: report, do not hang here
+                logger.error("pid %d survived SIGKILL for %.0f s", process.pid, _KILL_WAIT_S)
 
 
 def setup_child_logging(name: str) -> None:

@@ -36,6 +36,7 @@ from zllm.ipc.sockets import make_socket
 from zllm.procs.children import die_with_parent, install_hang_dump, read_config_from_stdin, setup_child_logging
 
 logger = logging.getLogger("zllm.worker")
+_FLUSH_MS = 1000  # at exit, how long the last message (WorkerFailed) may take to leave
 
 
 class WorkerProcess:
@@ -72,6 +73,8 @@ class WorkerProcess:
             self._send(WorkerFailed(rank=self.rank, error=f"rank {self.rank}: {type(error).__name__}: {error}"))
             return 1
         finally:
+            # Flush what is queued (a WorkerFailed names the cause), briefly: the core may be gone.
+            self.output.close(linger=_FLUSH_MS)
             self.context.destroy(linger=0)
 
     def _start(self) -> None:
