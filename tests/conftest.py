@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -181,9 +182,24 @@ class ServerHandle:
         return psutil.Process(self.process.pid).children(recursive=True)
 
     def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (the server drains); a server still there after `timeout` is killed, with its
+        engine processes, and the test fails rather than leave them running."""
         if self.process.poll() is None:
             self.process.terminate()
-        return self.process.wait(timeout)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            import psutil
+
+            leftovers = self.children()
+            self.process.kill()
+            for child in leftovers:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            self.process.wait(30)
+            raise
 
 
 def start_server(

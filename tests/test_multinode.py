@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -253,6 +254,29 @@ def test_wrong_keys_and_wrong_nnodes_are_refused_and_a_missing_node_fails_the_he
         assert "zllm ready" not in group.log("head")
     finally:
         group.kill_all()
+
+
+def test_a_node_told_to_stop_while_joining_exits_at_once(tmp_path):
+    """SIGTERM before any head answered: nothing runs yet, so the node exits 0 at once instead of
+    waiting out --node-join-timeout (and then joining a head only to stop its service)."""
+    keys = Keys(tmp_path)
+    port = _free_port_block(2)
+    log = open(tmp_path / "node.log", "wb")
+    node = subprocess.Popen([sys.executable, "-m", "zllm.launch.cli", "--headless", "--nnodes", "2", "--node-rank", "1",
+                             "--master-addr", "127.0.0.1", "--master-port", str(port), "--zmq-curve-dir",
+                             str(keys.node), "--node-join-timeout", "300"], stdout=log, stderr=subprocess.STDOUT,
+                            env=ONE_THREAD)
+    try:
+        assert wait_until(lambda: "joining" in (tmp_path / "node.log").read_text(), 60), (tmp_path / "node.log").read_text()
+        started = time.monotonic()
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(30) == 0
+        assert time.monotonic() - started < 10
+        assert "stopped before joining" in (tmp_path / "node.log").read_text()
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
 
 
 def test_a_lost_node_restarts_the_engine_once_it_is_back(tmp_path, tiny_model):

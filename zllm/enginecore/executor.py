@@ -81,17 +81,27 @@ class MultiprocExecutor:
             return inputs, outputs
         nodes = NodeEndpoints(config.master_addr, config.master_port)
         keys = None
-        if config.curve_dir:
-            keys = load_or_create_server_keys(config.curve_dir)
-            self._authenticator = start_thread_authenticator(context, ClientKeyCheck(keys.clients_dir, False))
-        local = config.local_ranks(0)
-        inputs = [
-            make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm) if r in local
-            else make_socket(context, zmq.PUSH, nodes.worker_input(r), bind=True, hwm=hwm, curve_server_keys=keys)
-            for r in range(config.tensor_parallel_size)
-        ]
-        outputs.append(make_socket(context, zmq.PULL, nodes.worker_output, bind=True, hwm=hwm, max_message_bytes=limit,
-                                   curve_server_keys=keys))
+        inputs: list[zmq.Socket] = []
+        try:
+            if config.curve_dir:
+                keys = load_or_create_server_keys(config.curve_dir)
+                self._authenticator = start_thread_authenticator(context, ClientKeyCheck(keys.clients_dir, False))
+            local = config.local_ranks(0)
+            for r in range(config.tensor_parallel_size):
+                inputs.append(make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm) if r in local
+                              else make_socket(context, zmq.PUSH, nodes.worker_input(r), bind=True, hwm=hwm,
+                                               curve_server_keys=keys))
+            outputs.append(make_socket(context, zmq.PULL, nodes.worker_output, bind=True, hwm=hwm,
+                                       max_message_bytes=limit, curve_server_keys=keys))
+        except BaseException:
+            # e.g. a port still taken: nothing of this attempt may outlive it, least of all the
+            # authenticator's thread, whose sockets the core's context teardown would close under it.
+            for socket in inputs + outputs:
+                socket.close(linger=0)
+            if self._authenticator is not None:
+                self._authenticator.stop()
+                self._authenticator = None
+            raise
         return inputs, outputs
 
     @property

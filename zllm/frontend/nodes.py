@@ -86,6 +86,7 @@ class NodeHub:
         self._exited: dict[int, asyncio.Event] = {}
         self._stopping: set[int] = set()  # nodes yet to confirm StopWorkers (multi-node tp)
         self._stopped = asyncio.Event()
+        self._stopping_generation = -1  # the generation the last StopWorkers named
         self._joined = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._socket: zmq.asyncio.Socket | None = None
@@ -143,6 +144,7 @@ class NodeHub:
             # Until every node has its workers gone: the next core binds the same ports, and an
             # old worker must not connect to it.
             self._stopping, self._stopped = set(self.nodes), asyncio.Event()
+            self._stopping_generation = generation
             await self._broadcast(StopWorkers(generation=generation))
             if self._stopping:
                 try:
@@ -225,7 +227,8 @@ class NodeHub:
             self.nodes[node_rank].last_seen = time.monotonic()
         elif isinstance(message, WorkersExited):
             if message.reason == "stopped":
-                self._stop_confirmed(node_rank)
+                if message.generation == self._stopping_generation:  # not a late answer to an earlier stop
+                    self._stop_confirmed(node_rank)
             elif message.generation == self._generations.get(0):
                 self._fail(0, f"node {node_rank}: {message.reason}")
         elif isinstance(message, EngineExited):

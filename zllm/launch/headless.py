@@ -113,7 +113,9 @@ class NodeAgent:
         self.monitor = self.socket.get_monitor_socket(HANDSHAKE_FAILURE_EVENTS)
         try:
             while True:
-                await self._join()
+                if not await self._join():
+                    logger.info("node %d: stopped before joining", self.args.node_rank)
+                    return 0
                 code = await self._serve()
                 if code != _REJOIN:
                     return code
@@ -128,7 +130,8 @@ class NodeAgent:
 
     # ---- joining -------------------------------------------------------------------------------
 
-    async def _join(self) -> None:
+    async def _join(self) -> bool:
+        """True once the head accepted this node; False if this node was told to stop first."""
         await self._send(NodeJoin(node_rank=self.args.node_rank, nnodes=self.args.nnodes))
         logger.info("node %d of %d: joining %s%s", self.args.node_rank, self.args.nnodes, self.head.node_channel,
                     " (CURVE)" if self.keys else "")
@@ -137,6 +140,8 @@ class NodeAgent:
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         while time.monotonic() < deadline:
+            if self.leaving.is_set():  # SIGTERM while joining: nothing runs yet, so there is nothing to drain
+                return False
             for socket, _ in await poller.poll(int(_HEARTBEAT_S * 1000)):
                 if socket is self.monitor:
                     self._check_handshake(await self.monitor.recv_multipart())
@@ -146,7 +151,7 @@ class NodeAgent:
                     raise NodeRefusedError(f"the head refused this node: {message.reason}")
                 if isinstance(message, NodeAccepted):
                     self._take_config(message)
-                    return
+                    return True
         raise HeadLostError(f"no answer from the head at {self.head.node_channel} within {self.args.join_timeout_s:.0f} s")
 
     def _check_handshake(self, frames: list[bytes]) -> None:
