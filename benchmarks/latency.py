@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--piecewise-cuda-graphs", action="store_true", help="prefill steps as piecewise CUDA graphs")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -42,7 +43,7 @@ def main() -> None:
 
     llm = LLM(args.model, load_format=args.load_format, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, max_model_len=args.max_model_len,
-              enforce_eager=args.enforce_eager, max_num_seqs=max(args.batch_size, 8),
+              enforce_eager=args.enforce_eager, piecewise_cuda_graphs=args.piecewise_cuda_graphs, max_num_seqs=max(args.batch_size, 8),
               tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling,
               custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes)
     vocab = llm.engine.processor.vocab_size
@@ -63,7 +64,7 @@ def main() -> None:
     print(json.dumps({
         "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "median_total_s": round(statistics.median(full), 4), "median_ttft_s": round(statistics.median(first), 4),
-        "decode_ms_per_token": round(per_token_ms, 3), "enforce_eager": args.enforce_eager,
+        "decode_ms_per_token": round(per_token_ms, 3), "enforce_eager": args.enforce_eager, "piecewise_cuda_graphs": args.piecewise_cuda_graphs,
         "async_scheduling": llm.engine.config.async_scheduling, "tp": args.tp, "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype, "custom_all_reduce_max_bytes": args.custom_all_reduce_max_bytes,
     }))

@@ -59,7 +59,8 @@ def run_zllm(args, prompts, outputs) -> dict:
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, device=args.device, load_format=args.load_format, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, tensor_parallel_size=args.tp,
-              data_parallel_size=args.dp, async_scheduling=args.async_scheduling)
+              data_parallel_size=args.dp, async_scheduling=args.async_scheduling,
+              piecewise_cuda_graphs=args.piecewise_cuda_graphs)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=not args.no_detokenize)
               for n in outputs]
     requests = [{"prompt_token_ids": p} for p in prompts]
@@ -71,7 +72,8 @@ def run_zllm(args, prompts, outputs) -> dict:
     return report("zllm", elapsed, prompts, outputs, max_num_batched_tokens=llm.engine.config.max_num_batched_tokens,
                   max_num_seqs=llm.engine.config.max_num_seqs, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=llm.engine.core.num_kv_blocks,
-                  async_scheduling=llm.engine.config.async_scheduling, tp=args.tp, dp=args.dp)
+                  async_scheduling=llm.engine.config.async_scheduling, tp=args.tp, dp=args.dp,
+                  piecewise_cuda_graphs=args.piecewise_cuda_graphs)
 
 
 def run_hf(args, prompts, outputs, batch_size: int) -> dict:
@@ -115,6 +117,7 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--no-detokenize", action="store_true", help="token ids only (dummy-weight runs)")
     parser.add_argument("--max-model-len", type=int, default=0)
+    parser.add_argument("--piecewise-cuda-graphs", action="store_true", help="prefill steps as piecewise CUDA graphs")
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     parser.add_argument("-dp", "--dp", "--data-parallel-size", dest="dp", type=int, default=1,
                         help="engine-core processes, each with its own --tp GPUs")

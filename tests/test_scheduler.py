@@ -1016,3 +1016,15 @@ def test_offline_use_on_a_gpu_raises_only_the_limits_left_unset(tmp_path):
     assert limits(device="cpu") == (256, 2048)
     with pytest.raises(ValueError, match="usage: must be one of"):
         EngineConfig.create(model, usage="batch", device="cpu")
+
+
+def test_piecewise_sizes_pad_a_step_by_32_tokens_or_a_quarter_at_most_and_end_at_the_budget():
+    from zllm.workers.piecewise_graphs import piecewise_sizes
+
+    sizes = piecewise_sizes(2048)
+    assert sizes[0] == 16 and sizes[-1] == 2048 and sizes == sorted(set(sizes))
+    for tokens in range(17, 2049):
+        padded = next(s for s in sizes if s >= tokens)
+        assert padded - tokens <= max(31, tokens // 4), (tokens, padded)
+    assert piecewise_sizes(64)[-1] == 64 and piecewise_sizes(100)[-1] == 100
+    assert piecewise_sizes(8192)[-1] == 2048  # larger steps run eagerly

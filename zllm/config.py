@@ -73,6 +73,10 @@ class EngineConfig:
     # engine runs on the H200 pair show it safe; zllm/workers/symmetric_all_reduce.py).
     custom_all_reduce_max_bytes: int = 0
     enforce_eager: bool = False  # CUDA: no decode graphs
+    # Steps that carry prefill run the forward as pieces split at attention, each piece a CUDA graph
+    # at a padded token count (zllm/workers/piecewise_graphs.py); on CPU the same pieces run
+    # eagerly. Off by default until measured on a GPU.
+    piecewise_cuda_graphs: bool = False
     # Schedule step N+1 while step N runs on the device, so host work hides behind GPU work.
     # None: on when the workers run on CUDA (on CPU the compute is synchronous: nothing to hide).
     async_scheduling: bool | None = None

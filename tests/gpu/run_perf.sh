@@ -16,6 +16,8 @@
 #                 and 256 with both
 #   PART=gemv:    the FP8 GEMV's builds (rows per warp x loads in flight): FP8 GPU tests, their
 #                 GB/s table, then W2 with --quantization fp8 under each ZLLM_FP8_GEMV build
+#   PART=piecewise: the piecewise CUDA graphs' GPU tests, then W1, W2 and serve.py at Poisson 32
+#                 req/s without and with --piecewise-cuda-graphs, in this one call
 #   PART=prefill: the packed prefill's A/B (ZLLM_PACKED_PREFILL=0 then 1): W1, W2 and serve.py at
 #                 Poisson 32 req/s, each measured back to back in this one call
 #   PART=moe:     issue 18: the MoE GPU tests, benchmarks/moe_kernels.py, then W2 and W1 on the
@@ -47,13 +49,13 @@ run() {  # run LIMIT_S COMMAND...: JSON lines to perf.jsonl, everything to the l
 }
 w1() {  # W1: 1000 x 256/256 offline
   run 200 python benchmarks/throughput.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 \
-    --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192
+    --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192 "$@"
 }
 w2() {  # W2: batch-1 decode
-  run 150 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024
+  run 150 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024 "$@"
 }
 serve32() {  # serve32 SUFFIX: vllm-launch under serve.py, Poisson ${RATE:-32} req/s, 600 x 256/256
-  python -m zllm.launch.cli --model "$model" --load-format dummy --max-model-len 1024 --port 8000 > "$out/server$1.log" 2>&1 &
+  python -m zllm.launch.cli --model "$model" --load-format dummy --max-model-len 1024 --port 8000 ${SERVE_FLAGS:-} > "$out/server$1.log" 2>&1 &
   local server=$!
   for _ in $(seq 120); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
   run 150 python benchmarks/serve.py --base-url http://127.0.0.1:8000 --model "$model" --num-prompts 600 \
@@ -107,6 +109,19 @@ prefill)
     w1
     w2
     serve32 $packed
+  done
+  ;;
+piecewise)
+  # --piecewise-cuda-graphs: its GPU tests, then W1, W2 and serve.py at Poisson 32 req/s without
+  # and with it, back to back in this one call
+  timeout 400 python -m pytest -q -p no:cacheprovider -p no:warnings --tb=short tests/gpu/test_engine_gpu.py -k piecewise \
+    > "$out/pytest_piecewise.log" 2>&1
+  grep -E "passed|failed|Error|assert" "$out/pytest_piecewise.log" | tail -15
+  for flags in "" "--piecewise-cuda-graphs"; do
+    echo "{\"flags\": \"${flags:-none}\"}" | tee -a "$jsonl"
+    w1 $flags
+    w2 $flags
+    SERVE_FLAGS="$flags" serve32 "${flags:+_piecewise}"
   done
   ;;
 fp8)

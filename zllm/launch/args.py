@@ -46,6 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     group.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
+    group.add_argument("--piecewise-cuda-graphs", action="store_true",
+                       help="steps with prefill run as CUDA graphs split at attention (not yet measured on a GPU)")
     group.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="schedule the next step while the current one runs (default: on with CUDA, off on CPU)",
@@ -120,6 +122,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        piecewise_cuda_graphs=args.piecewise_cuda_graphs,
         async_scheduling=args.async_scheduling,
         served_model_name=args.served_model_name,
         enable_prefix_caching=args.enable_prefix_caching,

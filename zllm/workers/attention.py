@@ -118,8 +118,12 @@ def write_kv_cache(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
     scales: KVScales = UNSCALED,
 ) -> None:
-    """Store [tokens, kv_heads, head_dim] keys and values at their slots (quantized for an FP8 cache)."""
+    """Store [tokens, kv_heads, head_dim] keys and values at their slots (quantized for an FP8 cache).
+    A slot of -1 (a padded row) is written nowhere, as in the CUDA kernel."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    if slot_mapping.numel() and bool(slot_mapping.min() < 0):  # (a host sync: the torch path only)
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if kv_cache.dtype == KV_FP8:
         key, value = quantize_kv(key, scales.k), quantize_kv(value, scales.v)
     for half, rows in ((0, key), (1, value)):

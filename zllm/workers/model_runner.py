@@ -128,6 +128,7 @@ class ModelRunner:
         self._in_flight_tokens: torch.Tensor | None = None
         self.failures = RequestFailures()  # new requests this worker could not take, until reported
         self.graphs = None
+        self.pieces = None  # EagerPieces / PiecewiseGraphs: steps with prefill (piecewise_cuda_graphs)
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -254,7 +255,9 @@ class ModelRunner:
             ) from None
 
     def capture_graphs(self) -> None:
-        """Capture decode CUDA graphs (after the KV cache exists)."""
+        """Capture decode CUDA graphs (after the KV cache exists), and the piecewise ones where
+        asked for."""
+        self._set_up_pieces()
         if not (self.is_cuda and self.ops.supports_graphs):
             return
         self.ops.reserve_decode_workspace(
@@ -273,6 +276,24 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_blocks, self.block_size)
         with torch.inference_mode():
             self.graphs.capture()
+
+    def _set_up_pieces(self) -> None:
+        """piecewise_cuda_graphs: steps with prefill run the forward as pieces split at attention,
+        captured as CUDA graphs on a GPU; on CPU the same pieces run eagerly (what tests check)."""
+        if not self.config.piecewise_cuda_graphs or self.config.enforce_eager:
+            return
+        if self.spec.moe is not None:
+            logger.info("piecewise CUDA graphs off: not yet for Mixture-of-Experts models")
+            return
+        from zllm.workers.piecewise_graphs import EagerPieces, PiecewiseGraphs, piecewise_sizes
+
+        sizes = piecewise_sizes(self.config.max_num_batched_tokens)
+        if not (self.is_cuda and self.ops.supports_graphs):
+            self.pieces = EagerPieces(self.model, self.kv_caches, sizes)
+            return
+        self.pieces = PiecewiseGraphs(self.model, self.kv_caches, sizes)
+        with torch.inference_mode():
+            self.pieces.capture()
 
     # ---- one step ------------------------------------------------------------------------------
     #
@@ -410,6 +431,8 @@ class ModelRunner:
         num_tokens = batch.input_ids.shape[0]
         if self.graphs is not None and meta.num_decodes == num_tokens and self.graphs.bucket(num_tokens):
             return self.graphs.run(batch.input_ids, batch.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        if self.pieces is not None and self.pieces.bucket(num_tokens):
+            return self.pieces.run(batch.input_ids, batch.positions, meta)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
 
     def _update_states(self, step: StepInput) -> None:

@@ -115,15 +115,30 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        q = self.project(x, positions, rotary, kv_cache, meta.slot_mapping)
+        return self.output(self.attend(q, kv_cache, meta))
+
+    # The three parts of forward. project and output are token-parallel (each row alone, the
+    # cache written at its slot), so CUDA graphs can hold them at a padded token count; attend
+    # depends on how the step's tokens group into sequences (zllm/workers/piecewise_graphs.py).
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> torch.Tensor:
+        """q, k, v of each token; k and v go to the cache; returns the rotated q [tokens, heads, dim]."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary.apply_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping, self.kv_scales)
-        out = self.ops.attention(q, kv_cache, meta, self.scale, self.kv_scales)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return rotary.apply_and_cache(positions, q, k, v, kv_cache, slot_mapping, self.kv_scales)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.ops.attention(q, kv_cache, meta, self.scale, self.kv_scales)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attended.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -161,12 +176,23 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, residual = self.before_attention(x, residual, positions, rotary, kv_cache, meta.slot_mapping)
+        return self.after_attention(self.self_attn.attend(q, kv_cache, meta), residual)
+
+    def before_attention(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
+        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm, q/k/v, rotary, cache write: (rotated q, residual)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rotary, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return self.self_attn.project(x, positions, rotary, kv_cache, slot_mapping), residual
+
+    def after_attention(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, norm, MLP: (this layer's output, residual)."""
+        x, residual = self.post_attention_layernorm(self.self_attn.output(attended), residual)
         return self.mlp(x), residual
 
 
