@@ -534,6 +534,7 @@ CONFIG = EngineConfig(
     node_join_timeout_s=12.5,
     data_parallel_size_local=1,
     enforce_eager=True,
+    piecewise_cuda_graphs=True,
     async_scheduling=True,
     served_model_name="served",
     enable_prefix_caching=False,

@@ -238,7 +238,8 @@ def test_on_failure_fail_ends_every_stream_with_engine_dead(tmp_path, tiny_model
     results, killed_at = asyncio.run(_streams(handle.endpoint, prompts, params, kill=workers[0].kill,
                                               kill_after_tokens=1))
 
-    assert all(isinstance(r, Ended) and isinstance(r.error, EngineDeadError) for r in results), results[:3]
+    odd = [r for r in results if not (isinstance(r, Ended) and isinstance(r.error, EngineDeadError))]
+    assert not odd, odd[:3]
     assert all("engine is dead: worker rank 0" in str(r.error) for r in results)
     assert max(r.at for r in results) - killed_at < 5.0
     assert handle.process.wait(15) == 1

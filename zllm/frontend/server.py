@@ -73,6 +73,7 @@ from zllm.outputs import CompletionOutput, RequestOutput
 from zllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("zllm.frontend")
+_FINAL_MESSAGES_LINGER_MS = 2000  # at shutdown, how long queued messages to clients may take to leave
 
 
 # Engine utilities a client may call by name (ClientUtility).
@@ -238,6 +239,10 @@ class FrontendServer:
         await asyncio.gather(*(engine.shutdown(timeout_s) for engine in self.engines))
         if self.nodes is not None:
             await self.nodes.close("the head shut down")
+        # The last errors (engine dead, shutting down) are queued on the client socket just before
+        # this: give them a moment to reach the clients, where linger 0 would drop them.
+        if getattr(self, "client_socket", None) is not None:  # (none if the start failed)
+            self.client_socket.close(linger=_FINAL_MESSAGES_LINGER_MS)
         self.context.destroy(linger=0)
 
     async def kill_engine(self) -> None:
