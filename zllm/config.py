@@ -154,13 +154,14 @@ class EngineConfig:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         if usage not in USAGES:
             raise ValueError(f"usage: must be one of {USAGES}, got {usage!r}")
-        unset_limits = {name: value for name, value in OFFLINE_GPU_SCHEDULER_DEFAULTS.items() if kwargs.get(name) is None}
-        kwargs = {name: value for name, value in kwargs.items() if not (name in unset_limits and value is None)}
+        unset_limits = [name for name in OFFLINE_GPU_SCHEDULER_DEFAULTS if kwargs.get(name) is None]
+        for name in unset_limits:
+            kwargs.pop(name, None)  # None, as absent: the default for this use
         served_name = kwargs.pop("served_model_name", None) or gguf_model_name(model)
         config = cls(model=str(resolve_model_dir(model)), served_model_name=served_name, **kwargs)
         if usage == "offline" and unset_limits and _runs_on_cuda(config):
-            for name, value in unset_limits.items():
-                setattr(config, name, value)
+            for name in unset_limits:
+                setattr(config, name, OFFLINE_GPU_SCHEDULER_DEFAULTS[name])
         spec = ModelSpec.from_pretrained(config.model)
         config.max_model_len = _resolve_max_model_len(spec, config.max_model_len)
         config.validate()

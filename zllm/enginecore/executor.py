@@ -36,7 +36,7 @@ from zllm.ipc.messages import (
     WorkerReady,
     WorkerToCore,
 )
-from zllm.ipc.sockets import make_socket
+from zllm.ipc.sockets import make_socket, send_watching
 from zllm.procs.children import spawn_child, stop_children
 
 logger = logging.getLogger(__name__)
@@ -173,17 +173,8 @@ class MultiprocExecutor:
                 continue  # that rank is gone; only shutdown sends without blocking
 
     def _send_watching(self, socket: zmq.Socket, frame: bytes) -> None:
-        """A send that waits for room (the rank is busy, or still connecting) but not for a rank
-        that died: a PUSH socket whose peer is gone would block a plain send forever."""
-        poll_ms = int(self.config.heartbeat_interval_s * 1000)
-        while True:
-            try:
-                socket.send(frame, flags=zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                pass
-            self._check_alive()
-            socket.poll(poll_ms, zmq.POLLOUT)
+        """Waits for room (the rank is busy, or still connecting), not for a rank that died."""
+        send_watching(socket, frame, int(self.config.heartbeat_interval_s * 1000), self._check_alive)
 
     def _gather(self, kind: type, count: int, timeout_s: float | None) -> list:
         """Receive `count` messages of `kind`, watching the workers' health meanwhile."""

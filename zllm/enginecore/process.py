@@ -40,7 +40,7 @@ from zllm.ipc.messages import (
     UtilityCall,
     UtilityResult,
 )
-from zllm.ipc.sockets import make_socket
+from zllm.ipc.sockets import make_socket, send_watching
 from zllm.procs.children import die_with_parent, read_config_from_stdin, setup_child_logging
 
 logger = logging.getLogger("zllm.enginecore")
@@ -192,26 +192,18 @@ class EngineCoreProcess:
     def _send_loop(self, socket: zmq.Socket) -> None:
         codec: Codec = Codec(CoreToFrontend)
         poll_ms = int(self.config.heartbeat_interval_s * 1000)
+
+        def give_up_when_closing() -> None:  # the context goes soon after
+            if self._closing.is_set():
+                raise zmq.Again()
+
         while (message := self.outputs.get()) is not _STOP:
-            frame = codec.encode(message)
             try:
-                # A frontend that stopped reading fills the pipe: wait for room, but stop waiting
-                # once the core is closing (its context goes soon after).
-                while not self._send_now(socket, frame):
-                    if self._closing.is_set():
-                        raise zmq.Again()
-                    socket.poll(poll_ms, zmq.POLLOUT)
+                # A frontend that stopped reading fills the pipe: wait for room until closing.
+                send_watching(socket, codec.encode(message), poll_ms, give_up_when_closing)
             except zmq.ZMQError:
                 break
         socket.close(linger=_FLUSH_MS)
-
-    @staticmethod
-    def _send_now(socket: zmq.Socket, frame: bytes) -> bool:
-        try:
-            socket.send(frame, zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            return False
 
 
 def main() -> int:

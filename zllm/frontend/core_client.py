@@ -19,12 +19,11 @@ import shutil
 import subprocess
 import time
 
-import psutil
 import zmq
 
 from zllm.config import EngineConfig
 from zllm.frontend.router import LoadBalancer
-from zllm.frontend.supervisor import EngineProcesses
+from zllm.frontend.supervisor import EngineProcesses, kill_and_wait
 from zllm.ipc.addresses import InternalEndpoints, engine_runtime_dir, make_private_runtime_dir
 from zllm.ipc.codec import Codec
 from zllm.ipc.messages import (
@@ -40,30 +39,13 @@ from zllm.ipc.messages import (
     UtilityCall,
     UtilityResult,
 )
-from zllm.ipc.sockets import make_socket
+from zllm.ipc.sockets import make_socket, send_watching
 from zllm.procs.children import stop_children
 
 logger = logging.getLogger(__name__)
 
 
 _SHUTDOWN_GRACE_S = 10.0  # how long cores told to stop get before SIGTERM
-_SURVIVOR_WAIT_S = 10.0
-
-
-def _kill_survivors(pids: list[int]) -> None:
-    """SIGKILL the workers a stopped (or killed) core left behind, and wait until they are gone."""
-    survivors = []
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            if "zllm.workers.process" in " ".join(process.cmdline()):  # not a pid reused since
-                process.kill()
-                survivors.append(process)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(survivors, timeout=_SURVIVOR_WAIT_S)
-    if alive:
-        logger.error("worker processes %s survived SIGKILL for %.0f s", [p.pid for p in alive], _SURVIVOR_WAIT_S)
 
 
 class EngineCoreError(RuntimeError):
@@ -153,7 +135,7 @@ class DataParallelCoreClient:
             except subprocess.TimeoutExpired:
                 pass
         stop_children([c.processes.core for c in self.cores if c.processes.core is not None], timeout_s=10.0)
-        _kill_survivors([pid for c in self.cores for pid in c.processes.worker_pids])
+        kill_and_wait([pid for c in self.cores for pid in c.processes.worker_pids])  # what a core left behind
         self.cores = []
         self.context.destroy(linger=0)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
@@ -175,19 +157,12 @@ class DataParallelCoreClient:
         return core
 
     def _send(self, core: _Core, message) -> None:
-        """Sends to one core, failing if that core has exited. A PUSH socket whose only peer is
-        gone blocks a plain send forever, so wait for room a heartbeat at a time and look at the
-        core in between."""
-        payload = self._encode(message)
-        while True:
-            try:
-                core.to_core.send(payload, zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                pass
+        """Sends to one core; fails, rather than waits, once that core has exited."""
+        def check_core() -> None:
             if (code := core.processes.core_exit_code()) is not None:
                 raise EngineCoreError(f"engine {core.rank} core exited with code {code}")
-            core.to_core.poll(int(self.config.heartbeat_interval_s * 1000), zmq.POLLOUT)
+
+        send_watching(core.to_core, self._encode(message), int(self.config.heartbeat_interval_s * 1000), check_core)
 
     def _wait_ready(self, core: _Core) -> EngineReady:
         deadline = time.monotonic() + self.config.startup_timeout_s

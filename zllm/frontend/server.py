@@ -129,6 +129,7 @@ class FrontendServer:
         self.processor = InputProcessor.from_config(config, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
         self.context = zmq.asyncio.Context()
+        self.client_socket: zmq.asyncio.Socket | None = None  # bound once the engines are ready
         self.from_clients: Codec = Codec(ClientToServer)
         self.to_clients: Codec = Codec(ServerToClient)
         self.requests: dict[str, _ClientRequest] = {}
@@ -241,7 +242,7 @@ class FrontendServer:
             await self.nodes.close("the head shut down")
         # The last errors (engine dead, shutting down) are queued on the client socket just before
         # this: give them a moment to reach the clients, where linger 0 would drop them.
-        if getattr(self, "client_socket", None) is not None:  # (none if the start failed)
+        if self.client_socket is not None:
             self.client_socket.close(linger=_FINAL_MESSAGES_LINGER_MS)
         self.context.destroy(linger=0)
 

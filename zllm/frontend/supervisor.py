@@ -24,12 +24,11 @@ from collections import deque
 import psutil
 
 from zllm.config import EngineConfig
-from zllm.procs.children import spawn_child
+from zllm.procs.children import KILL_WAIT_S, spawn_child
 
 logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.5  # without pidfds: how often the watched processes are polled
-_KILL_WAIT_S = 30.0  # a process SIGKILLed and still present after this long is reported, not waited on
 
 
 class EngineProcesses:
@@ -80,7 +79,7 @@ class EngineProcesses:
         if self.core is not None:
             await asyncio.to_thread(_reap, self.core)
         others = [pid for pid in pids if self.core is None or pid != self.core.pid]  # the core is reaped
-        await asyncio.to_thread(_wait_gone, others, _KILL_WAIT_S)
+        await asyncio.to_thread(_wait_gone, others, KILL_WAIT_S)
         if pids:
             logger.info("engine processes %s are gone", pids)
         self.core, self.worker_pids = None, []
@@ -177,6 +176,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def kill_and_wait(pids: list[int]) -> None:
+    """SIGKILL these processes (not children of this one) and wait until they are gone."""
+    for pid in pids:
+        _kill(pid)
+    _wait_gone(pids, KILL_WAIT_S)
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -186,9 +192,9 @@ def _kill(pid: int) -> None:
 
 def _reap(process: subprocess.Popen) -> None:
     try:
-        process.wait(_KILL_WAIT_S)
+        process.wait(KILL_WAIT_S)
     except subprocess.TimeoutExpired:
-        logger.error("engine core (pid %d) survived SIGKILL for %.0f s", process.pid, _KILL_WAIT_S)
+        logger.error("engine core (pid %d) survived SIGKILL for %.0f s", process.pid, KILL_WAIT_S)
 
 
 def _wait_gone(pids: list[int], timeout_s: float) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket as pysocket
+from collections.abc import Callable
 
 import zmq
 
@@ -58,6 +59,20 @@ def make_socket(
     else:
         socket.connect(endpoint)
     return socket
+
+
+def send_watching(socket: zmq.Socket, frame: bytes, poll_ms: int, check: Callable[[], None]) -> None:
+    """Send, waiting for room as long as it takes, but never for a peer that is gone: a PUSH
+    socket whose only peer died blocks a plain send forever. Between waits of poll_ms, check()
+    looks at the peer (or the sender's own state) and raises to give up."""
+    while True:
+        try:
+            socket.send(frame, zmq.NOBLOCK, copy=False)
+            return
+        except zmq.Again:
+            pass
+        check()
+        socket.poll(poll_ms, zmq.POLLOUT)
 
 
 def _someone_listens(path: str) -> bool:

@@ -26,7 +26,7 @@ from zllm.procs.log import configure_logging
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-_KILL_WAIT_S = 30.0  # a child SIGKILLed and still present after this long is reported, not waited on
+KILL_WAIT_S = 30.0  # a child SIGKILLed and still present after this long is reported, not waited on
 _TEARDOWN_LIMIT_S = 60  # a child told to stop (SIGTERM) that has not exited by then is killed by SIGALRM
 # Debugging hangs: every this many seconds, the process prints every thread's Python stack to
 # its stderr (unset or 0: never). For a collective that never returns, the stacks show where.
@@ -105,9 +105,9 @@ def stop_children(processes: list[subprocess.Popen], timeout_s: float) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             try:
-                process.wait(_KILL_WAIT_S)
+                process.wait(KILL_WAIT_S)
             except subprocess.TimeoutExpired:  # e.g. stuck in the GPU driver: report, do not hang here
-                logger.error("pid %d survived SIGKILL for %.0f s", process.pid, _KILL_WAIT_S)
+                logger.error("pid %d survived SIGKILL for %.0f s", process.pid, KILL_WAIT_S)
 
 
 def setup_child_logging(name: str) -> None:
