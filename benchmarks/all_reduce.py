@@ -55,17 +55,29 @@ def run_rank(rank: int, size: int, init_file: str) -> None:
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    torch.distributed.init_process_group("nccl", init_method=f"file://{init_file}", world_size=size, rank=rank,
-                                         device_id=device)
+    torch.distributed.init_process_group(
+        "nccl", init_method=f"file://{init_file}", world_size=size, rank=rank, device_id=device
+    )
     methods = {"nccl": NcclReduce(), "symmetric_one_shot": OneShotReduce(max(t * h for t, h in SHAPES), device)}
     for tokens, hidden in SHAPES:
         x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
         for name, method in methods.items():
             micros = _graph_time_us(torch, method, x)
             if rank == 0:
-                print(json.dumps({"benchmark": "all_reduce", "tp": size, "method": name, "tokens": tokens,
-                                  "hidden": hidden, "bytes": x.numel() * 2, "us_per_all_reduce": round(micros, 1)}),
-                      flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "benchmark": "all_reduce",
+                            "tp": size,
+                            "method": name,
+                            "tokens": tokens,
+                            "hidden": hidden,
+                            "bytes": x.numel() * 2,
+                            "us_per_all_reduce": round(micros, 1),
+                        }
+                    ),
+                    flush=True,
+                )
     torch.distributed.destroy_process_group()
 
 
@@ -108,8 +120,12 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        ranks = [subprocess.Popen([sys.executable, __file__, "--tp", str(args.tp), "--rank", str(r),
-                                   "--init-file", init_file]) for r in range(args.tp)]
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--tp", str(args.tp), "--rank", str(r), "--init-file", init_file]
+            )
+            for r in range(args.tp)
+        ]
         codes = [p.wait() for p in ranks]
     if any(codes):
         sys.exit(f"a rank failed: exit codes {codes}")

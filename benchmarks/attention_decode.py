@@ -39,7 +39,9 @@ def main() -> None:
     max_blocks = -(-args.capacity // block)
     num_blocks = batch * max_blocks + 1
     cache = torch.randn(2, num_blocks, block, args.kv_heads, args.head_dim, device=device, dtype=torch.bfloat16)
-    tables = torch.randperm(num_blocks - 1, device=device, dtype=torch.int32)[: batch * max_blocks].view(batch, max_blocks)
+    tables = torch.randperm(num_blocks - 1, device=device, dtype=torch.int32)[: batch * max_blocks].view(
+        batch, max_blocks
+    )
     query = torch.randn(batch, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(query)
     scale = args.head_dim**-0.5
@@ -50,14 +52,32 @@ def main() -> None:
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         for size in args.partition_sizes.split(","):
             partition = None if size == "default" else int(size)
-            chosen, parts = kernels.attention_partitions(batch, args.heads, args.kv_heads, max_blocks * block, device,
-                                                         partition)
-            micros = graph_time_us(lambda _: kernels.paged_attention_decode(
-                out, query, cache, tables, seq_lens, scale, partition_size=partition), CALLS_PER_GRAPH, REPLAYS)
-            print(json.dumps({"benchmark": "attention_decode", "batch_size": batch, "context": context,
-                              "capacity": max_blocks * block, "partition_size": chosen, "grid_partitions": parts,
-                              "requested": size, "us_per_call": round(micros, 2),
-                              "gpu": torch.cuda.get_device_name(0)}), flush=True)
+            chosen, parts = kernels.attention_partitions(
+                batch, args.heads, args.kv_heads, max_blocks * block, device, partition
+            )
+            micros = graph_time_us(
+                lambda _: kernels.paged_attention_decode(
+                    out, query, cache, tables, seq_lens, scale, partition_size=partition
+                ),
+                CALLS_PER_GRAPH,
+                REPLAYS,
+            )
+            print(
+                json.dumps(
+                    {
+                        "benchmark": "attention_decode",
+                        "batch_size": batch,
+                        "context": context,
+                        "capacity": max_blocks * block,
+                        "partition_size": chosen,
+                        "grid_partitions": parts,
+                        "requested": size,
+                        "us_per_call": round(micros, 2),
+                        "gpu": torch.cuda.get_device_name(0),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

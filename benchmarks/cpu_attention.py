@@ -37,9 +37,7 @@ def build_batch(args) -> tuple[torch.Tensor, list[torch.Tensor], AttentionMetada
     block_tables = torch.zeros(args.batch, max(blocks_per_seq), dtype=torch.long)
     for row, count in enumerate(blocks_per_seq):
         block_tables[row, :count] = torch.tensor([pool.pop() for _ in range(count)])
-    caches = [
-        torch.randn(2, num_blocks, args.block_size, args.kv_heads, args.head_dim) for _ in range(args.layers)
-    ]
+    caches = [torch.randn(2, num_blocks, args.block_size, args.kv_heads, args.head_dim) for _ in range(args.layers)]
     query = torch.randn(args.batch, args.heads, args.head_dim)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(args.batch, dtype=torch.long), block_tables=block_tables,

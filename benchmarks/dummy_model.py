@@ -25,19 +25,55 @@ import shutil
 from pathlib import Path
 
 SHAPES = {
-    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      intermediate_size=14336, vocab_size=128256),
-    "llama3-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                       intermediate_size=28672, vocab_size=128256),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+    ),
+    "llama3-70b": dict(
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=128256,
+    ),
     # Mixture of experts (the published configs' shapes; ~61 GB and ~93 GB in bf16).
-    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
-                          rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-                         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, rope_theta=1000000.0),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        rope_theta=1000000.0,
+    ),
 }
 
 
@@ -53,9 +89,16 @@ def write_placeholder_tokenizer(target: Path, vocab_size: int = 256) -> None:
 
 def write_dummy_model(shape: str, target: Path, tokenizer: Path | None = None) -> Path:
     config = dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
-        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
-        bos_token_id=1, eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
     )
     config.update(SHAPES[shape])
     if config["vocab_size"] == 128256:  # Llama 3's special ids

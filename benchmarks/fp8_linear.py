@@ -60,11 +60,17 @@ def main() -> None:
             xq, xscale = quantize_rows(x)
             row = {"shape": name, "M": m, "bytes_fp8": n * k}
             row["bf16"] = time_graph(lambda: F.linear(x, w))
-            row["tensor"] = time_graph(lambda: torch._scaled_mm(
-                xq, wq_t, scale_a=xscale.max().reshape(()), scale_b=w_tensor_scale, out_dtype=torch.bfloat16))
+            row["tensor"] = time_graph(
+                lambda: torch._scaled_mm(
+                    xq, wq_t, scale_a=xscale.max().reshape(()), scale_b=w_tensor_scale, out_dtype=torch.bfloat16
+                )
+            )
             try:
-                row["rowwise"] = time_graph(lambda: torch._scaled_mm(
-                    xq, wq_t, scale_a=xscale, scale_b=wscale.t().contiguous(), out_dtype=torch.bfloat16))
+                row["rowwise"] = time_graph(
+                    lambda: torch._scaled_mm(
+                        xq, wq_t, scale_a=xscale, scale_b=wscale.t().contiguous(), out_dtype=torch.bfloat16
+                    )
+                )
             except Exception as error:  # noqa: BLE001 - report what this torch refuses
                 row["rowwise"] = float("nan")
                 print(f"rowwise {name} M={m}: {type(error).__name__}: {error}"[:300])
@@ -113,8 +119,9 @@ def _gemv_variants() -> None:
         wscale = wscale.contiguous()
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-        speeds = [n * k / (time_graph(lambda v=v: kernels.fp8_gemv(out, x, wq, wscale, variant=v)) * 1e3)
-                  for v in variants]
+        speeds = [
+            n * k / (time_graph(lambda v=v: kernels.fp8_gemv(out, x, wq, wscale, variant=v)) * 1e3) for v in variants
+        ]
         print(f"{name:8} " + " ".join(f"{s:>8.0f}" for s in speeds) + "  GB/s")
 
 
@@ -124,7 +131,7 @@ def _time_block(x, w, m, n, k) -> float:
 
     try:
         xg = x.view(m, k // 128, 128)
-        xscale = (xg.abs().amax(-1).float().clamp(min=1e-12) / FP8_MAX)  # [m, k/128]
+        xscale = xg.abs().amax(-1).float().clamp(min=1e-12) / FP8_MAX  # [m, k/128]
         xq = (xg / xscale[..., None]).to(E4M3).view(m, k)
         wb = w.view(n // 128, 128, k // 128, 128)
         wscale = wb.abs().amax(dim=(1, 3)).float() / FP8_MAX  # [n/128, k/128]
@@ -133,9 +140,17 @@ def _time_block(x, w, m, n, k) -> float:
         # the weight tiles' transposed; this is the layout zllm's quant_fp8_groups writes.
         xscale_t = torch.empty_strided((m, k // 128), (1, m), device="cuda")
         xscale_t.copy_(xscale)
-        return time_graph(lambda: F.scaled_mm(
-            xq, wq.t(), scale_a=xscale_t, scale_recipe_a=ScalingType.BlockWise1x128,
-            scale_b=wscale.t(), scale_recipe_b=ScalingType.BlockWise128x128, output_dtype=torch.bfloat16))
+        return time_graph(
+            lambda: F.scaled_mm(
+                xq,
+                wq.t(),
+                scale_a=xscale_t,
+                scale_recipe_a=ScalingType.BlockWise1x128,
+                scale_b=wscale.t(),
+                scale_recipe_b=ScalingType.BlockWise128x128,
+                output_dtype=torch.bfloat16,
+            )
+        )
     except Exception as error:  # noqa: BLE001 - report what this torch refuses
         print(f"block M={m}: {type(error).__name__}: {error}"[:300])
         return float("nan")

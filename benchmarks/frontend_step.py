@@ -39,8 +39,14 @@ async def run(args) -> dict:
     encoded_bytes = [0]
 
     async def stream(index: int) -> None:
-        body = msgspec.json.encode({"messages": [{"role": "user", "content": f"Tell story {index}"}],
-                                    "max_tokens": args.steps, "stream": True, "ignore_eos": True})
+        body = msgspec.json.encode(
+            {
+                "messages": [{"role": "user", "content": f"Tell story {index}"}],
+                "max_tokens": args.steps,
+                "stream": True,
+                "ignore_eos": True,
+            }
+        )
         call = ChatCall.build(server, msgspec.json.decode(body, type=ChatCompletionRequest), config.model_name)
         async with call.engine_call(server) as engine_call:
             async for chunk in call.chunks(server, engine_call):
@@ -72,8 +78,10 @@ async def run(args) -> dict:
         last = step == args.steps - 1
         start = time.perf_counter()
         for engine in server.engines:
-            deltas = [TokenDelta(core_id, [rng.choice(vocab)], finish_reason="length" if last else None)
-                      for core_id in core_ids[engine.dp_rank]]
+            deltas = [
+                TokenDelta(core_id, [rng.choice(vocab)], finish_reason="length" if last else None)
+                for core_id in core_ids[engine.dp_rank]
+            ]
             frame = codec.encode(EngineOutputs(outputs=deltas, num_running=len(deltas)))
             await server._on_engine_message(engine, codec.decode(frame))
         await streams_caught_up()
@@ -86,9 +94,13 @@ async def run(args) -> dict:
     times.sort()
     median = statistics.median(times)
     return {
-        "streams": args.streams, "steps": args.steps, "engines": args.engines,
-        "step_ms_median": round(median * 1e3, 3), "step_ms_p90": round(times[int(0.9 * len(times))] * 1e3, 3),
-        "us_per_token": round(median / args.streams * 1e6, 2), "sse_bytes": encoded_bytes[0],
+        "streams": args.streams,
+        "steps": args.steps,
+        "engines": args.engines,
+        "step_ms_median": round(median * 1e3, 3),
+        "step_ms_p90": round(times[int(0.9 * len(times))] * 1e3, 3),
+        "us_per_token": round(median / args.streams * 1e6, 2),
+        "sse_bytes": encoded_bytes[0],
     }
 
 

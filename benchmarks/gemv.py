@@ -19,11 +19,21 @@ from benchmarks.gpu_timing import graph_time_us
 from zllm.workers import kernels
 
 SHAPES = {  # name -> [(label, N, K)] per rank
-    "llama3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
-                  ("lm_head", 128256, 4096)],
+    "llama3-8b": [
+        ("qkv", 6144, 4096),
+        ("o", 4096, 4096),
+        ("gate_up", 28672, 4096),
+        ("down", 4096, 14336),
+        ("lm_head", 128256, 4096),
+    ],
     "qwen3-30b-a3b": [("qkv", 5120, 2048), ("o", 2048, 4096), ("router", 128, 2048), ("lm_head", 151936, 2048)],
-    "llama3-70b-tp2": [("qkv", 5120, 8192), ("o", 8192, 4096), ("gate_up", 28672, 8192), ("down", 8192, 14336),
-                       ("lm_head", 64128, 8192)],
+    "llama3-70b-tp2": [
+        ("qkv", 5120, 8192),
+        ("o", 8192, 4096),
+        ("gate_up", 28672, 8192),
+        ("down", 8192, 14336),
+        ("lm_head", 64128, 8192),
+    ],
 }
 CALLS, REPLAYS = 16, 10
 # "": one warp a row; "b<B>": split over gemv_split's warps, __launch_bounds__ minimum blocks B;
@@ -44,14 +54,27 @@ def main() -> None:
         outs = [torch.empty(1, n, device=device, dtype=torch.bfloat16) for _ in range(calls)]
         methods = {"cublas": lambda i: torch.matmul(x, weights[i].t(), out=outs[i])}
         for variant in VARIANTS:
-            methods[f"zllm{'-' + variant if variant else ''}"] = (
-                lambda i, variant=variant: kernels.gemv(outs[i], x, weights[i], variant=variant))
+            methods[f"zllm{'-' + variant if variant else ''}"] = lambda i, variant=variant: kernels.gemv(
+                outs[i], x, weights[i], variant=variant
+            )
         for name, fn in methods.items():
             micros = graph_time_us(fn, calls, REPLAYS)
-            print(json.dumps({"benchmark": "gemv", "shapes": args.shapes, "proj": label, "n": n, "k": k,
-                              "method": name, "us": round(micros, 2),
-                              "weight_TBps": round(n * k * 2 / micros / 1e6, 3)}), flush=True)
-        del weights, outs
+            print(
+                json.dumps(
+                    {
+                        "benchmark": "gemv",
+                        "shapes": args.shapes,
+                        "proj": label,
+                        "n": n,
+                        "k": k,
+                        "method": name,
+                        "us": round(micros, 2),
+                        "weight_TBps": round(n * k * 2 / micros / 1e6, 3),
+                    }
+                ),
+                flush=True,
+            )
+        weights = outs = None  # free the GPU memory before the next shape
         torch.cuda.empty_cache()
 
 

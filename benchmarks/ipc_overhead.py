@@ -31,8 +31,14 @@ def tiny_copy(model_dir: str, target: Path) -> str:
         if not name.endswith(".safetensors"):
             shutil.copy(os.path.join(model_dir, name), target / name)
     config = json.loads((target / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16)
+    config.update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     (target / "config.json").write_text(json.dumps(config))
     return str(target)
 
@@ -45,7 +51,9 @@ def workload(num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
 def run_inprocess(model: str, prompts, params, load_format: str) -> tuple[float, int]:
     from zllm import LLMEngine
 
-    engine = LLMEngine.from_engine_args(model, load_format=load_format, max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+    engine = LLMEngine.from_engine_args(
+        model, load_format=load_format, max_model_len=2048, kv_cache_memory_bytes=256 << 20
+    )
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
@@ -59,10 +67,27 @@ def run_processes(model: str, prompts, params, load_format: str, workdir: Path) 
 
     endpoint = f"ipc://{workdir}/bench.sock"
     server = subprocess.Popen(
-        [sys.executable, "-m", "zllm.launch.cli", "--model", model, "--zmq-endpoint", endpoint, "--load-format",
-         load_format, "--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--log-level", "WARNING",
-         "--port", "0"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "zllm.launch.cli",
+            "--model",
+            model,
+            "--zmq-endpoint",
+            endpoint,
+            "--load-format",
+            load_format,
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory",
+            "256MiB",
+            "--log-level",
+            "WARNING",
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         while "zllm ready" not in server.stdout.readline():
@@ -72,7 +97,9 @@ def run_processes(model: str, prompts, params, load_format: str, workdir: Path) 
         async def drive() -> float:
             async with AsyncClient(endpoint) as client:
                 start = time.perf_counter()
-                await asyncio.gather(*[client.generate(prompt_token_ids=ids, sampling_params=params) for ids in prompts])
+                await asyncio.gather(
+                    *[client.generate(prompt_token_ids=ids, sampling_params=params) for ids in prompts]
+                )
                 return time.perf_counter() - start
 
         elapsed = asyncio.run(drive())
@@ -110,13 +137,23 @@ def main() -> None:
         t_in, steps_in = run_inprocess(model, prompts, params, load_format)
         t_mp, steps_mp = run_processes(model, prompts, params, load_format, workdir)
     tokens = args.num_prompts * args.output_len
-    print(json.dumps({
-        "model": "tiny-1-layer" if args.tiny else os.path.basename(model),
-        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-        "inprocess_s": round(t_in, 3), "inprocess_tokens_per_s": round(tokens / t_in, 1), "inprocess_steps": steps_in,
-        "processes_s": round(t_mp, 3), "processes_tokens_per_s": round(tokens / t_mp, 1), "processes_steps": steps_mp,
-        "overhead_us_per_step": round((t_mp - t_in) / steps_mp * 1e6, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "model": "tiny-1-layer" if args.tiny else os.path.basename(model),
+                "num_prompts": args.num_prompts,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "inprocess_s": round(t_in, 3),
+                "inprocess_tokens_per_s": round(tokens / t_in, 1),
+                "inprocess_steps": steps_in,
+                "processes_s": round(t_mp, 3),
+                "processes_tokens_per_s": round(tokens / t_mp, 1),
+                "processes_steps": steps_mp,
+                "overhead_us_per_step": round((t_mp - t_in) / steps_mp * 1e6, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

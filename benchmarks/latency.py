@@ -33,23 +33,42 @@ def main() -> None:
     parser.add_argument("--piecewise-cuda-graphs", action="store_true", help="prefill steps as piecewise CUDA graphs")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="default: the engine's (on with CUDA)")
-    parser.add_argument("--custom-all-reduce-max-size", dest="custom_all_reduce_max_bytes", type=parse_size,
-                        default=0, help="GPU tp: symmetric-memory all-reduce up to this size (default 0: NCCL)")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: the engine's (on with CUDA)",
+    )
+    parser.add_argument(
+        "--custom-all-reduce-max-size",
+        dest="custom_all_reduce_max_bytes",
+        type=parse_size,
+        default=0,
+        help="GPU tp: symmetric-memory all-reduce up to this size (default 0: NCCL)",
+    )
     args = parser.parse_args()
 
     from zllm import LLM, SamplingParams
 
-    llm = LLM(args.model, load_format=args.load_format, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, max_model_len=args.max_model_len,
-              enforce_eager=args.enforce_eager, piecewise_cuda_graphs=args.piecewise_cuda_graphs, max_num_seqs=max(args.batch_size, 8),
-              tensor_parallel_size=args.tp, async_scheduling=args.async_scheduling,
-              custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes)
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        piecewise_cuda_graphs=args.piecewise_cuda_graphs,
+        max_num_seqs=max(args.batch_size, 8),
+        tensor_parallel_size=args.tp,
+        async_scheduling=args.async_scheduling,
+        custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes,
+    )
     vocab = llm.engine.processor.vocab_size
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}
-               for _ in range(args.batch_size)]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]} for _ in range(args.batch_size)
+    ]
 
     def timed(max_tokens: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
@@ -61,13 +80,25 @@ def main() -> None:
     full = [timed(args.output_len) for _ in range(args.iters)]
     first = [timed(1) for _ in range(args.iters)]
     per_token_ms = (statistics.median(full) - statistics.median(first)) / (args.output_len - 1) * 1e3
-    print(json.dumps({
-        "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
-        "median_total_s": round(statistics.median(full), 4), "median_ttft_s": round(statistics.median(first), 4),
-        "decode_ms_per_token": round(per_token_ms, 3), "enforce_eager": args.enforce_eager, "piecewise_cuda_graphs": args.piecewise_cuda_graphs,
-        "async_scheduling": llm.engine.config.async_scheduling, "tp": args.tp, "quantization": args.quantization,
-        "kv_cache_dtype": args.kv_cache_dtype, "custom_all_reduce_max_bytes": args.custom_all_reduce_max_bytes,
-    }))
+    print(
+        json.dumps(
+            {
+                "batch_size": args.batch_size,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "median_total_s": round(statistics.median(full), 4),
+                "median_ttft_s": round(statistics.median(first), 4),
+                "decode_ms_per_token": round(per_token_ms, 3),
+                "enforce_eager": args.enforce_eager,
+                "piecewise_cuda_graphs": args.piecewise_cuda_graphs,
+                "async_scheduling": llm.engine.config.async_scheduling,
+                "tp": args.tp,
+                "quantization": args.quantization,
+                "kv_cache_dtype": args.kv_cache_dtype,
+                "custom_all_reduce_max_bytes": args.custom_all_reduce_max_bytes,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -62,10 +62,13 @@ def run_shape(name: str, batches: list[int], loop_batches: set[int]) -> None:
     experts, top_k, hidden, inter = SHAPES[name]
     layer_bytes = experts * 3 * inter * hidden * 2
     layers = max(2, WEIGHT_BYTES_PER_CASE // layer_bytes)
-    gate_ups = [torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * hidden**-0.5
-                for _ in range(layers)]
-    downs = [torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * inter**-0.5
-             for _ in range(layers)]
+    gate_ups = [
+        torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * hidden**-0.5
+        for _ in range(layers)
+    ]
+    downs = [
+        torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * inter**-0.5 for _ in range(layers)
+    ]
     for batch in batches:
         x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
         weights, ids = moe_route(torch.randn(batch, experts, device="cuda"), top_k, True, True)
@@ -76,23 +79,36 @@ def run_shape(name: str, batches: list[int], loop_batches: set[int]) -> None:
         methods = {"fused": lambda i: fused.fused_experts(x, weights, ids32, gate_ups[i], downs[i])}
         if batch <= 16:  # the sort-free GEMVs: each (token, slot) pair reads its expert
             for split, bound in fused.GEMV_BUILDS:
-                methods[f"gemv-s{split}-{bound}"] = (
-                    lambda i, split=split, bound=bound: fused.gemv_experts(x, weights, ids32, gate_ups[i], downs[i],
-                                                                           split=split, bound=bound))
+                methods[f"gemv-s{split}-{bound}"] = lambda i, split=split, bound=bound: fused.gemv_experts(
+                    x, weights, ids32, gate_ups[i], downs[i], split=split, bound=bound
+                )
         if fused.tile_rows(batch * top_k, experts) == 16:  # the 16-row tiles without split-K
-            methods["fused-nosplit"] = lambda i: fused.fused_experts(x, weights, ids32, gate_ups[i], downs[i],
-                                                                     variant="nosplit")
+            methods["fused-nosplit"] = lambda i: fused.fused_experts(
+                x, weights, ids32, gate_ups[i], downs[i], variant="nosplit"
+            )
         if fused.grouped_mm_available(x.device) and batch >= 8:
             methods["grouped-mm"] = lambda i: fused.grouped_mm_experts(x, weights, ids32, gate_ups[i], downs[i])
         if batch in loop_batches:
             methods["torch-loop"] = lambda i: expert_loop(x, weights, ids, gate_ups[i], downs[i])
         for method, fn in methods.items():
             micros = graph_time_us(fn, layers, REPLAYS) if method != "torch-loop" else eager_time_us(fn, layers)
-            print(json.dumps({"benchmark": "moe_kernels", "shape": name, "batch": batch, "method": method,
-                              "experts_chosen": chosen, "tile_rows": fused.tile_rows(batch * top_k, experts),
-                              "us_per_layer": round(micros, 1), "chosen_weights_GBps": round(read / micros / 1e3, 1),
-                              "TFLOPs": round(flops / micros / 1e6, 1)}), flush=True)
-    del gate_ups, downs
+            print(
+                json.dumps(
+                    {
+                        "benchmark": "moe_kernels",
+                        "shape": name,
+                        "batch": batch,
+                        "method": method,
+                        "experts_chosen": chosen,
+                        "tile_rows": fused.tile_rows(batch * top_k, experts),
+                        "us_per_layer": round(micros, 1),
+                        "chosen_weights_GBps": round(read / micros / 1e3, 1),
+                        "TFLOPs": round(flops / micros / 1e6, 1),
+                    }
+                ),
+                flush=True,
+            )
+    gate_ups = downs = None  # free the GPU memory before the next shape
     torch.cuda.empty_cache()
 
 
@@ -102,9 +118,17 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256, 2048])
     parser.add_argument("--loop-batches", nargs="*", type=int, default=[1, 256], help="also time the torch loop here")
     args = parser.parse_args()
-    print(json.dumps({"benchmark": "moe_kernels", "device": torch.cuda.get_device_name(),
-                      "copy_GBps": round(copy_bandwidth_gbps(), 1), "bf16_matmul_TFLOPs": round(matmul_tflops(), 1)}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "moe_kernels",
+                "device": torch.cuda.get_device_name(),
+                "copy_GBps": round(copy_bandwidth_gbps(), 1),
+                "bf16_matmul_TFLOPs": round(matmul_tflops(), 1),
+            }
+        ),
+        flush=True,
+    )
     for name in args.shapes:
         run_shape(name, args.batches, set(args.loop_batches))
 

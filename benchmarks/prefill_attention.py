@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-import numpy as np
 
 from zllm.workers.attention import AttentionMetadata, _prefill_attention, pack_prefill, packed_prefill_of
 from zllm.workers.ops import CudaOps
@@ -36,14 +35,25 @@ def case(prefix: int, chunk: int) -> dict:
     table = torch.randperm(blocks * 2, device="cuda")[:blocks][None].to(torch.int32)
     query = torch.randn(chunk, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     meta = AttentionMetadata(
-        slot_mapping=torch.empty(0), block_tables=table, seq_lens=torch.tensor([seq]), seq_lens_list=[seq],
-        query_start_loc=[0, chunk], num_decodes=0, block_size=BLOCK,
+        slot_mapping=torch.empty(0),
+        block_tables=table,
+        seq_lens=torch.tensor([seq]),
+        seq_lens_list=[seq],
+        query_start_loc=[0, chunk],
+        num_decodes=0,
+        block_size=BLOCK,
     )
     result = {"prefix": prefix, "chunk": chunk}
-    for name, backends in [("auto", None), ("flash", [SDPBackend.FLASH_ATTENTION]),
-                           ("efficient", [SDPBackend.EFFICIENT_ATTENTION]), ("math", [SDPBackend.MATH])]:
+    for name, backends in [
+        ("auto", None),
+        ("flash", [SDPBackend.FLASH_ATTENTION]),
+        ("efficient", [SDPBackend.EFFICIENT_ATTENTION]),
+        ("math", [SDPBackend.MATH]),
+    ]:
         try:
-            result[f"{name}_us"] = round(time_us(lambda: _prefill_attention(query, cache, meta, 0, HEAD_DIM**-0.5), backends), 1)
+            result[f"{name}_us"] = round(
+                time_us(lambda: _prefill_attention(query, cache, meta, 0, HEAD_DIM**-0.5), backends), 1
+            )
         except RuntimeError as error:  # a backend may refuse the shape or mask
             result[f"{name}_us"] = f"unsupported: {str(error).splitlines()[0][:80]}"
     ops = CudaOps(torch.device("cuda"))
@@ -94,12 +104,18 @@ def step_case(name: str, requests: list[tuple[int, int]]) -> dict:
     cache = torch.randn(2, sum(blocks), BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     query = torch.randn(query_start_loc[-1], HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     meta = AttentionMetadata(
-        slot_mapping=torch.empty(0), block_tables=torch.from_numpy(table).to("cuda", torch.int32),
-        seq_lens=torch.tensor(seq_lens, device="cuda"), seq_lens_list=seq_lens, query_start_loc=query_start_loc,
-        num_decodes=0, block_size=BLOCK,
+        slot_mapping=torch.empty(0),
+        block_tables=torch.from_numpy(table).to("cuda", torch.int32),
+        seq_lens=torch.tensor(seq_lens, device="cuda"),
+        seq_lens_list=seq_lens,
+        query_start_loc=query_start_loc,
+        num_decodes=0,
+        block_size=BLOCK,
     )
     slots, cu = pack_prefill(table, seq_lens, query_start_loc, 0, BLOCK)
-    packed = packed_prefill_of(torch.from_numpy(slots).cuda(), torch.from_numpy(cu).cuda(), seq_lens, query_start_loc, 0)
+    packed = packed_prefill_of(
+        torch.from_numpy(slots).cuda(), torch.from_numpy(cu).cuda(), seq_lens, query_start_loc, 0
+    )
     ops = CudaOps(torch.device("cuda"))
 
     def run(layout):

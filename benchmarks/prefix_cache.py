@@ -37,8 +37,12 @@ def run(args, prompts: list[list[int]], caching: bool) -> dict:
     from zllm import LLMEngine, SamplingParams
 
     engine = LLMEngine.from_engine_args(
-        args.model, dtype=args.dtype, device=args.device, enable_prefix_caching=caching,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        enable_prefix_caching=caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
@@ -82,7 +86,8 @@ def run(args, prompts: list[list[int]], caching: bool) -> dict:
         "ttft_p90_s": round(ttft[int(0.9 * (len(ttft) - 1))], 3),
         "prefix_cache_hit_rate": round(
             (stats.prefix_cache_hits - before.prefix_cache_hits)
-            / max(1, stats.prefix_cache_queries - before.prefix_cache_queries), 3
+            / max(1, stats.prefix_cache_queries - before.prefix_cache_queries),
+            3,
         ),
     }
     print(json.dumps(result), flush=True)
@@ -118,14 +123,21 @@ def main() -> None:
     from zllm.model_files import resolve_model_dir
 
     args.model = str(resolve_model_dir(args.model))
-    prompts = make_workload(load_tokenizer(args.model), args.num_requests, args.system_len, args.question_len, args.seed)
+    prompts = make_workload(
+        load_tokenizer(args.model), args.num_requests, args.system_len, args.question_len, args.seed
+    )
     results = {mode: run(args, prompts, mode == "on") for mode in args.modes.split(",")}
     if set(results) == {"on", "off"}:
         on, off = results["on"], results["off"]
-        print(json.dumps({
-            "speedup_total_tokens_per_s": round(on["total_tokens_per_s"] / off["total_tokens_per_s"], 2),
-            "ttft_mean_ratio_off_over_on": round(off["ttft_mean_s"] / on["ttft_mean_s"], 2),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "speedup_total_tokens_per_s": round(on["total_tokens_per_s"] / off["total_tokens_per_s"], 2),
+                    "ttft_mean_ratio_off_over_on": round(off["ttft_mean_s"] / on["ttft_mean_s"], 2),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -37,11 +37,22 @@ PASSAGE = (
 )
 
 PROMPTS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
-    "List three uses of copper.", "Who wrote Pride and Prejudice?", "How do I boil an egg?",
-    "Translate 'good morning' into Spanish.", "What is 17 times 23?", "Describe a cat to someone who has never seen one.",
-    "Give me a tip for learning to code.", "Why is the sky blue?", "Name the planets of the solar system.",
-    "What does a compiler do?", "Suggest a name for a bakery.", "Summarize the plot of Hamlet.", "What is a prime number?",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three uses of copper.",
+    "Who wrote Pride and Prejudice?",
+    "How do I boil an egg?",
+    "Translate 'good morning' into Spanish.",
+    "What is 17 times 23?",
+    "Describe a cat to someone who has never seen one.",
+    "Give me a tip for learning to code.",
+    "Why is the sky blue?",
+    "Name the planets of the solar system.",
+    "What does a compiler do?",
+    "Suggest a name for a bakery.",
+    "Summarize the plot of Hamlet.",
+    "What is a prime number?",
 ]
 MAX_TOKENS = 64
 
@@ -62,8 +73,13 @@ def hf_reference(model_dir: str, tokenizer, device: str) -> dict:
             for prompt in PROMPTS:
                 prompt_ids = torch.tensor([chat_ids(tokenizer, prompt)], device=device)
                 with torch.no_grad():
-                    out = model.generate(prompt_ids, max_new_tokens=MAX_TOKENS, do_sample=False, attention_mask=torch.ones_like(prompt_ids))
-                outputs.append(out[0, prompt_ids.shape[1]:].tolist())
+                    out = model.generate(
+                        prompt_ids,
+                        max_new_tokens=MAX_TOKENS,
+                        do_sample=False,
+                        attention_mask=torch.ones_like(prompt_ids),
+                    )
+                outputs.append(out[0, prompt_ids.shape[1] :].tolist())
             result["hf_fp32_greedy"] = outputs
             result["hf_fp32_greedy_mean_len"] = round(sum(map(len, outputs)) / len(outputs), 1)
         del model
@@ -78,12 +94,22 @@ def release_memory() -> None:
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
-def zllm_run(model_dir: str, tokenizer, dtype: str, packed: bool, budget: int | None, reference: list[list[int]],
-             quantization: str | None = None, kv_cache_dtype: str = "auto", max_num_seqs: int | None = None) -> dict:
+def zllm_run(
+    model_dir: str,
+    tokenizer,
+    dtype: str,
+    packed: bool,
+    budget: int | None,
+    reference: list[list[int]],
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
+    max_num_seqs: int | None = None,
+) -> dict:
     from zllm import LLM, SamplingParams
     from zllm.workers import ops
 
@@ -93,23 +119,43 @@ def zllm_run(model_dir: str, tokenizer, dtype: str, packed: bool, budget: int | 
         kwargs["max_num_seqs"] = max_num_seqs
     if quantization:
         kwargs["quantization"] = quantization
-    llm = LLM(model=model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=0.3, max_model_len=1024, **kwargs)
+    llm = LLM(
+        model=model_dir,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        gpu_memory_utilization=0.3,
+        max_model_len=1024,
+        **kwargs,
+    )
     try:
         passage = tokenizer.encode(PASSAGE)
-        [out] = llm.generate([{"prompt_token_ids": passage}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        nll = -sum(entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], passage[1:])) / (len(passage) - 1)
-        outs = llm.generate([{"prompt_token_ids": chat_ids(tokenizer, p)} for p in PROMPTS],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+        [out] = llm.generate(
+            [{"prompt_token_ids": passage}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+        )
+        nll = -sum(entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], passage[1:])) / (
+            len(passage) - 1
+        )
+        outs = llm.generate(
+            [{"prompt_token_ids": chat_ids(tokenizer, p)} for p in PROMPTS],
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+            use_tqdm=False,
+        )
     finally:
         llm.shutdown()
         release_memory()
     ours = [list(o.outputs[0].token_ids) for o in outs]
     prefixes = [common_prefix(a, b) for a, b in zip(ours, reference)]
-    return {"dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype, "packed_prefill": packed, "max_num_batched_tokens": budget,
-            "max_num_seqs": max_num_seqs,
-            "ppl": round(math.exp(nll), 3),
-            "greedy_equal": f"{sum(a == b for a, b in zip(ours, reference))}/{len(PROMPTS)}",
-            "mean_common_prefix": round(sum(prefixes) / len(prefixes), 1)}
+    return {
+        "dtype": dtype,
+        "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype,
+        "packed_prefill": packed,
+        "max_num_batched_tokens": budget,
+        "max_num_seqs": max_num_seqs,
+        "ppl": round(math.exp(nll), 3),
+        "greedy_equal": f"{sum(a == b for a, b in zip(ours, reference))}/{len(PROMPTS)}",
+        "mean_common_prefix": round(sum(prefixes) / len(prefixes), 1),
+    }
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -125,8 +171,11 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--device", default="cuda", help="where HF runs (cpu: a quick check of this script)")
     parser.add_argument("--quick", action="store_true", help="skip the prefill-path and step-budget variants")
-    parser.add_argument("--batch-one", action="store_true",
-                        help="also generate one sequence at a time (max_num_seqs 1: batch-1 decode, the GEMVs)")
+    parser.add_argument(
+        "--batch-one",
+        action="store_true",
+        help="also generate one sequence at a time (max_num_seqs 1: batch-1 decode, the GEMVs)",
+    )
     args = parser.parse_args()
     from zllm.frontend.tokenizer import load_tokenizer
     from zllm.model_files import resolve_model_dir
@@ -135,22 +184,45 @@ def main() -> None:
     tokenizer = load_tokenizer(model_dir)
     hf = hf_reference(model_dir, tokenizer, args.device)
     reference = hf.pop("hf_fp32_greedy")
-    print(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "passage_tokens": len(tokenizer.encode(PASSAGE)), **hf}), flush=True)
+    print(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+                "passage_tokens": len(tokenizer.encode(PASSAGE)),
+                **hf,
+            }
+        ),
+        flush=True,
+    )
     runs = []
-    configs = [("float32", True, None, None), ("bfloat16", True, None, None), ("bfloat16", False, None, None),
-               ("bfloat16", True, 64, None), ("bfloat16", False, 64, None), ("bfloat16", True, None, "fp8"),
-               ("float32", True, None, "fp8"), ("bfloat16", True, 64, "fp8")]
+    configs = [
+        ("float32", True, None, None),
+        ("bfloat16", True, None, None),
+        ("bfloat16", False, None, None),
+        ("bfloat16", True, 64, None),
+        ("bfloat16", False, 64, None),
+        ("bfloat16", True, None, "fp8"),
+        ("float32", True, None, "fp8"),
+        ("bfloat16", True, 64, "fp8"),
+    ]
     configs = [(*c, "auto") for c in configs] + [  # the FP8 KV cache: alone, and with FP8 weights
-        ("float32", True, None, None, "fp8"), ("bfloat16", True, None, None, "fp8"), ("bfloat16", True, None, "fp8", "fp8")]
+        ("float32", True, None, None, "fp8"),
+        ("bfloat16", True, None, None, "fp8"),
+        ("bfloat16", True, None, "fp8", "fp8"),
+    ]
     if args.quick:
         configs = [c for c in configs if c[1] and c[2] is None]
     configs = [(*c, None) for c in configs]
     if args.batch_one:  # every decode step at batch 1: the GEMV kernels (one token) on every projection
-        configs += [("float32", True, None, None, "auto", 1), ("bfloat16", True, None, None, "auto", 1),
-                    ("bfloat16", True, None, "fp8", "auto", 1)]
+        configs += [
+            ("float32", True, None, None, "auto", 1),
+            ("bfloat16", True, None, None, "auto", 1),
+            ("bfloat16", True, None, "fp8", "auto", 1),
+        ]
     for dtype, packed, budget, quantization, kv_cache_dtype, max_num_seqs in configs:
-        runs.append(zllm_run(model_dir, tokenizer, dtype, packed, budget, reference, quantization, kv_cache_dtype,
-                             max_num_seqs))
+        runs.append(
+            zllm_run(model_dir, tokenizer, dtype, packed, budget, reference, quantization, kv_cache_dtype, max_num_seqs)
+        )
         print(json.dumps(runs[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -100,8 +100,15 @@ async def one_request(session, args, prompt: list[int], output_len: int, start: 
     import aiohttp
 
     result = Result(sent=time.perf_counter() - start, prompt_len=len(prompt), output_len=output_len)
-    body = {"model": args.model_name, "prompt": prompt, "max_tokens": output_len, "temperature": args.temperature,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": args.model_name,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": args.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         async with session.post(f"{args.base_url}/v1/completions", json=body) as response:
             if response.status != 200:
@@ -134,9 +141,12 @@ async def run(args, prompts, outputs, arrivals) -> tuple[list[Result], float]:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=args.timeout)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
-        args.model_name = args.model_name or (await (await session.get(f"{args.base_url}/v1/models")).json())["data"][0]["id"]
+    async with aiohttp.ClientSession(
+        headers=headers, timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
+        args.model_name = (
+            args.model_name or (await (await session.get(f"{args.base_url}/v1/models")).json())["data"][0]["id"]
+        )
         await one_request(session, args, prompts[0][:8], 4, time.perf_counter())  # warm-up
         start = time.perf_counter()
 
@@ -156,8 +166,11 @@ def _summary(values: list[float]) -> dict[str, float]:
         return {"mean": math.nan, "median": math.nan, "p99": math.nan}
     ordered = sorted(values)
     p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-    return {"mean": round(statistics.fmean(values) * 1e3, 2), "median": round(statistics.median(values) * 1e3, 2),
-            "p99": round(p99 * 1e3, 2)}
+    return {
+        "mean": round(statistics.fmean(values) * 1e3, 2),
+        "median": round(statistics.median(values) * 1e3, 2),
+        "p99": round(p99 * 1e3, 2),
+    }
 
 
 def report(args, results: list[Result], duration: float) -> dict:
@@ -165,14 +178,21 @@ def report(args, results: list[Result], duration: float) -> dict:
     out_tokens = sum(r.tokens for r in done)
     in_tokens = sum(r.prompt_len for r in done)
     return {
-        "base_url": args.base_url, "model": args.model_name, "dataset": args.dataset, "arrival": args.arrival,
-        "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "num_prompts": len(results), "completed": len(done),
-        "failed": len(results) - len(done), "errors": sorted({r.error for r in results if r.error})[:5],
+        "base_url": args.base_url,
+        "model": args.model_name,
+        "dataset": args.dataset,
+        "arrival": args.arrival,
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+        "num_prompts": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error})[:5],
         "duration_s": round(duration, 3),
         "request_throughput": round(len(done) / duration, 3),
         "output_token_throughput": round(out_tokens / duration, 1),
         "total_token_throughput": round((in_tokens + out_tokens) / duration, 1),
-        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
         "ttft_ms": _summary([r.ttft for r in done if r.chunk_times]),
         "tpot_ms": _summary([t for r in done if (t := r.tpot) is not None]),
         "itl_ms": _summary([gap for r in done for gap in r.itls]),
@@ -210,8 +230,10 @@ def plot(path: str, results: list[Result], summary: dict) -> None:
     axes[1][1].step(xs, ys, where="post")
     axes[1][1].set(xlabel="time (s)", ylabel="requests", title="Requests in flight")
     arrival = "burst" if summary["request_rate"] is None else f"{summary['arrival']} at {summary['request_rate']} req/s"
-    figure.suptitle(f"{summary['model']}: {summary['completed']} requests ({summary['dataset']}), {arrival}; "
-                    f"{summary['output_token_throughput']} output tok/s")
+    figure.suptitle(
+        f"{summary['model']}: {summary['completed']} requests ({summary['dataset']}), {arrival}; "
+        f"{summary['output_token_throughput']} output tok/s"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -221,8 +243,11 @@ def main() -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--model-name", default=None, help="the served model (default: the server's first)")
-    parser.add_argument("--model", default=None, help="HF directory whose vocabulary sizes the random prompts "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF directory whose vocabulary sizes the random prompts (default: the embedded SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (inf: burst)")
     parser.add_argument("--arrival", choices=["poisson", "burst"], default="poisson")

@@ -101,7 +101,9 @@ class Tally:
         self.completed += 1
         self.outcomes[(plan.transport, plan.kind, "ok" if outcome == "ok" else "unexpected")] += 1
         if outcome != "ok" and len(self.unexpected) < 20:
-            self.unexpected.append(f"#{plan.index} {plan.transport} {plan.kind}{'/' + plan.bad if plan.bad else ''}: {outcome}")
+            self.unexpected.append(
+                f"#{plan.index} {plan.transport} {plan.kind}{'/' + plan.bad if plan.bad else ''}: {outcome}"
+            )
 
 
 # ---- the plan ---------------------------------------------------------------------------------------
@@ -148,15 +150,23 @@ def _bad_prompt(plan: Plan, rng: random.Random, vocab_size: int, max_model_len: 
 
 async def http_request(session, server: Server, plan: Plan) -> str:
     """Run one planned request over HTTP; "ok" or what went wrong."""
-    body = {"model": server.model_name, "prompt": plan.prompt, "max_tokens": plan.max_tokens, "n": plan.n,
-            "ignore_eos": True, "stream": plan.stream, "temperature": 0.8}
+    body = {
+        "model": server.model_name,
+        "prompt": plan.prompt,
+        "max_tokens": plan.max_tokens,
+        "n": plan.n,
+        "ignore_eos": True,
+        "stream": plan.stream,
+        "temperature": 0.8,
+    }
     if plan.stream:
         body["stream_options"] = {"include_usage": True}
     if plan.bad == "too_many_logprobs":
         body["logprobs"] = 1000
     data = b"{not json" if plan.bad == "malformed" else json.dumps(body).encode()
-    async with session.post(f"{server.base_url}/v1/completions", data=data,
-                            headers={"Content-Type": "application/json"}) as response:
+    async with session.post(
+        f"{server.base_url}/v1/completions", data=data, headers={"Content-Type": "application/json"}
+    ) as response:
         if plan.kind == "bad":
             return "ok" if response.status == 400 else f"HTTP {response.status} for a bad request"
         if response.status != 200:
@@ -207,8 +217,13 @@ async def _zmq_on(client, plan: Plan) -> str:
     from zllm import SamplingParams
     from zllm.client import RequestError
 
-    params = SamplingParams(n=plan.n, max_tokens=plan.max_tokens, ignore_eos=True, temperature=0.8,
-                            logprobs=1000 if plan.bad == "too_many_logprobs" else None)
+    params = SamplingParams(
+        n=plan.n,
+        max_tokens=plan.max_tokens,
+        ignore_eos=True,
+        temperature=0.8,
+        logprobs=1000 if plan.bad == "too_many_logprobs" else None,
+    )
     try:
         if plan.kind == "abort":
             return await _leave_early(client.stream(prompt_token_ids=plan.prompt, sampling_params=params), plan)
@@ -243,8 +258,11 @@ async def _vanish_mid_stream(endpoint: str, plan: Plan) -> str:
     try:
         socket.connect(endpoint)
         sampling = {"max_tokens": plan.max_tokens, "ignore_eos": True, "n": plan.n}
-        await socket.send(Codec(ClientToServer).encode(ClientGenerate(f"vanish-{plan.index}", prompt_token_ids=plan.prompt,
-                                                                      sampling=sampling)))
+        await socket.send(
+            Codec(ClientToServer).encode(
+                ClientGenerate(f"vanish-{plan.index}", prompt_token_ids=plan.prompt, sampling=sampling)
+            )
+        )
         decoder = Codec(ServerToClient)
         for _ in range(plan.cut_after):
             message = decoder.decode(await socket.recv())
@@ -267,8 +285,10 @@ async def run_plans(plans: Iterator[Plan], server: Server, args, tally: Tally, s
 
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     queue = iter(plans)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session, \
-            AsyncClient(server.endpoint, timeout=args.request_timeout) as client:
+    async with (
+        aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session,
+        AsyncClient(server.endpoint, timeout=args.request_timeout) as client,
+    ):
 
         async def worker() -> None:
             for plan in queue:
@@ -313,14 +333,20 @@ def measure_process(pid: int) -> dict[str, float]:
     process = psutil.Process(pid)
     with process.oneshot():
         cpu = process.cpu_times()
-        return {"rss_mib": round(process.memory_info().rss / 2**20, 1), "fds": process.num_fds(),
-                "threads": process.num_threads(), "cpu_s": round(cpu.user + cpu.system, 1)}
+        return {
+            "rss_mib": round(process.memory_info().rss / 2**20, 1),
+            "fds": process.num_fds(),
+            "threads": process.num_threads(),
+            "cpu_s": round(cpu.user + cpu.system, 1),
+        }
 
 
 async def take_sample(client, pids: dict[str, int], start: float, phase: str, completed: int) -> Sample:
     stats = await client.stats()
-    engine = {key: stats[key] for key in ("num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting",
-                                          "num_requests", "num_steps")}
+    engine = {
+        key: stats[key]
+        for key in ("num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "num_requests", "num_steps")
+    }
     processes = {name: measure_process(pid) for name, pid in pids.items()}
     return Sample(round(time.monotonic() - start, 2), phase, completed, processes, engine)
 
@@ -335,9 +361,11 @@ async def sample_every(interval: float, client, pids, start: float, state: dict,
 def _progress(sample: Sample) -> str:
     engine = sample.engine
     rss = " ".join(f"{name.split()[0]} {p['rss_mib']:.0f}" for name, p in sample.processes.items())
-    return (f"{sample.t:7.1f}s {sample.phase:6} done {sample.completed:6} | running {engine['num_running']:3} "
-            f"waiting {engine['num_waiting']:3} free KV {engine['num_free_kv_blocks']}/{engine['num_kv_blocks']} | "
-            f"RSS MiB {rss}")
+    return (
+        f"{sample.t:7.1f}s {sample.phase:6} done {sample.completed:6} | running {engine['num_running']:3} "
+        f"waiting {engine['num_waiting']:3} free KV {engine['num_free_kv_blocks']}/{engine['num_kv_blocks']} | "
+        f"RSS MiB {rss}"
+    )
 
 
 # ---- checks -----------------------------------------------------------------------------------------
@@ -350,10 +378,18 @@ def growth_bounds(args) -> dict[str, float]:
 def check(baseline: Sample, final: Sample, tally: Tally, args) -> list[dict]:
     engine = final.engine
     checks = [
-        _check("free KV blocks back to the total", engine["num_free_kv_blocks"], engine["num_kv_blocks"],
-               engine["num_free_kv_blocks"] == engine["num_kv_blocks"]),
-        _check("engine running + waiting", engine["num_running"] + engine["num_waiting"], 0,
-               engine["num_running"] + engine["num_waiting"] == 0),
+        _check(
+            "free KV blocks back to the total",
+            engine["num_free_kv_blocks"],
+            engine["num_kv_blocks"],
+            engine["num_free_kv_blocks"] == engine["num_kv_blocks"],
+        ),
+        _check(
+            "engine running + waiting",
+            engine["num_running"] + engine["num_waiting"],
+            0,
+            engine["num_running"] + engine["num_waiting"] == 0,
+        ),
         _check("requests held by the frontend", engine["num_requests"], 0, engine["num_requests"] == 0),
         _check("requests that ended wrongly or hung", len(tally.unexpected), 0, not tally.unexpected),
     ]
@@ -373,16 +409,28 @@ def _check(name: str, value, bound, ok: bool) -> dict:
 
 
 def start_server(args, workdir: Path) -> Server:
-    command = [sys.executable, "-m", "zllm.launch.cli", "--zmq-endpoint", f"ipc://{workdir}/soak.sock",
-               "--runtime-dir", str(workdir / "rt"), "--port", "0", "--log-level", "WARNING"]
+    command = [
+        sys.executable,
+        "-m",
+        "zllm.launch.cli",
+        "--zmq-endpoint",
+        f"ipc://{workdir}/soak.sock",
+        "--runtime-dir",
+        str(workdir / "rt"),
+        "--port",
+        "0",
+        "--log-level",
+        "WARNING",
+    ]
     if args.model:
         command += ["--model", args.model]
     if args.load_format:
         command += ["--load-format", args.load_format]
     log_path = workdir / "server.log"
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command + args.server_args, stdout=log, stderr=subprocess.STDOUT,
-                                   preexec_fn=_terminate_with_parent)
+        process = subprocess.Popen(
+            command + args.server_args, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_terminate_with_parent
+        )
     deadline = time.monotonic() + args.startup_timeout
     while (match := READY.search(log_path.read_text(errors="replace"))) is None:
         if process.poll() is not None or time.monotonic() > deadline:
@@ -455,13 +503,20 @@ def report(args, server: Server, samples, baseline: Sample, final: Sample, tally
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "model": server.model_name, "max_model_len": server.max_model_len,
-        "num_requests": tally.completed, "planned_requests": args.num_requests, "concurrency": args.concurrency,
-        "load_s": round(load_s, 1), "requests_per_s": round(tally.completed / load_s, 2),
+        "model": server.model_name,
+        "max_model_len": server.max_model_len,
+        "num_requests": tally.completed,
+        "planned_requests": args.num_requests,
+        "concurrency": args.concurrency,
+        "load_s": round(load_s, 1),
+        "requests_per_s": round(tally.completed / load_s, 2),
         "outcomes": {" ".join(key): count for key, count in sorted(tally.outcomes.items())},
         "unexpected": tally.unexpected,
-        "baseline": asdict(baseline), "final": asdict(final),
-        "bounds": growth_bounds(args), "checks": checks, "ok": all(c["ok"] for c in checks),
+        "baseline": asdict(baseline),
+        "final": asdict(final),
+        "bounds": growth_bounds(args),
+        "checks": checks,
+        "ok": all(c["ok"] for c in checks),
         "samples": [asdict(sample) for sample in samples],
     }
 
@@ -470,8 +525,10 @@ def plot(path: str, result: dict) -> None:
     try:
         import matplotlib
     except ImportError:  # a plot is a convenience: the checks and the JSON stand without it
-        print(f"matplotlib is not installed: no plot at {path} (pip install matplotlib; --plot-from redraws it)",
-              file=sys.stderr)
+        print(
+            f"matplotlib is not installed: no plot at {path} (pip install matplotlib; --plot-from redraws it)",
+            file=sys.stderr,
+        )
         return
 
     matplotlib.use("Agg")
@@ -502,8 +559,10 @@ def plot(path: str, result: dict) -> None:
     for axis in (axes[1][0], axes[1][1]):
         axis.set_xlabel("time (s)")
     _shade_phases(axes, samples)
-    figure.suptitle(f"soak: {result['num_requests']} requests at concurrency {result['concurrency']} "
-                    f"({result['model']}), {result['requests_per_s']} req/s; checks {'pass' if result['ok'] else 'FAIL'}")
+    figure.suptitle(
+        f"soak: {result['num_requests']} requests at concurrency {result['concurrency']} "
+        f"({result['model']}), {result['requests_per_s']} req/s; checks {'pass' if result['ok'] else 'FAIL'}"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
@@ -551,8 +610,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-interval", type=float, default=5.0, help="seconds between samples")
     parser.add_argument("--quiet-period", type=float, default=10.0, help="seconds of no load before measuring")
-    parser.add_argument("--max-load-s", type=float, default=math.inf,
-                        help="start no request after this many seconds of load (a bounded run reports what it sent)")
+    parser.add_argument(
+        "--max-load-s",
+        type=float,
+        default=math.inf,
+        help="start no request after this many seconds of load (a bounded run reports what it sent)",
+    )
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--max-rss-growth-mib", type=float, default=64.0, help="per process, baseline to end")

@@ -43,9 +43,15 @@ def main() -> None:
 
     from zllm import LLMEngine, SamplingParams
 
-    engine = LLMEngine.from_engine_args(args.model, load_format=args.load_format, dtype=args.dtype,
-                                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                                        max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=False)
+    engine = LLMEngine.from_engine_args(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        async_scheduling=False,
+    )
     runner = engine.core.executor.runner
     records: list[tuple[str, int, float]] = []
     forward = runner._forward
@@ -58,7 +64,9 @@ def main() -> None:
         start = time.perf_counter()
         hidden = forward(batch)
         torch.cuda.synchronize()
-        records.append((step_kind(num_tokens, meta.num_decodes, bool(graphed)), num_tokens, time.perf_counter() - start))
+        records.append(
+            (step_kind(num_tokens, meta.num_decodes, bool(graphed)), num_tokens, time.perf_counter() - start)
+        )
         return hidden
 
     runner._forward = timed_forward
@@ -76,7 +84,9 @@ def main() -> None:
     vocab = engine.processor.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     for i in range(args.num_prompts):
-        engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}, params)
+        engine.add_request(
+            str(i), {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}, params
+        )
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -93,14 +103,24 @@ def main() -> None:
         entry["forward_ms_per_step"] = round(entry["forward_s"] / entry["steps"] * 1000, 3)
         entry["share_of_wall"] = round(entry["forward_s"] / wall, 3)
         entry["forward_s"] = round(entry["forward_s"], 3)
-    print(json.dumps({
-        "benchmark": "step_mix", "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_len": args.output_len, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "wall_s": round(wall, 3), "requests_per_s": round(args.num_prompts / wall, 2),
-        "worker_step_s": round(sum(step_walls), 3), "kinds": dict(kinds),
-        "mixed_tokens_histogram_pow2": dict(sorted(mixed_sizes.items())),
-        "gpu": torch.cuda.get_device_name(0),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "step_mix",
+                "num_prompts": args.num_prompts,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "wall_s": round(wall, 3),
+                "requests_per_s": round(args.num_prompts / wall, 2),
+                "worker_step_s": round(sum(step_walls), 3),
+                "kinds": dict(kinds),
+                "mixed_tokens_histogram_pow2": dict(sorted(mixed_sizes.items())),
+                "gpu": torch.cuda.get_device_name(0),
+            }
+        ),
+        flush=True,
+    )
     engine.shutdown()
 
 

@@ -45,8 +45,11 @@ class PhaseTimer:
 
 def _top_kernels(prof, steps: int, count: int) -> dict[str, float]:
     """The kernels with the most device time, ms per step (names cut to 60 characters)."""
-    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith("ProfilerStep")),
-                    key=lambda e: e.device_time_total, reverse=True)
+    events = sorted(
+        (e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith("ProfilerStep")),
+        key=lambda e: e.device_time_total,
+        reverse=True,
+    )
     return {e.key[:60]: round(e.device_time_total / 1000 / steps, 3) for e in events[:count]}
 
 
@@ -68,17 +71,26 @@ def main() -> None:
 
     from zllm import LLMEngine, SamplingParams
 
-    engine = LLMEngine.from_engine_args(args.model, load_format=args.load_format, dtype=args.dtype,
-                                        max_model_len=args.max_model_len, max_num_seqs=args.batch_size,
-                                        max_num_batched_tokens=max(8192, args.batch_size),
-                                        async_scheduling=args.async_scheduling, quantization=args.quantization,
-                                        kv_cache_dtype=args.kv_cache_dtype)
+    engine = LLMEngine.from_engine_args(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.batch_size,
+        max_num_batched_tokens=max(8192, args.batch_size),
+        async_scheduling=args.async_scheduling,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     rng = random.Random(0)
     vocab = engine.processor.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - args.input_len - 1, ignore_eos=True,
-                            detokenize=False)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_model_len - args.input_len - 1, ignore_eos=True, detokenize=False
+    )
     for i in range(args.batch_size):
-        engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}, params)
+        engine.add_request(
+            str(i), {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}, params
+        )
     decoding: set[str] = set()
     while len(decoding) < args.batch_size:  # every prompt prefilled and sampling
         decoding.update(out.request_id for out in engine.step())
@@ -105,19 +117,31 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernel_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and
-                    not e.key.startswith("ProfilerStep"))
+    kernel_us = sum(
+        e.device_time_total
+        for e in prof.key_averages()
+        if e.device_time_total > 0 and not e.key.startswith("ProfilerStep")
+    )
     per_step = {phase: round(total / args.steps * 1000, 3) for phase, total in sorted(timer.totals.items())}
-    print(json.dumps({
-        "benchmark": "step_profile", "batch_size": args.batch_size, "steps": args.steps,
-        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-        "async_scheduling": engine.config.async_scheduling,
-        "wall_ms_per_step": round(wall / args.steps * 1000, 3), "phase_ms_per_step": per_step,
-        "gpu_kernel_ms_per_step": round(kernel_us / 1000 / args.steps, 3),
-        "gpu_busy_share": round(kernel_us / 1e6 / wall, 3),
-        "top_kernels_ms_per_step": _top_kernels(prof, args.steps, 12),
-        "gpu": torch.cuda.get_device_name(0),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "step_profile",
+                "batch_size": args.batch_size,
+                "steps": args.steps,
+                "quantization": args.quantization,
+                "kv_cache_dtype": args.kv_cache_dtype,
+                "async_scheduling": engine.config.async_scheduling,
+                "wall_ms_per_step": round(wall / args.steps * 1000, 3),
+                "phase_ms_per_step": per_step,
+                "gpu_kernel_ms_per_step": round(kernel_us / 1000 / args.steps, 3),
+                "gpu_busy_share": round(kernel_us / 1e6 / wall, 3),
+                "top_kernels_ms_per_step": _top_kernels(prof, args.steps, 12),
+                "gpu": torch.cuda.get_device_name(0),
+            }
+        ),
+        flush=True,
+    )
     engine.shutdown()
 
 

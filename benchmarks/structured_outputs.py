@@ -22,20 +22,50 @@ import random
 import statistics
 import time
 
-NOTES = {"type": "object", "properties": {"title": {"type": "string"},
-                                          "notes": {"type": "array", "items": {"type": "string"}}},
-         "required": ["title", "notes"], "additionalProperties": False}
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
-                                         "is_capital": {"type": "boolean"},
-                                         "continent": {"enum": ["Europe", "Asia", "Africa", "America", "Oceania"]}},
-        "required": ["city", "country", "is_capital", "continent"], "additionalProperties": False}
-TOOL_CALLS = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-    {"properties": {"name": {"enum": ["get_weather"]}, "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"]}}, "required": ["name", "parameters"]},
-    {"properties": {"name": {"enum": ["get_time"]}, "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
-     "required": ["name", "parameters"]}]}}
+NOTES = {
+    "type": "object",
+    "properties": {"title": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}},
+    "required": ["title", "notes"],
+    "additionalProperties": False,
+}
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "country": {"type": "string"},
+        "is_capital": {"type": "boolean"},
+        "continent": {"enum": ["Europe", "Asia", "Africa", "America", "Oceania"]},
+    },
+    "required": ["city", "country", "is_capital", "continent"],
+    "additionalProperties": False,
+}
+TOOL_CALLS = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "anyOf": [
+            {
+                "properties": {
+                    "name": {"enum": ["get_weather"]},
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                        "required": ["city", "unit"],
+                    },
+                },
+                "required": ["name", "parameters"],
+            },
+            {
+                "properties": {
+                    "name": {"enum": ["get_time"]},
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                },
+                "required": ["name", "parameters"],
+            },
+        ],
+    },
+}
 SCHEMAS = {"notes": NOTES, "city": CITY, "tool_calls": TOOL_CALLS}
 
 
@@ -104,18 +134,34 @@ def run(args) -> None:
 
     model_dir = str(resolve_model_dir(args.model))
     compile_times(model_dir, args.compile_repeats)
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=max(args.num_prompts, 1), max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(args.num_prompts, 1),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     rng = random.Random(args.seed)
     vocab = len(AutoTokenizer.from_pretrained(model_dir))  # real tokens only (a dummy model's vocab is larger)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}
-               for _ in range(args.num_prompts)]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}
+        for _ in range(args.num_prompts)
+    ]
     constraint = StructuredOutputsParams(json=NOTES)
 
     def params(structured: bool) -> list[SamplingParams]:
-        return [SamplingParams(temperature=1.0, seed=args.seed + i, max_tokens=args.output_len, ignore_eos=True,
-                               detokenize=False, structured_outputs=constraint if structured else None)
-                for i in range(args.num_prompts)]
+        return [
+            SamplingParams(
+                temperature=1.0,
+                seed=args.seed + i,
+                max_tokens=args.output_len,
+                ignore_eos=True,
+                detokenize=False,
+                structured_outputs=constraint if structured else None,
+            )
+            for i in range(args.num_prompts)
+        ]
 
     llm.generate(prompts[:2], params(True)[:2], use_tqdm=False)  # warm-up: graphs, grammar engine, the schema's compile
     results = {}
@@ -130,10 +176,17 @@ def run(args) -> None:
     share = constrained_share(model_dir, results[True][1], eos)
     total = args.num_prompts * args.output_len
     free, constrained = total / results[False][0], total / results[True][0]
-    emit(measure="throughput", num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-         unconstrained_tok_s=round(free, 1), json_schema_tok_s=round(constrained, 1),
-         cost_pct=round(100 * (1 - constrained / free), 2), share_of_tokens_under_grammar=round(share, 3),
-         async_scheduling=llm.engine.config.async_scheduling)
+    emit(
+        measure="throughput",
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        unconstrained_tok_s=round(free, 1),
+        json_schema_tok_s=round(constrained, 1),
+        cost_pct=round(100 * (1 - constrained / free), 2),
+        share_of_tokens_under_grammar=round(share, 3),
+        async_scheduling=llm.engine.config.async_scheduling,
+    )
     llm.shutdown()
 
 

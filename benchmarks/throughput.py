@@ -56,24 +56,46 @@ def report(name: str, elapsed: float, prompts: list[list[int]], outputs: list[in
 def run_zllm(args, prompts, outputs) -> dict:
     from zllm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, device=args.device, load_format=args.load_format, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, tensor_parallel_size=args.tp,
-              data_parallel_size=args.dp, async_scheduling=args.async_scheduling,
-              piecewise_cuda_graphs=args.piecewise_cuda_graphs)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=not args.no_detokenize)
-              for n in outputs]
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        device=args.device,
+        load_format=args.load_format,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tp,
+        data_parallel_size=args.dp,
+        async_scheduling=args.async_scheduling,
+        piecewise_cuda_graphs=args.piecewise_cuda_graphs,
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=not args.no_detokenize)
+        for n in outputs
+    ]
     requests = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(requests[:2], params[:2], use_tqdm=False)  # warm-up
     start = time.perf_counter()
     results = llm.generate(requests, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
     assert [len(r.outputs[0].token_ids) for r in results] == outputs
-    return report("zllm", elapsed, prompts, outputs, max_num_batched_tokens=llm.engine.config.max_num_batched_tokens,
-                  max_num_seqs=llm.engine.config.max_num_seqs, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype, num_kv_blocks=llm.engine.core.num_kv_blocks,
-                  async_scheduling=llm.engine.config.async_scheduling, tp=args.tp, dp=args.dp,
-                  piecewise_cuda_graphs=args.piecewise_cuda_graphs)
+    return report(
+        "zllm",
+        elapsed,
+        prompts,
+        outputs,
+        max_num_batched_tokens=llm.engine.config.max_num_batched_tokens,
+        max_num_seqs=llm.engine.config.max_num_seqs,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        num_kv_blocks=llm.engine.core.num_kv_blocks,
+        async_scheduling=llm.engine.config.async_scheduling,
+        tp=args.tp,
+        dp=args.dp,
+        piecewise_cuda_graphs=args.piecewise_cuda_graphs,
+    )
 
 
 def run_hf(args, prompts, outputs, batch_size: int) -> dict:
@@ -91,8 +113,15 @@ def run_hf(args, prompts, outputs, batch_size: int) -> dict:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths),
-                           do_sample=False, eos_token_id=None, pad_token_id=pad)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(lengths),
+                min_new_tokens=max(lengths),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
     elapsed = time.perf_counter() - start
     return report("hf-transformers", elapsed, prompts, outputs, batch_size=batch_size)
 
@@ -119,10 +148,21 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--piecewise-cuda-graphs", action="store_true", help="prefill steps as piecewise CUDA graphs")
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    parser.add_argument("-dp", "--dp", "--data-parallel-size", dest="dp", type=int, default=1,
-                        help="engine-core processes, each with its own --tp GPUs")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="default: the engine's (on with CUDA)")
+    parser.add_argument(
+        "-dp",
+        "--dp",
+        "--data-parallel-size",
+        dest="dp",
+        type=int,
+        default=1,
+        help="engine-core processes, each with its own --tp GPUs",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: the engine's (on with CUDA)",
+    )
     args = parser.parse_args()
 
     from transformers import AutoConfig

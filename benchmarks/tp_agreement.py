@@ -21,8 +21,14 @@ import random
 def greedy_tokens(args, tp: int, prompts: list[list[int]]) -> list[list[int]]:
     from zllm import LLM, SamplingParams
 
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, tensor_parallel_size=tp,
-              max_model_len=args.max_model_len, max_num_seqs=max(len(prompts), 8))
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        tensor_parallel_size=tp,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(len(prompts), 8),
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -35,8 +41,9 @@ def greedy_tokens(args, tp: int, prompts: list[list[int]]) -> list[list[int]]:
 def compare(reference: list[list[int]], other: list[list[int]]) -> dict:
     same_positions = sum(a == b for ref, got in zip(reference, other) for a, b in zip(ref, got))
     total = sum(len(ref) for ref in reference)
-    first_diff = [next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
-                  for ref, got in zip(reference, other)]
+    first_diff = [
+        next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref)) for ref, got in zip(reference, other)
+    ]
     return {
         "identical_token_share": round(same_positions / total, 4),
         "identical_request_share": round(sum(a == b for a, b in zip(reference, other)) / len(reference), 4),
@@ -63,8 +70,14 @@ def main() -> None:
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     reference = greedy_tokens(args, 1, prompts)
     other = greedy_tokens(args, args.tp, prompts)
-    result = {"benchmark": "tp_agreement", "tp": args.tp, "dtype": args.dtype, "num_prompts": args.num_prompts,
-              "output_len": args.output_len, **compare(reference, other)}
+    result = {
+        "benchmark": "tp_agreement",
+        "tp": args.tp,
+        "dtype": args.dtype,
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        **compare(reference, other),
+    }
     print(json.dumps(result), flush=True)
 
 

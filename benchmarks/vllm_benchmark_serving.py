@@ -83,8 +83,7 @@ def extract_client(sdist: Path, directory: Path) -> Path:
 def run_client(script: Path, arguments: list[str]) -> tuple[int, str]:
     command = [sys.executable, str(script), "--backend", "openai", "--dataset-name", "random", *arguments]
     print("running:", " ".join(command), file=sys.stderr)
-    process = subprocess.Popen(command, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    process = subprocess.Popen(command, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in process.stdout:
         sys.stdout.write(line)
@@ -99,8 +98,9 @@ def all_successful(output: str, arguments: list[str]) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Other arguments go to benchmark_serving.py unchanged.")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="Other arguments go to benchmark_serving.py unchanged."
+    )
     parser.add_argument("--sdist", type=Path, default=None, help=f"an already downloaded {SDIST}")
     args, client_arguments = parser.parse_known_args()
     with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:

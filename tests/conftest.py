@@ -203,7 +203,11 @@ class ServerHandle:
 
 
 def start_server(
-    directory: Path, model_dir: str, *extra: str, timeout: float = 180.0, endpoint: str | None = None,
+    directory: Path,
+    model_dir: str,
+    *extra: str,
+    timeout: float = 180.0,
+    endpoint: str | None = None,
     env: dict[str, str] | None = None,
 ) -> ServerHandle:
     """Start vllm-launch (with these environment variables added) and wait for its ready line."""
@@ -214,12 +218,28 @@ def start_server(
     runtime_dir = directory / "rt"
     endpoint = endpoint or f"ipc://{directory}/client.sock"
     log_path = directory / "server.log"
-    command = [sys.executable, "-m", "zllm.launch.cli", "--model", model_dir, "--zmq-endpoint", endpoint,
-               "--runtime-dir", str(runtime_dir), "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
-               "--port", "0", *extra]  # port 0: a free port, so servers started in parallel never clash
+    command = [
+        sys.executable,
+        "-m",
+        "zllm.launch.cli",
+        "--model",
+        model_dir,
+        "--zmq-endpoint",
+        endpoint,
+        "--runtime-dir",
+        str(runtime_dir),
+        "--kv-cache-memory",
+        "256MiB",
+        "--max-model-len",
+        "2048",
+        "--port",
+        "0",
+        *extra,
+    ]  # port 0: a free port, so servers started in parallel never clash
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **env} if env else None)
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env} if env else None
+        )
     handle = ServerHandle(process, endpoint, str(runtime_dir), log_path)
     deadline = time.monotonic() + timeout
     while "zllm ready" not in handle.log():

@@ -194,16 +194,25 @@ def test_packed_prefill_gathers_every_context_token_of_the_prefills_in_order():
     after the decodes, each prefill request's whole context (cached prefix and new tokens) in
     order, with its query and key offsets."""
     generator = torch.Generator().manual_seed(7)
-    reqs = [Req(context_len=40, query_len=1), Req(context_len=3, query_len=1), Req(context_len=37, query_len=37),
-            Req(context_len=50, query_len=18), Req(context_len=17, query_len=2), Req(context_len=16, query_len=16)]
+    reqs = [
+        Req(context_len=40, query_len=1),
+        Req(context_len=3, query_len=1),
+        Req(context_len=37, query_len=37),
+        Req(context_len=50, query_len=18),
+        Req(context_len=17, query_len=2),
+        Req(context_len=16, query_len=16),
+    ]
     fill_requests(reqs, generator)
     meta = build_metadata(reqs)
     kv_cache = new_cache(generator)
     write_step(kv_cache, reqs, meta)
-    slots, cu = pack_prefill(meta.block_tables.numpy(), meta.seq_lens_list, meta.query_start_loc, meta.num_decodes, BLOCK_SIZE)
-    prefill = packed_prefill_of(torch.from_numpy(slots), torch.from_numpy(cu), meta.seq_lens_list, meta.query_start_loc,
-                                meta.num_decodes)
-    prefills = reqs[meta.num_decodes:]
+    slots, cu = pack_prefill(
+        meta.block_tables.numpy(), meta.seq_lens_list, meta.query_start_loc, meta.num_decodes, BLOCK_SIZE
+    )
+    prefill = packed_prefill_of(
+        torch.from_numpy(slots), torch.from_numpy(cu), meta.seq_lens_list, meta.query_start_loc, meta.num_decodes
+    )
+    prefills = reqs[meta.num_decodes :]
     keys = kv_cache[0].view(-1, NUM_KV_HEADS, HEAD_DIM).index_select(0, prefill.context_slots)
     values = kv_cache[1].view(-1, NUM_KV_HEADS, HEAD_DIM).index_select(0, prefill.context_slots)
     assert torch.equal(keys, torch.cat([r.keys for r in prefills]))

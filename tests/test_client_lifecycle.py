@@ -30,8 +30,16 @@ PRELUDE = textwrap.dedent("""
 
 def run_case(code: str, endpoint: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """Run PRELUDE + code in a fresh interpreter (ResourceWarnings shown); fail on a hang or error."""
-    command = [sys.executable, "-X", "faulthandler", "-W", "always::ResourceWarning", "-c",
-               PRELUDE + textwrap.dedent(code), endpoint]
+    command = [
+        sys.executable,
+        "-X",
+        "faulthandler",
+        "-W",
+        "always::ResourceWarning",
+        "-c",
+        PRELUDE + textwrap.dedent(code),
+        endpoint,
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as hung:
@@ -43,7 +51,8 @@ def run_case(code: str, endpoint: str, timeout: float = 60.0) -> subprocess.Comp
 
 def test_async_client_dropped_after_its_loop_closed_is_collected(server):
     """The reported hang: gc.collect() after asyncio.run() left an unclosed client behind."""
-    done = run_case("""
+    done = run_case(
+        """
         async def main():
             client = AsyncClient(ENDPOINT)
             async for _ in client.stream("Hi", SHORT):
@@ -51,12 +60,15 @@ def test_async_client_dropped_after_its_loop_closed_is_collected(server):
         asyncio.run(main())
         gc.collect()
         print("OK")
-    """, server.endpoint)
+    """,
+        server.endpoint,
+    )
     assert "ResourceWarning: unclosed <AsyncClient" in done.stderr
 
 
 def test_async_client_collected_in_another_loop(server):
-    run_case("""
+    run_case(
+        """
         async def use_and_drop():
             client = AsyncClient(ENDPOINT)
             cycle = [client]
@@ -71,11 +83,14 @@ def test_async_client_collected_in_another_loop(server):
         asyncio.run(use_and_drop())
         asyncio.run(collect_then_use_a_new_client())
         print("OK")
-    """, server.endpoint)
+    """,
+        server.endpoint,
+    )
 
 
 def test_async_clients_dropped_in_their_running_loop_give_back_their_sockets(server):
-    run_case("""
+    run_case(
+        """
         async def main():
             await AsyncClient(ENDPOINT).generate("Hi", SHORT)  # the first client loads what stays
             gc.collect()
@@ -93,12 +108,15 @@ def test_async_clients_dropped_in_their_running_loop_give_back_their_sockets(ser
             assert open_fds() <= baseline + 1, (baseline, open_fds())
         asyncio.run(main())
         print("OK")
-    """, server.endpoint)
+    """,
+        server.endpoint,
+    )
 
 
 def test_unclosed_clients_at_interpreter_exit(server):
     """A global AsyncClient and a Client whose stream is still being read by a thread at exit."""
-    run_case("""
+    run_case(
+        """
         async_client = AsyncClient(ENDPOINT)
         async def first_token():
             async for _ in async_client.stream("Count:", LONG):
@@ -113,13 +131,16 @@ def test_unclosed_clients_at_interpreter_exit(server):
         threading.Thread(target=read_forever, daemon=True).start()
         assert started.wait(30)
         print("OK")
-    """, server.endpoint)
+    """,
+        server.endpoint,
+    )
 
 
 def test_async_client_outlives_its_event_loop(server):
     """Used from one asyncio.run after another (its loop closed under it), then closed from a
     third loop; calls after close fail at once."""
-    run_case("""
+    run_case(
+        """
         client = AsyncClient(ENDPOINT)
         async def ask():
             return (await client.generate("Hi", SHORT)).outputs[0].token_ids
@@ -141,11 +162,14 @@ def test_async_client_outlives_its_event_loop(server):
             raise AssertionError("a closed client answered")
         asyncio.run(close_twice_then_call())
         print("OK")
-    """, server.endpoint)
+    """,
+        server.endpoint,
+    )
 
 
 def test_async_client_shared_by_tasks_and_closed_under_them(server):
-    run_case("""
+    run_case(
+        """
         async def main():
             async with AsyncClient(ENDPOINT) as client:
                 outputs = await asyncio.gather(*[client.generate(f"Fact {i}:", SHORT) for i in range(6)])
@@ -175,11 +199,14 @@ def test_async_client_shared_by_tasks_and_closed_under_them(server):
             await stats.close()
         asyncio.run(main())
         print("OK")
-    """, server.endpoint)
+    """,
+        server.endpoint,
+    )
 
 
 def test_client_shared_by_threads_and_closed_under_them(server):
-    run_case("""
+    run_case(
+        """
         from concurrent.futures import ThreadPoolExecutor
         with Client(ENDPOINT) as client:
             with ThreadPoolExecutor(8) as pool:
@@ -205,11 +232,14 @@ def test_client_shared_by_threads_and_closed_under_them(server):
         assert results == ["closed"] * 4, results
         assert threading.active_count() == 1, threading.enumerate()
         print("OK")
-    """, server.endpoint)
+    """,
+        server.endpoint,
+    )
 
 
 def test_dropped_clients_stop_their_threads(server):
-    done = run_case("""
+    done = run_case(
+        """
         for _ in range(5):
             client = Client(ENDPOINT)
             client.generate("Hi", SHORT)
@@ -221,13 +251,16 @@ def test_dropped_clients_stop_their_threads(server):
             time.sleep(0.1)
         assert threading.active_count() == 1, threading.enumerate()
         print("OK")
-    """, server.endpoint)
+    """,
+        server.endpoint,
+    )
     assert "ResourceWarning: unclosed <Client" in done.stderr
     assert "unclosed <AsyncClient" not in done.stderr  # one warning per dropped client
 
 
 def test_clients_of_a_server_that_is_not_there(tmp_path):
-    run_case("""
+    run_case(
+        """
         began = time.monotonic()
         async def main():
             client = AsyncClient(ENDPOINT, timeout=1.0, heartbeat_interval=0.2)
@@ -247,13 +280,16 @@ def test_clients_of_a_server_that_is_not_there(tmp_path):
         gc.collect()
         assert time.monotonic() - began < 15
         print("OK")
-    """, f"ipc://{tmp_path}/nobody.sock")
+    """,
+        f"ipc://{tmp_path}/nobody.sock",
+    )
 
 
 def test_client_of_a_server_that_dies_mid_stream(tmp_path):
     """A stand-in server answers one delta and disappears: the stream fails with
     ServerGoneError after `timeout`, and closing and exiting do not wait for the server."""
-    run_case("""
+    run_case(
+        """
         import zmq
         from zllm.ipc.codec import Codec
         from zllm.ipc.messages import ClientToServer, ServerOutput, ServerToClient
@@ -284,4 +320,6 @@ def test_client_of_a_server_that_dies_mid_stream(tmp_path):
         client.close()
         assert time.monotonic() - began < 2
         print("OK")
-    """, f"ipc://{tmp_path}/dies.sock")
+    """,
+        f"ipc://{tmp_path}/dies.sock",
+    )

@@ -42,15 +42,28 @@ SAMPLING = SamplingParams(
     structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
 )
 
-LOGPROBS = m.TokenLogprobs(token_ids=[[5, 5, 9], [6, 8, 6]], logprobs=[[-0.5, -0.5, -1.25], [-2.0, -0.1, -2.0]], ranks=[1, 2])
+LOGPROBS = m.TokenLogprobs(
+    token_ids=[[5, 5, 9], [6, 8, 6]], logprobs=[[-0.5, -0.5, -1.25], [-2.0, -0.1, -2.0]], ranks=[1, 2]
+)
 PROMPT_LOGPROBS = m.TokenLogprobs(token_ids=[[3, 7]], logprobs=[[-9.5, -0.75]], ranks=[812])
 TOKEN_DELTA = m.TokenDelta(
-    request_id="ab12/req-1", new_token_ids=[5, 6, 49151], finish_reason="stop", stop_reason="END", num_cached_tokens=32,
-    logprobs=LOGPROBS, prompt_logprobs=PROMPT_LOGPROBS, error="(the codec does not care: set for the round trip)",
+    request_id="ab12/req-1",
+    new_token_ids=[5, 6, 49151],
+    finish_reason="stop",
+    stop_reason="END",
+    num_cached_tokens=32,
+    logprobs=LOGPROBS,
+    prompt_logprobs=PROMPT_LOGPROBS,
+    error="(the codec does not care: set for the round trip)",
 )
 TOKEN_DELTA_INT_STOP = m.TokenDelta(
-    request_id="ab12/req-2", new_token_ids=[2], finish_reason="length", stop_reason=2, num_cached_tokens=16,
-    logprobs=m.TokenLogprobs(token_ids=[[2]], logprobs=[[-0.0]], ranks=[1]), prompt_logprobs=m.TokenLogprobs([], [], []),
+    request_id="ab12/req-2",
+    new_token_ids=[2],
+    finish_reason="length",
+    stop_reason=2,
+    num_cached_tokens=16,
+    logprobs=m.TokenLogprobs(token_ids=[[2]], logprobs=[[-0.0]], ranks=[1]),
+    prompt_logprobs=m.TokenLogprobs([], [], []),
     error="RuntimeError: boom",
 )
 NEW_REQUEST = m.NewRequestData(
@@ -63,9 +76,7 @@ NEW_REQUEST = m.NewRequestData(
     eos_token_ids=[2, 49152],
     bad_words_token_ids=[[17], [22, 23]],
 )
-CACHED_REQUEST = m.CachedRequestData(
-    request_id="ab12/req-3", new_block_ids=[4], num_computed_tokens=17
-)
+CACHED_REQUEST = m.CachedRequestData(request_id="ab12/req-3", new_block_ids=[4], num_computed_tokens=17)
 
 CHANNELS = m.CHANNELS
 
@@ -97,7 +108,11 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
         ),
         m.UtilityResult(call_id=3, result={"num_running": 1, "nested": [1, 2.5, "x"]}, error="partial"),
         m.EngineReady(
-            num_kv_blocks=364, block_size=32, max_model_len=2048, tensor_parallel_size=2, model="SmolLM2",
+            num_kv_blocks=364,
+            block_size=32,
+            max_model_len=2048,
+            tensor_parallel_size=2,
+            model="SmolLM2",
             worker_pids=[4242, 4243],
         ),
         m.EngineDead(reason="WorkerDiedError: rank 0 exited"),
@@ -340,9 +355,20 @@ def test_every_truncated_frame_is_rejected(channel, message):
 @pytest.mark.parametrize("channel", CHANNELS)
 @pytest.mark.parametrize(
     "frame",
-    [b"", b"\xc1", b"\x00", b"\x90", b"\x80", b"\xc0", msgspec.msgpack.encode("AddRequest"),
-     msgspec.msgpack.encode(["NoSuchMessage", 1]), msgspec.msgpack.encode({"type": "nope"}),
-     msgspec.msgpack.encode({}), msgspec.msgpack.encode([]), b"\x80\x04\x95"],
+    [
+        b"",
+        b"\xc1",
+        b"\x00",
+        b"\x90",
+        b"\x80",
+        b"\xc0",
+        msgspec.msgpack.encode("AddRequest"),
+        msgspec.msgpack.encode(["NoSuchMessage", 1]),
+        msgspec.msgpack.encode({"type": "nope"}),
+        msgspec.msgpack.encode({}),
+        msgspec.msgpack.encode([]),
+        b"\x80\x04\x95",
+    ],
     ids=repr,
 )
 def test_garbage_is_rejected(channel, frame):
@@ -421,8 +447,15 @@ def test_extra_trailing_array_fields_are_ignored():
 def test_decode_frames_rejects_wrong_frame_counts(channel):
     codec = _codec(channel)
     frame = codec.encode(EXAMPLES[channel][0])
-    for frames, expected in [([], 1), ([frame, frame], 1), ([b"", frame], 1), ([frame] * 5, 1),
-                             ([frame], 2), ([], 2), ([b"id", b"x", frame], 2)]:
+    for frames, expected in [
+        ([], 1),
+        ([frame, frame], 1),
+        ([b"", frame], 1),
+        ([frame] * 5, 1),
+        ([frame], 2),
+        ([], 2),
+        ([b"id", b"x", frame], 2),
+    ]:
         with pytest.raises(MessageError, match=f"expected {expected} frame"):
             codec.decode_frames(frames, expected=expected)
     with pytest.raises(MessageError):
@@ -558,8 +591,12 @@ CONFIG = EngineConfig(
     api_key="secret",
     curve_dir="/etc/zllm/curve",
     allow_insecure_tcp=True,
-    client_max_message_bytes=1 << 20, internal_max_message_bytes=16 << 20,
-    enable_auto_tool_choice=True, tool_call_parser="hermes", grammar_cache_size=8, grammar_threads=2,
+    client_max_message_bytes=1 << 20,
+    internal_max_message_bytes=16 << 20,
+    enable_auto_tool_choice=True,
+    tool_call_parser="hermes",
+    grammar_cache_size=8,
+    grammar_threads=2,
     host="0.0.0.0",
     port=8123,
     max_request_body_bytes=1 << 20,
@@ -581,8 +618,17 @@ def test_engine_config_json_round_trip():
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"{", b"[]", b"null", b'{"tokenizer": "/t"}', b'{"model": 5}', b'{"model": "/m", "block_size": "16"}',
-     b'{"model": "/m", "seed": 1.5}', b"\x80\x04\x95"],
+    [
+        b"",
+        b"{",
+        b"[]",
+        b"null",
+        b'{"tokenizer": "/t"}',
+        b'{"model": 5}',
+        b'{"model": "/m", "block_size": "16"}',
+        b'{"model": "/m", "seed": 1.5}',
+        b"\x80\x04\x95",
+    ],
     ids=repr,
 )
 def test_engine_config_bad_json_is_a_message_error(data):
@@ -609,5 +655,6 @@ def test_frame_over_the_size_limit_is_rejected_before_decoding():
 
 def test_internal_frame_limit_leaves_room_for_any_client_frame():
     with pytest.raises(ValueError, match=r"^internal_max_message_bytes: must be >= 8 x client_max_message_bytes"):
-        EngineConfig(model="m", max_model_len=16, client_max_message_bytes=1 << 20,
-                     internal_max_message_bytes=4 << 20).validate()
+        EngineConfig(
+            model="m", max_model_len=16, client_max_message_bytes=1 << 20, internal_max_message_bytes=4 << 20
+        ).validate()

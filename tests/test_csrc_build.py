@@ -38,8 +38,9 @@ def expected_entry_points() -> dict[str, set[str]]:
         if dt != "f32":  # the grouped GEMMs run on tensor cores: half precision only
             names["moe_kernels"] |= {f"moe_{part}_{dt}_m{m}" for part in ("gate_up", "down") for m in (1, 2, 4)}
             names["moe_kernels"].add(f"moe_sum_{dt}")
-            names["moe_kernels"] |= {f"moe_gemv_{part}_{dt}_s{s}_b{b}" for part in ("gate_up", "down")
-                                     for s, b in ((1, 4), (1, 0), (4, 4))}
+            names["moe_kernels"] |= {
+                f"moe_gemv_{part}_{dt}_s{s}_b{b}" for part in ("gate_up", "down") for s, b in ((1, 4), (1, 0), (4, 4))
+            }
         for d in (64, 128):
             names["attention_kernels"].add(f"paged_attention_reduce_{dt}_d{d}")
             names["attention_kernels"] |= {f"paged_attention_decode_{dt}_d{d}_g{g}" for g in (1, 4, 8)}
@@ -52,7 +53,10 @@ def build_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("csrc_build")
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "build_csrc.sh"), str(out)],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
     )
     assert result.returncode == 0, f"build failed:\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}"
     return out

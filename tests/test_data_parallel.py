@@ -17,8 +17,8 @@ from tests.conftest import processes_gone, save_tiny_llama, start_server
 from zllm import LLM, AsyncClient, Client, SamplingParams
 from zllm.config import EngineConfig
 from zllm.frontend.server import merge_engine_stats
-from zllm.launch.cli import build_parser
 from zllm.launch.args import engine_kwargs
+from zllm.launch.cli import build_parser
 
 pytestmark = pytest.mark.slow
 
@@ -37,29 +37,50 @@ def test_dp_flags_reach_the_config():
         assert engine_kwargs(args)["data_parallel_size"] == 3
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"data_parallel_size": 0}, "data_parallel_size: must be >= 1"),
-    ({"data_parallel_size": 2, "data_parallel_rank": 2}, r"data_parallel_rank: must be in \[0, 2\)"),
-    ({"data_parallel_size": 2, "distributed_init_method": "tcp://127.0.0.1:29500"},
-     "distributed_init_method: cannot be shared by several data-parallel engines"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"data_parallel_size": 0}, "data_parallel_size: must be >= 1"),
+        ({"data_parallel_size": 2, "data_parallel_rank": 2}, r"data_parallel_rank: must be in \[0, 2\)"),
+        (
+            {"data_parallel_size": 2, "distributed_init_method": "tcp://127.0.0.1:29500"},
+            "distributed_init_method: cannot be shared by several data-parallel engines",
+        ),
+    ],
+)
 def test_bad_dp_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m", max_model_len=64, **fields).validate()
 
 
 def test_each_engine_takes_its_own_gpus():
-    assert [EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=3, data_parallel_rank=r).first_gpu
-            for r in range(3)] == [0, 2, 4]
+    assert [
+        EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=3, data_parallel_rank=r).first_gpu
+        for r in range(3)
+    ] == [0, 2, 4]
 
 
 def test_stats_of_several_engines_merge_into_one_view():
-    merged = merge_engine_stats({
-        1: {"num_running": 3, "num_waiting": 1, "kv_cache_usage": 0.5, "prefix_cache_queries": 30,
-            "prefix_cache_hits": 10, "prefix_cache_hit_rate": 1 / 3},
-        0: {"num_running": 2, "num_waiting": 0, "kv_cache_usage": 0.25, "prefix_cache_queries": 10,
-            "prefix_cache_hits": 10, "prefix_cache_hit_rate": 1.0},
-    })
+    merged = merge_engine_stats(
+        {
+            1: {
+                "num_running": 3,
+                "num_waiting": 1,
+                "kv_cache_usage": 0.5,
+                "prefix_cache_queries": 30,
+                "prefix_cache_hits": 10,
+                "prefix_cache_hit_rate": 1 / 3,
+            },
+            0: {
+                "num_running": 2,
+                "num_waiting": 0,
+                "kv_cache_usage": 0.25,
+                "prefix_cache_queries": 10,
+                "prefix_cache_hits": 10,
+                "prefix_cache_hit_rate": 1.0,
+            },
+        }
+    )
     assert merged["num_running"] == 5 and merged["num_waiting"] == 1
     assert merged["kv_cache_usage"] == pytest.approx(0.375)
     assert merged["prefix_cache_hit_rate"] == pytest.approx(0.5)  # 20 of 40, not the mean of the rates
@@ -89,6 +110,7 @@ def test_llm_with_two_engines_equals_one(smollm2_dir, monkeypatch):
 async def _stream_all(endpoint: str, prompts: list[str], params: SamplingParams, on_progress=None):
     """Stream every prompt at once; per stream: (token ids, text, arrival time of each delta)."""
     async with AsyncClient(endpoint, timeout=120) as client:
+
         async def consume(i: int):
             tokens, text, times = [], "", []
             async for delta in client.stream(prompts[i], params):
@@ -189,8 +211,10 @@ def test_kill9_of_one_engines_worker_restarts_that_engine_alone(tmp_path, tiny_m
     step_gaps = [b - a for times in streaming for a, b in zip(times, times[1:]) if b < kill]
     typical_step = sorted(step_gaps)[len(step_gaps) // 2]
     longest = max(b - a for times in streaming for a, b in zip(times, times[1:]) if window[0] < b < window[1])
-    print(f"recovery {recovery_s:.2f} s; survivor step {typical_step * 1e3:.1f} ms typical, "
-          f"{longest * 1e3:.1f} ms longest during the recovery")
+    print(
+        f"recovery {recovery_s:.2f} s; survivor step {typical_step * 1e3:.1f} ms typical, "
+        f"{longest * 1e3:.1f} ms longest during the recovery"
+    )
     # Measured here: a 3.0 s restart while the survivor's longest gap was 8 ms (4.3 ms typical).
     assert longest < min(0.25, recovery_s / 10), (longest, typical_step, recovery_s)
 
@@ -204,8 +228,9 @@ def test_llm_with_two_engines_names_an_engine_that_died(tiny_model, monkeypatch)
     llm = LLM(tiny_model, max_model_len=512, data_parallel_size=2)
     try:
         cores = llm.engine.core.cores
-        pids = [c.processes.core.pid for c in cores] + [p.pid for c in cores
-                                                         for p in psutil.Process(c.processes.core.pid).children()]
+        pids = [c.processes.core.pid for c in cores] + [
+            p.pid for c in cores for p in psutil.Process(c.processes.core.pid).children()
+        ]
         cores[1].processes.core.kill()
         cores[1].processes.core.wait()
         time.sleep(0.5)  # the PUSH socket has seen the peer go: a blocking send would wait forever

@@ -128,8 +128,9 @@ def test_piecewise_forward_matches_hf(smollm2_dir, prompt_ids, hf_reference, bud
     chunks alike."""
     from zllm.workers.piecewise_graphs import EagerPieces
 
-    engine = LLMEngine.from_engine_args(smollm2_dir, dtype="float32", piecewise_cuda_graphs=True,
-                                        max_num_batched_tokens=budget)
+    engine = LLMEngine.from_engine_args(
+        smollm2_dir, dtype="float32", piecewise_cuda_graphs=True, max_num_batched_tokens=budget
+    )
     runner = engine.core.executor.runner  # tp 1: the worker runs in this process
     assert isinstance(runner.pieces, EagerPieces) and runner.pieces.sizes[-1] == budget
     padded = []

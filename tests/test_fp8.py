@@ -72,6 +72,7 @@ def _calibrate_input_amax(model, quantized: dict) -> dict[str, torch.Tensor]:
     llm-compressor would run), with quantization off meanwhile."""
     amax, hooks = {}, []
     for name, module in quantized.items():
+
         def record(mod, args, name=name):
             value = args[0].detach().abs().amax().float()
             amax[name] = torch.maximum(amax.get(name, value), value)
@@ -132,7 +133,8 @@ def test_fp8_dynamic_checkpoint_at_tp2_quantizes_each_ranks_slice(tmp_path):
     src = save_tiny_llama(tmp_path / "src", initializer_range=0.2)
     write_compressed_tensors(src, tmp_path / "fp8", "FP8_DYNAMIC", ["lm_head"])
     model = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "fp8", dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+        tmp_path / "fp8", dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+    ).eval()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.endswith("_proj"):
             ranks = 2 if name.endswith(("o_proj", "down_proj")) else 1
@@ -169,8 +171,12 @@ def write_fp8_block(src: Path, out: Path) -> None:
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [128, 128]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     (out / "config.json").write_text(json.dumps(config))
     _copy_tokenizer(src, out)
 
@@ -204,7 +210,9 @@ def test_fp8_block_writer_agrees_with_transformers_reader(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.float32).state_dict()
     name = "model.layers.1.mlp.down_proj"
     assert written[f"{name}.weight"].dtype == E4M3 and written[f"{name}.weight_scale_inv"].shape == (2, 4)
-    assert torch.equal(loaded[f"{name}.weight"], dequantize(written[f"{name}.weight"], written[f"{name}.weight_scale_inv"], True))
+    assert torch.equal(
+        loaded[f"{name}.weight"], dequantize(written[f"{name}.weight"], written[f"{name}.weight_scale_inv"], True)
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -234,12 +242,24 @@ def test_fp8_block_projections_equal_the_reference_on_every_rank(tmp_path, tp):
         x, h = torch.randn(5, 256) * 2, torch.randn(5, 512)
         attn, mlp = ref_layer.self_attn, ref_layer.mlp
         with torch.no_grad():
-            qkv = [torch.cat([p.self_attn.qkv_proj(x).split([p.self_attn.q_size, p.self_attn.kv_size, p.self_attn.kv_size], -1)[i]
-                              for p in ours], -1) for i in range(3)]
+            qkv = [
+                torch.cat(
+                    [
+                        p.self_attn.qkv_proj(x).split(
+                            [p.self_attn.q_size, p.self_attn.kv_size, p.self_attn.kv_size], -1
+                        )[i]
+                        for p in ours
+                    ],
+                    -1,
+                )
+                for i in range(3)
+            ]
             assert torch.equal(torch.cat(qkv, -1), torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1))
             gate_up = [p.mlp.gate_up_proj(x).chunk(2, -1) for p in ours]
-            assert torch.equal(torch.cat([g for g, _ in gate_up] + [u for _, u in gate_up], -1),
-                               torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1))
+            assert torch.equal(
+                torch.cat([g for g, _ in gate_up] + [u for _, u in gate_up], -1),
+                torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1),
+            )
             halves = h.chunk(tp, -1)
             partial = lambda layer, part: layer.weights.apply(layer, part, None)  # noqa: E731 - no all-reduce here
             o = sum(partial(p.self_attn.o_proj, part) for p, part in zip(ours, halves))
@@ -253,10 +273,13 @@ def _teacher_forced_logprobs(model_dir: Path, sequences: list[list[int]], **engi
     from zllm import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="float32", **engine_args)
-    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=5),
-                        use_tqdm=False)
-    return [{pos: {tok: lp.logprob for tok, lp in entry.items()} for pos, entry in enumerate(o.prompt_logprobs[1:])}
-            for o in outs]
+    outs = llm.generate(
+        [{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False
+    )
+    return [
+        {pos: {tok: lp.logprob for tok, lp in entry.items()} for pos, entry in enumerate(o.prompt_logprobs[1:])}
+        for o in outs
+    ]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -313,15 +336,26 @@ def _with_quantization_config(tmp_path: Path, quantization_config: dict, **overr
     return model_dir
 
 
-_INT8_WEIGHTS = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
-    "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}}}}
+_INT8_WEIGHTS = {
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+        }
+    },
+}
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
-    ({"quant_method": "fp8", "activation_scheme": "static"}, "weight_block_size None"),
-    (_INT8_WEIGHTS, "format 'int-quantized' is not supported"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, "weight_block_size None"),
+        (_INT8_WEIGHTS, "format 'int-quantized' is not supported"),
+    ],
+)
 def test_unsupported_quantization_config_is_refused_at_start(tmp_path, config, message):
     model_dir = _with_quantization_config(tmp_path, config)
     with pytest.raises(ValueError, match=message) as error:
@@ -340,8 +374,9 @@ def test_unknown_quantization_flag_and_fp8_moe_are_refused(tmp_path):
 
 def test_fp8_checkpoint_with_unquantized_weights_is_refused(tmp_path):
     """A config that says FP8 over a checkpoint whose projections are not: a clear error, not garbage."""
-    model_dir = _with_quantization_config(tmp_path, {"quant_method": "fp8", "weight_block_size": [128, 128]},
-                                          **BLOCK_CONFIG)
+    model_dir = _with_quantization_config(
+        tmp_path, {"quant_method": "fp8", "weight_block_size": [128, 128]}, **BLOCK_CONFIG
+    )
     with pytest.raises(Exception, match="lacks tensor|expected float8_e4m3fn"):
         _engine_generate_all(model_dir, PROMPTS[:1], 2)
 
@@ -363,7 +398,9 @@ def _perplexity(model_dir: str, **engine_args) -> float:
     llm = LLM(model_dir, **engine_args)
     try:
         ids = llm.get_tokenizer().encode(PASSAGE)
-        [out] = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        [out] = llm.generate(
+            [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+        )
     finally:
         llm.shutdown()
     nll = -sum(entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[1:])) / (len(ids) - 1)
@@ -383,7 +420,8 @@ def _hf_fp8_model(model_dir: str, nudge: dict | None = None):
                 scale = module.weight.abs().amax(1, keepdim=True) / 448.0
                 module.weight.copy_((module.weight / scale).clamp(-448, 448).to(E4M3).float() * scale)
                 module.register_forward_pre_hook(
-                    lambda mod, args: (_token_fake_quant(args[0] * (nudge["factor"] if nudge else 1.0), 1),))
+                    lambda mod, args: (_token_fake_quant(args[0] * (nudge["factor"] if nudge else 1.0), 1),)
+                )
     return model
 
 

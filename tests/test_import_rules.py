@@ -77,21 +77,28 @@ def test_shared_modules_import_no_process_and_not_the_launcher():
     wrong = [
         (importer, imported)
         for importer, imported in zllm_edges()
-        if package_of(importer) == "shared" and importer != "zllm"  # the package root names LLM lazily
+        if package_of(importer) == "shared"
+        and importer != "zllm"  # the package root names LLM lazily
         and package_of(imported) != "shared"
     ]
     assert not wrong, f"a shared module imports a process package or zllm/launch: {wrong}"
 
 
 def test_the_client_needs_only_ipc_outputs_and_sampling_params():
-    wrong = [imported for importer, imported in zllm_edges()
-             if importer == "zllm.client" and not imported.startswith(CLIENT_MAY_IMPORT)]
+    wrong = [
+        imported
+        for importer, imported in zllm_edges()
+        if importer == "zllm.client" and not imported.startswith(CLIENT_MAY_IMPORT)
+    ]
     assert not wrong, wrong
 
 
 def test_only_ipc_knows_the_wire_format():
-    wrong = [module_name(path) for path in SOURCE.rglob("*.py")
-             if not module_name(path).startswith("zllm.ipc") and {"msgspec.msgpack", "pickle"} & imported_modules(path)]
+    wrong = [
+        module_name(path)
+        for path in SOURCE.rglob("*.py")
+        if not module_name(path).startswith("zllm.ipc") and {"msgspec.msgpack", "pickle"} & imported_modules(path)
+    ]
     assert not wrong, f"msgpack or pickle outside zllm/ipc: {wrong}"
 
 
@@ -100,13 +107,19 @@ def test_only_ipc_knows_the_wire_format():
     [
         # The engine core starts without torch (xgrammar, which needs it, comes with the first
         # structured-output request) and without any worker code.
-        (["zllm.enginecore.core", "zllm.enginecore.process"],
-         ["torch", "zllm.workers", "zllm.frontend", "zllm.launch"]),
-        (["zllm.frontend.server", "zllm.frontend.api_server", "zllm.frontend.llm"],
-         ["zllm.workers", "zllm.enginecore", "zllm.launch"]),
+        (
+            ["zllm.enginecore.core", "zllm.enginecore.process"],
+            ["torch", "zllm.workers", "zllm.frontend", "zllm.launch"],
+        ),
+        (
+            ["zllm.frontend.server", "zllm.frontend.api_server", "zllm.frontend.llm"],
+            ["zllm.workers", "zllm.enginecore", "zllm.launch"],
+        ),
         (["zllm.workers.process"], ["zllm.frontend", "zllm.enginecore", "zllm.launch"]),
-        (["zllm.config", "zllm.procs.children", "zllm.model_spec"],
-         ["torch", "transformers", "zllm.workers", "zllm.enginecore", "zllm.frontend", "zllm.launch"]),
+        (
+            ["zllm.config", "zllm.procs.children", "zllm.model_spec"],
+            ["torch", "transformers", "zllm.workers", "zllm.enginecore", "zllm.frontend", "zllm.launch"],
+        ),
     ],
 )
 def test_importing_a_process_loads_only_its_own_layer(entry_modules, must_not_load):

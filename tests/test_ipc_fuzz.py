@@ -53,11 +53,22 @@ VALID = {
         m.WorkerCallResult(0, 1, None, "err"),
         m.WorkerFailed(0, "boom"),
     ],
-    "NodeToHead": [m.NodeJoin(1, 2), m.WorkersExited(1, "rank 1 exited"), m.EngineExited(1, 2, "stopped"),
-                   m.NodeHeartbeat(), m.NodeLeaving("bye")],
+    "NodeToHead": [
+        m.NodeJoin(1, 2),
+        m.WorkersExited(1, "rank 1 exited"),
+        m.EngineExited(1, 2, "stopped"),
+        m.NodeHeartbeat(),
+        m.NodeLeaving("bye"),
+    ],
     "HeadToNode": [
-        m.NodeAccepted(b"{}"), m.NodeRefused("no"), m.StartWorkers(1), m.StopWorkers(1), m.StartEngine(1, 2),
-        m.StopEngine(1, 2), m.HeadHeartbeat(), m.NodeUnknown(),
+        m.NodeAccepted(b"{}"),
+        m.NodeRefused("no"),
+        m.StartWorkers(1),
+        m.StopWorkers(1),
+        m.StartEngine(1, 2),
+        m.StopEngine(1, 2),
+        m.HeadHeartbeat(),
+        m.NodeUnknown(),
         m.NodeShutdown("bye"),
     ],
     "ClientToServer": [
@@ -279,8 +290,21 @@ def _garbage(channel: str, rng: random.Random) -> list[list[bytes]]:
     batches += [[rng.randbytes(rng.randint(1, 300))] for _ in range(40)]
     batches += [[b""], [b"\x00"], [b"\xc1"], [b"\xff" * 64], [b"\x91" * 20 + b"\xc0"]]
     # Valid msgpack, wrong type: plain values, and every message of every other channel.
-    batches += [[msgspec.msgpack.encode(v)] for v in (None, 42, "AddRequest", {"a": 1}, [1, 2, 3], [], {},
-                                                      ["EngineDead"], {"type": "generate"}, [b"\x00" * 8])]
+    batches += [
+        [msgspec.msgpack.encode(v)]
+        for v in (
+            None,
+            42,
+            "AddRequest",
+            {"a": 1},
+            [1, 2, 3],
+            [],
+            {},
+            ["EngineDead"],
+            {"type": "generate"},
+            [b"\x00" * 8],
+        )
+    ]
     for other, examples in VALID.items():
         if other != channel:
             batches += [[_codec(other).encode(message)] for message in examples]
@@ -290,12 +314,19 @@ def _garbage(channel: str, rng: random.Random) -> list[list[bytes]]:
         batches += [[frame[:end]] for end in sorted(rng.sample(range(len(frame)), min(6, len(frame))))]
     # Right tag, wrong field types.
     if channel in CLIENT_CHANNELS:
-        batches += [[msgspec.msgpack.encode({"type": "generate", "request_id": 5})],
-                    [msgspec.msgpack.encode({"type": "abort", "request_id": "x", "extra": 1})]]
+        batches += [
+            [msgspec.msgpack.encode({"type": "generate", "request_id": 5})],
+            [msgspec.msgpack.encode({"type": "abort", "request_id": "x", "extra": 1})],
+        ]
     else:
         batches += [[msgspec.msgpack.encode([tag, "not an int", None, {"x": [1]}])] for tag in _tags(channel)]
     # Multipart: the wrong number of frames, some of them valid-looking.
-    batches += [[b"", b""], [b"x"] * 20, [rng.randbytes(10) for _ in range(3)], [b"", _codec(channel).encode(VALID[channel][0])[:-1]]]
+    batches += [
+        [b"", b""],
+        [b"x"] * 20,
+        [rng.randbytes(10) for _ in range(3)],
+        [b"", _codec(channel).encode(VALID[channel][0])[:-1]],
+    ]
     return [frames for frames in batches if len(frames) > 1 or _rejected_cleanly(channel, frames[0])]
 
 
@@ -451,7 +482,7 @@ def test_live_server_drops_oversized_frames_and_raw_bytes_on_bound_sockets(tmp_p
         engine = server.engine_dir()
         for endpoint in (f"ipc://{engine}/core-output", f"ipc://{engine}/worker-output", server.endpoint):
             _push(endpoint, [[OVERSIZED]])
-            _raw_bytes(endpoint[len("ipc://"):], rng)
+            _raw_bytes(endpoint[len("ipc://") :], rng)
         assert _generate(server.endpoint) == before  # the core drains worker output while it steps
         assert server.process.poll() is None and _alive(children)
         assert {p.pid for p in server.children()} == {p.pid for p in children}
@@ -501,13 +532,19 @@ class _Peer:
         self.context.destroy(linger=0)
 
 
-def _peer_config(tiny_model: str, runtime_dir) -> "EngineConfig":  # noqa: F821
+def _peer_config(tiny_model: str, runtime_dir) -> EngineConfig:  # noqa: F821
     from zllm.config import EngineConfig
 
     runtime_dir.mkdir(mode=0o700)
-    return EngineConfig.create(tiny_model, dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20,
-                               runtime_dir=str(runtime_dir), client_max_message_bytes=64 << 10,
-                               internal_max_message_bytes=1 << 20)
+    return EngineConfig.create(
+        tiny_model,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=16 << 20,
+        runtime_dir=str(runtime_dir),
+        client_max_message_bytes=64 << 10,
+        internal_max_message_bytes=1 << 20,
+    )
 
 
 @pytest.mark.slow
@@ -565,8 +602,11 @@ def test_worker_input_survives_garbage_truncated_and_oversized_frames(tmp_path, 
 
         def first_token(request_id: str) -> int:
             prompt = [5, 9, 13, 40]
-            core.send(m.StepInput(next(step_ids), [m.NewRequestData(request_id, 4, prompt, GREEDY, [0], 0)], [],
-                                  [request_id], [4]))
+            core.send(
+                m.StepInput(
+                    next(step_ids), [m.NewRequestData(request_id, 4, prompt, GREEDY, [0], 0)], [], [request_id], [4]
+                )
+            )
             output = core.receive(m.StepOutput)
             core.send(m.StepInput(next(step_ids), [], [], [], [], finished_ids=[request_id]))
             core.receive(m.StepOutput)
@@ -589,6 +629,7 @@ def test_worker_input_survives_garbage_truncated_and_oversized_frames(tmp_path, 
 
 
 # ---- one bad frame must not take a whole server down ---------------------------------------------
+
 
 @pytest.mark.slow
 def test_live_invalid_utf8_from_a_client_is_answered_not_fatal(tmp_path, smollm2_dir):
@@ -614,8 +655,13 @@ def test_live_invalid_utf8_from_a_client_is_answered_not_fatal(tmp_path, smollm2
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "conversation",
-    [[{"role": "user"}], [{"role": "user", "content": 5}], [{"role": 5, "content": "x"}],
-     [{"role": "user", "content": None}], [{"role": "user", "content": {"a": 1}}]],
+    [
+        [{"role": "user"}],
+        [{"role": "user", "content": 5}],
+        [{"role": 5, "content": "x"}],
+        [{"role": "user", "content": None}],
+        [{"role": "user", "content": {"a": 1}}],
+    ],
     ids=["no-content", "int-content", "int-role", "null-content", "dict-content"],
 )
 def test_malformed_chat_messages_are_a_value_error(smollm2_tokenizer, conversation):

@@ -43,10 +43,14 @@ def fp8_kv_rounding(model, scales: list[tuple[float, float]] | None = None):
 
     hooks = []
     for index, decoder in enumerate(model.model.layers):
-        hooks.append(decoder.self_attn.register_forward_pre_hook(
-            lambda mod, args, index=index: layer.__setitem__(0, index)))
-        hooks.append(decoder.self_attn.v_proj.register_forward_hook(
-            lambda mod, args, out, index=index: _fake_fp8(out, scales[index][1])))
+        hooks.append(
+            decoder.self_attn.register_forward_pre_hook(lambda mod, args, index=index: layer.__setitem__(0, index))
+        )
+        hooks.append(
+            decoder.self_attn.v_proj.register_forward_hook(
+                lambda mod, args, out, index=index: _fake_fp8(out, scales[index][1])
+            )
+        )
     modeling_llama.apply_rotary_pos_emb = rotary_then_round_keys
     try:
         yield model
@@ -82,11 +86,15 @@ def test_fp8_kv_cache_matches_transformers_with_rounded_keys_and_values(tiny):
     assert _engine_generate_all(tiny, PROMPTS, MAX_TOKENS, kv_cache_dtype="fp8") == reference
 
 
-@pytest.mark.parametrize("engine_args", [
-    dict(tensor_parallel_size=2),
-    # Prompts cut into 8-token chunks: each chunk attends to its prefix read back from FP8.
-    dict(max_num_batched_tokens=8, enable_prefix_caching=False),
-], ids=["tp2", "chunked-prefill"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(tensor_parallel_size=2),
+        # Prompts cut into 8-token chunks: each chunk attends to its prefix read back from FP8.
+        dict(max_num_batched_tokens=8, enable_prefix_caching=False),
+    ],
+    ids=["tp2", "chunked-prefill"],
+)
 def test_fp8_kv_cache_under_tp_and_chunked_prefill(tiny, engine_args):
     reference = _hf_reference(tiny)
     assert _engine_generate_all(tiny, PROMPTS, MAX_TOKENS, kv_cache_dtype="fp8_e4m3", **engine_args) == reference
@@ -132,7 +140,10 @@ def _calibrated_kv_scales(model_dir: Path) -> list[tuple[float, float]]:
         for index, decoder in enumerate(model.model.layers):
             decoder.self_attn.register_forward_pre_hook(lambda mod, args, index=index: layer.__setitem__(0, index))
             decoder.self_attn.v_proj.register_forward_hook(
-                lambda mod, args, out, index=index: amax[index].__setitem__(1, max(amax[index][1], out.abs().max().item())))
+                lambda mod, args, out, index=index: amax[index].__setitem__(
+                    1, max(amax[index][1], out.abs().max().item())
+                )
+            )
         with torch.no_grad():
             for prompt in PROMPTS:
                 model(torch.tensor([prompt + list(range(60, 80))]))
@@ -160,7 +171,8 @@ def test_checkpoint_kv_scales_are_used_by_the_fp8_cache(tmp_path):
     weights_only = write_compressed_tensors(src, tmp_path / "fp8", "FP8_DYNAMIC", ["lm_head"])
     scales = _calibrated_kv_scales(src)
     model = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "fp8", dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+        tmp_path / "fp8", dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+    ).eval()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.endswith("_proj"):
             module.register_forward_pre_hook(lambda mod, args: (_token_fake_quant(args[0], 1),))
@@ -183,7 +195,12 @@ def _add_kv_scales(model_dir: Path, scales, load_file, save_file) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"]["kv_cache_scheme"] = {
-        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+        "num_bits": 8,
+        "type": "float",
+        "strategy": "tensor",
+        "dynamic": False,
+        "symmetric": True,
+    }
     (model_dir / "config.json").write_text(json.dumps(config))
 
 
@@ -196,8 +213,9 @@ def test_fp8_kv_cache_holds_more_blocks_in_the_same_memory_and_says_so(tiny, cap
     runners = {}
     for kv_dtype in ("auto", "fp8"):
         for dtype in ("float32", "bfloat16"):
-            config = EngineConfig.create(str(tiny), dtype=dtype, device="cpu", kv_cache_dtype=kv_dtype,
-                                         kv_cache_memory_bytes=1 << 24)
+            config = EngineConfig.create(
+                str(tiny), dtype=dtype, device="cpu", kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=1 << 24
+            )
             runners[kv_dtype, dtype] = ModelRunner(config, torch.device("cpu"))
     with caplog.at_level(logging.INFO, logger="zllm.workers.model_runner"):
         blocks = {key: runner.determine_num_kv_blocks() for key, runner in runners.items()}
@@ -226,9 +244,14 @@ def test_bad_kv_cache_dtype_and_scheme_are_refused(tmp_path, capsys):
         EngineConfig.create(str(model_dir), kv_cache_dtype="int8")
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized",
-        "config_groups": {"g": {"targets": ["Linear"], "weights": {
-            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}},
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "g": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+            }
+        },
         "kv_cache_scheme": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False},
     }
     (model_dir / "config.json").write_text(json.dumps(config))

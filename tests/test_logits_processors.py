@@ -47,7 +47,9 @@ class Batch:
 
     def add(self, request_id: str, params: SamplingParams, prompt: list[int], output: list[int], bad_words=()) -> int:
         self.tokens[request_id] = prompt + output
-        return self.batch.add(request_id, params, self.tokens[request_id], len(prompt), [EOS], [list(w) for w in bad_words])
+        return self.batch.add(
+            request_id, params, self.tokens[request_id], len(prompt), [EOS], [list(w) for w in bad_words]
+        )
 
     def append(self, request_id: str, token_ids: list[int]) -> None:
         self.tokens[request_id].extend(token_ids)
@@ -97,7 +99,9 @@ def test_presence_and_frequency_penalties_match_the_openai_formula(presence, fre
     b.add("untouched", SamplingParams(), *history(6, 4, 12))
     logits = logits_for(2, seed=1)
     processed = b.processed(["a", "untouched"], logits)
-    torch.testing.assert_close(processed[0], openai_penalties(logits[0], output, presence, frequency), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        processed[0], openai_penalties(logits[0], output, presence, frequency), rtol=0, atol=1e-6
+    )
     assert torch.equal(processed[1], logits[1])
 
 
@@ -156,7 +160,9 @@ def test_logit_bias_matches_transformers_sequence_bias_for_single_tokens():
     b.add("other", SamplingParams(logit_bias={4: -1.5}), [1, 2], [])
     logits = logits_for(3, seed=5)
     processed = b.processed(["none", "a", "other"], logits)
-    reference = SequenceBiasLogitsProcessor([[[t], v] for t, v in bias.items()])(torch.tensor([[1, 2]]), logits[1:2].clone())
+    reference = SequenceBiasLogitsProcessor([[[t], v] for t, v in bias.items()])(
+        torch.tensor([[1, 2]]), logits[1:2].clone()
+    )
     torch.testing.assert_close(processed[1], reference[0], rtol=0, atol=1e-6)
     assert torch.equal(processed[0], logits[0])
     assert processed[2, 4] == logits[2, 4] - 1.5

@@ -40,15 +40,48 @@ CASES = {  # name: (architecture, config overrides)
     # dense layers between sparse ones.
     "mixtral-8x2": ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 40}),
     "mixtral-top1": ("mixtral", {"num_local_experts": 3, "num_experts_per_tok": 1, "intermediate_size": 37}),
-    "qwen2-moe-shared": ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
-                                       "shared_expert_intermediate_size": 56}),
-    "qwen2-moe-sparse-step": ("qwen2_moe", {"num_experts": 5, "num_experts_per_tok": 4, "moe_intermediate_size": 19,
-                                            "shared_expert_intermediate_size": 0, "norm_topk_prob": True,
-                                            "decoder_sparse_step": 2, "num_hidden_layers": 3}),
-    "qwen3-moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 24,
-                                "norm_topk_prob": True, "head_dim": 32}),
-    "qwen3-moe-mlp-only": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 33,
-                                         "norm_topk_prob": False, "mlp_only_layers": [0], "num_hidden_layers": 3}),
+    "qwen2-moe-shared": (
+        "qwen2_moe",
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 56,
+        },
+    ),
+    "qwen2-moe-sparse-step": (
+        "qwen2_moe",
+        {
+            "num_experts": 5,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 19,
+            "shared_expert_intermediate_size": 0,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 2,
+            "num_hidden_layers": 3,
+        },
+    ),
+    "qwen3-moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 24,
+            "norm_topk_prob": True,
+            "head_dim": 32,
+        },
+    ),
+    "qwen3-moe-mlp-only": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 33,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [0],
+            "num_hidden_layers": 3,
+        },
+    ),
 }
 
 
@@ -132,10 +165,15 @@ def test_tensor_parallel_matches_hf(tmp_path, case):
     architecture, tp, overrides = TP_CASES[case]
     model_dir = save_tiny_model(tmp_path, architecture, initializer_range=0.2, **overrides)
     expected = _hf_generate_all(model_dir, PROMPTS, 16)
-    llm = LLM(str(model_dir), dtype="float32", tensor_parallel_size=tp, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    llm = LLM(
+        str(model_dir), dtype="float32", tensor_parallel_size=tp, max_model_len=256, kv_cache_memory_bytes=8 << 20
+    )
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+            use_tqdm=False,
+        )
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -149,8 +187,9 @@ def test_moe_staggered_arrivals_with_prefix_hits_match_hf(tmp_path):
     prefix = list(range(10, 42))
     prompts = [prefix + [100 + i, 7, 8 + i] for i in range(4)]
     expected = _hf_generate_all(model_dir, prompts, 12)
-    engine = LLMEngine.from_engine_args(str(model_dir), dtype="float32", block_size=8, max_num_batched_tokens=16,
-                                        enable_prefix_caching=True)
+    engine = LLMEngine.from_engine_args(
+        str(model_dir), dtype="float32", block_size=8, max_num_batched_tokens=16, enable_prefix_caching=True
+    )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     results, cached, pending = {}, {}, list(enumerate(prompts))
     while pending or engine.has_unfinished_requests():
@@ -197,10 +236,18 @@ def test_architecture_flags_follow_hf():
 def test_sliding_window_only_where_a_layer_uses_it():
     assert _spec("mistral", sliding_window=4096).sliding_window == 4096
     assert _spec("qwen2", sliding_window=4096).sliding_window is None  # use_sliding_window=False
-    assert _spec("qwen2", use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
-                 max_window_layers=2).sliding_window == 64
-    assert _spec("qwen3", use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
-                 max_window_layers=4).sliding_window is None  # no layer past max_window_layers
+    assert (
+        _spec(
+            "qwen2", use_sliding_window=True, sliding_window=64, num_hidden_layers=4, max_window_layers=2
+        ).sliding_window
+        == 64
+    )
+    assert (
+        _spec(
+            "qwen3", use_sliding_window=True, sliding_window=64, num_hidden_layers=4, max_window_layers=4
+        ).sliding_window
+        is None
+    )  # no layer past max_window_layers
 
 
 def test_config_without_architectures_falls_back_on_model_type():
@@ -284,8 +331,10 @@ def test_mismatched_tensor_shape_names_file_and_tensor(tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     config["intermediate_size"] = 96  # the checkpoint's MLP matrices are 128 wide
     (model_dir / "config.json").write_text(json.dumps(config))
-    pattern = (r"^model: .*/model.safetensors: tensor 'model.layers.0.mlp.(down|gate|up)_proj.weight' has shape "
-               r"\((128, 64|64, 128)\), expected \((96, 64|64, 96)\)")
+    pattern = (
+        r"^model: .*/model.safetensors: tensor 'model.layers.0.mlp.(down|gate|up)_proj.weight' has shape "
+        r"\((128, 64|64, 128)\), expected \((96, 64|64, 96)\)"
+    )
     with pytest.raises(ValueError, match=pattern):
         LLM(str(model_dir), dtype="float32")
 
@@ -298,15 +347,20 @@ def test_missing_tensor_is_named_as_in_the_checkpoint(tmp_path):
     tensors = load_file(path)
     del tensors["model.layers.1.self_attn.k_proj.bias"]
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"^model: checkpoint in .* lacks tensor\(s\) model.layers.1.self_attn.k_proj.bias$"):
+    with pytest.raises(
+        ValueError, match=r"^model: checkpoint in .* lacks tensor\(s\) model.layers.1.self_attn.k_proj.bias$"
+    ):
         LLM(str(model_dir), dtype="float32")
 
 
-@pytest.mark.parametrize(("case", "missing"), [
-    ("mixtral-top1", "model.layers.1.block_sparse_moe.experts.2.w3.weight"),
-    ("qwen2-moe-shared", "model.layers.0.mlp.experts.5.down_proj.weight"),
-    ("qwen2-moe-shared", "model.layers.1.mlp.shared_expert.gate_proj.weight"),
-])
+@pytest.mark.parametrize(
+    ("case", "missing"),
+    [
+        ("mixtral-top1", "model.layers.1.block_sparse_moe.experts.2.w3.weight"),
+        ("qwen2-moe-shared", "model.layers.0.mlp.experts.5.down_proj.weight"),
+        ("qwen2-moe-shared", "model.layers.1.mlp.shared_expert.gate_proj.weight"),
+    ],
+)
 def test_missing_expert_tensor_is_named_as_in_the_checkpoint(tmp_path, case, missing):
     from safetensors.torch import load_file, save_file
 
@@ -333,7 +387,9 @@ def test_tensor_in_two_files_is_named(tmp_path):
     model_dir = save_tiny_model(tmp_path, "llama")
     tensors = load_file(model_dir / "model.safetensors")
     save_file({"model.norm.weight": tensors["model.norm.weight"]}, model_dir / "model-extra.safetensors")
-    with pytest.raises(ValueError, match="^model: .*/model.safetensors: tensor 'model.norm.weight' appears a second time"):
+    with pytest.raises(
+        ValueError, match="^model: .*/model.safetensors: tensor 'model.norm.weight' appears a second time"
+    ):
         LLM(str(model_dir), dtype="float32")
 
 
@@ -368,7 +424,11 @@ def test_gguf_file_loads_like_its_conversion(tmp_path, monkeypatch, hf_smollm2):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     conversation = [{"role": "user", "content": "Name the largest planet of the solar system."}]
     chat = llm.chat(conversation, params, use_tqdm=False)[0]
-    text = llm.generate("Once upon a time, in a small village by the sea, there lived an old fisherman who every morning", params, use_tqdm=False)[0]
+    text = llm.generate(
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning",
+        params,
+        use_tqdm=False,
+    )[0]
     for out in (chat, text):
         assert len(out.prompt_token_ids) > 16
         assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, out.prompt_token_ids, 24, eos_token_id=None)

@@ -33,20 +33,49 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # ---- flags ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"nnodes": 2, "tensor_parallel_size": 3, "master_addr": "10.0.0.1", "curve_dir": "/k"},
-     "3 ranks do not split evenly over 2 nodes"),
-    ({"nnodes": 2, "tensor_parallel_size": 2, "curve_dir": "/k"}, "master_addr: is required"),
-    ({"nnodes": 2, "tensor_parallel_size": 2, "master_addr": "10.0.0.1"}, r"nnodes: tcp://10.0.0.1:29501 \(the node"),
-    ({"nnodes": 2, "tensor_parallel_size": 2, "master_addr": "10.0.0.1", "curve_dir": "/k", "data_parallel_size": 2},
-     "without it the nodes split one engine's tp ranks"),
-    ({"nnodes": 2, "master_addr": "10.0.0.1", "curve_dir": "/k", "data_parallel_size": 4, "data_parallel_size_local": 1},
-     "1 engines on each of 2 nodes is not --data-parallel-size 4"),
-    ({"data_parallel_size": 2, "data_parallel_size_local": 1}, "splits the engines over nodes: it needs --nnodes > 1"),
-    ({"nnodes": 2, "node_rank": 1, "tensor_parallel_size": 2, "master_addr": "10.0.0.1", "curve_dir": "/k"},
-     "the other nodes run `vllm-launch --headless`"),
-    ({"nnodes": 2, "node_rank": 2}, r"node_rank: must be in \[0, 2\)"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            {"nnodes": 2, "tensor_parallel_size": 3, "master_addr": "10.0.0.1", "curve_dir": "/k"},
+            "3 ranks do not split evenly over 2 nodes",
+        ),
+        ({"nnodes": 2, "tensor_parallel_size": 2, "curve_dir": "/k"}, "master_addr: is required"),
+        (
+            {"nnodes": 2, "tensor_parallel_size": 2, "master_addr": "10.0.0.1"},
+            r"nnodes: tcp://10.0.0.1:29501 \(the node",
+        ),
+        (
+            {
+                "nnodes": 2,
+                "tensor_parallel_size": 2,
+                "master_addr": "10.0.0.1",
+                "curve_dir": "/k",
+                "data_parallel_size": 2,
+            },
+            "without it the nodes split one engine's tp ranks",
+        ),
+        (
+            {
+                "nnodes": 2,
+                "master_addr": "10.0.0.1",
+                "curve_dir": "/k",
+                "data_parallel_size": 4,
+                "data_parallel_size_local": 1,
+            },
+            "1 engines on each of 2 nodes is not --data-parallel-size 4",
+        ),
+        (
+            {"data_parallel_size": 2, "data_parallel_size_local": 1},
+            "splits the engines over nodes: it needs --nnodes > 1",
+        ),
+        (
+            {"nnodes": 2, "node_rank": 1, "tensor_parallel_size": 2, "master_addr": "10.0.0.1", "curve_dir": "/k"},
+            "the other nodes run `vllm-launch --headless`",
+        ),
+        ({"nnodes": 2, "node_rank": 2}, r"node_rank: must be in \[0, 2\)"),
+    ],
+)
 def test_bad_node_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m", max_model_len=64, **fields).validate()
@@ -57,23 +86,40 @@ def test_ranks_and_gpus_per_node():
     node = EngineConfig(model="m", tensor_parallel_size=4, nnodes=2, node_rank=1, headless=True, master_addr="h")
     assert list(head.local_ranks()) == [0, 1] and list(node.local_ranks()) == [2, 3]
     assert head.first_gpu == 0 and node.first_gpu == -2  # rank 2 takes GPU 0 of node 1
-    spread = dict(model="m", tensor_parallel_size=2, data_parallel_size=4, data_parallel_size_local=2, nnodes=2,
-                  master_addr="h", curve_dir="/k")
+    spread = dict(
+        model="m",
+        tensor_parallel_size=2,
+        data_parallel_size=4,
+        data_parallel_size_local=2,
+        nnodes=2,
+        master_addr="h",
+        curve_dir="/k",
+    )
     engine3 = EngineConfig(**spread, node_rank=1, headless=True, data_parallel_rank=3)
     assert engine3.dp_spans_nodes and not engine3.tp_spans_nodes
     assert list(engine3.local_ranks()) == [0, 1] and engine3.first_gpu == 2  # engine 3 = the node's second: GPUs 2, 3
     assert [EngineConfig(**spread).node_of_engine(d) for d in range(4)] == [0, 0, 1, 1]
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"nnodes": 1}, "a headless node belongs to a group of >= 2 nodes"),
-    ({"node_rank": 0}, r"node_rank: a headless node is 1 \.\. 1"),
-    ({"master_addr": ""}, "master_addr: the head node's address is required"),
-    ({"curve_dir": "", "allow_insecure_tcp": False}, "zmq_curve_dir: the head's server.key"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"nnodes": 1}, "a headless node belongs to a group of >= 2 nodes"),
+        ({"node_rank": 0}, r"node_rank: a headless node is 1 \.\. 1"),
+        ({"master_addr": ""}, "master_addr: the head node's address is required"),
+        ({"curve_dir": "", "allow_insecure_tcp": False}, "zmq_curve_dir: the head's server.key"),
+    ],
+)
 def test_bad_headless_flags_are_refused(fields, message):
-    args = dict(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=29500, curve_dir="/k",
-                allow_insecure_tcp=False, join_timeout_s=5.0)
+    args = dict(
+        nnodes=2,
+        node_rank=1,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        curve_dir="/k",
+        allow_insecure_tcp=False,
+        join_timeout_s=5.0,
+    )
     with pytest.raises(ValueError, match=message):
         NodeArgs(**{**args, **fields}).validate()
 
@@ -126,9 +172,24 @@ class TwoNodes:
         self.port = _free_port_block(6)
         self.endpoint = f"ipc://{root}/client.sock"
         self.common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(self.port)]
-        self.head_args = ["--model", model, *parallel, "--node-rank", "0", "--zmq-curve-dir", str(self.keys.head),
-                          "--zmq-endpoint", self.endpoint, "--port", "0", "--max-model-len", "512",
-                          "--kv-cache-memory", "64MiB", *extra]
+        self.head_args = [
+            "--model",
+            model,
+            *parallel,
+            "--node-rank",
+            "0",
+            "--zmq-curve-dir",
+            str(self.keys.head),
+            "--zmq-endpoint",
+            self.endpoint,
+            "--port",
+            "0",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "64MiB",
+            *extra,
+        ]
         self.head = self.start_head("head")
         self.nodes: list[subprocess.Popen] = []
 
@@ -137,12 +198,17 @@ class TwoNodes:
 
     def _launch(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.root / f"{name}.log", "wb")
-        return subprocess.Popen([sys.executable, "-m", "zllm.launch.cli", *self.common, *args], stdout=log,
-                                stderr=subprocess.STDOUT, env=ONE_THREAD)
+        return subprocess.Popen(
+            [sys.executable, "-m", "zllm.launch.cli", *self.common, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=ONE_THREAD,
+        )
 
     def start_node(self, name: str = "node", keys: Path | None = None, *extra: str) -> subprocess.Popen:
-        node = self._launch(name, "--headless", "--node-rank", "1", "--zmq-curve-dir", str(keys or self.keys.node),
-                            *extra)
+        node = self._launch(
+            name, "--headless", "--node-rank", "1", "--zmq-curve-dir", str(keys or self.keys.node), *extra
+        )
         self.nodes.append(node)
         return node
 
@@ -150,8 +216,9 @@ class TwoNodes:
         return (self.root / f"{name}.log").read_text(errors="replace")
 
     def wait_ready(self, name: str = "head", timeout: float = 120.0) -> None:
-        assert wait_until(lambda: "zllm ready" in self.log(name) or self.head.poll() is not None, timeout), \
-            self.log(name)[-3000:]
+        assert wait_until(lambda: "zllm ready" in self.log(name) or self.head.poll() is not None, timeout), self.log(
+            name
+        )[-3000:]
         assert self.head.poll() is None, self.log(name)[-3000:]
 
     def all_pids(self) -> list[int]:
@@ -164,16 +231,26 @@ class TwoNodes:
         return pids
 
     def client(self) -> Client:
-        return Client(self.endpoint, server_key=str(self.keys.head / "server.key"),
-                      client_key=str(self.keys.client / "client.key_secret"), timeout=60)
+        return Client(
+            self.endpoint,
+            server_key=str(self.keys.head / "server.key"),
+            client_key=str(self.keys.client / "client.key_secret"),
+            timeout=60,
+        )
 
     def stream_all(self, prompts: list[str], params: SamplingParams, kill=None) -> list[list[int]]:
         """Stream every prompt at once; with `kill`, call it (in a thread) once each stream has 10
         tokens. Returns each stream's tokens."""
+
         async def scenario():
             counts = [0] * len(prompts)
-            async with AsyncClient(self.endpoint, server_key=str(self.keys.head / "server.key"),
-                                   client_key=str(self.keys.client / "client.key_secret"), timeout=120) as client:
+            async with AsyncClient(
+                self.endpoint,
+                server_key=str(self.keys.head / "server.key"),
+                client_key=str(self.keys.client / "client.key_secret"),
+                timeout=120,
+            ) as client:
+
                 async def consume(i: int) -> list[int]:
                     tokens = []
                     async for delta in client.stream(prompts[i], params):
@@ -262,12 +339,33 @@ def test_a_node_told_to_stop_while_joining_exits_at_once(tmp_path):
     keys = Keys(tmp_path)
     port = _free_port_block(2)
     log = open(tmp_path / "node.log", "wb")
-    node = subprocess.Popen([sys.executable, "-m", "zllm.launch.cli", "--headless", "--nnodes", "2", "--node-rank", "1",
-                             "--master-addr", "127.0.0.1", "--master-port", str(port), "--zmq-curve-dir",
-                             str(keys.node), "--node-join-timeout", "300"], stdout=log, stderr=subprocess.STDOUT,
-                            env=ONE_THREAD)
+    node = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zllm.launch.cli",
+            "--headless",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--zmq-curve-dir",
+            str(keys.node),
+            "--node-join-timeout",
+            "300",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=ONE_THREAD,
+    )
     try:
-        assert wait_until(lambda: "joining" in (tmp_path / "node.log").read_text(), 60), (tmp_path / "node.log").read_text()
+        assert wait_until(lambda: "joining" in (tmp_path / "node.log").read_text(), 60), (
+            tmp_path / "node.log"
+        ).read_text()
         started = time.monotonic()
         node.send_signal(signal.SIGTERM)
         assert node.wait(30) == 0

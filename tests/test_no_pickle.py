@@ -104,9 +104,22 @@ v = np.load("x.npy", allow_pickle=True)
 """
     found = pickle_uses(bad)
     text = "\n".join(found)
-    for expected in ["import pickle", "import cPickle", "import dill.detect", "from cloudpickle", "from _pickle",
-                     "p.loads()", "pickle.Unpickler()", ".recv_pyobj", ".send_pyobj", "import recv_pyobj",
-                     "__import__('pickle')", "import_module('dill')", "torch.load()", "numpy.load("]:
+    for expected in [
+        "import pickle",
+        "import cPickle",
+        "import dill.detect",
+        "from cloudpickle",
+        "from _pickle",
+        "p.loads()",
+        "pickle.Unpickler()",
+        ".recv_pyobj",
+        ".send_pyobj",
+        "import recv_pyobj",
+        "__import__('pickle')",
+        "import_module('dill')",
+        "torch.load()",
+        "numpy.load(",
+    ]:
         assert expected in text, f"{expected!r} not caught:\n{text}"
     assert pickle_uses("import json\nimport msgspec\nx = json.loads(s)\nw = torch.load(f, weights_only=True)\n") == []
 
@@ -171,7 +184,9 @@ def _generate(endpoint: str) -> list[int]:
     from zllm import Client
 
     with Client(endpoint, timeout=60.0) as client:
-        output = client.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=8), timeout=120.0)
+        output = client.generate(
+            "The capital of France is", SamplingParams(temperature=0.0, max_tokens=8), timeout=120.0
+        )
     return list(output.outputs[0].token_ids)
 
 

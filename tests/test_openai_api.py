@@ -28,10 +28,18 @@ BODY_LIMIT = 64 * 1024
 FRANCE = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
+
 @pytest.fixture(scope="module")
 def api(tmp_path_factory, smollm2_dir):
-    handle = start_server(tmp_path_factory.mktemp("api"), smollm2_dir, "--api-key", API_KEY,
-                          "--max-request-body", str(BODY_LIMIT), env=ONE_THREAD)
+    handle = start_server(
+        tmp_path_factory.mktemp("api"),
+        smollm2_dir,
+        "--api-key",
+        API_KEY,
+        "--max-request-body",
+        str(BODY_LIMIT),
+        env=ONE_THREAD,
+    )
     assert handle.http_url.startswith("http://127.0.0.1:")
     yield handle
     handle.stop()
@@ -50,8 +58,7 @@ def together(*calls):
 
 def post(api, path: str, body: bytes | dict, headers: dict | None = None) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(api.http_url + path, content=content, headers=AUTH if headers is None else headers,
-                      timeout=120)
+    return httpx.post(api.http_url + path, content=content, headers=AUTH if headers is None else headers, timeout=120)
 
 
 # ---- completions ----------------------------------------------------------------------------------
@@ -127,15 +134,25 @@ def test_seed_makes_sampling_repeat(client):
 
 
 def test_n2_gives_two_seeded_choices(client):
-    args = dict(model=MODEL, prompt=["Name a fruit:", "Name a tree:"], max_tokens=8, temperature=1.0, n=2, seed=7,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model=MODEL,
+        prompt=["Name a fruit:", "Name a tree:"],
+        max_tokens=8,
+        temperature=1.0,
+        n=2,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
     out, again = together(lambda: client.completions.create(**args), lambda: client.completions.create(**args))
     assert [c.index for c in out.choices] == [0, 1, 2, 3]  # prompt index * n + sample index
     assert out.choices[0].text != out.choices[1].text  # each sample has its own seed (7, 8)
     assert [c.text for c in again.choices] == [c.text for c in out.choices]
     assert out.usage.completion_tokens == 4 * 8
-    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **{**args, "prompt": args["prompt"][1]})
-                       if c.choices and c.choices[0].index == 1)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(stream=True, **{**args, "prompt": args["prompt"][1]})
+        if c.choices and c.choices[0].index == 1
+    )
     assert streamed == out.choices[3].text
 
 
@@ -144,16 +161,18 @@ def test_completion_logprobs_equal_the_engine(api, client):
     with Client(api.endpoint, api_key=API_KEY) as zmq_client:  # --api-key guards ZMQ too
         out, echoed, reference = together(
             lambda: client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=4, temperature=0, logprobs=3),
-            lambda: client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=4, temperature=0, logprobs=3,
-                                              echo=True),
+            lambda: client.completions.create(
+                model=MODEL, prompt=FRANCE, max_tokens=4, temperature=0, logprobs=3, echo=True
+            ),
             lambda: zmq_client.generate(FRANCE, params),
         )
     expected = reference.outputs[0]
     lp = out.choices[0].logprobs
     # (batched together with other requests, the floats may differ in the last bits)
     close = dict(abs=1e-5)
-    assert lp.token_logprobs == pytest.approx([d[t].logprob for t, d in zip(expected.token_ids, expected.logprobs)],
-                                              **close)
+    assert lp.token_logprobs == pytest.approx(
+        [d[t].logprob for t, d in zip(expected.token_ids, expected.logprobs)], **close
+    )
     for top, d in zip(lp.top_logprobs, expected.logprobs):
         assert top == pytest.approx({x.decoded_token: x.logprob for x in d.values()}, **close)
     assert all(len(top) == 3 for top in lp.top_logprobs)  # the greedy token is the top-1 of its 3
@@ -174,8 +193,9 @@ def test_penalties_and_vllm_fields_reach_the_engine(api, client):
     params = SamplingParams(temperature=0, max_tokens=12, **fields, **extra)
     with Client(api.endpoint, api_key=API_KEY) as zmq_client:  # --api-key guards ZMQ too
         out, plain, reference = together(
-            lambda: client.completions.create(model=MODEL, prompt="Repeat: la la la la", max_tokens=12,
-                                              temperature=0, extra_body=extra, **fields),
+            lambda: client.completions.create(
+                model=MODEL, prompt="Repeat: la la la la", max_tokens=12, temperature=0, extra_body=extra, **fields
+            ),
             lambda: client.completions.create(model=MODEL, prompt="Repeat: la la la la", max_tokens=12, temperature=0),
             lambda: zmq_client.generate("Repeat: la la la la", params),
         )
@@ -208,10 +228,21 @@ def test_chat_streaming(client):
 
 
 def test_chat_n2_and_logprobs(client):
-    args = dict(model=MODEL, messages=CHAT, max_tokens=6, temperature=0.8, n=2, seed=3, logprobs=True,
-                top_logprobs=2, extra_body={"ignore_eos": True})
-    out, chunks = together(lambda: client.chat.completions.create(**args),
-                           lambda: list(client.chat.completions.create(stream=True, **args)))
+    args = dict(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0.8,
+        n=2,
+        seed=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    out, chunks = together(
+        lambda: client.chat.completions.create(**args),
+        lambda: list(client.chat.completions.create(stream=True, **args)),
+    )
     assert [c.index for c in out.choices] == [0, 1] and out.usage.completion_tokens == 12
     for choice in out.choices:
         tokens = choice.logprobs.content
@@ -340,16 +371,34 @@ def test_metrics_count_requests(api, client):
         return float(line.rsplit(" ", 1)[1])
 
     before = scrape()
-    out = client.completions.create(model=MODEL, prompt=FRANCE, max_tokens=5, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL, prompt=FRANCE, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = scrape()
-    assert value(after, "zllm:prompt_tokens_total") - value(before, "zllm:prompt_tokens_total") == out.usage.prompt_tokens
+    assert (
+        value(after, "zllm:prompt_tokens_total") - value(before, "zllm:prompt_tokens_total") == out.usage.prompt_tokens
+    )
     assert value(after, "zllm:generation_tokens_total") - value(before, "zllm:generation_tokens_total") == 5
-    assert value(after, "zllm:time_to_first_token_seconds_count") == value(before, "zllm:time_to_first_token_seconds_count") + 1
-    assert value(after, "zllm:inter_token_latency_seconds_count") - value(before, "zllm:inter_token_latency_seconds_count") == 4
-    assert value(after, "zllm:e2e_request_latency_seconds_count") == value(before, "zllm:e2e_request_latency_seconds_count") + 1
-    for name in ("zllm:num_requests_running", "zllm:num_requests_waiting", "zllm:kv_cache_usage_perc",
-                 "zllm:num_preemptions_total", "zllm:prefix_cache_hits_total", "zllm:prefix_cache_queries_total"):
+    assert (
+        value(after, "zllm:time_to_first_token_seconds_count")
+        == value(before, "zllm:time_to_first_token_seconds_count") + 1
+    )
+    assert (
+        value(after, "zllm:inter_token_latency_seconds_count") - value(before, "zllm:inter_token_latency_seconds_count")
+        == 4
+    )
+    assert (
+        value(after, "zllm:e2e_request_latency_seconds_count")
+        == value(before, "zllm:e2e_request_latency_seconds_count") + 1
+    )
+    for name in (
+        "zllm:num_requests_running",
+        "zllm:num_requests_waiting",
+        "zllm:kv_cache_usage_perc",
+        "zllm:num_preemptions_total",
+        "zllm:prefix_cache_hits_total",
+        "zllm:prefix_cache_queries_total",
+    ):
         assert value(after, name) >= 0
 
 
@@ -359,15 +408,22 @@ def test_metrics_count_requests(api, client):
 def test_100_streams_half_disconnected(api):
     def metric(name: str) -> float:
         text = httpx.get(api.http_url + "/metrics").text
-        return float(next(l for l in text.splitlines() if l.startswith(name + "{")).rsplit(" ", 1)[1])
+        return float(next(row for row in text.splitlines() if row.startswith(name + "{")).rsplit(" ", 1)[1])
 
     aborted_before = _aborted(api)
 
     async def stream(http: httpx.AsyncClient, i: int) -> tuple[int, int | None]:
         keep = i % 2 == 0
-        body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "temperature": 0, "stream": True,
-                "max_tokens": 4 if keep else 1500, "ignore_eos": True, "stream_options": {"include_usage": True}}
-        events = 0
+        body = {
+            "model": MODEL,
+            "prompt": f"Story {i}: once upon a time",
+            "temperature": 0,
+            "stream": True,
+            "max_tokens": 4 if keep else 1500,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+        events, usage = 0, None
         async with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
@@ -418,7 +474,7 @@ def test_non_streaming_client_that_leaves_is_aborted(api):
 
 def _aborted(api) -> float:
     text = httpx.get(api.http_url + "/metrics").text
-    line = [l for l in text.splitlines() if l.startswith("zllm:request_success_total") and '"abort"' in l]
+    line = [row for row in text.splitlines() if row.startswith("zllm:request_success_total") and '"abort"' in row]
     return float(line[0].rsplit(" ", 1)[1]) if line else 0.0
 
 

@@ -30,21 +30,40 @@ from tests.conftest import save_tiny_llama, start_server
 # tests' engine steps fast. Outputs are compared within one server, so the setting cannot matter.
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 API_KEY = "fuzz-key"
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          negative_data_rejection]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory, smollm2_dir):
     model = tmp_path_factory.mktemp("tiny-smollm2-vocab")
-    save_tiny_llama(model, vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                    max_position_embeddings=64)
+    save_tiny_llama(
+        model, vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=64
+    )
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(f"{smollm2_dir}/{name}", model / name)
-    handle = start_server(tmp_path_factory.mktemp("fuzz"), str(model), "--api-key", API_KEY,
-                          "--max-model-len", "64", "--num-kv-blocks", "64", "--max-request-body", "256KiB",
-                          "--max-n", "4", "--max-num-seqs", "32",
-                          env=ONE_THREAD)
+    handle = start_server(
+        tmp_path_factory.mktemp("fuzz"),
+        str(model),
+        "--api-key",
+        API_KEY,
+        "--max-model-len",
+        "64",
+        "--num-kv-blocks",
+        "64",
+        "--max-request-body",
+        "256KiB",
+        "--max-n",
+        "4",
+        "--max-num-seqs",
+        "32",
+        env=ONE_THREAD,
+    )
     yield handle
     handle.stop()
 

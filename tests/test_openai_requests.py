@@ -24,9 +24,20 @@ from zllm.frontend.parallel_sampling import best_of_indices
 from zllm.sampling_params import StructuredOutputsParams
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
-TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
-    {"type": "function", "function": {"name": "now"}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now"}},
+]
 
 
 def chat(**fields) -> ChatCompletionRequest:
@@ -38,13 +49,22 @@ def completion(**fields) -> CompletionRequest:
 
 
 def test_unknown_fields_are_ignored_and_named_by_path():
-    body = {"prompt": "Hi", "best_of": 1, "zz": 1, "stream_options": {"include_usage": True, "x": 2},
-            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}, "y": 3}}}
+    body = {
+        "prompt": "Hi",
+        "best_of": 1,
+        "zz": 1,
+        "stream_options": {"include_usage": True, "x": 2},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}, "y": 3}},
+    }
     request, ignored = decode_request(json.dumps(body).encode(), CompletionRequest)
     assert request.best_of == 1 and request.stream_options.include_usage
     assert ignored == ["zz", "stream_options.x", "response_format.json_schema.y"]
-    _, ignored = decode_request(json.dumps({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "x", "cache_control": {}}], "w": 1}]}).encode(), ChatCompletionRequest)
+    _, ignored = decode_request(
+        json.dumps(
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}], "w": 1}]}
+        ).encode(),
+        ChatCompletionRequest,
+    )
     assert ignored == ["messages[0].w", "messages[0].content[0].cache_control"]
 
 
@@ -54,36 +74,48 @@ def test_a_known_field_with_a_wrong_type_is_still_refused():
     assert error.value.param == "max_tokens"
 
 
-@pytest.mark.parametrize(("fields", "expected"), [
-    ({}, None),
-    ({"response_format": {"type": "text"}}, None),
-    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
-                                                                 "strict": True}}},
-     StructuredOutputsParams(json={"type": "object"})),
-    ({"structured_outputs": {"regex": "a+"}}, StructuredOutputsParams(regex="a+")),
-    ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutputsParams(choice=["a", "b"])),
-    ({"structured_outputs": {"grammar": 'root ::= "x"'}}, StructuredOutputsParams(grammar='root ::= "x"')),
-    ({"structured_outputs": {"json": '{"type": "string"}'}}, StructuredOutputsParams(json='{"type": "string"}')),
-    ({"guided_json": {"type": "integer"}}, StructuredOutputsParams(json={"type": "integer"})),
-    ({"guided_regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
-    ({"guided_choice": ["yes", "no"]}, StructuredOutputsParams(choice=["yes", "no"])),
-    ({"guided_grammar": 'root ::= "y"'}, StructuredOutputsParams(grammar='root ::= "y"')),
-])
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, None),
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True},
+                }
+            },
+            StructuredOutputsParams(json={"type": "object"}),
+        ),
+        ({"structured_outputs": {"regex": "a+"}}, StructuredOutputsParams(regex="a+")),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutputsParams(choice=["a", "b"])),
+        ({"structured_outputs": {"grammar": 'root ::= "x"'}}, StructuredOutputsParams(grammar='root ::= "x"')),
+        ({"structured_outputs": {"json": '{"type": "string"}'}}, StructuredOutputsParams(json='{"type": "string"}')),
+        ({"guided_json": {"type": "integer"}}, StructuredOutputsParams(json={"type": "integer"})),
+        ({"guided_regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
+        ({"guided_choice": ["yes", "no"]}, StructuredOutputsParams(choice=["yes", "no"])),
+        ({"guided_grammar": 'root ::= "y"'}, StructuredOutputsParams(grammar='root ::= "y"')),
+    ],
+)
 def test_constraint_fields_map_to_structured_outputs(fields, expected):
     assert structured_outputs_of(completion(**fields)) == expected
     assert structured_outputs_of(chat(**fields)) == expected
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
-    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
-    ({"structured_outputs": {}}, "structured_outputs"),
-    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
-    ({"guided_json": "{not json"}, "guided_json"),
-    ({"guided_json": "[1]"}, "guided_json"),
-    ({"guided_regex": ""}, "guided_regex"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": "[1]"}, "guided_json"),
+        ({"guided_regex": ""}, "guided_regex"),
+    ],
+)
 def test_bad_constraints_are_refused_naming_the_field(fields, param):
     with pytest.raises(BadRequest) as error:
         structured_outputs_of(completion(**fields))
@@ -94,8 +126,12 @@ def test_required_schema_accepts_exactly_calls_of_the_given_tools():
     request = chat(tools=TOOLS, tool_choice="required")
     schema = tool_choice_schema(request.tools, request.tool_choice, parallel=True)
     jsonschema.validate([{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "now", "parameters": {}}], schema)
-    for wrong in ([], [{"name": "add", "parameters": {"a": 1}}], [{"name": "sub", "parameters": {}}],
-                  {"name": "now", "parameters": {}}):
+    for wrong in (
+        [],
+        [{"name": "add", "parameters": {"a": 1}}],
+        [{"name": "sub", "parameters": {}}],
+        {"name": "now", "parameters": {}},
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, schema)
     single = tool_choice_schema(request.tools, request.tool_choice, parallel=False)
@@ -106,8 +142,9 @@ def test_required_schema_accepts_exactly_calls_of_the_given_tools():
 def test_named_choice_forces_that_functions_parameters():
     request = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
     assert tool_choice_schema(request.tools, request.tool_choice, True) == TOOLS[0]["function"]["parameters"]
-    assert structured_outputs_of(request, tool_choice_schema(request.tools, request.tool_choice, True)) == \
-        StructuredOutputsParams(json=TOOLS[0]["function"]["parameters"])
+    assert structured_outputs_of(
+        request, tool_choice_schema(request.tools, request.tool_choice, True)
+    ) == StructuredOutputsParams(json=TOOLS[0]["function"]["parameters"])
 
 
 def _server(auto: bool, parser: str | None):
@@ -119,10 +156,11 @@ def test_tool_mode_follows_vllms_rules():
     assert tool_mode(_server(False, None), chat(tools=TOOLS, tool_choice="none")) is None
     assert tool_mode(_server(False, None), chat(tools=TOOLS, tool_choice="required")).choice == "required"
     assert tool_mode(_server(True, "mistral"), chat(tools=TOOLS)).parser.name == "mistral"  # auto by default
-    for server, request in [(_server(False, None), chat(tools=TOOLS)),  # auto without the flags
-                            (_server(True, "hermes"), chat(tool_choice="auto")),  # no tools
-                            (_server(True, "hermes"), chat(tools=TOOLS, tool_choice={
-                                "type": "function", "function": {"name": "nope"}}))]:
+    for server, request in [
+        (_server(False, None), chat(tools=TOOLS)),  # auto without the flags
+        (_server(True, "hermes"), chat(tool_choice="auto")),  # no tools
+        (_server(True, "hermes"), chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})),
+    ]:
         with pytest.raises(BadRequest) as error:
             tool_mode(server, request)
             tool_choice_schema(request.tools, request.tool_choice, True)
@@ -137,8 +175,18 @@ def test_openapi_documents_the_new_fields_and_routes():
     document = openapi_document("test")
     schemas = document["components"]["schemas"]
     chat_fields = schemas["ChatCompletionRequest"]["properties"]
-    for name in ("tools", "tool_choice", "response_format", "structured_outputs", "guided_json", "best_of",
-                 "parallel_tool_calls", "metadata", "service_tier", "max_completion_tokens"):
+    for name in (
+        "tools",
+        "tool_choice",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "best_of",
+        "parallel_tool_calls",
+        "metadata",
+        "service_tier",
+        "max_completion_tokens",
+    ):
         assert name in chat_fields
     assert "additionalProperties" not in schemas["ChatCompletionRequest"]  # unknown fields are accepted
     assert {"/tokenize", "/detokenize", "/version", "/v1/models"} <= set(document["paths"])
@@ -165,8 +213,10 @@ class _FakeEngineCall:
         from zllm.ipc.messages import ServerOutput
 
         last = len(deltas) - 1
-        self.messages = [ServerOutput("0", text=d, finish_reason=finish_reason if i == last else None,
-                                      finished=i == last) for i, d in enumerate(deltas)]
+        self.messages = [
+            ServerOutput("0", text=d, finish_reason=finish_reason if i == last else None, finished=i == last)
+            for i, d in enumerate(deltas)
+        ]
         self.choices = [_Choice(text=list(deltas), finish_reason=finish_reason)]
 
     async def wait(self) -> None:
@@ -187,11 +237,16 @@ def _chat_call(tool_choice, parser):
     from zllm.sampling_params import SamplingParams
 
     request = chat(tools=TOOLS, tool_choice=tool_choice, stream=True)
-    return ChatCall(request, "m", Prompt("x", [1]), SamplingParams(), ToolMode(tool_choice if isinstance(
-        tool_choice, str) else "named", parser, single=False))
+    return ChatCall(
+        request,
+        "m",
+        Prompt("x", [1]),
+        SamplingParams(),
+        ToolMode(tool_choice if isinstance(tool_choice, str) else "named", parser, single=False),
+    )
 
 
-HERMES_OUTPUT = ['Sure.', ' <tool_', 'call>{"name": "add", "argu', 'ments": {"a": 1, ', '"b": 2}}</tool_call>']
+HERMES_OUTPUT = ["Sure.", " <tool_", 'call>{"name": "add", "argu', 'ments": {"a": 1, ', '"b": 2}}</tool_call>']
 
 
 def test_auto_chat_response_and_stream_carry_openai_tool_calls():
@@ -202,8 +257,9 @@ def test_auto_chat_response_and_stream_carry_openai_tool_calls():
     response = asyncio.run(_chat_call("auto", HermesParser()).response(None, _FakeEngineCall(HERMES_OUTPUT)))
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
-        [("add", {"a": 1, "b": 2})]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("add", {"a": 1, "b": 2})
+    ]
 
     async def stream():
         return [c async for c in _chat_call("auto", HermesParser()).chunks(None, _FakeEngineCall(HERMES_OUTPUT))]
@@ -245,7 +301,9 @@ def test_tool_flags_are_checked_with_the_config():
     add_http_args(parser)
     args = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
     assert http_kwargs(args)["tool_call_parser"] == "llama3_json" and http_kwargs(args)["enable_auto_tool_choice"]
-    for fields, name in [({"enable_auto_tool_choice": True}, "enable_auto_tool_choice"),
-                         ({"tool_call_parser": "pythonic"}, "tool_call_parser")]:
+    for fields, name in [
+        ({"enable_auto_tool_choice": True}, "enable_auto_tool_choice"),
+        ({"tool_call_parser": "pythonic"}, "tool_call_parser"),
+    ]:
         with pytest.raises(ValueError, match=f"^{name}"):
             EngineConfig(model="m", max_model_len=64, **fields).validate()

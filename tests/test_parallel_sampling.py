@@ -105,8 +105,11 @@ def test_logprob_rows_become_vllm_dicts(tok):
     ]
     assert list(completion.logprobs[0]) == [c, a, b]  # the chosen token first, as in vLLM
     assert completion.cumulative_logprob == pytest.approx(-3.25)
-    assert output.prompt_logprobs == [None, {2: Logprob(-4.0, 12, tok.decode([2])), 9: Logprob(-0.1, 1, tok.decode([9]))},
-                                      {3: Logprob(-0.2, 1, tok.decode([3]))}]
+    assert output.prompt_logprobs == [
+        None,
+        {2: Logprob(-4.0, 12, tok.decode([2])), 9: Logprob(-0.1, 1, tok.decode([9]))},
+        {3: Logprob(-0.2, 1, tok.decode([3]))},
+    ]
 
 
 def test_logprobs_without_detokenize_have_no_decoded_tokens(tok):

@@ -20,7 +20,9 @@ from zllm.sampling_params import SamplingParams
 BS = 4
 
 
-def request_with(request_id: str, tokens: list[int], *, max_tokens: int = 4, salt: str | None = None, **sampling) -> Request:
+def request_with(
+    request_id: str, tokens: list[int], *, max_tokens: int = 4, salt: str | None = None, **sampling
+) -> Request:
     return Request(
         request_id=request_id,
         prompt_token_ids=list(tokens),
@@ -129,7 +131,9 @@ def test_lookup_finds_the_longest_cached_run_of_leading_blocks():
 def test_lookup_never_covers_the_last_token():
     manager = KVCacheManager(BlockPool(16), BS)
     computed(manager, request_with("a", list(range(8)) + [9]))
-    assert len(manager.find_cached_prefix(request_with("b", list(range(8))))) == 1  # 8 tokens: the 2nd block is recomputed
+    assert (
+        len(manager.find_cached_prefix(request_with("b", list(range(8))))) == 1
+    )  # 8 tokens: the 2nd block is recomputed
     assert len(manager.find_cached_prefix(request_with("c", list(range(9))))) == 2
 
 

@@ -30,7 +30,11 @@ PROMPTS = [
 
 def _quiescent(client: Client) -> bool:
     stats = client.stats()
-    return stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    return (
+        stats["num_running"] == 0
+        and stats["num_waiting"] == 0
+        and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    )
 
 
 def test_outputs_equal_inprocess_engine_and_hf(server, smollm2_dir, smollm2_tokenizer, hf_smollm2):
@@ -91,7 +95,7 @@ def test_bad_client_input_fails_alone(server):
         async with AsyncClient(server.endpoint) as client:
             good = asyncio.create_task(client.generate("The capital of France is", GREEDY))
             errors = []
-            for kwargs, field in bad_requests:
+            for kwargs, _field in bad_requests:
                 try:
                     await client.generate(**kwargs)
                     errors.append(None)
@@ -177,14 +181,21 @@ def test_kill9_frontend_children_exit_by_themselves(tmp_path, smollm2_dir):
 
 def test_debug_hang_env_makes_a_child_dump_every_threads_stack():
     """ZLLM_DEBUG_HANG_S=N: a process stuck somewhere prints where, every N seconds, to stderr."""
-    code = ("import time; from zllm.procs.children import install_hang_dump\n"
-            "install_hang_dump()\n"
-            "def stuck_in_a_collective(): time.sleep(2.5)\n"
-            "stuck_in_a_collective()\n")
+    code = (
+        "import time; from zllm.procs.children import install_hang_dump\n"
+        "install_hang_dump()\n"
+        "def stuck_in_a_collective(): time.sleep(2.5)\n"
+        "stuck_in_a_collective()\n"
+    )
     env = dict(os.environ, ZLLM_DEBUG_HANG_S="1")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     assert result.stderr.count("stuck_in_a_collective") >= 2, result.stderr  # dumped at 1 s and 2 s
-    quiet = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ZLLM_DEBUG_HANG_S=""),
-                           capture_output=True, text=True, timeout=60)
+    quiet = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, ZLLM_DEBUG_HANG_S=""),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "stuck_in_a_collective" not in quiet.stderr

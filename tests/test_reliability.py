@@ -62,14 +62,16 @@ class Ended:
     at: float
 
 
-async def _streams(endpoint: str, prompts: list, params, kill=None, kill_after_tokens: int = 2,
-                   **client_args) -> tuple[list[Streamed | Ended], float | None]:
+async def _streams(
+    endpoint: str, prompts: list, params, kill=None, kill_after_tokens: int = 2, **client_args
+) -> tuple[list[Streamed | Ended], float | None]:
     """Stream every prompt at once (params: one SamplingParams, or one per prompt); optionally
     call kill() once each stream has some tokens. Returns what each stream got, and the kill time."""
     counts = [0] * len(prompts)
     killed_at = None
     params = params if isinstance(params, list) else [params] * len(prompts)
     async with AsyncClient(endpoint, timeout=120, **client_args) as client:
+
         async def consume(i: int) -> Streamed | Ended:
             got = Streamed([], "")
             try:
@@ -111,7 +113,8 @@ def tiny_model(tmp_path_factory) -> str:
 # their text while it could still be one, and that must carry on across the restart too. Every
 # eighth asks for 2 seeded samples instead (n > 1, seeded: they too must repeat exactly).
 GREEDY = [
-    SamplingParams(temperature=0.8, seed=i, n=2, max_tokens=8, ignore_eos=True) if i % 8 == 3
+    SamplingParams(temperature=0.8, seed=i, n=2, max_tokens=8, ignore_eos=True)
+    if i % 8 == 3
     else SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=["@@@@"] if i % 2 else None)
     for i in range(NUM_STREAMS)
 ]
@@ -122,8 +125,9 @@ STORY_PROMPTS = [f"Story number {i}: once upon a time" for i in range(NUM_STREAM
 def supervised(request, tmp_path_factory, smollm2_dir):
     """A server allowed 2 restarts, and its uninterrupted greedy answers to STORY_PROMPTS. Both
     step modes: async scheduling (the default on GPUs) has steps in flight when a process dies."""
-    handle = start_server(tmp_path_factory.mktemp("supervised"), smollm2_dir, "--max-restarts", "2", request.param,
-                          env=ONE_THREAD)
+    handle = start_server(
+        tmp_path_factory.mktemp("supervised"), smollm2_dir, "--max-restarts", "2", request.param, env=ONE_THREAD
+    )
     reference, _ = asyncio.run(_streams(handle.endpoint, STORY_PROMPTS, GREEDY))
     assert all(isinstance(r, Streamed) and len(r.tokens) == 8 and r.text for r in reference)
     assert all(len(r.more[1][0]) == 8 for i, r in enumerate(reference) if i % 8 == 3)
@@ -219,7 +223,9 @@ def test_health_is_503_while_the_engine_restarts_then_200(tmp_path, tiny_model):
             assert restarting and all(code == "engine_restarting" for _, code, _ in restarting), seen
             assert (503, "engine_restarting", "recovering") in seen, seen
             assert reasons - {None} == {"the engine is restarting after a failure; retry shortly"}
-            assert len(client.generate("t5 t6", SamplingParams(max_tokens=3, ignore_eos=True)).outputs[0].token_ids) == 3
+            assert (
+                len(client.generate("t5 t6", SamplingParams(max_tokens=3, ignore_eos=True)).outputs[0].token_ids) == 3
+            )
         assert "engine recovered in" in handle.log()
     finally:
         handle.stop()
@@ -235,8 +241,9 @@ def test_on_failure_fail_ends_every_stream_with_engine_dead(tmp_path, tiny_model
     params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
     prompts = [f"t{5 + i} t9 t13" for i in range(NUM_STREAMS)]
 
-    results, killed_at = asyncio.run(_streams(handle.endpoint, prompts, params, kill=workers[0].kill,
-                                              kill_after_tokens=1))
+    results, killed_at = asyncio.run(
+        _streams(handle.endpoint, prompts, params, kill=workers[0].kill, kill_after_tokens=1)
+    )
 
     odd = [r for r in results if not (isinstance(r, Ended) and isinstance(r.error, EngineDeadError))]
     assert not odd, odd[:3]
@@ -256,7 +263,7 @@ def _notifications(sock: socket.socket, until: str, timeout: float) -> list[str]
         sock.settimeout(max(0.01, deadline - time.monotonic()))
         try:
             received.append(sock.recv(4096).decode())
-        except socket.timeout:
+        except TimeoutError:
             break
         if until in received[-1]:
             break
@@ -286,8 +293,9 @@ def test_sigterm_drains_in_flight_refuses_new_and_notifies_systemd(tmp_path, tin
 
     async def scenario():
         async with AsyncClient(handle.endpoint, timeout=60) as client:
-            streams = asyncio.create_task(_streams(handle.endpoint, prompts, params,
-                                                   kill=lambda: handle.process.send_signal(signal.SIGTERM)))
+            streams = asyncio.create_task(
+                _streams(handle.endpoint, prompts, params, kill=lambda: handle.process.send_signal(signal.SIGTERM))
+            )
             received = await asyncio.to_thread(_notifications, notify, "STOPPING=1", 30)
             assert any(n.startswith("STOPPING=1") for n in received), received
             with pytest.raises(ServerDrainingError, match="shutting down"):
@@ -328,7 +336,9 @@ def test_a_client_that_stops_reading_is_dropped_and_the_others_stream_on(tmp_pat
         params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
         results, _ = asyncio.run(_streams(handle.endpoint, prompts, params))
         assert all(isinstance(r, Streamed) and len(r.tokens) == 300 for r in results), results[:2]
-        assert wait_until(lambda: "not reading (10000 messages queued for it)" in handle.log(), 60), handle.log()[-2000:]
+        assert wait_until(lambda: "not reading (10000 messages queued for it)" in handle.log(), 60), handle.log()[
+            -2000:
+        ]
         with Client(handle.endpoint) as client:
             assert wait_until(lambda: client.stats()["num_running"] == 0, 30)  # its requests were aborted
         assert handle.process.poll() is None
@@ -351,11 +361,37 @@ def secured(tmp_path_factory, tiny_model):
     """A tcp server with CURVE (one authorized client, "alice"), an api key, 2 running + 2 waiting."""
     directory = tmp_path_factory.mktemp("secured")
     curve = directory / "curve"
-    subprocess.run([sys.executable, "-m", "zllm.launch.keys", "new-client", "--curve-dir", str(curve),
-                    "--name", "alice", "--out", str(directory / "alice")], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zllm.launch.keys",
+            "new-client",
+            "--curve-dir",
+            str(curve),
+            "--name",
+            "alice",
+            "--out",
+            str(directory / "alice"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    handle = start_server(directory, tiny_model, "--zmq-curve-dir", str(curve), "--api-key", "sesame",
-                          "--max-num-seqs", "2", "--max-waiting", "2", endpoint=endpoint, env=ONE_THREAD)
+    handle = start_server(
+        directory,
+        tiny_model,
+        "--zmq-curve-dir",
+        str(curve),
+        "--api-key",
+        "sesame",
+        "--max-num-seqs",
+        "2",
+        "--max-waiting",
+        "2",
+        endpoint=endpoint,
+        env=ONE_THREAD,
+    )
     keys = dict(server_key=str(curve / "server.key"), client_key=str(directory / "alice" / "alice.key_secret"))
     yield handle, keys
     handle.stop()

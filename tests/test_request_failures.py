@@ -43,8 +43,14 @@ def test_failed_request_fails_alone_in_process(tiny_model, monkeypatch, tp, asyn
     monkeypatch.setenv(FAULT_INJECTION_ENV, str(POISON))  # read by each worker when it starts
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    llm = LLM(tiny_model, dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20, tensor_parallel_size=tp,
-              async_scheduling=async_scheduling)
+    llm = LLM(
+        tiny_model,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=16 << 20,
+        tensor_parallel_size=tp,
+        async_scheduling=async_scheduling,
+    )
     try:
         others = [{"prompt_token_ids": SHARED + [60 + i, 61 + i]} for i in range(NUM_OTHERS)]
         outputs = llm.generate([{"prompt_token_ids": SHARED + [POISON]}] + others, GREEDY, use_tqdm=False)
@@ -110,7 +116,7 @@ def _check_http_errors(url: str, poisoned: str, good: str, good_text: str) -> No
         assert error["message"].startswith("the engine failed this request: InjectedFault")
 
         streamed = http.post("/v1/completions", json={**body, "prompt": poisoned, "stream": True})
-        events = [line[len("data: "):] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in streamed.text.splitlines() if line.startswith("data: ")]
         assert streamed.status_code == 200 and events[-1] == "[DONE]", streamed.text
         assert '"code":"internal"' in events[-2] and "InjectedFault" in events[-2]
 

@@ -60,14 +60,14 @@ def test_short_prompts_and_other_salts_share_no_block():
     balancer.report(0, num_waiting=1, num_running=0)  # engine 1 takes the next two
     assert balancer.choose(PREFIX_A, cache_salt="t1") == 1
     balancer.report(1, 0, 0)
-    assert balancer.choose(PREFIX_A[:BLOCK - 1]) == 1
+    assert balancer.choose(PREFIX_A[: BLOCK - 1]) == 1
     balancer.report(0, 0, 0)
     balancer.report(1, 0, 0)
     assert balancer.choose(PREFIX_A, cache_salt="t1") == 1  # a tie, and the same block: engine 1
     balancer.report(1, 0, 0)
     assert balancer.choose(PREFIX_A, cache_salt="t2") == 0  # another salt is another block
     balancer.report(0, 0, 0)
-    assert balancer.choose(PREFIX_A[:BLOCK - 1]) == 0  # shorter than a block: the lowest rank
+    assert balancer.choose(PREFIX_A[: BLOCK - 1]) == 0  # shorter than a block: the lowest rank
 
 
 def test_only_live_engines_are_chosen_and_none_is_an_error():

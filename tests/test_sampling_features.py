@@ -133,12 +133,16 @@ def test_many_preemptions_give_the_same_greedy_tokens(smollm2_dir, llm):
 
 def test_a_request_that_can_never_fit_fails_with_a_clear_error(smollm2_dir, prompts):
     small = LLM(smollm2_dir, dtype="float32", max_model_len=512, num_kv_blocks=8)  # 128 tokens
-    with pytest.raises(ValueError, match=r"^prompt: \d+ prompt tokens .* need \d+ KV blocks of 16 tokens, but the whole KV cache has 8"):
+    with pytest.raises(
+        ValueError, match=r"^prompt: \d+ prompt tokens .* need \d+ KV blocks of 16 tokens, but the whole KV cache has 8"
+    ):
         small.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [5] * 200}], greedy(), use_tqdm=False)
     with pytest.raises(ValueError, match=r"^max_tokens: .* KV cache has 8"):
         small.generate([{"prompt_token_ids": [5] * 100}], greedy(max_tokens=40), use_tqdm=False)
     assert not small.engine.has_unfinished_requests() and not small.engine.core.has_unfinished_requests()
-    assert len(small.generate([{"prompt_token_ids": [5] * 100}], greedy(8), use_tqdm=False)[0].outputs[0].token_ids) == 8
+    assert (
+        len(small.generate([{"prompt_token_ids": [5] * 100}], greedy(8), use_tqdm=False)[0].outputs[0].token_ids) == 8
+    )
 
 
 def run_with_priorities(engine: LLMEngine, prompts: list[dict], priorities: list[int], params: SamplingParams):
@@ -178,7 +182,11 @@ def test_priority_preemption_takes_the_least_important_running_request(smollm2_d
     # request must be preempted, and it is the less important one although it started first.
     blocks = [-(-len(p["prompt_token_ids"]) // 16) for p in prompts[:2]]
     engine = LLMEngine.from_engine_args(
-        smollm2_dir, dtype="float32", max_model_len=256, num_kv_blocks=sum(blocks) + 1, scheduling_policy="priority",
+        smollm2_dir,
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=sum(blocks) + 1,
+        scheduling_policy="priority",
         enable_prefix_caching=False,
     )
     params = greedy(24, ignore_eos=True)
@@ -263,7 +271,10 @@ def assert_position_matches(entry: dict, log_softmax_row: torch.Tensor, chosen: 
 
 @pytest.mark.parametrize(
     "params",
-    [greedy(12, logprobs=5, prompt_logprobs=3), SamplingParams(temperature=0.9, seed=5, max_tokens=12, logprobs=2, prompt_logprobs=0)],
+    [
+        greedy(12, logprobs=5, prompt_logprobs=3),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=12, logprobs=2, prompt_logprobs=0),
+    ],
     ids=["greedy", "sampled"],
 )
 def test_logprobs_and_prompt_logprobs_match_hf_log_softmax(llm, hf_smollm2, prompts, params):
@@ -281,7 +292,9 @@ def test_logprobs_and_prompt_logprobs_match_hf_log_softmax(llm, hf_smollm2, prom
         assert completion.cumulative_logprob == pytest.approx(expected_sum, abs=1e-4)
         assert len(output.prompt_logprobs) == len(prompt_ids) and output.prompt_logprobs[0] is None
         for i in range(1, len(prompt_ids)):
-            assert_position_matches(output.prompt_logprobs[i], log_softmax[i - 1], prompt_ids[i], params.prompt_logprobs)
+            assert_position_matches(
+                output.prompt_logprobs[i], log_softmax[i - 1], prompt_ids[i], params.prompt_logprobs
+            )
 
 
 def test_prompt_logprobs_survive_chunked_prefill(smollm2_dir, hf_smollm2, prompts):
@@ -305,7 +318,9 @@ class OpenAIPenalties(LogitsProcessor):
 
     def __call__(self, input_ids, scores):
         counts = torch.zeros_like(scores)
-        counts.scatter_add_(1, input_ids[:, self.prompt_len :], torch.ones_like(input_ids[:, self.prompt_len :], dtype=scores.dtype))
+        counts.scatter_add_(
+            1, input_ids[:, self.prompt_len :], torch.ones_like(input_ids[:, self.prompt_len :], dtype=scores.dtype)
+        )
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
@@ -328,12 +343,17 @@ def test_greedy_with_logits_processors_matches_hf_generate(llm, hf_smollm2, prom
             hf_kwargs = dict(logits_processor=LogitsProcessorList([OpenAIPenalties(len(ids), 1.2, 0.6)]))
         elif case == "all_penalties":
             params = greedy(max_tokens, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5)
-            hf_kwargs = dict(repetition_penalty=1.2, logits_processor=LogitsProcessorList([OpenAIPenalties(len(ids), 0.5, 0.5)]))
+            hf_kwargs = dict(
+                repetition_penalty=1.2, logits_processor=LogitsProcessorList([OpenAIPenalties(len(ids), 0.5, 0.5)])
+            )
         elif case == "min_tokens":
             params = greedy(max_tokens, min_tokens=30)
             hf_kwargs = dict(min_new_tokens=30)
         elif case == "logit_bias":
-            bias = {tokenizer.encode(" The", add_special_tokens=False)[0]: 8.0, tokenizer.encode(" shop", add_special_tokens=False)[0]: -100.0}
+            bias = {
+                tokenizer.encode(" The", add_special_tokens=False)[0]: 8.0,
+                tokenizer.encode(" shop", add_special_tokens=False)[0]: -100.0,
+            }
             params = greedy(max_tokens, logit_bias=bias)
             hf_kwargs = dict(sequence_bias={(t,): v for t, v in bias.items()})
         else:

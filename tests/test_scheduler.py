@@ -176,7 +176,12 @@ def test_running_prefill_can_take_the_whole_budget_from_waiting_requests():
 
 def test_waiting_requests_are_admitted_in_arrival_order_without_overtaking():
     scheduler = make_scheduler(num_blocks=3, block_size=4)
-    add(scheduler, make_request("a", 8, max_tokens=4), make_request("b", 8, max_tokens=4), make_request("c", 4, max_tokens=4))
+    add(
+        scheduler,
+        make_request("a", 8, max_tokens=4),
+        make_request("b", 8, max_tokens=4),
+        make_request("c", 4, max_tokens=4),
+    )
 
     step = run_step(scheduler)
     assert step.scheduled_ids == ["a"]
@@ -223,7 +228,12 @@ def test_step_input_sends_a_new_request_in_full_then_only_diffs():
     first = scheduler.schedule()
     assert first.new_requests == [
         NewRequestData(
-            "a", prompt_len=6, token_ids=prompt(6), sampling=request.sampling, block_ids=[0, 1], num_computed_tokens=0,
+            "a",
+            prompt_len=6,
+            token_ids=prompt(6),
+            sampling=request.sampling,
+            block_ids=[0, 1],
+            num_computed_tokens=0,
             eos_token_ids=[EOS],
         )
     ]
@@ -330,7 +340,11 @@ def test_step_ids_increase_by_one():
 
 def test_pool_shortage_preempts_the_latest_running_request_for_recompute():
     scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
-    a, b, c = make_request("a", 3, max_tokens=4), make_request("b", 12, max_tokens=3), make_request("c", 1, max_tokens=3)
+    a, b, c = (
+        make_request("a", 3, max_tokens=4),
+        make_request("b", 12, max_tokens=3),
+        make_request("c", 1, max_tokens=3),
+    )
     add(scheduler, a, b, c)
 
     assert scheduled(run_step(scheduler)) == {"a": 3, "b": 5}
@@ -374,7 +388,12 @@ def test_pool_shortage_preempts_the_latest_running_request_for_recompute():
 
 def test_no_waiting_request_is_admitted_in_a_step_that_preempted():
     scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
-    add(scheduler, make_request("a", 3, max_tokens=4), make_request("b", 12, max_tokens=4), make_request("c", 1, max_tokens=4))
+    add(
+        scheduler,
+        make_request("a", 3, max_tokens=4),
+        make_request("b", 12, max_tokens=4),
+        make_request("c", 1, max_tokens=4),
+    )
     run_step(scheduler)
     run_step(scheduler)
 
@@ -440,7 +459,9 @@ def test_request_that_could_outgrow_the_whole_pool_is_refused_naming_the_field(p
 # ---- scheduling policies --------------------------------------------------------------------------
 
 
-def prioritized(request_id: str, priority: int, arrival_time: float, prompt_len: int = 4, max_tokens: int = 2) -> Request:
+def prioritized(
+    request_id: str, priority: int, arrival_time: float, prompt_len: int = 4, max_tokens: int = 2
+) -> Request:
     request = make_request(request_id, prompt_len, max_tokens=max_tokens)
     request.priority, request.arrival_time = priority, arrival_time
     return request
@@ -862,7 +883,9 @@ def test_random_workload_with_preemptions_and_aborts_finishes_without_leaks():
     assert_finished_correctly(submitted, streamed, max_model_len)
 
 
-def assert_finished_correctly(submitted: dict[str, Request], streamed: dict[str, list[int]], max_model_len: int) -> None:
+def assert_finished_correctly(
+    submitted: dict[str, Request], streamed: dict[str, list[int]], max_model_len: int
+) -> None:
     for request_id, request in submitted.items():
         assert request.status.is_finished
         assert streamed[request_id] == request.output_token_ids
@@ -916,7 +939,11 @@ def test_random_async_workload_with_two_steps_in_flight_finishes_without_leaks()
     rng = random.Random(99)
     block_size, max_model_len = 4, 48
     scheduler = make_scheduler(
-        num_blocks=20, block_size=block_size, max_model_len=max_model_len, max_num_seqs=6, max_num_batched_tokens=16,
+        num_blocks=20,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=6,
+        max_num_batched_tokens=16,
         async_scheduling=True,
     )
     workers = FakeWorkers(block_size)
@@ -979,8 +1006,7 @@ def test_request_failed_on_the_workers_ends_alone_and_readers_of_its_blocks_reco
     output = StepOutput(step.step_id, ["b", "c"], [TOKEN, TOKEN], failed_requests={"a": "RuntimeError: boom"})
     deltas = scheduler.update_from_output(output)
 
-    assert deltas == [TokenDelta("a", [], finish_reason="error", error="RuntimeError: boom"),
-                      TokenDelta("c", [TOKEN])]
+    assert deltas == [TokenDelta("a", [], finish_reason="error", error="RuntimeError: boom"), TokenDelta("c", [TOKEN])]
     assert "a" not in scheduler.requests
     assert b.status == RequestStatus.PREEMPTED and b.output_token_ids == []  # its token was read off bad blocks
     assert scheduler.running == [c] and c.output_token_ids == [TOKEN]

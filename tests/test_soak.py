@@ -19,10 +19,35 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_short_soak_leaves_the_server_as_it_found_it(tmp_path, smollm2_dir):
     report, picture = tmp_path / "soak.json", tmp_path / "soak.png"
-    command = [sys.executable, "benchmarks/soak.py", "--num-requests", "240", "--warmup", "24",
-               "--concurrency", "16", "--input-len", "4:24", "--output-len", "1:4", "--sample-interval", "1",
-               "--quiet-period", "2", "--request-timeout", "60", "--json", str(report), "--plot", str(picture),
-               "--", "--max-model-len", "512", "--kv-cache-memory", "128MiB"]
+    command = [
+        sys.executable,
+        "benchmarks/soak.py",
+        "--num-requests",
+        "240",
+        "--warmup",
+        "24",
+        "--concurrency",
+        "16",
+        "--input-len",
+        "4:24",
+        "--output-len",
+        "1:4",
+        "--sample-interval",
+        "1",
+        "--quiet-period",
+        "2",
+        "--request-timeout",
+        "60",
+        "--json",
+        str(report),
+        "--plot",
+        str(picture),
+        "--",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "128MiB",
+    ]
     soak = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = soak.communicate(timeout=300)

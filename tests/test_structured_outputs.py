@@ -25,10 +25,16 @@ from zllm.workers.sampler import apply_token_bitmask
 
 xgr = pytest.importorskip("xgrammar")
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                           "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
-          "required": ["name", "age", "city"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
 CODE = r"[A-Z]{3}-\d{4}"
 CONSTRAINTS = {
     "json": StructuredOutputsParams(json=PERSON),
@@ -184,7 +190,9 @@ def test_n_completions_each_follow_the_grammar_and_repeat_with_their_seed(smollm
 
 
 @pytest.mark.slow
-def test_a_request_resumed_after_an_engine_restart_continues_its_grammar(smollm2_dir, smollm2_tokenizer, hf_constrained):
+def test_a_request_resumed_after_an_engine_restart_continues_its_grammar(
+    smollm2_dir, smollm2_tokenizer, hf_constrained
+):
     """Crash recovery re-sends a request with the tokens its client already has: the new core's
     matcher must take them first, so the rest follows the grammar as if nothing happened."""
     from zllm.frontend.tokenizer import eos_token_ids
@@ -194,8 +202,17 @@ def test_a_request_resumed_after_an_engine_restart_continues_its_grammar(smollm2
         reference = hf_constrained["json"]
         prompt = smollm2_tokenizer.encode(PROMPTS["json"])
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS["json"])
-        engine.core.add_request(AddRequest("r", prompt, params, 0.0, eos_token_ids=eos_token_ids(smollm2_dir, smollm2_tokenizer),
-                                           output_token_ids=reference[:7], resumed=True))
+        engine.core.add_request(
+            AddRequest(
+                "r",
+                prompt,
+                params,
+                0.0,
+                eos_token_ids=eos_token_ids(smollm2_dir, smollm2_tokenizer),
+                output_token_ids=reference[:7],
+                resumed=True,
+            )
+        )
         tokens = []
         while engine.core.has_unfinished_requests():
             tokens += [t for delta in engine.core.step() for t in delta.new_token_ids]
@@ -222,11 +239,15 @@ def test_a_slow_compile_holds_back_its_request_alone(smollm2_dir, monkeypatch):
     monkeypatch.setattr(StructuredOutputs, "_compile_now", slow_compile)
     engine = LLMEngine.from_engine_args(smollm2_dir, dtype="float32")
     try:
-        engine.add_request("slow", "My order code is", SamplingParams(temperature=0, max_tokens=8,
-                                                                       structured_outputs=CONSTRAINTS["regex"]))
+        engine.add_request(
+            "slow",
+            "My order code is",
+            SamplingParams(temperature=0, max_tokens=8, structured_outputs=CONSTRAINTS["regex"]),
+        )
         engine.add_request("free", "Hello", SamplingParams(temperature=0, max_tokens=8))
-        engine.add_request("choice", "Pick:", SamplingParams(temperature=0, max_tokens=8,
-                                                             structured_outputs=CONSTRAINTS["choice"]))
+        engine.add_request(
+            "choice", "Pick:", SamplingParams(temperature=0, max_tokens=8, structured_outputs=CONSTRAINTS["choice"])
+        )
         finished = set()
         for _ in range(200):
             finished |= {out.request_id for out in engine.step() if out.finished}
@@ -264,11 +285,14 @@ def test_a_grammar_the_core_cannot_compile_fails_that_request_alone(smollm2_dir,
         engine.shutdown()
 
 
-@pytest.mark.parametrize(("params", "message"), [
-    (StructuredOutputsParams(regex="(unclosed"), "the regex cannot be compiled"),
-    (StructuredOutputsParams(grammar="root ::= ("), "the grammar cannot be compiled"),
-    (StructuredOutputsParams(json={"type": "no-such-type"}), "the JSON schema cannot be compiled"),
-])
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (StructuredOutputsParams(regex="(unclosed"), "the regex cannot be compiled"),
+        (StructuredOutputsParams(grammar="root ::= ("), "the grammar cannot be compiled"),
+        (StructuredOutputsParams(json={"type": "no-such-type"}), "the JSON schema cannot be compiled"),
+    ],
+)
 def test_the_frontend_refuses_what_xgrammar_cannot_build(params, message):
     from zllm.grammars import grammar_of
 

@@ -18,9 +18,9 @@ import pytest
 
 from tests.conftest import save_tiny_llama
 from zllm.frontend.replay import ReplayLog
+from zllm.frontend.supervisor import RestartPolicy, wait_for_any_exit
 from zllm.ipc.messages import AddRequest
 from zllm.launch.sd_notify import SystemdNotifier
-from zllm.frontend.supervisor import RestartPolicy, wait_for_any_exit
 from zllm.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,8 +137,9 @@ def _run_core(core, messages: list[AddRequest]) -> dict[str, list[int]]:
     return tokens
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=1234, top_k=50)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=1234, top_k=50)], ids=["greedy", "seeded"]
+)
 def test_resumed_request_continues_exactly(tiny_core, sampling):
     """A request re-sent with its first k outputs produces exactly the uninterrupted rest: greedy
     trivially, seeded sampling because each token's generator is seeded by (seed, output index)."""
@@ -188,6 +189,7 @@ def test_wait_for_any_exit_sees_a_kill_9_at_once(monkeypatch, pidfd):
         pytest.skip("os.pidfd_open needs Linux >= 5.3 and Python >= 3.9")
     sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
     try:
+
         async def scenario() -> tuple[int, float]:
             watch = asyncio.create_task(wait_for_any_exit([p.pid for p in sleepers]))
             await asyncio.sleep(0.3)
@@ -224,7 +226,10 @@ def test_sd_notify_writes_datagrams_to_the_notify_socket(tmp_path):
     notifier.watchdog()
     notifier.stopping("draining 2 request(s)")
     assert [listener.recv(4096) for _ in range(3)] == [
-        b"READY=1\nSTATUS=serving m", b"WATCHDOG=1", b"STOPPING=1\nSTATUS=draining 2 request(s)"]
+        b"READY=1\nSTATUS=serving m",
+        b"WATCHDOG=1",
+        b"STOPPING=1\nSTATUS=draining 2 request(s)",
+    ]
 
 
 def test_sd_notify_abstract_socket_and_watchdog_for_another_pid():
@@ -281,8 +286,14 @@ def _verify_unit(tmp_path: Path, name: str) -> str:
 
 def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     unit = _verify_unit(tmp_path, "zllm.service")
-    for line in ("Type=notify", "KillMode=control-group", "Restart=on-failure", "WatchdogSec=", "TimeoutStopSec=90",
-                 "--shutdown-timeout 60"):
+    for line in (
+        "Type=notify",
+        "KillMode=control-group",
+        "Restart=on-failure",
+        "WatchdogSec=",
+        "TimeoutStopSec=90",
+        "--shutdown-timeout 60",
+    ):
         assert line in unit
     # TimeoutStopSec must leave the drain its time.
     assert int(unit.split("TimeoutStopSec=")[1].split()[0]) > int(unit.split("--shutdown-timeout ")[1].split()[0])
@@ -290,8 +301,12 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
 
 def test_headless_node_unit_passes_systemd_analyze_verify(tmp_path):
     unit = _verify_unit(tmp_path, "zllm-node.service")
-    for line in ("--headless $ZLLM_NODE_ARGS", "KillMode=control-group", "Restart=on-failure",
-                 "RestartPreventExitStatus=2"):  # a refused node (exit 2) must not loop
+    for line in (
+        "--headless $ZLLM_NODE_ARGS",
+        "KillMode=control-group",
+        "Restart=on-failure",
+        "RestartPreventExitStatus=2",
+    ):  # a refused node (exit 2) must not loop
         assert line in unit
 
 
@@ -305,8 +320,11 @@ def test_keys_cli_makes_private_key_pairs(tmp_path):
     run = [sys.executable, "-m", "zllm.launch.keys"]
     out = subprocess.run([*run, "server", "--curve-dir", str(curve)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(curve / "server.key")
-    subprocess.run([*run, "new-client", "--curve-dir", str(curve), "--name", "alice", "--out", str(tmp_path / "alice")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*run, "new-client", "--curve-dir", str(curve), "--name", "alice", "--out", str(tmp_path / "alice")],
+        check=True,
+        capture_output=True,
+    )
     for secret in (curve / "server.key_secret", tmp_path / "alice" / "alice.key_secret"):
         assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert stat.S_IMODE(curve.stat().st_mode) == 0o700

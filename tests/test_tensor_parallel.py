@@ -82,8 +82,12 @@ def test_each_rank_loads_only_its_slice_and_the_slices_rebuild_the_model(tmp_pat
     for rank, shard in enumerate(head_shards(4, 2, 3)):
         q_rows = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
         kv_rows = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
-        expected_qkv = torch.cat([hf[f"{layer}.self_attn.{n}_proj.weight"][rows]
-                                  for n, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))])
+        expected_qkv = torch.cat(
+            [
+                hf[f"{layer}.self_attn.{n}_proj.weight"][rows]
+                for n, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+            ]
+        )
         assert torch.equal(ranks[rank][f"{layer}.self_attn.qkv_proj.weight"], expected_qkv)
         o = ranks[rank][f"{layer}.self_attn.o_proj.weight"]
         assert torch.equal(o, hf[f"{layer}.self_attn.o_proj.weight"][:, q_rows])
@@ -114,8 +118,14 @@ def test_llm_tp_n_matches_tp_1_on_smollm2(smollm2_dir, smollm2_tp1_tokens, tp, a
     # Async: the core sends step N+1 before step N's answer; every rank feeds rank 0's broadcast
     # tokens of step N into step N+1 itself.
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    llm = LLM(smollm2_dir, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp,
-              async_scheduling=async_scheduling)
+    llm = LLM(
+        smollm2_dir,
+        dtype="float32",
+        max_model_len=1024,
+        kv_cache_memory_bytes=64 << 20,
+        tensor_parallel_size=tp,
+        async_scheduling=async_scheduling,
+    )
     workers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert len(workers) == tp
     try:
@@ -166,9 +176,20 @@ def _generate_once(endpoint: str, prompt: str) -> list[int]:
 
 def test_tp_that_cannot_split_the_heads_fails_before_anything_starts(tmp_path, smollm2_dir):
     result = subprocess.run(
-        [sys.executable, "-m", "zllm.launch.cli", "--model", smollm2_dir, "--tp", "10",
-         "--zmq-endpoint", f"ipc://{tmp_path}/c.sock"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "zllm.launch.cli",
+            "--model",
+            smollm2_dir,
+            "--tp",
+            "10",
+            "--zmq-endpoint",
+            f"ipc://{tmp_path}/c.sock",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
     assert "tensor_parallel_size: 10 ranks exceed the model's 9 attention heads" in result.stderr
@@ -192,8 +213,11 @@ def test_a_rank_that_fails_to_start_is_named_and_no_process_is_left(tmp_path):
     tensors[name] = tensors[name][:, :-1].contiguous()  # wrong shape: every rank notices
     save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with pytest.raises(RuntimeError, match=r"rank [01]: ValueError: model: .*/model.safetensors: tensor "
-                                           r"'model.layers.0.mlp.down_proj.weight' has shape \(64, 127\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"rank [01]: ValueError: model: .*/model.safetensors: tensor "
+        r"'model.layers.0.mlp.down_proj.weight' has shape \(64, 127\)",
+    ):
         LLM(str(model_dir), dtype="float32", tensor_parallel_size=2, max_model_len=256, kv_cache_memory_bytes=8 << 20)
     assert _wait_until(lambda: not _live_children(before), 10), _live_children(before)
 
@@ -236,7 +260,6 @@ def _wait_until(condition, timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return condition()
-
 
 
 # ---- the symmetric-memory all-reduce flag (GPU only; checked and ignored here) -----------------
@@ -336,8 +359,13 @@ def test_a_set_up_phase_that_fails_on_one_rank_puts_every_rank_on_the_fallback(t
 
     with mp.Manager() as manager:
         results = manager.dict()
-        context = mp.start_processes(_vote_rank, args=(str(tmp_path / "rendezvous"), failing_rank, results),
-                                     nprocs=2, join=False, start_method="spawn")
+        context = mp.start_processes(
+            _vote_rank,
+            args=(str(tmp_path / "rendezvous"), failing_rank, results),
+            nprocs=2,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + 120
         while not context.join(timeout=1):
             assert time.monotonic() < deadline, "the ranks did not finish their vote"

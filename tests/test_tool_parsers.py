@@ -17,24 +17,36 @@ from zllm.frontend.tool_parsers import (
     tool_parser,
 )
 
-WEATHER = {"city": "Paris", "unit": "celsius", "days": [1, 2], "note": "a \"quoted\" }] brace"}
+WEATHER = {"city": "Paris", "unit": "celsius", "days": [1, 2], "note": 'a "quoted" }] brace'}
 TIME = {"zone": "UTC"}
 
 CASES = [  # parser, output text, expected content, expected [(name, arguments)]
-    (HermesParser(), f'Let me check.\n<tool_call>\n{{"name": "weather", "arguments": {json.dumps(WEATHER)}}}\n'
-     f'</tool_call>\n<tool_call>\n{{"arguments": {json.dumps(TIME)}, "name": "time"}}\n</tool_call>',
-     "Let me check.", [("weather", WEATHER), ("time", TIME)]),
+    (
+        HermesParser(),
+        f'Let me check.\n<tool_call>\n{{"name": "weather", "arguments": {json.dumps(WEATHER)}}}\n'
+        f'</tool_call>\n<tool_call>\n{{"arguments": {json.dumps(TIME)}, "name": "time"}}\n</tool_call>',
+        "Let me check.",
+        [("weather", WEATHER), ("time", TIME)],
+    ),
     (HermesParser(), "No tools needed: 2 < 3.", "No tools needed: 2 < 3.", []),
-    (Llama3JsonParser(), f'{{"name": "weather", "parameters": {json.dumps(WEATHER)}}}; '
-     f'{{"name": "time", "parameters": {json.dumps(TIME)}}}', None, [("weather", WEATHER), ("time", TIME)]),
-    (Llama3JsonParser(), f'<|python_tag|>{{"name": "time", "parameters": {json.dumps(TIME)}}}', None,
-     [("time", TIME)]),
+    (
+        Llama3JsonParser(),
+        f'{{"name": "weather", "parameters": {json.dumps(WEATHER)}}}; '
+        f'{{"name": "time", "parameters": {json.dumps(TIME)}}}',
+        None,
+        [("weather", WEATHER), ("time", TIME)],
+    ),
+    (Llama3JsonParser(), f'<|python_tag|>{{"name": "time", "parameters": {json.dumps(TIME)}}}', None, [("time", TIME)]),
     (Llama3JsonParser(), "The answer is {not a call}.", "The answer is {not a call}.", []),
-    (MistralParser(), f'[TOOL_CALLS] [{{"name": "weather", "arguments": {json.dumps(WEATHER)}}}, '
-     f'{{"name": "time", "arguments": {json.dumps(TIME)}}}]', None, [("weather", WEATHER), ("time", TIME)]),
+    (
+        MistralParser(),
+        f'[TOOL_CALLS] [{{"name": "weather", "arguments": {json.dumps(WEATHER)}}}, '
+        f'{{"name": "time", "arguments": {json.dumps(TIME)}}}]',
+        None,
+        [("weather", WEATHER), ("time", TIME)],
+    ),
     (MistralParser(), "Just text [TOOL", "Just text [TOOL", []),
-    (RequiredParser(), f'[{{"name": "weather", "parameters": {json.dumps(WEATHER)}}}]', None,
-     [("weather", WEATHER)]),
+    (RequiredParser(), f'[{{"name": "weather", "parameters": {json.dumps(WEATHER)}}}]', None, [("weather", WEATHER)]),
     (NamedParser("weather"), json.dumps(WEATHER, indent=1), None, [("weather", WEATHER)]),
 ]
 
@@ -52,7 +64,7 @@ def test_whole_output(parser, text, content, calls):
 def test_streamed_output_adds_up_to_the_whole(parser, text, content, calls, piece):
     stream = ToolCallStream(parser)
     streamed_content, names, ids, arguments = "", [], [], []
-    pieces = [text[i:i + piece] for i in range(0, len(text), piece)]
+    pieces = [text[i : i + piece] for i in range(0, len(text), piece)]
     for i, delta in enumerate(pieces):
         got, deltas = stream.feed(delta, final=i == len(pieces) - 1)
         streamed_content += got

@@ -245,8 +245,12 @@ class AsyncClient:
         """The whole request: all n completions (`outputs[i]`), with logprobs if asked for.
         `timeout` bounds the total time (the request is aborted then)."""
         stream = self.stream(
-            prompt, sampling_params, prompt_token_ids=prompt_token_ids, request_id=request_id,
-            priority=priority, cache_salt=cache_salt,
+            prompt,
+            sampling_params,
+            prompt_token_ids=prompt_token_ids,
+            request_id=request_id,
+            priority=priority,
+            cache_salt=cache_salt,
         )
         return await asyncio.wait_for(_collect(stream), timeout)
 
@@ -260,7 +264,9 @@ class AsyncClient:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> RequestOutput:
-        stream = self.chat_stream(messages, sampling_params, request_id=request_id, priority=priority, cache_salt=cache_salt)
+        stream = self.chat_stream(
+            messages, sampling_params, request_id=request_id, priority=priority, cache_salt=cache_salt
+        )
         return await asyncio.wait_for(_collect(stream), timeout)
 
     def stream(
@@ -295,7 +301,10 @@ class AsyncClient:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         message = ClientGenerate(
-            request_id or _new_id(), messages=messages, sampling=_fields(sampling_params), priority=priority,
+            request_id or _new_id(),
+            messages=messages,
+            sampling=_fields(sampling_params),
+            priority=priority,
             cache_salt=cache_salt,
         )
         return self._stream(message)
@@ -340,7 +349,7 @@ class AsyncClient:
         await asyncio.gather(*self._owned.cancel_tasks(), return_exceptions=True)
         self._owned.close_now()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -606,13 +615,19 @@ class Client:
         if not getattr(self, "_closed", True):
             _warn(f"unclosed {self!r}", ResourceWarning, source=self)
 
-    def generate(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, **kwargs) -> RequestOutput:
+    def generate(
+        self, prompt: str | None = None, sampling_params: SamplingParams | None = None, **kwargs
+    ) -> RequestOutput:
         return self._run(self._async.generate(prompt, sampling_params, **kwargs))
 
-    def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, **kwargs) -> RequestOutput:
+    def chat(
+        self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, **kwargs
+    ) -> RequestOutput:
         return self._run(self._async.chat(messages, sampling_params, **kwargs))
 
-    def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, **kwargs) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: str | None = None, sampling_params: SamplingParams | None = None, **kwargs
+    ) -> Iterator[RequestOutput]:
         return self._iterate(self._async.stream(prompt, sampling_params, **kwargs))
 
     def abort(self, request_id: str) -> None:
@@ -640,7 +655,7 @@ class Client:
         self._stop()
         self._thread.join(timeout=5.0)
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

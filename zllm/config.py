@@ -142,7 +142,7 @@ class EngineConfig:
     data_parallel_size_local: int = 0  # engines per node when engines split over nodes; 0: all on the head
 
     @classmethod
-    def create(cls, model: str | None = None, usage: str = "serving", **kwargs) -> "EngineConfig":
+    def create(cls, model: str | None = None, usage: str = "serving", **kwargs) -> EngineConfig:
         """Resolve the model (None: the embedded default; a .gguf file: converted once), check that
         its architecture is supported, and validate every field. usage: "serving" (vllm-launch)
         or "offline" (LLM), which picks the scheduler limits the caller leaves unset."""
@@ -165,7 +165,9 @@ class EngineConfig:
         spec = ModelSpec.from_pretrained(config.model)
         config.max_model_len = _resolve_max_model_len(spec, config.max_model_len)
         config.validate()
-        resolve_quantization(spec.quantization, config.quantization, config.load_format == "dummy", spec.moe is not None)
+        resolve_quantization(
+            spec.quantization, config.quantization, config.load_format == "dummy", spec.moe is not None
+        )
         _check_tensor_parallel(config, spec)
         if config.async_scheduling is None:
             config.async_scheduling = _runs_on_cuda(config)
@@ -183,11 +185,20 @@ class EngineConfig:
         _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
         _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         _require(
-            self.load_format in _LOAD_FORMATS, "load_format", f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+            self.load_format in _LOAD_FORMATS,
+            "load_format",
+            f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}",
         )
-        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
-                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        _require(self.block_size in (8, 16, 32, 64, 128), "block_size", f"must be 8, 16, 32, 64 or 128, got {self.block_size}")
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
+        _require(
+            self.block_size in (8, 16, 32, 64, 128),
+            "block_size",
+            f"must be 8, 16, 32, 64 or 128, got {self.block_size}",
+        )
         _require(self.max_model_len >= 2, "max_model_len", f"must be >= 2, got {self.max_model_len}")
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _require(
@@ -216,21 +227,34 @@ class EngineConfig:
         _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
         self._validate_reliability()
-        _require(self.tool_call_parser in _TOOL_CALL_PARSERS, "tool_call_parser",
-                 f"must be one of {_TOOL_CALL_PARSERS[1:]}, got {self.tool_call_parser!r}")
-        _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None, "enable_auto_tool_choice",
-                 "needs tool_call_parser (--tool-call-parser)")
+        _require(
+            self.tool_call_parser in _TOOL_CALL_PARSERS,
+            "tool_call_parser",
+            f"must be one of {_TOOL_CALL_PARSERS[1:]}, got {self.tool_call_parser!r}",
+        )
+        _require(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "enable_auto_tool_choice",
+            "needs tool_call_parser (--tool-call-parser)",
+        )
         _require(self.grammar_cache_size >= 1, "grammar_cache_size", f"must be >= 1, got {self.grammar_cache_size}")
         _require(self.grammar_threads >= 1, "grammar_threads", f"must be >= 1, got {self.grammar_threads}")
-        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        _require(
+            self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}"
+        )
         _require(self.data_parallel_size >= 1, "data_parallel_size", f"must be >= 1, got {self.data_parallel_size}")
-        _require(0 <= self.data_parallel_rank < self.data_parallel_size, "data_parallel_rank",
-                 f"must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank}")
+        _require(
+            0 <= self.data_parallel_rank < self.data_parallel_size,
+            "data_parallel_rank",
+            f"must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank}",
+        )
         self._validate_nodes()
         # Every engine would meet its workers at the same address: only per-engine files can work.
-        _require(self.data_parallel_size == 1 or not self.distributed_init_method, "distributed_init_method",
-                 "cannot be shared by several data-parallel engines; leave it empty (a file in each engine's "
-                 "runtime dir)")
+        _require(
+            self.data_parallel_size == 1 or not self.distributed_init_method,
+            "distributed_init_method",
+            "cannot be shared by several data-parallel engines; leave it empty (a file in each engine's runtime dir)",
+        )
         _require(
             self.custom_all_reduce_max_bytes >= 0,
             "custom_all_reduce_max_bytes",
@@ -240,34 +264,64 @@ class EngineConfig:
     def _validate_nodes(self) -> None:
         _require(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")
         _require(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
-        _require(not self.headless or self.node_rank > 0, "headless", "node 0 is the head: a headless node has --node-rank >= 1")
-        _require(self.headless or self.node_rank == 0, "node_rank",
-                 f"{self.node_rank} is not the head (0): the other nodes run `vllm-launch --headless`")
+        _require(
+            not self.headless or self.node_rank > 0,
+            "headless",
+            "node 0 is the head: a headless node has --node-rank >= 1",
+        )
+        _require(
+            self.headless or self.node_rank == 0,
+            "node_rank",
+            f"{self.node_rank} is not the head (0): the other nodes run `vllm-launch --headless`",
+        )
         _require(self.node_join_timeout_s > 0, "node_join_timeout_s", "must be > 0")
         _require(self.data_parallel_size_local >= 0, "data_parallel_size_local", "must be >= 0")
         if self.nnodes == 1:
-            _require(self.data_parallel_size_local in (0, self.data_parallel_size), "data_parallel_size_local",
-                     "splits the engines over nodes: it needs --nnodes > 1")
+            _require(
+                self.data_parallel_size_local in (0, self.data_parallel_size),
+                "data_parallel_size_local",
+                "splits the engines over nodes: it needs --nnodes > 1",
+            )
             return
         _require(bool(self.master_addr), "master_addr", "is required with nnodes > 1: the head node's address")
-        _require(not self.distributed_init_method, "distributed_init_method",
-                 "is set by zllm with nnodes > 1; leave it empty")
-        _require(bool(self.curve_dir) or self.allow_insecure_tcp, "nnodes", _insecure_tcp(
-            f"tcp://{self.master_addr}:{self.master_port + 1}", "the node channel and the engines' sockets"))
+        _require(
+            not self.distributed_init_method,
+            "distributed_init_method",
+            "is set by zllm with nnodes > 1; leave it empty",
+        )
+        _require(
+            bool(self.curve_dir) or self.allow_insecure_tcp,
+            "nnodes",
+            _insecure_tcp(
+                f"tcp://{self.master_addr}:{self.master_port + 1}", "the node channel and the engines' sockets"
+            ),
+        )
         if self.dp_spans_nodes:
-            _require(self.data_parallel_size_local * self.nnodes == self.data_parallel_size, "data_parallel_size_local",
-                     f"{self.data_parallel_size_local} engines on each of {self.nnodes} nodes is not "
-                     f"--data-parallel-size {self.data_parallel_size}")
+            _require(
+                self.data_parallel_size_local * self.nnodes == self.data_parallel_size,
+                "data_parallel_size_local",
+                f"{self.data_parallel_size_local} engines on each of {self.nnodes} nodes is not "
+                f"--data-parallel-size {self.data_parallel_size}",
+            )
             last_port = self.master_port + 3 + 2 * (self.data_parallel_size - 1)
         else:
-            _require(self.data_parallel_size == 1, "data_parallel_size",
-                     "engines spread over nodes with --data-parallel-size-local; without it the nodes split one "
-                     "engine's tp ranks (dp 1)")
-            _require(self.tensor_parallel_size % self.nnodes == 0, "tensor_parallel_size",
-                     f"{self.tensor_parallel_size} ranks do not split evenly over {self.nnodes} nodes")
+            _require(
+                self.data_parallel_size == 1,
+                "data_parallel_size",
+                "engines spread over nodes with --data-parallel-size-local; without it the nodes split one "
+                "engine's tp ranks (dp 1)",
+            )
+            _require(
+                self.tensor_parallel_size % self.nnodes == 0,
+                "tensor_parallel_size",
+                f"{self.tensor_parallel_size} ranks do not split evenly over {self.nnodes} nodes",
+            )
             last_port = self.master_port + 2 + self.tensor_parallel_size
-        _require(1 <= self.master_port and last_port <= 65535, "master_port",
-                 f"{self.master_port}: zllm uses the ports up to {last_port}, beyond 65535")
+        _require(
+            1 <= self.master_port and last_port <= 65535,
+            "master_port",
+            f"{self.master_port}: zllm uses the ports up to {last_port}, beyond 65535",
+        )
 
     def _validate_reliability(self) -> None:
         _require(self.on_failure in _ON_FAILURE, "on_failure", f"must be one of {_ON_FAILURE}, got {self.on_failure!r}")
@@ -284,7 +338,9 @@ class EngineConfig:
             f"{self.internal_max_message_bytes}",
         )
         if self.client_endpoint.startswith("tcp://"):
-            _require(bool(self.curve_dir) or self.allow_insecure_tcp, "client_endpoint", _insecure_tcp(self.client_endpoint))
+            _require(
+                bool(self.curve_dir) or self.allow_insecure_tcp, "client_endpoint", _insecure_tcp(self.client_endpoint)
+            )
 
     @property
     def dp_spans_nodes(self) -> bool:
@@ -333,8 +389,10 @@ def _insecure_tcp(endpoint: str, what: str = "") -> str:
     fix = "give --zmq-curve-dir DIR (CURVE keys, see docs/deployment.md) or"
     name = f"{endpoint} ({what})" if what else endpoint
     if is_loopback_tcp(endpoint):
-        return (f"{name} without CURVE lets any local user connect (no file permissions guard a tcp port, "
-                f"as they guard an ipc:// socket): {fix}, if every user of this machine is trusted, --allow-insecure-tcp")
+        return (
+            f"{name} without CURVE lets any local user connect (no file permissions guard a tcp port, "
+            f"as they guard an ipc:// socket): {fix}, if every user of this machine is trusted, --allow-insecure-tcp"
+        )
     return f"{name} is reachable from the network: {fix}, on a trusted network only, --allow-insecure-tcp"
 
 
@@ -358,7 +416,9 @@ def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
     if requested:
         return requested
     if window is not None and window < limit:
-        logger.warning("max_model_len: capped at the model's sliding_window, %d (max_position_embeddings %d)", window, limit)
+        logger.warning(
+            "max_model_len: capped at the model's sliding_window, %d (max_position_embeddings %d)", window, limit
+        )
         return window
     return limit
 
@@ -384,10 +444,17 @@ def _check_tensor_parallel(config: EngineConfig, spec: ModelSpec) -> None:
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if config.device == "cuda" or available:
         if config.local_engines == 1:
-            _require(needed <= available, "tensor_parallel_size",
-                     f"{needed} ranks need {needed} GPUs, but {available} are visible")
-        _require(needed <= available, "data_parallel_size", f"{config.local_engines} engines x "
-                 f"{config.ranks_per_node} rank(s) need {needed} GPUs, but {available} are visible")
+            _require(
+                needed <= available,
+                "tensor_parallel_size",
+                f"{needed} ranks need {needed} GPUs, but {available} are visible",
+            )
+        _require(
+            needed <= available,
+            "data_parallel_size",
+            f"{config.local_engines} engines x "
+            f"{config.ranks_per_node} rank(s) need {needed} GPUs, but {available} are visible",
+        )
 
 
 def _require(ok: bool, field: str, reason: str) -> None:

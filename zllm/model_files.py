@@ -129,7 +129,9 @@ def _read_gguf(gguf: Path, dtype):
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as error:  # the GGUF reader raises many kinds: bad file, unknown architecture, ...
-        raise ValueError(f"model: transformers could not read the GGUF file {gguf}: {type(error).__name__}: {error}") from None
+        raise ValueError(
+            f"model: transformers could not read the GGUF file {gguf}: {type(error).__name__}: {error}"
+        ) from None
     return model, tokenizer
 
 

@@ -42,10 +42,17 @@ class MoeFormat:
     sparse_layer_keys: bool = False  # Qwen: decoder_sparse_step and mlp_only_layers pick the MoE layers
 
 
-_MIXTRAL = MoeFormat("block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts", "intermediate_size",
-                     always_renormalize=True, fp32_routing_weights=True)
-_QWEN_MOE = MoeFormat("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size",
-                      sparse_layer_keys=True)
+_MIXTRAL = MoeFormat(
+    "block_sparse_moe",
+    ("w1", "w3", "w2"),
+    "num_local_experts",
+    "intermediate_size",
+    always_renormalize=True,
+    fp32_routing_weights=True,
+)
+_QWEN_MOE = MoeFormat(
+    "mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size", sparse_layer_keys=True
+)
 
 
 # Keyed by `config.architectures`; every entry is the shared decoder in models/llama.py.
@@ -59,9 +66,15 @@ MODEL_REGISTRY: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture(mlp_bias=False, qk_norm=True, moe=_QWEN_MOE),
 }
 # Configs without `architectures` (hand-written, or converted from GGUF by older zllm).
-_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +104,7 @@ class ModelSpec:
     quantization: QuantSpec | None = None  # the checkpoint's (config.json quantization_config); None: none
 
     @classmethod
-    def from_hf_config(cls, hf_config) -> "ModelSpec":
+    def from_hf_config(cls, hf_config) -> ModelSpec:
         architecture = pick_architecture(hf_config)
         arch = MODEL_REGISTRY[architecture]
         num_heads = hf_config.num_attention_heads
@@ -128,7 +141,7 @@ class ModelSpec:
         )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str) -> "ModelSpec":
+    def from_pretrained(cls, model_dir: str) -> ModelSpec:
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_dir))
@@ -149,7 +162,7 @@ class MoeSpec:
     layers: tuple[int, ...]
 
     @classmethod
-    def from_hf_config(cls, hf_config, fmt: MoeFormat) -> "MoeSpec":
+    def from_hf_config(cls, hf_config, fmt: MoeFormat) -> MoeSpec:
         num_experts = int(getattr(hf_config, fmt.num_experts_key))
         num_layers = hf_config.num_hidden_layers
         layers = tuple(range(num_layers))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 QUANTIZATION_METHODS = ("fp8",)  # values of --quantization
-CHECKPOINT_FORMATS = ('compressed-tensors (float-quantized, 8-bit float weights)', 'fp8 (weight_block_size [128, 128])')
+CHECKPOINT_FORMATS = ("compressed-tensors (float-quantized, 8-bit float weights)", "fp8 (weight_block_size [128, 128])")
 WEIGHT_SCHEMES = ("tensor", "channel", "block")
 ACTIVATION_SCHEMES = ("token", "tensor", "group", "none")
 BLOCK = 128  # the one block size the block formats use
@@ -67,7 +67,7 @@ class QuantSpec:
                 return True
         return False
 
-    def for_dummy_weights(self) -> "QuantSpec":
+    def for_dummy_weights(self) -> QuantSpec:
         """Random weights are quantized while loading: a checkpoint's scheme becomes online,
         per block where the checkpoint is block-scaled, per channel otherwise."""
         weight = "block" if self.block else "channel"
@@ -102,8 +102,9 @@ def resolve_quantization(
         raise ValueError(f"quantization: {requested!r} is not supported; supported: {', '.join(QUANTIZATION_METHODS)}")
     spec = checkpoint if checkpoint is not None else (ONLINE_FP8 if requested == "fp8" else None)
     if spec is not None and moe:
-        raise ValueError("quantization: FP8 weights for Mixture-of-Experts models are not supported yet "
-                         "(serve the bf16 checkpoint)")
+        raise ValueError(
+            "quantization: FP8 weights for Mixture-of-Experts models are not supported yet (serve the bf16 checkpoint)"
+        )
     if spec is not None and spec.serialized and dummy_weights:
         return spec.for_dummy_weights()
     return spec
@@ -119,7 +120,7 @@ def _compressed_tensors(config: dict[str, Any]) -> QuantSpec:
         raise _unsupported(f"compressed-tensors format {fmt!r}")
     targets = group.get("targets") or []
     if targets != ["Linear"]:
-        raise _unsupported(f"compressed-tensors targets {targets!r} (zllm reads [\"Linear\"])")
+        raise _unsupported(f'compressed-tensors targets {targets!r} (zllm reads ["Linear"])')
     weights = group.get("weights") or {}
     if not _is_fp8(weights) or weights.get("dynamic"):
         raise _unsupported(f"compressed-tensors weights {_describe(weights)}")
@@ -130,12 +131,18 @@ def _compressed_tensors(config: dict[str, Any]) -> QuantSpec:
         raise _unsupported(f"compressed-tensors block_structure {weights.get('block_structure')!r}")
     activation = _compressed_tensors_activation(group.get("input_activations"))
     if (weight == "block") != (activation == "group") and activation != "none":
-        raise _unsupported(f"compressed-tensors {weight} weight scales with {activation} activation scales "
-                           f"(zllm pairs 128x128 weight blocks with 1x128 activation groups)")
+        raise _unsupported(
+            f"compressed-tensors {weight} weight scales with {activation} activation scales "
+            f"(zllm pairs 128x128 weight blocks with 1x128 activation groups)"
+        )
     kv_scheme = config.get("kv_cache_scheme")
-    if kv_scheme and not (_is_fp8(kv_scheme) and kv_scheme.get("strategy") == "tensor" and not kv_scheme.get("dynamic")):
-        raise _unsupported(f"compressed-tensors kv_cache_scheme {_describe(kv_scheme)} "
-                           "(zllm reads static per-tensor 8-bit float key/value scales)")
+    if kv_scheme and not (
+        _is_fp8(kv_scheme) and kv_scheme.get("strategy") == "tensor" and not kv_scheme.get("dynamic")
+    ):
+        raise _unsupported(
+            f"compressed-tensors kv_cache_scheme {_describe(kv_scheme)} "
+            "(zllm reads static per-tensor 8-bit float key/value scales)"
+        )
     return QuantSpec("compressed-tensors", weight, activation, tuple(config.get("ignore") or ()), bool(kv_scheme))
 
 
@@ -159,8 +166,9 @@ def _fp8_block(config: dict[str, Any]) -> QuantSpec:
     if block != [BLOCK, BLOCK]:
         raise _unsupported(f"quant_method 'fp8' with weight_block_size {block or None} (zllm reads [128, 128])")
     if config.get("fmt", "e4m3") != "e4m3" or config.get("activation_scheme", "dynamic") != "dynamic":
-        raise _unsupported(f"quant_method 'fp8' with fmt {config.get('fmt')!r}, "
-                           f"activation_scheme {config.get('activation_scheme')!r}")
+        raise _unsupported(
+            f"quant_method 'fp8' with fmt {config.get('fmt')!r}, activation_scheme {config.get('activation_scheme')!r}"
+        )
     ignore = config.get("modules_to_not_convert") or config.get("ignored_layers") or ()
     return QuantSpec("fp8", "block", "group", tuple(ignore))
 

@@ -28,16 +28,26 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     def __post_init__(self) -> None:
         kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         kinds += ["json_object"] if self.json_object else []
-        _check(len(kinds) == 1, "structured_outputs", f"set exactly one of json, regex, choice, grammar, json_object; got {kinds or 'none'}")
+        _check(
+            len(kinds) == 1,
+            "structured_outputs",
+            f"set exactly one of json, regex, choice, grammar, json_object; got {kinds or 'none'}",
+        )
         if self.choice is not None:
-            _check(len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice), "structured_outputs", "choice must be a non-empty list of strings")
+            _check(
+                len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice),
+                "structured_outputs",
+                "choice must be a non-empty list of strings",
+            )
 
     def grammar_spec(self) -> tuple[str, str]:
         """(kind, text): what the grammar engine compiles, and the key its cache keeps it under.
         kind is "json" (a schema's JSON text), "regex", "grammar" (EBNF) or "json_object".
         A choice is the grammar of its alternatives, each a string literal."""
         if self.json is not None:
-            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json)  # key order kept: it is the output's
+            return "json", self.json if isinstance(self.json, str) else json.dumps(
+                self.json
+            )  # key order kept: it is the output's
         if self.regex is not None:
             return "regex", self.regex
         if self.choice is not None:

@@ -42,17 +42,23 @@ def decode_case(batch: int, context: int, with_reference: bool) -> tuple[str, fl
     query = torch.randn(batch, HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     out = torch.empty_like(query)
     scale = HEAD_DIM**-0.5
-    ours = time_us(lambda: kernels.paged_attention_decode(out, query, cache, tables, seq_lens, scale, max_seq_len=context))
+    ours = time_us(
+        lambda: kernels.paged_attention_decode(out, query, cache, tables, seq_lens, scale, max_seq_len=context)
+    )
     ref = None
     if with_reference:
         meta = AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.long, device=DEVICE), block_tables=tables.long(),
-            seq_lens=seq_lens.long(), seq_lens_list=[context] * batch, query_start_loc=list(range(batch + 1)),
-            num_decodes=batch, block_size=BLOCK,
+            slot_mapping=torch.empty(0, dtype=torch.long, device=DEVICE),
+            block_tables=tables.long(),
+            seq_lens=seq_lens.long(),
+            seq_lens_list=[context] * batch,
+            query_start_loc=list(range(batch + 1)),
+            num_decodes=batch,
+            block_size=BLOCK,
         )
         ref = time_us(lambda: paged_attention(query, cache, meta, scale))
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * cache.element_size()
-    del cache
+    cache = None  # free the GPU memory before the next shape
     torch.cuda.empty_cache()
     return f"decode attention B={batch} L={context}", ours, ref, kv_bytes
 
@@ -69,14 +75,32 @@ def main() -> None:
         out = torch.empty_like(x)
         residual = torch.randn_like(x)
         nbytes = 3 * x.numel() * 2
-        rows.append((f"rms_norm T={tokens}", time_us(lambda: kernels.rms_norm(out, x, w, 1e-5)),
-                     time_us(lambda: rms_norm(x, w, 1e-5)), nbytes))
-        rows.append((f"fused_add_rms_norm T={tokens}", time_us(lambda: kernels.fused_add_rms_norm(x, residual, w, 1e-5)),
-                     time_us(lambda: rms_norm(x + residual, w, 1e-5)), 5 * x.numel() * 2))
+        rows.append(
+            (
+                f"rms_norm T={tokens}",
+                time_us(lambda: kernels.rms_norm(out, x, w, 1e-5)),
+                time_us(lambda: rms_norm(x, w, 1e-5)),
+                nbytes,
+            )
+        )
+        rows.append(
+            (
+                f"fused_add_rms_norm T={tokens}",
+                time_us(lambda: kernels.fused_add_rms_norm(x, residual, w, 1e-5)),
+                time_us(lambda: rms_norm(x + residual, w, 1e-5)),
+                5 * x.numel() * 2,
+            )
+        )
         gate_up = torch.randn(tokens, 2 * INTERMEDIATE, device=DEVICE, dtype=DTYPE)
         act = torch.empty(tokens, INTERMEDIATE, device=DEVICE, dtype=DTYPE)
-        rows.append((f"silu_and_mul T={tokens}", time_us(lambda: kernels.silu_and_mul(act, gate_up)),
-                     time_us(lambda: silu_and_mul(gate_up)), 3 * act.numel() * 2))
+        rows.append(
+            (
+                f"silu_and_mul T={tokens}",
+                time_us(lambda: kernels.silu_and_mul(act, gate_up)),
+                time_us(lambda: silu_and_mul(gate_up)),
+                3 * act.numel() * 2,
+            )
+        )
         qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=DEVICE, dtype=DTYPE)
         q = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
         k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
@@ -84,14 +108,29 @@ def main() -> None:
         cos = torch.randn(8192, HEAD_DIM // 2, device=DEVICE)
         sin = torch.randn(8192, HEAD_DIM // 2, device=DEVICE)
         positions = torch.randint(0, 8192, (tokens,), device=DEVICE)
-        rows.append((f"rotary_embedding T={tokens}", time_us(lambda: kernels.rotary_embedding(positions, q, k, cos, sin)),
-                     time_us(lambda: (apply_rotary(q, cos[positions], sin[positions]),
-                                      apply_rotary(k, cos[positions], sin[positions]))),
-                     2 * (q.numel() + k.numel()) * 2))
+        rows.append(
+            (
+                f"rotary_embedding T={tokens}",
+                time_us(lambda: kernels.rotary_embedding(positions, q, k, cos, sin)),
+                time_us(
+                    lambda: (
+                        apply_rotary(q, cos[positions], sin[positions]),
+                        apply_rotary(k, cos[positions], sin[positions]),
+                    )
+                ),
+                2 * (q.numel() + k.numel()) * 2,
+            )
+        )
         cache = torch.randn(2, 4096, BLOCK, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
         slots = torch.randperm(4096 * BLOCK, device=DEVICE)[:tokens]
-        rows.append((f"reshape_and_cache T={tokens}", time_us(lambda: kernels.reshape_and_cache(cache, k, v, slots)),
-                     time_us(lambda: write_kv_cache(cache, k, v, slots)), 4 * k.numel() * 2))
+        rows.append(
+            (
+                f"reshape_and_cache T={tokens}",
+                time_us(lambda: kernels.reshape_and_cache(cache, k, v, slots)),
+                time_us(lambda: write_kv_cache(cache, k, v, slots)),
+                4 * k.numel() * 2,
+            )
+        )
 
     print()
     print(f"{'op (bf16, Llama-3-8B shapes)':40} {'kernel us':>10} {'torch us':>10} {'speedup':>8} {'kernel GB/s':>12}")

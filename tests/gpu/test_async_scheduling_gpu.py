@@ -27,17 +27,28 @@ PROMPT_LENGTHS = [1, 5, 17, 33, 64, 130, 250, 400]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("async")
-    save_tiny_model(directory, "llama", vocab_size=256, max_position_embeddings=4096, initializer_range=0.2,
-                    hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                    num_key_value_heads=2, head_dim=64)
+    save_tiny_model(
+        directory,
+        "llama",
+        vocab_size=256,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
     return str(directory)
 
 
 def _run(model_dir: str, spy=None, **engine_args) -> dict[str, tuple]:
     import random
 
-    engine = LLMEngine.from_engine_args(model_dir, device="cuda", max_model_len=1024, max_num_batched_tokens=256,
-                                        **engine_args)
+    engine = LLMEngine.from_engine_args(
+        model_dir, device="cuda", max_model_len=1024, max_num_batched_tokens=256, **engine_args
+    )
     if spy is not None:
         spy(engine)
     rng = random.Random(0)

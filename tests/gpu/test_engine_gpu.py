@@ -17,13 +17,33 @@ MAX_TOKENS = 32
 # made here with transformers' own classes (head_dim 64 and 128, GQA), with larger initial
 # weights so the greedy choice is not a near-tie.
 SHAPES = {
-    "gqa-d64": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                    num_key_value_heads=2, head_dim=64),
-    "gqa-d128": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
-                     num_key_value_heads=2, head_dim=128, rope_theta=500000.0),
+    "gqa-d64": dict(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+    "gqa-d128": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        rope_theta=500000.0,
+    ),
     # Qwen3: the per-head q/k RMSNorm through the CUDA rms_norm kernel.
-    "qwen3-d128": dict(architecture="qwen3", hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=128),
+    "qwen3-d128": dict(
+        architecture="qwen3",
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+    ),
 }
 PROMPT_LENGTHS = [1, 3, 15, 16, 17, 40, 129, 400]
 
@@ -52,10 +72,14 @@ def _hf_tokens(model_dir, prompt_ids, dtype) -> list[list[int]]:
     for ids in prompt_ids:
         with torch.inference_mode():
             generated = model.generate(
-                torch.tensor([ids], device="cuda"), max_new_tokens=MAX_TOKENS, do_sample=False,
-                eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
+                torch.tensor([ids], device="cuda"),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=0,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
             )
-        out.append(generated[0, len(ids):].tolist())
+        out.append(generated[0, len(ids) :].tolist())
     del model
     torch.cuda.empty_cache()
     return out
@@ -65,8 +89,14 @@ def _hf_tokens(model_dir, prompt_ids, dtype) -> list[list[int]]:
 def model_dir(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     settings = dict(SHAPES[request.param])
-    save_tiny_model(directory, settings.pop("architecture", "llama"), vocab_size=256, max_position_embeddings=4096,
-                    initializer_range=0.2, **settings)
+    save_tiny_model(
+        directory,
+        settings.pop("architecture", "llama"),
+        vocab_size=256,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        **settings,
+    )
     return str(directory)
 
 
@@ -88,8 +118,12 @@ def _hf_margin(model_dir, prompt: list[int], ours: list[int], theirs: list[int])
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + theirs[:position]], device="cuda")).logits[0, -1]
     top = logits.topk(2)
-    return {"prompt_len": len(prompt), "position": position, "hf_top2_gap": float(top.values[0] - top.values[1]),
-            "hf_minus_ours": float(logits[theirs[position]] - logits[ours[position]])}
+    return {
+        "prompt_len": len(prompt),
+        "position": position,
+        "hf_top2_gap": float(top.values[0] - top.values[1]),
+        "hf_minus_ours": float(logits[theirs[position]] - logits[ours[position]]),
+    }
 
 
 def _share_identical(a: list[list[int]], b: list[list[int]]) -> float:
@@ -177,8 +211,9 @@ def test_piecewise_cuda_graphs_equal_eager_steps(model_dir, prompt_ids):
     fp32 = _engine_tokens(model_dir, prompt_ids, dtype="float32", piecewise_cuda_graphs=True)
     assert fp32 == _hf_tokens(model_dir, prompt_ids, torch.float32)
     for budget in (2048, 48):
-        pieces = _engine_tokens(model_dir, prompt_ids, dtype="bfloat16", piecewise_cuda_graphs=True,
-                                max_num_batched_tokens=budget)
+        pieces = _engine_tokens(
+            model_dir, prompt_ids, dtype="bfloat16", piecewise_cuda_graphs=True, max_num_batched_tokens=budget
+        )
         eager = _engine_tokens(model_dir, prompt_ids, dtype="bfloat16", max_num_batched_tokens=budget)
         assert pieces == eager, budget
 
@@ -190,8 +225,14 @@ def test_piecewise_graphs_replay_the_forward_of_a_mixed_step(model_dir, prompt_i
 
     from zllm.workers.piecewise_graphs import PiecewiseGraphs
 
-    engine = LLMEngine.from_engine_args(model_dir, device="cuda", dtype="float32", max_model_len=2048,
-                                        piecewise_cuda_graphs=True, async_scheduling=False)
+    engine = LLMEngine.from_engine_args(
+        model_dir,
+        device="cuda",
+        dtype="float32",
+        max_model_len=2048,
+        piecewise_cuda_graphs=True,
+        async_scheduling=False,
+    )
     runner = engine.core.executor.runner
     assert isinstance(runner.pieces, PiecewiseGraphs) and runner.pieces.graphs
     captured = []

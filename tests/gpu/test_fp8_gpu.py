@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from zllm.workers import kernels
-from zllm.workers.kernels.ops import _FP8_GEMV_SHAPES
 from zllm.workers.fp8 import (
     E4M3,
     dequantize,
@@ -19,6 +18,7 @@ from zllm.workers.fp8 import (
     quantize_rows,
     quantize_static,
 )
+from zllm.workers.kernels.ops import _FP8_GEMV_SHAPES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernels.is_available(), reason="needs a CUDA GPU and CuPy")]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -29,13 +29,6 @@ TOLERANCE = {
 DEVICE = "cuda"
 
 
-@pytest.fixture
-def gen() -> torch.Generator:
-    generator = torch.Generator(device=DEVICE)
-    generator.manual_seed(1234)
-    return generator
-
-
 def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=gen, device=DEVICE).to(dtype)
 
@@ -142,7 +135,9 @@ class PagedBatch:
     def run(self, query: torch.Tensor | None = None, out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         query = self.query if query is None else query
         out = nan_like(query) if out is None else out.fill_(float("nan"))
-        return kernels.paged_attention_decode(out, query, self.cache, self.block_tables, self.seq_lens_t, self.scale, **kwargs)
+        return kernels.paged_attention_decode(
+            out, query, self.cache, self.block_tables, self.seq_lens_t, self.scale, **kwargs
+        )
 
 
 BOUNDARY_LENS = [1, 15, 16, 17, 31, 33, 100, 257]
@@ -153,24 +148,33 @@ BOUNDARY_LENS = [1, 15, 16, 17, 31, 33, 100, 257]
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 def test_decode_block_boundaries(dtype, head_dim, group, gen):
     kv_heads = 2
-    batch = PagedBatch(BOUNDARY_LENS, num_heads=kv_heads * group, kv_heads=kv_heads, head_dim=head_dim,
-                       block_size=16, dtype=dtype, gen=gen)
+    batch = PagedBatch(
+        BOUNDARY_LENS,
+        num_heads=kv_heads * group,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+        gen=gen,
+    )
     assert_close(batch.run(), batch.reference(), dtype)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_decode_block_sizes(block_size, dtype, gen):
-    batch = PagedBatch([1, 7, 8, 9, 32, 33, 150], num_heads=8, kv_heads=2, head_dim=128, block_size=block_size,
-                       dtype=dtype, gen=gen)
+    batch = PagedBatch(
+        [1, 7, 8, 9, 32, 33, 150], num_heads=8, kv_heads=2, head_dim=128, block_size=block_size, dtype=dtype, gen=gen
+    )
     assert_close(batch.run(), batch.reference(), dtype)
 
 
 @pytest.mark.parametrize("group", [2, 5, 12, 16])
 def test_decode_group_chunks(group, gen):
     """Groups that are not 1, 4 or 8 run padded chunks (2 -> 4, 5 -> 8) or several chunks (12, 16)."""
-    batch = PagedBatch([3, 40, 130], num_heads=2 * group, kv_heads=2, head_dim=64, block_size=16,
-                       dtype=torch.float32, gen=gen)
+    batch = PagedBatch(
+        [3, 40, 130], num_heads=2 * group, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, gen=gen
+    )
     assert_close(batch.run(), batch.reference(), torch.float32)
 
 
@@ -188,8 +192,9 @@ def test_decode_forced_partitions(dtype, partition_size, gen):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("context", [4096, 32768])
 def test_decode_long_context(dtype, context, gen):
-    batch = PagedBatch([context, context // 3 + 5, 17], num_heads=8, kv_heads=2, head_dim=128, block_size=16,
-                       dtype=dtype, gen=gen)
+    batch = PagedBatch(
+        [context, context // 3 + 5, 17], num_heads=8, kv_heads=2, head_dim=128, block_size=16, dtype=dtype, gen=gen
+    )
     expected = batch.reference()
     size, parts = kernels.attention_partitions(3, 8, 2, context, torch.device(DEVICE))
     assert parts > 1, "the split-K path must run"
@@ -209,8 +214,9 @@ def test_decode_reduce_paths(parts, gen):
 
 
 def test_decode_repeated_launches_are_identical(gen):
-    batch = PagedBatch([700, 5, 1500, 129], num_heads=32, kv_heads=8, head_dim=128, block_size=16,
-                       dtype=torch.bfloat16, gen=gen)
+    batch = PagedBatch(
+        [700, 5, 1500, 129], num_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16, gen=gen
+    )
     first = batch.run(partition_size=128).clone()
     assert_close(first, batch.reference(), torch.bfloat16)
     for _ in range(3):
@@ -220,8 +226,15 @@ def test_decode_repeated_launches_are_identical(gen):
 def test_decode_strided_query_and_out(gen):
     """q as a view of a fused qkv buffer and out as a view of a wider buffer (token strides)."""
     num_heads, kv_heads, head_dim = 8, 2, 128
-    batch = PagedBatch([5, 77, 600], num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
-                       dtype=torch.bfloat16, gen=gen)
+    batch = PagedBatch(
+        [5, 77, 600],
+        num_heads=num_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.bfloat16,
+        gen=gen,
+    )
     width = (num_heads + 2 * kv_heads) * head_dim
     qkv = randn(3, width, gen=gen, dtype=torch.bfloat16)
     query = qkv[:, : num_heads * head_dim].view(3, num_heads, head_dim)
@@ -233,8 +246,9 @@ def test_decode_strided_query_and_out(gen):
 
 
 def test_decode_empty_sequence_gives_zeros(gen):
-    batch = PagedBatch([0, 20, 0, 600], num_heads=8, kv_heads=2, head_dim=64, block_size=16,
-                       dtype=torch.float32, gen=gen)
+    batch = PagedBatch(
+        [0, 20, 0, 600], num_heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, gen=gen
+    )
     for partition_size in (64, 512):
         out = batch.run(partition_size=partition_size)
         assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
@@ -255,12 +269,14 @@ def test_decode_workspace_argument(gen):
 def test_decode_rejects_bad_arguments(gen):
     batch = PagedBatch([4], num_heads=4, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, gen=gen)
     with pytest.raises(ValueError, match="int32"):
-        kernels.paged_attention_decode(nan_like(batch.query), batch.query, batch.cache, batch.block_tables.long(),
-                                       batch.seq_lens_t, 1.0)
+        kernels.paged_attention_decode(
+            nan_like(batch.query), batch.query, batch.cache, batch.block_tables.long(), batch.seq_lens_t, 1.0
+        )
     with pytest.raises(ValueError, match="head_dim"):
         q = randn(1, 4, 80, gen=gen)
-        kernels.paged_attention_decode(q.clone(), q, randn(2, 2, 16, 2, 80, gen=gen), batch.block_tables,
-                                       batch.seq_lens_t, 1.0)
+        kernels.paged_attention_decode(
+            q.clone(), q, randn(2, 2, 16, 2, 80, gen=gen), batch.block_tables, batch.seq_lens_t, 1.0
+        )
     with pytest.raises(ValueError, match="multiple"):
         q = randn(1, 3, 64, gen=gen)
         kernels.paged_attention_decode(q.clone(), q, batch.cache, batch.block_tables, batch.seq_lens_t, 1.0)
@@ -321,8 +337,13 @@ def test_fused_add_rms_norm(dtype, hidden, tokens, gen):
 def test_rotary_embedding(dtype, head_dim, heads, tokens, gen):
     num_heads, kv_heads = heads
     max_pos = 4096
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 1024}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 1024,
+    }
     cos, sin = rope_cos_sin_cache(rope_inv_freq(head_dim, 500000.0, scaling), max_pos)
     cos, sin = cos.to(DEVICE), sin.to(DEVICE)
     positions = torch.randint(0, max_pos, (tokens,), generator=gen, device=DEVICE)
@@ -371,7 +392,11 @@ def test_rotary_embedding_and_cache(dtype, head_dim, heads, tokens, gen):
 
     def views(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = buffer.split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        return q.view(tokens, num_heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+        return (
+            q.view(tokens, num_heads, head_dim),
+            k.view(tokens, kv_heads, head_dim),
+            v.view(tokens, kv_heads, head_dim),
+        )
 
     fused_qkv, fused_cache = qkv.clone(), cache.clone()
     q, k, v = views(fused_qkv)
@@ -446,7 +471,9 @@ def test_gemv_dispatch_and_rejects(gen):
     assert_close(linear(x, weight), torch.nn.functional.linear(x.double(), weight.double()), torch.bfloat16, scale=4)
     xs = randn(3, 512, gen=gen, dtype=torch.bfloat16)
     assert torch.equal(linear(xs, weight), torch.nn.functional.linear(xs, weight))
-    assert not kernels.gemv_supported(randn(1, 510, gen=gen, dtype=torch.bfloat16), randn(4, 510, gen=gen, dtype=torch.bfloat16))
+    assert not kernels.gemv_supported(
+        randn(1, 510, gen=gen, dtype=torch.bfloat16), randn(4, 510, gen=gen, dtype=torch.bfloat16)
+    )
     assert not kernels.gemv_supported(x, weight.t().contiguous().t())  # non-contiguous rows
     with pytest.raises(ValueError, match="gemv"):
         kernels.gemv(torch.empty(1, 300, dtype=torch.bfloat16, device=DEVICE), xs, weight)
@@ -544,8 +571,13 @@ def test_cuda_graph_capture_and_replay(gen):
         assert torch.equal(graph_norm, norm_out)
 
         meta = AttentionMetadata(
-            slot_mapping=slots, block_tables=tables.long(), seq_lens=seq_lens.long(), seq_lens_list=lens,
-            query_start_loc=list(range(batch + 1)), num_decodes=batch, block_size=block_size,
+            slot_mapping=slots,
+            block_tables=tables.long(),
+            seq_lens=seq_lens.long(),
+            seq_lens_list=lens,
+            query_start_loc=list(range(batch + 1)),
+            num_decodes=batch,
+            block_size=block_size,
         )
         assert_close(graph_attn, paged_attention(query.double(), kv_cache.double(), meta, scale), dtype)
         assert_close(graph_norm, rms_norm(x.double(), weight.double(), 1e-5), dtype)

@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("cupy")
 
-from tests.gpu.test_engine_gpu import MAX_TOKENS, _engine_tokens, _hf_tokens, _record, _share_identical  # noqa: E402
-from tests.gpu.test_kernels import DEVICE, DTYPE_IDS, DTYPES, PagedBatch, assert_close, gen, randn  # noqa: E402,F401
+from tests.gpu.test_engine_gpu import MAX_TOKENS, _engine_tokens, _record, _share_identical  # noqa: E402
+from tests.gpu.test_kernels import DEVICE, DTYPE_IDS, DTYPES, PagedBatch, assert_close, randn  # noqa: E402
 from tests.test_kv_cache_fp8 import fp8_kv_rounding  # noqa: E402
 from zllm.workers import kernels  # noqa: E402
 from zllm.workers.attention import KV_FP8, KVScales, dequantize_kv, quantize_kv  # noqa: E402
@@ -60,10 +60,13 @@ def _fp8_batch(lens, dtype, gen, scales, **shape) -> tuple[PagedBatch, torch.Ten
     reference over its dequantized clean copy."""
     batch = PagedBatch(lens, dtype=dtype, gen=gen, **shape)
     fp8 = torch.stack([quantize_kv(batch.cache[0] * 6, scales.k), quantize_kv(batch.cache[1] * 6, scales.v)])
-    clean = torch.stack([quantize_kv(batch.clean_cache[0] * 6, scales.k), quantize_kv(batch.clean_cache[1] * 6, scales.v)])
+    clean = torch.stack(
+        [quantize_kv(batch.clean_cache[0] * 6, scales.k), quantize_kv(batch.clean_cache[1] * 6, scales.v)]
+    )
     batch.cache = fp8
-    batch.clean_cache = torch.stack([dequantize_kv(clean[0], scales.k, torch.float64),
-                                     dequantize_kv(clean[1], scales.v, torch.float64)])
+    batch.clean_cache = torch.stack(
+        [dequantize_kv(clean[0], scales.k, torch.float64), dequantize_kv(clean[1], scales.v, torch.float64)]
+    )
     return batch, batch.reference()
 
 
@@ -72,11 +75,27 @@ def _fp8_batch(lens, dtype, gen, scales, **shape) -> tuple[PagedBatch, torch.Ten
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("scales", SCALES, ids=SCALE_IDS)
 def test_decode_over_fp8_cache(dtype, head_dim, group, scales, gen):
-    batch, expected = _fp8_batch([1, 15, 16, 17, 33, 257, 1000], dtype, gen, scales, num_heads=2 * group,
-                                 kv_heads=2, head_dim=head_dim, block_size=16)
+    batch, expected = _fp8_batch(
+        [1, 15, 16, 17, 33, 257, 1000],
+        dtype,
+        gen,
+        scales,
+        num_heads=2 * group,
+        kv_heads=2,
+        head_dim=head_dim,
+        block_size=16,
+    )
     run = lambda **kw: kernels.paged_attention_decode(  # noqa: E731
-        torch.full_like(batch.query, float("nan")), batch.query, batch.cache, batch.block_tables, batch.seq_lens_t,
-        batch.scale, k_scale=scales.k, v_scale=scales.v, **kw)
+        torch.full_like(batch.query, float("nan")),
+        batch.query,
+        batch.cache,
+        batch.block_tables,
+        batch.seq_lens_t,
+        batch.scale,
+        k_scale=scales.k,
+        v_scale=scales.v,
+        **kw,
+    )
     # Cached values ~6x those of test_kernels' (to span E4M3's range) make 6x larger scores, whose
     # softmax magnifies fp32's rounding as much: the fp32 tolerance grows with them.
     tolerance = 6.0 if dtype == torch.float32 else 1.0
@@ -88,17 +107,26 @@ def test_fp8_cache_argument_checks(gen):
     batch, _ = _fp8_batch([4], torch.bfloat16, gen, SCALES[0], num_heads=4, kv_heads=2, head_dim=64, block_size=16)
     out = torch.empty_like(batch.query)
     with pytest.raises(ValueError, match="k_scale must be finite and positive"):
-        kernels.paged_attention_decode(out, batch.query, batch.cache, batch.block_tables, batch.seq_lens_t, 1.0,
-                                       k_scale=0.0)
+        kernels.paged_attention_decode(
+            out, batch.query, batch.cache, batch.block_tables, batch.seq_lens_t, 1.0, k_scale=0.0
+        )
     with pytest.raises(ValueError, match="expected torch.bfloat16 or torch.float8_e4m3fn"):
-        kernels.paged_attention_decode(out, batch.query, batch.cache.view(torch.int8), batch.block_tables,
-                                       batch.seq_lens_t, 1.0)
+        kernels.paged_attention_decode(
+            out, batch.query, batch.cache.view(torch.int8), batch.block_tables, batch.seq_lens_t, 1.0
+        )
 
 
 # ---- the engine ---------------------------------------------------------------------------------
 
-ENGINE_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
-                    num_key_value_heads=2, head_dim=128, rope_theta=500000.0)
+ENGINE_SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    rope_theta=500000.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +134,9 @@ def model_dir(tmp_path_factory):
     from tests.conftest import save_tiny_model
 
     directory = tmp_path_factory.mktemp("kvfp8")
-    save_tiny_model(directory, "llama", vocab_size=256, max_position_embeddings=4096, initializer_range=0.2,
-                    **ENGINE_SHAPE)
+    save_tiny_model(
+        directory, "llama", vocab_size=256, max_position_embeddings=4096, initializer_range=0.2, **ENGINE_SHAPE
+    )
     return str(directory)
 
 
@@ -127,10 +156,14 @@ def _hf_rounded_tokens(model_dir, prompt_ids, dtype) -> list[list[int]]:
     with fp8_kv_rounding(model), torch.inference_mode():
         for ids in prompt_ids:
             generated = model.generate(
-                torch.tensor([ids], device="cuda"), max_new_tokens=MAX_TOKENS, do_sample=False,
+                torch.tensor([ids], device="cuda"),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
                 eos_token_id=model.generation_config.eos_token_id,
-                pad_token_id=0, attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"))
-            out.append(generated[0, len(ids):].tolist())
+                pad_token_id=0,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
+            )
+            out.append(generated[0, len(ids) :].tolist())
     del model
     torch.cuda.empty_cache()
     return out
@@ -162,11 +195,13 @@ def test_fp8_cache_holds_twice_the_blocks(model_dir):
 
     blocks = {}
     for kv_dtype in ("auto", "fp8"):
-        engine = LLMEngine.from_engine_args(model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
-                                            kv_cache_dtype=kv_dtype)
+        engine = LLMEngine.from_engine_args(
+            model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, kv_cache_dtype=kv_dtype
+        )
         blocks[kv_dtype] = engine.core.num_kv_blocks
         assert {c.dtype for c in engine.core.executor.runner.kv_caches} == {
-            KV_FP8 if kv_dtype == "fp8" else torch.bfloat16}
+            KV_FP8 if kv_dtype == "fp8" else torch.bfloat16
+        }
         engine.shutdown()
     _record("kvfp8_blocks_at_0.3", blocks)
     assert abs(blocks["fp8"] / blocks["auto"] - 2) < 0.01, blocks

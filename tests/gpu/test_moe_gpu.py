@@ -42,8 +42,9 @@ def _check_against_float64(x, weights, ids, gate_up, down):
     torch_err = (torch_half - exact).abs().max().item()
     paths = {"fused": fused.fused_experts}
     for split, bound in fused.GEMV_BUILDS:
-        paths[f"gemv-s{split}-{bound}"] = (
-            lambda *args, split=split, bound=bound: fused.gemv_experts(*args, split=split, bound=bound))
+        paths[f"gemv-s{split}-{bound}"] = lambda *args, split=split, bound=bound: fused.gemv_experts(
+            *args, split=split, bound=bound
+        )
     if fused.grouped_mm_available(x.device):
         paths["grouped_mm"] = fused.grouped_mm_experts
     for name, path in paths.items():
@@ -52,15 +53,18 @@ def _check_against_float64(x, weights, ids, gate_up, down):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "f16"])
-@pytest.mark.parametrize("tokens,num_experts,top_k,hidden,inter", [
-    (1, 128, 8, 2048, 768),   # Qwen3-30B-A3B's layer at batch 1
-    (1, 8, 2, 512, 1024),     # Mixtral-like, scaled down
-    (2, 8, 2, 4096, 1792),    # Mixtral's H: several unrolled rounds of the GEMVs
-    (3, 8, 2, 256, 72),       # I not a multiple of 32: the masked last chunk
-    (64, 16, 4, 200, 96),     # H not a multiple of 32
-    (257, 60, 4, 128, 56),    # an odd batch over Qwen2-MoE's 60 experts
-    (512, 128, 8, 512, 64),   # many tiles of 64 rows
-])
+@pytest.mark.parametrize(
+    "tokens,num_experts,top_k,hidden,inter",
+    [
+        (1, 128, 8, 2048, 768),  # Qwen3-30B-A3B's layer at batch 1
+        (1, 8, 2, 512, 1024),  # Mixtral-like, scaled down
+        (2, 8, 2, 4096, 1792),  # Mixtral's H: several unrolled rounds of the GEMVs
+        (3, 8, 2, 256, 72),  # I not a multiple of 32: the masked last chunk
+        (64, 16, 4, 200, 96),  # H not a multiple of 32
+        (257, 60, 4, 128, 56),  # an odd batch over Qwen2-MoE's 60 experts
+        (512, 128, 8, 512, 64),  # many tiles of 64 rows
+    ],
+)
 def test_fused_experts_match_torch(dtype, tokens, num_experts, top_k, hidden, inter):
     x, gate_up, down, weights, ids = _operands(tokens, num_experts, top_k, hidden, inter, dtype)
     _check_against_float64(x, weights, ids, gate_up, down)
@@ -95,14 +99,16 @@ def test_align_sorts_pairs_into_whole_tiles_of_one_expert():
     seen = []
     for expert, rows in zip(tile_experts[:used], sorted_pairs[:used]):
         real = [p for p in rows if p >= 0]
-        assert rows[:len(real)] == real  # padding only at the end of an expert's rows
+        assert rows[: len(real)] == real  # padding only at the end of an expert's rows
         assert all(flat[p] == expert for p in real)
         seen += real
     assert sorted(seen) == list(range(pairs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("num_experts,top_k,renormalize", [(8, 2, True), (60, 4, False), (128, 8, True), (512, 32, True)])
+@pytest.mark.parametrize(
+    "num_experts,top_k,renormalize", [(8, 2, True), (60, 4, False), (128, 8, True), (512, 32, True)]
+)
 def test_topk_softmax_matches_torch(dtype, num_experts, top_k, renormalize):
     tokens = 333
     logits = (torch.randn(tokens, num_experts, device="cuda") * 3).to(dtype)
@@ -155,8 +161,13 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="must be \\[4, k\\]"):
         fused.fused_experts(x, weights[:2], ids[:2], gate_up, down)
     with pytest.raises(ValueError, match="experts"):
-        fused.moe_topk_softmax(torch.empty(4, 2, device="cuda"), torch.empty(4, 2, dtype=torch.int32, device="cuda"),
-                               torch.randn(4, 513, device="cuda"), True, False)
+        fused.moe_topk_softmax(
+            torch.empty(4, 2, device="cuda"),
+            torch.empty(4, 2, dtype=torch.int32, device="cuda"),
+            torch.randn(4, 513, device="cuda"),
+            True,
+            False,
+        )
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -164,10 +175,22 @@ def test_bad_arguments_are_refused():
 MAX_TOKENS = 24
 MODELS = {  # head_dim 64: the decode kernel's sizes; expert sizes multiples of 8 (the fused path)
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=256)),
-    "qwen2-moe": ("qwen2_moe", dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=72,
-                                    shared_expert_intermediate_size=128, intermediate_size=256)),
-    "qwen3-moe": ("qwen3_moe", dict(num_experts=32, num_experts_per_tok=8, moe_intermediate_size=96,
-                                    norm_topk_prob=True, intermediate_size=256)),
+    "qwen2-moe": (
+        "qwen2_moe",
+        dict(
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=72,
+            shared_expert_intermediate_size=128,
+            intermediate_size=256,
+        ),
+    ),
+    "qwen3-moe": (
+        "qwen3_moe",
+        dict(
+            num_experts=32, num_experts_per_tok=8, moe_intermediate_size=96, norm_topk_prob=True, intermediate_size=256
+        ),
+    ),
 }
 PROMPT_LENGTHS = [1, 5, 17, 40, 130]
 
@@ -176,9 +199,19 @@ PROMPT_LENGTHS = [1, 5, 17, 40, 130]
 def moe_model(request, tmp_path_factory):
     architecture, overrides = MODELS[request.param]
     directory = tmp_path_factory.mktemp(request.param)
-    save_tiny_model(directory, architecture, vocab_size=256, hidden_size=256, num_hidden_layers=3,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                    initializer_range=0.2, **overrides)
+    save_tiny_model(
+        directory,
+        architecture,
+        vocab_size=256,
+        hidden_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        **overrides,
+    )
     return str(directory)
 
 
@@ -191,8 +224,9 @@ def prompts():
 
 
 def _engine_tokens(model_dir, prompts, **engine_args):
-    engine = LLMEngine.from_engine_args(model_dir, device="cuda", max_model_len=512, gpu_memory_utilization=0.3,
-                                        **engine_args)
+    engine = LLMEngine.from_engine_args(
+        model_dir, device="cuda", max_model_len=512, gpu_memory_utilization=0.3, **engine_args
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         for i, ids in enumerate(prompts):
@@ -216,7 +250,7 @@ def _hf_ranks(model_dir, prompts, generated, dtype):
     ranks, gaps = [], []
     with torch.inference_mode():
         for prompt, ours in zip(prompts, generated):
-            logits = model(torch.tensor([prompt + ours], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+            logits = model(torch.tensor([prompt + ours], device="cuda")).logits[0, len(prompt) - 1 : -1].float()
             chosen = logits.gather(1, torch.tensor(ours, device="cuda")[:, None])
             ranks += (logits > chosen).sum(dim=1).tolist()
             top2 = logits.topk(2).values
@@ -234,7 +268,7 @@ def _hf_choices(model_dir, prompts, generated, dtype):
     choices = []
     with torch.inference_mode():
         for prompt, ours in zip(prompts, generated):
-            logits = model(torch.tensor([prompt + ours], device="cuda")).logits[0, len(prompt) - 1:-1]
+            logits = model(torch.tensor([prompt + ours], device="cuda")).logits[0, len(prompt) - 1 : -1]
             choices += logits.argmax(dim=-1).tolist()
     del model
     torch.cuda.empty_cache()

@@ -34,7 +34,9 @@ def build_step(requests, *, num_heads, kv_heads, head_dim, block_size, dtype, se
         ids = [pool.pop() for _ in range(blocks[row])]
         table[row, : len(ids)] = ids
         positions = np.arange(n)
-        valid[torch.from_numpy(table[row, positions // block_size] * block_size + positions % block_size).to(DEVICE)] = True
+        valid[
+            torch.from_numpy(table[row, positions // block_size] * block_size + positions % block_size).to(DEVICE)
+        ] = True
     cache = torch.randn(2, total, block_size, kv_heads, head_dim, generator=gen, device=DEVICE).to(dtype)
     valid = valid.view(1, total, block_size, 1, 1)
     clean, holes = cache * valid, cache.masked_fill(~valid, float("nan"))
@@ -55,15 +57,20 @@ def build_step(requests, *, num_heads, kv_heads, head_dim, block_size, dtype, se
     )
     if num_decodes < len(requests):
         slots, cu = pack_prefill(table, seq_lens, query_start_loc, num_decodes, block_size)
-        meta.prefill = packed_prefill_of(torch.from_numpy(slots).to(DEVICE), torch.from_numpy(cu).to(DEVICE),
-                                         seq_lens, query_start_loc, num_decodes)
+        meta.prefill = packed_prefill_of(
+            torch.from_numpy(slots).to(DEVICE), torch.from_numpy(cu).to(DEVICE), seq_lens, query_start_loc, num_decodes
+        )
     return query, holes, clean, meta
 
 
 def reference(query, clean, meta, scale):
     ref_meta = AttentionMetadata(
-        slot_mapping=meta.slot_mapping, block_tables=meta.block_tables.long(), seq_lens=meta.seq_lens.long(),
-        seq_lens_list=meta.seq_lens_list, query_start_loc=meta.query_start_loc, num_decodes=meta.num_decodes,
+        slot_mapping=meta.slot_mapping,
+        block_tables=meta.block_tables.long(),
+        seq_lens=meta.seq_lens.long(),
+        seq_lens_list=meta.seq_lens_list,
+        query_start_loc=meta.query_start_loc,
+        num_decodes=meta.num_decodes,
         block_size=meta.block_size,
     )
     return paged_attention(query.double(), clean.double(), ref_meta, scale)
@@ -84,14 +91,23 @@ def needs_flash():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64), (16, 16, 64), (8, 1, 128)], ids=lambda h: "h%d_kv%d_d%d" % h)
+@pytest.mark.parametrize(
+    "heads", [(32, 8, 128), (9, 3, 64), (16, 16, 64), (8, 1, 128)], ids=lambda h: "h{}_kv{}_d{}".format(*h)
+)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("step", list(STEPS), ids=list(STEPS))
 def test_packed_prefill_matches_reference(dtype, heads, block_size, step):
     num_heads, kv_heads, head_dim = heads
     requests = sorted(STEPS[step], key=lambda r: r[1] != 1)  # decodes first, as the runner orders them
-    query, holes, clean, meta = build_step(requests, num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim,
-                                           block_size=block_size, dtype=dtype, qkv_view=True)
+    query, holes, clean, meta = build_step(
+        requests,
+        num_heads=num_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        qkv_view=True,
+    )
     scale = head_dim**-0.5
     ops = CudaOps(torch.device(DEVICE))
     assert meta.prefill is not None and ops.packs_prefill(dtype, head_dim)
@@ -103,8 +119,9 @@ def test_packed_prefill_matches_reference(dtype, heads, block_size, step):
 def test_packed_equals_the_per_request_loop():
     """The two GPU paths agree to bf16 rounding on a step with prefixes and decodes."""
     requests = sorted(STEPS["mixed_step"], key=lambda r: r[1] != 1)
-    query, holes, clean, meta = build_step(requests, num_heads=32, kv_heads=8, head_dim=128, block_size=16,
-                                           dtype=torch.bfloat16, seed=3)
+    query, holes, clean, meta = build_step(
+        requests, num_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16, seed=3
+    )
     ops = CudaOps(torch.device(DEVICE))
     packed = ops.attention(query, clean, meta, 128**-0.5)
     meta.prefill = None
@@ -119,8 +136,9 @@ def test_fp32_keeps_the_per_request_path():
     ops = CudaOps(torch.device(DEVICE))
     assert not ops.packs_prefill(torch.float32, 64) and not ops.packs_prefill(torch.bfloat16, 80)
     requests = [(0, 40), (12, 20)]
-    query, holes, clean, meta = build_step(requests, num_heads=8, kv_heads=2, head_dim=64, block_size=16,
-                                           dtype=torch.float32, seed=5)
+    query, holes, clean, meta = build_step(
+        requests, num_heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, seed=5
+    )
     meta.prefill = None
     out = ops.attention(query, holes, meta, 0.125)
     torch.testing.assert_close(out.double(), reference(query, clean, meta, 0.125), rtol=1e-5, atol=1e-5)

@@ -44,9 +44,16 @@ def test_device_bitmask_equals_xgrammar(vocab_size):
 def bpe_model(tmp_path_factory) -> Path:
     if not Path(TOKENIZER_DIR, "tokenizer.json").is_file():
         pytest.skip("set ZLLM_TOKENIZER_DIR to a directory with a sub-word tokenizer.json")
-    directory = save_tiny_model(tmp_path_factory.mktemp("bpe"), vocab_size=49152, hidden_size=256,
-                                intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, eos_token_id=2)
+    directory = save_tiny_model(
+        tmp_path_factory.mktemp("bpe"),
+        vocab_size=49152,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=2,
+    )
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if Path(TOKENIZER_DIR, name).is_file():
             shutil.copyfile(Path(TOKENIZER_DIR, name), directory / name)
@@ -74,12 +81,21 @@ def test_constrained_greedy_on_the_gpu_equals_hf_with_xgrammar(bpe_model):
     del hf
     torch.cuda.empty_cache()
     for async_scheduling in (False, True):
-        engine = LLMEngine.from_engine_args(str(bpe_model), device="cuda", dtype="float32", max_model_len=512,
-                                            async_scheduling=async_scheduling, gpu_memory_utilization=0.3)
+        engine = LLMEngine.from_engine_args(
+            str(bpe_model),
+            device="cuda",
+            dtype="float32",
+            max_model_len=512,
+            async_scheduling=async_scheduling,
+            gpu_memory_utilization=0.3,
+        )
         try:
             for name, params in CONSTRAINTS.items():
-                engine.add_request(name, {"prompt_token_ids": prompts[name]},
-                                   SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=params))
+                engine.add_request(
+                    name,
+                    {"prompt_token_ids": prompts[name]},
+                    SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=params),
+                )
             results = {}
             while engine.has_unfinished_requests():
                 results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})

@@ -36,16 +36,24 @@ def test_tensor_parallel_fp32_greedy_is_token_identical_to_hf(model_dir, prompt_
 def test_tensor_parallel_cuda_graphs_equal_eager(model_dir, prompt_ids):
     graphs = _engine_tokens(model_dir, prompt_ids, dtype="bfloat16", tensor_parallel_size=2)
     eager = _engine_tokens(model_dir, prompt_ids, dtype="bfloat16", tensor_parallel_size=2, enforce_eager=True)
-    _record(f"tp2_bf16_share_identical_vs_tp1[{os.path.basename(model_dir)}]",
-            _share_identical(graphs, _engine_tokens(model_dir, prompt_ids, dtype="bfloat16")))
+    _record(
+        f"tp2_bf16_share_identical_vs_tp1[{os.path.basename(model_dir)}]",
+        _share_identical(graphs, _engine_tokens(model_dir, prompt_ids, dtype="bfloat16")),
+    )
     assert graphs == eager
 
 
 # ---- the symmetric-memory one-shot all-reduce ----------------------------------------------------
 
 SYMMETRIC_LIMIT = 64 << 10  # bytes: bf16 [8, 4096] is exactly at the limit
-SYMMETRIC_CASES = [((1, 64), "bfloat16"), ((1, 4096), "bfloat16"), ((8, 4096), "bfloat16"),
-                   ((9, 4096), "bfloat16"), ((64, 4096), "bfloat16"), ((1, 4096), "float32")]
+SYMMETRIC_CASES = [
+    ((1, 64), "bfloat16"),
+    ((1, 4096), "bfloat16"),
+    ((8, 4096), "bfloat16"),
+    ((9, 4096), "bfloat16"),
+    ((64, 4096), "bfloat16"),
+    ((1, 4096), "float32"),
+]
 RANK_TIMEOUT_S = 240.0
 
 
@@ -66,11 +74,14 @@ def _symmetric_rank(rank: int, size: int, init_file: str) -> None:
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", world_size=size, rank=rank, device_id=device)
     tp = TensorParallel(rank=rank, size=size)
-    attach_symmetric_all_reduce(tp, EngineConfig(model="", custom_all_reduce_max_bytes=SYMMETRIC_LIMIT), device,
-                                torch.bfloat16)
+    attach_symmetric_all_reduce(
+        tp, EngineConfig(model="", custom_all_reduce_max_bytes=SYMMETRIC_LIMIT), device, torch.bfloat16
+    )
     assert tp.fast is not None, f"rank {rank}: set-up fell back to NCCL (see the warnings above)"
     gen = torch.Generator(device=device).manual_seed(100 + rank)
-    inputs = [torch.randn(shape, generator=gen, device=device).to(getattr(torch, dtype)) for shape, dtype in SYMMETRIC_CASES]
+    inputs = [
+        torch.randn(shape, generator=gen, device=device).to(getattr(torch, dtype)) for shape, dtype in SYMMETRIC_CASES
+    ]
     for x in inputs:
         nbytes = x.numel() * x.element_size()
         assert tp.fast.accepts(x) == (x.dtype == torch.bfloat16 and nbytes <= SYMMETRIC_LIMIT)
@@ -110,8 +121,9 @@ def _symmetric_rank(rank: int, size: int, init_file: str) -> None:
 def test_symmetric_all_reduce_equals_nccl_eager_and_in_cuda_graphs(tmp_path):
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(_symmetric_rank, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(
+        _symmetric_rank, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + RANK_TIMEOUT_S
     try:
         while not context.join(timeout=5):  # raises with the rank's traceback if one failed
@@ -125,11 +137,13 @@ def test_symmetric_all_reduce_equals_nccl_eager_and_in_cuda_graphs(tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_tensor_parallel_symmetric_all_reduce_gives_nccls_tokens(model_dir, prompt_ids, dtype, capfd):
     """The engine at tp 2 (CUDA graphs, async scheduling) with the one-shot path on and off."""
-    fast = _engine_tokens(model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2,
-                          custom_all_reduce_max_bytes=8 << 20)
+    fast = _engine_tokens(
+        model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2, custom_all_reduce_max_bytes=8 << 20
+    )
     log = capfd.readouterr().err
     assert log.count("symmetric-memory one-shot all-reduce for") == 2, "set-up fell back to NCCL:\n" + log[-4000:]
     nccl = _engine_tokens(model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2)
-    _record(f"tp2_{dtype}_symmetric_share_identical_vs_nccl[{os.path.basename(model_dir)}]",
-            _share_identical(fast, nccl))
+    _record(
+        f"tp2_{dtype}_symmetric_share_identical_vs_nccl[{os.path.basename(model_dir)}]", _share_identical(fast, nccl)
+    )
     assert fast == nccl

@@ -204,5 +204,9 @@ def _warn_if_a_long_request_cannot_fit(config: EngineConfig, num_blocks: int) ->
             "KV cache of %d blocks of %d tokens holds %d tokens, less than max_model_len=%d (%d blocks): "
             "requests whose prompt + max_tokens exceed it will be refused; raise the KV cache memory or "
             "lower max_model_len",
-            num_blocks, config.block_size, num_blocks * config.block_size, config.max_model_len, needed,
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            config.max_model_len,
+            needed,
         )

@@ -76,8 +76,10 @@ class MultiprocExecutor:
         limit = config.internal_max_message_bytes
         outputs = [make_socket(context, zmq.PULL, endpoints.worker_output, bind=True, hwm=hwm, max_message_bytes=limit)]
         if not config.tp_spans_nodes:
-            inputs = [make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm)
-                      for r in range(config.tensor_parallel_size)]
+            inputs = [
+                make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm)
+                for r in range(config.tensor_parallel_size)
+            ]
             return inputs, outputs
         nodes = NodeEndpoints(config.master_addr, config.master_port)
         keys = None
@@ -88,11 +90,24 @@ class MultiprocExecutor:
                 self._authenticator = start_thread_authenticator(context, ClientKeyCheck(keys.clients_dir, False))
             local = config.local_ranks(0)
             for r in range(config.tensor_parallel_size):
-                inputs.append(make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm) if r in local
-                              else make_socket(context, zmq.PUSH, nodes.worker_input(r), bind=True, hwm=hwm,
-                                               curve_server_keys=keys))
-            outputs.append(make_socket(context, zmq.PULL, nodes.worker_output, bind=True, hwm=hwm,
-                                       max_message_bytes=limit, curve_server_keys=keys))
+                inputs.append(
+                    make_socket(context, zmq.PUSH, endpoints.worker_input(r), bind=True, hwm=hwm)
+                    if r in local
+                    else make_socket(
+                        context, zmq.PUSH, nodes.worker_input(r), bind=True, hwm=hwm, curve_server_keys=keys
+                    )
+                )
+            outputs.append(
+                make_socket(
+                    context,
+                    zmq.PULL,
+                    nodes.worker_output,
+                    bind=True,
+                    hwm=hwm,
+                    max_message_bytes=limit,
+                    curve_server_keys=keys,
+                )
+            )
         except BaseException:
             # e.g. a port still taken: nothing of this attempt may outlive it, least of all the
             # authenticator's thread, whose sockets the core's context teardown would close under it.
@@ -198,8 +213,10 @@ class MultiprocExecutor:
                 continue
             self._check_alive()
             if deadline is not None and time.monotonic() > deadline:
-                raise WorkerDiedError(f"workers did not answer with {kind.__name__} within {timeout_s:.0f} s"
-                                      f" ({len(received)} of {count} did)")
+                raise WorkerDiedError(
+                    f"workers did not answer with {kind.__name__} within {timeout_s:.0f} s"
+                    f" ({len(received)} of {count} did)"
+                )
         return received
 
     def _receive(self, socket: zmq.Socket):

@@ -97,13 +97,17 @@ class EngineCoreProcess:
         config, hwm = self.config, self.config.socket_hwm
         if config.node_rank == 0:
             endpoints = InternalEndpoints(config.runtime_dir)
-            return (make_socket(self.context, zmq.PULL, endpoints.core_input, bind=False, hwm=hwm),
-                    make_socket(self.context, zmq.PUSH, endpoints.core_output, bind=False, hwm=hwm))
+            return (
+                make_socket(self.context, zmq.PULL, endpoints.core_input, bind=False, hwm=hwm),
+                make_socket(self.context, zmq.PUSH, endpoints.core_output, bind=False, hwm=hwm),
+            )
         head = NodeEndpoints(config.master_addr, config.master_port)
         keys = load_node_keys(config.curve_dir) if config.curve_dir else None
         rank = config.data_parallel_rank
-        return (make_socket(self.context, zmq.PULL, head.engine_input(rank), bind=False, hwm=hwm, curve_client_keys=keys),
-                make_socket(self.context, zmq.PUSH, head.engine_output(rank), bind=False, hwm=hwm, curve_client_keys=keys))
+        return (
+            make_socket(self.context, zmq.PULL, head.engine_input(rank), bind=False, hwm=hwm, curve_client_keys=keys),
+            make_socket(self.context, zmq.PUSH, head.engine_output(rank), bind=False, hwm=hwm, curve_client_keys=keys),
+        )
 
     def _ready_message(self) -> EngineReady:
         return EngineReady(
@@ -159,8 +163,9 @@ class EngineCoreProcess:
     def _engine_outputs(self, outputs: list | None = None, **ended: dict[str, str]) -> EngineOutputs:
         """An EngineOutputs with the scheduler's queue lengths as they are now."""
         scheduler = self.core.scheduler
-        return EngineOutputs(outputs=outputs or [], **ended, num_waiting=len(scheduler.waiting),
-                             num_running=len(scheduler.running))
+        return EngineOutputs(
+            outputs=outputs or [], **ended, num_waiting=len(scheduler.waiting), num_running=len(scheduler.running)
+        )
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         if call.method == "stats":

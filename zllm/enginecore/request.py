@@ -1,10 +1,10 @@
 """A request as the engine core sees it, and its state machine.
 
-    WAITING --schedule--> RUNNING --stop/length--> FINISHED_STOPPED / FINISHED_LENGTH
-       ^                     |
-       +---- PREEMPTED <-----+   (blocks freed; recomputed from scratch when resumed)
-    any unfinished state --abort--> FINISHED_ABORTED
-    RUNNING --the workers could not take it--> FINISHED_ERROR   (that request alone)
+WAITING --schedule--> RUNNING --stop/length--> FINISHED_STOPPED / FINISHED_LENGTH
+   ^                     |
+   +---- PREEMPTED <-----+   (blocks freed; recomputed from scratch when resumed)
+any unfinished state --abort--> FINISHED_ABORTED
+RUNNING --the workers could not take it--> FINISHED_ERROR   (that request alone)
 """
 
 from __future__ import annotations

@@ -101,7 +101,9 @@ class Scheduler:
         longest = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
         needed, available = self.kv_cache.num_blocks_needed(longest), self.kv_cache.pool.num_blocks
         if needed > available:
-            field_name = "prompt" if self.kv_cache.num_blocks_needed(request.num_prompt_tokens + 1) > available else "max_tokens"
+            field_name = (
+                "prompt" if self.kv_cache.num_blocks_needed(request.num_prompt_tokens + 1) > available else "max_tokens"
+            )
             raise ValueError(
                 f"{field_name}: {request.num_prompt_tokens} prompt tokens + up to {longest - request.num_prompt_tokens} "
                 f"generated need {needed} KV blocks of {self.kv_cache.block_size} tokens, but the whole KV cache "

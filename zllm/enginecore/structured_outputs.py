@@ -142,7 +142,9 @@ class StructuredOutputs:
                 failed[request_id] = str(error)
                 continue
             grammar.matcher = self._start_matcher(grammar.compiled.result(), request)
-            if not grammar.matcher.is_terminated() and not all(map(grammar.matcher.accept_token, request.output_token_ids)):
+            if not grammar.matcher.is_terminated() and not all(
+                map(grammar.matcher.accept_token, request.output_token_ids)
+            ):
                 failed[request_id] = "structured_outputs: the tokens it resumed with do not follow its grammar"
         return failed
 

@@ -69,8 +69,7 @@ _MAX_WARNED_FIELDS = 1024  # distinct names logged; bounded so that fuzzed names
 _warned_fields: set[str] = set()  # unknown field names already logged (once each)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # ServerError kinds -> HTTP status (retry-later conditions are 503, as OpenAI answers "overloaded").
-_ENGINE_ERROR_STATUS = {"bad_request": 400, "unauthorized": 401, "engine_dead": 503, "overloaded": 503,
-                        "draining": 503}
+_ENGINE_ERROR_STATUS = {"bad_request": 400, "unauthorized": 401, "engine_dead": 503, "overloaded": 503, "draining": 503}
 
 
 class ApiError(Exception):
@@ -83,8 +82,9 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return msgspec.json.encode(ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)))
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   code: str | None = None) -> web.Response:
+def error_response(
+    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+) -> web.Response:
     return web.Response(status=status, body=error_body(message, type_, param, code), content_type="application/json")
 
 
@@ -117,8 +117,9 @@ class ApiServer:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_request_body_bytes,
-                              middlewares=[self._errors, self._authenticate])
+        app = web.Application(
+            client_max_size=self.config.max_request_body_bytes, middlewares=[self._errors, self._authenticate]
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -132,8 +133,7 @@ class ApiServer:
 
     async def start(self) -> str:
         """Listen on config.host:config.port; returns the base URL (with the real port for port 0)."""
-        self._runner = web.AppRunner(self.build_app(), handle_signals=False, handler_cancellation=True,
-                                     access_log=None)
+        self._runner = web.AppRunner(self.build_app(), handle_signals=False, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         sock = socket.create_server((self.config.host, self.config.port), backlog=1024)
         await web.SockSite(self._runner, sock).start()
@@ -164,8 +164,12 @@ class ApiServer:
         except web.HTTPException as error:  # routing (404, 405) and the body limit (413)
             if error.status < 400:
                 raise
-            return error_response(error.status, _http_error_message(request, error), "invalid_request_error",
-                                  code=error.reason.lower().replace(" ", "_"))
+            return error_response(
+                error.status,
+                _http_error_message(request, error),
+                "invalid_request_error",
+                code=error.reason.lower().replace(" ", "_"),
+            )
         except (asyncio.CancelledError, ConnectionError):
             raise  # the client went away; nothing to answer
         except Exception:
@@ -178,8 +182,12 @@ class ApiServer:
         if key and (request.path == "/v1" or request.path.startswith("/v1/")):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                raise ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
-                               "authentication_error", code="invalid_api_key")
+                raise ApiError(
+                    401,
+                    "missing or wrong API key: send `Authorization: Bearer <key>`",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
         return await handler(request)
 
     # ---- generation ----------------------------------------------------------------------------
@@ -203,16 +211,18 @@ class ApiServer:
                 logger.warning("ignoring the unknown request field %r on %s (logged once)", name, request.path)
         return body, {IGNORED_FIELDS_HEADER: ignored_fields_header(ignored)} if ignored else {}
 
-    async def _run(self, request: web.Request, call: CompletionCall | ChatCall, stream: bool,
-                   headers: dict[str, str]) -> web.StreamResponse:
+    async def _run(
+        self, request: web.Request, call: CompletionCall | ChatCall, stream: bool, headers: dict[str, str]
+    ) -> web.StreamResponse:
         self._check_serving()
         async with call.engine_call(self.frontend) as engine:
             if not stream:
                 return json_response(await call.response(self.frontend, engine), headers)
             return await self._stream(request, call.chunks(self.frontend, engine), headers)
 
-    async def _stream(self, request: web.Request, chunks: AsyncIterator[msgspec.Struct],
-                      headers: dict[str, str]) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, chunks: AsyncIterator[msgspec.Struct], headers: dict[str, str]
+    ) -> web.StreamResponse:
         """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`."""
         response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         await response.prepare(request)
@@ -229,8 +239,13 @@ class ApiServer:
     def _model(self, requested: str | None) -> str:
         served = self.config.model_name
         if requested is not None and requested != served:
-            raise ApiError(404, f"The model `{requested}` does not exist (this server serves `{served}`).",
-                           "invalid_request_error", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{requested}` does not exist (this server serves `{served}`).",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         return served
 
     def _check_serving(self) -> None:
@@ -242,8 +257,9 @@ class ApiServer:
     # ---- information ---------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        card = ModelCard(id=self.config.model_name, created=now_s(), root=self.config.model,
-                         max_model_len=self.config.max_model_len)
+        card = ModelCard(
+            id=self.config.model_name, created=now_s(), root=self.config.model, max_model_len=self.config.max_model_len
+        )
         return json_response(ModelList(data=[card]))
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -254,8 +270,9 @@ class ApiServer:
         self._model(body.model)
         text = conversation_prompt(self.frontend, body).text if chat else body.prompt
         tokens = self.frontend.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
-        return json_response(TokenizeResponse(count=len(tokens), max_model_len=self.config.max_model_len,
-                                              tokens=tokens), headers)
+        return json_response(
+            TokenizeResponse(count=len(tokens), max_model_len=self.config.max_model_len, tokens=tokens), headers
+        )
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body, headers = await self._decode(request, DetokenizeRequest)
@@ -271,8 +288,9 @@ class ApiServer:
         after a failure (requests sent meanwhile are held and served once it is back)."""
         self._check_serving()
         if self.frontend.recovering:
-            raise ApiError(503, "the engine is restarting after a failure; retry shortly", "server_error",
-                           code="engine_restarting")
+            raise ApiError(
+                503, "the engine is restarting after a failure; retry shortly", "server_error", code="engine_restarting"
+            )
         return web.Response(status=200)
 
     async def version(self, request: web.Request) -> web.Response:

@@ -119,7 +119,9 @@ class DataParallelCoreClient:
         return self._call_all("stats")
 
     def shutdown(self) -> None:
-        live = [c.processes.core for c in self.cores if c.processes.core is not None and c.processes.core.poll() is None]
+        live = [
+            c.processes.core for c in self.cores if c.processes.core is not None and c.processes.core.poll() is None
+        ]
         for core in self.cores:
             if core.processes.core in live:
                 try:
@@ -148,16 +150,24 @@ class DataParallelCoreClient:
         endpoints = InternalEndpoints(runtime_dir)
         hwm = self.config.socket_hwm
         core = _Core(
-            rank, EngineProcesses(),
+            rank,
+            EngineProcesses(),
             make_socket(self.context, zmq.PUSH, endpoints.core_input, bind=True, hwm=hwm),
-            make_socket(self.context, zmq.PULL, endpoints.core_output, bind=True, hwm=hwm,
-                        max_message_bytes=self.config.internal_max_message_bytes),
+            make_socket(
+                self.context,
+                zmq.PULL,
+                endpoints.core_output,
+                bind=True,
+                hwm=hwm,
+                max_message_bytes=self.config.internal_max_message_bytes,
+            ),
         )
         core.processes.spawn_core(dataclasses.replace(self.config, runtime_dir=runtime_dir, data_parallel_rank=rank))
         return core
 
     def _send(self, core: _Core, message) -> None:
         """Sends to one core; fails, rather than waits, once that core has exited."""
+
         def check_core() -> None:
             if (code := core.processes.core_exit_code()) is not None:
                 raise EngineCoreError(f"engine {core.rank} core exited with code {code}")
@@ -203,8 +213,10 @@ class DataParallelCoreClient:
         self.balancer.report(core.rank, message.num_waiting, message.num_running)
         # A request the core refused ends with an error, as one the workers failed does.
         refused = {**message.failed, **message.rejected}
-        deltas = [TokenDelta(request_id=i, new_token_ids=[], finish_reason="error", error=reason)
-                  for i, reason in refused.items()] + message.outputs
+        deltas = [
+            TokenDelta(request_id=i, new_token_ids=[], finish_reason="error", error=reason)
+            for i, reason in refused.items()
+        ] + message.outputs
         for delta in deltas:
             if delta.finish_reason is not None:
                 self.owner.pop(delta.request_id, None)

@@ -60,8 +60,14 @@ MessageHandler = Callable[["EngineLink", object], Awaitable[None]]
 class EngineLink:
     """Everything the frontend keeps of one engine (dp rank), across its restarts."""
 
-    def __init__(self, config: EngineConfig, dp_rank: int, context: zmq.asyncio.Context, call_ids: itertools.count,
-                 nodes: NodeHub | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        dp_rank: int,
+        context: zmq.asyncio.Context,
+        call_ids: itertools.count,
+        nodes: NodeHub | None = None,
+    ) -> None:
         self.config = dataclasses.replace(config, data_parallel_rank=dp_rank)
         self.dp_rank = dp_rank
         self.context = context
@@ -120,8 +126,14 @@ class EngineLink:
         endpoints = InternalEndpoints(self.runtime_dir)
         hwm = self.config.socket_hwm
         self._core_in = make_socket(self.context, zmq.PUSH, endpoints.core_input, bind=True, hwm=hwm)
-        self._core_out = make_socket(self.context, zmq.PULL, endpoints.core_output, bind=True, hwm=hwm,
-                                     max_message_bytes=self.config.internal_max_message_bytes)
+        self._core_out = make_socket(
+            self.context,
+            zmq.PULL,
+            endpoints.core_output,
+            bind=True,
+            hwm=hwm,
+            max_message_bytes=self.config.internal_max_message_bytes,
+        )
 
     async def _bind_tcp(self) -> None:
         """The remote core's sockets, on the same ports every generation (the core's node is told
@@ -131,11 +143,18 @@ class EngineLink:
         deadline = time.monotonic() + 5.0
         while True:
             try:
-                self._core_in = make_socket(self.context, zmq.PUSH, head.engine_input(self.dp_rank), bind=True,
-                                            hwm=hwm, curve_server_keys=keys)
-                self._core_out = make_socket(self.context, zmq.PULL, head.engine_output(self.dp_rank), bind=True,
-                                             hwm=hwm, curve_server_keys=keys,
-                                             max_message_bytes=self.config.internal_max_message_bytes)
+                self._core_in = make_socket(
+                    self.context, zmq.PUSH, head.engine_input(self.dp_rank), bind=True, hwm=hwm, curve_server_keys=keys
+                )
+                self._core_out = make_socket(
+                    self.context,
+                    zmq.PULL,
+                    head.engine_output(self.dp_rank),
+                    bind=True,
+                    hwm=hwm,
+                    curve_server_keys=keys,
+                    max_message_bytes=self.config.internal_max_message_bytes,
+                )
                 return
             except zmq.ZMQError as error:  # the last generation's listener may still be closing
                 self._close_sockets()

@@ -19,9 +19,9 @@ from zllm.sampling_params import SamplingParams
 class LLM:
     """Generate completions offline.
 
-        llm = LLM()  # the embedded SmolLM2-135M-Instruct
-        outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0))
-        print(outs[0].outputs[0].text)
+    llm = LLM()  # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0))
+    print(outs[0].outputs[0].text)
     """
 
     def __init__(
@@ -53,7 +53,7 @@ class LLM:
         """Stop the engine and any worker processes; the LLM cannot generate afterwards."""
         self._finalizer()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -38,7 +38,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":
+    def from_engine_args(cls, model: str | None = None, **kwargs) -> LLMEngine:
         """An engine whose core and worker run in this process; with data_parallel_size > 1, one
         engine-core process per data-parallel rank instead."""
         config = EngineConfig.create(model, usage="offline", **kwargs)

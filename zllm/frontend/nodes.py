@@ -102,10 +102,20 @@ class NodeHub:
         if self.config.curve_dir:
             keys = self.server_keys = load_or_create_server_keys(self.config.curve_dir)
             self._authenticator = start_authenticator(self.context, ClientKeyCheck(keys.clients_dir, False))
-        self._socket = make_socket(self.context, zmq.ROUTER, endpoint, bind=True, hwm=self.config.socket_hwm,
-                                   router_mandatory=True, curve_server_keys=keys, max_message_bytes=1 << 20)
-        self._tasks = [asyncio.create_task(self._receive_loop(), name="nodes-in"),
-                       asyncio.create_task(self._heartbeat_loop(), name="nodes-heartbeat")]
+        self._socket = make_socket(
+            self.context,
+            zmq.ROUTER,
+            endpoint,
+            bind=True,
+            hwm=self.config.socket_hwm,
+            router_mandatory=True,
+            curve_server_keys=keys,
+            max_message_bytes=1 << 20,
+        )
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name="nodes-in"),
+            asyncio.create_task(self._heartbeat_loop(), name="nodes-heartbeat"),
+        ]
         logger.info("waiting for %d node(s) on %s%s", len(self.expected), endpoint, " (CURVE)" if keys else "")
 
     async def wait_joined(self) -> None:
@@ -119,7 +129,8 @@ class NodeHub:
                 raise NodeFailure(
                     f"node(s) {missing} of {self.config.nnodes} did not join within {self.config.node_join_timeout_s:.0f} s: "
                     f"start `vllm-launch --headless --nnodes {self.config.nnodes} --node-rank N --master-addr "
-                    f"{self.config.master_addr} --master-port {self.config.master_port}` there (and check its keys)")
+                    f"{self.config.master_addr} --master-port {self.config.master_port}` there (and check its keys)"
+                )
             self._joined.clear()
             try:
                 await asyncio.wait_for(self._joined.wait(), min(left, self.config.heartbeat_interval_s))
@@ -153,8 +164,9 @@ class NodeHub:
                     logger.error("node(s) %s did not confirm that their workers stopped", sorted(self._stopping))
             return
         exited = self._exited.setdefault(dp_rank, asyncio.Event())
-        if not exited.is_set() and await self._send_to_node(self.config.node_of_engine(dp_rank),
-                                                             StopEngine(dp_rank, generation)):
+        if not exited.is_set() and await self._send_to_node(
+            self.config.node_of_engine(dp_rank), StopEngine(dp_rank, generation)
+        ):
             await self.wait_exited(dp_rank, self.config.engine_hang_timeout_s)
 
     async def wait_exited(self, dp_rank: int, timeout_s: float) -> bool:

@@ -29,8 +29,9 @@ from zllm.sampling_params import StructuredOutputsParams
 _NO_ARGUMENTS = {"type": "object", "properties": {}}
 
 
-def structured_outputs_of(request: CompletionRequest | ChatCompletionRequest,
-                          tool_constraint: dict | None = None) -> StructuredOutputsParams | None:
+def structured_outputs_of(
+    request: CompletionRequest | ChatCompletionRequest, tool_constraint: dict | None = None
+) -> StructuredOutputsParams | None:
     """The one output constraint the request asks for (None: free text)."""
     found = _constraints(request)
     if tool_constraint is not None:
@@ -57,8 +58,11 @@ def _constraints(request: CompletionRequest | ChatCompletionRequest) -> list[tup
         found.append(("response_format", response_format))
     if request.structured_outputs is not None:
         so = request.structured_outputs
-        fields = {k: v for k, v in (("json", so.json), ("regex", so.regex), ("choice", so.choice),
-                                    ("grammar", so.grammar)) if v is not None}
+        fields = {
+            k: v
+            for k, v in (("json", so.json), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar))
+            if v is not None
+        }
         if so.json_object:
             fields["json_object"] = True
         found.append(("structured_outputs", fields))
@@ -116,9 +120,16 @@ def tool_choice_schema(tools: list[ChatTool], choice: str | NamedToolChoice, par
         return named_tool(tools, choice.function.name).function.parameters or _NO_ARGUMENTS
     if choice != "required":
         return None
-    calls = [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
-                             "parameters": t.function.parameters or _NO_ARGUMENTS},
-              "required": ["name", "parameters"]} for t in tools]
+    calls = [
+        {
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": t.function.parameters or _NO_ARGUMENTS,
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1

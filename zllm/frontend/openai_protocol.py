@@ -430,42 +430,68 @@ def _json(schema_name: str) -> dict:
 
 
 def _errors(*codes: int) -> dict:
-    reasons = {400: "Bad request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large",
-               503: "Engine dead or draining"}
+    reasons = {
+        400: "Bad request",
+        401: "Missing or wrong API key",
+        404: "Unknown model",
+        413: "Body too large",
+        503: "Engine dead or draining",
+    }
     return {str(code): {"description": reasons[code], "content": _json("ErrorResponse")} for code in codes}
 
 
 def _generation(summary: str, request: str, response: str) -> dict:
-    ok = {"description": "The completion; with `stream: true`, server-sent events ending with `data: [DONE]`",
-          "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}},
-          "headers": _IGNORED_HEADER}
-    return {"post": {
-        "summary": summary,
-        "requestBody": {"required": True, "content": _json(request)},
-        "responses": {"200": ok, **_errors(400, 401, 404, 413, 503)},
-        "security": [{"bearer": []}],
-    }}
+    ok = {
+        "description": "The completion; with `stream: true`, server-sent events ending with `data: [DONE]`",
+        "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}},
+        "headers": _IGNORED_HEADER,
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {"200": ok, **_errors(400, 401, 404, 413, 503)},
+            "security": [{"bearer": []}],
+        }
+    }
 
 
 def _utility(summary: str, request_schema: dict, response: str) -> dict:
-    return {"post": {
-        "summary": summary,
-        "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}},
-        "responses": {"200": {"description": "OK", "content": _json(response)}, **_errors(400, 404, 413)},
-    }}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}},
+            "responses": {"200": {"description": "OK", "content": _json(response)}, **_errors(400, 404, 413)},
+        }
+    }
 
 
-_IGNORED_HEADER = {"X-Ignored-Fields": {
-    "description": "The request's fields this server does not know and ignored, comma-separated "
-                   "(as JSON paths: `foo`, `messages[0].bar`); absent when none",
-    "schema": {"type": "string"}}}
+_IGNORED_HEADER = {
+    "X-Ignored-Fields": {
+        "description": "The request's fields this server does not know and ignored, comma-separated "
+        "(as JSON paths: `foo`, `messages[0].bar`); absent when none",
+        "schema": {"type": "string"},
+    }
+}
 
 
 def openapi_document(version: str) -> dict:
     """OpenAPI 3.1 for every route, with schemas generated from the Structs above."""
-    types = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
-             ChatCompletionChunk, ModelList, VersionInfo, ErrorResponse, TokenizeCompletionRequest,
-             TokenizeChatRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse]
+    types = [
+        CompletionRequest,
+        ChatCompletionRequest,
+        CompletionResponse,
+        ChatCompletionResponse,
+        ChatCompletionChunk,
+        ModelList,
+        VersionInfo,
+        ErrorResponse,
+        TokenizeCompletionRequest,
+        TokenizeChatRequest,
+        TokenizeResponse,
+        DetokenizeRequest,
+        DetokenizeResponse,
+    ]
     _, schemas = msgspec.json.schema_components(types, ref_template=_REF)
     text = {"text/plain": {"schema": {"type": "string"}}}
     return {
@@ -473,22 +499,47 @@ def openapi_document(version: str) -> dict:
         "info": {"title": "zllm OpenAI-compatible API", "version": version},
         "paths": {
             "/v1/completions": _generation("Complete prompts", "CompletionRequest", "CompletionResponse"),
-            "/v1/chat/completions": _generation("Answer a conversation", "ChatCompletionRequest",
-                                                "ChatCompletionResponse"),
-            "/tokenize": _utility("Token ids of a prompt, or of chat messages rendered by the chat template",
-                                  {"oneOf": [{"$ref": _REF.format(name="TokenizeCompletionRequest")},
-                                             {"$ref": _REF.format(name="TokenizeChatRequest")}]},
-                                  "TokenizeResponse"),
-            "/detokenize": _utility("The text of token ids", {"$ref": _REF.format(name="DetokenizeRequest")},
-                                    "DetokenizeResponse"),
-            "/v1/models": {"get": {"summary": "The served model", "security": [{"bearer": []}], "responses": {
-                "200": {"description": "Models", "content": _json("ModelList")}, **_errors(401)}}},
-            "/health": {"get": {"summary": "200 while serving", "responses": {
-                "200": {"description": "Serving"}, **_errors(503)}}},
-            "/version": {"get": {"summary": "zllm's version", "responses": {
-                "200": {"description": "Version", "content": _json("VersionInfo")}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
-                "200": {"description": "Metrics in Prometheus' text format", "content": text}}}},
+            "/v1/chat/completions": _generation(
+                "Answer a conversation", "ChatCompletionRequest", "ChatCompletionResponse"
+            ),
+            "/tokenize": _utility(
+                "Token ids of a prompt, or of chat messages rendered by the chat template",
+                {
+                    "oneOf": [
+                        {"$ref": _REF.format(name="TokenizeCompletionRequest")},
+                        {"$ref": _REF.format(name="TokenizeChatRequest")},
+                    ]
+                },
+                "TokenizeResponse",
+            ),
+            "/detokenize": _utility(
+                "The text of token ids", {"$ref": _REF.format(name="DetokenizeRequest")}, "DetokenizeResponse"
+            ),
+            "/v1/models": {
+                "get": {
+                    "summary": "The served model",
+                    "security": [{"bearer": []}],
+                    "responses": {"200": {"description": "Models", "content": _json("ModelList")}, **_errors(401)},
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "200 while serving",
+                    "responses": {"200": {"description": "Serving"}, **_errors(503)},
+                }
+            },
+            "/version": {
+                "get": {
+                    "summary": "zllm's version",
+                    "responses": {"200": {"description": "Version", "content": _json("VersionInfo")}},
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {"200": {"description": "Metrics in Prometheus' text format", "content": text}},
+                }
+            },
         },
         "components": {"schemas": schemas, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }

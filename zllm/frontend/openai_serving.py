@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from zllm.frontend.openai_constraints import structured_outputs_of, tool_choice_schema
 from zllm.frontend.openai_protocol import (
     BadRequest,
     ChatChoice,
@@ -27,11 +28,11 @@ from zllm.frontend.openai_protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
+    ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    ChatTokenLogprob,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -44,14 +45,12 @@ from zllm.frontend.openai_protocol import (
     now_s,
     param_of,
 )
-from zllm.frontend.openai_constraints import structured_outputs_of, tool_choice_schema
 from zllm.frontend.parallel_sampling import best_of_indices
 from zllm.frontend.tokenizer import chat_prompt
 from zllm.frontend.tool_parsers import CallDelta, NamedParser, RequiredParser, ToolCallStream, ToolParser, tool_parser
-from zllm.sampling_params import StructuredOutputsParams
 from zllm.ipc.messages import ClientGenerate, ServerError, ServerOutput
 from zllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
-from zllm.sampling_params import SamplingParams
+from zllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from zllm.frontend.server import FrontendServer
@@ -90,8 +89,9 @@ class EngineCall:
     best_of: the engine generates sampling.n candidates per prompt and `keep_best` leaves the
     `keep_n` with the highest cumulative logprob (the usage still counts every generated token)."""
 
-    def __init__(self, server: FrontendServer, prompts: list[Prompt], sampling: SamplingParams,
-                 keep_n: int | None = None) -> None:
+    def __init__(
+        self, server: FrontendServer, prompts: list[Prompt], sampling: SamplingParams, keep_n: int | None = None
+    ) -> None:
         self.server = server
         self.prompts = prompts
         self.sampling = msgspec.to_builtins(sampling)  # non-default fields, as a client sends them
@@ -167,26 +167,35 @@ class EngineCall:
             return
         kept = []
         for start in range(0, len(self.choices), self.n):
-            candidates = self.choices[start:start + self.n]
+            candidates = self.choices[start : start + self.n]
             best = best_of_indices([c.cumulative_logprob for c in candidates], self.keep_n)
             kept += [candidates[i] for i in best]
-            self._dropped_tokens += sum(len(c.token_ids) for c in candidates) - sum(len(candidates[i].token_ids)
-                                                                                     for i in best)
+            self._dropped_tokens += sum(len(c.token_ids) for c in candidates) - sum(
+                len(candidates[i].token_ids) for i in best
+            )
         self.choices, self.n = kept, self.keep_n
 
     def usage(self) -> UsageInfo:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
         completion_tokens = sum(len(c.token_ids) for c in self.choices) + self._dropped_tokens
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 # ---- from requests to engine inputs ---------------------------------------------------------------
 
-def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None = None,
-                    structured_outputs: StructuredOutputsParams | None = None,
-                    skip_special_tokens: bool | None = None) -> SamplingParams:
+
+def sampling_params(
+    request: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
+    skip_special_tokens: bool | None = None,
+) -> SamplingParams:
     """vLLM's SamplingParams from the request's fields; any refusal is a BadRequest naming the field.
     (Limits that depend on the engine, such as max_n and max_logprobs, are the server's to check.)
     With best_of > n the engine generates best_of completions, with logprobs (at least the sampled
@@ -199,15 +208,26 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, max_toke
     if request.skip_special_tokens is not None:
         skip_special_tokens = request.skip_special_tokens
     fields: dict[str, Any] = dict(
-        n=n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-        min_p=request.min_p, seed=request.seed, min_tokens=request.min_tokens, stop=request.stop,
-        stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+        n=n,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        seed=request.seed,
+        min_tokens=request.min_tokens,
+        stop=request.stop,
+        stop_token_ids=request.stop_token_ids,
+        ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
-        presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty, logit_bias=_logit_bias(request.logit_bias),
-        bad_words=request.bad_words, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=_logit_bias(request.logit_bias),
+        bad_words=request.bad_words,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         structured_outputs=structured_outputs,
     )
     try:
@@ -223,8 +243,7 @@ def _best_of(request: CompletionRequest | ChatCompletionRequest) -> int:
     if request.best_of < request.n:
         raise BadRequest(f"best_of: must be >= n ({request.n}), got {request.best_of}", "best_of")
     if request.stream:
-        raise BadRequest("best_of: greater than n cannot be streamed (the best are known only at the end)",
-                         "best_of")
+        raise BadRequest("best_of: greater than n cannot be streamed (the best are known only at the end)", "best_of")
     return request.best_of
 
 
@@ -252,8 +271,10 @@ def completion_prompts(server: FrontendServer, prompt: str | list) -> list[Promp
         return [Prompt(None, list(prompt))]
     if prompt and all(isinstance(p, list) and p for p in prompt):
         return [Prompt(None, list(p)) for p in prompt]
-    raise BadRequest("prompt: must be a non-empty string, list of strings, list of token ids or list of "
-                     "non-empty token-id lists", "prompt")
+    raise BadRequest(
+        "prompt: must be a non-empty string, list of strings, list of token ids or list of non-empty token-id lists",
+        "prompt",
+    )
 
 
 def _text_prompt(server: FrontendServer, text: str) -> Prompt:
@@ -328,8 +349,9 @@ def _token_text(server: FrontendServer, token_id: int, logprob: Logprob) -> str:
     return logprob.decoded_token if logprob.decoded_token is not None else server.tokenizer.decode([token_id])
 
 
-def completion_logprobs(server: FrontendServer, positions: list[dict[int, Logprob] | None], prompt_ids: list[int],
-                        offset: int) -> CompletionLogprobs:
+def completion_logprobs(
+    server: FrontendServer, positions: list[dict[int, Logprob] | None], prompt_ids: list[int], offset: int
+) -> CompletionLogprobs:
     """Completions' form: parallel lists of token texts, their logprobs, the top alternatives
     (token text -> logprob) and each token's character offset in the text (from `offset`).
     A None position (the first prompt token, when echoing) has no logprob."""
@@ -352,6 +374,7 @@ def completion_logprobs(server: FrontendServer, positions: list[dict[int, Logpro
 
 def chat_logprobs(server: FrontendServer, positions: SampleLogprobs, num_top: int) -> ChatLogprobs:
     """Chat's form: per token its text, logprob and UTF-8 bytes, with the `num_top` most likely."""
+
     def entry(token_id: int, logprob: Logprob) -> TopLogprob:
         token = _token_text(server, token_id, logprob)
         return TopLogprob(token=token, logprob=logprob.logprob, bytes=list(token.encode()))
@@ -361,8 +384,9 @@ def chat_logprobs(server: FrontendServer, positions: SampleLogprobs, num_top: in
         chosen = entry(*_chosen(position))
         ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
         top = [entry(t, lp) for t, lp in ranked if lp.rank is not None and lp.rank <= num_top][:num_top]
-        content.append(ChatTokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes,
-                                        top_logprobs=top))
+        content.append(
+            ChatTokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes, top_logprobs=top)
+        )
     return ChatLogprobs(content=content)
 
 
@@ -392,8 +416,9 @@ class CompletionCall:
         check_context(prompts, request.max_tokens, server.config.max_model_len, "prompt")
         # Echoed prompt tokens come with their own logprobs, as OpenAI's API gives them.
         prompt_logprobs = request.logprobs if echo_logprobs else None
-        sampling = sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs,
-                                   structured_outputs_of(request))
+        sampling = sampling_params(
+            request, request.max_tokens, request.logprobs, prompt_logprobs, structured_outputs_of(request)
+        )
         return cls(request, model, prompts, sampling)
 
     def engine_call(self, server: FrontendServer) -> EngineCall:
@@ -420,10 +445,18 @@ class CompletionCall:
         choices = []
         for i, c in enumerate(call.choices):
             text = (self._prompt_of(server, i).text if self.request.echo else "") + "".join(c.text)
-            choices.append(CompletionChoice(index=i, text=text, logprobs=self._logprobs(server, call, i),
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                  usage=call.usage())
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text=text,
+                    logprobs=self._logprobs(server, call, i),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=call.usage()
+        )
 
     async def chunks(self, server: FrontendServer, call: EngineCall) -> AsyncIterator[CompletionResponse]:
         options = self.request.stream_options
@@ -440,14 +473,13 @@ class CompletionCall:
             if self.request.logprobs is not None:
                 logprobs = completion_logprobs(server, out.logprobs or [], [], offsets[index])
                 offsets[index] += sum(len(t) for t in logprobs.tokens)
-            choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                                      stop_reason=out.stop_reason)
+            choice = CompletionChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason
+            )
             usage = call.usage() if options and options.continuous_usage_stats else None
-            yield CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                     usage=usage)
+            yield CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
         if options and options.include_usage:
-            yield CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
-                                     usage=call.usage())
+            yield CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=call.usage())
 
 
 # ---- chat completions -----------------------------------------------------------------------------
@@ -483,20 +515,27 @@ def tool_mode(server: FrontendServer, request: ChatCompletionRequest) -> ToolMod
         return ToolMode("required", RequiredParser(), single)
     config = server.config
     if not config.enable_auto_tool_choice or config.tool_call_parser is None:
-        raise BadRequest('tool_choice: "auto" tool choice requires --enable-auto-tool-choice and '
-                         '--tool-call-parser to be set', "tool_choice")
+        raise BadRequest(
+            'tool_choice: "auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+            "tool_choice",
+        )
     return ToolMode("auto", tool_parser(config.tool_call_parser), single)
 
 
 def _response_tool_calls(calls) -> list[ResponseToolCall]:
-    return [ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
-            for c in calls]
+    return [ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
 
 def _delta_tool_calls(deltas: list[CallDelta]) -> list[DeltaToolCall]:
-    return [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
-                          function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
-            for d in deltas]
+    return [
+        DeltaToolCall(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id else None,
+            function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+        )
+        for d in deltas
+    ]
 
 
 @dataclass(slots=True)
@@ -524,8 +563,9 @@ class ChatCall:
         schema = tool_choice_schema(request.tools, request.tool_choice, not tools.single) if tools else None
         # A parser whose marker is a special token needs it in the text.
         keep_special = False if tools is not None and tools.parser.needs_special_tokens else None
-        sampling = sampling_params(request, max_tokens, logprobs, None, structured_outputs_of(request, schema),
-                                   keep_special)
+        sampling = sampling_params(
+            request, max_tokens, logprobs, None, structured_outputs_of(request, schema), keep_special
+        )
         return cls(request, model, prompt, sampling, tools)
 
     def engine_call(self, server: FrontendServer) -> EngineCall:
@@ -551,10 +591,18 @@ class ChatCall:
         choices = []
         for i, c in enumerate(call.choices):
             message, finish_reason = self._message(c)
-            choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(server, c.logprobs),
-                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=call.usage())
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=self._logprobs(server, c.logprobs),
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=call.usage()
+        )
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
@@ -579,8 +627,13 @@ class ChatCall:
             delta, finish_reason = self._delta(streams[index], out)
             if delta == DeltaMessage() and finish_reason is None and not out.logprobs:
                 continue  # nothing to show yet (held back while a stop string or a tool marker may match)
-            choice = ChatStreamChoice(index=index, delta=delta, logprobs=self._logprobs(server, out.logprobs),
-                                      finish_reason=finish_reason, stop_reason=out.stop_reason)
+            choice = ChatStreamChoice(
+                index=index,
+                delta=delta,
+                logprobs=self._logprobs(server, out.logprobs),
+                finish_reason=finish_reason,
+                stop_reason=out.stop_reason,
+            )
             yield self._chunk([choice], call.usage() if options and options.continuous_usage_stats else None)
         if options and options.include_usage:
             yield self._chunk([], call.usage())

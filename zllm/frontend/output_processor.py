@@ -89,7 +89,11 @@ class OutputProcessor:
         if taken:
             raise ValueError(f"request_id: {taken[0]!r} is already in use")
         completions = [
-            _Completion(index, core_id, IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, sampling.skip_special_tokens))
+            _Completion(
+                index,
+                core_id,
+                IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, sampling.skip_special_tokens),
+            )
             for index, core_id in enumerate(core_ids)
         ]
         request = _Request(message.request_id, prompt, message.prompt_token_ids, sampling, completions)
@@ -160,7 +164,9 @@ class OutputProcessor:
         sampling = request.sampling
         request.num_cached_tokens = max(request.num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_logprobs is not None:
-            request.prompt_logprobs = [None] + self._logprob_dicts(delta.prompt_logprobs, sampling.prompt_logprobs, sampling)
+            request.prompt_logprobs = [None] + self._logprob_dicts(
+                delta.prompt_logprobs, sampling.prompt_logprobs, sampling
+            )
         if delta.logprobs is not None:
             self._add_logprobs(completion, delta.logprobs, sampling)
         # vLLM: a stop token (EOS or stop_token_ids) stays in token_ids, but not in the text.
@@ -186,7 +192,9 @@ class OutputProcessor:
         completion.logprobs.extend(dicts)
         completion.cumulative_logprob += sum(row[0] for row in logprobs.logprobs)
 
-    def _logprob_dicts(self, logprobs: TokenLogprobs, num_top: int, sampling: SamplingParams) -> list[dict[int, Logprob]]:
+    def _logprob_dicts(
+        self, logprobs: TokenLogprobs, num_top: int, sampling: SamplingParams
+    ) -> list[dict[int, Logprob]]:
         """vLLM's form: per position, the chosen token (with its rank) then the top `num_top`."""
         dicts = []
         for token_ids, values, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks):

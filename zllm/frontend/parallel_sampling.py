@@ -51,6 +51,8 @@ def _child_sampling(message: AddRequest, index: int):
 def best_of_indices(cumulative_logprobs: list[float | None], n: int) -> list[int]:
     """best_of: the indices of the n candidates with the highest cumulative logprob, best first
     (ties keep generation order; a candidate without logprobs ranks last)."""
-    ranked = sorted(range(len(cumulative_logprobs)),
-                    key=lambda i: -cumulative_logprobs[i] if cumulative_logprobs[i] is not None else float("inf"))
+    ranked = sorted(
+        range(len(cumulative_logprobs)),
+        key=lambda i: -cumulative_logprobs[i] if cumulative_logprobs[i] is not None else float("inf"),
+    )
     return ranked[:n]

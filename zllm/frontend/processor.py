@@ -19,7 +19,7 @@ PromptType = Union[str, dict[str, Any]]
 
 class InputProcessor:
     @classmethod
-    def from_config(cls, config, tokenizer: PreTrainedTokenizerBase) -> "InputProcessor":
+    def from_config(cls, config, tokenizer: PreTrainedTokenizerBase) -> InputProcessor:
         """Limits from the engine config and the model's own config (vocabulary, EOS ids)."""
         from transformers import AutoConfig
 
@@ -101,8 +101,10 @@ class InputProcessor:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: must be an integer, got {type(priority).__name__}")
         if priority != 0 and self.scheduling_policy != "priority":
-            raise ValueError(f"priority: {priority} needs scheduling_policy='priority' (this engine uses "
-                             f"{self.scheduling_policy!r}); start it with --scheduling-policy priority")
+            raise ValueError(
+                f"priority: {priority} needs scheduling_policy='priority' (this engine uses "
+                f"{self.scheduling_policy!r}); start it with --scheduling-policy priority"
+            )
 
     @staticmethod
     def _cache_salt(prompt: PromptType, cache_salt: str | None) -> str | None:
@@ -129,7 +131,9 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
-            if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            if not isinstance(token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+            ):
                 raise ValueError("prompt_token_ids: must be a list of integers")
             if not token_ids:
                 raise ValueError("prompt_token_ids: must not be empty")
@@ -142,8 +146,7 @@ class InputProcessor:
     def _check_length(self, token_ids: list[int]) -> None:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt: {len(token_ids)} tokens leave no room to generate within "
-                f"max_model_len={self.max_model_len}"
+                f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
             )
 
     def _check_token_ids(self, token_ids: list[int], field: str) -> None:

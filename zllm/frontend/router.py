@@ -19,8 +19,10 @@ from zllm.block_hash import BlockHash, hash_block
 class LoadBalancer:
     def __init__(self, num_engines: int, block_size: int, affinity_capacity: int = 4096) -> None:
         if num_engines < 1 or block_size < 1 or affinity_capacity < 1:
-            raise ValueError(f"num_engines {num_engines}, block_size {block_size} and affinity_capacity "
-                             f"{affinity_capacity} must be >= 1")
+            raise ValueError(
+                f"num_engines {num_engines}, block_size {block_size} and affinity_capacity "
+                f"{affinity_capacity} must be >= 1"
+            )
         self.num_engines = num_engines
         self.block_size = block_size
         self.affinity_capacity = affinity_capacity
@@ -38,7 +40,10 @@ class LoadBalancer:
         return self._reported[rank] + self._sent_since_report[rank]
 
     def choose(
-        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None, live: Iterable[int] | None = None,
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        live: Iterable[int] | None = None,
         count: int = 1,
     ) -> int:
         """The engine for a request of this prompt, among `live` ranks (default: all); `count`

@@ -38,11 +38,11 @@ import zmq
 import zmq.asyncio
 
 from zllm.config import EngineConfig
+from zllm.frontend.engines import MAX_REPLAYS, EngineLink, EngineStartError
 from zllm.frontend.metrics import FrontendMetrics
+from zllm.frontend.nodes import NodeFailure, NodeHub
 from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor
-from zllm.frontend.engines import MAX_REPLAYS, EngineLink, EngineStartError
-from zllm.frontend.nodes import NodeFailure, NodeHub
 from zllm.frontend.router import LoadBalancer
 from zllm.frontend.tokenizer import chat_prompt, load_tokenizer
 from zllm.ipc.addresses import default_client_endpoint
@@ -137,8 +137,10 @@ class FrontendServer:
         self._call_ids = itertools.count()
         self.calls: dict[int, _Call] = {}  # engine utility call id -> the client call it answers
         self.nodes = NodeHub(config) if config.nnodes > 1 else None
-        self.engines = [EngineLink(config, rank, self.context, self._call_ids, self._nodes_of(rank))
-                        for rank in range(config.data_parallel_size)]
+        self.engines = [
+            EngineLink(config, rank, self.context, self._call_ids, self._nodes_of(rank))
+            for rank in range(config.data_parallel_size)
+        ]
         self.balancer = LoadBalancer(len(self.engines), config.block_size)
         self.dead_reason: str | None = None
         self.draining = False  # a graceful shutdown began: new requests are refused (/health: 503)
@@ -182,8 +184,14 @@ class FrontendServer:
         if keys is not None:
             self._start_authenticator(keys)
         self.client_socket = make_socket(
-            self.context, zmq.ROUTER, self.client_endpoint, bind=True, hwm=self.config.socket_hwm,
-            router_mandatory=True, curve_server_keys=keys, max_message_bytes=self.config.client_max_message_bytes,
+            self.context,
+            zmq.ROUTER,
+            self.client_endpoint,
+            bind=True,
+            hwm=self.config.socket_hwm,
+            router_mandatory=True,
+            curve_server_keys=keys,
+            max_message_bytes=self.config.client_max_message_bytes,
         )
         engines = f" ({len(self.engines)} data-parallel engines)" if len(self.engines) > 1 else ""
         logger.info("serving %s on %s%s%s", self.ready.model, self.client_endpoint, " (CURVE)" if keys else "", engines)
@@ -280,9 +288,14 @@ class FrontendServer:
         if self.config.on_failure == "fail" or self.draining:
             return await self._give_up(f"{engine.name} is dead: {reason}")
         while (delay := engine.restart_policy.next_delay()) is not None:
-            logger.warning("restarting the %s%s (restart %d of at most %d within %.0f s)", engine.name,
-                           f" in {delay:.0f} s" if delay else "", engine.restart_policy.recent_restarts,
-                           self.config.max_restarts, self.config.restart_window_s)
+            logger.warning(
+                "restarting the %s%s (restart %d of at most %d within %.0f s)",
+                engine.name,
+                f" in {delay:.0f} s" if delay else "",
+                engine.restart_policy.recent_restarts,
+                self.config.max_restarts,
+                self.config.restart_window_s,
+            )
             await asyncio.sleep(delay)
             try:
                 await engine.start()
@@ -299,8 +312,9 @@ class FrontendServer:
         engine.recovering = False
         engine.num_restarts += 1
         replayed = await self._replay(engine)
-        logger.warning("%s recovered in %.2f s: %d request(s) replayed", engine.name, time.monotonic() - failed_at,
-                       replayed)
+        logger.warning(
+            "%s recovered in %.2f s: %d request(s) replayed", engine.name, time.monotonic() - failed_at, replayed
+        )
         return True
 
     async def _give_up(self, reason: str) -> bool:
@@ -364,7 +378,9 @@ class FrontendServer:
             except Exception as error:  # one bad request must never take the server down
                 logger.exception("failed to handle a client message")
                 request_id = getattr(message, "request_id", None)
-                await self._send(identity, ServerError(request_id, f"internal error: {type(error).__name__}", "internal"))
+                await self._send(
+                    identity, ServerError(request_id, f"internal error: {type(error).__name__}", "internal")
+                )
 
     async def _dispatch(self, identity: bytes, message) -> None:
         if not self._authorized(identity, message):
@@ -467,8 +483,11 @@ class FrontendServer:
             return "server is shutting down: not accepting new requests; retry on another server or later", "draining"
         held = min(engine.held_while_recovering for engine in self.engines)
         if self.recovering and held >= self.config.max_waiting:
-            return (f"overloaded: the engine is restarting and {held} requests already wait "
-                    f"for it (max_waiting={self.config.max_waiting}); retry later", "overloaded")
+            return (
+                f"overloaded: the engine is restarting and {held} requests already wait "
+                f"for it (max_waiting={self.config.max_waiting}); retry later",
+                "overloaded",
+            )
         return None
 
     async def _submit(self, engine: EngineLink, core_message: AddRequest) -> None:
@@ -652,7 +671,9 @@ class FrontendServer:
         utilities get an error."""
         for call_id, call in [(i, c) for i, c in self.calls.items() if c.pending.get(i) == engine.dp_rank]:
             del self.calls[call_id], call.pending[call_id]
-            call.results[engine.dp_rank] = UtilityResult(call_id=call_id, error="the engine failed before answering; retry later")
+            call.results[engine.dp_rank] = UtilityResult(
+                call_id=call_id, error="the engine failed before answering; retry later"
+            )
             await self._answer_when_complete(call)
 
 

@@ -44,7 +44,10 @@ def apply_chat_template(
         raise ValueError("messages: this model's tokenizer has no chat template; pass chat_template=")
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
             tools=tools,
         )
     except Exception as error:  # a template may reject what it does not expect, in any way

@@ -130,7 +130,7 @@ def scan_call(text: str, i: int) -> tuple[PartialCall | None, int | None]:
         if key == "name" and end is not None and text[start] == '"':
             call.name = json.loads(text[start:end])
         elif key in _ARGUMENT_KEYS:
-            call.arguments = text[start:end if end is not None else len(text)]
+            call.arguments = text[start : end if end is not None else len(text)]
             call.complete = end is not None
         if end is None:
             return call, None
@@ -280,8 +280,9 @@ class NamedParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
         start = _skip_ws(text, 0)
         complete = final or (start < len(text) and _value_end(text, start) is not None)
-        return Parsed("", [PartialCall(self.function_name, text[start:].rstrip(_WHITESPACE) if final else
-                                       text[start:], complete)])
+        return Parsed(
+            "", [PartialCall(self.function_name, text[start:].rstrip(_WHITESPACE) if final else text[start:], complete)]
+        )
 
 
 def tool_parser(name: str) -> ToolParser:
@@ -325,7 +326,7 @@ class ToolCallStream:
         if final and not self.called:  # no call after all: everything is content (as `extract` says)
             parsed = Parsed(self.text)
         # Content is always a prefix of the text, so what is new is what lies past what was sent.
-        content = parsed.content[self.sent_content:]
+        content = parsed.content[self.sent_content :]
         self.sent_content += len(content)
         return content, calls
 
@@ -337,7 +338,7 @@ class ToolCallStream:
                     break  # a call's header goes out once its name is known, in order
                 deltas.append(CallDelta(index, self.parser.new_id(), call.name))
                 self.sent_arguments.append(0)
-            new = call.arguments[self.sent_arguments[index]:]
+            new = call.arguments[self.sent_arguments[index] :]
             if new:
                 if deltas and deltas[-1].index == index:
                     deltas[-1].arguments = new

@@ -56,13 +56,18 @@ def load_node_keys(curve_dir: str) -> ClientKeys:
     the one `*.key_secret` file in `curve_dir` (made by `python -m zllm.launch.keys new-client`
     on the head, which authorizes its public key there)."""
     server_key = os.path.join(curve_dir, f"{SERVER_NAME}.key")
-    pairs = sorted(p for p in glob.glob(os.path.join(curve_dir, "*.key_secret"))
-                   if os.path.basename(p) != f"{SERVER_NAME}.key_secret")
+    pairs = sorted(
+        p
+        for p in glob.glob(os.path.join(curve_dir, "*.key_secret"))
+        if os.path.basename(p) != f"{SERVER_NAME}.key_secret"
+    )
     if not os.path.exists(server_key):
         raise ValueError(f"zmq_curve_dir: {server_key} is missing: copy the head's {SERVER_NAME}.key there")
     if len(pairs) != 1:
-        raise ValueError(f"zmq_curve_dir: expected this node's key pair, one *.key_secret file, in {curve_dir}; "
-                         f"found {len(pairs)} (make one on the head: python -m zllm.launch.keys new-client ...)")
+        raise ValueError(
+            f"zmq_curve_dir: expected this node's key pair, one *.key_secret file, in {curve_dir}; "
+            f"found {len(pairs)} (make one on the head: python -m zllm.launch.keys new-client ...)"
+        )
     _require_private(pairs[0], 0o077)
     return ClientKeys(load_public_key(server_key), load_key_pair(pairs[0]))
 
@@ -74,8 +79,11 @@ def load_or_create_server_keys(curve_dir: str) -> ServerKeys:
         secret_path = os.path.join(curve_dir, f"{SERVER_NAME}.key_secret")
         if not os.path.exists(secret_path):
             zmq.auth.create_certificates(curve_dir, SERVER_NAME)
-            logger.info("generated the CURVE server key pair in %s; clients need %s", curve_dir,
-                        os.path.join(curve_dir, f"{SERVER_NAME}.key"))
+            logger.info(
+                "generated the CURVE server key pair in %s; clients need %s",
+                curve_dir,
+                os.path.join(curve_dir, f"{SERVER_NAME}.key"),
+            )
     _require_private(curve_dir, 0o077)
     _require_private(secret_path, 0o077)
     public, secret = load_key_pair(secret_path)
@@ -88,8 +96,12 @@ def client_endpoint_keys(endpoint: str, curve_dir: str, api_key: str | None) -> 
     if not curve_dir:
         if endpoint.startswith("tcp://"):
             who = "any local user can connect" if is_loopback_tcp(endpoint) else "anyone who reaches it can connect"
-            logger.warning("%s serves without CURVE (--allow-insecure-tcp): %s; traffic%s is in clear text",
-                           endpoint, who, " and the api key" if api_key else "")
+            logger.warning(
+                "%s serves without CURVE (--allow-insecure-tcp): %s; traffic%s is in clear text",
+                endpoint,
+                who,
+                " and the api key" if api_key else "",
+            )
         return None
     keys = load_or_create_server_keys(curve_dir)
     if not authorized_client_keys(keys.clients_dir) and api_key is None:
@@ -175,8 +187,9 @@ class ClientKeyCheck:
         now = time.monotonic()
         if now - self._last_logged > _LOG_EVERY_S:
             self._last_logged = now
-            logger.warning("refused a client: CURVE key %s is not in %s", client_key.decode(errors="replace"),
-                           self.clients_dir)
+            logger.warning(
+                "refused a client: CURVE key %s is not in %s", client_key.decode(errors="replace"), self.clients_dir
+            )
         return False
 
 
@@ -201,8 +214,10 @@ def start_thread_authenticator(context: zmq.Context, check: ClientKeyCheck):
     return authenticator
 
 
-_BAD_HANDSHAKE = ("the security handshake failed: the server uses CURVE and this client does not (give "
-                  "server_key=), or the other way round, or server_key is not the server's public key")
+_BAD_HANDSHAKE = (
+    "the security handshake failed: the server uses CURVE and this client does not (give "
+    "server_key=), or the other way round, or server_key is not the server's public key"
+)
 # libzmq reports a mechanism mismatch or a wrong server key as either of the last two events.
 _HANDSHAKE_FAILURES = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the server refused this client's CURVE key (not among its authorized clients)",

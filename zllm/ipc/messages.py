@@ -77,7 +77,7 @@ class TokenLogprobs(_Message):
     logprobs: list[list[float]]
     ranks: list[int]
 
-    def row(self, index: int, num_top: int) -> "TokenLogprobs":
+    def row(self, index: int, num_top: int) -> TokenLogprobs:
         """One position, cut to the chosen token and its first `num_top` alternatives."""
         width = num_top + 1
         return TokenLogprobs([self.token_ids[index][:width]], [self.logprobs[index][:width]], [self.ranks[index]])
@@ -205,11 +205,11 @@ class GrammarBitmask(_Message):
     bitmask: bytes  # len(request_ids) * words * 4 bytes
 
     @classmethod
-    def of(cls, step_id: int, request_ids: list[str], rows: "np.ndarray") -> "GrammarBitmask":
+    def of(cls, step_id: int, request_ids: list[str], rows: np.ndarray) -> GrammarBitmask:
         """From an int32 array [len(request_ids), words]."""
         return cls(step_id, request_ids, int(rows.shape[1]), rows.astype("<i4", copy=False).tobytes())
 
-    def rows(self) -> "np.ndarray":
+    def rows(self) -> np.ndarray:
         """The int32 array [len(request_ids), words] (read-only, over the message's bytes)."""
         import numpy as np
 
@@ -445,8 +445,17 @@ CoreToFrontend = Union[EngineOutputs, UtilityResult, EngineReady, EngineDead]
 CoreToWorker = Union[StepInput, FlushStep, WorkerCall, GrammarBitmask]
 WorkerToCore = Union[StepOutput, WorkerReady, WorkerCallResult, WorkerFailed]
 NodeToHead = Union[NodeJoin, WorkersExited, EngineExited, NodeHeartbeat, NodeLeaving]
-HeadToNode = Union[NodeAccepted, NodeRefused, StartWorkers, StopWorkers, StartEngine, StopEngine, HeadHeartbeat,
-                   NodeUnknown, NodeShutdown]
+HeadToNode = Union[
+    NodeAccepted,
+    NodeRefused,
+    StartWorkers,
+    StopWorkers,
+    StartEngine,
+    StopEngine,
+    HeadHeartbeat,
+    NodeUnknown,
+    NodeShutdown,
+]
 ClientToServer = Union[ClientGenerate, ClientAbort, ClientPing, ClientStats, ClientUtility]
 ServerToClient = Union[ServerOutput, ServerError, ServerPong, ServerStats, ServerUtilityResult]
 

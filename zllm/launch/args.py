@@ -8,8 +8,19 @@ import re
 
 from zllm.config import EngineConfig
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-               "g": 10**9, "gb": 10**9, "gib": 2**30}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+}
 
 
 def parse_size(text: str) -> int:
@@ -23,57 +34,107 @@ def parse_size(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig(model="")
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    group.add_argument(
+        "--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+    )
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     group.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
-    group.add_argument("-dp", "--dp", "--data-parallel-size", dest="data_parallel_size", type=int, default=1,
-                       help="engine cores behind one frontend, each with its own --tp workers (and GPUs)")
+    group.add_argument(
+        "-dp",
+        "--dp",
+        "--data-parallel-size",
+        dest="data_parallel_size",
+        type=int,
+        default=1,
+        help="engine cores behind one frontend, each with its own --tp workers (and GPUs)",
+    )
     group.add_argument("--device", choices=["auto", "cuda", "cpu"], default=defaults.device)
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=defaults.dtype)
     group.add_argument("--seed", type=int, default=defaults.seed)
     group.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=defaults.load_format)
-    group.add_argument("--quantization", "-q", choices=["fp8"], default=None,
-                       help="fp8: quantize the linear layers' weights to FP8 while loading (FP8 checkpoints need no flag)")
-    group.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default=defaults.kv_cache_dtype,
-                       help="fp8: store keys and values as FP8 E4M3 (twice the tokens per GiB); auto: the model dtype")
+    group.add_argument(
+        "--quantization",
+        "-q",
+        choices=["fp8"],
+        default=None,
+        help="fp8: quantize the linear layers' weights to FP8 while loading (FP8 checkpoints need no flag)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        default=defaults.kv_cache_dtype,
+        help="fp8: store keys and values as FP8 E4M3 (twice the tokens per GiB); auto: the model dtype",
+    )
     group.add_argument("--max-model-len", type=int, default=0, help="0: the model's max_position_embeddings")
     group.add_argument("--block-size", type=int, default=defaults.block_size)
     group.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV cache size in blocks")
     group.add_argument(
-        "--kv-cache-memory", type=parse_size, default=defaults.kv_cache_memory_bytes, help="CPU KV cache size, e.g. 2GiB"
+        "--kv-cache-memory",
+        type=parse_size,
+        default=defaults.kv_cache_memory_bytes,
+        help="CPU KV cache size, e.g. 2GiB",
     )
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
     group.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
-    group.add_argument("--piecewise-cuda-graphs", action="store_true",
-                       help="steps with prefill run as CUDA graphs split at attention (not yet measured on a GPU)")
     group.add_argument(
-        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        "--piecewise-cuda-graphs",
+        action="store_true",
+        help="steps with prefill run as CUDA graphs split at attention (not yet measured on a GPU)",
+    )
+    group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="schedule the next step while the current one runs (default: on with CUDA, off on CPU)",
     )
     group.add_argument("--served-model-name", default=None)
     group.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=defaults.enable_prefix_caching,
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.enable_prefix_caching,
         help="reuse the KV cache of identical prompt prefixes across requests (default: on)",
     )
     group.add_argument(
-        "--scheduling-policy", choices=["fcfs", "priority"], default=defaults.scheduling_policy,
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default=defaults.scheduling_policy,
         help="fcfs: arrival order; priority: requests with a lower `priority` value first",
     )
-    group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
-                       help="the most logprobs / prompt_logprobs a request may ask for")
+    group.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=defaults.max_logprobs,
+        help="the most logprobs / prompt_logprobs a request may ask for",
+    )
     group.add_argument("--max-n", type=int, default=defaults.max_n, help="the most completions (n) per request")
-    group.add_argument("--distributed-init-method", default="",
-                       help="torch.distributed rendezvous for tp > 1 (default: a file in the runtime dir)")
-    group.add_argument("--custom-all-reduce-max-size", dest="custom_all_reduce_max_bytes", type=parse_size,
-                       default=defaults.custom_all_reduce_max_bytes, metavar="SIZE",
-                       help="GPU tp: all-reduces up to this size (e.g. 8MiB) use PyTorch's symmetric-memory "
-                       "one-shot kernel instead of NCCL (default 0: NCCL only)")
-    group.add_argument("--grammar-cache-size", type=int, default=defaults.grammar_cache_size,
-                       help="structured outputs: compiled grammars kept for reuse")
-    group.add_argument("--grammar-threads", type=int, default=defaults.grammar_threads,
-                       help="structured outputs: threads compiling grammars and filling a step's bitmask")
+    group.add_argument(
+        "--distributed-init-method",
+        default="",
+        help="torch.distributed rendezvous for tp > 1 (default: a file in the runtime dir)",
+    )
+    group.add_argument(
+        "--custom-all-reduce-max-size",
+        dest="custom_all_reduce_max_bytes",
+        type=parse_size,
+        default=defaults.custom_all_reduce_max_bytes,
+        metavar="SIZE",
+        help="GPU tp: all-reduces up to this size (e.g. 8MiB) use PyTorch's symmetric-memory "
+        "one-shot kernel instead of NCCL (default 0: NCCL only)",
+    )
+    group.add_argument(
+        "--grammar-cache-size",
+        type=int,
+        default=defaults.grammar_cache_size,
+        help="structured outputs: compiled grammars kept for reuse",
+    )
+    group.add_argument(
+        "--grammar-threads",
+        type=int,
+        default=defaults.grammar_threads,
+        help="structured outputs: threads compiling grammars and filling a step's bitmask",
+    )
 
 
 def add_http_args(group) -> None:
@@ -81,14 +142,30 @@ def add_http_args(group) -> None:
     defaults = EngineConfig(model="")
     group.add_argument("--host", default=defaults.host, help="HTTP API address")
     group.add_argument("--port", type=int, default=defaults.port, help="HTTP API port (0: any free port)")
-    group.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes, "
-                       "and the key in every ZMQ client request (default: $ZLLM_API_KEY if set)")
-    group.add_argument("--max-request-body", dest="max_request_body_bytes", type=parse_size,
-                       default=defaults.max_request_body_bytes, help="largest HTTP request body, e.g. 8MiB (413 above)")
-    group.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='let tool_choice "auto" read tool calls out of the output (needs --tool-call-parser)')
-    group.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
-                       help="the model's tool-call format, as vLLM names it")
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1 routes, "
+        "and the key in every ZMQ client request (default: $ZLLM_API_KEY if set)",
+    )
+    group.add_argument(
+        "--max-request-body",
+        dest="max_request_body_bytes",
+        type=parse_size,
+        default=defaults.max_request_body_bytes,
+        help="largest HTTP request body, e.g. 8MiB (413 above)",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let tool_choice "auto" read tool calls out of the output (needs --tool-call-parser)',
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "mistral"],
+        default=None,
+        help="the model's tool-call format, as vLLM names it",
+    )
 
 
 def http_kwargs(args: argparse.Namespace) -> dict:
@@ -140,28 +217,65 @@ def add_reliability_args(parser: argparse.ArgumentParser) -> None:
     """Supervision, graceful shutdown, overload and client-endpoint security (docs/deployment.md)."""
     defaults = EngineConfig(model="")
     group = parser.add_argument_group("reliability and security")
-    group.add_argument("--on-failure", choices=["restart", "fail"], default=defaults.on_failure,
-                       help="when the engine core or a worker dies: restart it and replay the requests in "
-                       "flight (default), or fail them all with an engine-dead error and exit")
-    group.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
-                       help="engine restarts allowed within --restart-window before giving up")
+    group.add_argument(
+        "--on-failure",
+        choices=["restart", "fail"],
+        default=defaults.on_failure,
+        help="when the engine core or a worker dies: restart it and replay the requests in "
+        "flight (default), or fail them all with an engine-dead error and exit",
+    )
+    group.add_argument(
+        "--max-restarts",
+        type=int,
+        default=defaults.max_restarts,
+        help="engine restarts allowed within --restart-window before giving up",
+    )
     group.add_argument("--restart-window", type=float, default=defaults.restart_window_s, metavar="SECONDS")
-    group.add_argument("--engine-hang-timeout", type=float, default=defaults.engine_hang_timeout_s, metavar="SECONDS",
-                       help="restart an engine core that neither steps nor answers for this long")
-    group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, metavar="SECONDS",
-                       help="on SIGTERM/SIGINT, how long requests in flight may take to finish")
-    group.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
-                       help="requests that may wait for a slot; beyond it new ones get a retry-later error")
-    group.add_argument("--zmq-curve-dir", default=defaults.curve_dir, metavar="DIR",
-                       help="CURVE keys for a tcp:// client endpoint (server key pair, clients/*.key)")
-    group.add_argument("--allow-insecure-tcp", action="store_true",
-                       help="serve a tcp:// client endpoint without CURVE: anyone who reaches it connects (on 127.0.0.1, "
-                            "any local user; elsewhere, the network: trusted networks only)")
-    group.add_argument("--max-client-message-size", type=parse_size, default=defaults.client_max_message_bytes,
-                       help="a client sending a bigger message is disconnected (default 64MiB)")
-    group.add_argument("--max-internal-message-size", type=parse_size, default=defaults.internal_max_message_bytes,
-                       help="the largest message between zllm's own processes; a bigger one drops the sender's "
-                       "connection (default 1GiB; at least 8x --max-client-message-size)")
+    group.add_argument(
+        "--engine-hang-timeout",
+        type=float,
+        default=defaults.engine_hang_timeout_s,
+        metavar="SECONDS",
+        help="restart an engine core that neither steps nor answers for this long",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=defaults.shutdown_timeout_s,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long requests in flight may take to finish",
+    )
+    group.add_argument(
+        "--max-waiting",
+        type=int,
+        default=defaults.max_waiting,
+        help="requests that may wait for a slot; beyond it new ones get a retry-later error",
+    )
+    group.add_argument(
+        "--zmq-curve-dir",
+        default=defaults.curve_dir,
+        metavar="DIR",
+        help="CURVE keys for a tcp:// client endpoint (server key pair, clients/*.key)",
+    )
+    group.add_argument(
+        "--allow-insecure-tcp",
+        action="store_true",
+        help="serve a tcp:// client endpoint without CURVE: anyone who reaches it connects (on 127.0.0.1, "
+        "any local user; elsewhere, the network: trusted networks only)",
+    )
+    group.add_argument(
+        "--max-client-message-size",
+        type=parse_size,
+        default=defaults.client_max_message_bytes,
+        help="a client sending a bigger message is disconnected (default 64MiB)",
+    )
+    group.add_argument(
+        "--max-internal-message-size",
+        type=parse_size,
+        default=defaults.internal_max_message_bytes,
+        help="the largest message between zllm's own processes; a bigger one drops the sender's "
+        "connection (default 1GiB; at least 8x --max-client-message-size)",
+    )
 
 
 def reliability_kwargs(args: argparse.Namespace) -> dict:
@@ -183,24 +297,50 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     """Tensor or data parallelism across nodes (docs/deployment.md)."""
     defaults = EngineConfig(model="")
     group = parser.add_argument_group("several nodes")
-    group.add_argument("--nnodes", type=int, default=defaults.nnodes,
-                       help="machines the --tp ranks (with -dpl: the -dp engines) split over")
+    group.add_argument(
+        "--nnodes",
+        type=int,
+        default=defaults.nnodes,
+        help="machines the --tp ranks (with -dpl: the -dp engines) split over",
+    )
     group.add_argument("--node-rank", type=int, default=defaults.node_rank, help="0: the head (frontend, engine core)")
     group.add_argument("--master-addr", default=defaults.master_addr, help="the head node's address (an IP)")
-    group.add_argument("--master-port", type=int, default=defaults.master_port,
-                       help="torch.distributed's port on the head; zllm also uses the next 2 + tp ports "
-                       "(with -dpl: the next 3 + 2 (dp - 1))")
-    group.add_argument("--headless", action="store_true",
-                       help="run only this node's part (tp ranks, or engines) for the head (needs --node-rank >= 1)")
-    group.add_argument("--node-join-timeout", type=float, default=defaults.node_join_timeout_s, metavar="SECONDS",
-                       help="how long the head waits for every node to join (and a node for the head's answer)")
-    group.add_argument("-dpl", "--data-parallel-size-local", dest="data_parallel_size_local", type=int,
-                       default=defaults.data_parallel_size_local,
-                       help="engines per node: the -dp engines spread over the --nnodes nodes (each engine's "
-                       "--tp ranks stay on one node) instead of one engine's ranks")
+    group.add_argument(
+        "--master-port",
+        type=int,
+        default=defaults.master_port,
+        help="torch.distributed's port on the head; zllm also uses the next 2 + tp ports "
+        "(with -dpl: the next 3 + 2 (dp - 1))",
+    )
+    group.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this node's part (tp ranks, or engines) for the head (needs --node-rank >= 1)",
+    )
+    group.add_argument(
+        "--node-join-timeout",
+        type=float,
+        default=defaults.node_join_timeout_s,
+        metavar="SECONDS",
+        help="how long the head waits for every node to join (and a node for the head's answer)",
+    )
+    group.add_argument(
+        "-dpl",
+        "--data-parallel-size-local",
+        dest="data_parallel_size_local",
+        type=int,
+        default=defaults.data_parallel_size_local,
+        help="engines per node: the -dp engines spread over the --nnodes nodes (each engine's "
+        "--tp ranks stay on one node) instead of one engine's ranks",
+    )
 
 
 def node_kwargs(args: argparse.Namespace) -> dict:
-    return dict(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                master_port=args.master_port, node_join_timeout_s=args.node_join_timeout,
-                data_parallel_size_local=args.data_parallel_size_local)
+    return dict(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        node_join_timeout_s=args.node_join_timeout,
+        data_parallel_size_local=args.data_parallel_size_local,
+    )

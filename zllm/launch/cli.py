@@ -1,16 +1,16 @@
 """`vllm-launch`: serve a model, or complete a few prompts and exit.
 
-    vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port] [--host H --port P]
-        starts the frontend (this process), which starts the engine core, which starts the
-        workers; serves the ZMQ client endpoint and the OpenAI-compatible HTTP API (default
-        http://127.0.0.1:8000) until SIGINT/SIGTERM, which drains: requests in flight finish
-        first (zllm/launch/service.py). The engine is supervised and restarted after a crash
-        (zllm/frontend/supervisor.py); see docs/deployment.md for systemd.
-    vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
-        runs the engine in this process, prints the completions, exits.
-    vllm-launch --headless --nnodes N --node-rank R --master-addr HEAD --master-port P [--zmq-curve-dir DIR]
-        runs this node's tp ranks for the head's engine (zllm/launch/headless.py); the head is
-        `vllm-launch --tp T --nnodes N --node-rank 0 --master-addr HEAD --master-port P ...`.
+vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port] [--host H --port P]
+    starts the frontend (this process), which starts the engine core, which starts the
+    workers; serves the ZMQ client endpoint and the OpenAI-compatible HTTP API (default
+    http://127.0.0.1:8000) until SIGINT/SIGTERM, which drains: requests in flight finish
+    first (zllm/launch/service.py). The engine is supervised and restarted after a crash
+    (zllm/frontend/supervisor.py); see docs/deployment.md for systemd.
+vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
+    runs the engine in this process, prints the completions, exits.
+vllm-launch --headless --nnodes N --node-rank R --master-addr HEAD --master-port P [--zmq-curve-dir DIR]
+    runs this node's tp ranks for the head's engine (zllm/launch/headless.py); the head is
+    `vllm-launch --tp T --nnodes N --node-rank 0 --master-addr HEAD --master-port P ...`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,16 @@ import logging
 import shutil
 import sys
 
-from zllm.launch.args import add_engine_args, add_http_args, add_node_args, add_reliability_args, engine_kwargs
-from zllm.launch.args import http_kwargs, node_kwargs, reliability_kwargs
+from zllm.launch.args import (
+    add_engine_args,
+    add_http_args,
+    add_node_args,
+    add_reliability_args,
+    engine_kwargs,
+    http_kwargs,
+    node_kwargs,
+    reliability_kwargs,
+)
 
 logger = logging.getLogger("zllm.launch")
 
@@ -31,10 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-launch", description="zllm: serve a Llama-family model")
     add_engine_args(parser)
     serving = parser.add_argument_group("serving")
-    serving.add_argument("--zmq-endpoint", default="", help="client endpoint (default: "
-                         "ipc://$XDG_RUNTIME_DIR-or-/tmp/zllm-<uid>.sock); tcp:// only if you ask")
-    serving.add_argument("--runtime-dir", default="", help="directory for the internal ipc sockets "
-                         "(default: a fresh private one, removed at exit)")
+    serving.add_argument(
+        "--zmq-endpoint",
+        default="",
+        help="client endpoint (default: ipc://$XDG_RUNTIME_DIR-or-/tmp/zllm-<uid>.sock); tcp:// only if you ask",
+    )
+    serving.add_argument(
+        "--runtime-dir",
+        default="",
+        help="directory for the internal ipc sockets (default: a fresh private one, removed at exit)",
+    )
     add_http_args(serving)
     add_reliability_args(parser)
     add_node_args(parser)
@@ -80,7 +94,11 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"runtime_dir: {runtime_dir} must be private (mode 0700)")
     try:
         config = EngineConfig.create(
-            args.model, **engine_kwargs(args), **http_kwargs(args), **reliability_kwargs(args), **node_kwargs(args),
+            args.model,
+            **engine_kwargs(args),
+            **http_kwargs(args),
+            **reliability_kwargs(args),
+            **node_kwargs(args),
             client_endpoint=args.zmq_endpoint,
             runtime_dir=runtime_dir,
         )

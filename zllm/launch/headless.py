@@ -83,12 +83,16 @@ class NodeArgs:
         if self.nnodes < 2:
             raise ValueError(f"nnodes: a headless node belongs to a group of >= 2 nodes, got {self.nnodes}")
         if not 1 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank: a headless node is 1 .. {self.nnodes - 1} (0 is the head), got {self.node_rank}")
+            raise ValueError(
+                f"node_rank: a headless node is 1 .. {self.nnodes - 1} (0 is the head), got {self.node_rank}"
+            )
         if not self.master_addr:
             raise ValueError("master_addr: the head node's address is required")
         if not self.curve_dir and not self.allow_insecure_tcp:
-            raise ValueError("zmq_curve_dir: the head's server.key and this node's key pair are required "
-                             "(or --allow-insecure-tcp, on a trusted network only)")
+            raise ValueError(
+                "zmq_curve_dir: the head's server.key and this node's key pair are required "
+                "(or --allow-insecure-tcp, on a trusted network only)"
+            )
 
 
 class NodeAgent:
@@ -103,13 +107,16 @@ class NodeAgent:
         self.runtime_dir = make_private_runtime_dir()
         self.workers: dict[int, subprocess.Popen] = {}
         self.generation = 0
-        self.engines: dict[int, tuple[int, EngineProcesses, asyncio.Task]] = {}  # dp rank -> (generation, core, watcher)
+        self.engines: dict[
+            int, tuple[int, EngineProcesses, asyncio.Task]
+        ] = {}  # dp rank -> (generation, core, watcher)
         self.last_heard = time.monotonic()
         self.leaving = asyncio.Event()
 
     async def run(self) -> int:
-        self.socket = make_socket(self.context, zmq.DEALER, self.head.node_channel, bind=False, hwm=1000,
-                                  curve_client_keys=self.keys)
+        self.socket = make_socket(
+            self.context, zmq.DEALER, self.head.node_channel, bind=False, hwm=1000, curve_client_keys=self.keys
+        )
         self.monitor = self.socket.get_monitor_socket(HANDSHAKE_FAILURE_EVENTS)
         try:
             while True:
@@ -120,8 +127,9 @@ class NodeAgent:
                 if code != _REJOIN:
                     return code
                 await self._stop_everything()
-                logger.warning("the head no longer counts this node as a member (it restarted, or lost this node): "
-                               "joining again")
+                logger.warning(
+                    "the head no longer counts this node as a member (it restarted, or lost this node): joining again"
+                )
         finally:
             await self._stop_everything()
             self.socket.disable_monitor()
@@ -133,8 +141,13 @@ class NodeAgent:
     async def _join(self) -> bool:
         """True once the head accepted this node; False if this node was told to stop first."""
         await self._send(NodeJoin(node_rank=self.args.node_rank, nnodes=self.args.nnodes))
-        logger.info("node %d of %d: joining %s%s", self.args.node_rank, self.args.nnodes, self.head.node_channel,
-                    " (CURVE)" if self.keys else "")
+        logger.info(
+            "node %d of %d: joining %s%s",
+            self.args.node_rank,
+            self.args.nnodes,
+            self.head.node_channel,
+            " (CURVE)" if self.keys else "",
+        )
         deadline = time.monotonic() + self.args.join_timeout_s
         poller = zmq.asyncio.Poller()
         poller.register(self.socket, zmq.POLLIN)
@@ -152,7 +165,9 @@ class NodeAgent:
                 if isinstance(message, NodeAccepted):
                     self._take_config(message)
                     return True
-        raise HeadLostError(f"no answer from the head at {self.head.node_channel} within {self.args.join_timeout_s:.0f} s")
+        raise HeadLostError(
+            f"no answer from the head at {self.head.node_channel} within {self.args.join_timeout_s:.0f} s"
+        )
 
     def _check_handshake(self, frames: list[bytes]) -> None:
         reason = describe_handshake_failure(parse_monitor_message(frames)["event"])
@@ -161,8 +176,13 @@ class NodeAgent:
 
     def _take_config(self, accepted: NodeAccepted) -> None:
         head = decode_json(accepted.config_json, EngineConfig)
-        self.config = dataclasses.replace(head, node_rank=self.args.node_rank, headless=True, curve_dir=self.args.curve_dir,
-                                          runtime_dir=self.runtime_dir)
+        self.config = dataclasses.replace(
+            head,
+            node_rank=self.args.node_rank,
+            headless=True,
+            curve_dir=self.args.curve_dir,
+            runtime_dir=self.runtime_dir,
+        )
         self.last_heard = time.monotonic()
         if self.config.dp_spans_nodes:
             local = self.config.local_engines
@@ -174,9 +194,11 @@ class NodeAgent:
     # ---- serving -------------------------------------------------------------------------------
 
     async def _serve(self) -> int:
-        tasks = {asyncio.create_task(self._receive_loop(), name="from-head"),
-                 asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-                 asyncio.create_task(self._leave_when_asked(), name="leave")}
+        tasks = {
+            asyncio.create_task(self._receive_loop(), name="from-head"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._leave_when_asked(), name="leave"),
+        }
         return await first_result(tasks)
 
     async def _receive_loop(self) -> int:
@@ -228,10 +250,15 @@ class NodeAgent:
     async def _start_workers(self, generation: int) -> None:
         await self._stop_workers()
         self.generation = generation
-        self.workers = {r: spawn_child("zllm.workers.process", self.config, "--rank", str(r))
-                        for r in self.config.local_ranks()}
-        logger.info("engine %d: started ranks %s (pids %s)", generation, list(self.workers),
-                    [p.pid for p in self.workers.values()])
+        self.workers = {
+            r: spawn_child("zllm.workers.process", self.config, "--rank", str(r)) for r in self.config.local_ranks()
+        }
+        logger.info(
+            "engine %d: started ranks %s (pids %s)",
+            generation,
+            list(self.workers),
+            [p.pid for p in self.workers.values()],
+        )
 
     async def _watch_workers(self, generation: int) -> None:
         pids = {p.pid: rank for rank, p in self.workers.items()}
@@ -310,9 +337,15 @@ async def _run_until_signal(agent: NodeAgent) -> int:
 
 
 def run_headless(args: argparse.Namespace) -> int:
-    node = NodeArgs(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                    master_port=args.master_port, curve_dir=args.zmq_curve_dir,
-                    allow_insecure_tcp=args.allow_insecure_tcp, join_timeout_s=args.node_join_timeout)
+    node = NodeArgs(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        curve_dir=args.zmq_curve_dir,
+        allow_insecure_tcp=args.allow_insecure_tcp,
+        join_timeout_s=args.node_join_timeout,
+    )
     node.validate()
     try:
         return asyncio.run(_run_until_signal(NodeAgent(node)))

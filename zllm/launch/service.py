@@ -1,11 +1,11 @@
 """The server's life as a service: start, readiness, watchdog, graceful drain, exit code.
 
-    start engine ─> bind client endpoint ─> HTTP API ─> engine answers ─> "zllm ready" + READY=1
-        │ every heartbeat: WATCHDOG=1 while the engine steps or answers (or is being restarted)
-    SIGTERM/SIGINT ─> STOPPING=1, refuse new requests ("draining"), wait for those in flight
-        up to shutdown_timeout_s, end the rest ─> exit 0
-    a second signal ─> kill the engine at once ─> exit 128 + signal
-    the engine failed for good (on_failure=fail, or the crash loop gave up) ─> exit 1
+start engine ─> bind client endpoint ─> HTTP API ─> engine answers ─> "zllm ready" + READY=1
+    │ every heartbeat: WATCHDOG=1 while the engine steps or answers (or is being restarted)
+SIGTERM/SIGINT ─> STOPPING=1, refuse new requests ("draining"), wait for those in flight
+    up to shutdown_timeout_s, end the rest ─> exit 0
+a second signal ─> kill the engine at once ─> exit 128 + signal
+the engine failed for good (on_failure=fail, or the crash loop gave up) ─> exit 1
 """
 
 from __future__ import annotations
@@ -81,8 +81,12 @@ async def serve_until_signal(config: EngineConfig) -> int:
 
 async def _drain(server, serving: asyncio.Task, signals: _Signals, notifier: SystemdNotifier) -> int:
     timeout = server.config.shutdown_timeout_s
-    logger.info("%s received: draining %d request(s) (up to %.0f s)", signal.Signals(signals.signum).name,
-                len(server.requests), timeout)
+    logger.info(
+        "%s received: draining %d request(s) (up to %.0f s)",
+        signal.Signals(signals.signum).name,
+        len(server.requests),
+        timeout,
+    )
     notifier.stopping(f"draining {len(server.requests)} request(s)")
     server.begin_drain()
     drained = asyncio.create_task(server.wait_drained(timeout))
@@ -96,8 +100,9 @@ async def _drain(server, serving: asyncio.Task, signals: _Signals, notifier: Sys
         return await _after_serving(serving, server, signals)
     if not drained.result():
         left = len(server.requests)
-        await server.fail_all(f"server shut down before the request finished (shutdown timeout {timeout:.0f} s)",
-                              "draining")
+        await server.fail_all(
+            f"server shut down before the request finished (shutdown timeout {timeout:.0f} s)", "draining"
+        )
         logger.warning("shutdown timeout: ended %d unfinished request(s)", left)
     await _cancel(serving)
     logger.info("drained: shutting down")
@@ -119,8 +124,10 @@ async def _after_serving(serving: asyncio.Task, server, signals: _Signals) -> in
 
 def _announce_ready(server, url: str, notifier: SystemdNotifier) -> None:
     ready = server.ready
-    line = (f"zllm ready: {ready.model} on {server.client_endpoint} and {url} "
-            f"({ready.num_kv_blocks} KV blocks of {ready.block_size} tokens)")
+    line = (
+        f"zllm ready: {ready.model} on {server.client_endpoint} and {url} "
+        f"({ready.num_kv_blocks} KV blocks of {ready.block_size} tokens)"
+    )
     print(line, flush=True)
     notifier.ready(f"serving {ready.model} on {server.client_endpoint} and {url}")
 

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
 KV_FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0  # the largest finite E4M3 value: stores saturate to it
 
@@ -104,18 +103,30 @@ def pack_prefill(
 
 
 def packed_prefill_of(
-    context_slots: torch.Tensor, cu_seqs: torch.Tensor, seq_lens: list[int], query_start_loc: list[int], num_decodes: int
+    context_slots: torch.Tensor,
+    cu_seqs: torch.Tensor,
+    seq_lens: list[int],
+    query_start_loc: list[int],
+    num_decodes: int,
 ) -> PackedPrefill:
     """PackedPrefill from pack_prefill's arrays once on the device (cu_seqs as one tensor)."""
     cu = cu_seqs.to(torch.int32)
     half = cu.shape[0] // 2
     query_lens = np.diff(query_start_loc[num_decodes:])
-    return PackedPrefill(context_slots=context_slots, cu_seq_q=cu[:half], cu_seq_k=cu[half:],
-                         max_q=int(query_lens.max()), max_k=max(seq_lens[num_decodes:]))
+    return PackedPrefill(
+        context_slots=context_slots,
+        cu_seq_q=cu[:half],
+        cu_seq_k=cu[half:],
+        max_q=int(query_lens.max()),
+        max_k=max(seq_lens[num_decodes:]),
+    )
 
 
 def write_kv_cache(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
     scales: KVScales = UNSCALED,
 ) -> None:
     """Store [tokens, kv_heads, head_dim] keys and values at their slots (quantized for an FP8 cache).
@@ -143,7 +154,11 @@ def paged_attention(
 
 
 def prefill_attention(
-    out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
     kv_scales: KVScales = UNSCALED,
 ) -> None:
     """Fill the rows of `out` that belong to the requests after the decodes."""
@@ -161,8 +176,10 @@ def gather_context(
     keys = torch.index_select(_byte_view(kv_cache[0]), 0, flat).view(kv_cache.dtype)
     values = torch.index_select(_byte_view(kv_cache[1]), 0, flat).view(kv_cache.dtype)
     shape = (*block_table.shape[:-1], -1, *keys.shape[-2:])
-    return (dequantize_kv(keys, kv_scales.k, dtype).reshape(shape),
-            dequantize_kv(values, kv_scales.v, dtype).reshape(shape))
+    return (
+        dequantize_kv(keys, kv_scales.k, dtype).reshape(shape),
+        dequantize_kv(values, kv_scales.v, dtype).reshape(shape),
+    )
 
 
 _DECODE_GROUP = 16  # decodes per attention call: each group is padded to its own longest context
@@ -201,7 +218,11 @@ def _decode_group(
 
 
 def _prefill_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, index: int, scale: float,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    index: int,
+    scale: float,
     kv_scales: KVScales = UNSCALED,
 ) -> torch.Tensor:
     query_len = query.shape[0]

@@ -80,8 +80,13 @@ def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def emulated_fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-    activation: str, block: bool, bias: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    activation: str,
+    block: bool,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """The FP8 GEMM's arithmetic in fp32 on any device (the CPU path and the GPU tests' oracle).
     activation: "token", "tensor" (input_scale), "group" or "none"; block: per-tile weight scales."""
@@ -106,8 +111,13 @@ _kernels = None
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
-    activation: str, block: bool, bias: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    activation: str,
+    block: bool,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """x [M, K] @ FP8 weight [N, K]^T with its scales (+ bias): the emulation on the CPU, the
     csrc GEMV for one CUDA row, cuBLASLt's scaled GEMM for more."""
@@ -135,8 +145,14 @@ def fp8_linear(
         _kernels.quant_fp8_rows(q, None, x, static_scale=input_scale)
         scale_a = input_scale.expand(x.shape[0], 1).contiguous()
     # Row-wise scaling in cuBLASLt needs a bf16 output; a bias is added in it before the rounding.
-    out = torch._scaled_mm(q, weight.t(), scale_a=scale_a, scale_b=weight_scale.view(1, -1),
-                           bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
+    out = torch._scaled_mm(
+        q,
+        weight.t(),
+        scale_a=scale_a,
+        scale_b=weight_scale.view(1, -1),
+        bias=None if bias is None else bias.to(torch.bfloat16),
+        out_dtype=torch.bfloat16,
+    )
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
 
@@ -145,8 +161,9 @@ def fp8_linear(
 _MIN_BLOCK_SCALED_ROWS = 16
 
 
-def _block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+def _block_scaled_mm(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """1x128 activation groups times 128x128 weight tiles through F.scaled_mm."""
     m, k = x.shape
     rows = max(m, _MIN_BLOCK_SCALED_ROWS)
@@ -156,7 +173,13 @@ def _block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     q = torch.empty(x.shape, dtype=E4M3, device=x.device)
     scales_t = torch.empty((k // BLOCK, rows), dtype=torch.float32, device=x.device)
     _kernels.quant_fp8_groups(q, scales_t, x)
-    out = F.scaled_mm(q, weight.t(), scale_a=scales_t.t(), scale_recipe_a=F.ScalingType.BlockWise1x128,
-                      scale_b=weight_scale.t(), scale_recipe_b=F.ScalingType.BlockWise128x128,
-                      output_dtype=torch.bfloat16)[:m].to(dtype)
+    out = F.scaled_mm(
+        q,
+        weight.t(),
+        scale_a=scales_t.t(),
+        scale_recipe_a=F.ScalingType.BlockWise1x128,
+        scale_b=weight_scale.t(),
+        scale_recipe_b=F.ScalingType.BlockWise128x128,
+        output_dtype=torch.bfloat16,
+    )[:m].to(dtype)
     return out if bias is None else out + bias

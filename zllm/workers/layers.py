@@ -26,7 +26,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A Mixture-of-Experts router's choice as transformers makes it: (top-k weights [T, k],
     expert ids [T, k]) from router logits [T, E]; softmax over all experts in fp32, the k largest,
     renormalized if the model says so, cast back to the logits' dtype unless it keeps fp32."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zllm.partition import Span
 from zllm.quantization import BLOCK, QuantSpec
 from zllm.workers.fp8 import E4M3, fp8_linear, quantize_blocks, quantize_rows
 from zllm.workers.ops import linear
@@ -119,8 +120,15 @@ class Fp8Weights:
         return getattr(layer, self.scale_name)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear(x, layer.weight, self.weight_scale(layer), getattr(layer, "input_scale_max", None),
-                          self.spec.activation, self.spec.block, bias)
+        return fp8_linear(
+            x,
+            layer.weight,
+            self.weight_scale(layer),
+            getattr(layer, "input_scale_max", None),
+            self.spec.activation,
+            self.spec.block,
+            bias,
+        )
 
     def load_target(self, layer: nn.Module, name: str, region: WeightRegion) -> LoadTarget:
         scale = self.weight_scale(layer).data
@@ -146,12 +154,16 @@ class Fp8Weights:
     def _checked_copy(dest: torch.Tensor) -> Callable[[torch.Tensor], None]:
         def store(values: torch.Tensor) -> None:
             if values.dtype != E4M3:
-                raise ValueError(f"expected float8_e4m3fn weights (the config's quantization_config), got {values.dtype}")
+                raise ValueError(
+                    f"expected float8_e4m3fn weights (the config's quantization_config), got {values.dtype}"
+                )
             dest.copy_(values)
 
         return store
 
-    def _quantizer(self, dest: torch.Tensor, scale: torch.Tensor, region: WeightRegion) -> Callable[[torch.Tensor], None]:
+    def _quantizer(
+        self, dest: torch.Tensor, scale: torch.Tensor, region: WeightRegion
+    ) -> Callable[[torch.Tensor], None]:
         """Online quantization: the region's values (model dtype) become FP8 and their scales."""
 
         def store(values: torch.Tensor) -> None:

@@ -15,14 +15,14 @@ import torch
 
 from zllm.config import EngineConfig
 from zllm.ipc.messages import CachedRequestData, GrammarBitmask, NewRequestData, StepInput, StepOutput, TokenLogprobs
+from zllm.model_spec import ModelSpec
 from zllm.partition import head_shards
+from zllm.quantization import resolve_quantization
 from zllm.sampling_params import SamplingParams
 from zllm.workers.attention import KV_FP8, AttentionMetadata, pack_prefill, packed_prefill_of
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.loader import finish_loading, init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
-from zllm.model_spec import ModelSpec
-from zllm.quantization import resolve_quantization
 from zllm.workers.ops import ops_for
 from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
@@ -149,13 +149,19 @@ class ModelRunner:
         spec = self.spec
         moe = spec.moe
         sparse = len(moe.layers) if moe else 0
-        params = spec.num_layers * (
-            spec.hidden_size * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-            + spec.num_heads * spec.head_dim * spec.hidden_size
-        ) + (spec.num_layers - sparse) * 3 * spec.hidden_size * spec.intermediate_size
+        params = (
+            spec.num_layers
+            * (
+                spec.hidden_size * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+                + spec.num_heads * spec.head_dim * spec.hidden_size
+            )
+            + (spec.num_layers - sparse) * 3 * spec.hidden_size * spec.intermediate_size
+        )
         if moe:  # every expert, the router, the shared expert and its gate
-            params += sparse * spec.hidden_size * (
-                moe.num_experts * (3 * moe.intermediate_size + 1) + 3 * moe.shared_expert_intermediate_size + 1
+            params += (
+                sparse
+                * spec.hidden_size
+                * (moe.num_experts * (3 * moe.intermediate_size + 1) + 3 * moe.shared_expert_intermediate_size + 1)
             )
         params += spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -176,8 +182,12 @@ class ModelRunner:
     def determine_num_kv_blocks(self) -> int:
         if not self.is_cuda:
             num_blocks = self.config.kv_cache_memory_bytes // self.kv_cache_bytes_per_block()
-            logger.info("KV cache %.2f GiB %s: %d blocks", self.config.kv_cache_memory_bytes / _GIB,
-                        self._kv_cache_dtype_note(), num_blocks)
+            logger.info(
+                "KV cache %.2f GiB %s: %d blocks",
+                self.config.kv_cache_memory_bytes / _GIB,
+                self._kv_cache_dtype_note(),
+                num_blocks,
+            )
             return num_blocks
         return self._profile_kv_blocks()
 
@@ -186,8 +196,10 @@ class ModelRunner:
         if self.kv_cache_dtype == self.dtype:
             return f"in {_dtype_name(self.dtype)}"
         ratio = self.dtype.itemsize / self.kv_cache_dtype.itemsize
-        return (f"in {_dtype_name(self.kv_cache_dtype)} ({self.kv_cache_dtype.itemsize} byte per value: "
-                f"{ratio:g}x the tokens of a {_dtype_name(self.dtype)} cache)")
+        return (
+            f"in {_dtype_name(self.kv_cache_dtype)} ({self.kv_cache_dtype.itemsize} byte per value: "
+            f"{ratio:g}x the tokens of a {_dtype_name(self.dtype)} cache)"
+        )
 
     def _profile_kv_blocks(self) -> int:
         """Blocks that fit in gpu_memory_utilization after weights and a forward at the token budget."""
@@ -205,8 +217,14 @@ class ModelRunner:
         logger.info(
             "memory: %.2f GiB total x %.2f; weights %.2f GiB, activation peak %.2f GiB, other %.2f GiB -> "
             "KV cache %.2f GiB %s (%d blocks)",
-            total / _GIB, self.config.gpu_memory_utilization, weights / _GIB, activations / _GIB,
-            not_torch / _GIB, max(budget, 0) / _GIB, self._kv_cache_dtype_note(), max(num_blocks, 0),
+            total / _GIB,
+            self.config.gpu_memory_utilization,
+            weights / _GIB,
+            activations / _GIB,
+            not_torch / _GIB,
+            max(budget, 0) / _GIB,
+            self._kv_cache_dtype_note(),
+            max(num_blocks, 0),
         )
         if num_blocks < 1:
             raise OutOfDeviceMemory(
@@ -267,8 +285,12 @@ class ModelRunner:
             return
         if self.spec.moe is not None and not self.ops.fuses_moe(self.dtype):
             # The torch expert loop picks the experts on the host (a sync): no graph can hold it.
-            logger.info("decode CUDA graphs off: %s's experts run in the torch loop in %s (the fused MoE kernels "
-                        "take float16 and bfloat16)", self.spec.architecture, self.dtype)
+            logger.info(
+                "decode CUDA graphs off: %s's experts run in the torch loop in %s (the fused MoE kernels "
+                "take float16 and bfloat16)",
+                self.spec.architecture,
+                self.dtype,
+            )
             return
         from zllm.workers.cuda_graphs import DecodeGraphs
 
@@ -430,7 +452,9 @@ class ModelRunner:
         meta = batch.attention
         num_tokens = batch.input_ids.shape[0]
         if self.graphs is not None and meta.num_decodes == num_tokens and self.graphs.bucket(num_tokens):
-            return self.graphs.run(batch.input_ids, batch.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+            return self.graphs.run(
+                batch.input_ids, batch.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens
+            )
         if self.pieces is not None and self.pieces.bucket(num_tokens):
             return self.pieces.run(batch.input_ids, batch.positions, meta)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
@@ -493,7 +517,9 @@ class ModelRunner:
             token_ids.extend(state.token_ids[start:end])
             if end > known:  # the one token the previous step sampled, not on the host yet
                 if in_flight is None or in_flight[0] is not state or end != known + 1:
-                    raise RuntimeError(f"request {state.request_id}: step computes up to token {end}, only {known} known")
+                    raise RuntimeError(
+                        f"request {state.request_id}: step computes up to token {end}, only {known} known"
+                    )
                 fill_at.append(len(token_ids))
                 fill_from.append(in_flight[1])
                 token_ids.append(0)
@@ -513,16 +539,37 @@ class ModelRunner:
         slot_mapping = block_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
         packs_prefill = self.packs_prefill and num_decodes < len(states)
         context_slots, cu_seqs = (
-            pack_prefill(block_tables, seq_lens, query_start_loc, num_decodes, self.block_size) if packs_prefill else ([], [])
+            pack_prefill(block_tables, seq_lens, query_start_loc, num_decodes, self.block_size)
+            if packs_prefill
+            else ([], [])
         )
         # One host-to-device copy for every integer input of the step.
-        parts = [token_ids, positions, slot_mapping, seq_lens, logits_indices, fill_at, fill_from, block_tables.ravel(),
-                 context_slots, cu_seqs]
+        parts = [
+            token_ids,
+            positions,
+            slot_mapping,
+            seq_lens,
+            logits_indices,
+            fill_at,
+            fill_from,
+            block_tables.ravel(),
+            context_slots,
+            cu_seqs,
+        ]
         bounds = np.cumsum([0] + [len(p) for p in parts])
         packed = self._to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
-        (input_ids, positions_t, slots, seq_lens_t, logits_t, fill_at_t, fill_from_t, tables, context_slots_t, cu_seqs_t) = (
-            packed[bounds[k] : bounds[k + 1]] for k in range(len(parts))
-        )
+        (
+            input_ids,
+            positions_t,
+            slots,
+            seq_lens_t,
+            logits_t,
+            fill_at_t,
+            fill_from_t,
+            tables,
+            context_slots_t,
+            cu_seqs_t,
+        ) = (packed[bounds[k] : bounds[k + 1]] for k in range(len(parts)))
         if fill_at:
             input_ids.index_copy_(0, fill_at_t, self._in_flight_tokens[fill_from_t])
         attention = AttentionMetadata(
@@ -577,7 +624,9 @@ def _concat_to_message(parts: list[LogprobsTensors]) -> TokenLogprobs:
         return TokenLogprobs([], [], [])
     return _to_message(
         LogprobsTensors(
-            torch.cat([p.token_ids for p in parts]), torch.cat([p.logprobs for p in parts]), torch.cat([p.ranks for p in parts])
+            torch.cat([p.token_ids for p in parts]),
+            torch.cat([p.logprobs for p in parts]),
+            torch.cat([p.ranks for p in parts]),
         )
     )
 

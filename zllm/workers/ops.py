@@ -46,7 +46,12 @@ class TorchOps:
         return False
 
     def moe(
-        self, x: torch.Tensor, logits: torch.Tensor, experts: torch.nn.Module, top_k: int, renormalize: bool,
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        experts: torch.nn.Module,
+        top_k: int,
+        renormalize: bool,
         fp32_weights: bool,
     ) -> torch.Tensor:
         """A Mixture-of-Experts block's expert output (this rank's part, unreduced) for tokens x
@@ -56,8 +61,16 @@ class TorchOps:
         return experts(x, weights, ids)
 
     def rotary_and_write_kv(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-        sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: KVScales = UNSCALED,
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scales: KVScales = UNSCALED,
     ) -> torch.Tensor:
         """Rotates q and k, stores k and v in the cache (quantized for an FP8 cache); returns the rotated q."""
         cos, sin = cos[positions], sin[positions]
@@ -65,7 +78,11 @@ class TorchOps:
         return apply_rotary(q, cos, sin)
 
     def attention(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
         kv_scales: KVScales = UNSCALED,
     ) -> torch.Tensor:
         """Decodes through the CPU kernel (csrc/cpu) where it runs: it reads K/V in place, where
@@ -126,8 +143,11 @@ class CudaOps(TorchOps):
         from zllm.workers.kernels import moe as fused
 
         x = x.contiguous()
-        if not (self.fuses_moe(x.dtype) and fused.fused_experts_supported(x, experts.gate_up_proj, experts.down_proj)
-                and top_k <= min(logits.shape[-1], 32)):
+        if not (
+            self.fuses_moe(x.dtype)
+            and fused.fused_experts_supported(x, experts.gate_up_proj, experts.down_proj)
+            and top_k <= min(logits.shape[-1], 32)
+        ):
             return super().moe(x, logits, experts, top_k, renormalize, fp32_weights)
         tokens = x.shape[0]
         weights = torch.empty((tokens, top_k), dtype=torch.float32, device=x.device)
@@ -151,9 +171,16 @@ class CudaOps(TorchOps):
             # for the block table's full capacity (seq_lens_list is empty then).
             longest = max(meta.seq_lens_list[:num_decodes]) if meta.seq_lens_list else None
             self.k.paged_attention_decode(
-                out[:num_decodes], q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
-                meta.seq_lens[:num_decodes], scale, max_seq_len=longest, workspace=self.workspace,
-                k_scale=kv_scales.k, v_scale=kv_scales.v,
+                out[:num_decodes],
+                q[:num_decodes],
+                kv_cache,
+                meta.block_tables[:num_decodes],
+                meta.seq_lens[:num_decodes],
+                scale,
+                max_seq_len=longest,
+                workspace=self.workspace,
+                k_scale=kv_scales.k,
+                v_scale=kv_scales.v,
             )
         if meta.prefill is not None:
             start = meta.query_start_loc[num_decodes]
@@ -184,7 +211,9 @@ class CudaOps(TorchOps):
         if query_len == seq_len:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(query_len, seq_len), scale=scale)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=causal_lower_right(query_len, seq_len), scale=scale
+            )
         return out[0].transpose(0, 1)
 
 
@@ -198,8 +227,12 @@ _PACKED_PREFILL_ENABLED = os.environ.get("ZLLM_PACKED_PREFILL", "1") != "0"
 
 def flash_varlen_available(device: torch.device) -> bool:
     """PyTorch was built with FlashAttention and the GPU is Ampere or newer (its minimum)."""
-    return (_PACKED_PREFILL_ENABLED and device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
-            and torch.cuda.get_device_capability(device)[0] >= 8)
+    return (
+        _PACKED_PREFILL_ENABLED
+        and device.type == "cuda"
+        and torch.backends.cuda.is_flash_attention_available()
+        and torch.cuda.get_device_capability(device)[0] >= 8
+    )
 
 
 def packed_prefill_attention(
@@ -213,14 +246,22 @@ def packed_prefill_attention(
     fewer queries than keys, which is a chunk (or a prefix-cache hit) attending to its prefix,
     and takes fewer KV heads than query heads as they are (GQA). Where the per-request loop
     costs a dozen launches per request and layer, this is three per layer."""
-    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
     keys, values = (
         dequantize_kv(ref.select_slots(kv_cache[half], prefill.context_slots), s, query.dtype)
         for half, s in ((0, kv_scales.k), (1, kv_scales.v))
     )
     return torch.ops.aten._flash_attention_forward(
-        query, keys, values, prefill.cu_seq_q, prefill.cu_seq_k, prefill.max_q, prefill.max_k,
-        0.0, True, False, scale=scale,
+        query,
+        keys,
+        values,
+        prefill.cu_seq_q,
+        prefill.cu_seq_k,
+        prefill.max_q,
+        prefill.max_k,
+        0.0,
+        True,
+        False,
+        scale=scale,
     )[0]
 
 

@@ -93,7 +93,13 @@ class ColumnParallelLinear(_Linear):
 
 class RowParallelLinear(_Linear):
     def __init__(
-        self, full_input_size: int, output_size: int, span: Span, bias: bool, tp: TensorParallel, reduce: bool = True,
+        self,
+        full_input_size: int,
+        output_size: int,
+        span: Span,
+        bias: bool,
+        tp: TensorParallel,
+        reduce: bool = True,
         quant: QuantSpec | None = None,
     ) -> None:
         """reduce=False leaves this rank's partial product for the caller to sum with others in
@@ -121,8 +127,9 @@ class RowParallelLinear(_Linear):
         if param_name == "bias":
             return whole_tensor_target(self.bias)
         rows = self.weight.shape[0]
-        region = WeightRegion(slice(0, rows), slice(None), slice(self.span.start, self.span.stop),
-                              (rows, self.full_input_size), 0)
+        region = WeightRegion(
+            slice(0, rows), slice(None), slice(self.span.start, self.span.stop), (rows, self.full_input_size), 0
+        )
         return self._weight_target(param_name, region)
 
 
@@ -145,7 +152,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         full_shape = (self.vocab_size, self.weight.shape[1])
-        return LoadTarget(self.weight.data.narrow(0, 0, self.span.count), full_shape, (slice(self.span.start, self.span.stop),))
+        return LoadTarget(
+            self.weight.data.narrow(0, 0, self.span.count), full_shape, (slice(self.span.start, self.span.stop),)
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits on rank 0 (None elsewhere) with this module's weight as the head."""

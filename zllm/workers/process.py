@@ -56,12 +56,16 @@ class WorkerProcess:
         hwm = config.socket_hwm
         if not config.tp_spans_nodes or config.node_rank == 0:
             endpoints = InternalEndpoints(config.runtime_dir)
-            return (make_socket(self.context, zmq.PULL, endpoints.worker_input(rank), bind=False, hwm=hwm),
-                    make_socket(self.context, zmq.PUSH, endpoints.worker_output, bind=False, hwm=hwm))
+            return (
+                make_socket(self.context, zmq.PULL, endpoints.worker_input(rank), bind=False, hwm=hwm),
+                make_socket(self.context, zmq.PUSH, endpoints.worker_output, bind=False, hwm=hwm),
+            )
         head = NodeEndpoints(config.master_addr, config.master_port)
         keys = load_node_keys(config.curve_dir) if config.curve_dir else None
-        return (make_socket(self.context, zmq.PULL, head.worker_input(rank), bind=False, hwm=hwm, curve_client_keys=keys),
-                make_socket(self.context, zmq.PUSH, head.worker_output, bind=False, hwm=hwm, curve_client_keys=keys))
+        return (
+            make_socket(self.context, zmq.PULL, head.worker_input(rank), bind=False, hwm=hwm, curve_client_keys=keys),
+            make_socket(self.context, zmq.PUSH, head.worker_output, bind=False, hwm=hwm, curve_client_keys=keys),
+        )
 
     def run(self) -> int:
         try:

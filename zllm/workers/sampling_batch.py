@@ -114,8 +114,12 @@ class PenaltyState:
     def _grow(self) -> None:
         old = self.counts.shape[0]
         new = max(4, 2 * old)
-        self.counts = torch.cat([self.counts, torch.zeros((new - old, self.vocab_size), dtype=torch.int32, device=self.device)])
-        self.prompt_mask = torch.cat([self.prompt_mask, torch.zeros((new - old, self.vocab_size), dtype=torch.bool, device=self.device)])
+        self.counts = torch.cat(
+            [self.counts, torch.zeros((new - old, self.vocab_size), dtype=torch.int32, device=self.device)]
+        )
+        self.prompt_mask = torch.cat(
+            [self.prompt_mask, torch.zeros((new - old, self.vocab_size), dtype=torch.bool, device=self.device)]
+        )
         self.free.extend(range(new - 1, old - 1, -1))
 
 
@@ -157,10 +161,19 @@ class SamplingBatch:
             [s.temperature, s.top_p, s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty]
         )
         num_logprobs = -1 if s.logprobs is None else s.logprobs
-        penalty_row = self._penalties.add(row, token_ids[:prompt_len], token_ids[prompt_len:]) if s.has_penalties else -1
+        penalty_row = (
+            self._penalties.add(row, token_ids[:prompt_len], token_ids[prompt_len:]) if s.has_penalties else -1
+        )
         self._ints[row] = torch.tensor(
-            [s.top_k, s.min_tokens, num_logprobs, len(token_ids) - prompt_len, penalty_row,
-             s.seed is not None, bool(bad_words_token_ids)]
+            [
+                s.top_k,
+                s.min_tokens,
+                num_logprobs,
+                len(token_ids) - prompt_len,
+                penalty_row,
+                s.seed is not None,
+                bool(bad_words_token_ids),
+            ]
         )
         stop_ids = list(s.stop_token_ids or []) + ([] if s.ignore_eos else list(eos_token_ids))
         self._stop_ids.set(row, stop_ids if s.min_tokens > 0 else [])
@@ -223,7 +236,8 @@ class SamplingBatch:
         """Seeded rows draw from a generator seeded by (seed, output index)."""
         (positions,) = ints[:, _HAS_SEED].nonzero(as_tuple=True)
         return {
-            p: seeded_generator(self._seeds[rows[p]], int(ints[p, _NUM_OUTPUT]), self.device) for p in positions.tolist()
+            p: seeded_generator(self._seeds[rows[p]], int(ints[p, _NUM_OUTPUT]), self.device)
+            for p in positions.tolist()
         }
 
     def _logit_bias(self, index: torch.Tensor) -> SparseLogits | None:

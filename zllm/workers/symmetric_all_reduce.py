@@ -84,8 +84,12 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
     if tp.size == 1 or device.type != "cuda" or config.custom_all_reduce_max_bytes == 0:
         return
     if dtype not in SUPPORTED_DTYPES:
-        logger.warning("rank %d: no symmetric-memory all-reduce for %s (only %s); NCCL for all reduces",
-                       tp.rank, dtype, ", ".join(str(d) for d in SUPPORTED_DTYPES))
+        logger.warning(
+            "rank %d: no symmetric-memory all-reduce for %s (only %s); NCCL for all reduces",
+            tp.rank,
+            dtype,
+            ", ".join(str(d) for d in SUPPORTED_DTYPES),
+        )
         return
     # Multicast is never used by the one-shot kernel, and its set-up can block forever (above).
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -99,8 +103,12 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
     if _run_phase(tp, device, "self-test", lambda: _self_test(fast, tp.rank, tp.size, device)) is None:
         return
     tp.fast = fast
-    logger.info("rank %d: symmetric-memory one-shot all-reduce for %s tensors up to %d bytes; NCCL above",
-                tp.rank, dtype, fast.max_bytes)
+    logger.info(
+        "rank %d: symmetric-memory one-shot all-reduce for %s tensors up to %d bytes; NCCL above",
+        tp.rank,
+        dtype,
+        fast.max_bytes,
+    )
 
 
 def _run_phase(tp, device: torch.device, name: str, phase):
@@ -113,8 +121,9 @@ def _run_phase(tp, device: torch.device, name: str, phase):
     except Exception as exc:  # noqa: BLE001 - any other failure here means: NCCL, on every rank
         result, error = None, exc
     if error is not None:
-        logger.warning("rank %d: symmetric-memory all-reduce %s failed: %s: %s", tp.rank, name,
-                       type(error).__name__, error)
+        logger.warning(
+            "rank %d: symmetric-memory all-reduce %s failed: %s: %s", tp.rank, name, type(error).__name__, error
+        )
     if not all_ranks_agree(error is None, device):
         if error is None:
             logger.warning("rank %d: symmetric-memory all-reduce %s failed on another rank", tp.rank, name)

@@ -12,7 +12,9 @@ import numpy as np
 import torch
 
 
-def to_device(values: torch.Tensor | np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(
+    values: torch.Tensor | np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """`values` (a CPU tensor, an array or a list of numbers) on `device`, without a host sync."""
     if isinstance(values, torch.Tensor):
         tensor = values if dtype is None else values.to(dtype)

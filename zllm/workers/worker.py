@@ -64,9 +64,7 @@ class Worker:
         # Before the memory profile (the buffer counts against the KV cache) and before any graph
         # captures an all-reduce; every rank gets here, so its agreement votes line up.
         attach_symmetric_all_reduce(self.tp, config, self.device, self.runner.dtype)
-        logger.info(
-            "rank %d: model loaded: %s on %s (%s)", rank, config.model_name, self.device, self.runner.dtype
-        )
+        logger.info("rank %d: model loaded: %s on %s (%s)", rank, config.model_name, self.device, self.runner.dtype)
 
     def determine_num_kv_blocks(self) -> int:
         return self.runner.determine_num_kv_blocks()

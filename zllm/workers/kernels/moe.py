@@ -25,7 +25,14 @@ import torch
 
 from zllm.workers.kernels.loader import launch
 from zllm.workers.kernels.ops import (
-    _check_contiguous, _check_cuda, _check_dim, _check_dtype, _fail, _ptr, _suffix, silu_and_mul,
+    _check_contiguous,
+    _check_cuda,
+    _check_dim,
+    _check_dtype,
+    _fail,
+    _ptr,
+    _suffix,
+    silu_and_mul,
 )
 
 _FILE = "moe_kernels"
@@ -55,14 +62,24 @@ def moe_topk_softmax(
     if not 1 <= num_experts <= MAX_EXPERTS:
         _fail(op, f"{num_experts} experts; 1 to {MAX_EXPERTS} are supported")
     if topk_weights.dim() != 2 or topk_weights.shape[0] != tokens or topk_ids.shape != topk_weights.shape:
-        _fail(op, f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{tokens}, k]")
+        _fail(
+            op, f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{tokens}, k]"
+        )
     top_k = topk_weights.shape[1]
     if not 1 <= top_k <= min(num_experts, 32):
         _fail(op, f"top_k {top_k} must be between 1 and min({num_experts} experts, 32)")
     if tokens:
         warps = 4
-        args = (_ptr(topk_weights), _ptr(topk_ids), _ptr(logits), np.int32(tokens), np.int32(num_experts),
-                np.int32(top_k), np.int32(renormalize), np.int32(round_weights))
+        args = (
+            _ptr(topk_weights),
+            _ptr(topk_ids),
+            _ptr(logits),
+            np.int32(tokens),
+            np.int32(num_experts),
+            np.int32(top_k),
+            np.int32(renormalize),
+            np.int32(round_weights),
+        )
         launch(_FILE, f"moe_topk_softmax_{suffix}", device, (-(-tokens // warps),), (32 * warps,), args)
     return topk_weights, topk_ids
 
@@ -84,18 +101,24 @@ def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def moe_align(
-    sorted_pairs: torch.Tensor, tile_experts: torch.Tensor, num_tiles: torch.Tensor, topk_ids: torch.Tensor,
-    num_experts: int, block_m: int,
+    sorted_pairs: torch.Tensor,
+    tile_experts: torch.Tensor,
+    num_tiles: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
 ) -> None:
     """Sort the (token, slot) pairs of topk_ids [T, k] (int32, flattened: pair = token * k + slot)
     by expert into tiles of block_m rows: sorted_pairs [tiles * block_m] holds pair indices, each
     expert's from the start of a tile, padded with -1; tile_experts [tiles] each tile's expert (-1
     for the unused); num_tiles [1] the tiles used. tiles >= max_tiles(pairs, E, block_m)."""
     op = "moe_align"
-    device = _check_cuda(op, sorted_pairs=sorted_pairs, tile_experts=tile_experts, num_tiles=num_tiles,
-                         topk_ids=topk_ids)
-    _check_dtype(op, torch.int32, sorted_pairs=sorted_pairs, tile_experts=tile_experts, num_tiles=num_tiles,
-                 topk_ids=topk_ids)
+    device = _check_cuda(
+        op, sorted_pairs=sorted_pairs, tile_experts=tile_experts, num_tiles=num_tiles, topk_ids=topk_ids
+    )
+    _check_dtype(
+        op, torch.int32, sorted_pairs=sorted_pairs, tile_experts=tile_experts, num_tiles=num_tiles, topk_ids=topk_ids
+    )
     _check_contiguous(op, sorted_pairs=sorted_pairs, tile_experts=tile_experts, topk_ids=topk_ids)
     pairs = topk_ids.numel()
     tiles = tile_experts.numel()
@@ -103,10 +126,24 @@ def moe_align(
         _fail(op, f"{num_experts} experts (1 to {MAX_EXPERTS}) and tiles of {block_m} rows (a multiple of 16)")
     if tiles < max_tiles(pairs, num_experts, block_m) or sorted_pairs.numel() != tiles * block_m:
         _fail(op, f"{tiles} tiles and {sorted_pairs.numel()} rows cannot hold {pairs} pairs in tiles of {block_m}")
-    launch(_FILE, "moe_align", device, (1,), (_ALIGN_THREADS,),
-           (_ptr(sorted_pairs), _ptr(tile_experts), _ptr(num_tiles), _ptr(topk_ids), np.int32(pairs),
-            np.int32(num_experts), np.int32(block_m), np.int32(tiles)),
-           shared_mem=2 * num_experts * 4)
+    launch(
+        _FILE,
+        "moe_align",
+        device,
+        (1,),
+        (_ALIGN_THREADS,),
+        (
+            _ptr(sorted_pairs),
+            _ptr(tile_experts),
+            _ptr(num_tiles),
+            _ptr(topk_ids),
+            np.int32(pairs),
+            np.int32(num_experts),
+            np.int32(block_m),
+            np.int32(tiles),
+        ),
+        shared_mem=2 * num_experts * 4,
+    )
 
 
 def fused_experts_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -119,9 +156,16 @@ def fused_experts_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.
     num_experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     return (
-        tuple(down.shape) == (num_experts, hidden, inter) and two_inter % 2 == 0 and 1 <= num_experts <= MAX_EXPERTS
-        and hidden % 8 == 0 and inter % 8 == 0 and inter > 0 and gate_up.is_contiguous() and down.is_contiguous()
-        and gate_up.data_ptr() % 16 == 0 and down.data_ptr() % 16 == 0
+        tuple(down.shape) == (num_experts, hidden, inter)
+        and two_inter % 2 == 0
+        and 1 <= num_experts <= MAX_EXPERTS
+        and hidden % 8 == 0
+        and inter % 8 == 0
+        and inter > 0
+        and gate_up.is_contiguous()
+        and down.is_contiguous()
+        and gate_up.data_ptr() % 16 == 0
+        and down.data_ptr() % 16 == 0
     )
 
 
@@ -144,17 +188,24 @@ def _check_experts(op: str, x, topk_weights, topk_ids, gate_up, down) -> _Expert
     suffix = _suffix(op, x, "x")
     _check_dim(op, x, "x", 2)
     if not fused_experts_supported(x, gate_up, down):
-        _fail(op, f"x {tuple(x.shape)} {x.dtype}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}: need fp16 or "
-                  f"bf16, contiguous [E, 2I, H] and [E, H, I] of one dtype, H and I multiples of 8, 1 to {MAX_EXPERTS} experts")
+        _fail(
+            op,
+            f"x {tuple(x.shape)} {x.dtype}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}: need fp16 or "
+            f"bf16, contiguous [E, 2I, H] and [E, H, I] of one dtype, H and I multiples of 8, 1 to {MAX_EXPERTS} experts",
+        )
     hidden = gate_up.shape[2]
     if x.shape[1] != hidden or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        _fail(op, f"x {tuple(x.shape)} (strides {x.stride()}) must be [T, {hidden}] with 16-byte-aligned contiguous rows")
+        _fail(
+            op, f"x {tuple(x.shape)} (strides {x.stride()}) must be [T, {hidden}] with 16-byte-aligned contiguous rows"
+        )
     _check_dtype(op, torch.float32, topk_weights=topk_weights)
     _check_dtype(op, torch.int32, topk_ids=topk_ids)
     _check_contiguous(op, topk_weights=topk_weights, topk_ids=topk_ids)
     tokens = x.shape[0]
     if topk_weights.dim() != 2 or topk_weights.shape[0] != tokens or topk_ids.shape != topk_weights.shape:
-        _fail(op, f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{tokens}, k]")
+        _fail(
+            op, f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{tokens}, k]"
+        )
     top_k = topk_weights.shape[1]
     return _Experts(device, suffix, top_k, gate_up.shape[0], hidden, gate_up.shape[1] // 2, tokens, tokens * top_k)
 
@@ -163,8 +214,14 @@ def _weighted_sum(out: torch.Tensor, weighted: torch.Tensor, top_k: int, suffix:
     """out [T, H] = the sum over each token's k rows of weighted [T * k, H] (pair order)."""
     tokens, hidden = out.shape
     threads = min(256, max(32, -(-hidden // 8 // 32) * 32))
-    launch(_FILE, f"moe_sum_{suffix}", device, (tokens, -(-hidden // (8 * threads))), (threads,),
-           (_ptr(out), _ptr(weighted), np.int32(top_k), np.int32(hidden)))
+    launch(
+        _FILE,
+        f"moe_sum_{suffix}",
+        device,
+        (tokens, -(-hidden // (8 * threads))),
+        (threads,),
+        (_ptr(out), _ptr(weighted), np.int32(top_k), np.int32(hidden)),
+    )
     return out
 
 
@@ -181,7 +238,9 @@ def grouped_mm_experts(
     down, then the weighted sum. Tensor-core tiles of CUTLASS's size: the path for prefill-sized
     batches, where fused_experts' register tiles run short of the matmul rate."""
     op = "grouped_mm_experts"
-    device, suffix, top_k, num_experts, hidden, _, tokens, _ = _check_experts(op, x, topk_weights, topk_ids, gate_up, down)
+    device, suffix, top_k, num_experts, hidden, _, tokens, _ = _check_experts(
+        op, x, topk_weights, topk_ids, gate_up, down
+    )
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=device)
     if out.numel() == 0:
         return out
@@ -209,8 +268,13 @@ GEMV_BUILDS = ((1, "b4"), (1, "b0"), (4, "b4"))
 
 
 def gemv_experts(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-    split: int | None = None, bound: str | None = None,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    split: int | None = None,
+    bound: str | None = None,
 ) -> torch.Tensor:
     """fused_experts' result without the sort, for a few tokens: moe_gemv_gate_up reads each
     (token, slot) pair's expert rows straight from topk_ids, moe_gemv_down adds the k weighted
@@ -218,7 +282,9 @@ def gemv_experts(
     another token also chose, which only a handful of tokens can afford. split (warps per
     output) and bound pick another of GEMV_BUILDS; for benchmarks."""
     op = "gemv_experts"
-    device, suffix, top_k, _, hidden, inter, tokens, pairs = _check_experts(op, x, topk_weights, topk_ids, gate_up, down)
+    device, suffix, top_k, _, hidden, inter, tokens, pairs = _check_experts(
+        op, x, topk_weights, topk_ids, gate_up, down
+    )
     split, bound = split or GEMV_BUILDS[0][0], bound or GEMV_BUILDS[0][1]
     if (split, bound) not in GEMV_BUILDS:
         _fail(op, f"split {split} and bound {bound!r}: the builds are {GEMV_BUILDS}")
@@ -229,14 +295,40 @@ def gemv_experts(
         _fail(op, f"{pairs} (token, expert) pairs; at most {_MAX_GRID_Y} (use fused_experts)")
     inter_rows = torch.empty((pairs, inter), dtype=x.dtype, device=device)
     name = f"{suffix}_s{split}_{bound}"
-    launch(_FILE, f"moe_gemv_gate_up_{name}", device, (-(-inter * split // _GEMM_WARPS), pairs),
-           (32 * _GEMM_WARPS,),
-           (_ptr(inter_rows), _ptr(x), _ptr(gate_up), _ptr(topk_ids), np.int32(top_k), np.int32(inter),
-            np.int32(hidden), np.int64(x.stride(0))))
-    launch(_FILE, f"moe_gemv_down_{name}", device, (-(-hidden * split // _GEMM_WARPS), tokens),
-           (32 * _GEMM_WARPS,),
-           (_ptr(out), _ptr(inter_rows), _ptr(down), _ptr(topk_ids), _ptr(topk_weights), np.int32(top_k),
-            np.int32(hidden), np.int32(inter)))
+    launch(
+        _FILE,
+        f"moe_gemv_gate_up_{name}",
+        device,
+        (-(-inter * split // _GEMM_WARPS), pairs),
+        (32 * _GEMM_WARPS,),
+        (
+            _ptr(inter_rows),
+            _ptr(x),
+            _ptr(gate_up),
+            _ptr(topk_ids),
+            np.int32(top_k),
+            np.int32(inter),
+            np.int32(hidden),
+            np.int64(x.stride(0)),
+        ),
+    )
+    launch(
+        _FILE,
+        f"moe_gemv_down_{name}",
+        device,
+        (-(-hidden * split // _GEMM_WARPS), tokens),
+        (32 * _GEMM_WARPS,),
+        (
+            _ptr(out),
+            _ptr(inter_rows),
+            _ptr(down),
+            _ptr(topk_ids),
+            _ptr(topk_weights),
+            np.int32(top_k),
+            np.int32(hidden),
+            np.int32(inter),
+        ),
+    )
     return out
 
 
@@ -278,7 +370,11 @@ def experts(
 
 
 def fused_experts(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
     variant: str = "",
 ) -> torch.Tensor:
     """sum over each token's k experts e of topk_weights * down_e(silu(gate_e x) * up_e x):
@@ -287,7 +383,8 @@ def fused_experts(
     `variant` "nosplit" runs the 16-row tiles without split-K (bf16; benchmarks only)."""
     op = "fused_experts"
     device, suffix, top_k, num_experts, hidden, inter, tokens, pairs = _check_experts(
-        op, x, topk_weights, topk_ids, gate_up, down)
+        op, x, topk_weights, topk_ids, gate_up, down
+    )
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=device)
     if pairs == 0:
         return out
@@ -302,13 +399,40 @@ def fused_experts(
     name = f"m{block_m // 16}{variant if block_m == 16 else ''}"
     rows_per_block = 8 if _SPLIT_K[name] else 8 * _GEMM_WARPS
     inter_rows = torch.empty((rows, inter), dtype=x.dtype, device=device)
-    launch(_FILE, f"moe_gate_up_{suffix}_{name}", device, (tiles, -(-inter // rows_per_block)),
-           (32 * _GEMM_WARPS,),
-           (_ptr(inter_rows), _ptr(x), _ptr(gate_up), _ptr(sorted_pairs), _ptr(tile_experts), np.int32(top_k),
-            np.int32(inter), np.int32(hidden), np.int64(x.stride(0))))
+    launch(
+        _FILE,
+        f"moe_gate_up_{suffix}_{name}",
+        device,
+        (tiles, -(-inter // rows_per_block)),
+        (32 * _GEMM_WARPS,),
+        (
+            _ptr(inter_rows),
+            _ptr(x),
+            _ptr(gate_up),
+            _ptr(sorted_pairs),
+            _ptr(tile_experts),
+            np.int32(top_k),
+            np.int32(inter),
+            np.int32(hidden),
+            np.int64(x.stride(0)),
+        ),
+    )
     weighted = torch.empty((pairs, hidden), dtype=x.dtype, device=device)
-    launch(_FILE, f"moe_down_{suffix}_{name}", device, (tiles, -(-hidden // rows_per_block)),
-           (32 * _GEMM_WARPS,),
-           (_ptr(weighted), _ptr(inter_rows), _ptr(down), _ptr(sorted_pairs), _ptr(tile_experts), _ptr(topk_weights),
-            np.int32(hidden), np.int32(inter)))
+    launch(
+        _FILE,
+        f"moe_down_{suffix}_{name}",
+        device,
+        (tiles, -(-hidden // rows_per_block)),
+        (32 * _GEMM_WARPS,),
+        (
+            _ptr(weighted),
+            _ptr(inter_rows),
+            _ptr(down),
+            _ptr(sorted_pairs),
+            _ptr(tile_experts),
+            _ptr(topk_weights),
+            np.int32(hidden),
+            np.int32(inter),
+        ),
+    )
     return _weighted_sum(out, weighted, top_k, suffix, device)

@@ -90,7 +90,10 @@ def _check_heads_layout(op: str, tensor: torch.Tensor, name: str) -> None:
     """[tokens, heads, head_dim] with contiguous heads; the token stride is free."""
     _check_dim(op, tensor, name, 3)
     if tensor.stride(2) != 1 or (tensor.shape[1] > 1 and tensor.stride(1) != tensor.shape[2]):
-        _fail(op, f"{name} {tuple(tensor.shape)} needs contiguous heads (strides (*, {tensor.shape[2]}, 1)), got {tensor.stride()}")
+        _fail(
+            op,
+            f"{name} {tuple(tensor.shape)} needs contiguous heads (strides (*, {tensor.shape[2]}, 1)), got {tensor.stride()}",
+        )
 
 
 def _rows(op: str, tensor: torch.Tensor, name: str) -> tuple[int, int]:
@@ -140,7 +143,9 @@ def _threads(units: int, cap: int) -> int:
 # ---- KV cache ---------------------------------------------------------------------------------------
 
 
-def reshape_and_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store key/value [T, KVH, D] at their slots of kv_cache [2, blocks, block_size, KVH, D];
     slots < 0 are padding and leave the cache untouched."""
     op = "reshape_and_cache"
@@ -164,12 +169,26 @@ def reshape_and_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Te
         return
     row = kv_heads * head_dim
     per16 = 16 // kv_cache.element_size()
-    vec = row % per16 == 0 and key.stride(0) % per16 == 0 and value.stride(0) % per16 == 0 and _aligned16(kv_cache, key, value)
+    vec = (
+        row % per16 == 0
+        and key.stride(0) % per16 == 0
+        and value.stride(0) % per16 == 0
+        and _aligned16(kv_cache, key, value)
+    )
     units = row // per16 if vec else row
     kernel = f"reshape_and_cache_{suffix}{'_vec' if vec else ''}"
     value_cache_ptr = kv_cache.data_ptr() + num_blocks * block_size * row * kv_cache.element_size()
-    args = (_ptr(key), _ptr(value), _ptr(kv_cache), np.uint64(value_cache_ptr), _ptr(slot_mapping),
-            np.int64(key.stride(0)), np.int64(value.stride(0)), np.int32(row), np.int64(num_blocks * block_size))
+    args = (
+        _ptr(key),
+        _ptr(value),
+        _ptr(kv_cache),
+        np.uint64(value_cache_ptr),
+        _ptr(slot_mapping),
+        np.int64(key.stride(0)),
+        np.int64(value.stride(0)),
+        np.int32(row),
+        np.int64(num_blocks * block_size),
+    )
     launch("cache_kernels", kernel, device, (tokens,), (_threads(units, 512),), args)
 
 
@@ -182,7 +201,11 @@ def attention_workspace_numel(batch: int, num_heads: int, head_dim: int, num_par
 
 
 def attention_partitions(
-    batch: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None,
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    device: torch.device | None = None,
     partition_size: int | None = None,
 ) -> tuple[int, int]:
     """(partition size, number of partitions) that paged_attention_decode will use."""
@@ -254,8 +277,9 @@ def paged_attention_decode(
     batches) reduced through an fp32 workspace of attention_workspace_numel(...) elements.
     """
     op = "paged_attention_decode"
-    device = _check_cuda(op, out=out, query=query, kv_cache=kv_cache, block_tables=block_tables,
-                         seq_lens=seq_lens, workspace=workspace)
+    device = _check_cuda(
+        op, out=out, query=query, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, workspace=workspace
+    )
     suffix = _suffix(op, query, "query")
     _check_dtype(op, query.dtype, out=out)
     variant = _cache_variant(op, kv_cache, query.dtype)
@@ -324,21 +348,51 @@ def paged_attention_decode(
 
     value_cache_ptr = kv_cache.data_ptr() + num_blocks * block_size * kv_heads * head_dim * kv_cache.element_size()
     args = (
-        _ptr(out), ws_out_ptr, ws_ml_ptr, _ptr(query), _ptr(kv_cache), np.uint64(value_cache_ptr),
-        _ptr(block_tables), _ptr(seq_lens), np.float32(scale * k_scale * math.log2(math.e)),
-        np.float32(v_scale), np.int32(kv_heads), np.int32(group), np.int32(num_chunks), np.int32(block_size), np.int32(max_blocks),
-        np.int64(block_tables.stride(0)), np.int64(query.stride(0)), np.int64(out.stride(0)),
-        np.int32(size), np.int32(parts),
+        _ptr(out),
+        ws_out_ptr,
+        ws_ml_ptr,
+        _ptr(query),
+        _ptr(kv_cache),
+        np.uint64(value_cache_ptr),
+        _ptr(block_tables),
+        _ptr(seq_lens),
+        np.float32(scale * k_scale * math.log2(math.e)),
+        np.float32(v_scale),
+        np.int32(kv_heads),
+        np.int32(group),
+        np.int32(num_chunks),
+        np.int32(block_size),
+        np.int32(max_blocks),
+        np.int64(block_tables.stride(0)),
+        np.int64(query.stride(0)),
+        np.int64(out.stride(0)),
+        np.int32(size),
+        np.int32(parts),
     )
     kernel = f"paged_attention_decode_{suffix}{variant}_d{head_dim}_g{chunk}"
     launch("attention_kernels", kernel, device, (parts, kv_heads * num_chunks, batch), (_ATTN_THREADS,), args)
     if parts > 1:
         reduce_args = (
-            _ptr(out), ws_out_ptr, ws_ml_ptr, _ptr(seq_lens), np.int32(num_heads), np.int32(block_size),
-            np.int32(max_blocks), np.int64(out.stride(0)), np.int32(size), np.int32(parts),
+            _ptr(out),
+            ws_out_ptr,
+            ws_ml_ptr,
+            _ptr(seq_lens),
+            np.int32(num_heads),
+            np.int32(block_size),
+            np.int32(max_blocks),
+            np.int64(out.stride(0)),
+            np.int32(size),
+            np.int32(parts),
         )
-        launch("attention_kernels", f"paged_attention_reduce_{suffix}_d{head_dim}", device,
-               (num_heads, batch), (head_dim,), reduce_args, shared_mem=parts * 4)
+        launch(
+            "attention_kernels",
+            f"paged_attention_reduce_{suffix}_d{head_dim}",
+            device,
+            (num_heads, batch),
+            (head_dim,),
+            reduce_args,
+            shared_mem=parts * 4,
+        )
     return out
 
 
@@ -365,12 +419,22 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: floa
     vec = hidden % per16 == 0 and x_stride % per16 == 0 and out_stride % per16 == 0 and _aligned16(x, out, weight)
     units = hidden // per16 if vec else hidden
     kernel = f"rms_norm_{suffix}{'_vec' if vec else ''}"
-    args = (_ptr(out), _ptr(x), _ptr(weight), np.float32(eps), np.int32(hidden), np.int64(x_stride), np.int64(out_stride))
+    args = (
+        _ptr(out),
+        _ptr(x),
+        _ptr(weight),
+        np.float32(eps),
+        np.int32(hidden),
+        np.int64(x_stride),
+        np.int64(out_stride),
+    )
     launch("layernorm_kernels", kernel, device, (rows,), (_threads(units, 1024),), args)
     return out
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: residual = residual + x (rounded to the dtype), then x = rms_norm(residual)."""
     op = "fused_add_rms_norm"
     device = _check_cuda(op, x=x, residual=residual, weight=weight)
@@ -429,15 +493,33 @@ def rotary_embedding(
     if tokens == 0:
         return query, key
     pairs = (num_heads + num_kv_heads) * (head_dim // 2)
-    args = (_ptr(positions), _ptr(query), _ptr(key), _ptr(cos), _ptr(sin), np.int32(num_heads), np.int32(num_kv_heads),
-            np.int32(head_dim), np.int64(query.stride(0)), np.int64(key_stride), np.int64(cos.shape[0]))
+    args = (
+        _ptr(positions),
+        _ptr(query),
+        _ptr(key),
+        _ptr(cos),
+        _ptr(sin),
+        np.int32(num_heads),
+        np.int32(num_kv_heads),
+        np.int32(head_dim),
+        np.int64(query.stride(0)),
+        np.int64(key_stride),
+        np.int64(cos.shape[0]),
+    )
     launch("pos_encoding_kernels", f"rotary_embedding_{suffix}", device, (tokens,), (_threads(pairs, 256),), args)
     return query, key
 
 
 def rotary_embedding_and_cache(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_embedding(positions, query, key, cos, sin) then reshape_and_cache(kv_cache, key,
@@ -445,8 +527,17 @@ def rotary_embedding_and_cache(
     and value are stored at their slots (slots < 0 are padding). An FP8 E4M3 kv_cache stores
     them quantized as attention.quantize_kv does, by k_scale and v_scale."""
     op = "rotary_embedding_and_cache"
-    device = _check_cuda(op, positions=positions, query=query, key=key, value=value, cos=cos, sin=sin,
-                         kv_cache=kv_cache, slot_mapping=slot_mapping)
+    device = _check_cuda(
+        op,
+        positions=positions,
+        query=query,
+        key=key,
+        value=value,
+        cos=cos,
+        sin=sin,
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
+    )
     suffix = _suffix(op, query, "query")
     _check_dtype(op, query.dtype, key=key, value=value)
     variant = _cache_variant(op, kv_cache, query.dtype)
@@ -475,12 +566,35 @@ def rotary_embedding_and_cache(
         return query, key
     slots = num_blocks * block_size
     value_cache_ptr = kv_cache.data_ptr() + slots * kv_heads * head_dim * kv_cache.element_size()
-    args = (_ptr(positions), _ptr(query), _ptr(key), _ptr(value), _ptr(cos), _ptr(sin), _ptr(kv_cache),
-            np.uint64(value_cache_ptr), _ptr(slot_mapping), np.int32(num_heads), np.int32(kv_heads),
-            np.int32(head_dim), np.int64(query.stride(0)), np.int64(key.stride(0)), np.int64(value.stride(0)),
-            np.int64(cos.shape[0]), np.int64(slots), np.float32(1.0 / k_scale), np.float32(1.0 / v_scale))
-    launch("pos_encoding_kernels", f"rotary_embedding_and_cache_{suffix}{variant}", device, (tokens, num_heads + kv_heads),
-           (_threads(head_dim // 2, 1024),), args)
+    args = (
+        _ptr(positions),
+        _ptr(query),
+        _ptr(key),
+        _ptr(value),
+        _ptr(cos),
+        _ptr(sin),
+        _ptr(kv_cache),
+        np.uint64(value_cache_ptr),
+        _ptr(slot_mapping),
+        np.int32(num_heads),
+        np.int32(kv_heads),
+        np.int32(head_dim),
+        np.int64(query.stride(0)),
+        np.int64(key.stride(0)),
+        np.int64(value.stride(0)),
+        np.int64(cos.shape[0]),
+        np.int64(slots),
+        np.float32(1.0 / k_scale),
+        np.float32(1.0 / v_scale),
+    )
+    launch(
+        "pos_encoding_kernels",
+        f"rotary_embedding_and_cache_{suffix}{variant}",
+        device,
+        (tokens, num_heads + kv_heads),
+        (_threads(head_dim // 2, 1024),),
+        args,
+    )
     return query, key
 
 
@@ -494,12 +608,22 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.dtype not in _SUFFIX or weight.dtype != x.dtype:
         return False
     per16 = 16 // x.element_size()
-    return (x.is_cuda and weight.is_cuda and x.shape[1] == weight.shape[1] and x.shape[1] % per16 == 0
-            and x.is_contiguous() and weight.is_contiguous() and _aligned16(x, weight))
+    return (
+        x.is_cuda
+        and weight.is_cuda
+        and x.shape[1] == weight.shape[1]
+        and x.shape[1] % per16 == 0
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and _aligned16(x, weight)
+    )
 
 
 def gemv(
-    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
     variant: str | None = None,
 ) -> torch.Tensor:
     """out [1, N] = x [1, K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation; returns out.
@@ -510,8 +634,11 @@ def gemv(
     suffix = _suffix(op, x, "x")
     _check_dtype(op, x.dtype, out=out, weight=weight, bias=bias)
     if not gemv_supported(x, weight):
-        _fail(op, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be one contiguous row and "
-                  f"contiguous 16-byte-aligned rows of a length divisible by {16 // x.element_size()}")
+        _fail(
+            op,
+            f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be one contiguous row and "
+            f"contiguous 16-byte-aligned rows of a length divisible by {16 // x.element_size()}",
+        )
     n = weight.shape[0]
     _check_gemv_out(op, out, bias, n)
     if n == 0:
@@ -525,8 +652,14 @@ def gemv(
     split = int(split_text[1:]) if split_text else gemv_split(x.shape[1] // (16 // x.element_size()))
     if bound not in GEMV_BOUNDS or split not in GEMV_SPLITS:
         _fail(op, f"variant {variant!r}: built are splits {GEMV_SPLITS} and bounds {GEMV_BOUNDS}")
-    launch("gemv_kernels", f"gemv_{suffix}_s{split}_{bound}", device,
-           (-(-n * split // _GEMV_ROWS_PER_BLOCK),), (128,), args)
+    launch(
+        "gemv_kernels",
+        f"gemv_{suffix}_s{split}_{bound}",
+        device,
+        (-(-n * split // _GEMV_ROWS_PER_BLOCK),),
+        (128,),
+        args,
+    )
     return out
 
 
@@ -568,22 +701,48 @@ def fp8_gemv_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     n, k = weight.shape
     per_row = tuple(scale.shape) == (n, 1)
     per_tile = tuple(scale.shape) == (-(-n // 128), -(-k // 128))
-    return (x.is_cuda and weight.is_cuda and scale.is_cuda and x.shape[1] == k and k % 16 == 0 and (per_row or per_tile)
-            and x.is_contiguous() and weight.is_contiguous() and _aligned16(x, weight))
+    return (
+        x.is_cuda
+        and weight.is_cuda
+        and scale.is_cuda
+        and x.shape[1] == k
+        and k % 16 == 0
+        and (per_row or per_tile)
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and _aligned16(x, weight)
+    )
 
 
 # (rows per warp, 16-byte loads per row in flight) of each build of gemv_fp8 in csrc/gemv_kernels.cu:
 # "" is the default of every dtype; the others exist for bf16 with per-row scales.
-_FP8_GEMV_SHAPES = {"": (1, 2), "_r1u4": (1, 4), "_r1u8": (1, 8), "_r2u2": (2, 2), "_r2u4": (2, 4),
-                    "_r4u1": (4, 1), "_r4u2": (4, 2), "_r1u2_b6": (1, 2), "_r1u4_b6": (1, 4), "_r1u4_b4": (1, 4),
-                    "_r1u8_b4": (1, 8)}  # _b<B>: __launch_bounds__' minimum blocks (see GEMV_BOUNDS)
+_FP8_GEMV_SHAPES = {
+    "": (1, 2),
+    "_r1u4": (1, 4),
+    "_r1u8": (1, 8),
+    "_r2u2": (2, 2),
+    "_r2u4": (2, 4),
+    "_r4u1": (4, 1),
+    "_r4u2": (4, 2),
+    "_r1u2_b6": (1, 2),
+    "_r1u4_b6": (1, 4),
+    "_r1u4_b4": (1, 4),
+    "_r1u8_b4": (1, 8),
+}  # _b<B>: __launch_bounds__' minimum blocks (see GEMV_BOUNDS)
 # ZLLM_FP8_GEMV=_r2u2 (say) runs that build for the model's bf16 per-row layers: the A/B switch of
 # tests/gpu/run_perf.sh's gemv part.
 FP8_GEMV_VARIANT = os.environ.get("ZLLM_FP8_GEMV", "")
 
 
-def fp8_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             bias: torch.Tensor | None = None, block: bool = False, variant: str | None = None) -> torch.Tensor:
+def fp8_gemv(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: bool = False,
+    variant: str | None = None,
+) -> torch.Tensor:
     """out [1, N] = x [1, K] @ (weight [N, K] (E4M3) * scale)^T (+ bias [N]), fp32 accumulation;
     scale [N, 1] per row or, with block, [ceil(N/128), ceil(K/128)] per tile. Returns out. `variant`
     picks another build (a key of _FP8_GEMV_SHAPES; bf16 with per-row scales only; None:
@@ -593,9 +752,12 @@ def fp8_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: to
     suffix = _suffix(op, x, "x")
     _check_dtype(op, x.dtype, out=out, bias=bias)
     if not fp8_gemv_supported(x, weight, scale):
-        _fail(op, f"x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} "
-                  f"{scale.dtype}: need one contiguous row, contiguous 16-byte-aligned E4M3 rows of a multiple of "
-                  f"16, and fp32 scales per row [N, 1] or per 128x128 tile")
+        _fail(
+            op,
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} "
+            f"{scale.dtype}: need one contiguous row, contiguous 16-byte-aligned E4M3 rows of a multiple of "
+            f"16, and fp32 scales per row [N, 1] or per 128x128 tile",
+        )
     n = weight.shape[0]
     _check_gemv_out(op, out, bias, n)
     if n == 0:
@@ -607,7 +769,10 @@ def fp8_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: to
     if variant is None:
         variant = FP8_GEMV_VARIANT if per_row_bf16 else ""
     if variant not in _FP8_GEMV_SHAPES or (variant and not per_row_bf16):
-        _fail(op, f"variant {variant!r}: the builds are {sorted(_FP8_GEMV_SHAPES)}, all but '' for bf16 with per-row scales")
+        _fail(
+            op,
+            f"variant {variant!r}: the builds are {sorted(_FP8_GEMV_SHAPES)}, all but '' for bf16 with per-row scales",
+        )
     rows_per_warp = _FP8_GEMV_SHAPES[variant][0]
     name = f"gemv_fp8_{suffix}{'_block' if block else ''}{variant}"
     args = (_ptr(out), _ptr(x), _ptr(weight), _ptr(scale), _ptr(bias), np.int32(n), np.int32(weight.shape[1]))
@@ -625,8 +790,14 @@ _MAX_THREADS = 1024
 QUANT_VEC_ENABLED = os.environ.get("ZLLM_QUANT_VEC", "1") != "0"
 
 
-def quant_fp8_rows(q: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor,
-                   static_scale: torch.Tensor | None = None, *, vectorized: bool | None = None) -> torch.Tensor:
+def quant_fp8_rows(
+    q: torch.Tensor,
+    scales: torch.Tensor | None,
+    x: torch.Tensor,
+    static_scale: torch.Tensor | None = None,
+    *,
+    vectorized: bool | None = None,
+) -> torch.Tensor:
     """q [M, K] (E4M3) = x / s per token: s = amax(|row|) / 448 written to scales [M, 1] (fp32),
     or the one fp32 `static_scale` (scales unused). Returns q. Rows of whole, aligned 16-byte
     pieces go through the one-pass kernel; vectorized=False forces the scalar one (the A/B of
@@ -651,8 +822,14 @@ def quant_fp8_rows(q: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor
     if vectorized is None:
         vectorized = QUANT_VEC_ENABLED
     if vectorized and vecs is not None and k % per16 == 0 and x_stride % per16 == 0 and _aligned16(x, q):
-        launch("quant_kernels", f"quant_fp8_rows_vec{vecs}_{suffix}", device, (rows,),
-               (_threads(-(-units // vecs), _MAX_THREADS),), args)
+        launch(
+            "quant_kernels",
+            f"quant_fp8_rows_vec{vecs}_{suffix}",
+            device,
+            (rows,),
+            (_threads(-(-units // vecs), _MAX_THREADS),),
+            args,
+        )
     else:
         launch("quant_kernels", f"quant_fp8_rows_{suffix}", device, (rows,), (_threads(k // 8, 256),), args)
     return q
@@ -669,7 +846,9 @@ def quant_fp8_groups(q: torch.Tensor, scales_t: torch.Tensor, x: torch.Tensor) -
     _check_fp8_out(op, q, x)
     groups = -(-x.shape[-1] // 128)
     if scales_t.dtype != torch.float32 or tuple(scales_t.shape) != (groups, rows) or not scales_t.is_contiguous():
-        _fail(op, f"scales_t must be a contiguous fp32 [{groups}, {rows}], got {tuple(scales_t.shape)} {scales_t.dtype}")
+        _fail(
+            op, f"scales_t must be a contiguous fp32 [{groups}, {rows}], got {tuple(scales_t.shape)} {scales_t.dtype}"
+        )
     if rows == 0 or groups == 0:
         return q
     if groups > 4 * _MAX_GRID_YZ:
@@ -681,8 +860,11 @@ def quant_fp8_groups(q: torch.Tensor, scales_t: torch.Tensor, x: torch.Tensor) -
 
 def _check_fp8_out(op: str, q: torch.Tensor, x: torch.Tensor) -> None:
     if q.dtype != torch.float8_e4m3fn or tuple(q.shape) != tuple(x.shape) or not q.is_contiguous():
-        _fail(op, f"q must be a contiguous float8_e4m3fn tensor of x's shape {tuple(x.shape)}, got "
-                  f"{tuple(q.shape)} {q.dtype}")
+        _fail(
+            op,
+            f"q must be a contiguous float8_e4m3fn tensor of x's shape {tuple(x.shape)}, got "
+            f"{tuple(q.shape)} {q.dtype}",
+        )
 
 
 # ---- SiLU and mul ---------------------------------------------------------------------------------------------
@@ -711,5 +893,12 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if blocks_y > _MAX_GRID_YZ:
         _fail(op, f"intermediate size {d} is too large")
     args = (_ptr(out), _ptr(x), np.int32(d), np.int64(x_stride), np.int64(out_stride))
-    launch("activation_kernels", f"silu_and_mul_{suffix}{'_vec' if vec else ''}", device, (rows, blocks_y), (threads,), args)
+    launch(
+        "activation_kernels",
+        f"silu_and_mul_{suffix}{'_vec' if vec else ''}",
+        device,
+        (rows, blocks_y),
+        (threads,),
+        args,
+    )
     return out

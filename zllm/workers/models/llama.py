@@ -15,12 +15,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from zllm.model_spec import ModelSpec
 from zllm.partition import Span, even_split, head_shards
+from zllm.quantization import QuantSpec
 from zllm.workers.attention import UNSCALED, AttentionMetadata, KVScales
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.layers import rope_cos_sin_cache, rope_inv_freq
-from zllm.model_spec import ModelSpec
-from zllm.quantization import QuantSpec
 from zllm.workers.models.moe import Experts, SparseMoeBlock
 from zllm.workers.ops import TorchOps
 from zllm.workers.parallel_layers import (
@@ -58,8 +58,14 @@ class Rotary(nn.Module):
         self.ops = ops
 
     def apply_and_cache(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor, kv_scales: KVScales = UNSCALED,
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scales: KVScales = UNSCALED,
     ) -> torch.Tensor:
         """Rotates q and k and stores k and v at their cache slots; returns the rotated q."""
         return self.ops.rotary_and_write_kv(positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping, kv_scales)
@@ -123,7 +129,12 @@ class LlamaAttention(nn.Module):
     # depends on how the step's tokens group into sequences (zllm/workers/piecewise_graphs.py).
 
     def project(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
         """q, k, v of each token; k and v go to the cache; returns the rotated q [tokens, heads, dim]."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -148,7 +159,9 @@ class LlamaMLP(nn.Module):
         rows = even_split(spec.intermediate_size, tp.size, tp.rank)
         part = FusedPart(spec.intermediate_size, rows)
         self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [part, part], bias=spec.mlp_bias, quant=quant)
-        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, rows, spec.mlp_bias, tp, quant=quant)
+        self.down_proj = RowParallelLinear(
+            spec.intermediate_size, spec.hidden_size, rows, spec.mlp_bias, tp, quant=quant
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -180,8 +193,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.after_attention(self.self_attn.attend(q, kv_cache, meta), residual)
 
     def before_attention(
-        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, rotary: Rotary,
-        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Norm, q/k/v, rotary, cache write: (rotated q, residual)."""
         if residual is None:
@@ -216,7 +234,10 @@ class LlamaForCausalLM(nn.Module):
     )
 
     def __init__(
-        self, spec: ModelSpec, ops: TorchOps | None = None, tp: TensorParallel | None = None,
+        self,
+        spec: ModelSpec,
+        ops: TorchOps | None = None,
+        tp: TensorParallel | None = None,
         quant: QuantSpec | None = None,
     ) -> None:
         """quant: how the attention and MLP projections hold their weights (None: the model
@@ -239,14 +260,20 @@ class LlamaForCausalLM(nn.Module):
         for name, module in self.named_modules():
             if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 continue
-            shards = range(len(module.parts)) if isinstance(module, ColumnParallelLinear) and len(module.parts) > 1 else [None]
+            shards = (
+                range(len(module.parts))
+                if isinstance(module, ColumnParallelLinear) and len(module.parts) > 1
+                else [None]
+            )
             hf_modules = [self.checkpoint_name(f"{name}.weight", shard).removesuffix(".weight") for shard in shards]
             ignored = [quant.ignores(hf) for hf in hf_modules]
             if all(ignored):
                 module.use_dense_weights()
             elif any(ignored):
-                raise ValueError(f"model: the checkpoint quantizes some of {', '.join(hf_modules)} but not all; "
-                                 f"zllm fuses them into one matrix")
+                raise ValueError(
+                    f"model: the checkpoint quantizes some of {', '.join(hf_modules)} but not all; "
+                    f"zllm fuses them into one matrix"
+                )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata

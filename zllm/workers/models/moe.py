@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zllm.model_spec import ModelSpec, MoeSpec
+from zllm.model_spec import ModelSpec
 from zllm.partition import Span, even_split
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.ops import TorchOps, linear
