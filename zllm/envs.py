@@ -1,0 +1,102 @@
+"""Every ZLLM_* environment variable the package reads, named, typed and documented in one place.
+
+A setting is read when it is asked for (`envs.ZLLM_CACHE`), so a value set after import (a test's
+monkeypatch, a child process's environment) is seen. Modules that turn a setting into a module
+constant at import time say so where they do it. docs/configuration.md lists these settings; a test
+checks that the two agree and that no other module reads a ZLLM_* variable itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One environment variable: how its text becomes a value, the value when unset or empty."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+def _switch(raw: str) -> bool:
+    """An on/off setting: "0" turns it off, anything else leaves it on (the A/B switches)."""
+    return raw.strip() != "0"
+
+
+def _text(raw: str) -> str:
+    return raw.strip()
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        # -- every process
+        Setting(
+            "ZLLM_CACHE", _text, None, "Where converted models live (default $XDG_CACHE_HOME/zllm or ~/.cache/zllm)."
+        ),
+        Setting(
+            "ZLLM_LOG_LEVEL", _text, None, "Log level of every zllm process (DEBUG, INFO, ...); --log-level sets it."
+        ),
+        Setting(
+            "ZLLM_DEBUG_HANG_S",
+            _text,
+            None,
+            "Seconds: every process dumps all its threads' stacks to stderr this often (debugging a hang).",
+        ),
+        # -- frontend
+        Setting("ZLLM_API_KEY", _text, None, "The API key --api-key defaults to."),
+        # -- worker: kernels and their A/B switches
+        Setting("ZLLM_KERNELS", _text, "auto", "CUDA kernels: auto (prebuilt, else NVRTC), prebuilt, or nvrtc."),
+        Setting("ZLLM_CSRC_DIR", _text, None, "Where the CUDA sources are (default: found beside the package)."),
+        Setting("ZLLM_CSRC_BUILD", _text, None, "A csrc build directory searched first for prebuilt kernels."),
+        Setting("ZLLM_CPU_KERNELS", _switch, True, "0: the CPU attention kernels are not built; torch's path runs."),
+        Setting("ZLLM_PACKED_PREFILL", _switch, True, "0: prefill attention runs a request at a time (A/B switch)."),
+        Setting("ZLLM_GEMV", _switch, True, "0: single rows go to cuBLAS too, not the GEMV kernels (A/B switch)."),
+        Setting("ZLLM_GEMV_BOUND", _text, "b6", "Which launch bound the bf16 GEMV kernels are built with."),
+        Setting("ZLLM_FP8_GEMV", _text, "", "An FP8 GEMV build variant to use for bf16 per-row layers (A/B switch)."),
+        Setting(
+            "ZLLM_QUANT_VEC", _switch, True, "0: every row goes through the scalar FP8 quantize kernel (A/B switch)."
+        ),
+        Setting(
+            "ZLLM_MOE_GEMV_PAIRS", float, 0.5, "MoE: (token, slot) pairs per expert up to which GEMVs run (0: never)."
+        ),
+        Setting(
+            "ZLLM_MOE_GROUPED_MM_ROWS", float, 4.0, "MoE: rows per expert from which torch._grouped_mm runs (0: never)."
+        ),
+        # -- tests only
+        Setting(
+            "ZLLM_TEST_FAIL_PROMPT_TOKEN",
+            int,
+            None,
+            "TEST ONLY: a worker fails any request whose prompt holds this token id.",
+        ),
+    )
+}
+
+
+def read(name: str) -> Any:
+    """The setting's value now: its default when the variable is unset or empty."""
+    setting = SETTINGS[name]
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return setting.default
+    try:
+        return setting.parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
+
+
+def __getattr__(name: str) -> Any:
+    if name in SETTINGS:
+        return read(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *SETTINGS])
