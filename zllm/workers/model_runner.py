@@ -272,6 +272,15 @@ class ModelRunner:
                 "more than is free"
             ) from None
 
+    def release_device_memory(self) -> None:
+        """Drop everything that holds device memory: the graphs (decode and piecewise: both keep the
+        KV cache and the model alive), the KV cache, the model and the in-flight step."""
+        self.graphs = None
+        self.pieces = None
+        self.kv_caches = []
+        self.model = None
+        self._in_flight, self._in_flight_tokens = {}, None
+
     def capture_graphs(self) -> None:
         """Capture decode CUDA graphs (after the KV cache exists), and the piecewise ones where
         asked for."""

@@ -126,9 +126,7 @@ class Worker:
 
     def shutdown(self) -> None:
         self._pending, self.awaiting_bitmask = None, False
-        self.runner.graphs = None
-        self.runner.kv_caches = []
-        self.runner.model = None
+        self.runner.release_device_memory()
         if self.device.type == "cuda":
             import gc
 
