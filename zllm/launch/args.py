@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 
+from zllm import envs
 from zllm.config import EngineConfig
 
 _SIZE_UNITS = {
@@ -172,7 +172,7 @@ def http_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get("ZLLM_API_KEY") or None,
+        api_key=args.api_key or envs.ZLLM_API_KEY,
         max_request_body_bytes=args.max_request_body_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
