@@ -599,9 +599,11 @@ def main() -> None:
 
 
 def parse_args() -> argparse.Namespace:
+    from zllm.config import LOAD_FORMATS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF model directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
+    parser.add_argument("--load-format", default=None, choices=LOAD_FORMATS)
     parser.add_argument("--num-requests", type=int, default=10_000)
     parser.add_argument("--warmup", type=int, default=200, help="requests before the baseline is taken")
     parser.add_argument("--concurrency", type=int, default=32)

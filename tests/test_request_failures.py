@@ -18,7 +18,6 @@ from tests.conftest import save_tiny_llama, start_server
 from tests.test_reliability import ONE_THREAD, Ended, _engine_processes, _streams
 from zllm import Client, SamplingParams
 from zllm.client import RequestFailedError
-from zllm.workers.request_failures import FAULT_INJECTION_ENV
 
 POISON = 77
 SHARED = [5 + i % 50 for i in range(40)]  # two and a half blocks of 16, shared by every prompt
@@ -40,7 +39,7 @@ def test_failed_request_fails_alone_in_process(tiny_model, monkeypatch, tp, asyn
 
     from zllm import LLM
 
-    monkeypatch.setenv(FAULT_INJECTION_ENV, str(POISON))  # read by each worker when it starts
+    monkeypatch.setenv("ZLLM_TEST_FAIL_PROMPT_TOKEN", str(POISON))  # read by each worker when it starts
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     llm = LLM(
@@ -78,7 +77,7 @@ def _text(token_ids: list[int]) -> str:
 
 
 def test_failed_request_fails_alone_on_a_live_server(tmp_path, tiny_model):
-    handle = start_server(tmp_path, tiny_model, env={FAULT_INJECTION_ENV: str(POISON), **ONE_THREAD})
+    handle = start_server(tmp_path, tiny_model, env={"ZLLM_TEST_FAIL_PROMPT_TOKEN": str(POISON), **ONE_THREAD})
     try:
         core, workers = _engine_processes(handle)
         pids = [core.pid] + [w.pid for w in workers]
@@ -92,7 +91,10 @@ def test_failed_request_fails_alone_on_a_live_server(tmp_path, tiny_model):
 
         assert isinstance(results[0], Ended) and isinstance(results[0].error, RequestFailedError), results[0]
         message = str(results[0].error)
-        assert message.startswith("the engine failed this request: InjectedFault") and FAULT_INJECTION_ENV in message
+        assert (
+            message.startswith("the engine failed this request: InjectedFault")
+            and "ZLLM_TEST_FAIL_PROMPT_TOKEN" in message
+        )
         assert results[1:] == reference and all(len(r.tokens) == 12 for r in reference)
 
         _check_http_errors(handle.http_url, poisoned, others[0], reference[0].text)

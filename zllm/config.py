@@ -13,16 +13,29 @@ from dataclasses import dataclass
 
 from zllm.ipc.addresses import is_loopback_tcp
 from zllm.model_spec import ModelSpec
-from zllm.quantization import resolve_quantization
+from zllm.quantization import QUANTIZATION_METHODS, resolve_quantization
 
 logger = logging.getLogger(__name__)
 
-_DEVICES = ("auto", "cpu", "cuda")
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
-_LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# The values of each field with a fixed set of them, defined once: validate() checks them, the
+# CLI offers them (zllm/launch/args.py) and docs/configuration.md lists them (a test compares).
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-_SCHEDULING_POLICIES = ("fcfs", "priority")
-_ON_FAILURE = ("restart", "fail")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+ON_FAILURE_POLICIES = ("restart", "fail")
+# Field -> its values. quantization (None or one of QUANTIZATION_METHODS) is checked by
+# zllm.quantization.resolve_quantization, which also weighs the checkpoint's own scheme.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "device": DEVICES,
+    "dtype": DTYPES,
+    "load_format": LOAD_FORMATS,
+    "quantization": QUANTIZATION_METHODS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "scheduling_policy": SCHEDULING_POLICIES,
+    "on_failure": ON_FAILURE_POLICIES,
+}
 _TOOL_CALL_PARSERS = (None, "hermes", "llama3_json", "mistral")  # zllm.frontend.tool_parsers.PARSERS
 USAGES = ("serving", "offline")
 # An offline batch (LLM) on a GPU gains from larger decode batches and prefill chunks than a
@@ -182,18 +195,10 @@ class EngineConfig:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model))
 
     def validate(self) -> None:
-        _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
-        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
-        _require(
-            self.load_format in _LOAD_FORMATS,
-            "load_format",
-            f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}",
-        )
-        _require(
-            self.kv_cache_dtype in KV_CACHE_DTYPES,
-            "kv_cache_dtype",
-            f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
-        )
+        _require_choice(self, "device")
+        _require_choice(self, "dtype")
+        _require_choice(self, "load_format")
+        _require_choice(self, "kv_cache_dtype")
         _require(
             self.block_size in (8, 16, 32, 64, 128),
             "block_size",
@@ -214,11 +219,7 @@ class EngineConfig:
             "gpu_memory_utilization",
             f"must be in (0, 1], got {self.gpu_memory_utilization}",
         )
-        _require(
-            self.scheduling_policy in _SCHEDULING_POLICIES,
-            "scheduling_policy",
-            f"must be one of {_SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
-        )
+        _require_choice(self, "scheduling_policy")
         _require(self.max_logprobs >= 0, "max_logprobs", f"must be >= 0, got {self.max_logprobs}")
         _require(self.max_n >= 1, "max_n", f"must be >= 1, got {self.max_n}")
         _require(self.socket_hwm >= 1, "socket_hwm", f"must be >= 1, got {self.socket_hwm}")
@@ -324,7 +325,7 @@ class EngineConfig:
         )
 
     def _validate_reliability(self) -> None:
-        _require(self.on_failure in _ON_FAILURE, "on_failure", f"must be one of {_ON_FAILURE}, got {self.on_failure!r}")
+        _require_choice(self, "on_failure")
         _require(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}")
         _require(self.restart_window_s > 0, "restart_window_s", "must be > 0")
         _require(self.engine_hang_timeout_s > 0, "engine_hang_timeout_s", "must be > 0")
@@ -455,6 +456,12 @@ def _check_tensor_parallel(config: EngineConfig, spec: ModelSpec) -> None:
             f"{config.local_engines} engines x "
             f"{config.ranks_per_node} rank(s) need {needed} GPUs, but {available} are visible",
         )
+
+
+def _require_choice(config: EngineConfig, field: str) -> None:
+    """The field holds one of its CHOICES."""
+    value, choices = getattr(config, field), CHOICES[field]
+    _require(value in choices, field, f"must be one of {choices}, got {value!r}")
 
 
 def _require(ok: bool, field: str, reason: str) -> None:

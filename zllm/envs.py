@@ -22,6 +22,7 @@ class Setting:
     parse: Callable[[str], Any]
     default: Any
     doc: str
+    empty_is_a_value: bool = False  # set but empty is parsed, not the default (ZLLM_GEMV_BOUND="")
 
 
 def _switch(raw: str) -> bool:
@@ -33,6 +34,11 @@ def _text(raw: str) -> str:
     return raw.strip()
 
 
+def _verbatim(raw: str) -> str:
+    """Text kept exactly as set (a secret: surrounding spaces would be part of it)."""
+    return raw
+
+
 SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
@@ -41,16 +47,19 @@ SETTINGS: dict[str, Setting] = {
             "ZLLM_CACHE", _text, None, "Where converted models live (default $XDG_CACHE_HOME/zllm or ~/.cache/zllm)."
         ),
         Setting(
-            "ZLLM_LOG_LEVEL", _text, None, "Log level of every zllm process (DEBUG, INFO, ...); --log-level sets it."
+            "ZLLM_LOG_LEVEL",
+            _text,
+            None,
+            "Log level of every zllm process (DEBUG, INFO, ...); vllm-launch sets it to --log-level when unset.",
         ),
         Setting(
             "ZLLM_DEBUG_HANG_S",
             _text,
             None,
-            "Seconds: every process dumps all its threads' stacks to stderr this often (debugging a hang).",
+            "Seconds: a worker dumps all its threads' stacks to stderr this often (debugging a hang; a bad value warns).",
         ),
         # -- frontend
-        Setting("ZLLM_API_KEY", _text, None, "The API key --api-key defaults to."),
+        Setting("ZLLM_API_KEY", _verbatim, None, "The API key --api-key defaults to."),
         # -- worker: kernels and their A/B switches
         Setting("ZLLM_KERNELS", _text, "auto", "CUDA kernels: auto (prebuilt, else NVRTC), prebuilt, or nvrtc."),
         Setting("ZLLM_CSRC_DIR", _text, None, "Where the CUDA sources are (default: found beside the package)."),
@@ -58,7 +67,13 @@ SETTINGS: dict[str, Setting] = {
         Setting("ZLLM_CPU_KERNELS", _switch, True, "0: the CPU attention kernels are not built; torch's path runs."),
         Setting("ZLLM_PACKED_PREFILL", _switch, True, "0: prefill attention runs a request at a time (A/B switch)."),
         Setting("ZLLM_GEMV", _switch, True, "0: single rows go to cuBLAS too, not the GEMV kernels (A/B switch)."),
-        Setting("ZLLM_GEMV_BOUND", _text, "b6", "Which launch bound the bf16 GEMV kernels are built with."),
+        Setting(
+            "ZLLM_GEMV_BOUND",
+            _text,
+            "b6",
+            "Which launch bound the bf16 GEMV kernels are built with (empty: the one-warp-per-row kernel).",
+            empty_is_a_value=True,
+        ),
         Setting("ZLLM_FP8_GEMV", _text, "", "An FP8 GEMV build variant to use for bf16 per-row layers (A/B switch)."),
         Setting(
             "ZLLM_QUANT_VEC", _switch, True, "0: every row goes through the scalar FP8 quantize kernel (A/B switch)."
@@ -81,15 +96,22 @@ SETTINGS: dict[str, Setting] = {
 
 
 def read(name: str) -> Any:
-    """The setting's value now: its default when the variable is unset or empty."""
+    """The setting's value now: its default when the variable is unset or (for most) empty."""
     setting = SETTINGS[name]
-    raw = os.environ.get(name, "")
-    if not raw.strip():
+    raw = os.environ.get(name)
+    if raw is None or (not raw.strip() and not setting.empty_is_a_value):
         return setting.default
     try:
         return setting.parse(raw)
     except ValueError as exc:
         raise ValueError(f"{name}={raw!r}: {exc}") from None
+
+
+def set_default(name: str, value: str) -> None:
+    """Set a setting for this process and the children it starts, unless the environment has it already."""
+    if name not in SETTINGS:
+        raise KeyError(f"{name} is not a zllm setting (zllm/envs.py)")
+    os.environ.setdefault(name, value)
 
 
 def __getattr__(name: str) -> Any:

@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from zllm import envs
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -27,8 +29,8 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def cache_root() -> Path:
     """The zllm cache: $ZLLM_CACHE, else $XDG_CACHE_HOME/zllm, else ~/.cache/zllm."""
-    if os.environ.get("ZLLM_CACHE"):
-        return Path(os.environ["ZLLM_CACHE"])
+    if envs.ZLLM_CACHE:
+        return Path(envs.ZLLM_CACHE)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "zllm"
 

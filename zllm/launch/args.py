@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 
-from zllm.config import EngineConfig
+from zllm import envs
+from zllm.config import (
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    ON_FAILURE_POLICIES,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
+from zllm.quantization import QUANTIZATION_METHODS
 
 _SIZE_UNITS = {
     "": 1,
@@ -48,20 +57,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="engine cores behind one frontend, each with its own --tp workers (and GPUs)",
     )
-    group.add_argument("--device", choices=["auto", "cuda", "cpu"], default=defaults.device)
-    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=defaults.dtype)
+    group.add_argument("--device", choices=DEVICES, default=defaults.device)
+    group.add_argument("--dtype", choices=DTYPES, default=defaults.dtype)
     group.add_argument("--seed", type=int, default=defaults.seed)
-    group.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=defaults.load_format)
+    group.add_argument("--load-format", choices=LOAD_FORMATS, default=defaults.load_format)
     group.add_argument(
         "--quantization",
         "-q",
-        choices=["fp8"],
+        choices=QUANTIZATION_METHODS,
         default=None,
         help="fp8: quantize the linear layers' weights to FP8 while loading (FP8 checkpoints need no flag)",
     )
     group.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "fp8", "fp8_e4m3"],
+        choices=KV_CACHE_DTYPES,
         default=defaults.kv_cache_dtype,
         help="fp8: store keys and values as FP8 E4M3 (twice the tokens per GiB); auto: the model dtype",
     )
@@ -98,7 +107,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--scheduling-policy",
-        choices=["fcfs", "priority"],
+        choices=SCHEDULING_POLICIES,
         default=defaults.scheduling_policy,
         help="fcfs: arrival order; priority: requests with a lower `priority` value first",
     )
@@ -172,7 +181,7 @@ def http_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get("ZLLM_API_KEY") or None,
+        api_key=args.api_key or envs.ZLLM_API_KEY,
         max_request_body_bytes=args.max_request_body_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
@@ -219,7 +228,7 @@ def add_reliability_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("reliability and security")
     group.add_argument(
         "--on-failure",
-        choices=["restart", "fail"],
+        choices=ON_FAILURE_POLICIES,
         default=defaults.on_failure,
         help="when the engine core or a worker dies: restart it and replay the requests in "
         "flight (default), or fail them all with an engine-dead error and exit",

@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
+    from zllm import envs
     from zllm.config import EngineConfig
     from zllm.ipc.addresses import make_private_runtime_dir
     from zllm.launch.service import serve_until_signal
 
-    os.environ.setdefault("ZLLM_LOG_LEVEL", args.log_level)
+    envs.set_default("ZLLM_LOG_LEVEL", args.log_level)  # the children this process starts log at this level
     runtime_dir = args.runtime_dir or make_private_runtime_dir()
     if args.runtime_dir:
         os.makedirs(runtime_dir, mode=0o700, exist_ok=True)

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+from zllm import envs
 from zllm.config import EngineConfig
 from zllm.ipc.codec import decode_json, encode_json
 from zllm.procs.log import configure_logging
@@ -28,9 +29,6 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 KILL_WAIT_S = 30.0  # a child SIGKILLed and still present after this long is reported, not waited on
 _TEARDOWN_LIMIT_S = 60  # a child told to stop (SIGTERM) that has not exited by then is killed by SIGALRM
-# Debugging hangs: every this many seconds, the process prints every thread's Python stack to
-# its stderr (unset or 0: never). For a collective that never returns, the stacks show where.
-HANG_DUMP_ENV = "ZLLM_DEBUG_HANG_S"
 
 
 def spawn_child(module: str, config: EngineConfig, *args: str) -> subprocess.Popen:
@@ -63,17 +61,17 @@ def die_with_parent(check_interval_s: float) -> None:
 
 def install_hang_dump() -> None:
     """With $ZLLM_DEBUG_HANG_S=N set, dump every thread's stack to stderr every N seconds."""
-    value = os.environ.get(HANG_DUMP_ENV, "").strip()
+    value = envs.ZLLM_DEBUG_HANG_S  # read as text: a bad value warns here rather than crashing the process
     if not value:
         return
     try:
         seconds = float(value)
     except ValueError:
-        logger.warning("%s=%r is not a number of seconds; no stack dumps", HANG_DUMP_ENV, value)
+        logger.warning("ZLLM_DEBUG_HANG_S=%r is not a number of seconds; no stack dumps", value)
         return
     if seconds > 0:
         faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.stderr, exit=False)
-        logger.info("%s: dumping every thread's stack to stderr every %.0f s", HANG_DUMP_ENV, seconds)
+        logger.info("ZLLM_DEBUG_HANG_S: dumping every thread's stack to stderr every %.0f s", seconds)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

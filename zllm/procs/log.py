@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 
+from zllm import envs
+
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
 
@@ -23,7 +25,7 @@ class _JournalFormatter(logging.Formatter):
 
 def configure_logging(process_name: str, level: str | None = None) -> None:
     """Set up the root logger for this process (level: DEBUG... or $ZLLM_LOG_LEVEL or INFO)."""
-    level = (level or os.environ.get("ZLLM_LOG_LEVEL") or "INFO").upper()
+    level = (level or envs.ZLLM_LOG_LEVEL or "INFO").upper()
     handler = logging.StreamHandler(sys.stderr)
     if stderr_is_journal():
         handler.setFormatter(_JournalFormatter(f"{process_name}[%(process)d] %(name)s: %(message)s"))

@@ -13,17 +13,12 @@ test hook below does) is the same on every rank.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
+from zllm import envs
 from zllm.ipc.messages import NewRequestData, StepInput
 
 logger = logging.getLogger(__name__)
-
-# TEST ONLY: a worker that admits a request whose prompt holds this token id raises, as a bug in
-# one request's set-up would; the failure-isolation tests use it. Read once, when a worker starts;
-# without it (always, outside tests) nothing is injected.
-FAULT_INJECTION_ENV = "ZLLM_TEST_FAIL_PROMPT_TOKEN"
 
 
 class InjectedFault(RuntimeError):
@@ -38,7 +33,10 @@ class RequestFailures:
         # Failed here and not yet dropped by the core (finished_ids): under async scheduling the
         # core may schedule a request once more before it hears of the failure.
         self._dropped: set[str] = set()
-        self._poison_token = _fault_injection_token()
+        # TEST ONLY: a request whose prompt holds this token id fails when admitted, as a bug in one
+        # request's set-up would; the failure-isolation tests use it. Read once, when a worker starts;
+        # without it (always, outside tests) nothing is injected.
+        self._poison_token: int | None = envs.ZLLM_TEST_FAIL_PROMPT_TOKEN
 
     def is_dropped(self, request_id: str) -> bool:
         return request_id in self._dropped
@@ -73,9 +71,4 @@ class RequestFailures:
 
     def _inject_fault(self, new: NewRequestData) -> None:
         if self._poison_token is not None and self._poison_token in new.token_ids[: new.prompt_len]:
-            raise InjectedFault(f"{FAULT_INJECTION_ENV}: the prompt holds token {self._poison_token}")
-
-
-def _fault_injection_token() -> int | None:
-    value = os.environ.get(FAULT_INJECTION_ENV, "").strip()
-    return int(value) if value else None
+            raise InjectedFault(f"ZLLM_TEST_FAIL_PROMPT_TOKEN: the prompt holds token {self._poison_token}")

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from zllm import envs
+
 # Kernel file -> one of its entry points (used to force the module load on a device).
 KERNEL_FILES: dict[str, str] = {
     "activation_kernels": "silu_and_mul_f32",
@@ -87,8 +89,8 @@ def _cupy() -> Any:
 def csrc_dir() -> Path:
     """The folder holding the kernel sources."""
     candidates = []
-    if os.environ.get("ZLLM_CSRC_DIR"):
-        candidates.append(Path(os.environ["ZLLM_CSRC_DIR"]))
+    if envs.ZLLM_CSRC_DIR:
+        candidates.append(Path(envs.ZLLM_CSRC_DIR))
     here = Path(__file__).resolve().parent
     candidates += [here / "csrc", here.parents[2] / "csrc"]
     for candidate in candidates:
@@ -102,8 +104,8 @@ def csrc_dir() -> Path:
 def build_dirs() -> list[Path]:
     """Folders that may hold prebuilt cubins / PTX, in order of preference."""
     dirs = []
-    if os.environ.get("ZLLM_CSRC_BUILD"):
-        dirs.append(Path(os.environ["ZLLM_CSRC_BUILD"]))
+    if envs.ZLLM_CSRC_BUILD:
+        dirs.append(Path(envs.ZLLM_CSRC_BUILD))
     try:
         dirs.append(csrc_dir() / "build")
     except KernelUnavailableError:
@@ -157,7 +159,7 @@ def prebuilt_candidates(name: str, capability: tuple[int, int]) -> list[Path]:
 
 
 def _mode() -> str:
-    mode = os.environ.get("ZLLM_KERNELS", "auto")
+    mode = envs.ZLLM_KERNELS
     if mode not in _MODES:
         raise KernelUnavailableError(f"ZLLM_KERNELS={mode!r}: expected one of {', '.join(_MODES)}")
     return mode
