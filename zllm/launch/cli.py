@@ -9,7 +9,7 @@ vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port] [--hos
 vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
     runs the engine in this process, prints the completions, exits.
 vllm-launch --headless --nnodes N --node-rank R --master-addr HEAD --master-port P [--zmq-curve-dir DIR]
-    runs this node's tp ranks for the head's engine (zllm/launch/headless.py); the head is
+    runs this node's tp ranks for the head's engine (zllm/launch/node_agent.py); the head is
     `vllm-launch --tp T --nnodes N --node-rank 0 --master-addr HEAD --master-port P ...`.
 """
 
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("node" if args.headless else "frontend", args.log_level)
     try:
         if args.headless:
-            from zllm.launch.headless import run_headless
+            from zllm.launch.node_agent import run_node_agent
 
-            return run_headless(args)
+            return run_node_agent(args)
         if args.prompt:
             return _run_prompts(args)
         return _serve(args)

@@ -336,7 +336,7 @@ async def _run_until_signal(agent: NodeAgent) -> int:
     return running.result()
 
 
-def run_headless(args: argparse.Namespace) -> int:
+def run_node_agent(args: argparse.Namespace) -> int:
     node = NodeArgs(
         nnodes=args.nnodes,
         node_rank=args.node_rank,
