@@ -37,7 +37,8 @@ from zllm.ipc.messages import (
     WorkerToCore,
 )
 from zllm.ipc.sockets import make_socket, send_watching
-from zllm.procs.children import spawn_child, stop_children
+from zllm.procs.children import spawn_child
+from zllm.procs.exits import stop_children
 
 logger = logging.getLogger(__name__)
 

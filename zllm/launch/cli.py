@@ -5,7 +5,7 @@ vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port] [--hos
     workers; serves the ZMQ client endpoint and the OpenAI-compatible HTTP API (default
     http://127.0.0.1:8000) until SIGINT/SIGTERM, which drains: requests in flight finish
     first (zllm/launch/service.py). The engine is supervised and restarted after a crash
-    (zllm/frontend/supervisor.py); see docs/deployment.md for systemd.
+    (zllm/frontend/engines.py, zllm/procs/engine_processes.py); see docs/deployment.md for systemd.
 vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
     runs the engine in this process, prints the completions, exits.
 vllm-launch --headless --nnodes N --node-rank R --master-addr HEAD --master-port P [--zmq-curve-dir DIR]
