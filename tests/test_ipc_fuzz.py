@@ -550,7 +550,8 @@ def _peer_config(tiny_model: str, runtime_dir) -> EngineConfig:  # noqa: F821
 @pytest.mark.slow
 def test_engine_core_input_survives_garbage_truncated_and_oversized_frames(tmp_path, tiny_model, capfd, monkeypatch):
     from zllm.ipc.addresses import InternalEndpoints
-    from zllm.procs.children import spawn_child, stop_children
+    from zllm.procs.children import spawn_child
+    from zllm.procs.exits import stop_children
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = _peer_config(tiny_model, tmp_path / "rt")
@@ -587,7 +588,8 @@ def test_engine_core_input_survives_garbage_truncated_and_oversized_frames(tmp_p
 @pytest.mark.slow
 def test_worker_input_survives_garbage_truncated_and_oversized_frames(tmp_path, tiny_model, capfd, monkeypatch):
     from zllm.ipc.addresses import InternalEndpoints
-    from zllm.procs.children import spawn_child, stop_children
+    from zllm.procs.children import spawn_child
+    from zllm.procs.exits import stop_children
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = _peer_config(tiny_model, tmp_path / "rt")

@@ -21,7 +21,7 @@ from tests.conftest import processes_gone, save_tiny_llama, wait_until
 from zllm import LLM, AsyncClient, Client, SamplingParams
 from zllm.config import EngineConfig
 from zllm.ipc.curve import create_client_keys, load_or_create_server_keys
-from zllm.launch.headless import NodeArgs
+from zllm.launch.node_agent import NodeArgs
 
 pytestmark = pytest.mark.slow
 

@@ -14,13 +14,16 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import save_tiny_llama
 from zllm.frontend.replay import ReplayLog
-from zllm.frontend.supervisor import RestartPolicy, wait_for_any_exit
+from zllm.frontend.restart_policy import RestartPolicy
 from zllm.ipc.messages import AddRequest
 from zllm.launch.sd_notify import SystemdNotifier
+from zllm.procs.exits import kill_and_wait, wait_for_any_exit
+from zllm.procs.racing import first_result, race
 from zllm.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -206,6 +209,48 @@ def test_wait_for_any_exit_sees_a_kill_9_at_once(monkeypatch, pidfd):
         for process in sleepers:
             process.kill()
             process.wait()
+
+
+def test_kill_and_wait_returns_once_children_and_other_processes_are_gone():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # A grandchild is no child of this process: it is killed and waited for by pid.
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)']); print(p.pid, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    grandchild = int(parent.stdout.readline())
+    try:
+        kill_and_wait([child, grandchild])
+        assert child.returncode == -9  # reaped
+        assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+    finally:
+        for process in (child, parent):
+            process.kill()
+            process.wait()
+
+
+def test_race_returns_the_first_to_finish_and_cancels_the_rest_but_those_kept():
+    async def scenario() -> None:
+        event = asyncio.Event()
+        quick = asyncio.create_task(asyncio.sleep(0.01, "quick"))
+        slow = asyncio.create_task(asyncio.sleep(60))
+        kept = asyncio.create_task(asyncio.sleep(60))
+        assert await race(quick, slow, kept, event, keep=(kept,)) == {quick}
+        assert slow.cancelled() and not kept.done()
+        assert await first_result([kept, asyncio.create_task(asyncio.sleep(0, "first"))]) == "first"
+        assert kept.cancelled()
+        waiting = asyncio.create_task(asyncio.sleep(60))
+        asyncio.get_running_loop().call_later(0.01, event.set)
+        assert await race(waiting, event) == {event}
+        assert waiting.cancelled()
+
+    asyncio.run(scenario())
 
 
 # ---- systemd: notify protocol, journald lines, the unit file -------------------------------------

@@ -5,7 +5,7 @@ the executor checks every `heartbeat_interval_s` that all worker processes are a
 dead worker surfaces as WorkerDiedError instead of a hang.
 
 With nnodes > 1 only this node's ranks are children of the core (ipc sockets); the ranks of the
-other nodes are started by their `vllm-launch --headless` and reach the core over tcp
+other nodes are started by their node agent (`vllm-launch --headless`) and reach the core over tcp
 (NodeEndpoints, CURVE from curve_dir). A remote rank that dies makes its peers fail in their
 next collective, which rank 0 reports; the frontend also watches the nodes themselves.
 """
@@ -37,7 +37,8 @@ from zllm.ipc.messages import (
     WorkerToCore,
 )
 from zllm.ipc.sockets import make_socket, send_watching
-from zllm.procs.children import spawn_child, stop_children
+from zllm.procs.children import spawn_child
+from zllm.procs.exits import stop_children
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class MultiprocExecutor:
 
     @property
     def worker_pids(self) -> list[int]:
-        """This node's workers (a headless node supervises its own)."""
+        """This node's workers (another node's agent supervises that node's own)."""
         return [process.pid for process in self.processes.values()]
 
     def determine_num_kv_blocks(self) -> int:

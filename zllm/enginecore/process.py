@@ -27,7 +27,6 @@ from zllm.enginecore.core import EngineCore, QueueFullError
 from zllm.enginecore.executor import MultiprocExecutor
 from zllm.ipc.addresses import InternalEndpoints, NodeEndpoints
 from zllm.ipc.codec import Codec, MessageError
-from zllm.ipc.curve import load_node_keys
 from zllm.ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -40,7 +39,7 @@ from zllm.ipc.messages import (
     UtilityCall,
     UtilityResult,
 )
-from zllm.ipc.sockets import make_socket, send_watching
+from zllm.ipc.sockets import connect_pull_push, send_watching
 from zllm.procs.children import die_with_parent, read_config_from_stdin, setup_child_logging
 
 logger = logging.getLogger("zllm.enginecore")
@@ -94,20 +93,14 @@ class EngineCoreProcess:
     def _connect_to_frontend(self) -> tuple[zmq.Socket, zmq.Socket]:
         """ipc on the frontend's node; from another node (data parallelism across nodes) tcp to
         the head, with this node's CURVE keys."""
-        config, hwm = self.config, self.config.socket_hwm
+        config = self.config
         if config.node_rank == 0:
             endpoints = InternalEndpoints(config.runtime_dir)
-            return (
-                make_socket(self.context, zmq.PULL, endpoints.core_input, bind=False, hwm=hwm),
-                make_socket(self.context, zmq.PUSH, endpoints.core_output, bind=False, hwm=hwm),
-            )
-        head = NodeEndpoints(config.master_addr, config.master_port)
-        keys = load_node_keys(config.curve_dir) if config.curve_dir else None
-        rank = config.data_parallel_rank
-        return (
-            make_socket(self.context, zmq.PULL, head.engine_input(rank), bind=False, hwm=hwm, curve_client_keys=keys),
-            make_socket(self.context, zmq.PUSH, head.engine_output(rank), bind=False, hwm=hwm, curve_client_keys=keys),
-        )
+            inputs, outputs = endpoints.core_input, endpoints.core_output
+        else:
+            head, rank = NodeEndpoints(config.master_addr, config.master_port), config.data_parallel_rank
+            inputs, outputs = head.engine_input(rank), head.engine_output(rank)
+        return connect_pull_push(self.context, inputs, outputs, hwm=config.socket_hwm, curve_dir=config.curve_dir)
 
     def _ready_message(self) -> EngineReady:
         return EngineReady(

@@ -23,7 +23,6 @@ import zmq
 
 from zllm.config import EngineConfig
 from zllm.frontend.router import LoadBalancer
-from zllm.frontend.supervisor import EngineProcesses, kill_and_wait
 from zllm.ipc.addresses import InternalEndpoints, engine_runtime_dir, make_private_runtime_dir
 from zllm.ipc.codec import Codec
 from zllm.ipc.messages import (
@@ -40,7 +39,8 @@ from zllm.ipc.messages import (
     UtilityResult,
 )
 from zllm.ipc.sockets import make_socket, send_watching
-from zllm.procs.children import stop_children
+from zllm.procs.engine_processes import EngineProcesses
+from zllm.procs.exits import kill_and_wait, stop_children
 
 logger = logging.getLogger(__name__)
 

@@ -36,12 +36,14 @@ import zmq.asyncio
 from zllm.config import EngineConfig
 from zllm.frontend.nodes import NodeFailure, NodeHub
 from zllm.frontend.replay import ReplayLog
-from zllm.frontend.supervisor import EngineProcesses, RestartPolicy, first_result
+from zllm.frontend.restart_policy import RestartPolicy
 from zllm.ipc.addresses import InternalEndpoints, NodeEndpoints, engine_runtime_dir
 from zllm.ipc.codec import Codec, MessageError
 from zllm.ipc.messages import CoreToFrontend, EngineDead, EngineReady, FrontendToCore, Shutdown, UtilityCall
 from zllm.ipc.sockets import make_socket
-from zllm.procs.children import stop_children
+from zllm.procs.engine_processes import EngineProcesses
+from zllm.procs.exits import stop_children
+from zllm.procs.racing import first_result
 
 logger = logging.getLogger("zllm.frontend")
 

@@ -14,7 +14,7 @@ With --data-parallel-size N the frontend drives N engines (zllm/frontend/engines
 new request goes to the least loaded one that is up (zllm/frontend/router.py); stats and utility
 calls go to every engine, and their answers are merged.
 
-Engine failures (zllm/frontend/supervisor.py watches each core and every worker): with
+Engine failures (zllm/frontend/engines.py watches each core and every worker): with
 on_failure="restart" the failed engine alone is killed, restarted with back-off, and each of its
 requests in flight is re-sent as a continuation of what its client already received
 (zllm/frontend/replay.py), so streams simply go on; the other engines serve on meanwhile. With
@@ -70,6 +70,7 @@ from zllm.ipc.messages import (
 )
 from zllm.ipc.sockets import make_socket
 from zllm.outputs import CompletionOutput, RequestOutput
+from zllm.procs.racing import race
 from zllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("zllm.frontend")
@@ -204,16 +205,11 @@ class FrontendServer:
             asyncio.create_task(self._drop_silent_clients(), name="silent-clients"),
         }
         supervisors = {asyncio.create_task(self._supervise(engine), name=engine.name) for engine in self.engines}
-        try:
-            done, _ = await asyncio.wait(background | supervisors, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # a background task failed: raise its error
-            if not done & supervisors:
-                raise RuntimeError("the client loop ended")
-        finally:
-            for task in background | supervisors:
-                task.cancel()
-            await asyncio.gather(*background, *supervisors, return_exceptions=True)
+        done = await race(*background, *supervisors)
+        for task in done:
+            task.result()  # a background task failed: raise its error
+        if not done & supervisors:
+            raise RuntimeError("the client loop ended")
 
     async def wait_answering(self) -> None:
         """Return once the server has answered: an engine core replied through the serving loop."""

@@ -1,4 +1,6 @@
-"""The one socket helper: every zmq socket in zllm is made here.
+"""The one socket helper: every zmq socket of the zllm processes is made here (the client library
+makes its own DEALER: zllm/client.py), and the link of a child process to the one that drives it
+(`connect_pull_push`: ipc, or tcp with CURVE from another node) is connected here.
 
 Bounded high-water marks (back-pressure instead of unbounded queues) and linger 0 (closing
 never blocks on unsent messages to a dead peer).
@@ -13,7 +15,7 @@ from collections.abc import Callable
 import zmq
 
 from zllm.ipc.addresses import ipc_path
-from zllm.ipc.curve import ClientKeys, ServerKeys, make_curve_client, make_curve_server
+from zllm.ipc.curve import ClientKeys, ServerKeys, load_node_keys, make_curve_client, make_curve_server
 
 
 def make_socket(
@@ -59,6 +61,21 @@ def make_socket(
     else:
         socket.connect(endpoint)
     return socket
+
+
+def connect_pull_push(
+    context: zmq.Context, receive_from: str, send_to: str, *, hwm: int, curve_dir: str
+) -> tuple[zmq.Socket, zmq.Socket]:
+    """A process's link to the one that drives it (worker to engine core, engine core to
+    frontend): a PULL connected to `receive_from` and a PUSH to `send_to`. ipc:// on the same
+    node; tcp:// from another node, with this node's CURVE keys from curve_dir (none given:
+    --allow-insecure-tcp)."""
+    tcp = receive_from.startswith("tcp://")
+    keys = load_node_keys(curve_dir) if tcp and curve_dir else None
+    return (
+        make_socket(context, zmq.PULL, receive_from, bind=False, hwm=hwm, curve_client_keys=keys),
+        make_socket(context, zmq.PUSH, send_to, bind=False, hwm=hwm, curve_client_keys=keys),
+    )
 
 
 def send_watching(socket: zmq.Socket, frame: bytes, poll_ms: int, check: Callable[[], None]) -> None:

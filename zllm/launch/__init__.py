@@ -1,1 +1,1 @@
-"""Process wiring: the vllm-launch CLI, in-process assembly, supervision."""
+"""Process wiring: the vllm-launch CLI, the service's life, in-process assembly, the node agent."""

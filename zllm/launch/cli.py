@@ -5,11 +5,11 @@ vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port] [--hos
     workers; serves the ZMQ client endpoint and the OpenAI-compatible HTTP API (default
     http://127.0.0.1:8000) until SIGINT/SIGTERM, which drains: requests in flight finish
     first (zllm/launch/service.py). The engine is supervised and restarted after a crash
-    (zllm/frontend/supervisor.py); see docs/deployment.md for systemd.
+    (zllm/frontend/engines.py, zllm/procs/engine_processes.py); see docs/deployment.md for systemd.
 vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
     runs the engine in this process, prints the completions, exits.
 vllm-launch --headless --nnodes N --node-rank R --master-addr HEAD --master-port P [--zmq-curve-dir DIR]
-    runs this node's tp ranks for the head's engine (zllm/launch/headless.py); the head is
+    runs this node's tp ranks for the head's engine (zllm/launch/node_agent.py); the head is
     `vllm-launch --tp T --nnodes N --node-rank 0 --master-addr HEAD --master-port P ...`.
 """
 
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("node" if args.headless else "frontend", args.log_level)
     try:
         if args.headless:
-            from zllm.launch.headless import run_headless
+            from zllm.launch.node_agent import run_node_agent
 
-            return run_headless(args)
+            return run_node_agent(args)
         if args.prompt:
             return _run_prompts(args)
         return _serve(args)

@@ -16,6 +16,7 @@ import signal
 
 from zllm.config import EngineConfig
 from zllm.launch.sd_notify import SystemdNotifier
+from zllm.procs.racing import cancel_and_wait, race
 
 logger = logging.getLogger("zllm.launch")
 
@@ -50,9 +51,8 @@ async def serve_until_signal(config: EngineConfig) -> int:
     tasks: list[asyncio.Task] = []
     try:
         starting = asyncio.create_task(server.start())
-        if not await _first(starting, signals.first):
+        if starting not in await race(starting, signals.first):
             logger.info("signal received during start-up: exiting")
-            await _cancel(starting)
             await server.kill_engine()
             return 0
         starting.result()  # raises EngineStartError if the engine could not start
@@ -60,11 +60,11 @@ async def serve_until_signal(config: EngineConfig) -> int:
         serving = asyncio.create_task(server.serve(), name="serve")
         answering = asyncio.create_task(server.wait_answering())
         tasks += [serving, answering]
-        if not await _first(answering, serving, signals.first):
+        if answering not in await race(answering, serving, signals.first, keep=(serving,)):
             return await _after_serving(serving, server, signals)
         _announce_ready(server, url, notifier)
         tasks.append(asyncio.create_task(_report_to_systemd(server, notifier), name="systemd"))
-        await _first(serving, signals.first)
+        await race(serving, signals.first, keep=(serving,))
         if serving.done():
             return await _after_serving(serving, server, signals)
         return await _drain(server, serving, signals, notifier)
@@ -72,9 +72,7 @@ async def serve_until_signal(config: EngineConfig) -> int:
         logger.error("%s", error)
         return 1
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)
         await api.stop()
         await server.shutdown()
 
@@ -90,13 +88,11 @@ async def _drain(server, serving: asyncio.Task, signals: _Signals, notifier: Sys
     notifier.stopping(f"draining {len(server.requests)} request(s)")
     server.begin_drain()
     drained = asyncio.create_task(server.wait_drained(timeout))
-    await _first(drained, serving, signals.second)
+    await race(drained, serving, signals.second, keep=(serving,))  # drained is cancelled unless it finished
     if signals.second.is_set():
-        await _cancel(drained)
         await server.kill_engine()
         return 128 + signals.signum
     if serving.done():
-        await _cancel(drained)
         return await _after_serving(serving, server, signals)
     if not drained.result():
         left = len(server.requests)
@@ -104,7 +100,7 @@ async def _drain(server, serving: asyncio.Task, signals: _Signals, notifier: Sys
             f"server shut down before the request finished (shutdown timeout {timeout:.0f} s)", "draining"
         )
         logger.warning("shutdown timeout: ended %d unfinished request(s)", left)
-    await _cancel(serving)
+    await cancel_and_wait(serving)
     logger.info("drained: shutting down")
     return 0
 
@@ -112,7 +108,7 @@ async def _drain(server, serving: asyncio.Task, signals: _Signals, notifier: Sys
 async def _after_serving(serving: asyncio.Task, server, signals: _Signals) -> int:
     """serve() returned or raised: the engine failed for good, or the frontend itself failed."""
     if not serving.done():
-        await _cancel(serving)  # a signal arrived before the server answered
+        await cancel_and_wait(serving)  # a signal arrived before the server answered
         return 0
     error = serving.exception()
     if error is not None:
@@ -156,18 +152,3 @@ def _state(server) -> str:
     if server.recovering:
         return "restarting the engine after a failure"
     return f"serving {server.ready.model} on {server.client_endpoint} ({server.num_restarts} engine restart(s))"
-
-
-async def _first(*waitables) -> bool:
-    """Wait until the first of these tasks/events completes; True if it was the first argument."""
-    tasks = [w if isinstance(w, asyncio.Task) else asyncio.create_task(w.wait()) for w in waitables]
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for waitable, task in zip(waitables, tasks):
-        if not isinstance(waitable, asyncio.Task):
-            task.cancel()
-    return tasks[0].done()
-
-
-async def _cancel(task: asyncio.Task) -> None:
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)

@@ -1,4 +1,5 @@
-"""Child processes: how they are started, and how they die with their parent.
+"""Child processes: how they are started, and how they die with their parent (how a parent
+stops them: zllm/procs/exits.py).
 
 Children are fresh interpreters (`python -m <module>`), handed the EngineConfig as JSON on
 stdin: no fork of a process with threads, and no pickle anywhere. Each child arranges to die
@@ -27,7 +28,6 @@ from zllm.procs.log import configure_logging
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-KILL_WAIT_S = 30.0  # a child SIGKILLed and still present after this long is reported, not waited on
 _TEARDOWN_LIMIT_S = 60  # a child told to stop (SIGTERM) that has not exited by then is killed by SIGALRM
 
 
@@ -89,23 +89,6 @@ def _watch_parent(parent: int, interval: float) -> None:
         if os.getppid() != parent:
             logger.error("parent process %d is gone; exiting", parent)
             os._exit(1)
-
-
-def stop_children(processes: list[subprocess.Popen], timeout_s: float) -> None:
-    """SIGTERM, wait up to timeout_s, then SIGKILL whatever is left."""
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + timeout_s
-    for process in processes:
-        try:
-            process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            try:
-                process.wait(KILL_WAIT_S)
-            except subprocess.TimeoutExpired:  # e.g. stuck in the GPU driver: report, do not hang here
-                logger.error("pid %d survived SIGKILL for %.0f s", process.pid, KILL_WAIT_S)
 
 
 def setup_child_logging(name: str) -> None:

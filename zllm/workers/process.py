@@ -20,7 +20,6 @@ import zmq
 from zllm.config import EngineConfig
 from zllm.ipc.addresses import InternalEndpoints, NodeEndpoints
 from zllm.ipc.codec import Codec, MessageError
-from zllm.ipc.curve import load_node_keys
 from zllm.ipc.messages import (
     CoreToWorker,
     FlushStep,
@@ -32,7 +31,7 @@ from zllm.ipc.messages import (
     WorkerReady,
     WorkerToCore,
 )
-from zllm.ipc.sockets import make_socket
+from zllm.ipc.sockets import connect_pull_push
 from zllm.procs.children import die_with_parent, install_hang_dump, read_config_from_stdin, setup_child_logging
 
 logger = logging.getLogger("zllm.worker")
@@ -53,19 +52,13 @@ class WorkerProcess:
 
     def _connect(self, config: EngineConfig, rank: int) -> tuple[zmq.Socket, zmq.Socket]:
         """To the engine core: over ipc on its node, over tcp (CURVE) from another node."""
-        hwm = config.socket_hwm
         if not config.tp_spans_nodes or config.node_rank == 0:
             endpoints = InternalEndpoints(config.runtime_dir)
-            return (
-                make_socket(self.context, zmq.PULL, endpoints.worker_input(rank), bind=False, hwm=hwm),
-                make_socket(self.context, zmq.PUSH, endpoints.worker_output, bind=False, hwm=hwm),
-            )
-        head = NodeEndpoints(config.master_addr, config.master_port)
-        keys = load_node_keys(config.curve_dir) if config.curve_dir else None
-        return (
-            make_socket(self.context, zmq.PULL, head.worker_input(rank), bind=False, hwm=hwm, curve_client_keys=keys),
-            make_socket(self.context, zmq.PUSH, head.worker_output, bind=False, hwm=hwm, curve_client_keys=keys),
-        )
+            inputs, outputs = endpoints.worker_input(rank), endpoints.worker_output
+        else:
+            head = NodeEndpoints(config.master_addr, config.master_port)
+            inputs, outputs = head.worker_input(rank), head.worker_output
+        return connect_pull_push(self.context, inputs, outputs, hwm=config.socket_hwm, curve_dir=config.curve_dir)
 
     def run(self) -> int:
         try:

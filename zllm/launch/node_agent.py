@@ -31,7 +31,6 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from zllm.config import EngineConfig
-from zllm.frontend.supervisor import EngineProcesses, first_result, wait_for_any_exit
 from zllm.ipc.addresses import NodeEndpoints, make_private_runtime_dir
 from zllm.ipc.codec import Codec, MessageError, decode_json
 from zllm.ipc.curve import HANDSHAKE_FAILURE_EVENTS, describe_handshake_failure, load_node_keys
@@ -53,7 +52,10 @@ from zllm.ipc.messages import (
     WorkersExited,
 )
 from zllm.ipc.sockets import make_socket
-from zllm.procs.children import spawn_child, stop_children
+from zllm.procs.children import spawn_child
+from zllm.procs.engine_processes import EngineProcesses
+from zllm.procs.exits import stop_children, wait_for_any_exit
+from zllm.procs.racing import cancel_and_wait, first_result, race
 
 logger = logging.getLogger("zllm.node")
 
@@ -325,18 +327,14 @@ async def _run_until_signal(agent: NodeAgent) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, received, sig)
     running = asyncio.create_task(agent.run())
-    stopped = asyncio.create_task(second.wait())
-    await asyncio.wait({running, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    if not running.done():
-        logger.warning("second signal: stopping the workers and exiting now")
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
-        return 130
-    stopped.cancel()
-    return running.result()
+    if running in await race(running, second, keep=(running,)):
+        return running.result()
+    logger.warning("second signal: stopping the workers and exiting now")
+    await cancel_and_wait(running)  # its clean-up stops the workers and engines
+    return 130
 
 
-def run_headless(args: argparse.Namespace) -> int:
+def run_node_agent(args: argparse.Namespace) -> int:
     node = NodeArgs(
         nnodes=args.nnodes,
         node_rank=args.node_rank,
