@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from zllm.workers import attention as ref
-from zllm.workers import cpu_kernels
 from zllm.workers.attention import UNSCALED, AttentionMetadata, KVScales, PackedPrefill, dequantize_kv
+from zllm.workers.kernels import cpu as cpu_kernels
 from zllm.workers.layers import apply_rotary, moe_route, rms_norm, silu_and_mul
 
 
