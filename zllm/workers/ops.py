@@ -1,9 +1,10 @@
 """The operations a model layer needs, in two implementations with one interface.
 
 `TorchOps` is plain torch, written to match HF transformers' arithmetic: the CPU path and the
-oracle. `CudaOps` runs the csrc kernels (through cupy) where they exist and keeps torch for the
-rest; its decode path has no host synchronisation and no value-dependent Python, so a decode
-step can be captured in a CUDA graph.
+oracle (its decode attention takes the C kernel of zllm/workers/kernels/cpu.py where that builds).
+`CudaOps` runs the CUDA kernels (zllm/workers/kernels, through cupy) where they exist and keeps
+torch for the rest; its decode path has no host synchronisation and no value-dependent Python,
+so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
