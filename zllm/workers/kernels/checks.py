@@ -10,8 +10,8 @@ import torch
 
 from zllm.workers.attention import KV_FP8
 
-DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-MAX_GRID_YZ = 65535
+DTYPE_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}  # of the entry points' names
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
 
 
 def fail(op: str, message: str) -> None:
@@ -101,10 +101,12 @@ def check_kv_scale(op: str, name: str, value: float) -> float:
 
 
 def ptr(tensor: torch.Tensor | None) -> np.uint64:
+    """The tensor's device address as a kernel argument (NULL for None)."""
     return np.uint64(0 if tensor is None else tensor.data_ptr())
 
 
 def aligned16(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor starts on a 16-byte boundary (the vectorized kernels' loads)."""
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 

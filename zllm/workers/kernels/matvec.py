@@ -79,16 +79,6 @@ def gemv(
     return out
 
 
-# The split GEMV's builds (csrc/gemv_kernels.cu gemv_<T>_s<S>_b<B>): S warps per row, B the
-# __launch_bounds__ minimum blocks per SM (b0: none; b4, b6: ptxas issues a round's loads
-# together). GEMV_BOUND picks the bound of the default GEMV ("": the one-warp-per-row kernel).
-# b6 with gemv_split's warps beat the one-warp-per-row kernel on every projection of Llama-3-8B
-# (2.41-3.12 -> 2.61-3.17 TB/s) and Qwen3-30B-A3B (o: 1.63 -> 2.16 TB/s) on the H100
-# (benchmarks/gemv.py, 2026-11-25); ZLLM_GEMV_BOUND overrides it.
-GEMV_SPLITS = (1, 2, 4)
-GEMV_BOUNDS = ("b0", "b4", "b6")
-
-
 def _gemv_bound_setting() -> str:
     """ZLLM_GEMV_BOUND; set but empty it picks the one-warp-per-row kernel (run_perf.sh's
     "ZLLM_GEMV_BOUND=" A/B), a value zllm.envs cannot return: it reads empty as the default."""
@@ -97,6 +87,14 @@ def _gemv_bound_setting() -> str:
     return envs.ZLLM_GEMV_BOUND
 
 
+# The split GEMV's builds (csrc/gemv_kernels.cu gemv_<T>_s<S>_b<B>): S warps per row, B the
+# __launch_bounds__ minimum blocks per SM (b0: none; b4, b6: ptxas issues a round's loads
+# together). GEMV_BOUND picks the bound of the default GEMV ("": the one-warp-per-row kernel).
+# b6 with gemv_split's warps beat the one-warp-per-row kernel on every projection of Llama-3-8B
+# (2.41-3.12 -> 2.61-3.17 TB/s) and Qwen3-30B-A3B (o: 1.63 -> 2.16 TB/s) on the H100
+# (benchmarks/gemv.py, 2026-11-25); ZLLM_GEMV_BOUND overrides it.
+GEMV_SPLITS = (1, 2, 4)
+GEMV_BOUNDS = ("b0", "b4", "b6")
 GEMV_BOUND = _gemv_bound_setting()
 _GEMV_ROUND_UNITS = 32 * 8  # 16-byte units a warp covers in one round of 8 loads a lane
 
