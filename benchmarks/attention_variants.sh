@@ -23,7 +23,7 @@ for entry in "${variants[@]}"; do
   dir=$(mktemp -d)
   cp -r "$root/csrc" "$root/zllm" "$root/benchmarks" "$dir/"
   [ -n "$script" ] && sed -i "$script" "$dir/csrc/attention_kernels.cu"
-  [ "$name" = warps8 ] && sed -i 's/^_ATTN_THREADS = 128 /_ATTN_THREADS = 256 /' "$dir/zllm/workers/kernels/ops.py"
+  [ "$name" = warps8 ] && sed -i 's/^_ATTN_THREADS = 128 /_ATTN_THREADS = 256 /' "$dir/zllm/workers/kernels/attention.py"
   cd "$dir"
   PYTHONPATH="$dir:${PYTHONPATH:-}" ZLLM_CSRC_DIR="$dir/csrc" ZLLM_KERNELS=nvrtc CUPY_CACHE_DIR="$dir/cupy" \
     python -m benchmarks.attention_decode --batch-size "$batch" --capacity 1024 --contexts "$contexts" \

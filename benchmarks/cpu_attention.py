@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from zllm.workers import cpu_kernels
 from zllm.workers.attention import AttentionMetadata, decode_attention
+from zllm.workers.kernels import cpu as cpu_kernels
 
 
 def build_batch(args) -> tuple[torch.Tensor, list[torch.Tensor], AttentionMetadata]:

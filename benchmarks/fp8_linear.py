@@ -109,7 +109,7 @@ def _gemv_variants() -> None:
     """The FP8 GEMV's builds (rows per warp, loads per row in flight; bf16, per-row scales), GB/s
     of weight bytes at M=1."""
     from zllm.workers import kernels
-    from zllm.workers.kernels.ops import _FP8_GEMV_SHAPES
+    from zllm.workers.kernels.matvec import _FP8_GEMV_SHAPES
 
     variants = sorted(_FP8_GEMV_SHAPES)
     print(f"{'GEMV':8} " + " ".join(f"{v or 'default':>8}" for v in variants))

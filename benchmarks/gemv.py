@@ -37,7 +37,7 @@ SHAPES = {  # name -> [(label, N, K)] per rank
 }
 CALLS, REPLAYS = 16, 10
 # "": one warp a row; "b<B>": split over gemv_split's warps, __launch_bounds__ minimum blocks B;
-# "s<S>_b<B>": S warps a row (zllm.workers.kernels.ops.gemv's variant).
+# "s<S>_b<B>": S warps a row (zllm.workers.kernels.matvec.gemv's variant).
 VARIANTS = ["", "b0", "b4", "b6", "s2_b4", "s4_b4", "s4_b6"]
 
 

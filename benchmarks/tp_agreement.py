@@ -7,7 +7,7 @@ and its worker processes) and reports, as JSON: the share of output positions wh
 the share of requests that agree entirely, and the mean position of the first disagreement.
 In bf16 the all-reduce sums partial products in a different order than one GPU does, so
 near-ties can flip; once one token differs, the rest of that sequence follows another path.
-Dummy weights are the same model at every tp (see zllm/workers/loader.py).
+Dummy weights are the same model at every tp (see zllm/workers/weight_loader.py).
 """
 
 from __future__ import annotations

@@ -267,7 +267,7 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __rest
     zllm::gemv_fp8_impl<T, BLOCK, ROWS, UNROLL>(y, x, w, scale, bias, n, k);                    \
   }
 
-// The default shape (rows per warp, loads per row): zllm/workers/kernels/ops.py's
+// The default shape (rows per warp, loads per row): zllm/workers/kernels/matvec.py's
 // _FP8_GEMV_SHAPES must agree.
 #define ZLLM_FP8_GEMV_ROWS 1
 #define ZLLM_FP8_GEMV_UNROLL 2  // 2 beat 4 by 6% on W2 (3.640 vs 3.874 ms/token, H100, 2026-11-25)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from zllm.workers import attention as ref
-from zllm.workers import cpu_kernels
 from zllm.workers.attention import AttentionMetadata
+from zllm.workers.kernels import cpu as cpu_kernels
 from zllm.workers.ops import TorchOps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def test_build_is_cached_per_key(tmp_path):
 def test_concurrent_builds_share_one_library(tmp_path):
     # Two processes building into an empty cache at once (as tensor-parallel ranks do) both load it.
     script = (
-        "import sys, ctypes; from pathlib import Path; from zllm.workers import cpu_kernels; "
+        "import sys, ctypes; from pathlib import Path; from zllm.workers.kernels import cpu as cpu_kernels; "
         "ctypes.CDLL(str(cpu_kernels.build(Path(sys.argv[1])))); print('ok')"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -159,7 +159,7 @@ def test_failed_build_falls_back_to_torch_with_one_warning(tmp_path):
     script = """
 import logging, math, torch
 logging.basicConfig(level=logging.WARNING)
-from zllm.workers import cpu_kernels
+from zllm.workers.kernels import cpu as cpu_kernels
 from zllm.workers import attention as ref
 from zllm.workers.attention import AttentionMetadata
 from zllm.workers.ops import TorchOps

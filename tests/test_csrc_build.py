@@ -24,7 +24,7 @@ needs_nvcc = pytest.mark.skipif(
 
 
 def expected_entry_points() -> dict[str, set[str]]:
-    """Kernel file -> the names ops.py launches."""
+    """Kernel file -> the names the wrappers in zllm/workers/kernels/ launch."""
     names: dict[str, set[str]] = {name: set() for name in loader.KERNEL_FILES}
     for dt in ("f32", "f16", "bf16"):
         for vec in ("", "_vec"):

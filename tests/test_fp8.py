@@ -222,8 +222,8 @@ def test_fp8_block_projections_equal_the_reference_on_every_rank(tmp_path, tp):
     from zllm.model_spec import ModelSpec
     from zllm.quantization import resolve_quantization
     from zllm.workers.distributed import TensorParallel
-    from zllm.workers.loader import finish_loading, load_safetensors
     from zllm.workers.models import build_model
+    from zllm.workers.weight_loader import finish_loading, load_safetensors
 
     src = save_tiny_llama(tmp_path / "src", initializer_range=0.2, **BLOCK_CONFIG)
     write_fp8_block(src, tmp_path / "fp8")
@@ -445,8 +445,8 @@ def test_online_fp8_smollm2_projections_equal_the_reference(smollm2_dir):
     transformers' layers rounded per channel with per-token inputs, bit for bit."""
     from zllm.model_spec import ModelSpec
     from zllm.quantization import resolve_quantization
-    from zllm.workers.loader import finish_loading, load_safetensors
     from zllm.workers.models import build_model
+    from zllm.workers.weight_loader import finish_loading, load_safetensors
 
     reference = _hf_fp8_model(smollm2_dir)
     spec = ModelSpec.from_pretrained(smollm2_dir)

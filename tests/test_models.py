@@ -13,8 +13,8 @@ import pytest
 
 from tests.conftest import TINY_ARCHITECTURES, hf_greedy, save_tiny_llama, save_tiny_model, start_server
 from zllm import LLM, LLMEngine, SamplingParams
-from zllm.workers.loader import checkpoint_files
 from zllm.workers.models import MODEL_REGISTRY
+from zllm.workers.weight_loader import checkpoint_files
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

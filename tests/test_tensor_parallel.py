@@ -66,8 +66,8 @@ def test_each_rank_loads_only_its_slice_and_the_slices_rebuild_the_model(tmp_pat
     from safetensors.torch import load_file
 
     from zllm.model_spec import ModelSpec
-    from zllm.workers.loader import load_safetensors
     from zllm.workers.models import build_model
+    from zllm.workers.weight_loader import load_safetensors
 
     model_dir = save_tiny_llama(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2, vocab_size=250)
     hf = load_file(str(model_dir / "model.safetensors"))

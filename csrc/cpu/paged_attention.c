@@ -1,7 +1,7 @@
 /* Decode attention over the paged KV cache for the CPU worker, without gathering K/V.
  *
  * Plain C (no torch headers: it compiles in about a second), built and loaded through ctypes by
- * zllm/workers/cpu_kernels.py. The torch reference it must match is decode_attention in
+ * zllm/workers/kernels/cpu.py. The torch reference it must match is decode_attention in
  * zllm/workers/attention.py.
  *
  *   kv_cache  [2, num_blocks, block_size, num_kv_heads, head_dim]  (index 0 keys, 1 values)

@@ -18,7 +18,7 @@ from zllm.workers.fp8 import (
     quantize_rows,
     quantize_static,
 )
-from zllm.workers.kernels.ops import _FP8_GEMV_SHAPES
+from zllm.workers.kernels.matvec import _FP8_GEMV_SHAPES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernels.is_available(), reason="needs a CUDA GPU and CuPy")]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -34,15 +34,15 @@ def _bits(q: torch.Tensor) -> torch.Tensor:
 def test_quant_rows_equals_torch_bit_for_bit(dtype, shape, vectorized, monkeypatch):
     """Every one-pass variant (1, 2, 4 and 8 pieces per thread, by K and dtype) and the scalar
     kernel it falls back to (K of 100 bf16 values; 40000 fp32 values need more than 8 pieces)."""
-    from zllm.workers.kernels import ops as kernel_ops
+    from zllm.workers.kernels import quant as kernel_quant  # the module whose launch quant_fp8_rows calls
 
-    launched, launch = [], kernel_ops.launch
+    launched, launch = [], kernel_quant.launch
 
     def recorded(module, name, *args, **kwargs):
         launched.append(name)
         return launch(module, name, *args, **kwargs)
 
-    monkeypatch.setattr(kernel_ops, "launch", recorded)
+    monkeypatch.setattr(kernel_quant, "launch", recorded)
     torch.manual_seed(0)
     x = (torch.randn(shape[0], shape[1] + 8, device="cuda") * 3).to(dtype)[:, : shape[1]]  # strided rows
     x[0, 3] = 0  # zeros and one outlier row

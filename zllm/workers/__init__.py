@@ -1,1 +1,2 @@
-"""The worker process: model shard, KV cache tensors, attention, sampler."""
+"""The worker process (entry point: process.py): one rank's model shard and KV cache, the model's
+ops (torch references, CUDA and CPU kernels in kernels/), CUDA graphs, weight loading, sampler."""

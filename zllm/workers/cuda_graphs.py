@@ -8,10 +8,12 @@ padded rows write their K/V nowhere (slot -1) and attend to one dummy token.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 
 from zllm.workers.attention import AttentionMetadata
+from zllm.workers.graph_capture import GraphCapturer
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.capturer = GraphCapturer()
 
     @property
     def max_batch(self) -> int:
@@ -49,16 +51,8 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            meta = self._meta(size)
-            for _ in range(2):  # warm-up outside the graph (allocator, kernel loading)
-                self._forward(size, meta)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[size] = self._forward(size, meta)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = graph
+            forward = partial(self._forward, size, self._meta(size))
+            self.graphs[size], self.outputs[size] = self.capturer.capture(forward)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 

@@ -21,13 +21,13 @@ from zllm.quantization import resolve_quantization
 from zllm.sampling_params import SamplingParams
 from zllm.workers.attention import KV_FP8, AttentionMetadata, pack_prefill, packed_prefill_of
 from zllm.workers.distributed import TensorParallel
-from zllm.workers.loader import finish_loading, init_dummy_weights, load_safetensors
 from zllm.workers.models import build_model
 from zllm.workers.ops import ops_for
 from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
 from zllm.workers.sampling_batch import SamplingBatch
 from zllm.workers.transfer import to_device
+from zllm.workers.weight_loader import finish_loading, init_dummy_weights, load_safetensors
 
 logger = logging.getLogger(__name__)
 

@@ -1,21 +1,21 @@
 """The operations a model layer needs, in two implementations with one interface.
 
 `TorchOps` is plain torch, written to match HF transformers' arithmetic: the CPU path and the
-oracle. `CudaOps` runs the csrc kernels (through cupy) where they exist and keeps torch for the
-rest; its decode path has no host synchronisation and no value-dependent Python, so a decode
-step can be captured in a CUDA graph.
+oracle (its decode attention takes the C kernel of zllm/workers/kernels/cpu.py where that builds).
+`CudaOps` runs the CUDA kernels (zllm/workers/kernels, through cupy) where they exist and keeps
+torch for the rest; its decode path has no host synchronisation and no value-dependent Python,
+so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from zllm import envs
 from zllm.workers import attention as ref
-from zllm.workers import cpu_kernels
 from zllm.workers.attention import UNSCALED, AttentionMetadata, KVScales, PackedPrefill, dequantize_kv
+from zllm.workers.kernels import cpu as cpu_kernels
 from zllm.workers.layers import apply_rotary, moe_route, rms_norm, silu_and_mul
 
 
@@ -221,8 +221,9 @@ _FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
 
 # ZLLM_PACKED_PREFILL=0 keeps the per-request prefill loop: the A/B switch of
-# benchmarks/prefill_attention.py, throughput.py and the real-model check.
-_PACKED_PREFILL_ENABLED = os.environ.get("ZLLM_PACKED_PREFILL", "1") != "0"
+# benchmarks/prefill_attention.py, throughput.py and the real-model check (which sets this
+# constant in-process). Read once, at import.
+_PACKED_PREFILL_ENABLED = envs.ZLLM_PACKED_PREFILL
 
 
 def flash_varlen_available(device: torch.device) -> bool:
@@ -266,8 +267,8 @@ def packed_prefill_attention(
 
 
 # ZLLM_GEMV=0 sends single rows to cuBLAS too (dense and FP8 layers): the A/B switch of
-# benchmarks/gemv.py and latency.py.
-GEMV_ENABLED = os.environ.get("ZLLM_GEMV", "1") != "0"
+# benchmarks/gemv.py and latency.py. Read once, at import.
+GEMV_ENABLED = envs.ZLLM_GEMV
 _gemv_kernels = None
 
 

@@ -23,10 +23,12 @@ pieces without graphs, so the splitting and the padding are tested on CPU.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 
 from zllm.workers.attention import AttentionMetadata
+from zllm.workers.graph_capture import GraphCapturer
 
 logger = logging.getLogger(__name__)
 
@@ -115,21 +117,13 @@ class PiecewiseGraphs(EagerPieces):
     def __init__(self, model, kv_caches: list[torch.Tensor], sizes: list[int]) -> None:
         super().__init__(model, kv_caches, sizes)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.capturer = GraphCapturer()
 
     def capture(self) -> None:
         for size in reversed(self.sizes):  # largest first: the smaller sizes reuse its memory pool
             self.slot_mapping[:size].fill_(-1)  # capture writes no cache slot
             for index in range(self.num_pieces):
-                for _ in range(2):  # warm-up outside the graph (allocator, kernel loading)
-                    self._piece(index, size)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._piece(index, size)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[(index, size)] = graph
+                self.graphs[(index, size)], _ = self.capturer.capture(partial(self._piece, index, size))
         torch.cuda.synchronize()
         logger.info("captured piecewise CUDA graphs (%d pieces) for step sizes %s", self.num_pieces, self.sizes)
 

@@ -1,7 +1,8 @@
 """A worker: one device (or CPU rank), one model shard, one KV cache.
 
-In this process layout the worker is called in-process by the engine core; the worker process
-entry point wraps the same object behind a socket.
+Each rank's worker process (zllm/workers/process.py) serves one of these behind its sockets; at
+tp 1 the in-process engine (offline use and tests) calls one directly, through the Executor
+protocol it also implements.
 """
 
 from __future__ import annotations

@@ -1,30 +1,45 @@
-"""zllm's CUDA kernels (csrc/) on torch tensors, loaded through CuPy.
+"""zllm's CUDA kernels (csrc/) on torch tensors, loaded through CuPy, and its CPU kernels.
 
-Importing this package needs neither CuPy nor a GPU; calling a kernel needs both (see
+One module per kernel file, named after it (csrc/<name>_kernels.cu -> kernels/<name>.py), but for
+csrc/gemv_kernels.cu -> kernels/matvec.py (`kernels.gemv` is the function):
+
+Reference (CPU path and oracle)                  Kernel here
+attention.write_kv_cache(kv, k, v, slots)        cache.reshape_and_cache(kv, k, v, slots)
+attention.decode_attention(q, kv, meta, scale)   attention.paged_attention_decode(out, q, kv, tables, lens, scale)
+layers.rms_norm(x, w, eps)                       layernorm.rms_norm(out, x, w, eps)
+x + y, then layers.rms_norm                      layernorm.fused_add_rms_norm(x, residual, w, eps)  (in place)
+layers.apply_rotary on q and k                   pos_encoding.rotary_embedding(positions, q, k, cos, sin)  (in place)
+apply_rotary, then write_kv_cache                pos_encoding.rotary_embedding_and_cache(positions, q, k, v, cos, sin,
+  (an FP8 kv cache: quantize_kv / dequantize_kv)   kv, slots)  (the same, with k_scale, v_scale)
+F.linear(x, w, b) for one row x                  matvec.gemv(out, x, w, b); matvec.fp8_gemv for E4M3 weights
+fp8.quantize_rows, fp8.quantize_groups           quant.quant_fp8_rows, quant.quant_fp8_groups
+layers.silu_and_mul(x)                           activation.silu_and_mul(out, x)
+models/moe.py's routing and expert loop          moe.* (its own docstring)
+
+`checks` holds the argument checks they share; `loader` finds, builds and launches the CUDA
+modules; `cpu` is the C kernel the CPU path decodes with (csrc/cpu/, ctypes).
+
+Every CUDA wrapper checks shapes, dtypes (float32, float16, bfloat16), devices and layouts and
+raises ValueError with the reason; it launches on torch's current stream, never synchronises and
+allocates nothing (paged_attention_decode's split-K workspace is passed in, or cached per device
+and grown only outside CUDA-graph capture), so the calls can be captured by torch.cuda.graph.
+The package re-exports them: `kernels.rms_norm(...)`.
+
+Importing this package needs neither CuPy nor a GPU; calling a CUDA kernel needs both (see
 `is_available`). The torch references in zllm.workers.layers / zllm.workers.attention stay the
 CPU path and the oracle of tests/gpu/test_kernels.py.
 """
 
 from __future__ import annotations
 
+from zllm.workers.kernels.activation import silu_and_mul
+from zllm.workers.kernels.attention import attention_partitions, attention_workspace_numel, paged_attention_decode
+from zllm.workers.kernels.cache import reshape_and_cache
+from zllm.workers.kernels.layernorm import fused_add_rms_norm, rms_norm
 from zllm.workers.kernels.loader import KernelUnavailableError, cupy_available, preload
-from zllm.workers.kernels.ops import (
-    attention_partitions,
-    attention_workspace_numel,
-    fp8_gemv,
-    fp8_gemv_supported,
-    fused_add_rms_norm,
-    gemv,
-    gemv_supported,
-    paged_attention_decode,
-    quant_fp8_groups,
-    quant_fp8_rows,
-    reshape_and_cache,
-    rms_norm,
-    rotary_embedding,
-    rotary_embedding_and_cache,
-    silu_and_mul,
-)
+from zllm.workers.kernels.matvec import fp8_gemv, fp8_gemv_supported, gemv, gemv_supported
+from zllm.workers.kernels.pos_encoding import rotary_embedding, rotary_embedding_and_cache
+from zllm.workers.kernels.quant import quant_fp8_groups, quant_fp8_rows
 
 __all__ = [
     "KernelUnavailableError",
@@ -49,7 +64,7 @@ __all__ = [
 
 
 def is_available() -> bool:
-    """True when the kernels can run here: a CUDA device and an importable CuPy."""
+    """True when the CUDA kernels can run here: a CUDA device and an importable CuPy."""
     import torch
 
     return torch.cuda.is_available() and cupy_available()

@@ -9,31 +9,25 @@ Experts.forward (the expert loop)                 fused_experts(x, weights, ids,
                                                   grouped_mm_experts(...): the same through
                                                   torch._grouped_mm (CUTLASS) for large batches
 
-Like zllm.workers.kernels.ops: arguments are checked (ValueError with the reason), launches go to
-torch's current stream, nothing synchronises with the host, and every shape depends on the
-number of tokens only, never on the routing, so a decode step with MoE layers can be captured in
-a CUDA graph. fused_experts allocates its scratch with torch (the graph's pool under capture).
+Like the other wrappers in zllm.workers.kernels: arguments are checked (ValueError with the
+reason), launches go to torch's current stream, nothing synchronises with the host, and every
+shape depends on the number of tokens only, never on the routing, so a decode step with MoE
+layers can be captured in a CUDA graph. fused_experts allocates its scratch with torch (the
+graph's pool under capture). GEMV_PAIRS_PER_EXPERT and GROUPED_MM_MIN_ROWS are read from
+zllm.envs once, at import.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from zllm import envs
+from zllm.workers.kernels.activation import silu_and_mul
+from zllm.workers.kernels.checks import check_contiguous, check_cuda, check_dim, check_dtype, dtype_suffix, fail, ptr
 from zllm.workers.kernels.loader import launch
-from zllm.workers.kernels.ops import (
-    _check_contiguous,
-    _check_cuda,
-    _check_dim,
-    _check_dtype,
-    _fail,
-    _ptr,
-    _suffix,
-    silu_and_mul,
-)
 
 _FILE = "moe_kernels"
 MAX_EXPERTS = 512  # kMaxExpertsPerLane * 32 in csrc/moe_kernels.cu
@@ -52,28 +46,26 @@ def moe_topk_softmax(
     softmax in fp32, the k largest in descending order, renormalized if asked, rounded through
     the logits' dtype if round_weights (the models that cast the routing weights)."""
     op = "moe_topk_softmax"
-    device = _check_cuda(op, topk_weights=topk_weights, topk_ids=topk_ids, logits=logits)
-    suffix = _suffix(op, logits, "logits")
-    _check_dtype(op, torch.float32, topk_weights=topk_weights)
-    _check_dtype(op, torch.int32, topk_ids=topk_ids)
-    _check_dim(op, logits, "logits", 2)
-    _check_contiguous(op, topk_weights=topk_weights, topk_ids=topk_ids, logits=logits)
+    device = check_cuda(op, topk_weights=topk_weights, topk_ids=topk_ids, logits=logits)
+    suffix = dtype_suffix(op, logits, "logits")
+    check_dtype(op, torch.float32, topk_weights=topk_weights)
+    check_dtype(op, torch.int32, topk_ids=topk_ids)
+    check_dim(op, logits, "logits", 2)
+    check_contiguous(op, topk_weights=topk_weights, topk_ids=topk_ids, logits=logits)
     tokens, num_experts = logits.shape
     if not 1 <= num_experts <= MAX_EXPERTS:
-        _fail(op, f"{num_experts} experts; 1 to {MAX_EXPERTS} are supported")
+        fail(op, f"{num_experts} experts; 1 to {MAX_EXPERTS} are supported")
     if topk_weights.dim() != 2 or topk_weights.shape[0] != tokens or topk_ids.shape != topk_weights.shape:
-        _fail(
-            op, f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{tokens}, k]"
-        )
+        fail(op, f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{tokens}, k]")
     top_k = topk_weights.shape[1]
     if not 1 <= top_k <= min(num_experts, 32):
-        _fail(op, f"top_k {top_k} must be between 1 and min({num_experts} experts, 32)")
+        fail(op, f"top_k {top_k} must be between 1 and min({num_experts} experts, 32)")
     if tokens:
         warps = 4
         args = (
-            _ptr(topk_weights),
-            _ptr(topk_ids),
-            _ptr(logits),
+            ptr(topk_weights),
+            ptr(topk_ids),
+            ptr(logits),
             np.int32(tokens),
             np.int32(num_experts),
             np.int32(top_k),
@@ -113,19 +105,19 @@ def moe_align(
     expert's from the start of a tile, padded with -1; tile_experts [tiles] each tile's expert (-1
     for the unused); num_tiles [1] the tiles used. tiles >= max_tiles(pairs, E, block_m)."""
     op = "moe_align"
-    device = _check_cuda(
+    device = check_cuda(
         op, sorted_pairs=sorted_pairs, tile_experts=tile_experts, num_tiles=num_tiles, topk_ids=topk_ids
     )
-    _check_dtype(
+    check_dtype(
         op, torch.int32, sorted_pairs=sorted_pairs, tile_experts=tile_experts, num_tiles=num_tiles, topk_ids=topk_ids
     )
-    _check_contiguous(op, sorted_pairs=sorted_pairs, tile_experts=tile_experts, topk_ids=topk_ids)
+    check_contiguous(op, sorted_pairs=sorted_pairs, tile_experts=tile_experts, topk_ids=topk_ids)
     pairs = topk_ids.numel()
     tiles = tile_experts.numel()
     if not 1 <= num_experts <= MAX_EXPERTS or block_m % 16 or block_m <= 0:
-        _fail(op, f"{num_experts} experts (1 to {MAX_EXPERTS}) and tiles of {block_m} rows (a multiple of 16)")
+        fail(op, f"{num_experts} experts (1 to {MAX_EXPERTS}) and tiles of {block_m} rows (a multiple of 16)")
     if tiles < max_tiles(pairs, num_experts, block_m) or sorted_pairs.numel() != tiles * block_m:
-        _fail(op, f"{tiles} tiles and {sorted_pairs.numel()} rows cannot hold {pairs} pairs in tiles of {block_m}")
+        fail(op, f"{tiles} tiles and {sorted_pairs.numel()} rows cannot hold {pairs} pairs in tiles of {block_m}")
     launch(
         _FILE,
         "moe_align",
@@ -133,10 +125,10 @@ def moe_align(
         (1,),
         (_ALIGN_THREADS,),
         (
-            _ptr(sorted_pairs),
-            _ptr(tile_experts),
-            _ptr(num_tiles),
-            _ptr(topk_ids),
+            ptr(sorted_pairs),
+            ptr(tile_experts),
+            ptr(num_tiles),
+            ptr(topk_ids),
             np.int32(pairs),
             np.int32(num_experts),
             np.int32(block_m),
@@ -184,28 +176,26 @@ class _Experts(NamedTuple):
 
 def _check_experts(op: str, x, topk_weights, topk_ids, gate_up, down) -> _Experts:
     """The sizes of valid gemv_experts / fused_experts / grouped_mm_experts arguments."""
-    device = _check_cuda(op, x=x, topk_weights=topk_weights, topk_ids=topk_ids, gate_up=gate_up, down=down)
-    suffix = _suffix(op, x, "x")
-    _check_dim(op, x, "x", 2)
+    device = check_cuda(op, x=x, topk_weights=topk_weights, topk_ids=topk_ids, gate_up=gate_up, down=down)
+    suffix = dtype_suffix(op, x, "x")
+    check_dim(op, x, "x", 2)
     if not fused_experts_supported(x, gate_up, down):
-        _fail(
+        fail(
             op,
             f"x {tuple(x.shape)} {x.dtype}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}: need fp16 or "
             f"bf16, contiguous [E, 2I, H] and [E, H, I] of one dtype, H and I multiples of 8, 1 to {MAX_EXPERTS} experts",
         )
     hidden = gate_up.shape[2]
     if x.shape[1] != hidden or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        _fail(
+        fail(
             op, f"x {tuple(x.shape)} (strides {x.stride()}) must be [T, {hidden}] with 16-byte-aligned contiguous rows"
         )
-    _check_dtype(op, torch.float32, topk_weights=topk_weights)
-    _check_dtype(op, torch.int32, topk_ids=topk_ids)
-    _check_contiguous(op, topk_weights=topk_weights, topk_ids=topk_ids)
+    check_dtype(op, torch.float32, topk_weights=topk_weights)
+    check_dtype(op, torch.int32, topk_ids=topk_ids)
+    check_contiguous(op, topk_weights=topk_weights, topk_ids=topk_ids)
     tokens = x.shape[0]
     if topk_weights.dim() != 2 or topk_weights.shape[0] != tokens or topk_ids.shape != topk_weights.shape:
-        _fail(
-            op, f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{tokens}, k]"
-        )
+        fail(op, f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must be [{tokens}, k]")
     top_k = topk_weights.shape[1]
     return _Experts(device, suffix, top_k, gate_up.shape[0], hidden, gate_up.shape[1] // 2, tokens, tokens * top_k)
 
@@ -220,7 +210,7 @@ def _weighted_sum(out: torch.Tensor, weighted: torch.Tensor, top_k: int, suffix:
         device,
         (tokens, -(-hidden // (8 * threads))),
         (threads,),
-        (_ptr(out), _ptr(weighted), np.int32(top_k), np.int32(hidden)),
+        (ptr(out), ptr(weighted), np.int32(top_k), np.int32(hidden)),
     )
     return out
 
@@ -287,12 +277,12 @@ def gemv_experts(
     )
     split, bound = split or GEMV_BUILDS[0][0], bound or GEMV_BUILDS[0][1]
     if (split, bound) not in GEMV_BUILDS:
-        _fail(op, f"split {split} and bound {bound!r}: the builds are {GEMV_BUILDS}")
+        fail(op, f"split {split} and bound {bound!r}: the builds are {GEMV_BUILDS}")
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=device)
     if pairs == 0:
         return out
     if pairs > _MAX_GRID_Y:
-        _fail(op, f"{pairs} (token, expert) pairs; at most {_MAX_GRID_Y} (use fused_experts)")
+        fail(op, f"{pairs} (token, expert) pairs; at most {_MAX_GRID_Y} (use fused_experts)")
     inter_rows = torch.empty((pairs, inter), dtype=x.dtype, device=device)
     name = f"{suffix}_s{split}_{bound}"
     launch(
@@ -302,10 +292,10 @@ def gemv_experts(
         (-(-inter * split // _GEMM_WARPS), pairs),
         (32 * _GEMM_WARPS,),
         (
-            _ptr(inter_rows),
-            _ptr(x),
-            _ptr(gate_up),
-            _ptr(topk_ids),
+            ptr(inter_rows),
+            ptr(x),
+            ptr(gate_up),
+            ptr(topk_ids),
             np.int32(top_k),
             np.int32(inter),
             np.int32(hidden),
@@ -319,11 +309,11 @@ def gemv_experts(
         (-(-hidden * split // _GEMM_WARPS), tokens),
         (32 * _GEMM_WARPS,),
         (
-            _ptr(out),
-            _ptr(inter_rows),
-            _ptr(down),
-            _ptr(topk_ids),
-            _ptr(topk_weights),
+            ptr(out),
+            ptr(inter_rows),
+            ptr(down),
+            ptr(topk_ids),
+            ptr(topk_weights),
             np.int32(top_k),
             np.int32(hidden),
             np.int32(inter),
@@ -338,7 +328,7 @@ def gemv_experts(
 # experts, top 8) gains up to batch 8 (64 pairs: 192 vs 251 us) and loses at 16 (378 vs 341);
 # Mixtral's (8, top 2) gains up to batch 4 (8 pairs: 895 vs 1016) and loses at 8. Half the
 # experts keeps both on the safe side. ZLLM_MOE_GEMV_PAIRS overrides it (0: never).
-GEMV_PAIRS_PER_EXPERT = float(os.environ.get("ZLLM_MOE_GEMV_PAIRS", "0.5"))
+GEMV_PAIRS_PER_EXPERT = envs.ZLLM_MOE_GEMV_PAIRS
 
 
 def takes_gemv(tokens: int, top_k: int, num_experts: int) -> bool:
@@ -351,7 +341,7 @@ def takes_gemv(tokens: int, top_k: int, num_experts: int) -> bool:
 # H100, benchmarks/moe_kernels.py, Qwen3-30B-A3B's layer: even at 0.5 rows per expert (batch 8:
 # 258 vs 255 us), ahead from 4 (batch 64: 526 vs 574 us; batch 256: 575 vs 616 us; batch 2048:
 # 134 vs 69 TFLOP/s). ZLLM_MOE_GROUPED_MM_ROWS overrides it (0: never).
-GROUPED_MM_MIN_ROWS = float(os.environ.get("ZLLM_MOE_GROUPED_MM_ROWS", "4"))
+GROUPED_MM_MIN_ROWS = envs.ZLLM_MOE_GROUPED_MM_ROWS
 
 
 def experts(
@@ -406,11 +396,11 @@ def fused_experts(
         (tiles, -(-inter // rows_per_block)),
         (32 * _GEMM_WARPS,),
         (
-            _ptr(inter_rows),
-            _ptr(x),
-            _ptr(gate_up),
-            _ptr(sorted_pairs),
-            _ptr(tile_experts),
+            ptr(inter_rows),
+            ptr(x),
+            ptr(gate_up),
+            ptr(sorted_pairs),
+            ptr(tile_experts),
             np.int32(top_k),
             np.int32(inter),
             np.int32(hidden),
@@ -425,12 +415,12 @@ def fused_experts(
         (tiles, -(-hidden // rows_per_block)),
         (32 * _GEMM_WARPS,),
         (
-            _ptr(weighted),
-            _ptr(inter_rows),
-            _ptr(down),
-            _ptr(sorted_pairs),
-            _ptr(tile_experts),
-            _ptr(topk_weights),
+            ptr(weighted),
+            ptr(inter_rows),
+            ptr(down),
+            ptr(sorted_pairs),
+            ptr(tile_experts),
+            ptr(topk_weights),
             np.int32(hidden),
             np.int32(inter),
         ),

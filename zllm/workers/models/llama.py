@@ -2,8 +2,8 @@
 attention, SwiGLU MLP, RMSNorm, RoPE. The spec's flags carry what differs: Qwen2's q/k/v bias,
 Qwen3's per-head q/k RMSNorm, Llama's optional attention/MLP bias.
 
-Parameter names mirror HF's, with q/k/v and gate/up fused into one matrix each; the loader
-maps HF's separate tensors onto their shard of the fused one.
+Parameter names mirror HF's, with q/k/v and gate/up fused into one matrix each; the weight
+loader (zllm/workers/weight_loader.py) maps HF's separate tensors onto their shard of the fused one.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ The build is cached under <zllm cache>/cpu_kernels/<key>/, the key hashing the s
 compiler, its flags and this machine's CPU (the library is built for -march=native). A file
 lock makes concurrent workers (tensor-parallel ranks, test servers) build it once. Without a
 compiler, or when the build or load fails, `paged_attention_decode` returns False after one
-warning and the caller keeps its torch path; ZLLM_CPU_KERNELS=0 turns the kernels off.
+warning and the caller keeps its torch path; ZLLM_CPU_KERNELS=0 turns the kernels off. The
+C source is found beside the CUDA ones (kernels.loader.csrc_dir: $ZLLM_CSRC_DIR moves both).
 
 The library is linked against libgomp, the OpenMP runtime torch's CPU build loads under the
 same name, so the kernel's threads and torch's are one pool; each call passes torch's thread
@@ -27,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from zllm import envs
 from zllm.model_files import cache_root
+from zllm.workers.kernels.loader import csrc_dir
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +48,6 @@ class CpuKernelBuildError(RuntimeError):
 
 
 def source_path() -> Path:
-    from zllm.workers.kernels.loader import csrc_dir
-
     return csrc_dir() / "cpu" / SOURCE_NAME
 
 
@@ -107,7 +108,7 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if not _tried:
             _tried = True
-            if os.environ.get("ZLLM_CPU_KERNELS", "1") == "0":
+            if not envs.ZLLM_CPU_KERNELS:
                 return None
             try:
                 _library = _declare(ctypes.CDLL(str(build())))

@@ -1,0 +1,234 @@
+"""Paged attention of one query token per sequence (decode) over its cached context
+(csrc/attention_kernels.cu): long contexts are split into partitions (split-K) whose partial
+results a second kernel reduces, through an fp32 workspace passed in or cached per device."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from zllm.workers.kernels.checks import (
+    MAX_GRID_YZ,
+    aligned16,
+    cache_variant,
+    check_contiguous,
+    check_cuda,
+    check_dim,
+    check_dtype,
+    check_heads_layout,
+    check_kv_scale,
+    dtype_suffix,
+    fail,
+    ptr,
+)
+from zllm.workers.kernels.loader import launch
+
+_ATTN_THREADS = 128  # kAttnThreads in attention_kernels.cu
+_ATTN_HEAD_DIMS = (64, 128)
+_MAX_REDUCE_PARTS = 48 * 1024 // 4  # the reduce kernel's weights live in 48 KiB of shared memory
+
+_workspaces: dict[int, torch.Tensor] = {}
+_num_sms: dict[int, int] = {}
+
+
+def attention_workspace_numel(batch: int, num_heads: int, head_dim: int, num_partitions: int) -> int:
+    """fp32 elements of split-K workspace: partial outputs, then (max, sum) pairs."""
+    return batch * num_heads * num_partitions * (head_dim + 2)
+
+
+def attention_partitions(
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    device: torch.device | None = None,
+    partition_size: int | None = None,
+) -> tuple[int, int]:
+    """(partition size, number of partitions) that paged_attention_decode will use."""
+    if partition_size is None:
+        partition_size = _default_partition_size(batch, num_heads, num_kv_heads, max_seq_len, device)
+    return partition_size, max(1, -(-max_seq_len // partition_size))
+
+
+def _group_chunk(group: int) -> int:
+    """Query heads per thread block (a compiled variant: 1, 4 or 8)."""
+    return 1 if group == 1 else 4 if group <= 4 else 8
+
+
+def _default_partition_size(batch: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device) -> int:
+    # 512 tokens a block; halve (down to 128) while the grid would leave SMs idle.
+    group = num_heads // num_kv_heads
+    blocks_per_partition = batch * num_kv_heads * -(-group // _group_chunk(group))
+    sms = _sm_count(device)
+    size = 512
+    while size > 128 and blocks_per_partition * -(-max_seq_len // size) < sms:
+        size //= 2
+    return size
+
+
+def _sm_count(device: torch.device | None) -> int:
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    count = _num_sms.get(index)
+    if count is None:
+        count = _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cached = _workspaces.get(index)
+    if cached is None or cached.numel() < numel:
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                f"paged_attention_decode: the split-K workspace ({numel} floats) would be allocated during "
+                "CUDA-graph capture; pass workspace=, or run the largest shape once before capturing"
+            )
+        cached = _workspaces[index] = torch.empty(numel, dtype=torch.float32, device=device)
+    return cached
+
+
+def paged_attention_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    workspace: torch.Tensor | None = None,
+    partition_size: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context; writes and returns out.
+
+    out, query: [B, H, D] (token stride free, heads contiguous, out must not overlap query);
+    kv_cache: [2, num_blocks, block_size, KVH, D] contiguous, H a multiple of KVH, D 64 or 128,
+    in the query's dtype or FP8 E4M3 (keys read as stored * k_scale, values * v_scale);
+    block_tables: int32 [>= B, max_blocks]; seq_lens: int32 [>= B] (context length including the
+    new token). max_seq_len bounds every seq_len (default: the block table's capacity) and sizes
+    the grid: pass the batch's real maximum to skip empty partitions. Longer contexts are split
+    into partitions (partition_size tokens, a multiple of 32; default 512, smaller for small
+    batches) reduced through an fp32 workspace of attention_workspace_numel(...) elements.
+    """
+    op = "paged_attention_decode"
+    device = check_cuda(
+        op, out=out, query=query, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, workspace=workspace
+    )
+    suffix = dtype_suffix(op, query, "query")
+    check_dtype(op, query.dtype, out=out)
+    variant = cache_variant(op, kv_cache, query.dtype)
+    k_scale, v_scale = check_kv_scale(op, "k_scale", k_scale), check_kv_scale(op, "v_scale", v_scale)
+    if not variant:  # a model-dtype cache holds the values themselves
+        k_scale = v_scale = 1.0
+    check_dtype(op, torch.int32, block_tables=block_tables, seq_lens=seq_lens)
+    check_heads_layout(op, query, "query")
+    check_heads_layout(op, out, "out")
+    check_dim(op, kv_cache, "kv_cache", 5)
+    check_contiguous(op, kv_cache=kv_cache, seq_lens=seq_lens)
+    check_dim(op, block_tables, "block_tables", 2)
+    check_dim(op, seq_lens, "seq_lens", 1)
+    batch, num_heads, head_dim = query.shape
+    two, num_blocks, block_size, kv_heads, cache_head_dim = kv_cache.shape
+    if two != 2 or cache_head_dim != head_dim:
+        fail(op, f"kv_cache must be [2, num_blocks, block_size, kv_heads, {head_dim}], got {tuple(kv_cache.shape)}")
+    if head_dim not in _ATTN_HEAD_DIMS:
+        fail(op, f"head_dim {head_dim} is not supported (64 or 128)")
+    if num_heads % kv_heads:
+        fail(op, f"{num_heads} query heads are not a multiple of {kv_heads} kv heads")
+    if out.shape != query.shape:
+        fail(op, f"out {tuple(out.shape)} must match query {tuple(query.shape)}")
+    if out.data_ptr() == query.data_ptr() and batch:
+        fail(op, "out must not overlap query")
+    if block_tables.shape[0] < batch or seq_lens.shape[0] < batch:
+        fail(op, f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} need >= {batch} rows")
+    if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:
+        fail(op, f"block_tables rows must be contiguous, got strides {block_tables.stride()}")
+    if not aligned16(kv_cache):
+        fail(op, "kv_cache must be 16-byte aligned")
+    if batch > MAX_GRID_YZ:
+        fail(op, f"batch {batch} exceeds {MAX_GRID_YZ}")
+    if batch == 0:
+        return out
+    max_blocks = block_tables.shape[1]
+    capacity = max_blocks * block_size
+    max_len = capacity if max_seq_len is None else min(int(max_seq_len), capacity)
+    max_len = max(max_len, 1)
+    if partition_size is not None and (partition_size <= 0 or partition_size % 32):
+        fail(op, f"partition_size {partition_size} must be a positive multiple of 32")
+    size, parts = attention_partitions(batch, num_heads, kv_heads, max_len, device, partition_size)
+    if parts > _MAX_REDUCE_PARTS:
+        fail(op, f"{max_len} tokens make {parts} partitions of {size}; at most {_MAX_REDUCE_PARTS}")
+
+    group = num_heads // kv_heads
+    chunk = _group_chunk(group)
+    num_chunks = -(-group // chunk)
+    if kv_heads * num_chunks > MAX_GRID_YZ:
+        fail(op, f"{kv_heads} kv heads x {num_chunks} head chunks exceed the grid's {MAX_GRID_YZ}")
+    ws_out = ws_ml = None
+    ws_out_ptr = ws_ml_ptr = np.uint64(0)
+    if parts > 1:
+        numel = attention_workspace_numel(batch, num_heads, head_dim, parts)
+        if workspace is None:
+            ws = _workspace(device, numel)
+        else:
+            check_dtype(op, torch.float32, workspace=workspace)
+            check_contiguous(op, workspace=workspace)
+            if workspace.numel() < numel:
+                fail(op, f"workspace has {workspace.numel()} floats; {numel} needed")
+            ws = workspace
+        ws_out = ws.data_ptr()
+        ws_ml = ws_out + batch * num_heads * parts * head_dim * 4
+        ws_out_ptr, ws_ml_ptr = np.uint64(ws_out), np.uint64(ws_ml)
+
+    value_cache_ptr = kv_cache.data_ptr() + num_blocks * block_size * kv_heads * head_dim * kv_cache.element_size()
+    args = (
+        ptr(out),
+        ws_out_ptr,
+        ws_ml_ptr,
+        ptr(query),
+        ptr(kv_cache),
+        np.uint64(value_cache_ptr),
+        ptr(block_tables),
+        ptr(seq_lens),
+        np.float32(scale * k_scale * math.log2(math.e)),
+        np.float32(v_scale),
+        np.int32(kv_heads),
+        np.int32(group),
+        np.int32(num_chunks),
+        np.int32(block_size),
+        np.int32(max_blocks),
+        np.int64(block_tables.stride(0)),
+        np.int64(query.stride(0)),
+        np.int64(out.stride(0)),
+        np.int32(size),
+        np.int32(parts),
+    )
+    kernel = f"paged_attention_decode_{suffix}{variant}_d{head_dim}_g{chunk}"
+    launch("attention_kernels", kernel, device, (parts, kv_heads * num_chunks, batch), (_ATTN_THREADS,), args)
+    if parts > 1:
+        reduce_args = (
+            ptr(out),
+            ws_out_ptr,
+            ws_ml_ptr,
+            ptr(seq_lens),
+            np.int32(num_heads),
+            np.int32(block_size),
+            np.int32(max_blocks),
+            np.int64(out.stride(0)),
+            np.int32(size),
+            np.int32(parts),
+        )
+        launch(
+            "attention_kernels",
+            f"paged_attention_reduce_{suffix}_d{head_dim}",
+            device,
+            (num_heads, batch),
+            (head_dim,),
+            reduce_args,
+            shared_mem=parts * 4,
+        )
+    return out

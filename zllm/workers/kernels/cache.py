@@ -1,0 +1,69 @@
+"""The KV cache write: key/value rows into their paged-cache slots (csrc/cache_kernels.cu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from zllm.workers.kernels.checks import (
+    aligned16,
+    check_contiguous,
+    check_cuda,
+    check_dim,
+    check_dtype,
+    check_heads_layout,
+    dtype_suffix,
+    fail,
+    ptr,
+    threads_for,
+)
+from zllm.workers.kernels.loader import launch
+
+
+def reshape_and_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store key/value [T, KVH, D] at their slots of kv_cache [2, blocks, block_size, KVH, D];
+    slots < 0 are padding and leave the cache untouched."""
+    op = "reshape_and_cache"
+    device = check_cuda(op, kv_cache=kv_cache, key=key, value=value, slot_mapping=slot_mapping)
+    check_dim(op, kv_cache, "kv_cache", 5)
+    if kv_cache.shape[0] != 2:
+        fail(op, f"kv_cache must be [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}")
+    check_contiguous(op, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    suffix = dtype_suffix(op, kv_cache, "kv_cache")
+    check_dtype(op, kv_cache.dtype, key=key, value=value)
+    check_dtype(op, torch.int64, slot_mapping=slot_mapping)
+    check_heads_layout(op, key, "key")
+    check_heads_layout(op, value, "value")
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    tokens = key.shape[0]
+    if tuple(key.shape) != (tokens, kv_heads, head_dim) or value.shape != key.shape:
+        fail(op, f"key {tuple(key.shape)} and value {tuple(value.shape)} must be [T, {kv_heads}, {head_dim}]")
+    if tuple(slot_mapping.shape) != (tokens,):
+        fail(op, f"slot_mapping must be [{tokens}] (one slot per token), got {tuple(slot_mapping.shape)}")
+    if tokens == 0:
+        return
+    row = kv_heads * head_dim
+    per16 = 16 // kv_cache.element_size()
+    vec = (
+        row % per16 == 0
+        and key.stride(0) % per16 == 0
+        and value.stride(0) % per16 == 0
+        and aligned16(kv_cache, key, value)
+    )
+    units = row // per16 if vec else row
+    kernel = f"reshape_and_cache_{suffix}{'_vec' if vec else ''}"
+    value_cache_ptr = kv_cache.data_ptr() + num_blocks * block_size * row * kv_cache.element_size()
+    args = (
+        ptr(key),
+        ptr(value),
+        ptr(kv_cache),
+        np.uint64(value_cache_ptr),
+        ptr(slot_mapping),
+        np.int64(key.stride(0)),
+        np.int64(value.stride(0)),
+        np.int32(row),
+        np.int64(num_blocks * block_size),
+    )
+    launch("cache_kernels", kernel, device, (tokens,), (threads_for(units, 512),), args)

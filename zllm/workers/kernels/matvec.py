@@ -1,0 +1,204 @@
+"""Matrix-vector products for one token (csrc/gemv_kernels.cu): the f32/f16/bf16 GEMV, one warp
+a row or split over a few warps a row, and the GEMV over FP8 E4M3 weights. Not named gemv.py:
+the package's `kernels.gemv` function would shadow the module.
+
+GEMV_BOUND and FP8_GEMV_VARIANT are read from zllm.envs once, at import (A/B switches a
+benchmark sets in the environment; a test or benchmark in-process patches the constants here)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from zllm import envs
+from zllm.workers.kernels.checks import DTYPE_SUFFIX, aligned16, check_cuda, check_dtype, dtype_suffix, fail, ptr
+from zllm.workers.kernels.loader import launch
+
+_GEMV_ROWS_PER_BLOCK = 4  # kGemvWarps warps of one row each
+
+
+def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv() takes this product: one CUDA row, a dtype it has, 16-byte-aligned rows."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.dtype not in DTYPE_SUFFIX or weight.dtype != x.dtype:
+        return False
+    per16 = 16 // x.element_size()
+    return (
+        x.is_cuda
+        and weight.is_cuda
+        and x.shape[1] == weight.shape[1]
+        and x.shape[1] % per16 == 0
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and aligned16(x, weight)
+    )
+
+
+def gemv(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """out [1, N] = x [1, K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation; returns out.
+    variant (benchmarks): "" the one-warp-per-row kernel, "b<B>" the split kernel of that bound
+    with gemv_split's warps per row, "s<S>_b<B>" a given split; default GEMV_BOUND."""
+    op = "gemv"
+    device = check_cuda(op, out=out, x=x, weight=weight, bias=bias)
+    suffix = dtype_suffix(op, x, "x")
+    check_dtype(op, x.dtype, out=out, weight=weight, bias=bias)
+    if not gemv_supported(x, weight):
+        fail(
+            op,
+            f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be one contiguous row and "
+            f"contiguous 16-byte-aligned rows of a length divisible by {16 // x.element_size()}",
+        )
+    n = weight.shape[0]
+    _check_gemv_out(op, out, bias, n)
+    if n == 0:
+        return out
+    args = (ptr(out), ptr(x), ptr(weight), ptr(bias), np.int32(n), np.int32(x.shape[1]))
+    bound = GEMV_BOUND if variant is None else variant
+    if not bound:
+        launch("gemv_kernels", f"gemv_{suffix}", device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args)
+        return out
+    split_text, _, bound = bound.rpartition("_") if bound.startswith("s") else ("", "", bound)
+    split = int(split_text[1:]) if split_text else gemv_split(x.shape[1] // (16 // x.element_size()))
+    if bound not in GEMV_BOUNDS or split not in GEMV_SPLITS:
+        fail(op, f"variant {variant!r}: built are splits {GEMV_SPLITS} and bounds {GEMV_BOUNDS}")
+    launch(
+        "gemv_kernels",
+        f"gemv_{suffix}_s{split}_{bound}",
+        device,
+        (-(-n * split // _GEMV_ROWS_PER_BLOCK),),
+        (128,),
+        args,
+    )
+    return out
+
+
+def _gemv_bound_setting() -> str:
+    """ZLLM_GEMV_BOUND; set but empty it picks the one-warp-per-row kernel (run_perf.sh's
+    "ZLLM_GEMV_BOUND=" A/B), a value zllm.envs cannot return: it reads empty as the default."""
+    if os.environ.get("ZLLM_GEMV_BOUND") == "":
+        return ""
+    return envs.ZLLM_GEMV_BOUND
+
+
+# The split GEMV's builds (csrc/gemv_kernels.cu gemv_<T>_s<S>_b<B>): S warps per row, B the
+# __launch_bounds__ minimum blocks per SM (b0: none; b4, b6: ptxas issues a round's loads
+# together). GEMV_BOUND picks the bound of the default GEMV ("": the one-warp-per-row kernel).
+# b6 with gemv_split's warps beat the one-warp-per-row kernel on every projection of Llama-3-8B
+# (2.41-3.12 -> 2.61-3.17 TB/s) and Qwen3-30B-A3B (o: 1.63 -> 2.16 TB/s) on the H100
+# (benchmarks/gemv.py, 2026-11-25); ZLLM_GEMV_BOUND overrides it.
+GEMV_SPLITS = (1, 2, 4)
+GEMV_BOUNDS = ("b0", "b4", "b6")
+GEMV_BOUND = _gemv_bound_setting()
+_GEMV_ROUND_UNITS = 32 * 8  # 16-byte units a warp covers in one round of 8 loads a lane
+
+
+def gemv_split(units: int) -> int:
+    """Warps per row for rows of `units` 16-byte units: the fewest that leave each warp one
+    round of loads, at most 4."""
+    for split in GEMV_SPLITS:
+        if -(-units // split) <= _GEMV_ROUND_UNITS:
+            return split
+    return GEMV_SPLITS[-1]
+
+
+def _check_gemv_out(op: str, out: torch.Tensor, bias: torch.Tensor | None, n: int) -> None:
+    if tuple(out.shape) != (1, n) or not out.is_contiguous():
+        fail(op, f"out must be a contiguous [1, {n}], got {tuple(out.shape)}")
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+
+
+def fp8_gemv_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether fp8_gemv() takes this product: one CUDA row, E4M3 weights with rows of a multiple
+    of 16 bytes, fp32 scales per row [N, 1] or per 128x128 tile."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.dtype not in DTYPE_SUFFIX:
+        return False
+    if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or not scale.is_contiguous():
+        return False
+    n, k = weight.shape
+    per_row = tuple(scale.shape) == (n, 1)
+    per_tile = tuple(scale.shape) == (-(-n // 128), -(-k // 128))
+    return (
+        x.is_cuda
+        and weight.is_cuda
+        and scale.is_cuda
+        and x.shape[1] == k
+        and k % 16 == 0
+        and (per_row or per_tile)
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and aligned16(x, weight)
+    )
+
+
+# (rows per warp, 16-byte loads per row in flight) of each build of gemv_fp8 in csrc/gemv_kernels.cu:
+# "" is the default of every dtype; the others exist for bf16 with per-row scales.
+_FP8_GEMV_SHAPES = {
+    "": (1, 2),
+    "_r1u4": (1, 4),
+    "_r1u8": (1, 8),
+    "_r2u2": (2, 2),
+    "_r2u4": (2, 4),
+    "_r4u1": (4, 1),
+    "_r4u2": (4, 2),
+    "_r1u2_b6": (1, 2),
+    "_r1u4_b6": (1, 4),
+    "_r1u4_b4": (1, 4),
+    "_r1u8_b4": (1, 8),
+}  # _b<B>: __launch_bounds__' minimum blocks (see GEMV_BOUNDS)
+# ZLLM_FP8_GEMV=_r2u2 (say) runs that build for the model's bf16 per-row layers: the A/B switch of
+# tests/gpu/run_perf.sh's gemv part.
+FP8_GEMV_VARIANT = envs.ZLLM_FP8_GEMV
+
+
+def fp8_gemv(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: bool = False,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """out [1, N] = x [1, K] @ (weight [N, K] (E4M3) * scale)^T (+ bias [N]), fp32 accumulation;
+    scale [N, 1] per row or, with block, [ceil(N/128), ceil(K/128)] per tile. Returns out. `variant`
+    picks another build (a key of _FP8_GEMV_SHAPES; bf16 with per-row scales only; None:
+    FP8_GEMV_VARIANT there, the default build elsewhere)."""
+    op = "fp8_gemv"
+    device = check_cuda(op, out=out, x=x, weight=weight, scale=scale, bias=bias)
+    suffix = dtype_suffix(op, x, "x")
+    check_dtype(op, x.dtype, out=out, bias=bias)
+    if not fp8_gemv_supported(x, weight, scale):
+        fail(
+            op,
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} "
+            f"{scale.dtype}: need one contiguous row, contiguous 16-byte-aligned E4M3 rows of a multiple of "
+            f"16, and fp32 scales per row [N, 1] or per 128x128 tile",
+        )
+    n = weight.shape[0]
+    _check_gemv_out(op, out, bias, n)
+    if n == 0:
+        return out
+    expected = (-(-n // 128), -(-weight.shape[1] // 128)) if block else (n, 1)
+    if tuple(scale.shape) != expected:
+        fail(op, f"scale must be {expected} ({'per tile' if block else 'per row'}), got {tuple(scale.shape)}")
+    per_row_bf16 = suffix == "bf16" and not block
+    if variant is None:
+        variant = FP8_GEMV_VARIANT if per_row_bf16 else ""
+    if variant not in _FP8_GEMV_SHAPES or (variant and not per_row_bf16):
+        fail(
+            op,
+            f"variant {variant!r}: the builds are {sorted(_FP8_GEMV_SHAPES)}, all but '' for bf16 with per-row scales",
+        )
+    rows_per_warp = _FP8_GEMV_SHAPES[variant][0]
+    name = f"gemv_fp8_{suffix}{'_block' if block else ''}{variant}"
+    args = (ptr(out), ptr(x), ptr(weight), ptr(scale), ptr(bias), np.int32(n), np.int32(weight.shape[1]))
+    launch("gemv_kernels", name, device, (-(-n // (_GEMV_ROWS_PER_BLOCK * rows_per_warp)),), (128,), args)
+    return out
