@@ -7,8 +7,6 @@ benchmark sets in the environment; a test or benchmark in-process patches the co
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -79,14 +77,6 @@ def gemv(
     return out
 
 
-def _gemv_bound_setting() -> str:
-    """ZLLM_GEMV_BOUND; set but empty it picks the one-warp-per-row kernel (run_perf.sh's
-    "ZLLM_GEMV_BOUND=" A/B), a value zllm.envs cannot return: it reads empty as the default."""
-    if os.environ.get("ZLLM_GEMV_BOUND") == "":
-        return ""
-    return envs.ZLLM_GEMV_BOUND
-
-
 # The split GEMV's builds (csrc/gemv_kernels.cu gemv_<T>_s<S>_b<B>): S warps per row, B the
 # __launch_bounds__ minimum blocks per SM (b0: none; b4, b6: ptxas issues a round's loads
 # together). GEMV_BOUND picks the bound of the default GEMV ("": the one-warp-per-row kernel).
@@ -95,7 +85,7 @@ def _gemv_bound_setting() -> str:
 # (benchmarks/gemv.py, 2026-11-25); ZLLM_GEMV_BOUND overrides it.
 GEMV_SPLITS = (1, 2, 4)
 GEMV_BOUNDS = ("b0", "b4", "b6")
-GEMV_BOUND = _gemv_bound_setting()
+GEMV_BOUND = envs.ZLLM_GEMV_BOUND
 _GEMV_ROUND_UNITS = 32 * 8  # 16-byte units a warp covers in one round of 8 loads a lane
 
 
