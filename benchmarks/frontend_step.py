@@ -25,8 +25,8 @@ async def run(args) -> dict:
     import msgspec
 
     from zllm.config import EngineConfig
-    from zllm.frontend.openai_protocol import ChatCompletionRequest
-    from zllm.frontend.openai_serving import ChatCall
+    from zllm.frontend.openai.protocol import ChatCompletionRequest
+    from zllm.frontend.openai.serving import ChatCall
     from zllm.frontend.server import FrontendServer
     from zllm.ipc.codec import Codec
     from zllm.ipc.messages import CoreToFrontend, EngineOutputs, TokenDelta

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from zllm.frontend.tool_parsers import (
+from zllm.frontend.openai.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,

@@ -8,7 +8,7 @@ Clients speak the map-encoded Client*/Server* messages of zllm.ipc.messages. Eac
 validated here (errors go back to that client only), streamed back as text/token deltas (text
 that could still turn into a stop string is held back until it can't), and aborted in the core
 when its client cancels, vanishes (a send to it fails) or falls silent past client_timeout_s.
-The OpenAI HTTP API (api_server.py) is a client inside this process: `open_local_client`.
+The OpenAI HTTP API (zllm/frontend/openai/) is a client inside this process: `open_local_client`.
 
 With --data-parallel-size N the frontend drives N engines (zllm/frontend/engines.py), and each
 new request goes to the least loaded one that is up (zllm/frontend/router.py); stats and utility
