@@ -7,6 +7,7 @@ import os
 import re
 
 from zllm.config import EngineConfig
+from zllm.frontend.openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
 _SIZE_UNITS = {
     "": 1,
@@ -162,7 +163,7 @@ def add_http_args(group) -> None:
     )
     group.add_argument(
         "--tool-call-parser",
-        choices=["hermes", "llama3_json", "mistral"],
+        choices=list(TOOL_CALL_PARSERS),
         default=None,
         help="the model's tool-call format, as vLLM names it",
     )
