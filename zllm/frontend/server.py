@@ -38,7 +38,8 @@ import zmq
 import zmq.asyncio
 
 from zllm.config import EngineConfig
-from zllm.frontend.engines import MAX_REPLAYS, EngineLink, EngineStartError
+from zllm.frontend.engine_start import EngineStartError
+from zllm.frontend.engines import MAX_REPLAYS, EngineLink
 from zllm.frontend.metrics import FrontendMetrics
 from zllm.frontend.nodes import NodeFailure, NodeHub
 from zllm.frontend.output_processor import OutputProcessor
