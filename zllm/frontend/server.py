@@ -12,7 +12,7 @@ The OpenAI HTTP API (zllm/frontend/openai/) is a client inside this process: `op
 
 With --data-parallel-size N the frontend drives N engines (zllm/frontend/engines.py), and each
 new request goes to the least loaded one that is up (zllm/frontend/router.py); stats and utility
-calls go to every engine, and their answers are merged.
+calls go to every engine, and their answers are merged (zllm/frontend/engine_calls.py).
 
 Engine failures (zllm/frontend/supervisor.py watches each core and every worker): with
 on_failure="restart" the failed engine alone is killed, restarted with back-off, and each of its
@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from zllm.config import EngineConfig
+from zllm.frontend.engine_calls import EngineCalls
 from zllm.frontend.engine_start import EngineStartError
 from zllm.frontend.engines import MAX_REPLAYS, EngineLink
 from zllm.frontend.metrics import FrontendMetrics
@@ -63,10 +64,7 @@ from zllm.ipc.messages import (
     ServerError,
     ServerOutput,
     ServerPong,
-    ServerStats,
     ServerToClient,
-    ServerUtilityResult,
-    UtilityCall,
     UtilityResult,
 )
 from zllm.ipc.sockets import make_socket
@@ -75,10 +73,6 @@ from zllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("zllm.frontend")
 _FINAL_MESSAGES_LINGER_MS = 2000  # at shutdown, how long queued messages to clients may take to leave
-
-
-# Engine utilities a client may call by name (ClientUtility).
-_CLIENT_UTILITIES = ("reset_prefix_cache",)
 
 
 @dataclass(slots=True)
@@ -103,17 +97,6 @@ class _ClientRequest:
 
 
 @dataclass(slots=True)
-class _Call:
-    """A client's stats or utility call, sent to every engine that is up."""
-
-    identity: bytes
-    client_call_id: int
-    method: str
-    pending: dict[int, int] = field(default_factory=dict)  # engine call id -> dp rank, until answered
-    results: dict[int, UtilityResult] = field(default_factory=dict)  # by dp rank
-
-
-@dataclass(slots=True)
 class _Client:
     last_seen: float
     requests: set[str] = field(default_factory=set)
@@ -135,13 +118,13 @@ class FrontendServer:
         self.to_clients: Codec = Codec(ServerToClient)
         self.requests: dict[str, _ClientRequest] = {}
         self.clients: dict[bytes, _Client] = {}
-        self._call_ids = itertools.count()
-        self.calls: dict[int, _Call] = {}  # engine utility call id -> the client call it answers
+        call_ids = itertools.count()  # engine utility call ids, unique across engines
         self.nodes = NodeHub(config) if config.nnodes > 1 else None
         self.engines = [
-            EngineLink(config, rank, self.context, self._call_ids, self._nodes_of(rank))
+            EngineLink(config, rank, self.context, call_ids, self._nodes_of(rank))
             for rank in range(config.data_parallel_size)
         ]
+        self.calls = EngineCalls(self.engines, call_ids, self._send, self._server_stats)
         self.balancer = LoadBalancer(len(self.engines), config.block_size)
         self.dead_reason: str | None = None
         self.draining = False  # a graceful shutdown began: new requests are refused (/health: 503)
@@ -275,7 +258,7 @@ class FrontendServer:
             await self._deliver(engine, message)
         elif isinstance(message, UtilityResult):
             self._answering.set()
-            await self._answer_utility(engine, message)
+            await self.calls.answer(engine, message)
 
     async def _recover(self, engine: EngineLink, reason: str) -> bool:
         """After an engine failure: restart that engine and replay its requests in flight (True),
@@ -284,7 +267,7 @@ class FrontendServer:
         failed_at = time.monotonic()
         logger.error("%s failure: %s; %d request(s) in flight", engine.name, reason, len(engine.replay))
         engine.recovering, engine.held_while_recovering = True, 0
-        await self._answer_calls_locally(engine)
+        await self.calls.engine_failed(engine)
         await engine.kill()
         if self.config.on_failure == "fail" or self.draining:
             return await self._give_up(f"{engine.name} is dead: {reason}")
@@ -395,9 +378,9 @@ class FrontendServer:
         elif isinstance(message, ClientPing):
             await self._send(identity, ServerPong())
         elif isinstance(message, ClientStats):
-            await self._stats(identity, message.call_id)
+            await self.calls.stats(identity, message.call_id)
         elif isinstance(message, ClientUtility):
-            await self._call_utility(identity, message)
+            await self.calls.utility(identity, message)
 
     def _authorized(self, identity: bytes, message) -> bool:
         """Requests and calls must carry the api key, if there is one (pings and aborts of one's
@@ -410,36 +393,13 @@ class FrontendServer:
         given = (message.api_key or "").encode()
         return message.api_key is not None and hmac.compare_digest(given, self.config.api_key.encode())
 
-    async def _stats(self, identity: bytes, client_call_id: int) -> None:
-        call = _Call(identity, client_call_id, "stats")
-        if not self._call_engines(call):
-            await self._send(identity, ServerStats(call_id=client_call_id, stats=self._server_stats()))
-
     def _server_stats(self) -> dict:
+        """The frontend's own part of every stats answer."""
         state = "draining" if self.draining else "recovering" if self.recovering else "serving"
         stats = {"state": state, "engine_restarts": self.num_restarts, "num_requests": len(self.requests)}
         if len(self.engines) > 1:
             stats["engines_recovering"] = [engine.dp_rank for engine in self.engines if engine.recovering]
         return stats
-
-    async def _call_utility(self, identity: bytes, message: ClientUtility) -> None:
-        if message.method not in _CLIENT_UTILITIES:
-            error = f"method: {message.method!r} is not one of {list(_CLIENT_UTILITIES)}"
-            await self._send(identity, ServerUtilityResult(call_id=message.call_id, error=error))
-            return
-        call = _Call(identity, message.call_id, message.method)
-        if any(engine.recovering for engine in self.engines) or not self._call_engines(call):
-            error = "the engine is restarting after a failure; retry later"
-            await self._send(identity, ServerUtilityResult(call_id=message.call_id, error=error))
-
-    def _call_engines(self, call: _Call) -> bool:
-        """Send a utility call to every engine that is up; False if none took it."""
-        for engine in self.engines:
-            call_id = next(self._call_ids)
-            if not engine.recovering and engine.send(UtilityCall(call_id=call_id, method=call.method)):
-                self.calls[call_id] = call
-                call.pending[call_id] = engine.dp_rank
-        return bool(call.pending)
 
     async def _add_request(self, identity: bytes, message: ClientGenerate) -> None:
         engine_id = self._engine_id(identity, message.request_id)
@@ -644,52 +604,3 @@ class FrontendServer:
         sent.logprobs = len(completion.logprobs or ())
         sent.finished = completion.finished
         return delta
-
-    async def _answer_utility(self, engine: EngineLink, result: UtilityResult) -> None:
-        call = self.calls.pop(result.call_id, None)  # None: a ping
-        if call is not None:
-            del call.pending[result.call_id]
-            call.results[engine.dp_rank] = result
-            await self._answer_when_complete(call)
-
-    async def _answer_when_complete(self, call: _Call) -> None:
-        """Answer the client's call once every engine it went to has answered (or failed)."""
-        if call.pending:
-            return
-        if call.method == "stats":
-            per_engine = {rank: r.result or {} for rank, r in call.results.items() if r.error is None}
-            stats = {**merge_engine_stats(per_engine), **self._server_stats()}
-            await self._send(call.identity, ServerStats(call_id=call.client_call_id, stats=stats))
-            return
-        errors = [r.error for r in call.results.values() if r.error is not None]
-        results = [r.result for r in call.results.values()]
-        result = None if errors else results[0] if len(results) == 1 else all(results)
-        error = "; ".join(errors) or None
-        await self._send(call.identity, ServerUtilityResult(call_id=call.client_call_id, result=result, error=error))
-
-    async def _answer_calls_locally(self, engine: EngineLink) -> None:
-        """Calls the failed engine will never answer: stats are answered without it, other
-        utilities get an error."""
-        for call_id, call in [(i, c) for i, c in self.calls.items() if c.pending.get(i) == engine.dp_rank]:
-            del self.calls[call_id], call.pending[call_id]
-            call.results[engine.dp_rank] = UtilityResult(
-                call_id=call_id, error="the engine failed before answering; retry later"
-            )
-            await self._answer_when_complete(call)
-
-
-def merge_engine_stats(per_engine: dict[int, dict]) -> dict:
-    """One view of several engines' stats: counts added up, KV cache usage and the prefix-cache
-    hit rate over all of them, and each engine's own stats under "engines" (with its dp_rank)."""
-    if not per_engine:
-        return {}
-    merged: dict = {}
-    for stats in per_engine.values():
-        for key, value in stats.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                merged[key] = merged.get(key, 0) + value
-    merged["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per_engine.values()) / len(per_engine)
-    queries = merged.get("prefix_cache_queries", 0)
-    merged["prefix_cache_hit_rate"] = merged.get("prefix_cache_hits", 0) / queries if queries else 0.0
-    merged["engines"] = [{"dp_rank": rank, **per_engine[rank]} for rank in sorted(per_engine)]
-    return merged
