@@ -88,7 +88,7 @@ class _Sent:
 @dataclass(slots=True)
 class _ClientRequest:
     identity: bytes
-    request_id: str  # the client's id; the engine sees identity-prefixed ids
+    request_id: str  # the client's id; the server's key (and the engine's id) is identity-prefixed
     holdback: int  # characters of text withheld while a stop string could still match
     sent: list[_Sent]  # one per completion (n)
     engine: EngineLink  # the data-parallel engine that serves it
@@ -99,7 +99,7 @@ class _ClientRequest:
 @dataclass(slots=True)
 class _Client:
     last_seen: float
-    requests: set[str] = field(default_factory=set)
+    requests: set[str] = field(default_factory=set)  # the keys of its requests in flight
     # A client inside this process (the HTTP API): its messages go to this queue, not the socket,
     # and it is never timed out for silence (it closes itself).
     inbox: asyncio.Queue | None = None
@@ -116,7 +116,7 @@ class FrontendServer:
         self.client_socket: zmq.asyncio.Socket | None = None  # bound once the engines are ready
         self.from_clients: Codec = Codec(ClientToServer)
         self.to_clients: Codec = Codec(ServerToClient)
-        self.requests: dict[str, _ClientRequest] = {}
+        self.requests: dict[str, _ClientRequest] = {}  # by request key (_request_key)
         self.clients: dict[bytes, _Client] = {}
         call_ids = itertools.count()  # engine utility call ids, unique across engines
         self.nodes = NodeHub(config) if config.nnodes > 1 else None
@@ -223,9 +223,9 @@ class FrontendServer:
 
     async def fail_all(self, message: str, kind: str, engine: EngineLink | None = None) -> None:
         """End every request in flight (on `engine`, or on any) with this error."""
-        for engine_id in [i for i, r in self.requests.items() if engine is None or r.engine is engine]:
-            request = self._forget(engine_id)
-            self.outputs.abort(engine_id)
+        for request_key in [i for i, r in self.requests.items() if engine is None or r.engine is engine]:
+            request = self._forget(request_key)
+            self.outputs.abort(request_key)
             await self._send(request.identity, ServerError(request.request_id, message, kind))
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -313,9 +313,9 @@ class FrontendServer:
         """Send the restarted engine core every unfinished completion it had, continued; returns
         how many requests that continues."""
         resend, given_up = engine.replay.continuations(self.outputs.received_token_ids)
-        for engine_id in given_up:
-            request = self._forget(engine_id)
-            self.outputs.abort(engine_id)
+        for request_key in given_up:
+            request = self._forget(request_key)
+            self.outputs.abort(request_key)
             reason = f"engine is dead: it failed {MAX_REPLAYS + 1} times while this request ran; not retried"
             await self._send(request.identity, ServerError(request.request_id, reason, "engine_dead"))
         for message in resend:
@@ -374,7 +374,7 @@ class FrontendServer:
         elif isinstance(message, ClientGenerate):
             await self._add_request(identity, message)
         elif isinstance(message, ClientAbort):
-            await self._abort([self._engine_id(identity, message.request_id)])
+            await self._abort([self._request_key(identity, message.request_id)])
         elif isinstance(message, ClientPing):
             await self._send(identity, ServerPong())
         elif isinstance(message, ClientStats):
@@ -402,17 +402,17 @@ class FrontendServer:
         return stats
 
     async def _add_request(self, identity: bytes, message: ClientGenerate) -> None:
-        engine_id = self._engine_id(identity, message.request_id)
+        request_key = self._request_key(identity, message.request_id)
         refusal = self._refusal()
         if refusal is not None:
             await self._send(identity, ServerError(message.request_id, *refusal))
             return
         try:
-            if engine_id in self.requests:
+            if request_key in self.requests:
                 raise ValueError(f"request_id: {message.request_id!r} is already in use by this client")
             sampling = convert(message.sampling, SamplingParams)
             add, text = self.processor.process(
-                engine_id, self._prompt(message), sampling, priority=message.priority, cache_salt=message.cache_salt
+                request_key, self._prompt(message), sampling, priority=message.priority, cache_salt=message.cache_salt
             )
             core_messages = self.outputs.add_request(add, text)  # n > 1: n children
         except ValueError as error:
@@ -421,10 +421,10 @@ class FrontendServer:
         holdback = max((len(s) for s in sampling.stop_strings), default=1) - 1
         sent = [_Sent() for _ in range(sampling.n)]
         engine = self._choose_engine(add, len(core_messages))
-        self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback, sent, engine)
-        self.clients[identity].requests.add(engine_id)
-        self.metrics.request_added(engine_id, len(add.prompt_token_ids))
-        engine.replay.record(engine_id, core_messages)
+        self.requests[request_key] = _ClientRequest(identity, message.request_id, holdback, sent, engine)
+        self.clients[identity].requests.add(request_key)
+        self.metrics.request_added(request_key, len(add.prompt_token_ids))
+        engine.replay.record(request_key, core_messages)
         if engine.recovering:
             engine.held_while_recovering += 1  # sent with the replayed requests once the engine is back
             return
@@ -467,7 +467,9 @@ class FrontendServer:
         return message.prompt
 
     @staticmethod
-    def _engine_id(identity: bytes, request_id: str) -> str:
+    def _request_key(identity: bytes, request_id: str) -> str:
+        """A request's key: its client's identity and the client's own id, so clients cannot
+        collide; the id the output processor and the engine cores know the request by."""
         return f"{identity.hex()}/{request_id}"
 
     async def _send(self, identity: bytes, message) -> bool:
@@ -496,23 +498,23 @@ class FrontendServer:
             logger.info("client %s %s: aborting %d request(s)", identity.hex(), why, len(client.requests))
             await self._abort(list(client.requests))
 
-    async def _abort(self, engine_ids: list[str]) -> None:
+    async def _abort(self, request_keys: list[str]) -> None:
         core_ids: dict[EngineLink, list[str]] = {}
-        for engine_id in [i for i in engine_ids if i in self.requests]:
-            request = self._forget(engine_id)
-            core_ids.setdefault(request.engine, []).extend(self.outputs.core_request_ids(engine_id))
-            self.outputs.abort(engine_id)
+        for request_key in [i for i in request_keys if i in self.requests]:
+            request = self._forget(request_key)
+            core_ids.setdefault(request.engine, []).extend(self.outputs.core_request_ids(request_key))
+            self.outputs.abort(request_key)
         for engine, ids in core_ids.items():
             if ids and not engine.recovering:
                 engine.send(AbortRequests(request_ids=ids))
 
-    def _forget(self, engine_id: str) -> _ClientRequest | None:
-        request = self.requests.pop(engine_id, None)
-        self.metrics.request_ended(engine_id)
+    def _forget(self, request_key: str) -> _ClientRequest | None:
+        request = self.requests.pop(request_key, None)
+        self.metrics.request_ended(request_key)
         if request is not None:
-            request.engine.replay.forget(engine_id)
+            request.engine.replay.forget(request_key)
             if request.identity in self.clients:
-                self.clients[request.identity].requests.discard(engine_id)
+                self.clients[request.identity].requests.discard(request_key)
         return request
 
     async def _drop_silent_clients(self) -> None:
@@ -550,14 +552,14 @@ class FrontendServer:
 
     async def _fail(self, engine: EngineLink, core_id: str, reason: str, kind: str = "bad_request") -> None:
         """The core refused one of a request's completions: the whole request fails."""
-        engine_id = self.outputs.request_id_of(core_id)
-        if engine_id is None:
+        request_key = self.outputs.request_id_of(core_id)
+        if request_key is None:
             return
-        siblings = [i for i in self.outputs.core_request_ids(engine_id) if i != core_id]
-        self.outputs.abort(engine_id)
+        siblings = [i for i in self.outputs.core_request_ids(request_key) if i != core_id]
+        self.outputs.abort(request_key)
         if siblings:
             engine.send(AbortRequests(request_ids=siblings))
-        request = self._forget(engine_id)
+        request = self._forget(request_key)
         if request is not None:
             await self._send(request.identity, ServerError(request.request_id, reason, kind))
 
