@@ -25,8 +25,8 @@ async def run(args) -> dict:
     import msgspec
 
     from zllm.config import EngineConfig
-    from zllm.frontend.openai_protocol import ChatCompletionRequest
-    from zllm.frontend.openai_serving import ChatCall
+    from zllm.frontend.openai.protocol import ChatCompletionRequest
+    from zllm.frontend.openai.serving import ChatCall
     from zllm.frontend.server import FrontendServer
     from zllm.ipc.codec import Codec
     from zllm.ipc.messages import CoreToFrontend, EngineOutputs, TokenDelta
@@ -63,8 +63,8 @@ async def run(args) -> dict:
     tasks = [asyncio.create_task(stream(i)) for i in range(args.streams)]
     await asyncio.sleep(0.1)  # every request submitted: its core ids known
     core_ids = {engine.dp_rank: [] for engine in server.engines}
-    for engine_id, request in server.requests.items():
-        core_ids[request.engine.dp_rank] += server.outputs.core_request_ids(engine_id)
+    for request_key, request in server.requests.items():
+        core_ids[request.engine.dp_rank] += server.outputs.core_request_ids(request_key)
     assert sum(len(ids) for ids in core_ids.values()) == args.streams, "not every stream was submitted"
 
     profiler = None

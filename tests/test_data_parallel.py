@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import processes_gone, save_tiny_llama, start_server
 from zllm import LLM, AsyncClient, Client, SamplingParams
 from zllm.config import EngineConfig
-from zllm.frontend.server import merge_engine_stats
+from zllm.frontend.engine_calls import merge_engine_stats
 from zllm.launch.args import engine_kwargs
 from zllm.launch.cli import build_parser
 

@@ -68,8 +68,6 @@ def environment_reads(path: Path, root: Path = ROOT) -> list[str]:
 
 
 def test_no_module_but_envs_reads_a_zllm_variable():
-    # NOTE: until the branch that splits zllm/workers/ops.py, kernels/ops.py, kernels/moe.py and
-    # cpu_kernels.py merges, those four still read their A/B switches here; that branch moves them.
     reads = [
         read for path in sorted(SOURCE.rglob("*.py")) if path != SOURCE / "envs.py" for read in environment_reads(path)
     ]

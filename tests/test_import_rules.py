@@ -4,6 +4,9 @@ what importing each process's entry module loads, so that they stay true.
     zllm/launch                       assembles and supervises: may import anything
     zllm/frontend  zllm/enginecore  zllm/workers     one package per process; none imports another
     shared: zllm/ipc, zllm/procs, config, model_spec, sampling_params, outputs, ...   import no process
+
+Inside the frontend, the OpenAI HTTP API (zllm/frontend/openai) is a client of the server: only
+the launcher (and the subpackage itself) imports it.
 """
 
 from __future__ import annotations
@@ -19,9 +22,7 @@ import pytest
 SOURCE = Path(__file__).resolve().parent.parent / "zllm"
 PROCESSES = ("zllm.frontend", "zllm.enginecore", "zllm.workers")
 LAUNCH = "zllm.launch"
-# The offline LLM (vLLM's API) assembles an engine core and worker inside the calling process: its
-# one entry point, LLMEngine.from_engine_args, reaches up to the assembly when called.
-ALLOWED_UPWARD = {("zllm.frontend.llm_engine", "zllm.launch.inprocess")}
+OPENAI_API = "zllm.frontend.openai"  # a client of the frontend server: only the launcher builds it
 CLIENT_MAY_IMPORT = ("zllm.ipc", "zllm.outputs", "zllm.sampling_params")  # pyzmq + msgspec only
 
 
@@ -47,10 +48,14 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
 def package_of(module: str) -> str:
     """The process package (or zllm.launch) a module belongs to; "shared" for everything else."""
     for package in (*PROCESSES, LAUNCH):
-        if module == package or module.startswith(package + "."):
+        if within(module, package):
             return package
     return "shared"
 
@@ -66,11 +71,18 @@ def test_processes_import_neither_each_other_nor_the_launcher():
     wrong = [
         (importer, imported)
         for importer, imported in zllm_edges()
-        if package_of(importer) in PROCESSES
-        and package_of(imported) not in ("shared", package_of(importer))
-        and (importer, imported) not in ALLOWED_UPWARD
+        if package_of(importer) in PROCESSES and package_of(imported) not in ("shared", package_of(importer))
     ]
     assert not wrong, f"a process package imports another process or zllm/launch: {wrong}"
+
+
+def test_only_the_launcher_imports_the_openai_api():
+    wrong = [
+        (importer, imported)
+        for importer, imported in zllm_edges()
+        if within(imported, OPENAI_API) and not (within(importer, LAUNCH) or within(importer, OPENAI_API))
+    ]
+    assert not wrong, f"only zllm/launch imports zllm/frontend/openai: {wrong}"
 
 
 def test_shared_modules_import_no_process_and_not_the_launcher():
@@ -112,9 +124,11 @@ def test_only_ipc_knows_the_wire_format():
             ["torch", "zllm.workers", "zllm.frontend", "zllm.launch"],
         ),
         (
-            ["zllm.frontend.server", "zllm.frontend.api_server", "zllm.frontend.llm"],
+            ["zllm.frontend.server", "zllm.frontend.openai.api_server", "zllm.frontend.llm_engine"],
             ["zllm.workers", "zllm.enginecore", "zllm.launch"],
         ),
+        # The offline LLM assembles its engine core and workers when it is built, not when named.
+        (["zllm.launch.llm"], ["zllm.workers", "zllm.enginecore"]),
         (["zllm.workers.process"], ["zllm.frontend", "zllm.enginecore", "zllm.launch"]),
         (
             ["zllm.config", "zllm.procs.children", "zllm.model_spec"],

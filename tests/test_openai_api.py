@@ -483,7 +483,7 @@ def _aborted(api) -> float:
 
 def test_health_and_requests_answer_503_when_dead_or_draining(smollm2_dir):
     from zllm.config import EngineConfig
-    from zllm.frontend.api_server import ApiServer
+    from zllm.frontend.openai.api_server import ApiServer
     from zllm.frontend.server import FrontendServer
 
     async def scenario():

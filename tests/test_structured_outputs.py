@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import hf_greedy
-from zllm.frontend.llm_engine import LLMEngine
+from zllm import LLMEngine
 from zllm.ipc.codec import Codec
 from zllm.ipc.messages import AddRequest, CoreToWorker, GrammarBitmask
 from zllm.sampling_params import SamplingParams, StructuredOutputsParams

@@ -4,10 +4,13 @@ outputs, and the same outputs streamed in pieces, whose deltas must add up to th
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
-from zllm.frontend.tool_parsers import (
+from zllm.frontend.openai.tool_parsers import (
+    PARSERS,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
@@ -104,3 +107,16 @@ def test_mistral_ids_are_nine_alphanumerics_and_unknown_parsers_are_refused():
     assert len(calls[0].id) == 9 and calls[0].id.isalnum()
     with pytest.raises(ValueError, match="^tool_call_parser"):
         tool_parser("pythonic")
+
+
+def test_the_cli_and_the_docs_list_the_parsers_there_are():
+    from zllm.launch.cli import build_parser
+
+    (action,) = [a for a in build_parser()._actions if a.dest == "tool_call_parser"]
+    assert list(action.choices) == list(PARSERS)
+    root = Path(__file__).resolve().parent.parent
+    readme = re.search(r"--tool-call-parser \{([^}]*)\}", (root / "README.md").read_text())
+    assert readme and readme.group(1).split(",") == list(PARSERS)
+    api_doc = (root / "docs/api.md").read_text()
+    paragraph = api_doc[api_doc.index("Parsers (`--tool-call-parser`") :].split("\n\n")[0]
+    assert re.findall(r"`(\w+)`\s*\n?\(", paragraph) == list(PARSERS)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY_NAMES = {
-    "LLM": "zllm.frontend.llm",
-    "LLMEngine": "zllm.frontend.llm_engine",
+    "LLM": "zllm.launch.llm",
+    "LLMEngine": "zllm.launch.llm_engine",
     "SamplingParams": "zllm.sampling_params",
     "StructuredOutputsParams": "zllm.sampling_params",
     "RequestOutput": "zllm.outputs",
@@ -30,8 +30,8 @@ __all__ = list(_LAZY_NAMES) + ["__version__"]
 if TYPE_CHECKING:
     from zllm.client import AsyncClient, Client
     from zllm.config import EngineConfig
-    from zllm.frontend.llm import LLM
-    from zllm.frontend.llm_engine import LLMEngine
+    from zllm.launch.llm import LLM
+    from zllm.launch.llm_engine import LLMEngine
     from zllm.outputs import CompletionOutput, Logprob, RequestOutput
     from zllm.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import hf_greedy, save_tiny_model
-from zllm.frontend.llm_engine import LLMEngine
+from zllm import LLMEngine
 from zllm.sampling_params import SamplingParams
 from zllm.workers.sampler import apply_token_bitmask
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import shutil
 import subprocess
 import time
@@ -22,8 +21,9 @@ import time
 import zmq
 
 from zllm.config import EngineConfig
+from zllm.frontend.engine_start import EngineStartError, run_blocking, start_local_core, wait_until_ready
 from zllm.frontend.router import LoadBalancer
-from zllm.ipc.addresses import InternalEndpoints, engine_runtime_dir, make_private_runtime_dir
+from zllm.ipc.addresses import engine_runtime_dir, make_private_runtime_dir
 from zllm.ipc.codec import Codec
 from zllm.ipc.messages import (
     AbortRequests,
@@ -38,7 +38,7 @@ from zllm.ipc.messages import (
     UtilityCall,
     UtilityResult,
 )
-from zllm.ipc.sockets import make_socket, send_watching
+from zllm.ipc.sockets import send_watching
 from zllm.procs.engine_processes import EngineProcesses
 from zllm.procs.exits import kill_and_wait, stop_children
 
@@ -145,25 +145,11 @@ class DataParallelCoreClient:
     # ---- processes and sockets -----------------------------------------------------------------
 
     def _spawn(self, rank: int) -> _Core:
+        processes = EngineProcesses()
+        config = dataclasses.replace(self.config, data_parallel_rank=rank)
         runtime_dir = engine_runtime_dir(self.runtime_dir, 1, rank)
-        os.makedirs(runtime_dir, mode=0o700)
-        endpoints = InternalEndpoints(runtime_dir)
-        hwm = self.config.socket_hwm
-        core = _Core(
-            rank,
-            EngineProcesses(),
-            make_socket(self.context, zmq.PUSH, endpoints.core_input, bind=True, hwm=hwm),
-            make_socket(
-                self.context,
-                zmq.PULL,
-                endpoints.core_output,
-                bind=True,
-                hwm=hwm,
-                max_message_bytes=self.config.internal_max_message_bytes,
-            ),
-        )
-        core.processes.spawn_core(dataclasses.replace(self.config, runtime_dir=runtime_dir, data_parallel_rank=rank))
-        return core
+        to_core, from_core = start_local_core(processes, self.context, config, runtime_dir)
+        return _Core(rank, processes, to_core, from_core)
 
     def _send(self, core: _Core, message) -> None:
         """Sends to one core; fails, rather than waits, once that core has exited."""
@@ -175,18 +161,18 @@ class DataParallelCoreClient:
         send_watching(core.to_core, self._encode(message), int(self.config.heartbeat_interval_s * 1000), check_core)
 
     def _wait_ready(self, core: _Core) -> EngineReady:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while time.monotonic() < deadline:
+        async def receive():  # blocks: run_blocking needs awaits that never suspend
             if core.from_core.poll(int(self.config.heartbeat_interval_s * 1000)):
-                message = self._decode(core.from_core.recv_multipart())
-                if isinstance(message, EngineReady):
-                    core.processes.adopt_workers(message.worker_pids)
-                    return message
-                if isinstance(message, EngineDead):
-                    raise EngineCoreError(f"engine {core.rank} failed to start: {message.reason}")
-            elif (code := core.processes.core_exit_code()) is not None:
-                raise EngineCoreError(f"engine {core.rank} core exited with code {code} during start-up")
-        raise EngineCoreError(f"engine {core.rank} not ready after {self.config.startup_timeout_s:.0f} s")
+                return self._decode(core.from_core.recv_multipart())
+            return None
+
+        name, timeout_s = f"engine {core.rank}", self.config.startup_timeout_s
+        try:
+            ready = run_blocking(wait_until_ready(name, receive, core.processes, timeout_s))
+        except EngineStartError as error:
+            raise EngineCoreError(str(error)) from None
+        core.processes.adopt_workers(ready.worker_pids)
+        return ready
 
     def _receive(self, timeout_ms: int, results: dict[int, UtilityResult] | None = None) -> list[TokenDelta]:
         """Everything the cores have sent within timeout_ms: deltas returned, utility results

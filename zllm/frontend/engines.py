@@ -24,7 +24,6 @@ import dataclasses
 import errno
 import itertools
 import logging
-import os
 import shutil
 import subprocess
 import time
@@ -34,10 +33,11 @@ import zmq
 import zmq.asyncio
 
 from zllm.config import EngineConfig
+from zllm.frontend.engine_start import EngineStartError, start_local_core, wait_until_ready
 from zllm.frontend.nodes import NodeFailure, NodeHub
 from zllm.frontend.replay import ReplayLog
 from zllm.frontend.restart_policy import RestartPolicy
-from zllm.ipc.addresses import InternalEndpoints, NodeEndpoints, engine_runtime_dir
+from zllm.ipc.addresses import NodeEndpoints, engine_runtime_dir
 from zllm.ipc.codec import Codec, MessageError
 from zllm.ipc.messages import CoreToFrontend, EngineDead, EngineReady, FrontendToCore, Shutdown, UtilityCall
 from zllm.ipc.sockets import make_socket
@@ -50,10 +50,6 @@ logger = logging.getLogger("zllm.frontend")
 # A request in flight through this many failures of its engine is failed alone rather than
 # replayed again: it may be what crashes the engine.
 MAX_REPLAYS = 2
-
-
-class EngineStartError(RuntimeError):
-    pass
 
 
 MessageHandler = Callable[["EngineLink", object], Awaitable[None]]
@@ -117,25 +113,11 @@ class EngineLink:
         if self.remote:
             await self._bind_tcp()
         else:
-            self._bind_ipc()
-            self.processes.spawn_core(dataclasses.replace(self.config, runtime_dir=self.runtime_dir))
+            self._core_in, self._core_out = start_local_core(
+                self.processes, self.context, self.config, self.runtime_dir
+            )
         if self.nodes is not None:
             await self.nodes.start(self.dp_rank, self._generation)
-
-    def _bind_ipc(self) -> None:
-        os.makedirs(self.runtime_dir, mode=0o700, exist_ok=True)  # left by a killed instance: make_socket checks it
-        os.chmod(self.runtime_dir, 0o700)
-        endpoints = InternalEndpoints(self.runtime_dir)
-        hwm = self.config.socket_hwm
-        self._core_in = make_socket(self.context, zmq.PUSH, endpoints.core_input, bind=True, hwm=hwm)
-        self._core_out = make_socket(
-            self.context,
-            zmq.PULL,
-            endpoints.core_output,
-            bind=True,
-            hwm=hwm,
-            max_message_bytes=self.config.internal_max_message_bytes,
-        )
 
     async def _bind_tcp(self) -> None:
         """The remote core's sockets, on the same ports every generation (the core's node is told
@@ -166,23 +148,21 @@ class EngineLink:
 
     async def wait_ready(self) -> EngineReady:
         """Wait for the core's EngineReady (its workers are up and the KV cache sized)."""
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while time.monotonic() < deadline:
-            if await self._core_out.poll(int(self.config.heartbeat_interval_s * 1000)):
-                message = self._decode(await self._core_out.recv_multipart())
-                if isinstance(message, EngineReady):
-                    self.ready = message
-                    if not self.remote:  # a remote engine's pids are its node's to watch
-                        self.processes.adopt_workers(message.worker_pids)
-                    self.last_message = time.monotonic()
-                    return message
-                if isinstance(message, EngineDead):
-                    raise EngineStartError(f"{self.name} failed to start: {message.reason}")
-            elif (code := self.processes.core_exit_code()) is not None:
-                raise EngineStartError(f"{self.name} core exited with code {code} during start-up")
-            elif self.nodes is not None and (failure := self.nodes.pending_failure(self.dp_rank)) is not None:
-                raise EngineStartError(f"{self.name} failed to start: {failure}")
-        raise EngineStartError(f"{self.name} not ready after {self.config.startup_timeout_s:.0f} s")
+        node_failure = (lambda: self.nodes.pending_failure(self.dp_rank)) if self.nodes is not None else lambda: None
+        ready = await wait_until_ready(
+            self.name, self._receive_one, self.processes, self.config.startup_timeout_s, node_failure
+        )
+        self.ready = ready
+        if not self.remote:  # a remote engine's pids are its node's to watch
+            self.processes.adopt_workers(ready.worker_pids)
+        self.last_message = time.monotonic()
+        return ready
+
+    async def _receive_one(self):
+        """The core's next message, or None after a heartbeat without one."""
+        if await self._core_out.poll(int(self.config.heartbeat_interval_s * 1000)):
+            return self._decode(await self._core_out.recv_multipart())
+        return None
 
     async def start(self) -> EngineReady:
         if self.nodes is not None:

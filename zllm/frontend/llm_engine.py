@@ -1,7 +1,9 @@
 """The request loop a frontend runs: validate -> engine core -> detokenize -> RequestOutputs.
 
 `LLMEngine` talks to an engine core through a small interface (add, abort, step), so the same
-code drives an in-process core or, later, a core in another process.
+code drives an in-process core or engine-core processes (core_client.py). It is given its core
+client, already built: assembling one is launcher work, and `zllm.LLMEngine.from_engine_args`
+(zllm/launch/llm_engine.py) does it, so the frontend imports nothing above it.
 """
 
 from __future__ import annotations
@@ -36,19 +38,6 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer_path)
         self.processor = InputProcessor.from_config(config, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
-
-    @classmethod
-    def from_engine_args(cls, model: str | None = None, **kwargs) -> LLMEngine:
-        """An engine whose core and worker run in this process; with data_parallel_size > 1, one
-        engine-core process per data-parallel rank instead."""
-        config = EngineConfig.create(model, usage="offline", **kwargs)
-        if config.data_parallel_size > 1:
-            from zllm.frontend.core_client import DataParallelCoreClient
-
-            return cls(config, DataParallelCoreClient(config))
-        from zllm.launch.inprocess import build_inprocess_core
-
-        return cls(config, build_inprocess_core(config))
 
     def add_request(
         self,

@@ -8,11 +8,11 @@ Clients speak the map-encoded Client*/Server* messages of zllm.ipc.messages. Eac
 validated here (errors go back to that client only), streamed back as text/token deltas (text
 that could still turn into a stop string is held back until it can't), and aborted in the core
 when its client cancels, vanishes (a send to it fails) or falls silent past client_timeout_s.
-The OpenAI HTTP API (api_server.py) is a client inside this process: `open_local_client`.
+The OpenAI HTTP API (zllm/frontend/openai/) is a client inside this process: `open_local_client`.
 
 With --data-parallel-size N the frontend drives N engines (zllm/frontend/engines.py), and each
 new request goes to the least loaded one that is up (zllm/frontend/router.py); stats and utility
-calls go to every engine, and their answers are merged.
+calls go to every engine, and their answers are merged (zllm/frontend/engine_calls.py).
 
 Engine failures (zllm/frontend/engines.py watches each core and every worker): with
 on_failure="restart" the failed engine alone is killed, restarted with back-off, and each of its
@@ -38,7 +38,9 @@ import zmq
 import zmq.asyncio
 
 from zllm.config import EngineConfig
-from zllm.frontend.engines import MAX_REPLAYS, EngineLink, EngineStartError
+from zllm.frontend.engine_calls import EngineCalls
+from zllm.frontend.engine_start import EngineStartError
+from zllm.frontend.engines import MAX_REPLAYS, EngineLink
 from zllm.frontend.metrics import FrontendMetrics
 from zllm.frontend.nodes import NodeFailure, NodeHub
 from zllm.frontend.output_processor import OutputProcessor
@@ -62,10 +64,7 @@ from zllm.ipc.messages import (
     ServerError,
     ServerOutput,
     ServerPong,
-    ServerStats,
     ServerToClient,
-    ServerUtilityResult,
-    UtilityCall,
     UtilityResult,
 )
 from zllm.ipc.sockets import make_socket
@@ -75,10 +74,6 @@ from zllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("zllm.frontend")
 _FINAL_MESSAGES_LINGER_MS = 2000  # at shutdown, how long queued messages to clients may take to leave
-
-
-# Engine utilities a client may call by name (ClientUtility).
-_CLIENT_UTILITIES = ("reset_prefix_cache",)
 
 
 @dataclass(slots=True)
@@ -94,7 +89,7 @@ class _Sent:
 @dataclass(slots=True)
 class _ClientRequest:
     identity: bytes
-    request_id: str  # the client's id; the engine sees identity-prefixed ids
+    request_id: str  # the client's id; the server's key (and the engine's id) is identity-prefixed
     holdback: int  # characters of text withheld while a stop string could still match
     sent: list[_Sent]  # one per completion (n)
     engine: EngineLink  # the data-parallel engine that serves it
@@ -103,20 +98,9 @@ class _ClientRequest:
 
 
 @dataclass(slots=True)
-class _Call:
-    """A client's stats or utility call, sent to every engine that is up."""
-
-    identity: bytes
-    client_call_id: int
-    method: str
-    pending: dict[int, int] = field(default_factory=dict)  # engine call id -> dp rank, until answered
-    results: dict[int, UtilityResult] = field(default_factory=dict)  # by dp rank
-
-
-@dataclass(slots=True)
 class _Client:
     last_seen: float
-    requests: set[str] = field(default_factory=set)
+    requests: set[str] = field(default_factory=set)  # the keys of its requests in flight
     # A client inside this process (the HTTP API): its messages go to this queue, not the socket,
     # and it is never timed out for silence (it closes itself).
     inbox: asyncio.Queue | None = None
@@ -133,15 +117,15 @@ class FrontendServer:
         self.client_socket: zmq.asyncio.Socket | None = None  # bound once the engines are ready
         self.from_clients: Codec = Codec(ClientToServer)
         self.to_clients: Codec = Codec(ServerToClient)
-        self.requests: dict[str, _ClientRequest] = {}
+        self.requests: dict[str, _ClientRequest] = {}  # by request key (_request_key)
         self.clients: dict[bytes, _Client] = {}
-        self._call_ids = itertools.count()
-        self.calls: dict[int, _Call] = {}  # engine utility call id -> the client call it answers
+        call_ids = itertools.count()  # engine utility call ids, unique across engines
         self.nodes = NodeHub(config) if config.nnodes > 1 else None
         self.engines = [
-            EngineLink(config, rank, self.context, self._call_ids, self._nodes_of(rank))
+            EngineLink(config, rank, self.context, call_ids, self._nodes_of(rank))
             for rank in range(config.data_parallel_size)
         ]
+        self.calls = EngineCalls(self.engines, call_ids, self._send, self._server_stats)
         self.balancer = LoadBalancer(len(self.engines), config.block_size)
         self.dead_reason: str | None = None
         self.draining = False  # a graceful shutdown began: new requests are refused (/health: 503)
@@ -235,9 +219,9 @@ class FrontendServer:
 
     async def fail_all(self, message: str, kind: str, engine: EngineLink | None = None) -> None:
         """End every request in flight (on `engine`, or on any) with this error."""
-        for engine_id in [i for i, r in self.requests.items() if engine is None or r.engine is engine]:
-            request = self._forget(engine_id)
-            self.outputs.abort(engine_id)
+        for request_key in [i for i, r in self.requests.items() if engine is None or r.engine is engine]:
+            request = self._forget(request_key)
+            self.outputs.abort(request_key)
             await self._send(request.identity, ServerError(request.request_id, message, kind))
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -270,7 +254,7 @@ class FrontendServer:
             await self._deliver(engine, message)
         elif isinstance(message, UtilityResult):
             self._answering.set()
-            await self._answer_utility(engine, message)
+            await self.calls.answer(engine, message)
 
     async def _recover(self, engine: EngineLink, reason: str) -> bool:
         """After an engine failure: restart that engine and replay its requests in flight (True),
@@ -279,7 +263,7 @@ class FrontendServer:
         failed_at = time.monotonic()
         logger.error("%s failure: %s; %d request(s) in flight", engine.name, reason, len(engine.replay))
         engine.recovering, engine.held_while_recovering = True, 0
-        await self._answer_calls_locally(engine)
+        await self.calls.engine_failed(engine)
         await engine.kill()
         if self.config.on_failure == "fail" or self.draining:
             return await self._give_up(f"{engine.name} is dead: {reason}")
@@ -325,9 +309,9 @@ class FrontendServer:
         """Send the restarted engine core every unfinished completion it had, continued; returns
         how many requests that continues."""
         resend, given_up = engine.replay.continuations(self.outputs.received_token_ids)
-        for engine_id in given_up:
-            request = self._forget(engine_id)
-            self.outputs.abort(engine_id)
+        for request_key in given_up:
+            request = self._forget(request_key)
+            self.outputs.abort(request_key)
             reason = f"engine is dead: it failed {MAX_REPLAYS + 1} times while this request ran; not retried"
             await self._send(request.identity, ServerError(request.request_id, reason, "engine_dead"))
         for message in resend:
@@ -386,13 +370,13 @@ class FrontendServer:
         elif isinstance(message, ClientGenerate):
             await self._add_request(identity, message)
         elif isinstance(message, ClientAbort):
-            await self._abort([self._engine_id(identity, message.request_id)])
+            await self._abort([self._request_key(identity, message.request_id)])
         elif isinstance(message, ClientPing):
             await self._send(identity, ServerPong())
         elif isinstance(message, ClientStats):
-            await self._stats(identity, message.call_id)
+            await self.calls.stats(identity, message.call_id)
         elif isinstance(message, ClientUtility):
-            await self._call_utility(identity, message)
+            await self.calls.utility(identity, message)
 
     def _authorized(self, identity: bytes, message) -> bool:
         """Requests and calls must carry the api key, if there is one (pings and aborts of one's
@@ -405,49 +389,26 @@ class FrontendServer:
         given = (message.api_key or "").encode()
         return message.api_key is not None and hmac.compare_digest(given, self.config.api_key.encode())
 
-    async def _stats(self, identity: bytes, client_call_id: int) -> None:
-        call = _Call(identity, client_call_id, "stats")
-        if not self._call_engines(call):
-            await self._send(identity, ServerStats(call_id=client_call_id, stats=self._server_stats()))
-
     def _server_stats(self) -> dict:
+        """The frontend's own part of every stats answer."""
         state = "draining" if self.draining else "recovering" if self.recovering else "serving"
         stats = {"state": state, "engine_restarts": self.num_restarts, "num_requests": len(self.requests)}
         if len(self.engines) > 1:
             stats["engines_recovering"] = [engine.dp_rank for engine in self.engines if engine.recovering]
         return stats
 
-    async def _call_utility(self, identity: bytes, message: ClientUtility) -> None:
-        if message.method not in _CLIENT_UTILITIES:
-            error = f"method: {message.method!r} is not one of {list(_CLIENT_UTILITIES)}"
-            await self._send(identity, ServerUtilityResult(call_id=message.call_id, error=error))
-            return
-        call = _Call(identity, message.call_id, message.method)
-        if any(engine.recovering for engine in self.engines) or not self._call_engines(call):
-            error = "the engine is restarting after a failure; retry later"
-            await self._send(identity, ServerUtilityResult(call_id=message.call_id, error=error))
-
-    def _call_engines(self, call: _Call) -> bool:
-        """Send a utility call to every engine that is up; False if none took it."""
-        for engine in self.engines:
-            call_id = next(self._call_ids)
-            if not engine.recovering and engine.send(UtilityCall(call_id=call_id, method=call.method)):
-                self.calls[call_id] = call
-                call.pending[call_id] = engine.dp_rank
-        return bool(call.pending)
-
     async def _add_request(self, identity: bytes, message: ClientGenerate) -> None:
-        engine_id = self._engine_id(identity, message.request_id)
+        request_key = self._request_key(identity, message.request_id)
         refusal = self._refusal()
         if refusal is not None:
             await self._send(identity, ServerError(message.request_id, *refusal))
             return
         try:
-            if engine_id in self.requests:
+            if request_key in self.requests:
                 raise ValueError(f"request_id: {message.request_id!r} is already in use by this client")
             sampling = convert(message.sampling, SamplingParams)
             add, text = self.processor.process(
-                engine_id, self._prompt(message), sampling, priority=message.priority, cache_salt=message.cache_salt
+                request_key, self._prompt(message), sampling, priority=message.priority, cache_salt=message.cache_salt
             )
             core_messages = self.outputs.add_request(add, text)  # n > 1: n children
         except ValueError as error:
@@ -456,10 +417,10 @@ class FrontendServer:
         holdback = max((len(s) for s in sampling.stop_strings), default=1) - 1
         sent = [_Sent() for _ in range(sampling.n)]
         engine = self._choose_engine(add, len(core_messages))
-        self.requests[engine_id] = _ClientRequest(identity, message.request_id, holdback, sent, engine)
-        self.clients[identity].requests.add(engine_id)
-        self.metrics.request_added(engine_id, len(add.prompt_token_ids))
-        engine.replay.record(engine_id, core_messages)
+        self.requests[request_key] = _ClientRequest(identity, message.request_id, holdback, sent, engine)
+        self.clients[identity].requests.add(request_key)
+        self.metrics.request_added(request_key, len(add.prompt_token_ids))
+        engine.replay.record(request_key, core_messages)
         if engine.recovering:
             engine.held_while_recovering += 1  # sent with the replayed requests once the engine is back
             return
@@ -502,7 +463,9 @@ class FrontendServer:
         return message.prompt
 
     @staticmethod
-    def _engine_id(identity: bytes, request_id: str) -> str:
+    def _request_key(identity: bytes, request_id: str) -> str:
+        """A request's key: its client's identity and the client's own id, so clients cannot
+        collide; the id the output processor and the engine cores know the request by."""
         return f"{identity.hex()}/{request_id}"
 
     async def _send(self, identity: bytes, message) -> bool:
@@ -531,23 +494,23 @@ class FrontendServer:
             logger.info("client %s %s: aborting %d request(s)", identity.hex(), why, len(client.requests))
             await self._abort(list(client.requests))
 
-    async def _abort(self, engine_ids: list[str]) -> None:
+    async def _abort(self, request_keys: list[str]) -> None:
         core_ids: dict[EngineLink, list[str]] = {}
-        for engine_id in [i for i in engine_ids if i in self.requests]:
-            request = self._forget(engine_id)
-            core_ids.setdefault(request.engine, []).extend(self.outputs.core_request_ids(engine_id))
-            self.outputs.abort(engine_id)
+        for request_key in [i for i in request_keys if i in self.requests]:
+            request = self._forget(request_key)
+            core_ids.setdefault(request.engine, []).extend(self.outputs.core_request_ids(request_key))
+            self.outputs.abort(request_key)
         for engine, ids in core_ids.items():
             if ids and not engine.recovering:
                 engine.send(AbortRequests(request_ids=ids))
 
-    def _forget(self, engine_id: str) -> _ClientRequest | None:
-        request = self.requests.pop(engine_id, None)
-        self.metrics.request_ended(engine_id)
+    def _forget(self, request_key: str) -> _ClientRequest | None:
+        request = self.requests.pop(request_key, None)
+        self.metrics.request_ended(request_key)
         if request is not None:
-            request.engine.replay.forget(engine_id)
+            request.engine.replay.forget(request_key)
             if request.identity in self.clients:
-                self.clients[request.identity].requests.discard(engine_id)
+                self.clients[request.identity].requests.discard(request_key)
         return request
 
     async def _drop_silent_clients(self) -> None:
@@ -585,14 +548,14 @@ class FrontendServer:
 
     async def _fail(self, engine: EngineLink, core_id: str, reason: str, kind: str = "bad_request") -> None:
         """The core refused one of a request's completions: the whole request fails."""
-        engine_id = self.outputs.request_id_of(core_id)
-        if engine_id is None:
+        request_key = self.outputs.request_id_of(core_id)
+        if request_key is None:
             return
-        siblings = [i for i in self.outputs.core_request_ids(engine_id) if i != core_id]
-        self.outputs.abort(engine_id)
+        siblings = [i for i in self.outputs.core_request_ids(request_key) if i != core_id]
+        self.outputs.abort(request_key)
         if siblings:
             engine.send(AbortRequests(request_ids=siblings))
-        request = self._forget(engine_id)
+        request = self._forget(request_key)
         if request is not None:
             await self._send(request.identity, ServerError(request.request_id, reason, kind))
 
@@ -639,52 +602,3 @@ class FrontendServer:
         sent.logprobs = len(completion.logprobs or ())
         sent.finished = completion.finished
         return delta
-
-    async def _answer_utility(self, engine: EngineLink, result: UtilityResult) -> None:
-        call = self.calls.pop(result.call_id, None)  # None: a ping
-        if call is not None:
-            del call.pending[result.call_id]
-            call.results[engine.dp_rank] = result
-            await self._answer_when_complete(call)
-
-    async def _answer_when_complete(self, call: _Call) -> None:
-        """Answer the client's call once every engine it went to has answered (or failed)."""
-        if call.pending:
-            return
-        if call.method == "stats":
-            per_engine = {rank: r.result or {} for rank, r in call.results.items() if r.error is None}
-            stats = {**merge_engine_stats(per_engine), **self._server_stats()}
-            await self._send(call.identity, ServerStats(call_id=call.client_call_id, stats=stats))
-            return
-        errors = [r.error for r in call.results.values() if r.error is not None]
-        results = [r.result for r in call.results.values()]
-        result = None if errors else results[0] if len(results) == 1 else all(results)
-        error = "; ".join(errors) or None
-        await self._send(call.identity, ServerUtilityResult(call_id=call.client_call_id, result=result, error=error))
-
-    async def _answer_calls_locally(self, engine: EngineLink) -> None:
-        """Calls the failed engine will never answer: stats are answered without it, other
-        utilities get an error."""
-        for call_id, call in [(i, c) for i, c in self.calls.items() if c.pending.get(i) == engine.dp_rank]:
-            del self.calls[call_id], call.pending[call_id]
-            call.results[engine.dp_rank] = UtilityResult(
-                call_id=call_id, error="the engine failed before answering; retry later"
-            )
-            await self._answer_when_complete(call)
-
-
-def merge_engine_stats(per_engine: dict[int, dict]) -> dict:
-    """One view of several engines' stats: counts added up, KV cache usage and the prefix-cache
-    hit rate over all of them, and each engine's own stats under "engines" (with its dp_rank)."""
-    if not per_engine:
-        return {}
-    merged: dict = {}
-    for stats in per_engine.values():
-        for key, value in stats.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                merged[key] = merged.get(key, 0) + value
-    merged["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per_engine.values()) / len(per_engine)
-    queries = merged.get("prefix_cache_queries", 0)
-    merged["prefix_cache_hit_rate"] = merged.get("prefix_cache_hits", 0) / queries if queries else 0.0
-    merged["engines"] = [{"dp_rank": rank, **per_engine[rank]} for rank in sorted(per_engine)]
-    return merged

@@ -15,6 +15,7 @@ from zllm.config import (
     SCHEDULING_POLICIES,
     EngineConfig,
 )
+from zllm.frontend.openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from zllm.quantization import QUANTIZATION_METHODS
 
 _SIZE_UNITS = {
@@ -171,7 +172,7 @@ def add_http_args(group) -> None:
     )
     group.add_argument(
         "--tool-call-parser",
-        choices=["hermes", "llama3_json", "mistral"],
+        choices=list(TOOL_CALL_PARSERS),
         default=None,
         help="the model's tool-call format, as vLLM names it",
     )

@@ -41,7 +41,7 @@ class _Signals:
 
 async def serve_until_signal(config: EngineConfig) -> int:
     """Run the frontend server as a service; returns the process exit code."""
-    from zllm.frontend.api_server import ApiServer
+    from zllm.frontend.openai.api_server import ApiServer
     from zllm.frontend.server import EngineStartError, FrontendServer
 
     server = FrontendServer(config)

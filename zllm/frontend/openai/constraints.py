@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from zllm.frontend.openai_protocol import (
+from zllm.frontend.openai.protocol import (
     BadRequest,
     ChatCompletionRequest,
     ChatTool,

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from zllm.frontend.openai_constraints import structured_outputs_of, tool_choice_schema
-from zllm.frontend.openai_protocol import (
+from zllm.frontend.openai.constraints import structured_outputs_of, tool_choice_schema
+from zllm.frontend.openai.protocol import (
     BadRequest,
     ChatChoice,
     ChatCompletionChunk,
@@ -45,9 +45,16 @@ from zllm.frontend.openai_protocol import (
     now_s,
     param_of,
 )
+from zllm.frontend.openai.tool_parsers import (
+    CallDelta,
+    NamedParser,
+    RequiredParser,
+    ToolCallStream,
+    ToolParser,
+    tool_parser,
+)
 from zllm.frontend.parallel_sampling import best_of_indices
 from zllm.frontend.tokenizer import chat_prompt
-from zllm.frontend.tool_parsers import CallDelta, NamedParser, RequiredParser, ToolCallStream, ToolParser, tool_parser
 from zllm.ipc.messages import ClientGenerate, ServerError, ServerOutput
 from zllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from zllm.sampling_params import SamplingParams, StructuredOutputsParams

@@ -10,7 +10,7 @@ also serves the ZMQ endpoint and talks to the engine core) and leaves signal han
 aborted in the engine, streaming or not); it enforces a body size limit itself (413). Bodies are
 decoded with msgspec, the project's one serialization library, with the field named in every
 error (unknown fields are ignored, below). Requests reach the engine through the
-FrontendServer's in-process client path (see openai_serving.py).
+FrontendServer's in-process client path (see serving.py).
 
 Every error has OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for bad
 parameters, 401 for a missing or wrong API key on /v1 routes, 404 for an unknown model or route,
@@ -36,7 +36,7 @@ from aiohttp import web
 
 import zllm
 from zllm.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from zllm.frontend.openai_protocol import (
+from zllm.frontend.openai.protocol import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -55,7 +55,8 @@ from zllm.frontend.openai_protocol import (
     openapi_document,
     param_of,
 )
-from zllm.frontend.openai_serving import ChatCall, CompletionCall, EngineError, conversation_prompt
+from zllm.frontend.openai.serving import ChatCall, CompletionCall, EngineError, conversation_prompt
+from zllm.frontend.openai.tool_parsers import check_tool_call_parser
 from zllm.ipc.messages import ClientStats, ServerStats
 
 if TYPE_CHECKING:
@@ -109,6 +110,7 @@ def _request_field(message: str) -> str | None:
 
 class ApiServer:
     def __init__(self, frontend: FrontendServer) -> None:
+        check_tool_call_parser(frontend.config.tool_call_parser)  # before the engines start: fail fast
         self.frontend = frontend
         self.config = frontend.config
         self._runner: web.AppRunner | None = None

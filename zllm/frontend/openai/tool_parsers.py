@@ -23,7 +23,6 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
-PARSERS = ("hermes", "llama3_json", "mistral")
 _WHITESPACE = " \t\r\n"
 _ARGUMENT_KEYS = ("arguments", "parameters")
 
@@ -285,12 +284,23 @@ class NamedParser(ToolParser):
         )
 
 
+# The --tool-call-parser choices (vLLM's names) and their parsers: the one list that the CLI's
+# choices, the check of a config and the docs (tests/test_tool_parsers.py holds them to it) follow.
+PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser)
+}
+
+
+def check_tool_call_parser(name: str | None) -> None:
+    """Refuse a --tool-call-parser name that no parser has (None: no parser, tool_choice "auto" off)."""
+    if name is not None and name not in PARSERS:
+        raise ValueError(f"tool_call_parser: must be one of {sorted(PARSERS)}, got {name!r}")
+
+
 def tool_parser(name: str) -> ToolParser:
     """The parser `--tool-call-parser name` selects."""
-    parsers = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
-    if name not in parsers:
-        raise ValueError(f"tool_call_parser: must be one of {sorted(parsers)}, got {name!r}")
-    return parsers[name]()
+    check_tool_call_parser(name)
+    return PARSERS[name]()
 
 
 # ---- streaming ------------------------------------------------------------------------------------

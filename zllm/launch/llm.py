@@ -1,4 +1,8 @@
-"""`LLM`: vLLM's offline API — batch generation and chat over a whole list of prompts."""
+"""`LLM`: vLLM's offline API — batch generation and chat over a whole list of prompts.
+
+It assembles its engine (`LLMEngine.from_engine_args`: an engine core and workers in this process,
+or engine-core processes), which is launcher work; generating goes through the frontend's
+request loop (zllm/frontend/llm_engine.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +13,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from zllm.frontend.llm_engine import LLMEngine
 from zllm.frontend.processor import PromptType
 from zllm.frontend.tokenizer import Messages, chat_prompt
+from zllm.launch.llm_engine import LLMEngine
 from zllm.outputs import RequestOutput
 from zllm.sampling_params import SamplingParams
 
