@@ -139,7 +139,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             sampled_token_ids=[5, 6],
             logprobs=LOGPROBS,
             prompt_logprobs={"ab12/req-2": PROMPT_LOGPROBS},
-            failed_requests={"ab12/req-3": "InjectedFault: the prompt holds token 77"},
+            failed_requests={"ab12/req-3": "InjectedFaultError: the prompt holds token 77"},
         ),
         m.WorkerReady(rank=1, num_kv_blocks=100, pid=4242),
         m.WorkerCallResult(rank=1, call_id=2, result=[1, "x", {"y": 2}], error="unknown worker method 'x'"),

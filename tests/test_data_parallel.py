@@ -222,7 +222,7 @@ def test_kill9_of_one_engines_worker_restarts_that_engine_alone(tmp_path, tiny_m
 def test_llm_with_two_engines_names_an_engine_that_died(tiny_model, monkeypatch):
     """Offline there is no supervision: a core that dies fails the call with an error naming it,
     and shutting the LLM down leaves no process behind."""
-    from zllm.frontend.core_client import EngineCoreError
+    from zllm.frontend.core_client import CoreClientError
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     llm = LLM(tiny_model, max_model_len=512, data_parallel_size=2)
@@ -235,7 +235,7 @@ def test_llm_with_two_engines_names_an_engine_that_died(tiny_model, monkeypatch)
         cores[1].processes.core.wait()
         time.sleep(0.5)  # the PUSH socket has seen the peer go: a blocking send would wait forever
         params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-        with pytest.raises(EngineCoreError, match="engine 1"):
+        with pytest.raises(CoreClientError, match="engine 1"):
             llm.generate([f"t{5 + i} t9" for i in range(8)], params, use_tqdm=False)
     finally:
         llm.shutdown()

@@ -13,7 +13,7 @@ import pytest
 
 from zllm.frontend.openai.constraints import structured_outputs_of, tool_choice_schema
 from zllm.frontend.openai.protocol import (
-    BadRequest,
+    BadRequestError,
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,
@@ -69,7 +69,7 @@ def test_unknown_fields_are_ignored_and_named_by_path():
 
 
 def test_a_known_field_with_a_wrong_type_is_still_refused():
-    with pytest.raises(BadRequest) as error:
+    with pytest.raises(BadRequestError) as error:
         decode_request(b'{"prompt": "Hi", "max_tokens": "many", "zz": 1}', CompletionRequest)
     assert error.value.param == "max_tokens"
 
@@ -117,7 +117,7 @@ def test_constraint_fields_map_to_structured_outputs(fields, expected):
     ],
 )
 def test_bad_constraints_are_refused_naming_the_field(fields, param):
-    with pytest.raises(BadRequest) as error:
+    with pytest.raises(BadRequestError) as error:
         structured_outputs_of(completion(**fields))
     assert error.value.param == param and str(error.value).startswith(param)
 
@@ -161,7 +161,7 @@ def test_tool_mode_follows_vllms_rules():
         (_server(True, "hermes"), chat(tool_choice="auto")),  # no tools
         (_server(True, "hermes"), chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})),
     ]:
-        with pytest.raises(BadRequest) as error:
+        with pytest.raises(BadRequestError) as error:
             tool_mode(server, request)
             tool_choice_schema(request.tools, request.tool_choice, True)
         assert error.value.param == "tool_choice"

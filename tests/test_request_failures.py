@@ -92,7 +92,7 @@ def test_failed_request_fails_alone_on_a_live_server(tmp_path, tiny_model):
         assert isinstance(results[0], Ended) and isinstance(results[0].error, RequestFailedError), results[0]
         message = str(results[0].error)
         assert (
-            message.startswith("the engine failed this request: InjectedFault")
+            message.startswith("the engine failed this request: InjectedFaultError")
             and "ZLLM_TEST_FAIL_PROMPT_TOKEN" in message
         )
         assert results[1:] == reference and all(len(r.tokens) == 12 for r in reference)
@@ -103,7 +103,7 @@ def test_failed_request_fails_alone_on_a_live_server(tmp_path, tiny_model):
         assert [core_now.pid] + [w.pid for w in workers_now] == pids  # no restart
         log = handle.log()
         assert "engine failure" not in log and "restarting the engine" not in log
-        assert "failed on this worker and was dropped: InjectedFault" in log
+        assert "failed on this worker and was dropped: InjectedFaultError" in log
     finally:
         handle.stop()
 
@@ -115,12 +115,12 @@ def _check_http_errors(url: str, poisoned: str, good: str, good_text: str) -> No
         assert failed.status_code == 500, failed.text
         error = failed.json()["error"]
         assert error["type"] == "server_error" and error["code"] == "internal"
-        assert error["message"].startswith("the engine failed this request: InjectedFault")
+        assert error["message"].startswith("the engine failed this request: InjectedFaultError")
 
         streamed = http.post("/v1/completions", json={**body, "prompt": poisoned, "stream": True})
         events = [line[len("data: ") :] for line in streamed.text.splitlines() if line.startswith("data: ")]
         assert streamed.status_code == 200 and events[-1] == "[DONE]", streamed.text
-        assert '"code":"internal"' in events[-2] and "InjectedFault" in events[-2]
+        assert '"code":"internal"' in events[-2] and "InjectedFaultError" in events[-2]
 
         ok = http.post("/v1/completions", json={**body, "prompt": good})
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == good_text

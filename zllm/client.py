@@ -78,7 +78,8 @@ class RequestError(ZllmError, ValueError):
 
 
 class EngineDeadError(ZllmError):
-    """The engine behind the server died; the request is lost."""
+    """Raised by the client (in the user's process) on the server's word: the engine behind it died; the
+    request is lost. vLLM's name, kept for its users."""
 
 
 class ServerGoneError(ZllmError, ConnectionError):

@@ -21,7 +21,7 @@ import time
 import zmq
 
 from zllm.config import EngineConfig
-from zllm.frontend.engine_start import EngineStartError, run_blocking, start_local_core, wait_until_ready
+from zllm.frontend.engine_start import CoreStartError, run_blocking, start_local_core, wait_until_ready
 from zllm.frontend.router import LoadBalancer
 from zllm.ipc.addresses import engine_runtime_dir, make_private_runtime_dir
 from zllm.ipc.codec import Codec
@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 _SHUTDOWN_GRACE_S = 10.0  # how long cores told to stop get before SIGTERM
 
 
-class EngineCoreError(RuntimeError):
-    """An engine core process failed or exited."""
+class CoreClientError(RuntimeError):
+    """Raised by the offline core client (in the user's process): an engine-core process failed or exited."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -156,7 +156,7 @@ class DataParallelCoreClient:
 
         def check_core() -> None:
             if (code := core.processes.core_exit_code()) is not None:
-                raise EngineCoreError(f"engine {core.rank} core exited with code {code}")
+                raise CoreClientError(f"engine {core.rank} core exited with code {code}")
 
         send_watching(core.to_core, self._encode(message), int(self.config.heartbeat_interval_s * 1000), check_core)
 
@@ -169,8 +169,8 @@ class DataParallelCoreClient:
         name, timeout_s = f"engine {core.rank}", self.config.startup_timeout_s
         try:
             ready = run_blocking(wait_until_ready(name, receive, core.processes, timeout_s))
-        except EngineStartError as error:
-            raise EngineCoreError(str(error)) from None
+        except CoreStartError as error:
+            raise CoreClientError(str(error)) from None
         core.processes.adopt_workers(ready.worker_pids)
         return ready
 
@@ -189,7 +189,7 @@ class DataParallelCoreClient:
 
     def _handle(self, core: _Core, message, results: dict[int, UtilityResult] | None) -> list[TokenDelta]:
         if isinstance(message, EngineDead):
-            raise EngineCoreError(f"engine {core.rank} failed: {message.reason}")
+            raise CoreClientError(f"engine {core.rank} failed: {message.reason}")
         if isinstance(message, UtilityResult):
             if results is not None:
                 results[message.call_id] = message
@@ -220,10 +220,10 @@ class DataParallelCoreClient:
             self._check_alive()
         errors = [results[i].error for i in call_ids if results[i].error]
         if errors:
-            raise EngineCoreError("; ".join(errors))
+            raise CoreClientError("; ".join(errors))
         return [results[i].result for i in call_ids]
 
     def _check_alive(self) -> None:
         for core in self.cores:
             if (code := core.processes.core_exit_code()) is not None:
-                raise EngineCoreError(f"engine {core.rank} core exited with code {code}")
+                raise CoreClientError(f"engine {core.rank} core exited with code {code}")

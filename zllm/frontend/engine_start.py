@@ -2,7 +2,7 @@
 the offline `DataParallelCoreClient` (blocking) both start their cores with these.
 
     start_local_core   private runtime dir -> bind core-input (PUSH) and core-output (PULL) -> spawn the core
-    wait_until_ready   EngineReady, or EngineStartError: the core said EngineDead, exited, a node
+    wait_until_ready   EngineReady, or CoreStartError: the core said EngineDead, exited, a node
                        failed, or startup_timeout_s passed
 
 `wait_until_ready` is a coroutine over a `receive` the caller gives: the server awaits it with a
@@ -29,8 +29,8 @@ from zllm.procs.engine_processes import EngineProcesses
 T = TypeVar("T")
 
 
-class EngineStartError(RuntimeError):
-    pass
+class CoreStartError(RuntimeError):
+    """Raised by the frontend when an engine core (and its workers) did not come up."""
 
 
 def start_local_core(
@@ -76,13 +76,13 @@ async def wait_until_ready(
         if isinstance(message, EngineReady):
             return message
         if isinstance(message, EngineDead):
-            raise EngineStartError(f"{name} failed to start: {message.reason}")
+            raise CoreStartError(f"{name} failed to start: {message.reason}")
         if message is None:
             if (code := processes.core_exit_code()) is not None:
-                raise EngineStartError(f"{name} core exited with code {code} during start-up")
+                raise CoreStartError(f"{name} core exited with code {code} during start-up")
             if (failure := node_failure()) is not None:
-                raise EngineStartError(f"{name} failed to start: {failure}")
-    raise EngineStartError(f"{name} not ready after {timeout_s:.0f} s")
+                raise CoreStartError(f"{name} failed to start: {failure}")
+    raise CoreStartError(f"{name} not ready after {timeout_s:.0f} s")
 
 
 def run_blocking(coroutine: Coroutine[Any, Any, T]) -> T:

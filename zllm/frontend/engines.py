@@ -33,8 +33,8 @@ import zmq
 import zmq.asyncio
 
 from zllm.config import EngineConfig
-from zllm.frontend.engine_start import EngineStartError, start_local_core, wait_until_ready
-from zllm.frontend.nodes import NodeFailure, NodeHub
+from zllm.frontend.engine_start import CoreStartError, start_local_core, wait_until_ready
+from zllm.frontend.nodes import NodeFailureError, NodeHub
 from zllm.frontend.replay import ReplayLog
 from zllm.frontend.restart_policy import RestartPolicy
 from zllm.ipc.addresses import NodeEndpoints, engine_runtime_dir
@@ -143,7 +143,7 @@ class EngineLink:
             except zmq.ZMQError as error:  # the last generation's listener may still be closing
                 self._close_sockets()
                 if error.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                    raise EngineStartError(f"{self.name}: cannot listen for its core: {error}") from None
+                    raise CoreStartError(f"{self.name}: cannot listen for its core: {error}") from None
                 await asyncio.sleep(0.05)
 
     async def wait_ready(self) -> EngineReady:
@@ -168,8 +168,8 @@ class EngineLink:
         if self.nodes is not None:
             try:
                 await self.nodes.wait_joined()
-            except NodeFailure as error:
-                raise EngineStartError(str(error)) from None
+            except NodeFailureError as error:
+                raise CoreStartError(str(error)) from None
         await self.spawn()
         return await self.wait_ready()
 

@@ -60,7 +60,7 @@ from zllm.ipc.sockets import make_socket
 logger = logging.getLogger("zllm.frontend.nodes")
 
 
-class NodeFailure(RuntimeError):
+class NodeFailureError(RuntimeError):
     pass
 
 
@@ -119,14 +119,14 @@ class NodeHub:
         logger.info("waiting for %d node(s) on %s%s", len(self.expected), endpoint, " (CURVE)" if keys else "")
 
     async def wait_joined(self) -> None:
-        """Return once every node has joined; EngineStartError-worthy NodeFailure after
+        """Return once every node has joined; CoreStartError-worthy NodeFailureError after
         node_join_timeout_s."""
         deadline = time.monotonic() + self.config.node_join_timeout_s
         while set(self.nodes) != self.expected:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(self.expected - set(self.nodes))
-                raise NodeFailure(
+                raise NodeFailureError(
                     f"node(s) {missing} of {self.config.nnodes} did not join within {self.config.node_join_timeout_s:.0f} s: "
                     f"start `vllm-launch --headless --nnodes {self.config.nnodes} --node-rank N --master-addr "
                     f"{self.config.master_addr} --master-port {self.config.master_port}` there (and check its keys)"

@@ -39,10 +39,10 @@ import zmq.asyncio
 
 from zllm.config import EngineConfig
 from zllm.frontend.engine_calls import EngineCalls
-from zllm.frontend.engine_start import EngineStartError
+from zllm.frontend.engine_start import CoreStartError
 from zllm.frontend.engines import MAX_REPLAYS, EngineLink
 from zllm.frontend.metrics import FrontendMetrics
-from zllm.frontend.nodes import NodeFailure, NodeHub
+from zllm.frontend.nodes import NodeFailureError, NodeHub
 from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor
 from zllm.frontend.router import LoadBalancer
@@ -161,8 +161,8 @@ class FrontendServer:
             self.nodes.open()
             try:
                 await self.nodes.wait_joined()
-            except NodeFailure as error:
-                raise EngineStartError(str(error)) from None
+            except NodeFailureError as error:
+                raise CoreStartError(str(error)) from None
         for engine in self.engines:
             await engine.spawn()  # all at once: the engines load their models side by side
         await asyncio.gather(*(engine.wait_ready() for engine in self.engines))
@@ -280,7 +280,7 @@ class FrontendServer:
             try:
                 await engine.start()
                 break
-            except EngineStartError as error:
+            except CoreStartError as error:
                 reason = str(error)
                 logger.error("%s restart failed: %s", engine.name, reason)
                 await engine.kill()

@@ -42,7 +42,7 @@ class _Signals:
 async def serve_until_signal(config: EngineConfig) -> int:
     """Run the frontend server as a service; returns the process exit code."""
     from zllm.frontend.openai.api_server import ApiServer
-    from zllm.frontend.server import EngineStartError, FrontendServer
+    from zllm.frontend.server import CoreStartError, FrontendServer
 
     server = FrontendServer(config)
     api = ApiServer(server)
@@ -55,7 +55,7 @@ async def serve_until_signal(config: EngineConfig) -> int:
             logger.info("signal received during start-up: exiting")
             await server.kill_engine()
             return 0
-        starting.result()  # raises EngineStartError if the engine could not start
+        starting.result()  # raises CoreStartError if the engine could not start
         url = await api.start()
         serving = asyncio.create_task(server.serve(), name="serve")
         answering = asyncio.create_task(server.wait_answering())
@@ -68,7 +68,7 @@ async def serve_until_signal(config: EngineConfig) -> int:
         if serving.done():
             return await _after_serving(serving, server, signals)
         return await _drain(server, serving, signals, notifier)
-    except EngineStartError as error:
+    except CoreStartError as error:
         logger.error("%s", error)
         return 1
     finally:

@@ -35,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _GIB = 1 << 30
 
 
-class OutOfDeviceMemory(RuntimeError):
+class OutOfDeviceMemoryError(RuntimeError):
     """The model or its KV cache does not fit; the message has the numbers."""
 
 
@@ -142,7 +142,7 @@ class ModelRunner:
                 load_safetensors(model, self.config.model)
             finish_loading(model)
         except torch.cuda.OutOfMemoryError:
-            raise OutOfDeviceMemory(self._weights_do_not_fit()) from None
+            raise OutOfDeviceMemoryError(self._weights_do_not_fit()) from None
         self.model = model.eval()
 
     def _weights_do_not_fit(self) -> str:
@@ -227,7 +227,7 @@ class ModelRunner:
             max(num_blocks, 0),
         )
         if num_blocks < 1:
-            raise OutOfDeviceMemory(
+            raise OutOfDeviceMemoryError(
                 f"no room for a KV cache: weights {weights / _GIB:.2f} GiB + activations {activations / _GIB:.2f} GiB "
                 f"+ other {not_torch / _GIB:.2f} GiB exceed {self.config.gpu_memory_utilization:.0%} of "
                 f"{total / _GIB:.1f} GiB; raise --gpu-memory-utilization or lower --max-num-batched-tokens"
@@ -267,7 +267,7 @@ class ModelRunner:
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.spec.num_layers)
             ]
         except torch.cuda.OutOfMemoryError:
-            raise OutOfDeviceMemory(
+            raise OutOfDeviceMemoryError(
                 f"KV cache of {num_blocks} blocks needs {num_blocks * self.kv_cache_bytes_per_block() / _GIB:.2f} GiB, "
                 "more than is free"
             ) from None

@@ -21,7 +21,7 @@ from zllm.ipc.messages import NewRequestData, StepInput
 logger = logging.getLogger(__name__)
 
 
-class InjectedFault(RuntimeError):
+class InjectedFaultError(RuntimeError):
     """The failure ZLLM_TEST_FAIL_PROMPT_TOKEN asked for."""
 
 
@@ -71,4 +71,4 @@ class RequestFailures:
 
     def _inject_fault(self, new: NewRequestData) -> None:
         if self._poison_token is not None and self._poison_token in new.token_ids[: new.prompt_len]:
-            raise InjectedFault(f"ZLLM_TEST_FAIL_PROMPT_TOKEN: the prompt holds token {self._poison_token}")
+            raise InjectedFaultError(f"ZLLM_TEST_FAIL_PROMPT_TOKEN: the prompt holds token {self._poison_token}")

@@ -45,7 +45,7 @@ _ALIGNMENT = 16
 _SELF_TEST_TIMEOUT_S = 60.0
 
 
-class SymmetricAllReduceHang(RuntimeError):
+class SymmetricAllReduceHangError(RuntimeError):
     """The one-shot kernel's barrier did not meet; the GPU may still be spinning in it."""
 
 
@@ -116,7 +116,7 @@ def _run_phase(tp, device: torch.device, name: str, phase):
     None on every rank otherwise (with the reason logged where it failed)."""
     try:
         result, error = phase(), None
-    except SymmetricAllReduceHang:
+    except SymmetricAllReduceHangError:
         raise  # the stream is stuck behind the kernel: no vote can run; the worker fails instead
     except Exception as exc:  # noqa: BLE001 - any other failure here means: NCCL, on every rank
         result, error = None, exc
@@ -169,7 +169,7 @@ def _self_test(fast: SymmetricAllReduce, rank: int, size: int, device: torch.dev
     deadline = time.monotonic() + _SELF_TEST_TIMEOUT_S
     while not done.query():
         if time.monotonic() > deadline:
-            raise SymmetricAllReduceHang(
+            raise SymmetricAllReduceHangError(
                 f"rank {rank}: the symmetric-memory all-reduce self-test did not finish within "
                 f"{_SELF_TEST_TIMEOUT_S:.0f} s; start without --custom-all-reduce-max-size (NCCL only)"
             )

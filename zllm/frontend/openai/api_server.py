@@ -37,7 +37,7 @@ from aiohttp import web
 import zllm
 from zllm.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from zllm.frontend.openai.protocol import (
-    BadRequest,
+    BadRequestError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -55,7 +55,7 @@ from zllm.frontend.openai.protocol import (
     openapi_document,
     param_of,
 )
-from zllm.frontend.openai.serving import ChatCall, CompletionCall, EngineError, conversation_prompt
+from zllm.frontend.openai.serving import ChatCall, CompletionCall, FrontendRequestError, conversation_prompt
 from zllm.frontend.openai.tool_parsers import check_tool_call_parser
 from zllm.ipc.messages import ClientStats, ServerStats
 
@@ -93,7 +93,7 @@ def json_response(value: msgspec.Struct, headers: dict[str, str] | None = None) 
     return web.Response(body=msgspec.json.encode(value), content_type="application/json", headers=headers)
 
 
-def _from_engine_error(error: EngineError) -> ApiError:
+def _from_engine_error(error: FrontendRequestError) -> ApiError:
     status = _ENGINE_ERROR_STATUS.get(error.kind, 500)
     if status == 400:
         return ApiError(400, str(error), "invalid_request_error", _request_field(str(error)))
@@ -156,9 +156,9 @@ class ApiServer:
         """Every failure becomes an OpenAI-shaped error; bad input never becomes a 500."""
         try:
             return await handler(request)
-        except BadRequest as error:
+        except BadRequestError as error:
             return error_response(400, str(error), "invalid_request_error", error.param, error.code)
-        except EngineError as error:
+        except FrontendRequestError as error:
             error = _from_engine_error(error)
             return error_response(error.status, str(error), error.type, error.param, error.code)
         except ApiError as error:
@@ -231,7 +231,7 @@ class ApiServer:
         try:
             async for chunk in chunks:
                 await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
-        except EngineError as error:  # the status line is gone: report it in the stream
+        except FrontendRequestError as error:  # the status line is gone: report it in the stream
             error = _from_engine_error(error)
             await response.write(b"data: " + error_body(str(error), error.type, error.param, error.code) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
@@ -282,7 +282,7 @@ class ApiServer:
         vocab_size = len(self.frontend.tokenizer)
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
-            raise BadRequest(f"tokens: ids must be in [0, {vocab_size}), got {bad[:5]}", "tokens")
+            raise BadRequestError(f"tokens: ids must be in [0, {vocab_size}), got {bad[:5]}", "tokens")
         return json_response(DetokenizeResponse(prompt=self.frontend.tokenizer.decode(body.tokens)), headers)
 
     async def health(self, request: web.Request) -> web.Response:

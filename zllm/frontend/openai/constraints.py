@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from zllm.frontend.openai.protocol import (
-    BadRequest,
+    BadRequestError,
     ChatCompletionRequest,
     ChatTool,
     CompletionRequest,
@@ -38,14 +38,14 @@ def structured_outputs_of(
         found.append(("tool_choice", {"json": tool_constraint}))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
-        raise BadRequest(f"{found[1][0]}: only one output constraint per request, got {names}", found[1][0])
+        raise BadRequestError(f"{found[1][0]}: only one output constraint per request, got {names}", found[1][0])
     if not found:
         return None
     name, fields = found[0]
     try:
         params = StructuredOutputsParams(**fields)
     except ValueError as error:
-        raise BadRequest(f"{name}: {str(error).removeprefix('structured_outputs: ')}", name) from None
+        raise BadRequestError(f"{name}: {str(error).removeprefix('structured_outputs: ')}", name) from None
     # A tool's parameters schema that cannot work is the tools' fault, not tool_choice's.
     _validate_structured_outputs(params, "tools" if name == "tool_choice" else name)
     return params
@@ -80,7 +80,7 @@ def _response_format(request: CompletionRequest | ChatCompletionRequest) -> dict
     if response_format.type == "json_object":
         return {"json_object": True}
     if response_format.json_schema is None:
-        raise BadRequest("response_format: type json_schema needs a json_schema object", "response_format")
+        raise BadRequestError("response_format: type json_schema needs a json_schema object", "response_format")
     schema = response_format.json_schema.schema
     return {"json": schema} if schema is not None else {"json_object": True}
 
@@ -96,17 +96,17 @@ def _validate_structured_outputs(params: StructuredOutputsParams, field_name: st
             try:
                 schema = json.loads(schema)
             except ValueError as error:
-                raise BadRequest(f"{field_name}: the JSON schema is not valid JSON: {error}", field_name) from None
+                raise BadRequestError(f"{field_name}: the JSON schema is not valid JSON: {error}", field_name) from None
         if not isinstance(schema, dict):
-            raise BadRequest(f"{field_name}: the JSON schema must be an object", field_name)
+            raise BadRequestError(f"{field_name}: the JSON schema must be an object", field_name)
     for name in ("regex", "grammar"):
         if getattr(params, name) == "":
-            raise BadRequest(f"{field_name}: {name} must not be empty", field_name)
+            raise BadRequestError(f"{field_name}: {name} must not be empty", field_name)
     try:
         grammar_of(params)
     except ValueError as error:
         reason = str(error).removeprefix("structured_outputs: ")
-        raise BadRequest(f"{field_name}: {reason}", field_name) from None
+        raise BadRequestError(f"{field_name}: {reason}", field_name) from None
 
 
 # ---- tool_choice -----------------------------------------------------------------------------------
@@ -140,4 +140,4 @@ def named_tool(tools: list[ChatTool], name: str) -> ChatTool:
     for tool in tools:
         if tool.function.name == name:
             return tool
-    raise BadRequest(f"tool_choice: no tool named {name!r} in tools", "tool_choice")
+    raise BadRequestError(f"tool_choice: no tool named {name!r} in tools", "tool_choice")

@@ -352,7 +352,7 @@ class ErrorResponse(_Response, kw_only=True):
 # ---- decoding ---------------------------------------------------------------------------------
 
 
-class BadRequest(ValueError):
+class BadRequestError(ValueError):
     """A request the API refuses with 400; `param` names the offending field when known."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
@@ -368,14 +368,14 @@ _PARAM_LEADING = re.compile(r"^(\w+): ")
 
 def decode_request(body: bytes, type_: type[_Request]) -> tuple[Any, list[str]]:
     """Decode a JSON body: the request, and the fields it has that `type_` does not know (as
-    `messages[0].foo` paths), which are ignored. A wrong type or value is a BadRequest naming the
+    `messages[0].foo` paths), which are ignored. A wrong type or value is a BadRequestError naming the
     field."""
     try:
         request = msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as error:
-        raise BadRequest(f"invalid request: {error}", param_of(str(error))) from None
+        raise BadRequestError(f"invalid request: {error}", param_of(str(error))) from None
     except msgspec.DecodeError as error:
-        raise BadRequest(f"the body is not valid JSON: {error}") from None
+        raise BadRequestError(f"the body is not valid JSON: {error}") from None
     return request, unknown_fields(msgspec.json.decode(body), msgspec.inspect.type_info(type_))
 
 

@@ -20,7 +20,7 @@ import msgspec
 
 from zllm.frontend.openai.constraints import structured_outputs_of, tool_choice_schema
 from zllm.frontend.openai.protocol import (
-    BadRequest,
+    BadRequestError,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -63,8 +63,9 @@ if TYPE_CHECKING:
     from zllm.frontend.server import FrontendServer
 
 
-class EngineError(Exception):
-    """The engine side failed a request: `kind` is ServerError's (bad_request, engine_dead, ...)."""
+class FrontendRequestError(Exception):
+    """Raised in the HTTP layer when the frontend refused or failed a request (through its local
+    client): `kind` is ServerError's (bad_request, engine_dead, ...)."""
 
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
@@ -110,7 +111,7 @@ class EngineCall:
         self._identity: bytes | None = None
 
     async def __aenter__(self) -> EngineCall:
-        """Submit every request; a refusal (bad input, engine dead, overloaded) raises EngineError
+        """Submit every request; a refusal (bad input, engine dead, overloaded) raises FrontendRequestError
         here, before any response has started."""
         self._identity, self._inbox = self.server.open_local_client()
         try:
@@ -132,7 +133,7 @@ class EngineCall:
         arrived = [self._inbox.get_nowait() for _ in range(self._inbox.qsize())]
         for message in arrived:
             if isinstance(message, ServerError):
-                raise EngineError(message.message, message.kind)
+                raise FrontendRequestError(message.message, message.kind)
         for message in arrived:
             self._inbox.put_nowait(message)
 
@@ -142,7 +143,7 @@ class EngineCall:
         while unfinished:
             message = await self._inbox.get()
             if isinstance(message, ServerError):
-                raise EngineError(message.message, message.kind)
+                raise FrontendRequestError(message.message, message.kind)
             if not isinstance(message, ServerOutput):
                 continue
             prompt_index = int(message.request_id)
@@ -203,12 +204,12 @@ def sampling_params(
     structured_outputs: StructuredOutputsParams | None = None,
     skip_special_tokens: bool | None = None,
 ) -> SamplingParams:
-    """vLLM's SamplingParams from the request's fields; any refusal is a BadRequest naming the field.
+    """vLLM's SamplingParams from the request's fields; any refusal is a BadRequestError naming the field.
     (Limits that depend on the engine, such as max_n and max_logprobs, are the server's to check.)
     With best_of > n the engine generates best_of completions, with logprobs (at least the sampled
     token's) so that their cumulative logprobs can be compared."""
     if request.stream_options is not None and not request.stream:
-        raise BadRequest("stream_options: only allowed with stream: true", "stream_options")
+        raise BadRequestError("stream_options: only allowed with stream: true", "stream_options")
     n = _best_of(request)
     if n > request.n and logprobs is None:
         logprobs = 0
@@ -240,7 +241,7 @@ def sampling_params(
     try:
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
     except ValueError as error:
-        raise BadRequest(str(error), param_of(str(error))) from None
+        raise BadRequestError(str(error), param_of(str(error))) from None
 
 
 def _best_of(request: CompletionRequest | ChatCompletionRequest) -> int:
@@ -248,15 +249,19 @@ def _best_of(request: CompletionRequest | ChatCompletionRequest) -> int:
     if request.best_of is None or request.best_of == request.n:
         return request.n
     if request.best_of < request.n:
-        raise BadRequest(f"best_of: must be >= n ({request.n}), got {request.best_of}", "best_of")
+        raise BadRequestError(f"best_of: must be >= n ({request.n}), got {request.best_of}", "best_of")
     if request.stream:
-        raise BadRequest("best_of: greater than n cannot be streamed (the best are known only at the end)", "best_of")
+        raise BadRequestError(
+            "best_of: greater than n cannot be streamed (the best are known only at the end)", "best_of"
+        )
     return request.best_of
 
 
 def check_best_of(server: FrontendServer, request: CompletionRequest | ChatCompletionRequest) -> None:
     if request.best_of is not None and request.best_of > server.config.max_n:
-        raise BadRequest(f"best_of: must be at most max_n ({server.config.max_n}), got {request.best_of}", "best_of")
+        raise BadRequestError(
+            f"best_of: must be at most max_n ({server.config.max_n}), got {request.best_of}", "best_of"
+        )
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -265,7 +270,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     try:
         return {int(token): value for token, value in bias.items()}
     except ValueError:
-        raise BadRequest("logit_bias: keys must be token ids", "logit_bias") from None
+        raise BadRequestError("logit_bias: keys must be token ids", "logit_bias") from None
 
 
 def completion_prompts(server: FrontendServer, prompt: str | list) -> list[Prompt]:
@@ -278,7 +283,7 @@ def completion_prompts(server: FrontendServer, prompt: str | list) -> list[Promp
         return [Prompt(None, list(prompt))]
     if prompt and all(isinstance(p, list) and p for p in prompt):
         return [Prompt(None, list(p)) for p in prompt]
-    raise BadRequest(
+    raise BadRequestError(
         "prompt: must be a non-empty string, list of strings, list of token ids or list of non-empty token-id lists",
         "prompt",
     )
@@ -286,7 +291,7 @@ def completion_prompts(server: FrontendServer, prompt: str | list) -> list[Promp
 
 def _text_prompt(server: FrontendServer, text: str) -> Prompt:
     if not text:
-        raise BadRequest("prompt: must not be empty", "prompt")
+        raise BadRequestError("prompt: must not be empty", "prompt")
     return Prompt(text, server.tokenizer.encode(text))
 
 
@@ -297,7 +302,7 @@ def conversation_prompt(server: FrontendServer, request: ChatCompletionRequest) 
     try:
         rendered = chat_prompt(server.tokenizer, messages, request.add_generation_prompt, tools=tools)
     except ValueError as error:
-        raise BadRequest(str(error), "messages") from None
+        raise BadRequestError(str(error), "messages") from None
     return Prompt(rendered["prompt"], rendered["prompt_token_ids"])
 
 
@@ -305,7 +310,7 @@ def _message_dict(message) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
         if any(not isinstance(part, TextContent) for part in content):
-            raise BadRequest("messages: only text content parts are supported by this model", "messages")
+            raise BadRequestError("messages: only text content parts are supported by this model", "messages")
         content = "\n".join(part.text for part in content)
     result = {"role": message.role, "content": content or ""}
     if message.name is not None:
@@ -323,7 +328,7 @@ def _template_tool_call(call) -> dict[str, Any]:
     try:
         arguments = json.loads(call.function.arguments)
     except ValueError:
-        raise BadRequest(f"messages: tool call {call.id!r} has arguments that are not JSON", "messages") from None
+        raise BadRequestError(f"messages: tool call {call.id!r} has arguments that are not JSON", "messages") from None
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
@@ -332,7 +337,7 @@ def check_context(prompts: list[Prompt], max_tokens: int | None, max_model_len: 
     for prompt in prompts:
         wanted = len(prompt.token_ids) + (max_tokens or 1)
         if wanted > max_model_len:
-            raise BadRequest(
+            raise BadRequestError(
                 f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                 f"{wanted} tokens ({len(prompt.token_ids)} in the {field_name}, {max_tokens or 1} in the "
                 f"completion). Please reduce the length of the {field_name} or completion.",
@@ -414,10 +419,10 @@ class CompletionCall:
     @classmethod
     def build(cls, server: FrontendServer, request: CompletionRequest, model: str) -> CompletionCall:
         if request.suffix is not None:
-            raise BadRequest("suffix: not supported", "suffix")
+            raise BadRequestError("suffix: not supported", "suffix")
         echo_logprobs = request.echo and request.logprobs is not None
         if echo_logprobs and request.stream:
-            raise BadRequest("echo: with logprobs, only without stream", "echo")
+            raise BadRequestError("echo: with logprobs, only without stream", "echo")
         check_best_of(server, request)
         prompts = completion_prompts(server, request.prompt)
         check_context(prompts, request.max_tokens, server.config.max_model_len, "prompt")
@@ -514,7 +519,7 @@ def tool_mode(server: FrontendServer, request: ChatCompletionRequest) -> ToolMod
     if choice == "none":
         return None
     if not request.tools:
-        raise BadRequest("tool_choice: needs tools", "tool_choice")
+        raise BadRequestError("tool_choice: needs tools", "tool_choice")
     single = request.parallel_tool_calls is False
     if isinstance(choice, NamedToolChoice):
         return ToolMode("named", NamedParser(choice.function.name), single)
@@ -522,7 +527,7 @@ def tool_mode(server: FrontendServer, request: ChatCompletionRequest) -> ToolMod
         return ToolMode("required", RequiredParser(), single)
     config = server.config
     if not config.enable_auto_tool_choice or config.tool_call_parser is None:
-        raise BadRequest(
+        raise BadRequestError(
             'tool_choice: "auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
             "tool_choice",
         )
@@ -560,7 +565,7 @@ class ChatCall:
     @classmethod
     def build(cls, server: FrontendServer, request: ChatCompletionRequest, model: str) -> ChatCall:
         if request.top_logprobs is not None and not request.logprobs:
-            raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
+            raise BadRequestError("top_logprobs: needs logprobs: true", "top_logprobs")
         check_best_of(server, request)
         tools = tool_mode(server, request)
         prompt = conversation_prompt(server, request)
