@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import save_tiny_llama
+from tests.helpers.models import save_tiny_llama
 from zllm.frontend.replay import ReplayLog
 from zllm.frontend.supervisor import RestartPolicy, wait_for_any_exit
 from zllm.ipc.messages import AddRequest
