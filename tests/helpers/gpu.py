@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 
-from zllm import LLMEngine, SamplingParams
-
 MAX_TOKENS = 32
 # The reference models are random Llamas made with transformers' own classes (head_dim 64 and
 # 128, GQA), with larger initial weights so the greedy choice is not a near-tie
@@ -48,6 +46,10 @@ PROMPT_LENGTHS = [1, 3, 15, 16, 17, 40, 129, 400]
 def engine_tokens(model_dir, prompt_ids, **engine_args) -> list[list[int]]:
     """The engine's greedy tokens for each prompt (staggered arrivals); the engine is shut down
     however this ends, so a failure leaves no GPU KV cache behind."""
+    # Imported here: tests/gpu/conftest.py imports this module, and the kernel tests run without
+    # the engine's own dependencies (pyzmq, msgspec).
+    from zllm import LLMEngine, SamplingParams
+
     engine = LLMEngine.from_engine_args(model_dir, device="cuda", max_model_len=2048, **engine_args)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
