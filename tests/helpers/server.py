@@ -15,8 +15,6 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 def processes_gone(pids: list[int]) -> bool:
     """Every one of these processes has exited (a zombie counts as gone: it holds no memory)."""
-    import psutil
-
     for pid in pids:
         try:
             if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
@@ -61,8 +59,6 @@ class ServerHandle:
         return max(Path(self.runtime_dir).glob("engine-*"), key=lambda path: int(path.name.split("-")[1]))
 
     def children(self):
-        import psutil
-
         return psutil.Process(self.process.pid).children(recursive=True)
 
     def stop(self, timeout: float = 30.0) -> int:
@@ -73,8 +69,6 @@ class ServerHandle:
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            import psutil
-
             leftovers = self.children()
             self.process.kill()
             for child in leftovers:
