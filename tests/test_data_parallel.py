@@ -13,7 +13,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import processes_gone, save_tiny_llama, start_server
+from tests.helpers.models import save_tiny_llama
+from tests.helpers.server import processes_gone, start_server
 from zllm import LLM, AsyncClient, Client, SamplingParams
 from zllm.config import EngineConfig
 from zllm.frontend.engine_calls import merge_engine_stats

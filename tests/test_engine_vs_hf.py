@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import hf_greedy
+from tests.helpers.models import hf_greedy
 from zllm import LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -8,91 +8,28 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, save_tiny_llama, save_tiny_model
-from tests.test_models import PROMPTS, _engine_generate_all
+from tests.helpers.engine import PROMPTS, engine_generate_all
+from tests.helpers.fp8 import (
+    MAX_TOKENS,
+    PASSAGE,
+    copy_tokenizer,
+    perplexity,
+    token_fake_quant,
+    write_compressed_tensors,
+)
+from tests.helpers.models import hf_greedy, save_tiny_llama, save_tiny_model
 from zllm.config import EngineConfig
 from zllm.workers.fp8 import E4M3, dequantize, quantize_blocks
 
 pytest.importorskip("compressed_tensors")
 
-MAX_TOKENS = 20
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
 
 # ---- compressed-tensors checkpoints, written and run by compressed-tensors itself ---------------
-
-
-def write_compressed_tensors(src: Path, out: Path, scheme: str, ignore: list[str]) -> list[list[int]]:
-    """Quantize the HF model in `src` with compressed-tensors' preset `scheme` ("FP8_DYNAMIC":
-    per-channel weights, dynamic per-token activations; "FP8": per-tensor weights and static
-    input scales), save it compressed to `out`, and return compressed-tensors' own greedy outputs
-    (its fake-quantized forward) for PROMPTS: the reference."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.offload import update_offload_parameter
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
-    from compressed_tensors.quantization.utils import calculate_qparams, is_module_quantized
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    apply_quantization_config(model, QuantizationConfig(config_groups={scheme: ["Linear"]}, ignore=ignore))
-    quantized = {name: m for name, m in model.named_modules() if is_module_quantized(m)}
-    input_amax = _calibrate_input_amax(model, quantized) if scheme == "FP8" else {}
-    for name, module in quantized.items():
-        scheme_args, w = module.quantization_scheme, module.weight.detach()
-        if scheme_args.weights.strategy == "channel":
-            low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-        else:
-            low, high = w.amin().reshape(1), w.amax().reshape(1)
-        scale, zero = calculate_qparams(low, high, scheme_args.weights)
-        update_offload_parameter(module, "weight_scale", scale)
-        update_offload_parameter(module, "weight_zero_point", zero)
-        if name in input_amax:
-            amax = input_amax[name].reshape(1)
-            scale, zero = calculate_qparams(-amax, amax, scheme_args.input_activations)
-            update_offload_parameter(module, "input_scale", scale)
-            update_offload_parameter(module, "input_zero_point", zero)
-        module.quantization_status = QuantizationStatus.FROZEN
-    reference = [hf_greedy(model, p, MAX_TOKENS, eos_token_id=None) for p in PROMPTS]
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
-    compressor.compress_model(model)
-    model.save_pretrained(out)
-    compressor.update_config(out)
-    _copy_tokenizer(src, out)
-    return reference
-
-
-def _calibrate_input_amax(model, quantized: dict) -> dict[str, torch.Tensor]:
-    """Static input scales: each quantized layer's largest input over the prompts (the observer
-    llm-compressor would run), with quantization off meanwhile."""
-    amax, hooks = {}, []
-    for name, module in quantized.items():
-
-        def record(mod, args, name=name):
-            value = args[0].detach().abs().amax().float()
-            amax[name] = torch.maximum(amax.get(name, value), value)
-
-        hooks.append(module.register_forward_pre_hook(record))
-        module.quantization_enabled = False
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            model(torch.tensor([prompt]))
-    for hook in hooks:
-        hook.remove()
-    for module in quantized.values():
-        module.quantization_enabled = True
-    return amax
-
-
-def _copy_tokenizer(src: Path, out: Path) -> None:
-    for name in _TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, out / name)
 
 
 CT_CASES = {  # name: (scheme, ignore, tp)
@@ -110,18 +47,7 @@ def test_compressed_tensors_checkpoint_matches_its_fake_quantized_forward(tmp_pa
     reference = write_compressed_tensors(src, tmp_path / "fp8", scheme, ignore)
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors"
-    assert _engine_generate_all(tmp_path / "fp8", PROMPTS, MAX_TOKENS, tensor_parallel_size=tp) == reference
-
-
-def _token_fake_quant(x: torch.Tensor, ranks: int) -> torch.Tensor:
-    """Per-token FP8 quantization of each rank's columns: a row-parallel layer's ranks each
-    quantize the slice of the activation they hold (as vLLM's do), so at tp 2 a token has one
-    scale per half of o_proj's and down_proj's input."""
-    parts = []
-    for part in x.chunk(ranks, dim=-1):
-        scale = part.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
-        parts.append((part / scale).clamp(-448, 448).to(E4M3).float() * scale)
-    return torch.cat(parts, dim=-1)
+    assert engine_generate_all(tmp_path / "fp8", PROMPTS, MAX_TOKENS, tensor_parallel_size=tp) == reference
 
 
 def test_fp8_dynamic_checkpoint_at_tp2_quantizes_each_ranks_slice(tmp_path):
@@ -138,9 +64,9 @@ def test_fp8_dynamic_checkpoint_at_tp2_quantizes_each_ranks_slice(tmp_path):
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.endswith("_proj"):
             ranks = 2 if name.endswith(("o_proj", "down_proj")) else 1
-            module.register_forward_pre_hook(lambda mod, args, ranks=ranks: (_token_fake_quant(args[0], ranks),))
+            module.register_forward_pre_hook(lambda mod, args, ranks=ranks: (token_fake_quant(args[0], ranks),))
     reference = [hf_greedy(model, p, MAX_TOKENS, eos_token_id=None) for p in PROMPTS]
-    assert _engine_generate_all(tmp_path / "fp8", PROMPTS, MAX_TOKENS, tensor_parallel_size=2) == reference
+    assert engine_generate_all(tmp_path / "fp8", PROMPTS, MAX_TOKENS, tensor_parallel_size=2) == reference
 
 
 def test_online_fp8_quantizes_as_the_fp8_dynamic_scheme(tmp_path):
@@ -148,9 +74,9 @@ def test_online_fp8_quantizes_as_the_fp8_dynamic_scheme(tmp_path):
     activations, the arithmetic of compressed-tensors' FP8_DYNAMIC."""
     src = save_tiny_llama(tmp_path / "src", initializer_range=0.2)
     reference = write_compressed_tensors(src, tmp_path / "fp8", "FP8_DYNAMIC", ["lm_head"])
-    online = _engine_generate_all(src, PROMPTS, MAX_TOKENS, quantization="fp8")
+    online = engine_generate_all(src, PROMPTS, MAX_TOKENS, quantization="fp8")
     assert online == reference
-    assert online != _engine_generate_all(src, PROMPTS, MAX_TOKENS)  # the quantization did something
+    assert online != engine_generate_all(src, PROMPTS, MAX_TOKENS)  # the quantization did something
 
 
 # ---- the block format of Qwen3 / DeepSeek FP8 releases ----------------------------------------------
@@ -178,7 +104,7 @@ def write_fp8_block(src: Path, out: Path) -> None:
         "weight_block_size": [128, 128],
     }
     (out / "config.json").write_text(json.dumps(config))
-    _copy_tokenizer(src, out)
+    copy_tokenizer(src, out)
 
 
 def _group_fake_quant(x: torch.Tensor) -> torch.Tensor:
@@ -378,33 +304,10 @@ def test_fp8_checkpoint_with_unquantized_weights_is_refused(tmp_path):
         tmp_path, {"quant_method": "fp8", "weight_block_size": [128, 128]}, **BLOCK_CONFIG
     )
     with pytest.raises(Exception, match="lacks tensor|expected float8_e4m3fn"):
-        _engine_generate_all(model_dir, PROMPTS[:1], 2)
+        engine_generate_all(model_dir, PROMPTS[:1], 2)
 
 
 # ---- the real model -----------------------------------------------------------------------------
-
-
-PASSAGE = (
-    "The river starts as snowmelt high in the mountains, where thin streams gather in a stony basin before "
-    "spilling over a ledge into the valley. Farmers along its banks have drawn water from it for centuries, "
-    "building small channels that carry it to orchards and fields of barley. In spring the current grows fast "
-    "and brown with silt; by late summer it slows, clears, and children wade across the shallows."
-)
-
-
-def _perplexity(model_dir: str, **engine_args) -> float:
-    from zllm import LLM, SamplingParams
-
-    llm = LLM(model_dir, **engine_args)
-    try:
-        ids = llm.get_tokenizer().encode(PASSAGE)
-        [out] = llm.generate(
-            [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
-        )
-    finally:
-        llm.shutdown()
-    nll = -sum(entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[1:])) / (len(ids) - 1)
-    return math.exp(nll)
 
 
 def _hf_fp8_model(model_dir: str, nudge: dict | None = None):
@@ -420,7 +323,7 @@ def _hf_fp8_model(model_dir: str, nudge: dict | None = None):
                 scale = module.weight.abs().amax(1, keepdim=True) / 448.0
                 module.weight.copy_((module.weight / scale).clamp(-448, 448).to(E4M3).float() * scale)
                 module.register_forward_pre_hook(
-                    lambda mod, args: (_token_fake_quant(args[0] * (nudge["factor"] if nudge else 1.0), 1),)
+                    lambda mod, args: (token_fake_quant(args[0] * (nudge["factor"] if nudge else 1.0), 1),)
                 )
     return model
 
@@ -477,8 +380,8 @@ def test_online_fp8_smollm2_perplexity(smollm2_dir):
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(smollm2_dir).encode(PASSAGE)
-    fp32 = _perplexity(smollm2_dir, dtype="float32")
-    fp8 = _perplexity(smollm2_dir, dtype="float32", quantization="fp8")
+    fp32 = perplexity(smollm2_dir, dtype="float32")
+    fp8 = perplexity(smollm2_dir, dtype="float32", quantization="fp8")
     spread = _hf_fp8_perplexities(smollm2_dir, ids, nudges=range(-3, 4))
     assert 0.995 * min(spread) < fp8 < 1.005 * max(spread), (fp8, spread)
     assert fp32 < fp8 < 1.10 * fp32, (fp32, fp8)

@@ -12,6 +12,7 @@ the launcher (and the subpackage itself) imports it.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -31,9 +32,24 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def package_name(path: Path) -> str:
+    """The package a file's relative imports start from: its own for an __init__.py."""
+    name = module_name(path)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def absolute_name(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from ... import` names, with a relative one (`from .x import y`, `from ..
+    import z`) resolved against `package` as Python resolves it."""
+    if node.level == 0:
+        return node.module
+    return importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+
+
 def imported_modules(path: Path) -> set[str]:
     """Every module the file imports, at the top or inside a function (a lazy import is still a
-    dependency); `if TYPE_CHECKING:` blocks are left out: they never run."""
+    dependency), relative imports by their absolute names; `if TYPE_CHECKING:` blocks are left
+    out: they never run."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
@@ -42,9 +58,10 @@ def imported_modules(path: Path) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute_name(node, package_name(path))
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
     return found
 
 
@@ -65,6 +82,29 @@ def zllm_edges() -> list[tuple[str, str]]:
     paths = sorted(SOURCE.rglob("*.py"))
     modules = {module_name(path) for path in paths}
     return [(module_name(path), imported) for path in paths for imported in imported_modules(path) & modules]
+
+
+@pytest.mark.parametrize(
+    ("file", "statement", "expected"),
+    [
+        ("enginecore/scheduler.py", "from .request import Request", "zllm.enginecore.request"),
+        ("enginecore/scheduler.py", "from . import request", "zllm.enginecore"),
+        ("enginecore/scheduler.py", "from ..workers.runner import run", "zllm.workers.runner"),
+        ("enginecore/__init__.py", "from .core import EngineCore", "zllm.enginecore.core"),
+        ("enginecore/__init__.py", "from ..ipc import codec", "zllm.ipc"),
+        ("config.py", "from .ipc.codec import Codec", "zllm.ipc.codec"),
+        ("config.py", "from zllm.ipc import codec", "zllm.ipc"),
+    ],
+)
+def test_relative_imports_resolve_to_absolute_names(file, statement, expected, tmp_path, monkeypatch):
+    (node,) = ast.parse(statement).body
+    assert absolute_name(node, package_name(SOURCE / file)) == expected
+    # The rules see them too: the same statement in a file of a zllm tree elsewhere.
+    monkeypatch.setitem(globals(), "SOURCE", tmp_path / "zllm")
+    path = tmp_path / "zllm" / file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(statement + "\n")
+    assert expected in imported_modules(path)
 
 
 def test_processes_import_neither_each_other_nor_the_launcher():

@@ -456,7 +456,7 @@ SMALL_LIMITS = ("--max-client-message-size", "64KiB", "--max-internal-message-si
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from tests.conftest import save_tiny_llama
+    from tests.helpers.models import save_tiny_llama
 
     return str(save_tiny_llama(tmp_path_factory.mktemp("tiny"), initializer_range=0.2, max_position_embeddings=4096))
 
@@ -472,7 +472,7 @@ def _raw_bytes(path: str, rng: random.Random) -> None:
 
 @pytest.mark.slow
 def test_live_server_drops_oversized_frames_and_raw_bytes_on_bound_sockets(tmp_path, tiny_model):
-    from tests.conftest import start_server
+    from tests.helpers.server import start_server
 
     server = start_server(tmp_path, tiny_model, *SMALL_LIMITS, env={"OMP_NUM_THREADS": "1"})
     rng = random.Random(7)
@@ -635,7 +635,7 @@ def test_worker_input_survives_garbage_truncated_and_oversized_frames(tmp_path, 
 
 @pytest.mark.slow
 def test_live_invalid_utf8_from_a_client_is_answered_not_fatal(tmp_path, smollm2_dir):
-    from tests.conftest import start_server
+    from tests.helpers.server import start_server
 
     private = start_server(tmp_path, smollm2_dir)  # a private server: the shared one stays untouched
     context = zmq.Context()

@@ -6,7 +6,6 @@ token for token, at tp 1 and 2, through chunked prefill and prefix-cache hits; p
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from pathlib import Path
@@ -14,50 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, save_tiny_llama
-from tests.test_models import PROMPTS, _engine_generate_all
+from tests.helpers.engine import PROMPTS, engine_generate_all
+from tests.helpers.fp8 import MAX_TOKENS, fp8_kv_rounding, perplexity, token_fake_quant, write_compressed_tensors
+from tests.helpers.models import hf_greedy, save_tiny_llama
 from zllm.config import EngineConfig
 from zllm.workers.attention import KV_FP8
-
-MAX_TOKENS = 20
-
-
-def _fake_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x through an E4M3 store and load with this scale (plain torch, the cache's arithmetic)."""
-    return ((x.float() * (1.0 / scale)).clamp(-448, 448).to(KV_FP8).float() * scale).to(x.dtype)
-
-
-@contextlib.contextmanager
-def fp8_kv_rounding(model, scales: list[tuple[float, float]] | None = None):
-    """Within the block, every layer's rotated keys and its values go through FP8 (scales per
-    layer: (k, v)) before they reach attention or HF's cache."""
-    from transformers.models.llama import modeling_llama
-
-    scales = scales or [(1.0, 1.0)] * len(model.model.layers)
-    layer = [0]
-    rotary = modeling_llama.apply_rotary_pos_emb
-
-    def rotary_then_round_keys(q, k, cos, sin, *args, **kwargs):
-        q, k = rotary(q, k, cos, sin, *args, **kwargs)
-        return q, _fake_fp8(k, scales[layer[0]][0])
-
-    hooks = []
-    for index, decoder in enumerate(model.model.layers):
-        hooks.append(
-            decoder.self_attn.register_forward_pre_hook(lambda mod, args, index=index: layer.__setitem__(0, index))
-        )
-        hooks.append(
-            decoder.self_attn.v_proj.register_forward_hook(
-                lambda mod, args, out, index=index: _fake_fp8(out, scales[index][1])
-            )
-        )
-    modeling_llama.apply_rotary_pos_emb = rotary_then_round_keys
-    try:
-        yield model
-    finally:
-        modeling_llama.apply_rotary_pos_emb = rotary
-        for hook in hooks:
-            hook.remove()
 
 
 def _greedy(model) -> list[list[int]]:
@@ -83,7 +43,7 @@ def tiny(tmp_path_factory) -> Path:
 def test_fp8_kv_cache_matches_transformers_with_rounded_keys_and_values(tiny):
     reference = _hf_reference(tiny)
     assert reference != _hf_reference(tiny, round_kv=False)  # the rounding matters here
-    assert _engine_generate_all(tiny, PROMPTS, MAX_TOKENS, kv_cache_dtype="fp8") == reference
+    assert engine_generate_all(tiny, PROMPTS, MAX_TOKENS, kv_cache_dtype="fp8") == reference
 
 
 @pytest.mark.parametrize(
@@ -97,7 +57,7 @@ def test_fp8_kv_cache_matches_transformers_with_rounded_keys_and_values(tiny):
 )
 def test_fp8_kv_cache_under_tp_and_chunked_prefill(tiny, engine_args):
     reference = _hf_reference(tiny)
-    assert _engine_generate_all(tiny, PROMPTS, MAX_TOKENS, kv_cache_dtype="fp8_e4m3", **engine_args) == reference
+    assert engine_generate_all(tiny, PROMPTS, MAX_TOKENS, kv_cache_dtype="fp8_e4m3", **engine_args) == reference
 
 
 def test_fp8_kv_cache_prefix_hits_read_the_stored_blocks(tiny):
@@ -165,8 +125,6 @@ def test_checkpoint_kv_scales_are_used_by_the_fp8_cache(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from tests.test_fp8 import _token_fake_quant, write_compressed_tensors
-
     src = save_tiny_llama(tmp_path / "src", initializer_range=0.2)
     weights_only = write_compressed_tensors(src, tmp_path / "fp8", "FP8_DYNAMIC", ["lm_head"])
     scales = _calibrated_kv_scales(src)
@@ -175,15 +133,15 @@ def test_checkpoint_kv_scales_are_used_by_the_fp8_cache(tmp_path):
     ).eval()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.endswith("_proj"):
-            module.register_forward_pre_hook(lambda mod, args: (_token_fake_quant(args[0], 1),))
+            module.register_forward_pre_hook(lambda mod, args: (token_fake_quant(args[0], 1),))
     with fp8_kv_rounding(model, scales):
         reference = _greedy(model)
     with fp8_kv_rounding(model):
         assert _greedy(model) != reference  # the scales matter here
 
     _add_kv_scales(tmp_path / "fp8", scales, load_file, save_file)
-    assert _engine_generate_all(tmp_path / "fp8", PROMPTS, MAX_TOKENS, kv_cache_dtype="fp8") == reference
-    assert _engine_generate_all(tmp_path / "fp8", PROMPTS, MAX_TOKENS) == weights_only
+    assert engine_generate_all(tmp_path / "fp8", PROMPTS, MAX_TOKENS, kv_cache_dtype="fp8") == reference
+    assert engine_generate_all(tmp_path / "fp8", PROMPTS, MAX_TOKENS) == weights_only
 
 
 def _add_kv_scales(model_dir: Path, scales, load_file, save_file) -> None:
@@ -264,8 +222,6 @@ def test_bad_kv_cache_dtype_and_scheme_are_refused(tmp_path, capsys):
 
 def test_fp8_kv_cache_smollm2_perplexity(smollm2_dir):
     """The real weights: an FP8 KV cache at scale 1.0 moves the passage's perplexity by under 3%."""
-    from tests.test_fp8 import _perplexity
-
-    fp32 = _perplexity(smollm2_dir, dtype="float32")
-    fp8_kv = _perplexity(smollm2_dir, dtype="float32", kv_cache_dtype="fp8")
+    fp32 = perplexity(smollm2_dir, dtype="float32")
+    fp8_kv = perplexity(smollm2_dir, dtype="float32", kv_cache_dtype="fp8")
     assert fp8_kv != fp32 and abs(fp8_kv - fp32) / fp32 < 0.03, (fp32, fp8_kv)

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_ARCHITECTURES, hf_greedy, save_tiny_llama, save_tiny_model, start_server
+from tests.helpers.engine import PROMPTS, engine_generate_all
+from tests.helpers.models import TINY_ARCHITECTURES, hf_greedy, save_tiny_llama, save_tiny_model
+from tests.helpers.server import start_server
 from zllm import LLM, LLMEngine, SamplingParams
 from zllm.workers.models import MODEL_REGISTRY
 from zllm.workers.weight_loader import checkpoint_files
@@ -23,8 +25,6 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
-# Two prompts longer than one 16-token block, one shorter, one of exactly ten.
-PROMPTS = [[5, 9, 13], list(range(3, 40)), [7] * 5 + list(range(100, 140)), [250, 251, 3, 4, 5, 6, 7, 8, 9, 10]]
 
 CASES = {  # name: (architecture, config overrides)
     "llama": ("llama", {}),
@@ -96,17 +96,6 @@ def _hf_generate_all(model_dir, prompts, max_new_tokens):
     return [hf_greedy(model, p, max_new_tokens, eos_token_id=None) for p in prompts]
 
 
-def _engine_generate_all(model_dir, prompts, max_new_tokens, **engine_args):
-    engine = LLMEngine.from_engine_args(str(model_dir), dtype="float32", **engine_args)
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    results = {}
-    while engine.has_unfinished_requests():
-        results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    return [results[str(i)] for i in range(len(prompts))]
-
-
 def test_every_registered_architecture_is_tested():
     assert {TINY_ARCHITECTURES[arch][1] for arch, _ in CASES.values()} == set(MODEL_REGISTRY)
 
@@ -118,9 +107,9 @@ def test_tiny_model_matches_hf(tmp_path, case):
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"][0] in MODEL_REGISTRY
     expected = _hf_generate_all(model_dir, PROMPTS, 20)
-    assert _engine_generate_all(model_dir, PROMPTS, 20) == expected  # block_size 16
+    assert engine_generate_all(model_dir, PROMPTS, 20) == expected  # block_size 16
     # A block size of 8 puts every prompt but the first across several blocks.
-    assert _engine_generate_all(model_dir, PROMPTS, 20, block_size=8) == expected
+    assert engine_generate_all(model_dir, PROMPTS, 20, block_size=8) == expected
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
@@ -129,7 +118,7 @@ def test_sharded_checkpoint_equals_single_file(tmp_path, architecture):
     sharded = save_tiny_model(tmp_path / "sharded", architecture, shards=3, initializer_range=0.2)
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(checkpoint_files(str(sharded))) >= 2
-    assert _engine_generate_all(sharded, PROMPTS, 12) == _engine_generate_all(single, PROMPTS, 12)
+    assert engine_generate_all(sharded, PROMPTS, 12) == engine_generate_all(single, PROMPTS, 12)
 
 
 def test_worker_process_serves_a_registered_architecture(tmp_path):
@@ -205,7 +194,7 @@ def test_moe_staggered_arrivals_with_prefix_hits_match_hf(tmp_path):
 
 def test_dummy_weights_run_any_shape(tmp_path):
     model_dir = save_tiny_llama(tmp_path, hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
-    (tokens,) = _engine_generate_all(model_dir, PROMPTS[:1], 5, load_format="dummy")
+    (tokens,) = engine_generate_all(model_dir, PROMPTS[:1], 5, load_format="dummy")
     assert len(tokens) == 5 and all(0 <= t < 256 for t in tokens)
 
 
@@ -377,7 +366,7 @@ def test_missing_expert_tensor_is_named_as_in_the_checkpoint(tmp_path, case, mis
 def test_moe_dummy_weights_run(tmp_path):
     architecture, overrides = CASES["qwen2-moe-shared"]
     model_dir = save_tiny_model(tmp_path, architecture, **overrides)
-    (tokens,) = _engine_generate_all(model_dir, PROMPTS[:1], 5, load_format="dummy")
+    (tokens,) = engine_generate_all(model_dir, PROMPTS[:1], 5, load_format="dummy")
     assert len(tokens) == 5 and all(0 <= t < 256 for t in tokens)
 
 

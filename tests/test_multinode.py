@@ -17,7 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import processes_gone, save_tiny_llama, wait_until
+from tests.helpers.models import save_tiny_llama
+from tests.helpers.server import processes_gone, wait_until
 from zllm import LLM, AsyncClient, Client, SamplingParams
 from zllm.config import EngineConfig
 from zllm.ipc.curve import create_client_keys, load_or_create_server_keys

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import start_server
+from tests.helpers.server import start_server
 from zllm import Client, SamplingParams
 
 pytestmark = pytest.mark.slow

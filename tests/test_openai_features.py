@@ -22,7 +22,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.conftest import start_server
+from tests.helpers.server import start_server
 
 pytestmark = pytest.mark.slow
 

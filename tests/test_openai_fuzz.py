@@ -23,7 +23,10 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.conftest import save_tiny_llama, start_server
+from tests.helpers.models import save_tiny_llama
+
+# NOTE: on a small shared CPU, torch's spinning intra-op threads slow each other down many times
+from tests.helpers.server import start_server
 
 # NOTE: on a small shared CPU, torch's spinning intra-op threads slow each other down many times
 # over (a 2-thread matmul measured 20x slower than 1 thread under load); one thread keeps the

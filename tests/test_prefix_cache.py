@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.test_scheduler import EOS, add, assert_all_blocks_free, complete, make_scheduler, run_step
+from tests.helpers.scheduler import EOS, add, assert_all_blocks_free, complete, make_scheduler, run_step
 from zllm.block_hash import extend_block_hashes, hash_block
 from zllm.enginecore.block_pool import BlockPool
 from zllm.enginecore.kv_cache_manager import KVCacheManager

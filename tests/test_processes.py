@@ -13,7 +13,8 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import hf_greedy, processes_gone, start_server, wait_until
+from tests.helpers.models import hf_greedy
+from tests.helpers.server import processes_gone, start_server, wait_until
 from zllm import AsyncClient, Client, LLMEngine, SamplingParams
 from zllm.client import RequestError, ServerGoneError
 

@@ -13,88 +13,30 @@ import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import processes_gone, save_tiny_llama, start_server, wait_until
+from tests.helpers.models import save_tiny_llama
+from tests.helpers.server import ONE_THREAD, engine_processes, processes_gone, start_server, wait_until
+from tests.helpers.streams import Ended, Streamed, run_streams
 from zllm import AsyncClient, Client, SamplingParams
 from zllm.client import AuthenticationError, EngineDeadError, OverloadedError, ServerDrainingError
 
 pytestmark = pytest.mark.slow
 
-# Two cores shared by several processes: a second torch thread per worker only spins.
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 NUM_STREAMS = 64
 
 
 # ---- helpers -------------------------------------------------------------------------------------
 
 
-def _engine_processes(handle) -> tuple[psutil.Process, list[psutil.Process]]:
-    core = next(p for p in handle.children() if "zllm.enginecore.process" in " ".join(p.cmdline()))
-    return core, core.children()
-
-
 def _log_time(log: str, needle: str) -> float:
     """The wall-clock time of the first log line containing needle."""
     line = next(line for line in log.splitlines() if needle in line)
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-
-
-@dataclass
-class Streamed:
-    """What one stream delivered, delta by delta (of completion 0; n > 1: `more` has the others)."""
-
-    tokens: list[int]
-    text: str
-    more: dict[int, tuple[list[int], str]] = field(default_factory=dict)
-
-
-@dataclass
-class Ended:
-    """A stream that ended with an error, and when (wall clock)."""
-
-    error: Exception
-    at: float
-
-
-async def _streams(
-    endpoint: str, prompts: list, params, kill=None, kill_after_tokens: int = 2, **client_args
-) -> tuple[list[Streamed | Ended], float | None]:
-    """Stream every prompt at once (params: one SamplingParams, or one per prompt); optionally
-    call kill() once each stream has some tokens. Returns what each stream got, and the kill time."""
-    counts = [0] * len(prompts)
-    killed_at = None
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    async with AsyncClient(endpoint, timeout=120, **client_args) as client:
-
-        async def consume(i: int) -> Streamed | Ended:
-            got = Streamed([], "")
-            try:
-                async for delta in client.stream(prompts[i], params[i]):
-                    completion = delta.outputs[0]
-                    if completion.index == 0:
-                        got.tokens += completion.token_ids
-                        got.text += completion.text
-                    else:
-                        tokens, text = got.more.get(completion.index, ([], ""))
-                        got.more[completion.index] = (tokens + completion.token_ids, text + completion.text)
-                    counts[i] = len(got.tokens)
-            except Exception as error:  # noqa: BLE001 - the test inspects it
-                return Ended(error, time.time())
-            return got
-
-        tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
-        if kill is not None:
-            while min(counts) < kill_after_tokens and not any(t.done() for t in tasks):
-                await asyncio.sleep(0.02)
-            killed_at = time.time()
-            kill()
-        return await asyncio.gather(*tasks), killed_at
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +70,7 @@ def supervised(request, tmp_path_factory, smollm2_dir):
     handle = start_server(
         tmp_path_factory.mktemp("supervised"), smollm2_dir, "--max-restarts", "2", request.param, env=ONE_THREAD
     )
-    reference, _ = asyncio.run(_streams(handle.endpoint, STORY_PROMPTS, GREEDY))
+    reference, _ = asyncio.run(run_streams(handle.endpoint, STORY_PROMPTS, GREEDY))
     assert all(isinstance(r, Streamed) and len(r.tokens) == 8 and r.text for r in reference)
     assert all(len(r.more[1][0]) == 8 for i, r in enumerate(reference) if i % 8 == 3)
     yield handle, reference
@@ -139,11 +81,11 @@ def supervised(request, tmp_path_factory, smollm2_dir):
 def test_kill9_under_64_streams_loses_nothing(supervised, victim):
     handle, reference = supervised
     offset = len(handle.log())
-    core, workers = _engine_processes(handle)
+    core, workers = engine_processes(handle)
     target = workers[0] if victim == "worker" else core
     old_pids = [core.pid] + [w.pid for w in workers]
 
-    results, killed_at = asyncio.run(_streams(handle.endpoint, STORY_PROMPTS, GREEDY, kill=target.kill))
+    results, killed_at = asyncio.run(run_streams(handle.endpoint, STORY_PROMPTS, GREEDY, kill=target.kill))
 
     assert results == reference  # every stream completed, token for token and text for text
     log = handle.log()[offset:]
@@ -154,7 +96,7 @@ def test_kill9_under_64_streams_loses_nothing(supervised, victim):
     recovered = re.search(r"engine recovered in ([0-9.]+) s: (\d+) request\(s\) replayed", log)
     assert recovered and int(recovered.group(2)) == NUM_STREAMS, log
     assert processes_gone(old_pids)  # the whole old engine went, not just the process that was killed
-    new_core, new_workers = _engine_processes(handle)
+    new_core, new_workers = engine_processes(handle)
     assert new_core.pid not in old_pids and len(new_workers) == len(workers)
 
 
@@ -169,7 +111,7 @@ def test_crash_loop_gives_up_with_a_clear_error(supervised):
         """Kill every worker that shows up (restarts included) until the server gives up."""
         while handle.process.poll() is None:
             try:
-                core, workers = _engine_processes(handle)
+                core, workers = engine_processes(handle)
                 seen.update([core.pid] + [w.pid for w in workers])
                 for worker in workers:
                     worker.kill()
@@ -208,7 +150,7 @@ def test_health_is_503_while_the_engine_restarts_then_200(tmp_path, tiny_model):
     try:
         with httpx.Client(base_url=handle.http_url, timeout=10) as http, Client(handle.endpoint, timeout=30) as client:
             assert http.get("/health").status_code == 200 and client.stats()["state"] == "serving"
-            _, workers = _engine_processes(handle)
+            _, workers = engine_processes(handle)
             workers[0].kill()
             seen, reasons = [], set()
             deadline = time.monotonic() + 120
@@ -236,13 +178,13 @@ def test_health_is_503_while_the_engine_restarts_then_200(tmp_path, tiny_model):
 
 def test_on_failure_fail_ends_every_stream_with_engine_dead(tmp_path, tiny_model):
     handle = start_server(tmp_path, tiny_model, "--on-failure", "fail", env=ONE_THREAD)
-    core, workers = _engine_processes(handle)
+    core, workers = engine_processes(handle)
     pids = [core.pid] + [w.pid for w in workers]
     params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
     prompts = [f"t{5 + i} t9 t13" for i in range(NUM_STREAMS)]
 
     results, killed_at = asyncio.run(
-        _streams(handle.endpoint, prompts, params, kill=workers[0].kill, kill_after_tokens=1)
+        run_streams(handle.endpoint, prompts, params, kill=workers[0].kill, kill_after_tokens=1)
     )
 
     odd = [r for r in results if not (isinstance(r, Ended) and isinstance(r.error, EngineDeadError))]
@@ -294,7 +236,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_notifies_systemd(tmp_path, tin
     async def scenario():
         async with AsyncClient(handle.endpoint, timeout=60) as client:
             streams = asyncio.create_task(
-                _streams(handle.endpoint, prompts, params, kill=lambda: handle.process.send_signal(signal.SIGTERM))
+                run_streams(handle.endpoint, prompts, params, kill=lambda: handle.process.send_signal(signal.SIGTERM))
             )
             received = await asyncio.to_thread(_notifications, notify, "STOPPING=1", 30)
             assert any(n.startswith("STOPPING=1") for n in received), received
@@ -334,7 +276,7 @@ def test_a_client_that_stops_reading_is_dropped_and_the_others_stream_on(tmp_pat
             stuck.send(encode(ClientGenerate(request_id=f"stuck-{i}", prompt=f"t{5 + i} t9", sampling=sampling)))
         prompts = [f"t{7 + i} t8" for i in range(16)]
         params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
-        results, _ = asyncio.run(_streams(handle.endpoint, prompts, params))
+        results, _ = asyncio.run(run_streams(handle.endpoint, prompts, params))
         assert all(isinstance(r, Streamed) and len(r.tokens) == 300 for r in results), results[:2]
         assert wait_until(lambda: "not reading (10000 messages queued for it)" in handle.log(), 60), handle.log()[
             -2000:
@@ -466,7 +408,7 @@ def test_overload_gets_retry_later_errors_not_unbounded_queues(secured):
     handle, keys = secured
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     prompts = [f"t{5 + i} t9" for i in range(40)]
-    results, _ = asyncio.run(_streams(handle.endpoint, prompts, params, api_key="sesame", **keys))
+    results, _ = asyncio.run(run_streams(handle.endpoint, prompts, params, api_key="sesame", **keys))
     done = [r for r in results if isinstance(r, Streamed)]
     overloaded = [r.error for r in results if isinstance(r, Ended)]
     assert all(isinstance(e, OverloadedError) for e in overloaded), overloaded[:3]
@@ -485,7 +427,7 @@ def test_overload_gets_retry_later_errors_not_unbounded_queues(secured):
 def test_second_signal_exits_at_once(secured):
     """(Last of the tests on this server: it stops it.)"""
     handle, keys = secured
-    core, workers = _engine_processes(handle)
+    core, workers = engine_processes(handle)
     pids = [core.pid] + [w.pid for w in workers]
 
     async def scenario():

@@ -14,8 +14,9 @@ import asyncio
 import httpx
 import pytest
 
-from tests.conftest import save_tiny_llama, start_server
-from tests.test_reliability import ONE_THREAD, Ended, _engine_processes, _streams
+from tests.helpers.models import save_tiny_llama
+from tests.helpers.server import ONE_THREAD, engine_processes, start_server
+from tests.helpers.streams import Ended, run_streams
 from zllm import Client, SamplingParams
 from zllm.client import RequestFailedError
 
@@ -79,15 +80,15 @@ def _text(token_ids: list[int]) -> str:
 def test_failed_request_fails_alone_on_a_live_server(tmp_path, tiny_model):
     handle = start_server(tmp_path, tiny_model, env={"ZLLM_TEST_FAIL_PROMPT_TOKEN": str(POISON), **ONE_THREAD})
     try:
-        core, workers = _engine_processes(handle)
+        core, workers = engine_processes(handle)
         pids = [core.pid] + [w.pid for w in workers]
         others = [_text(SHARED + [60 + i, 61 + i]) for i in range(NUM_OTHERS)]
         poisoned = _text(SHARED + [POISON])
 
-        results, _ = asyncio.run(_streams(handle.endpoint, [poisoned] + others, GREEDY))
+        results, _ = asyncio.run(run_streams(handle.endpoint, [poisoned] + others, GREEDY))
         with Client(handle.endpoint) as client:
             client.reset_prefix_cache()
-        reference, _ = asyncio.run(_streams(handle.endpoint, others, GREEDY))
+        reference, _ = asyncio.run(run_streams(handle.endpoint, others, GREEDY))
 
         assert isinstance(results[0], Ended) and isinstance(results[0].error, RequestFailedError), results[0]
         message = str(results[0].error)
@@ -99,7 +100,7 @@ def test_failed_request_fails_alone_on_a_live_server(tmp_path, tiny_model):
 
         _check_http_errors(handle.http_url, poisoned, others[0], reference[0].text)
 
-        core_now, workers_now = _engine_processes(handle)
+        core_now, workers_now = engine_processes(handle)
         assert [core_now.pid] + [w.pid for w in workers_now] == pids  # no restart
         log = handle.log()
         assert "engine failure" not in log and "restarting the engine" not in log

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from tests.conftest import hf_greedy
+from tests.helpers.models import hf_greedy
 from zllm import LLM, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.slow

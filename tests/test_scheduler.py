@@ -7,113 +7,29 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.helpers.scheduler import (
+    EOS,
+    TOKEN,
+    add,
+    assert_all_blocks_free,
+    complete,
+    decode,
+    make_request,
+    make_scheduler,
+    num_used_blocks,
+    prompt,
+    run_step,
+    run_to_completion,
+    sampling_ids,
+    scheduled,
+)
 from zllm.config import EngineConfig
-from zllm.enginecore.block_pool import BlockPool
-from zllm.enginecore.kv_cache_manager import KVCacheManager
 from zllm.enginecore.request import Request, RequestStatus
 from zllm.enginecore.scheduler import Scheduler
 from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput, StepOutput, TokenDelta
 from zllm.sampling_params import SamplingParams
 
-EOS = 2
-TOKEN = 7
 STOP_TOKEN = 42
-
-
-def make_scheduler(
-    *,
-    num_blocks: int = 64,
-    block_size: int = 4,
-    max_model_len: int = 256,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 64,
-    enable_prefix_caching: bool = False,
-    scheduling_policy: str = "fcfs",
-    async_scheduling: bool = False,
-) -> Scheduler:
-    """Prefix caching is off unless asked for: most tests pin other rules with block ids."""
-    config = EngineConfig(
-        model="unused",
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        block_size=block_size,
-        scheduling_policy=scheduling_policy,
-        async_scheduling=async_scheduling,
-    )
-    return Scheduler(config, KVCacheManager(BlockPool(num_blocks), block_size, enable_prefix_caching))
-
-
-def prompt(length: int) -> list[int]:
-    return [100 + i for i in range(length)]
-
-
-def make_request(request_id: str, prompt_len: int = 4, *, max_tokens: int | None = 16, **sampling) -> Request:
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=prompt(prompt_len),
-        sampling=SamplingParams(temperature=0, max_tokens=max_tokens, **sampling),
-        eos_token_ids=frozenset({EOS}),
-    )
-
-
-def add(scheduler: Scheduler, *requests: Request) -> None:
-    for request in requests:
-        scheduler.add_request(request)
-
-
-def scheduled(step: StepInput) -> dict[str, int]:
-    return dict(zip(step.scheduled_ids, step.num_scheduled_tokens))
-
-
-def sampling_ids(scheduler: Scheduler, step: StepInput) -> list[str]:
-    """The scheduled requests that reached the end of their tokens: the ones that sample."""
-    ids = []
-    for request_id in step.scheduled_ids:
-        request = scheduler.requests.get(request_id)
-        if request is not None and request.num_computed_tokens == request.num_tokens:
-            ids.append(request_id)
-    return ids
-
-
-def complete(scheduler: Scheduler, step: StepInput, tokens: dict[str, int] | None = None) -> list[TokenDelta]:
-    ids = sampling_ids(scheduler, step)
-    sampled = [(tokens or {}).get(request_id, TOKEN) for request_id in ids]
-    return scheduler.update_from_output(StepOutput(step.step_id, ids, sampled))
-
-
-def run_step(scheduler: Scheduler, tokens: dict[str, int] | None = None) -> StepInput:
-    step = scheduler.schedule()
-    complete(scheduler, step, tokens)
-    return step
-
-
-def decode(scheduler: Scheduler, request_id: str, tokens: list[int]) -> list[TokenDelta]:
-    """Run steps of a lone request, sampling `tokens` in turn; the deltas of that request."""
-    deltas = []
-    for token in tokens:
-        step = scheduler.schedule()
-        deltas += [d for d in complete(scheduler, step, {request_id: token}) if d.request_id == request_id]
-    return deltas
-
-
-def run_to_completion(scheduler: Scheduler, max_steps: int = 200) -> list[StepInput]:
-    steps = []
-    while scheduler.has_unfinished_requests():
-        assert len(steps) < max_steps, "the scheduler stopped making progress"
-        steps.append(run_step(scheduler))
-    return steps
-
-
-def num_used_blocks(scheduler: Scheduler) -> int:
-    pool = scheduler.kv_cache.pool
-    return pool.num_blocks - pool.num_free_blocks
-
-
-def assert_all_blocks_free(scheduler: Scheduler) -> None:
-    pool = scheduler.kv_cache.pool
-    assert pool.num_free_blocks == pool.num_blocks
-    assert sorted(pool._free.block_ids()) == list(range(pool.num_blocks))
 
 
 # ---- budget, max_num_seqs, order -------------------------------------------------------------
@@ -1025,7 +941,7 @@ def test_offline_use_on_a_gpu_raises_only_the_limits_left_unset(tmp_path):
     """LLM (usage "offline") on a GPU takes 512 sequences and 8192 tokens per step unless given
     others; a server, and anything on CPU, keeps 256 and 2048. No GPU is needed: device="cuda"
     decides it, and creating the config starts nothing."""
-    from tests.conftest import save_tiny_llama
+    from tests.helpers.models import save_tiny_llama
 
     model = str(save_tiny_llama(tmp_path / "m"))
 

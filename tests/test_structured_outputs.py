@@ -15,41 +15,16 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+import xgrammar as xgr
 
-from tests.conftest import hf_greedy
+from tests.helpers.models import hf_greedy
+from tests.helpers.structured import CODE, CONSTRAINTS, PROMPTS
 from zllm import LLMEngine
 from zllm.ipc.codec import Codec
 from zllm.ipc.messages import AddRequest, CoreToWorker, GrammarBitmask
 from zllm.sampling_params import SamplingParams, StructuredOutputsParams
 from zllm.workers.sampler import apply_token_bitmask
 
-xgr = pytest.importorskip("xgrammar")
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
-    },
-    "required": ["name", "age", "city"],
-    "additionalProperties": False,
-}
-CODE = r"[A-Z]{3}-\d{4}"
-CONSTRAINTS = {
-    "json": StructuredOutputsParams(json=PERSON),
-    "regex": StructuredOutputsParams(regex=CODE),
-    "choice": StructuredOutputsParams(choice=["red", "green", "blue"]),
-    "grammar": StructuredOutputsParams(grammar='root ::= "(" [0-9]+ (" + " [0-9]+)* ")"'),
-    "json_object": StructuredOutputsParams(json_object=True),
-}
-PROMPTS = {
-    "json": "Describe a person as JSON:",
-    "regex": "My order code is",
-    "choice": "The colour of the sky is",
-    "grammar": "An addition:",
-    "json_object": "A JSON object about a cat:",
-}
 MAX_TOKENS = 40
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import save_tiny_llama
+from tests.helpers.models import save_tiny_llama
 from zllm.frontend.replay import ReplayLog
 from zllm.frontend.restart_policy import RestartPolicy
 from zllm.ipc.messages import AddRequest

@@ -12,7 +12,8 @@ import psutil
 import pytest
 import torch
 
-from tests.conftest import save_tiny_llama, start_server
+from tests.helpers.models import save_tiny_llama
+from tests.helpers.server import start_server
 from zllm import LLM, Client, SamplingParams
 from zllm.partition import even_split, head_shards, vocab_shard
 from zllm.workers.distributed import TensorParallel

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import save_tiny_model
+from tests.helpers.models import save_tiny_model
 from zllm import LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -49,26 +49,28 @@ def _run(model_dir: str, spy=None, **engine_args) -> dict[str, tuple]:
     engine = LLMEngine.from_engine_args(
         model_dir, device="cuda", max_model_len=1024, max_num_batched_tokens=256, **engine_args
     )
-    if spy is not None:
-        spy(engine)
-    rng = random.Random(0)
-    results = {}
+    try:
+        if spy is not None:
+            spy(engine)
+        rng = random.Random(0)
+        results = {}
 
-    def step() -> None:
-        for out in engine.step():
-            if out.finished:
-                completion = out.outputs[0]
-                logprobs = [sorted(d) for d in completion.logprobs] if completion.logprobs else None
-                results[out.request_id] = (completion.token_ids, completion.finish_reason, logprobs)
+        def step() -> None:
+            for out in engine.step():
+                if out.finished:
+                    completion = out.outputs[0]
+                    logprobs = [sorted(d) for d in completion.logprobs] if completion.logprobs else None
+                    results[out.request_id] = (completion.token_ids, completion.finish_reason, logprobs)
 
-    for i, length in enumerate(PROMPT_LENGTHS * 2):
-        ids = [rng.randrange(3, 256) for _ in range(length)]
-        engine.add_request(str(i), {"prompt_token_ids": ids}, PARAMS[i % len(PARAMS)])
-        if i % 3 == 2:
-            step()  # staggered arrival: requests join a running batch
-    while engine.has_unfinished_requests():
-        step()
-    engine.shutdown()
+        for i, length in enumerate(PROMPT_LENGTHS * 2):
+            ids = [rng.randrange(3, 256) for _ in range(length)]
+            engine.add_request(str(i), {"prompt_token_ids": ids}, PARAMS[i % len(PARAMS)])
+            if i % 3 == 2:
+                step()  # staggered arrival: requests join a running batch
+        while engine.has_unfinished_requests():
+            step()
+    finally:
+        engine.shutdown()
     return results
 
 

@@ -11,9 +11,10 @@ import torch
 
 pytest.importorskip("cupy")
 
-from tests.gpu.test_engine_gpu import MAX_TOKENS, _engine_tokens, _record, _share_identical  # noqa: E402
-from tests.gpu.test_kernels import DEVICE, DTYPE_IDS, DTYPES, PagedBatch, assert_close, randn  # noqa: E402
-from tests.test_kv_cache_fp8 import fp8_kv_rounding  # noqa: E402
+from tests.helpers.fp8 import fp8_kv_rounding  # noqa: E402
+from tests.helpers.gpu import MAX_TOKENS, engine_tokens, record, share_identical  # noqa: E402
+from tests.helpers.kernels import DEVICE, DTYPE_IDS, DTYPES, PagedBatch, assert_close, randn  # noqa: E402
+from tests.helpers.models import save_tiny_model  # noqa: E402
 from zllm.workers import kernels  # noqa: E402
 from zllm.workers.attention import KV_FP8, KVScales, dequantize_kv, quantize_kv  # noqa: E402
 from zllm.workers.layers import rope_cos_sin_cache, rope_inv_freq  # noqa: E402
@@ -131,8 +132,6 @@ ENGINE_SHAPE = dict(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tests.conftest import save_tiny_model
-
     directory = tmp_path_factory.mktemp("kvfp8")
     save_tiny_model(
         directory, "llama", vocab_size=256, max_position_embeddings=4096, initializer_range=0.2, **ENGINE_SHAPE
@@ -170,23 +169,23 @@ def _hf_rounded_tokens(model_dir, prompt_ids, dtype) -> list[list[int]]:
 
 
 def test_fp32_engine_with_fp8_cache_equals_rounded_transformers(model_dir, prompt_ids):
-    ours = _engine_tokens(model_dir, prompt_ids, dtype="float32", kv_cache_dtype="fp8")
+    ours = engine_tokens(model_dir, prompt_ids, dtype="float32", kv_cache_dtype="fp8")
     theirs = _hf_rounded_tokens(model_dir, prompt_ids, torch.float32)
-    _record("kvfp8_fp32_share_identical", _share_identical(ours, theirs))
+    record("kvfp8_fp32_share_identical", share_identical(ours, theirs))
     assert ours == theirs
-    assert ours != _engine_tokens(model_dir, prompt_ids, dtype="float32")  # the rounding shows at this size
+    assert ours != engine_tokens(model_dir, prompt_ids, dtype="float32")  # the rounding shows at this size
 
 
 def test_bf16_engine_with_fp8_cache(model_dir, prompt_ids):
     """Packed FlashAttention prefill over the dequantized cache; graphs equal eager; the first
     token agrees with rounded transformers in bf16 (later ones drift, as in bf16 without FP8)."""
-    graphs = _engine_tokens(model_dir, prompt_ids, dtype="bfloat16", kv_cache_dtype="fp8")
-    eager = _engine_tokens(model_dir, prompt_ids, dtype="bfloat16", kv_cache_dtype="fp8", enforce_eager=True)
+    graphs = engine_tokens(model_dir, prompt_ids, dtype="bfloat16", kv_cache_dtype="fp8")
+    eager = engine_tokens(model_dir, prompt_ids, dtype="bfloat16", kv_cache_dtype="fp8", enforce_eager=True)
     assert graphs == eager
     theirs = _hf_rounded_tokens(model_dir, prompt_ids, torch.bfloat16)
     first_agree = sum(a[0] == b[0] for a, b in zip(graphs, theirs))
-    _record("kvfp8_bf16_first_token_agreement", f"{first_agree}/{len(graphs)}")
-    _record("kvfp8_bf16_share_identical", _share_identical(graphs, theirs))
+    record("kvfp8_bf16_first_token_agreement", f"{first_agree}/{len(graphs)}")
+    record("kvfp8_bf16_share_identical", share_identical(graphs, theirs))
     assert first_agree >= 0.75 * len(graphs)
 
 
@@ -198,10 +197,12 @@ def test_fp8_cache_holds_twice_the_blocks(model_dir):
         engine = LLMEngine.from_engine_args(
             model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, kv_cache_dtype=kv_dtype
         )
-        blocks[kv_dtype] = engine.core.num_kv_blocks
-        assert {c.dtype for c in engine.core.executor.runner.kv_caches} == {
-            KV_FP8 if kv_dtype == "fp8" else torch.bfloat16
-        }
-        engine.shutdown()
-    _record("kvfp8_blocks_at_0.3", blocks)
+        try:
+            blocks[kv_dtype] = engine.core.num_kv_blocks
+            assert {c.dtype for c in engine.core.executor.runner.kv_caches} == {
+                KV_FP8 if kv_dtype == "fp8" else torch.bfloat16
+            }
+        finally:
+            engine.shutdown()
+    record("kvfp8_blocks_at_0.3", blocks)
     assert abs(blocks["fp8"] / blocks["auto"] - 2) < 0.01, blocks

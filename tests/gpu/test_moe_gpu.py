@@ -6,12 +6,12 @@ checkpoints."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.conftest import save_tiny_model
+from tests.helpers.models import save_tiny_model
 
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 

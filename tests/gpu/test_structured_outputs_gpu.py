@@ -2,28 +2,27 @@
 constrained greedy decoding (decode graphs, async scheduling) equals HF transformers' generate
 with xgrammar's HF logits processor on the same GPU, token for token, in fp32.
 
-Grammars need a real sub-word tokenizer: ZLLM_TOKENIZER_DIR names one (the embedded SmolLM2's
-tokenizer files); the model is a random Llama over its vocabulary made here with transformers.
+Grammars need a real sub-word tokenizer and the GPU machines carry none: a byte-level BPE one is
+trained here on a few sentences (tests/helpers/structured.py) with the `tokenizers` library, and
+the model is a random Llama over its vocabulary made here with transformers.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import xgrammar as xgr
 
-from tests.conftest import hf_greedy, save_tiny_model
+from tests.helpers.models import hf_greedy, save_tiny_model, train_subword_tokenizer
+from tests.helpers.structured import CONSTRAINTS, PROMPTS, SUBWORD_CORPUS
 from zllm import LLMEngine
 from zllm.sampling_params import SamplingParams
 from zllm.workers.sampler import apply_token_bitmask
 
 pytestmark = pytest.mark.gpu
-xgr = pytest.importorskip("xgrammar")
-
-TOKENIZER_DIR = os.environ.get("ZLLM_TOKENIZER_DIR", "")
 MAX_TOKENS = 32
 
 
@@ -42,11 +41,10 @@ def test_device_bitmask_equals_xgrammar(vocab_size):
 
 @pytest.fixture(scope="module")
 def bpe_model(tmp_path_factory) -> Path:
-    if not Path(TOKENIZER_DIR, "tokenizer.json").is_file():
-        pytest.skip("set ZLLM_TOKENIZER_DIR to a directory with a sub-word tokenizer.json")
+    tokenizer = train_subword_tokenizer(SUBWORD_CORPUS)
     directory = save_tiny_model(
         tmp_path_factory.mktemp("bpe"),
-        vocab_size=49152,
+        vocab_size=len(tokenizer),
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=2,
@@ -54,9 +52,7 @@ def bpe_model(tmp_path_factory) -> Path:
         num_key_value_heads=2,
         eos_token_id=2,
     )
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if Path(TOKENIZER_DIR, name).is_file():
-            shutil.copyfile(Path(TOKENIZER_DIR, name), directory / name)
+    tokenizer.save_pretrained(directory)  # in place of save_tiny_model's placeholder
     return directory
 
 
@@ -64,13 +60,13 @@ def test_constrained_greedy_on_the_gpu_equals_hf_with_xgrammar(bpe_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from xgrammar.contrib.hf import LogitsProcessor
 
-    from tests.test_structured_outputs import CONSTRAINTS, PROMPTS
     from zllm.frontend.tokenizer import eos_token_ids
     from zllm.grammars import grammar_of
 
     tokenizer = AutoTokenizer.from_pretrained(bpe_model)
     eos = eos_token_ids(str(bpe_model), tokenizer)
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152, stop_token_ids=eos)
+    vocab_size = json.loads((bpe_model / "config.json").read_text())["vocab_size"]
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos)
     compiler = xgr.GrammarCompiler(info)
     hf = AutoModelForCausalLM.from_pretrained(bpe_model, dtype=torch.float32).cuda().eval()
     prompts = {name: tokenizer.encode(text) for name, text in PROMPTS.items()}

@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs (NCCL): tp 2 greedy vs HF in fp32, CUDA graphs (with the
 all-reduce captured) vs eager in bf16; the symmetric-memory one-shot all-reduce
-(--custom-all-reduce-max-size) against NCCL, alone and in the engine."""
+(--custom-all-reduce-max-size) against NCCL, alone and in the engine. The models and prompts are
+tests/gpu/conftest.py's model_dir and prompt_ids, as in test_engine_gpu."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ import time
 
 import pytest
 
-from tests.gpu.test_engine_gpu import _engine_tokens, _hf_tokens, _record, _share_identical, model_dir, prompt_ids
+from tests.helpers.gpu import engine_tokens, hf_tokens, record, share_identical
 
 pytestmark = [pytest.mark.gpu]
-
-__all__ = ["model_dir", "prompt_ids"]  # fixtures shared with test_engine_gpu
 
 
 @pytest.fixture(autouse=True)
@@ -27,18 +26,18 @@ def _two_gpus():
 def test_tensor_parallel_fp32_greedy_is_token_identical_to_hf(model_dir, prompt_ids):
     import torch
 
-    ours = _engine_tokens(model_dir, prompt_ids, dtype="float32", tensor_parallel_size=2)
-    theirs = _hf_tokens(model_dir, prompt_ids, torch.float32)
-    _record(f"tp2_fp32_share_identical[{os.path.basename(model_dir)}]", _share_identical(ours, theirs))
+    ours = engine_tokens(model_dir, prompt_ids, dtype="float32", tensor_parallel_size=2)
+    theirs = hf_tokens(model_dir, prompt_ids, torch.float32)
+    record(f"tp2_fp32_share_identical[{os.path.basename(model_dir)}]", share_identical(ours, theirs))
     assert ours == theirs
 
 
 def test_tensor_parallel_cuda_graphs_equal_eager(model_dir, prompt_ids):
-    graphs = _engine_tokens(model_dir, prompt_ids, dtype="bfloat16", tensor_parallel_size=2)
-    eager = _engine_tokens(model_dir, prompt_ids, dtype="bfloat16", tensor_parallel_size=2, enforce_eager=True)
-    _record(
+    graphs = engine_tokens(model_dir, prompt_ids, dtype="bfloat16", tensor_parallel_size=2)
+    eager = engine_tokens(model_dir, prompt_ids, dtype="bfloat16", tensor_parallel_size=2, enforce_eager=True)
+    record(
         f"tp2_bf16_share_identical_vs_tp1[{os.path.basename(model_dir)}]",
-        _share_identical(graphs, _engine_tokens(model_dir, prompt_ids, dtype="bfloat16")),
+        share_identical(graphs, engine_tokens(model_dir, prompt_ids, dtype="bfloat16")),
     )
     assert graphs == eager
 
@@ -137,13 +136,11 @@ def test_symmetric_all_reduce_equals_nccl_eager_and_in_cuda_graphs(tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_tensor_parallel_symmetric_all_reduce_gives_nccls_tokens(model_dir, prompt_ids, dtype, capfd):
     """The engine at tp 2 (CUDA graphs, async scheduling) with the one-shot path on and off."""
-    fast = _engine_tokens(
+    fast = engine_tokens(
         model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2, custom_all_reduce_max_bytes=8 << 20
     )
     log = capfd.readouterr().err
     assert log.count("symmetric-memory one-shot all-reduce for") == 2, "set-up fell back to NCCL:\n" + log[-4000:]
-    nccl = _engine_tokens(model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2)
-    _record(
-        f"tp2_{dtype}_symmetric_share_identical_vs_nccl[{os.path.basename(model_dir)}]", _share_identical(fast, nccl)
-    )
+    nccl = engine_tokens(model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2)
+    record(f"tp2_{dtype}_symmetric_share_identical_vs_nccl[{os.path.basename(model_dir)}]", share_identical(fast, nccl))
     assert fast == nccl

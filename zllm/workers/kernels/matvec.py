@@ -144,7 +144,7 @@ _FP8_GEMV_SHAPES = {
     "_r1u8_b4": (1, 8),
 }  # _b<B>: __launch_bounds__' minimum blocks (see GEMV_BOUNDS)
 # ZLLM_FP8_GEMV=_r2u2 (say) runs that build for the model's bf16 per-row layers: the A/B switch of
-# tests/gpu/run_perf.sh's gemv part.
+# benchmarks/gpu/run_perf.sh's gemv part.
 FP8_GEMV_VARIANT = envs.ZLLM_FP8_GEMV
 
 

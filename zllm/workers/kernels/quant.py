@@ -22,7 +22,7 @@ from zllm.workers.kernels.loader import launch
 _QUANT_VECS = (1, 2, 4, 8)  # 16-byte pieces per thread of the quant_fp8_rows_vec<V> kernels
 _MAX_THREADS = 1024
 # ZLLM_QUANT_VEC=0 sends every row through the scalar two-pass kernel: the A/B switch of
-# tests/gpu/run_perf.sh's fp8 part.
+# benchmarks/gpu/run_perf.sh's fp8 part.
 QUANT_VEC_ENABLED = envs.ZLLM_QUANT_VEC
 
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On a machine with >= 2 GPUs (nvidia-h200-x2): tensor-parallel GPU tests and the figures of
-# docs/benchmarks.md. Usage: bash tests/gpu/run_tp.sh [8b|70b|symm|all]. JSON lines go to $OUT/tp.jsonl.
+# docs/benchmarks.md. Usage: bash benchmarks/gpu/run_tp.sh [8b|70b|symm|all]. JSON lines go to $OUT/tp.jsonl.
+# Carry .whl/ as for run_all.sh (its header: pyzmq, msgspec, xgrammar and its needs; env.sh installs them).
 # `symm` (not part of `all`) checks the symmetric-memory all-reduce (--custom-all-reduce-max-size):
 # every command under a time limit, a PASS/FAIL/TIMEOUT line each, logs in $OUT/symm-*.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-source tests/gpu/env.sh
+source benchmarks/gpu/env.sh
 out="${OUT:-/tmp}"
 mkdir -p "$out"
 what="${1:-all}"

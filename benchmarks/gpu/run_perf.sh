@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On nvidia-h100-x1: issue 10's figures (Llama-3-8B shape, dummy bf16), each with async scheduling
-# on (the default) and, where named, off for the before/after. Usage: bash tests/gpu/run_perf.sh PART
+# on (the default) and, where named, off for the before/after. Usage: bash benchmarks/gpu/run_perf.sh PART
 #   PART=correct: csrc build + the engine GPU tests (async vs sync, no host syncs, vs HF)
 #   PART=latency: copy bandwidth, W2 (batch-1 decode), step profile at batch 256 and 1
 #   PART=load:    W1 (1000 x 256/256 offline), W3 (serve.py, Poisson 20 req/s, 400 x 256/256)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # On nvidia-h100-x1: structured outputs (issue 19). Carry .whl (pyzmq, msgspec, xgrammar and its
-# needs) and .tok (the embedded SmolLM2's tokenizer files). Usage: bash tests/gpu/run_structured.sh PART
+# needs: ../shared/gpu/wheels.sh xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection),
+# and for PART=bench .tok (the embedded SmolLM2's tokenizer files; the tests train their own).
+# Usage: bash benchmarks/gpu/run_structured.sh PART
 #   PART=correct: csrc build, the structured-output GPU tests, the engine GPU tests (async vs sync, vs HF)
 #   PART=bench:   benchmarks/structured_outputs.py on the Llama-3-8B shape (dummy bf16, SmolLM2's tokenizer)
 # Logs and JSON lines go to $OUT (default /tmp/zllm-structured).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 ZLLM_TOKENIZER_DIR="$PWD/.tok"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/zllm-structured}"
 mkdir -p "$out"
 export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build

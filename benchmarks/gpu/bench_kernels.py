@@ -2,7 +2,7 @@
 
 Each op is captured N times in one CUDA graph, replayed under CUDA events after warm-up, and the
 median per-call time reported, so Python launch overhead is left out. Run from the repository
-root: `python tests/gpu/bench_kernels.py` (tests/gpu/run_all.sh does).
+root: `python benchmarks/gpu/bench_kernels.py` (benchmarks/gpu/run_all.sh does).
 """
 
 from __future__ import annotations

@@ -1,0 +1,19 @@
+"""The offline engine's greedy tokens for a batch of token-id prompts (fp32, ignoring EOS)."""
+
+from __future__ import annotations
+
+from zllm import LLMEngine, SamplingParams
+
+# Two prompts longer than one 16-token block, one shorter, one of exactly ten.
+PROMPTS = [[5, 9, 13], list(range(3, 40)), [7] * 5 + list(range(100, 140)), [250, 251, 3, 4, 5, 6, 7, 8, 9, 10]]
+
+
+def engine_generate_all(model_dir, prompts, max_new_tokens, **engine_args):
+    engine = LLMEngine.from_engine_args(str(model_dir), dtype="float32", **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return [results[str(i)] for i in range(len(prompts))]

@@ -1,0 +1,113 @@
+"""Tiny random checkpoints built with transformers' own classes, a small sub-word tokenizer
+trained here, and HF transformers' greedy reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def hf_greedy(
+    model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | list[int] | None, **generate_kwargs
+) -> list[int]:
+    """HF transformers' greedy continuation of one prompt (batch 1, no padding); extra arguments
+    (logits processors, penalties, ...) go to `generate`."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids], device=model.device),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=model.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
+            **generate_kwargs,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+TINY_ARCHITECTURES = {  # architecture: (transformers config class, model class)
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+
+def save_tiny_model(directory: Path, architecture: str = "llama", shards: int = 1, **overrides) -> Path:
+    """A small random model built with transformers' own classes, saved as safetensors beside a
+    placeholder word-level tokenizer over its vocabulary (the engine's frontend needs one).
+
+    Biases and norm weights are randomised too (HF starts them at 0 and 1), so a tensor loaded
+    into the wrong place changes the output.
+    """
+    import torch
+    import transformers
+
+    from benchmarks.dummy_model import write_placeholder_tokenizer
+
+    config_class, model_class = (getattr(transformers, name) for name in TINY_ARCHITECTURES[architecture])
+    settings = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = model_class(config_class(**settings)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith("gate.weight"):  # MoE routers: HF may start them at zero (every expert tied)
+                param.copy_(torch.randn_like(param))
+    max_shard = None if shards == 1 else f"{max(1, _param_bytes(model) // shards // 1024 + 1)}KB"
+    kwargs = {} if max_shard is None else {"max_shard_size": max_shard}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    write_placeholder_tokenizer(directory, settings["vocab_size"])
+    return directory
+
+
+def save_tiny_llama(directory: Path, shards: int = 1, **overrides) -> Path:
+    return save_tiny_model(directory, "llama", shards, **overrides)
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# The special tokens of SmolLM2's tokenizer, at its ids: <|im_end|> (2) is EOS, as in
+# save_tiny_model's config.
+SUBWORD_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def train_subword_tokenizer(corpus: list[str], vocab_size: int = 1024):
+    """A byte-level BPE tokenizer (GPT-2's and SmolLM2's kind) trained on `corpus` with the
+    `tokenizers` library: every byte is a token and merges make multi-character tokens, so any
+    text encodes and grammars see real sub-word tokens. Returns a transformers fast tokenizer
+    (save it with `save_pretrained`); its length is the vocabulary size, at most `vocab_size`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SUBWORD_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>")
