@@ -1,7 +1,7 @@
 """The engine core: owns the scheduler and drives an executor one step at a time.
 
-It never touches tensors: the executor (in-process worker now, worker processes later) runs the
-model. One `step()` is schedule -> execute -> update; under async scheduling it is
+It never touches tensors: the executor (a worker in this process at tp 1 offline, worker processes
+otherwise) runs the model. One `step()` is schedule -> execute -> update; under async scheduling it is
 schedule -> submit, then collect the oldest step in flight -> update, with up to two steps in
 flight, so the workers run step N while the core schedules step N+1.
 """
