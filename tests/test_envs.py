@@ -168,6 +168,10 @@ def test_numbers_parse_and_a_bad_one_names_the_variable(monkeypatch):
 def test_the_api_key_is_kept_as_set(monkeypatch):
     monkeypatch.setenv("ZLLM_API_KEY", " s3cret ")
     assert envs.ZLLM_API_KEY == " s3cret "
+    monkeypatch.setenv("ZLLM_API_KEY", "  ")  # a key of spaces is still a key: authentication stays on
+    assert envs.ZLLM_API_KEY == "  "
+    monkeypatch.setenv("ZLLM_API_KEY", "")
+    assert envs.ZLLM_API_KEY is None
 
 
 def test_the_hang_dump_setting_is_tolerant(monkeypatch, caplog):

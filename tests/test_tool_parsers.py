@@ -110,8 +110,10 @@ def test_mistral_ids_are_nine_alphanumerics_and_unknown_parsers_are_refused():
 
 
 def test_the_cli_and_the_docs_list_the_parsers_there_are():
+    from zllm.config import TOOL_CALL_PARSERS
     from zllm.launch.cli import build_parser
 
+    assert tuple(PARSERS) == TOOL_CALL_PARSERS  # the config's names, each with its parser class
     (action,) = [a for a in build_parser()._actions if a.dest == "tool_call_parser"]
     assert list(action.choices) == list(PARSERS)
     root = Path(__file__).resolve().parent.parent

@@ -25,6 +25,9 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ON_FAILURE_POLICIES = ("restart", "fail")
+# The tool-call parsers' names (--tool-call-parser; None: none). zllm/frontend/openai/tool_parsers.py
+# maps each to its parser class (tests/test_tool_parsers.py keeps the two equal).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 # Field -> its values. quantization (None or one of QUANTIZATION_METHODS) is checked by
 # zllm.quantization.resolve_quantization, which also weighs the checkpoint's own scheme.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -228,6 +231,11 @@ class EngineConfig:
         _require(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
         _require(self.max_request_body_bytes >= 1024, "max_request_body_bytes", "must be >= 1024")
         self._validate_reliability()
+        _require(
+            self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+            "tool_call_parser",
+            f"must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}",
+        )
         _require(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "enable_auto_tool_choice",

@@ -34,9 +34,10 @@ def _text(raw: str) -> str:
     return raw.strip()
 
 
-def _verbatim(raw: str) -> str:
-    """Text kept exactly as set (a secret: surrounding spaces would be part of it)."""
-    return raw
+def _verbatim(raw: str) -> str | None:
+    """Text kept exactly as set (a secret: spaces are part of it, so a key of spaces still asks for
+    that key); only the empty string means unset."""
+    return raw or None
 
 
 SETTINGS: dict[str, Setting] = {
@@ -59,7 +60,7 @@ SETTINGS: dict[str, Setting] = {
             "Seconds: a worker dumps all its threads' stacks to stderr this often (debugging a hang; a bad value warns).",
         ),
         # -- frontend
-        Setting("ZLLM_API_KEY", _verbatim, None, "The API key --api-key defaults to."),
+        Setting("ZLLM_API_KEY", _verbatim, None, "The API key --api-key defaults to.", empty_is_a_value=True),
         # -- worker: kernels and their A/B switches
         Setting("ZLLM_KERNELS", _text, "auto", "CUDA kernels: auto (prebuilt, else NVRTC), prebuilt, or nvrtc."),
         Setting("ZLLM_CSRC_DIR", _text, None, "Where the CUDA sources are (default: found beside the package)."),

@@ -8,7 +8,7 @@
 # Logs and JSON lines go to $OUT (default /tmp/zllm-structured).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source benchmarks/gpu/env.sh  # the repository on PYTHONPATH, the carried wheels installed
 out="${OUT:-/tmp/zllm-structured}"
 mkdir -p "$out"
 export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build

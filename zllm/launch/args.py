@@ -13,9 +13,9 @@ from zllm.config import (
     LOAD_FORMATS,
     ON_FAILURE_POLICIES,
     SCHEDULING_POLICIES,
+    TOOL_CALL_PARSERS,
     EngineConfig,
 )
-from zllm.frontend.openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from zllm.quantization import QUANTIZATION_METHODS
 
 _SIZE_UNITS = {

@@ -8,8 +8,8 @@
 reports the first of them to exit. `kill()` takes the whole engine down and returns only when
 every one of its processes is gone, so their memory (GPU memory included) is free before a
 restart. The frontend supervises its engines with it (whether to restart is the frontend's
-decision: zllm/frontend/restart_policy.py), the offline data-parallel client stops its cores
-with it, and a node agent runs the engine cores placed on its node with it.
+decision: zllm/frontend/restart_policy.py), the offline data-parallel client starts its cores
+with it (and stops them with procs/exits.py), and a node agent runs the engine cores placed on its node with it.
 """
 
 from __future__ import annotations

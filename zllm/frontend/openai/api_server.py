@@ -56,7 +56,6 @@ from zllm.frontend.openai.protocol import (
     param_of,
 )
 from zllm.frontend.openai.serving import ChatCall, CompletionCall, FrontendRequestError, conversation_prompt
-from zllm.frontend.openai.tool_parsers import check_tool_call_parser
 from zllm.ipc.messages import ClientStats, ServerStats
 
 if TYPE_CHECKING:
@@ -110,7 +109,6 @@ def _request_field(message: str) -> str | None:
 
 class ApiServer:
     def __init__(self, frontend: FrontendServer) -> None:
-        check_tool_call_parser(frontend.config.tool_call_parser)  # before the engines start: fail fast
         self.frontend = frontend
         self.config = frontend.config
         self._runner: web.AppRunner | None = None
