@@ -30,7 +30,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--piecewise-cuda-graphs", action="store_true", help="prefill steps as piecewise CUDA graphs")
+    parser.add_argument(
+        "--piecewise-cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefill steps as piecewise CUDA graphs (default: the engine's, on with CUDA for dense models)",
+    )
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     parser.add_argument(
@@ -90,7 +95,7 @@ def main() -> None:
                 "median_ttft_s": round(statistics.median(first), 4),
                 "decode_ms_per_token": round(per_token_ms, 3),
                 "enforce_eager": args.enforce_eager,
-                "piecewise_cuda_graphs": args.piecewise_cuda_graphs,
+                "piecewise_cuda_graphs": llm.engine.config.piecewise_cuda_graphs,
                 "async_scheduling": llm.engine.config.async_scheduling,
                 "tp": args.tp,
                 "quantization": args.quantization,

@@ -94,7 +94,7 @@ def run_zllm(args, prompts, outputs) -> dict:
         async_scheduling=llm.engine.config.async_scheduling,
         tp=args.tp,
         dp=args.dp,
-        piecewise_cuda_graphs=args.piecewise_cuda_graphs,
+        piecewise_cuda_graphs=llm.engine.config.piecewise_cuda_graphs,
     )
 
 
@@ -146,7 +146,12 @@ def main() -> None:
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--no-detokenize", action="store_true", help="token ids only (dummy-weight runs)")
     parser.add_argument("--max-model-len", type=int, default=0)
-    parser.add_argument("--piecewise-cuda-graphs", action="store_true", help="prefill steps as piecewise CUDA graphs")
+    parser.add_argument(
+        "--piecewise-cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefill steps as piecewise CUDA graphs (default: the engine's, on with CUDA for dense models)",
+    )
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     parser.add_argument(
         "-dp",

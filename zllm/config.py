@@ -90,8 +90,9 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs
     # Steps that carry prefill run the forward as pieces split at attention, each piece a CUDA graph
     # at a padded token count (zllm/workers/piecewise_graphs.py); on CPU the same pieces run
-    # eagerly. Off by default until measured on a GPU.
-    piecewise_cuda_graphs: bool = False
+    # eagerly. None: on where CUDA graphs run (CUDA, not enforce_eager) for dense models, where they
+    # halved the serving tails on the H100 and H200 (issue 40); Mixture-of-Experts steps stay eager.
+    piecewise_cuda_graphs: bool | None = None
     # Schedule step N+1 while step N runs on the device, so host work hides behind GPU work.
     # None: on when the workers run on CUDA (on CPU the compute is synchronous: nothing to hide).
     async_scheduling: bool | None = None
@@ -187,6 +188,8 @@ class EngineConfig:
         _check_tensor_parallel(config, spec)
         if config.async_scheduling is None:
             config.async_scheduling = _runs_on_cuda(config)
+        if config.piecewise_cuda_graphs is None:
+            config.piecewise_cuda_graphs = _runs_on_cuda(config) and not config.enforce_eager and spec.moe is None
         return config
 
     @property

@@ -16,8 +16,9 @@
 #                 and 256 with both
 #   PART=gemv:    the FP8 GEMV's builds (rows per warp x loads in flight): FP8 GPU tests, their
 #                 GB/s table, then W2 with --quantization fp8 under each ZLLM_FP8_GEMV build
-#   PART=piecewise: the piecewise CUDA graphs' GPU tests, then W1, W2 and serve.py at Poisson 32
-#                 req/s without and with --piecewise-cuda-graphs, in this one call
+#   PART=piecewise: W1, W2 and serve.py at Poisson 32 req/s with --no-piecewise-cuda-graphs, then
+#                 with the default (piecewise CUDA graphs on), in this one call (run the GPU tests
+#                 before: run_all.sh)
 #   PART=prefill: the packed prefill's A/B (ZLLM_PACKED_PREFILL=0 then 1): W1, W2 and serve.py at
 #                 Poisson 32 req/s, each measured back to back in this one call
 #   PART=moe:     issue 18: the MoE GPU tests, benchmarks/moe_kernels.py, then W2 and W1 on the
@@ -112,16 +113,13 @@ prefill)
   done
   ;;
 piecewise)
-  # --piecewise-cuda-graphs: its GPU tests, then W1, W2 and serve.py at Poisson 32 req/s without
-  # and with it, back to back in this one call
-  timeout 400 python -m pytest -q -p no:cacheprovider -p no:warnings --tb=short tests/gpu/test_engine_gpu.py -k piecewise \
-    > "$out/pytest_piecewise.log" 2>&1
-  grep -E "passed|failed|Error|assert" "$out/pytest_piecewise.log" | tail -15
-  for flags in "" "--piecewise-cuda-graphs"; do
-    echo "{\"flags\": \"${flags:-none}\"}" | tee -a "$jsonl"
+  # W1, W2 and serve.py at Poisson 32 req/s without piecewise CUDA graphs, then with them (the
+  # default), back to back in this one call
+  for flags in "--no-piecewise-cuda-graphs" ""; do
+    echo "{\"flags\": \"${flags:-default}\"}" | tee -a "$jsonl"
     w1 $flags
     w2 $flags
-    SERVE_FLAGS="$flags" serve32 "${flags:+_piecewise}"
+    SERVE_FLAGS="$flags" serve32 "${flags:+_nopiecewise}"
   done
   ;;
 fp8)

@@ -90,8 +90,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
     group.add_argument(
         "--piecewise-cuda-graphs",
-        action="store_true",
-        help="steps with prefill run as CUDA graphs split at attention (not yet measured on a GPU)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="steps with prefill run as CUDA graphs split at attention (default: on with CUDA for dense "
+        "models; --enforce-eager turns every graph off)",
     )
     group.add_argument(
         "--async-scheduling",
