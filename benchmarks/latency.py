@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 
-from zllm.launch.args import parse_size
+from zllm.launch.args import parse_json_object, parse_size
 
 
 def main() -> None:
@@ -51,6 +51,12 @@ def main() -> None:
         default=0,
         help="GPU tp: symmetric-memory all-reduce up to this size (default 0: NCCL)",
     )
+    parser.add_argument(
+        "--speculative-config",
+        type=parse_json_object,
+        default=None,
+        help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
+    )
     args = parser.parse_args()
 
     from zllm import LLM, SamplingParams
@@ -68,6 +74,7 @@ def main() -> None:
         tensor_parallel_size=args.tp,
         async_scheduling=args.async_scheduling,
         custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes,
+        speculative_config=args.speculative_config,
     )
     vocab = llm.engine.processor.vocab_size
     rng = random.Random(0)

@@ -17,6 +17,8 @@ import json
 import random
 import time
 
+from zllm.launch.args import parse_json_object
+
 
 def parse_range(text: str) -> tuple[int, int]:
     low, _, high = text.partition(":")
@@ -70,6 +72,7 @@ def run_zllm(args, prompts, outputs) -> dict:
         data_parallel_size=args.dp,
         async_scheduling=args.async_scheduling,
         piecewise_cuda_graphs=args.piecewise_cuda_graphs,
+        speculative_config=args.speculative_config,
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=not args.no_detokenize)
@@ -167,6 +170,12 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="default: the engine's (on with CUDA)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        type=parse_json_object,
+        default=None,
+        help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
     )
     args = parser.parse_args()
 

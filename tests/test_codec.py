@@ -9,7 +9,7 @@ import re
 import msgspec
 import pytest
 
-from zllm.config import EngineConfig
+from zllm.config import EngineConfig, SpeculativeConfig
 from zllm.ipc import messages as m
 from zllm.ipc.codec import Codec, MessageError, convert, decode_json, encode_json
 from zllm.outputs import Logprob
@@ -127,6 +127,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             finished_ids=["ab12/req-7"],
             preempted_ids=["ab12/req-8"],
             structured_ids=["ab12/req-1"],
+            spec_token_ids={"ab12/req-2": [17, 4, 99]},
         ),
         m.FlushStep(step_id=7),
         m.GrammarBitmask(step_id=42, request_ids=["ab12/req-1", "ab12/req-3"], words=2, bitmask=bytes(range(16))),
@@ -140,6 +141,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             logprobs=LOGPROBS,
             prompt_logprobs={"ab12/req-2": PROMPT_LOGPROBS},
             failed_requests={"ab12/req-3": "InjectedFaultError: the prompt holds token 77"},
+            draft_token_ids={"ab12/req-1": [5, 6]},
         ),
         m.WorkerReady(rank=1, num_kv_blocks=100, pid=4242),
         m.WorkerCallResult(rank=1, call_id=2, result=[1, "x", {"y": 2}], error="unknown worker method 'x'"),
@@ -569,6 +571,15 @@ CONFIG = EngineConfig(
     enforce_eager=True,
     piecewise_cuda_graphs=True,
     async_scheduling=True,
+    speculative_config=SpeculativeConfig(
+        method="draft_model",
+        num_speculative_tokens=5,
+        model="/models/draft",
+        prompt_lookup_min=2,
+        prompt_lookup_max=6,
+        draft_tensor_parallel_size=2,
+        disable_by_batch_size=32,
+    ),
     served_model_name="served",
     enable_prefix_caching=False,
     scheduling_policy="priority",

@@ -28,6 +28,10 @@ ON_FAILURE_POLICIES = ("restart", "fail")
 # The tool-call parsers' names (--tool-call-parser; None: none). zllm/frontend/openai/tool_parsers.py
 # maps each to its parser class (tests/test_tool_parsers.py keeps the two equal).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# Speculative decoding proposers (vLLM's `method` names). EAGLE heads are not served yet: they are
+# refused at start with a clear message.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SERVED_SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Field -> its values. quantization (None or one of QUANTIZATION_METHODS) is checked by
 # zllm.quantization.resolve_quantization, which also weighs the checkpoint's own scheme.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -47,6 +51,78 @@ USAGES = ("serving", "offline")
 # 43.2 (attention over twice the contexts, and preemption once the cache is full). A server keeps
 # the serving defaults above: a big prefill chunk in a step delays every stream's next token.
 OFFLINE_GPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config keys): a proposer drafts up to
+    `num_speculative_tokens` tokens per request, the target scores them all in one forward and an
+    exact rejection sampler keeps the longest run it agrees with, plus one token of its own."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    model: str | None = None  # draft_model: a checkpoint with the target's vocabulary
+    prompt_lookup_min: int = 1  # ngram: the shortest suffix matched against the request's tokens
+    prompt_lookup_max: int = 4  # ngram: the longest (tried first)
+    draft_tensor_parallel_size: int | None = None  # draft_model: None or the target's tp
+    # Steps whose running batch holds at least this many requests run without drafts (a busy
+    # batch is compute-bound: verifying drafts would cost more than it saves). None: never off.
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        """From vLLM's JSON object (a dict), refusing keys it does not know."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        if "method" not in value:
+            value = {**value, "method": "draft_model" if value.get("model") else "ngram"}
+        return cls(**value)
+
+    def validate(self, tensor_parallel_size: int) -> None:
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            "speculative_config.method",
+            f"must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+        )
+        _require(
+            self.method in SERVED_SPECULATIVE_METHODS,
+            "speculative_config.method",
+            f"{self.method!r} is not served yet; use one of {SERVED_SPECULATIVE_METHODS}",
+        )
+        k = self.num_speculative_tokens
+        _require(
+            isinstance(k, int) and 1 <= k <= 16,
+            "speculative_config.num_speculative_tokens",
+            f"must be 1..16, got {k!r}",
+        )
+        if self.method == "ngram":
+            _require(
+                1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                "speculative_config.prompt_lookup_min",
+                f"needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})",
+            )
+        if self.method == "draft_model":
+            _require(bool(self.model), "speculative_config.model", "is required with method 'draft_model'")
+            _require(
+                self.draft_tensor_parallel_size in (None, tensor_parallel_size),
+                "speculative_config.draft_tensor_parallel_size",
+                f"must equal tensor_parallel_size ({tensor_parallel_size}): the draft runs sharded like the target, "
+                f"got {self.draft_tensor_parallel_size}",
+            )
+        _require(
+            self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+            "speculative_config.disable_by_batch_size",
+            f"must be >= 1, got {self.disable_by_batch_size}",
+        )
 
 
 @dataclass(slots=True)
@@ -96,6 +172,8 @@ class EngineConfig:
     # Schedule step N+1 while step N runs on the device, so host work hides behind GPU work.
     # None: on when the workers run on CUDA (on CPU the compute is synchronous: nothing to hide).
     async_scheduling: bool | None = None
+    # Speculative decoding (None: off). Steps are scheduled synchronously while it is on.
+    speculative_config: SpeculativeConfig | None = None
     served_model_name: str | None = None
     enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
     scheduling_policy: str = "fcfs"  # fcfs: arrival order; priority: lower `priority` value first
@@ -175,6 +253,7 @@ class EngineConfig:
         for name in unset_limits:
             kwargs.pop(name, None)  # None, as absent: the default for this use
         served_name = kwargs.pop("served_model_name", None) or gguf_model_name(model)
+        kwargs["speculative_config"] = SpeculativeConfig.of(kwargs.get("speculative_config"))
         config = cls(model=str(resolve_model_dir(model)), served_model_name=served_name, **kwargs)
         if usage == "offline" and unset_limits and _runs_on_cuda(config):
             for name in unset_limits:
@@ -186,6 +265,16 @@ class EngineConfig:
             spec.quantization, config.quantization, config.load_format == "dummy", spec.moe is not None
         )
         _check_tensor_parallel(config, spec)
+        if config.speculative_config is not None:
+            _resolve_draft_model(config, spec)
+            # NOTE: how many tokens a step accepts is known only from its answer, so the next step
+            # cannot be scheduled before it: speculation runs with synchronous steps.
+            _require(
+                not config.async_scheduling,
+                "async_scheduling",
+                "cannot be combined with speculative_config yet; leave it unset",
+            )
+            config.async_scheduling = False
         if config.async_scheduling is None:
             config.async_scheduling = _runs_on_cuda(config)
         if config.piecewise_cuda_graphs is None:
@@ -428,6 +517,33 @@ def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
         )
         return window
     return limit
+
+
+def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
+    """Check the speculative config; resolve a draft model's directory and refuse one whose
+    vocabulary is not the target's (its token ids would mean other tokens)."""
+    from zllm.model_files import resolve_model_dir
+
+    speculative = config.speculative_config
+    speculative.validate(config.tensor_parallel_size)
+    if speculative.method != "draft_model":
+        return
+    speculative.model = str(resolve_model_dir(speculative.model))
+    draft = ModelSpec.from_pretrained(speculative.model)
+    _require(
+        draft.vocab_size == target.vocab_size,
+        "speculative_config.model",
+        f"the draft's vocabulary ({draft.vocab_size} tokens) differs from the target's ({target.vocab_size}); "
+        "a draft must share the target's tokenizer",
+    )
+    from zllm.partition import head_shards
+
+    try:
+        head_shards(draft.num_heads, draft.num_kv_heads, config.tensor_parallel_size)
+    except ValueError as error:
+        raise ValueError(
+            f"speculative_config.model: the draft cannot be split over the target's ranks: {error}"
+        ) from None
 
 
 def _runs_on_cuda(config: EngineConfig) -> bool:

@@ -71,6 +71,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     sequence: int = 0  # admission order; breaks ties between equal priorities and arrival times
     grammar: RequestGrammar | None = None  # SamplingParams.structured_outputs: compiling, then matching
+    # Speculative decoding: tokens proposed for the next step, and how many of them the step in
+    # flight scores (its computed count is rolled back by those the workers reject).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_scheduled_drafts: int = 0
 
     def __post_init__(self) -> None:
         # Output tokens may be given up front: a request resumed after an engine restart.

@@ -13,6 +13,14 @@ request whose step N samples a token is scheduled again before that token is kno
 is an output placeholder, whose position step N+1 computes; the workers put the sampled value in
 on the device. A request whose token in flight may be its last (max_tokens, max_model_len) is
 not scheduled again until it arrives; one that stops on EOS costs one discarded step.
+
+Speculative decoding (`config.speculative_config`, synchronous steps): the workers propose draft
+tokens for each request that sampled; its next step computes its last token and the drafts
+(1 + k tokens, in the token budget) and answers with the drafts accepted plus one token of the
+target's own. The computed count is then rolled back past the rejected drafts: their KV slots are
+simply overwritten by the next step, and no block hash ever covers a draft (hashes are made of
+known tokens only). With a draft model, each step also allocates k slots past its end, where the
+draft writes its own KV entries while it proposes.
 """
 
 from __future__ import annotations
@@ -65,6 +73,31 @@ class SchedulerStats:
     prefix_cache_hit_rate: float
     num_cached_blocks: int
     prefix_cache_evictions: int
+    # Speculative decoding (vLLM's spec_decode counters): requests that had drafts scored, the
+    # draft tokens scored, those accepted, and the accepted count at each draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    spec_decode_acceptance_rate: float = 0.0  # accepted / draft tokens
+    spec_decode_mean_acceptance_length: float = 0.0  # tokens gained per drafted step: 1 + accepted / drafts
+
+
+@dataclass(slots=True)
+class SpecDecodeCounters:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position.extend([0] * (num_drafts - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
 
 
 class Scheduler:
@@ -83,6 +116,12 @@ class Scheduler:
         self._preempted_ids: list[str] = []  # preempted outside schedule(): told with the next step
         self._step_id = 0
         self.num_preemptions = 0
+        speculative = config.speculative_config
+        self.max_drafts = speculative.num_speculative_tokens if speculative else 0
+        # Slots past a step's end where a draft model writes while it proposes.
+        self.num_lookahead = self.max_drafts if speculative and speculative.method == "draft_model" else 0
+        self.drafts_off_at = (speculative.disable_by_batch_size if speculative else None) or None
+        self.spec = SpecDecodeCounters()
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -143,6 +182,16 @@ class Scheduler:
             prefix_cache_hit_rate=prefix.hit_rate,
             num_cached_blocks=self.kv_cache.pool.num_cached_blocks,
             prefix_cache_evictions=self.kv_cache.pool.num_evictions,
+            spec_decode_num_drafts=self.spec.num_drafts,
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec.accepted_per_position),
+            spec_decode_acceptance_rate=(
+                self.spec.num_accepted_tokens / self.spec.num_draft_tokens if self.spec.num_draft_tokens else 0.0
+            ),
+            spec_decode_mean_acceptance_length=(
+                1 + self.spec.num_accepted_tokens / self.spec.num_drafts if self.spec.num_drafts else 0.0
+            ),
         )
 
     def reset_prefix_cache(self) -> int:
@@ -159,6 +208,7 @@ class Scheduler:
         return self._to_step_input(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
+        drafting = self.max_drafts > 0 and (self.drafts_off_at is None or len(self.running) < self.drafts_off_at)
         for request in list(self.running):
             if plan.budget <= 0:
                 break
@@ -169,6 +219,8 @@ class Scheduler:
             num_tokens = self._num_tokens_to_schedule(request, plan.budget)
             if num_tokens == 0:
                 continue
+            request.num_scheduled_drafts = self._num_drafts_to_score(request, plan.budget) if drafting else 0
+            num_tokens += request.num_scheduled_drafts
             new_block_ids = self._allocate_or_preempt(request, num_tokens, plan)
             if new_block_ids is None:
                 break  # the request preempted itself: it was the least important one left
@@ -185,7 +237,8 @@ class Scheduler:
             num_cached_tokens = len(cached_prefix) * self.kv_cache.block_size
             num_tokens = self._num_tokens_to_schedule(request, plan.budget, num_cached_tokens)
             total = num_cached_tokens + num_tokens
-            new_block_ids = self.kv_cache.allocate_slots(request.request_id, total, cached_prefix)
+            with_lookahead = min(total + self.num_lookahead, self.max_model_len)
+            new_block_ids = self.kv_cache.allocate_slots(request.request_id, with_lookahead, cached_prefix)
             if new_block_ids is None:
                 break
             self.waiting.pop()
@@ -212,6 +265,20 @@ class Scheduler:
         known = request.num_tokens_with_placeholders if self.async_scheduling else request.num_tokens
         return max(0, min(known - num_computed, budget, room))
 
+    def _num_drafts_to_score(self, request: Request, budget: int) -> int:
+        """How many of the request's drafts its step scores: none unless it is one token behind
+        (a decode), and never more than could become output (max_tokens, max_model_len) or than
+        the budget holds beside its own token."""
+        if not request.spec_token_ids or request.num_uncomputed_tokens != 1:
+            return 0
+        if request.grammar is not None:
+            return 0  # NOTE: drafts are not checked against grammars yet: constrained requests decode one by one
+        room = self.max_model_len - request.num_tokens - 1
+        max_tokens = request.sampling.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return max(0, min(len(request.spec_token_ids), room, budget - 1))
+
     def _may_finish_in_flight(self, request: Request) -> bool:
         """A token in flight that reaches max_tokens or max_model_len ends the request: computing
         past it would only be thrown away."""
@@ -226,7 +293,7 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_tokens: int, plan: _StepPlan) -> list[int] | None:
         """Allocate blocks for the request's next tokens, preempting running requests until they
         fit. Returns the new block ids, or None if the request itself was preempted."""
-        total = request.num_computed_tokens + num_tokens
+        total = min(request.num_computed_tokens + num_tokens + self.num_lookahead, self.max_model_len)
         while (new_block_ids := self.kv_cache.allocate_slots(request.request_id, total)) is None:
             victim = self._preemption_victim()
             plan.remove(victim)
@@ -250,6 +317,7 @@ class Scheduler:
         # Steps in flight still sample for it; its tokens are recomputed after it resumes.
         request.num_stale_outputs += request.num_output_placeholders
         request.num_output_placeholders = 0
+        request.spec_token_ids, request.num_scheduled_drafts = [], 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -258,6 +326,7 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
         structured_ids: list[str] = []
+        spec_token_ids: dict[str, list[int]] = {}
         for request, num_tokens in plan.scheduled:
             if not request.on_workers:
                 new_requests.append(self._new_request_data(request))
@@ -271,10 +340,14 @@ class Scheduler:
                     )
                 )
             request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            if request.num_scheduled_drafts:
+                spec_token_ids[request.request_id] = request.spec_token_ids[: request.num_scheduled_drafts]
+            request.spec_token_ids = []
+            if request.num_computed_tokens - request.num_scheduled_drafts == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
                 if request.grammar is not None:
                     structured_ids.append(request.request_id)
+            # Block hashes cover known tokens only: a block holding a draft is never registered.
             self.kv_cache.cache_full_blocks(request, request.num_computed_tokens)
         self._step_id += 1
         step = StepInput(
@@ -286,6 +359,7 @@ class Scheduler:
             finished_ids=self._finished_ids,
             preempted_ids=self._preempted_ids + [r.request_id for r in plan.preempted],
             structured_ids=structured_ids,
+            spec_token_ids=spec_token_ids,
         )
         self._finished_ids, self._preempted_ids = [], []
         return step
@@ -308,7 +382,7 @@ class Scheduler:
         """Append sampled tokens, apply the stop rules, free what finished."""
         deltas = self._finish_failed(output.failed_requests)
         finished = bool(deltas)
-        for row, (request_id, token_id) in enumerate(zip(output.request_ids, output.sampled_token_ids)):
+        for request_id, rows in _rows_by_request(output.request_ids):
             request = self.requests.get(request_id)
             if request is None:
                 continue  # finished or aborted while the step ran
@@ -318,20 +392,19 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             request.num_output_placeholders -= 1
-            request.append_output_token(token_id)  # the workers appended it on their side already
-            self._apply_stop_rules(request, token_id)
-            if request.grammar is not None and not request.grammar.accept(token_id) and not request.status.is_finished:
-                # NOTE: cannot happen while rank 0 masks with the grammar's bitmask; if it does, the
-                # output no longer follows the grammar, so end it rather than go on unconstrained.
-                request.status = RequestStatus.FINISHED_ERROR
+            tokens = output.sampled_token_ids[rows.start : rows.stop]
+            self._roll_back_rejected_drafts(request, len(tokens) - 1)
+            kept = self._append_tokens(request, tokens)  # the workers appended them on their side already
+            if not request.status.is_finished:
+                request.spec_token_ids = output.draft_token_ids.get(request_id, [])
             deltas.append(
                 TokenDelta(
                     request_id=request_id,
-                    new_token_ids=[token_id],
+                    new_token_ids=tokens[:kept],
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
-                    logprobs=_logprobs_row(output.logprobs, row, request.sampling.logprobs),
+                    logprobs=_logprobs_rows(output.logprobs, rows.start, kept, request.sampling.logprobs),
                     prompt_logprobs=output.prompt_logprobs.get(request_id),
                     error=_GRAMMAR_REJECTED if request.status == RequestStatus.FINISHED_ERROR else None,
                 )
@@ -342,6 +415,29 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.status.is_finished]
         return deltas
+
+    def _roll_back_rejected_drafts(self, request: Request, num_accepted: int) -> None:
+        """The step computed the request's drafts; those the workers rejected are not its tokens,
+        so its computed count steps back over them (their slots are rewritten next step)."""
+        num_drafts, request.num_scheduled_drafts = request.num_scheduled_drafts, 0
+        if not num_drafts:
+            return
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.spec.record(num_drafts, num_accepted)
+
+    def _append_tokens(self, request: Request, tokens: list[int]) -> int:
+        """Append the step's tokens in order until one ends the request; returns how many were
+        kept (the tokens after a stop are dropped, as decoding one by one would never make them)."""
+        for kept, token_id in enumerate(tokens, start=1):
+            request.append_output_token(token_id)
+            self._apply_stop_rules(request, token_id)
+            if request.grammar is not None and not request.grammar.accept(token_id) and not request.status.is_finished:
+                # NOTE: cannot happen while rank 0 masks with the grammar's bitmask; if it does, the
+                # output no longer follows the grammar, so end it rather than go on unconstrained.
+                request.status = RequestStatus.FINISHED_ERROR
+            if request.status.is_finished:
+                return kept
+        return len(tokens)
 
     def _finish_failed(self, failures: dict[str, str]) -> list[TokenDelta]:
         """End each request the workers could not take, alone: free its blocks and tell the
@@ -414,7 +510,18 @@ class Scheduler:
 _GRAMMAR_REJECTED = "structured_outputs: the sampled token does not follow the grammar"
 
 
-def _logprobs_row(logprobs: TokenLogprobs | None, row: int, num_top: int | None) -> TokenLogprobs | None:
+def _logprobs_rows(logprobs: TokenLogprobs | None, first: int, count: int, num_top: int | None) -> TokenLogprobs | None:
     if logprobs is None or num_top is None:
         return None
-    return logprobs.row(row, num_top)
+    return logprobs.rows(first, count, num_top)
+
+
+def _rows_by_request(request_ids: list[str]) -> list[tuple[str, range]]:
+    """The answer's rows grouped into each request's run of consecutive rows."""
+    runs: list[tuple[str, range]] = []
+    start = 0
+    for row in range(1, len(request_ids) + 1):
+        if row == len(request_ids) or request_ids[row] != request_ids[start]:
+            runs.append((request_ids[start], range(start, row)))
+            start = row
+    return runs

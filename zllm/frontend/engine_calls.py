@@ -107,6 +107,22 @@ class EngineCalls:
         await self._send(call.identity, ServerUtilityResult(call_id=call.client_call_id, result=result, error=error))
 
 
+def _merge_spec_decode(merged: dict, engines) -> None:
+    """Speculative decoding's rates over every engine's counts, and the per-position counts added."""
+    drafts, tokens = merged.get("spec_decode_num_drafts", 0), merged.get("spec_decode_num_draft_tokens", 0)
+    accepted = merged.get("spec_decode_num_accepted_tokens", 0)
+    if "spec_decode_num_drafts" in merged:
+        merged["spec_decode_acceptance_rate"] = accepted / tokens if tokens else 0.0
+        merged["spec_decode_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
+    per_position: list[int] = []
+    for stats in engines:
+        for position, count in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos") or []):
+            per_position.extend([0] * (position + 1 - len(per_position)))
+            per_position[position] += count
+    if per_position:
+        merged["spec_decode_num_accepted_tokens_per_pos"] = per_position
+
+
 def merge_engine_stats(per_engine: dict[int, dict]) -> dict:
     """One view of several engines' stats: counts added up, KV cache usage and the prefix-cache
     hit rate over all of them, and each engine's own stats under "engines" (with its dp_rank)."""
@@ -120,5 +136,6 @@ def merge_engine_stats(per_engine: dict[int, dict]) -> dict:
     merged["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per_engine.values()) / len(per_engine)
     queries = merged.get("prefix_cache_queries", 0)
     merged["prefix_cache_hit_rate"] = merged.get("prefix_cache_hits", 0) / queries if queries else 0.0
+    _merge_spec_decode(merged, per_engine.values())
     merged["engines"] = [{"dp_rank": rank, **per_engine[rank]} for rank in sorted(per_engine)]
     return merged

@@ -218,6 +218,9 @@ class _EngineStats:
             ("zllm:num_preemptions", "Requests preempted by the engine.", "num_preemptions"),
             ("zllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
             ("zllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+            ("zllm:spec_decode_num_drafts", "Requests whose drafts a step scored.", "spec_decode_num_drafts"),
+            ("zllm:spec_decode_num_draft_tokens", "Draft tokens scored.", "spec_decode_num_draft_tokens"),
+            ("zllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_decode_num_accepted_tokens"),
         ]
         for family_type, metrics in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, key in metrics:
@@ -227,3 +230,18 @@ class _EngineStats:
                         family.add_metric([self.model_name, str(engine["dp_rank"])], float(engine[key]))
                 if family.samples:
                     yield family
+        yield from _accepted_per_position(self.model_name, engines)
+
+
+def _accepted_per_position(model_name: str, engines: list[dict]) -> Iterator[Metric]:
+    """vLLM's spec_decode_num_accepted_tokens_per_pos: a counter per draft position."""
+    family = CounterMetricFamily(
+        "zllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each draft position.",
+        labels=["model_name", "dp_rank", "position"],
+    )
+    for engine in engines:
+        for position, count in enumerate(engine.get("spec_decode_num_accepted_tokens_per_pos") or []):
+            family.add_metric([model_name, str(engine["dp_rank"]), str(position)], float(count))
+    if family.samples:
+        yield family

@@ -77,10 +77,16 @@ class TokenLogprobs(_Message):
     logprobs: list[list[float]]
     ranks: list[int]
 
-    def row(self, index: int, num_top: int) -> TokenLogprobs:
-        """One position, cut to the chosen token and its first `num_top` alternatives."""
+    def rows(self, first: int, count: int, num_top: int) -> TokenLogprobs:
+        """`count` positions from `first`, each cut to the chosen token and its first `num_top`
+        alternatives."""
         width = num_top + 1
-        return TokenLogprobs([self.token_ids[index][:width]], [self.logprobs[index][:width]], [self.ranks[index]])
+        rows = slice(first, first + count)
+        return TokenLogprobs(
+            [ids[:width] for ids in self.token_ids[rows]],
+            [values[:width] for values in self.logprobs[rows]],
+            self.ranks[rows],
+        )
 
 
 class TokenDelta(_Message):
@@ -173,6 +179,9 @@ class StepInput(_Message):
     # Appended: requests that sample this step under a grammar (SamplingParams.structured_outputs).
     # Rank 0 samples the step only once the GrammarBitmask with its step_id has arrived.
     structured_ids: list[str] = []
+    # Appended: speculative decoding. Request id -> the draft tokens this step scores after the
+    # request's last known token; they are part of its num_scheduled_tokens (1 + len(drafts)).
+    spec_token_ids: dict[str, list[int]] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -231,7 +240,9 @@ class WorkerCall(_Message):
 
 
 class StepOutput(_Message):
-    """Rank 0's answer to a step: one sampled token for each request that reached its end."""
+    """Rank 0's answer to a step: the tokens sampled for each request that reached its end, one
+    row each. A request with draft tokens has one row per token it gained (the drafts accepted,
+    then the target's own), in order, on consecutive rows; every other request has one row."""
 
     step_id: int
     request_ids: list[str]
@@ -244,6 +255,8 @@ class StepOutput(_Message):
     # Appended: requests the workers could not take (request id -> why). They failed alone: the
     # workers dropped them, the rest of the step ran; the core ends them with finish_reason "error".
     failed_requests: dict[str, str] = {}
+    # Appended: speculative decoding. Request id -> the tokens proposed for its next step.
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class WorkerReady(_Message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 from zllm import envs
@@ -39,6 +40,17 @@ def parse_size(text: str) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4GiB, 512MiB or a byte count)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_json_object(text: str) -> dict:
+    """A JSON object given on the command line (e.g. --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +112,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="schedule the next step while the current one runs (default: on with CUDA, off on CPU)",
+    )
+    group.add_argument(
+        "--speculative-config",
+        type=parse_json_object,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\' (default: off)',
     )
     group.add_argument("--served-model-name", default=None)
     group.add_argument(
@@ -213,6 +233,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         piecewise_cuda_graphs=args.piecewise_cuda_graphs,
         async_scheduling=args.async_scheduling,
+        speculative_config=args.speculative_config,
         served_model_name=args.served_model_name,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,

@@ -26,6 +26,8 @@ from zllm.workers.ops import ops_for
 from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
 from zllm.workers.sampling_batch import SamplingBatch
+from zllm.workers.spec_decode import make_proposer
+from zllm.workers.spec_decode.rejection_sampler import DraftLayout, Verified, verify
 from zllm.workers.transfer import to_device
 from zllm.workers.weight_loader import finish_loading, init_dummy_weights, load_safetensors
 
@@ -67,9 +69,12 @@ class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attention: AttentionMetadata
-    logits_indices: torch.Tensor  # the last token of each request that samples this step
+    logits_indices: torch.Tensor  # the last token of each request that samples this step (and its drafts')
     sampling_states: list[RequestState]
     prompt_spans: list[PromptSpan] = field(default_factory=list)
+    scheduled_states: list[RequestState] = field(default_factory=list)
+    # Speculative decoding: the drafts each sampling request is scored with (None: a step without).
+    layout: DraftLayout | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -79,6 +84,8 @@ class LaunchedStep:
 
     step_id: int
     sampling_states: list[RequestState] = field(default_factory=list)
+    scheduled_states: list[RequestState] = field(default_factory=list)
+    layout: DraftLayout | None = None  # speculative decoding: tokens are [requests, width], -1 padded
     prompt_logprobs: dict[str, list[LogprobsTensors]] = field(default_factory=dict)
     logits: torch.Tensor | None = None  # rank 0, until sampled
     tokens: torch.Tensor | None = None  # sampled, on the device (every rank)
@@ -129,6 +136,7 @@ class ModelRunner:
         self.failures = RequestFailures()  # new requests this worker could not take, until reported
         self.graphs = None
         self.pieces = None  # EagerPieces / PiecewiseGraphs: steps with prefill (piecewise_cuda_graphs)
+        self.proposer = None  # speculative decoding: drafts for the requests that sampled (load_model)
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -144,6 +152,7 @@ class ModelRunner:
         except torch.cuda.OutOfMemoryError:
             raise OutOfDeviceMemoryError(self._weights_do_not_fit()) from None
         self.model = model.eval()
+        self.proposer = make_proposer(self)
 
     def _weights_do_not_fit(self) -> str:
         spec = self.spec
@@ -177,7 +186,8 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         per_token = 2 * self.spec.num_layers * self.num_kv_heads * self.spec.head_dim * self.kv_cache_dtype.itemsize
-        return per_token * self.block_size
+        draft = self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0
+        return per_token * self.block_size + draft
 
     def determine_num_kv_blocks(self) -> int:
         if not self.is_cuda:
@@ -252,11 +262,16 @@ class ModelRunner:
             step.scheduled_ids.append(f"profile-{r}")
             step.num_scheduled_tokens.append(count)
         self.execute_step(step)
+        for request_id in self.requests:
+            if self.proposer is not None:
+                self.proposer.forget(request_id)
         self.requests.clear()
         self.sampling.clear()
         self.awaiting_prompt_logprobs.clear()
         self._in_flight, self._in_flight_tokens = {}, None
         scratch = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        if self.proposer is not None:
+            scratch += self.proposer.release_kv_cache()
         self.kv_caches = []
         return scratch
 
@@ -266,6 +281,8 @@ class ModelRunner:
             self.kv_caches = [
                 torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.spec.num_layers)
             ]
+            if self.proposer is not None:
+                self.proposer.initialize_kv_cache(num_blocks)
         except torch.cuda.OutOfMemoryError:
             raise OutOfDeviceMemoryError(
                 f"KV cache of {num_blocks} blocks needs {num_blocks * self.kv_cache_bytes_per_block() / _GIB:.2f} GiB, "
@@ -279,6 +296,7 @@ class ModelRunner:
         self.pieces = None
         self.kv_caches = []
         self.model = None
+        self.proposer = None
         self._in_flight, self._in_flight_tokens = {}, None
 
     def capture_graphs(self) -> None:
@@ -352,6 +370,8 @@ class ModelRunner:
             self._compute_prompt_logprobs(hidden, batch.prompt_spans)
         launched.prompt_logprobs = self._finished_prompt_logprobs()
         launched.sampling_states = batch.sampling_states
+        launched.scheduled_states = batch.scheduled_states
+        launched.layout = batch.layout
         if batch.sampling_states:
             # Every rank takes part in the gather; only rank 0 gets logits.
             launched.logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -365,23 +385,43 @@ class ModelRunner:
         states = launched.sampling_states
         if not states:
             return
-        if launched.logits is not None:
+        if launched.layout is not None:
+            self._verify_drafts(launched, grammar)
+        elif launched.logits is not None:
             if grammar is not None:
                 self._mask_by_grammar(launched.logits, states, grammar)
             meta = self.sampling.metadata([s.row for s in states])
             tokens = sample(launched.logits, meta)
             if meta.max_num_logprobs is not None:
                 launched.logprobs = compute_logprobs(launched.logits, tokens, meta.max_num_logprobs)
+            launched.tokens = tokens
         else:
-            tokens = torch.empty(len(states), dtype=torch.long, device=self.device)
+            launched.tokens = torch.empty(len(states), dtype=torch.long, device=self.device)
         launched.logits = None
-        launched.tokens = self.tp.broadcast_from_first(tokens)
-        self._in_flight = {state.request_id: (state, index) for index, state in enumerate(states)}
-        self._in_flight_tokens = launched.tokens
+        launched.tokens = self.tp.broadcast_from_first(launched.tokens)
+        if launched.layout is None:  # steps with drafts are never pipelined (synchronous scheduling)
+            self._in_flight = {state.request_id: (state, index) for index, state in enumerate(states)}
+            self._in_flight_tokens = launched.tokens
         launched.host_tokens = self._copy_to_host(launched.tokens)
         if self.is_cuda:
             launched.ready = torch.cuda.Event()
             launched.ready.record()
+
+    def _verify_drafts(self, launched: LaunchedStep, grammar: GrammarBitmask | None) -> None:
+        """Rank 0 scores every sampling request's drafts with the rejection sampler; the tokens
+        each gains are [requests, width], -1 padded (every rank gets them)."""
+        states, layout = launched.sampling_states, launched.layout
+        if launched.logits is None:
+            launched.tokens = torch.empty((len(states), layout.width), dtype=torch.long, device=self.device)
+            return
+        if grammar is not None:  # constrained requests have no drafts: one row each, their first
+            self._mask_by_grammar(launched.logits, states, grammar, layout.first_row)
+        rows = [state.row for state, drafts in zip(states, layout.drafts) for _ in range(len(drafts) + 1)]
+        meta = self.sampling.metadata(rows, layout.drafted_before())
+        verified: Verified = verify(launched.logits, meta, layout)
+        if meta.max_num_logprobs is not None:
+            launched.logprobs = compute_logprobs(launched.logits, verified.row_tokens, meta.max_num_logprobs)
+        launched.tokens = verified.tokens
 
     @torch.inference_mode()
     def finish_step(self, launched: LaunchedStep) -> StepOutput:
@@ -389,30 +429,67 @@ class ModelRunner:
         if launched.ready is not None:
             launched.ready.synchronize()
         states = launched.sampling_states
-        tokens = launched.host_tokens.tolist() if states else []
-        rows, kept = [], []
-        for state, token in zip(states, tokens):
+        gained = self._tokens_gained(launched)
+        rows, kept, answered_ids, answered_tokens, logprob_rows = [], [], [], [], []
+        for index, (state, tokens) in enumerate(zip(states, gained)):
+            answered_ids.extend([state.request_id] * len(tokens))
+            answered_tokens.extend(tokens)
+            first_row = launched.layout.first_row[index] if launched.layout is not None else index
+            logprob_rows.extend(range(first_row, first_row + len(tokens)))
             # A request dropped (finished, preempted) since may have a new owner of its row.
             if self.requests.get(state.request_id) is state:
-                state.token_ids.append(token)
-                rows.append(state.row)
-                kept.append(token)
+                state.token_ids.extend(tokens)
+                rows.extend([state.row] * len(tokens))
+                kept.extend(tokens)
+                if launched.layout is not None:  # its rejected drafts were computed, but are not its tokens
+                    state.num_computed_tokens -= len(launched.layout.drafts[index]) - (len(tokens) - 1)
         self.sampling.append_sampled(rows, kept)
         if self._in_flight_tokens is launched.tokens:
             self._in_flight, self._in_flight_tokens = {}, None
+        drafts = self._propose(launched) if self.proposer is not None else {}
+        logprobs = launched.logprobs
+        if logprobs is not None and launched.layout is not None:
+            logprobs = _select_rows(logprobs, logprob_rows)
         return StepOutput(
             step_id=launched.step_id,
-            request_ids=[s.request_id for s in states] if self.tp.is_first else [],
-            sampled_token_ids=tokens if self.tp.is_first else [],
-            logprobs=None if launched.logprobs is None else _to_message(launched.logprobs),
+            request_ids=answered_ids if self.tp.is_first else [],
+            sampled_token_ids=answered_tokens if self.tp.is_first else [],
+            logprobs=None if logprobs is None else _to_message(logprobs),
             prompt_logprobs={rid: _concat_to_message(parts) for rid, parts in launched.prompt_logprobs.items()},
             failed_requests=self.failures.take(),  # new requests it could not take, since the last answer
+            draft_token_ids=drafts if self.tp.is_first else {},
         )
 
-    def _mask_by_grammar(self, logits: torch.Tensor, states: list[RequestState], grammar: GrammarBitmask) -> None:
+    def _tokens_gained(self, launched: LaunchedStep) -> list[list[int]]:
+        """Per sampling request, the tokens this step gave it (one, or with drafts up to k + 1)."""
+        if not launched.sampling_states:
+            return []
+        host = launched.host_tokens.tolist()
+        if launched.layout is None:
+            return [[token] for token in host]
+        return [[token for token in row if token >= 0] for row in host]
+
+    def _propose(self, launched: LaunchedStep) -> dict[str, list[int]]:
+        """Drafts for the next step of each request that sampled and goes on here, unless the
+        batch is past the speculative config's disable_by_batch_size."""
+        off_at = self.config.speculative_config.disable_by_batch_size
+        if off_at is not None and len(self.requests) >= off_at:
+            return {}
+        live = [s for s in launched.sampling_states if self.requests.get(s.request_id) is s]
+        scheduled = [s for s in launched.scheduled_states if self.requests.get(s.request_id) is s]
+        return self.proposer.propose(scheduled, live)
+
+    def _mask_by_grammar(
+        self,
+        logits: torch.Tensor,
+        states: list[RequestState],
+        grammar: GrammarBitmask,
+        logit_rows: list[int] | None = None,
+    ) -> None:
         """-inf, in place, for every token a request's grammar does not allow next. The logprobs
-        are then those of the constrained distribution, as in vLLM."""
-        index = {state.request_id: i for i, state in enumerate(states)}
+        are then those of the constrained distribution, as in vLLM. logit_rows: each state's row
+        of `logits` (default: the i-th state's row i)."""
+        index = {state.request_id: (logit_rows[i] if logit_rows else i) for i, state in enumerate(states)}
         present = [k for k, request_id in enumerate(grammar.request_ids) if request_id in index]
         if not present:
             return  # each was dropped here (it failed on this worker)
@@ -487,11 +564,15 @@ class ModelRunner:
             new.request_id, new.sampling, state.token_ids, new.prompt_len, new.eos_token_ids, new.bad_words_token_ids
         )
         self.requests[new.request_id] = state
+        if self.proposer is not None:
+            self.proposer.track(new.request_id, new.num_computed_tokens)
         if state.prompt_logprobs is not None:
             self.awaiting_prompt_logprobs[new.request_id] = state
 
     def _discard_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         self.sampling.remove(request_id)
         self.awaiting_prompt_logprobs.pop(request_id, None)
         self._in_flight.pop(request_id, None)  # a token in flight for it is stale now
@@ -512,34 +593,40 @@ class ModelRunner:
         fill_at: list[int] = []  # input positions whose token is still on the device...
         fill_from: list[int] = []  # ...at this index of the previous step's sampled tokens
         sampling_states: list[RequestState] = []
+        sampling_drafts: list[list[int]] = []
         prompt_spans: list[PromptSpan] = []
         states = []
         for i in order:
             state = self.requests[step.scheduled_ids[i]]
+            drafts = step.spec_token_ids.get(state.request_id, []) if step.spec_token_ids else []
             start, count = state.num_computed_tokens, step.num_scheduled_tokens[i]
             end, known = start + count, len(state.token_ids)
+            end_of_known = end - len(drafts)
             in_flight = self._in_flight.get(state.request_id)
             if state.prompt_logprobs is not None and start < state.prompt_len - 1:
                 # Position p predicts prompt token p + 1; the last prompt position predicts the output.
                 span_count = min(end, state.prompt_len - 1) - start
                 prompt_spans.append(PromptSpan(state, query_start_loc[-1], start, span_count))
-            token_ids.extend(state.token_ids[start:end])
-            if end > known:  # the one token the previous step sampled, not on the host yet
-                if in_flight is None or in_flight[0] is not state or end != known + 1:
+            token_ids.extend(state.token_ids[start:end_of_known])
+            if end_of_known > known:  # the one token the previous step sampled, not on the host yet
+                if in_flight is None or in_flight[0] is not state or end_of_known != known + 1:
                     raise RuntimeError(
-                        f"request {state.request_id}: step computes up to token {end}, only {known} known"
+                        f"request {state.request_id}: step computes up to token {end_of_known}, only {known} known"
                     )
                 fill_at.append(len(token_ids))
                 fill_from.append(in_flight[1])
                 token_ids.append(0)
+            token_ids.extend(drafts)  # scored after the request's last token
             starts.append(start)
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + count)
             state.num_computed_tokens = end
             states.append(state)
-            if end == known + (in_flight is not None and in_flight[0] is state):
-                logits_indices.append(query_start_loc[-1] - 1)
+            if end_of_known == known + (in_flight is not None and in_flight[0] is state):
+                # Its last known token's logits, and each draft's.
+                logits_indices.extend(range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1]))
                 sampling_states.append(state)
+                sampling_drafts.append(drafts)
         num_decodes = sum(1 for i in order if step.num_scheduled_tokens[i] == 1)
         counts = np.diff(query_start_loc)
         positions = np.arange(query_start_loc[-1]) + np.repeat(np.asarray(starts) - query_start_loc[:-1], counts)
@@ -599,6 +686,8 @@ class ModelRunner:
             logits_indices=logits_t,
             sampling_states=sampling_states,
             prompt_spans=prompt_spans,
+            scheduled_states=states,
+            layout=DraftLayout.of(sampling_drafts) if step.spec_token_ids else None,
         )
 
     def _block_tables(self, states: list[RequestState]) -> np.ndarray:
@@ -622,6 +711,11 @@ def _state_from_new(new: NewRequestData) -> RequestState:
         sampling=new.sampling,
         prompt_logprobs=[] if new.sampling.prompt_logprobs is not None and fresh else None,
     )
+
+
+def _select_rows(logprobs: LogprobsTensors, rows: list[int]) -> LogprobsTensors:
+    index = torch.tensor(rows, dtype=torch.long, device=logprobs.token_ids.device)
+    return LogprobsTensors(logprobs.token_ids[index], logprobs.logprobs[index], logprobs.ranks[index])
 
 
 def _to_message(logprobs: LogprobsTensors) -> TokenLogprobs:

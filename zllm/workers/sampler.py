@@ -71,10 +71,21 @@ def seeded_generator(seed: int, output_index: int, device: torch.device) -> torc
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """logits [B, V] -> token ids [B]."""
+    greedy, probs = target_distribution(logits, meta)
+    if probs is None:
+        return greedy
+    sampled = exponential_race(probs, meta.generators)
+    return torch.where(meta.temperature == 0.0, greedy, sampled)
+
+
+def target_distribution(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What each row samples from: the greedy token [B], and the probabilities [B, V] after the
+    processors, temperature, top-k/top-p and min-p (None when every row is greedy; a greedy
+    row's probabilities are those at temperature 1, unused)."""
     logits = apply_logits_processors(logits.to(torch.float32), meta)
     greedy = logits.argmax(dim=-1)
     if meta.all_greedy:
-        return greedy
+        return greedy, None
     is_greedy = meta.temperature == 0.0
     temperature = torch.where(is_greedy, torch.ones_like(meta.temperature), meta.temperature)
     logits = logits / temperature[:, None]
@@ -83,8 +94,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     if meta.min_p is not None:
         probs = apply_min_p(probs, meta.min_p)
-    sampled = _exponential_race(probs, meta.generators)
-    return torch.where(is_greedy, greedy, sampled)
+    return greedy, probs
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -162,7 +172,8 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row from `probs` (unnormalised weights are fine): argmax of probs / Exp(1)."""
     noise = torch.empty_like(probs).exponential_()
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)

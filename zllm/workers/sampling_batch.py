@@ -86,21 +86,30 @@ class PenaltyState:
             self._pending_rows.extend([prow] * len(token_ids))
             self._pending_tokens.extend(token_ids)
 
-    def gather(self, penalty_rows: torch.Tensor, floats: torch.Tensor) -> Penalties | None:
+    def gather(
+        self, penalty_rows: torch.Tensor, floats: torch.Tensor, drafted: list[list[int]] | None = None
+    ) -> Penalties | None:
         """Penalties of the batch positions whose penalty row (-1: none) is set; `floats` are the
-        batch's settings."""
+        batch's settings; `drafted`: tokens counted as output on top of each position's own."""
         (positions,) = (penalty_rows >= 0).nonzero(as_tuple=True)
         if positions.numel() == 0:
             return None
         self._flush()
         prows = to_device(penalty_rows[positions], self.device)
         chosen = to_device(floats[positions], self.device)
+        counts = self.counts[prows]  # a copy: the drafts' counts are this step's alone
+        if drafted is not None:
+            extra = [(i, t) for i, p in enumerate(positions.tolist()) for t in drafted[p]]
+            if extra:
+                where = to_device([i for i, _ in extra], self.device, torch.long)
+                tokens = to_device([t for _, t in extra], self.device, torch.long)
+                counts.index_put_((where, tokens), torch.ones_like(where, dtype=torch.int32), accumulate=True)
         return Penalties(
             rows=to_device(positions, self.device),
             presence=chosen[:, _PRESENCE],
             frequency=chosen[:, _FREQUENCY],
             repetition=chosen[:, _REPETITION],
-            output_counts=self.counts[prows],
+            output_counts=counts,
             prompt_mask=self.prompt_mask[prows],
         )
 
@@ -195,11 +204,13 @@ class SamplingBatch:
         self._free.append(row)
 
     def append_sampled(self, rows: list[int], token_ids: list[int]) -> None:
-        """One sampled token for each of `rows`: one indexed add for the whole batch (a torch
-        call per row costs ~10 us; at 256 rows that is a few ms of every step)."""
+        """One sampled token for each entry of `rows` (a row may repeat: a request that gained
+        several tokens): one indexed add for the whole batch (a torch call per row costs ~10 us;
+        at 256 rows that is a few ms of every step)."""
         if not rows:
             return
-        self._ints[torch.tensor(rows), _NUM_OUTPUT] += 1
+        index = torch.tensor(rows)
+        self._ints[:, _NUM_OUTPUT].index_add_(0, index, torch.ones_like(index))
         if self._penalties.rows:
             for row, token_id in zip(rows, token_ids):
                 self._penalties.append(row, [token_id])
@@ -210,16 +221,21 @@ class SamplingBatch:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def metadata(self, rows: list[int]) -> SamplingMetadata:
+    def metadata(self, rows: list[int], drafted: list[list[int]] | None = None) -> SamplingMetadata:
+        """The settings of `rows` (a row may repeat). `drafted`, for speculative decoding: per
+        entry, the draft tokens that come before its position, as if they were already output
+        (they count for min_tokens, penalties, bad words and the seeded output index)."""
         index = torch.tensor(rows, dtype=torch.long)
         floats, ints = self._floats[index], self._ints[index]
+        if drafted is not None:
+            ints[:, _NUM_OUTPUT] += torch.tensor([len(d) for d in drafted], dtype=torch.long)
         temperature, num_logprobs = floats[:, _TEMPERATURE], ints[:, _NUM_LOGPROBS]
         meta = SamplingMetadata(
             temperature=to_device(temperature, self.device),
             all_greedy=bool((temperature == 0.0).all()),
             logit_bias=self._logit_bias(index),
-            banned=self._banned(rows, index, ints),
-            penalties=self._penalties.gather(ints[:, _PENALTY_ROW], floats),
+            banned=self._banned(rows, index, ints, drafted),
+            penalties=self._penalties.gather(ints[:, _PENALTY_ROW], floats, drafted),
             max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
         )
         if not meta.all_greedy:
@@ -251,7 +267,9 @@ class SamplingBatch:
             values=to_device(self._bias_values.data[index][positions, columns], self.device),
         )
 
-    def _banned(self, rows: list[int], index: torch.Tensor, ints: torch.Tensor) -> SparseLogits | None:
+    def _banned(
+        self, rows: list[int], index: torch.Tensor, ints: torch.Tensor, drafted: list[list[int]] | None = None
+    ) -> SparseLogits | None:
         """Stop tokens of the rows still short of min_tokens, and each bad word's last token where
         the output ends with the word's other tokens."""
         ids = self._stop_ids.data[index]
@@ -260,7 +278,8 @@ class SamplingBatch:
         ban_rows, ban_ids = positions.tolist(), ids[positions, columns].tolist()
         # Bad words need a look at each such request's last tokens: only their rows are visited.
         for position in ints[:, _HAS_BAD_WORDS].nonzero(as_tuple=True)[0].tolist():
-            for token_id in self._bad_word_completions(rows[position]):
+            extra = drafted[position] if drafted is not None else []
+            for token_id in self._bad_word_completions(rows[position], extra):
                 ban_rows.append(position)
                 ban_ids.append(token_id)
         if not ban_rows:
@@ -269,9 +288,9 @@ class SamplingBatch:
             rows=to_device(ban_rows, self.device, torch.long), token_ids=to_device(ban_ids, self.device, torch.long)
         )
 
-    def _bad_word_completions(self, row: int) -> list[int]:
+    def _bad_word_completions(self, row: int, drafted: list[int]) -> list[int]:
         words, token_ids, prompt_len = self._bad_words[row]
-        output = token_ids[prompt_len:]
+        output = token_ids[prompt_len:] + drafted
         banned = []
         for word in words:
             prefix = word[:-1]

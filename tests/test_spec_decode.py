@@ -1,0 +1,319 @@
+"""Speculative decoding: the n-gram proposer, the rejection sampler's exactness (greedy token for
+token, and a chi-square test of the sampled distribution that a wrong sampler fails), and the
+real engine on SmolLM2-135M-Instruct (fp32, CPU) with each served method, whose greedy output
+must equal decoding without speculation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from zllm import LLM, SamplingParams
+from zllm.config import EngineConfig, SpeculativeConfig
+from zllm.workers.sampler import SamplingMetadata
+from zllm.workers.spec_decode import rejection_sampler
+from zllm.workers.spec_decode.ngram import propose_ngram
+from zllm.workers.spec_decode.rejection_sampler import DraftLayout, verify
+
+# ---- the n-gram proposer -----------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():
+    tokens = np.array([5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7])
+    # suffix (6, 7): seen at 1 and 6; the latest (6) was followed by 2, 3, 6
+    assert propose_ngram(tokens, 1, 3, 3) == [2, 3, 6]
+    # a longer suffix wins over a later short one: (1, 2) matches only at 0
+    tokens = np.array([1, 2, 40, 41, 2, 50, 1, 2])
+    assert propose_ngram(tokens, 1, 2, 2) == [40, 41]
+    assert propose_ngram(tokens, 1, 1, 2) == [50, 1]  # n = 1: the latest 2 was followed by 50, 1
+
+
+def test_ngram_proposes_nothing_without_a_match_and_stops_at_the_end():
+    assert propose_ngram(np.array([1, 2, 3, 4]), 1, 3, 3) == []
+    assert propose_ngram(np.array([7]), 1, 3, 3) == []
+    assert propose_ngram(np.array([1, 2, 1]), 1, 3, 5) == [2, 1]  # only what exists after the match
+    assert propose_ngram(np.array([3, 3, 3, 3]), 2, 2, 4) == [3]
+
+
+# ---- the rejection sampler ---------------------------------------------------------------------
+
+
+def _meta(temperature: float, rows: int) -> SamplingMetadata:
+    return SamplingMetadata(temperature=torch.full((rows,), temperature), all_greedy=temperature == 0.0)
+
+
+def test_greedy_rows_keep_the_drafts_up_to_the_first_non_argmax_then_take_the_argmax():
+    vocab = 10
+    argmax = [[3, 4, 5, 6], [1, 2], [7]]  # per request: argmax at each of its position rows
+    drafts = [[3, 4, 9], [2], []]  # request 0: two accepted then a miss; 1: a miss at once; 2: none
+    logits = torch.zeros((sum(len(d) + 1 for d in drafts), vocab))
+    rows = [token for request in argmax for token in request[: len(drafts[argmax.index(request)]) + 1]]
+    logits[torch.arange(len(rows)), torch.tensor(rows)] = 5.0
+    layout = DraftLayout.of(drafts)
+    out = verify(logits, _meta(0.0, layout.num_rows), layout)
+    assert out.num_tokens.tolist() == [3, 1, 1]
+    assert out.tokens.tolist() == [[3, 4, 5, -1], [1, -1, -1, -1], [7, -1, -1, -1]]
+
+
+def _first_two_tokens(logits: torch.Tensor, drafts: list[int], samples: int, seed: int) -> np.ndarray:
+    """Sample `samples` times from a fixed two-position target (logits [2, V]: the first token's
+    distribution, then the second's after drafts[0]) with the given drafts; returns each
+    sample's (first token, second token or -1)."""
+    torch.manual_seed(seed)
+    layout = DraftLayout.of([drafts] * samples)
+    per_request = logits[: len(drafts) + 1]
+    out = verify(per_request.repeat(samples, 1), _meta(1.0, layout.num_rows), layout)
+    return out.tokens[:, :2].numpy()
+
+
+# Chi-square critical values at p = 0.001 (a false alarm once in a thousand runs), by degrees of freedom.
+_CHI2_CRITICAL_0_001 = {5: 20.52, 6: 22.46, 7: 24.32}
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("draft", [0, 5, 7])  # a likely draft, a rare one, the least likely
+def test_sampling_with_a_draft_draws_from_the_targets_distribution(draft):
+    vocab = 8
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn((2, vocab), generator=generator) * 1.5
+    first = np.bincount(_first_two_tokens(logits, [draft], 40_000, seed=2)[:, 0], minlength=vocab)
+    target = logits[0].softmax(-1).double().numpy()
+    assert _chi_square(first, target) < _CHI2_CRITICAL_0_001[vocab - 1]
+
+
+def test_a_wrong_rejection_rule_fails_the_same_chi_square_test(monkeypatch):
+    """The test has teeth: a sampler that draws the replacement from p itself (not from the
+    residual without the rejected draft) over-weights the draft, and is caught."""
+    vocab, draft = 8, 0
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn((2, vocab), generator=generator) * 1.5
+    target = logits[0].softmax(-1).double().numpy()
+    real_race = rejection_sampler.exponential_race
+
+    def race_over_p(probs, generators):  # ignores the residual: the classic bug
+        return real_race(logits[0].softmax(-1).expand_as(probs).contiguous(), generators)
+
+    monkeypatch.setattr(rejection_sampler, "exponential_race", race_over_p)
+    first = np.bincount(_first_two_tokens(logits, [draft], 40_000, seed=2)[:, 0], minlength=vocab)
+    assert _chi_square(first, target) > _CHI2_CRITICAL_0_001[vocab - 1]
+
+
+def test_the_token_after_an_accepted_draft_follows_the_targets_next_distribution():
+    vocab, draft = 8, 2
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn((2, vocab), generator=generator)
+    pairs = _first_two_tokens(logits, [draft], 40_000, seed=4)
+    second = pairs[pairs[:, 0] == draft, 1]  # the draft was accepted: the bonus row sampled the next
+    counts = np.bincount(second, minlength=vocab)
+    assert counts.sum() > 1000
+    assert _chi_square(counts, logits[1].softmax(-1).double().numpy()) < _CHI2_CRITICAL_0_001[vocab - 1]
+
+
+# ---- configuration -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"method": "medusa"}, "speculative_config.method: must be one of"),
+        ({"method": "eagle3", "model": "/x"}, "is not served yet"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens: must be 1..16"),
+        ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"method": "draft_model"}, "speculative_config.model: is required"),
+        ({"method": "ngram", "lookahead": 2}, "unknown key(s) lookahead"),
+        ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size: must be >= 1"),
+    ],
+)
+def test_bad_speculative_configs_are_refused_at_start(config, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig.create(None, device="cpu", speculative_config=config)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
+    from tests.helpers.models import save_tiny_llama
+
+    draft = save_tiny_llama(tmp_path / "draft", vocab_size=300)
+    with pytest.raises(ValueError, match="draft's vocabulary \\(300 tokens\\) differs from the target's"):
+        EngineConfig.create(None, device="cpu", speculative_config={"method": "draft_model", "model": str(draft)})
+
+
+def test_speculation_runs_synchronous_steps():
+    config = EngineConfig.create(None, device="cpu", speculative_config={"num_speculative_tokens": 2})
+    assert config.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    assert config.async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling: cannot be combined with speculative_config"):
+        EngineConfig.create(None, device="cpu", async_scheduling=True, speculative_config={})
+
+
+def test_the_cli_takes_vllms_json():
+    import argparse
+
+    from zllm.launch.args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert engine_kwargs(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "[1, 2]"])
+
+
+# ---- the engine, on the real SmolLM2-135M-Instruct weights (fp32, CPU) --------------------------
+
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=96)
+COPY_HEAVY = [
+    "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+    "Count from 1 to 25, separated by commas: 1, 2, 3, 4, 5,",
+    "Fix the spelling and repeat the text: Teh shop opnes at nine and closses at six every day.",
+]
+CHAT = ["Write a short poem about the sea."]
+PROMPTS = COPY_HEAVY + CHAT
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+class Baseline:
+    """Decoding without speculation, each (prompts, params) computed once for the module."""
+
+    def __init__(self) -> None:
+        self.llm = LLM(**ENGINE)
+        self.engine = self.llm.engine
+        self._memo: dict[tuple, list] = {}
+
+    def tokens(self, prompts, params) -> list[list[list[int]]]:
+        key = (tuple(prompts), repr(params))
+        if key not in self._memo:
+            self._memo[key] = _tokens(self.llm, prompts, params)
+        return self._memo[key]
+
+    def generate(self, prompts, params):
+        return self.llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    base = Baseline()
+    yield base
+    base.llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ngram():
+    llm = LLM(**ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.slow
+def test_ngram_greedy_output_equals_decoding_without_speculation(baseline, ngram):
+    assert _tokens(ngram, PROMPTS, GREEDY) == baseline.tokens(PROMPTS, GREEDY)
+    stats = ngram.engine.core.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_accepted_tokens
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == stats.spec_decode_num_accepted_tokens
+
+
+@pytest.mark.slow
+def test_draft_model_greedy_output_equals_decoding_without_speculation(baseline):
+    """SmolLM2 drafting for itself: correctness never depends on the draft being good, but this
+    one is the target, so nearly every draft is accepted."""
+    model_dir = baseline.engine.config.model
+    draft = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 4}
+    with LLM(**ENGINE, speculative_config=draft) as llm:
+        assert _tokens(llm, PROMPTS, GREEDY) == baseline.tokens(PROMPTS, GREEDY)
+        stats = llm.engine.core.stats()
+    assert stats.spec_decode_acceptance_rate > 0.8
+
+
+@pytest.mark.slow
+def test_greedy_equality_holds_with_chunked_prefill_and_preemption(baseline):
+    """A 24-token budget splits every prompt into chunks; 8 blocks of 16 tokens cannot hold three
+    requests at once, so requests are preempted and recomputed (their drafts dropped)."""
+    small = dict(ENGINE, num_kv_blocks=8, max_num_batched_tokens=24)
+    draft = {"method": "draft_model", "model": baseline.engine.config.model, "num_speculative_tokens": 3}
+    expected = baseline.tokens(COPY_HEAVY, GREEDY)
+    for config in ({"method": "ngram", "num_speculative_tokens": 3}, draft):
+        with LLM(**small, speculative_config=config) as llm:
+            assert _tokens(llm, COPY_HEAVY, GREEDY) == expected
+            assert llm.engine.core.stats().num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_sampling_features_keep_working_with_drafts(baseline, ngram):
+    """Penalties, min_tokens, bad words, stop strings, logprobs and n = 2 see the accepted drafts
+    as output, position by position: greedy results equal those without speculation."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.4),
+        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20, presence_penalty=0.5, bad_words=["fox", " 7"]),
+        SamplingParams(temperature=0.0, max_tokens=32, stop=["lazy"], n=2),
+    ]
+    for p in params:
+        assert _tokens(ngram, COPY_HEAVY, p) == baseline.tokens(COPY_HEAVY, p), p
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3)
+    spec = ngram.generate(COPY_HEAVY, with_logprobs, use_tqdm=False)
+    plain = baseline.generate(COPY_HEAVY, with_logprobs)
+    for a, b in zip(spec, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+        for row_a, row_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert row_a.keys() == row_b.keys()
+            for token in row_a:
+                assert row_a[token].logprob == pytest.approx(row_b[token].logprob, abs=1e-4)
+                assert row_a[token].rank == row_b[token].rank
+
+
+@pytest.mark.slow
+def test_seeded_sampling_with_drafts_repeats_exactly(ngram):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=1234)
+    first = _tokens(ngram, COPY_HEAVY, params)
+    assert _tokens(ngram, COPY_HEAVY[::-1], params)[::-1] == first  # another batch order
+    assert all(len(c[0]) > 0 for c in first)
+
+
+@pytest.mark.slow
+def test_structured_outputs_with_speculation_on(baseline, ngram):
+    from zllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])
+    )
+    prompt = ["Is the sea blue? Answer yes, no or maybe."]
+    spec = ngram.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+    assert spec in ("yes", "no", "maybe")
+    assert spec == baseline.generate(prompt, params)[0].outputs[0].text
+
+
+@pytest.mark.slow
+def test_ngram_at_tensor_parallel_2_equals_tp_1(baseline):
+    expected = baseline.tokens(COPY_HEAVY, GREEDY)
+    with LLM(**ENGINE, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3}) as llm:
+        assert _tokens(llm, COPY_HEAVY, GREEDY) == expected
+        assert llm.engine.core.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_stats_merge_and_metrics_of_speculation():
+    from zllm.frontend.engine_calls import merge_engine_stats
+    from zllm.frontend.metrics import _accepted_per_position
+
+    one = {"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 6}
+    two = {"spec_decode_num_drafts": 6, "spec_decode_num_draft_tokens": 8, "spec_decode_num_accepted_tokens": 2}
+    one["spec_decode_num_accepted_tokens_per_pos"], two["spec_decode_num_accepted_tokens_per_pos"] = [4, 2], [1, 1]
+    merged = merge_engine_stats({0: one, 1: two})
+    assert merged["spec_decode_acceptance_rate"] == pytest.approx(8 / 20)
+    assert merged["spec_decode_mean_acceptance_length"] == pytest.approx(1 + 8 / 10)
+    assert merged["spec_decode_num_accepted_tokens_per_pos"] == [5, 3]
+    (family,) = _accepted_per_position("m", merged["engines"])
+    assert [(s.labels["dp_rank"], s.labels["position"], s.value) for s in family.samples] == [
+        ("0", "0", 4.0),
+        ("0", "1", 2.0),
+        ("1", "0", 1.0),
+        ("1", "1", 1.0),
+    ]
