@@ -579,9 +579,11 @@ class ModelRunner:
 
     def _prepare_inputs(self, step: StepInput) -> BatchInputs:
         # Decodes (one query token) first, shortest context first: attention batches them, and
-        # neighbours of similar length waste little padding.
+        # neighbours of similar length waste little padding. A decode with drafts is one attention
+        # row per token (row j sees the context up to its own token: causal by its length), so a
+        # verifying step is a pure decode step too, and replays the decode CUDA graph.
         def decode_first(i: int) -> tuple[bool, int]:
-            is_decode = step.num_scheduled_tokens[i] == 1
+            is_decode = step.num_scheduled_tokens[i] == 1 or step.scheduled_ids[i] in step.spec_token_ids
             return (not is_decode, self.requests[step.scheduled_ids[i]].num_computed_tokens if is_decode else 0)
 
         order = sorted(range(len(step.scheduled_ids)), key=decode_first)
@@ -617,18 +619,19 @@ class ModelRunner:
                 fill_from.append(in_flight[1])
                 token_ids.append(0)
             token_ids.extend(drafts)  # scored after the request's last token
-            starts.append(start)
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + count)
+            for row_start, row_count in [(p, 1) for p in range(start, end)] if drafts else [(start, count)]:
+                starts.append(row_start)
+                seq_lens.append(row_start + row_count)
+                query_start_loc.append(query_start_loc[-1] + row_count)
+                states.append(state)
             state.num_computed_tokens = end
-            states.append(state)
             if end_of_known == known + (in_flight is not None and in_flight[0] is state):
                 # Its last known token's logits, and each draft's.
                 logits_indices.extend(range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1]))
                 sampling_states.append(state)
                 sampling_drafts.append(drafts)
-        num_decodes = sum(1 for i in order if step.num_scheduled_tokens[i] == 1)
         counts = np.diff(query_start_loc)
+        num_decodes = int(np.argmin(counts == 1)) if (counts != 1).any() else len(counts)  # the leading 1-token rows
         positions = np.arange(query_start_loc[-1]) + np.repeat(np.asarray(starts) - query_start_loc[:-1], counts)
         block_tables = self._block_tables(states)
         rows = np.repeat(np.arange(len(states)), counts)
