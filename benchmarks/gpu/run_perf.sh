@@ -62,7 +62,7 @@ export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has th
 build_flags=()
 [[ "${1:-}" == sweep ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
 [[ -n "${SKIP_CSRC_BUILD:-}" || -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ]] \
-  || timeout 300 bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" "${build_flags[@]}" > "$out/build.log" 2>&1 \
+  || timeout 300 bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" ${build_flags[@]+"${build_flags[@]}"} > "$out/build.log" 2>&1 \
   || { echo "csrc build failed (the loader falls back to what was built, or NVRTC):"; tail -15 "$out/build.log"; }
 echo "csrc build: done $(( $(date +%s) - t0 )) s after the start"
 python benchmarks/dummy_model.py llama3-8b "$model" >/dev/null
