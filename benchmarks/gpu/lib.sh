@@ -1,8 +1,10 @@
 # Sourced by the GPU run books (run_perf.sh's sweep, run_4gpu.sh): steps bounded by `timeout` under
 # one deadline for the whole call, a PASS/FAIL/TIMEOUT/SKIPPED line for each, a served vllm-launch
-# that is always stopped, and vLLM's own load client.
-# The caller sets: out (log folder), jsonl (JSON lines file), deadline (epoch seconds by which the
-# call must be over; steps are cut to what is left of it, less a margin for what follows).
+# that is always stopped, vLLM's own load client, and the results packed into the few files a
+# device call brings back (at most 8 from $OUT, 16 MiB each).
+# The caller sets: out (working folder for logs and results), jsonl (JSON lines file), deadline
+# (epoch seconds by which the call must be over; steps are cut to what is left of it, less a
+# margin for what follows).
 # Sets: status (1 once anything failed, timed out or was skipped).
 status=0
 SERVER_PID=""
@@ -128,4 +130,21 @@ need_client_files() {  # vLLM's client: the carried sdist and the modules it imp
   fi
   python -c 'import aiohttp, numpy, tqdm, transformers, huggingface_hub, PIL' 2>&1 \
     || { echo "FAIL: vLLM's client cannot import its modules (carry .whl: aiohttp and its dependencies)"; return 1; }
+}
+
+pack_results() {  # pack_results DEST NAME: $out as DEST/NAME-logs.tar.gz (the client's JSONs without their texts)
+  local dest=$1 name=$2
+  [[ "$(realpath "$dest")" != "$(realpath "$out")" ]] || return 0
+  # generated_texts: the dummy models' words, most of a result file's size and of no use here
+  find "$out" -name '*.json' -print0 | xargs -0 -r python -c '
+import json, sys
+for path in sys.argv[1:]:
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, dict) and data.pop("generated_texts", None) is not None:
+        with open(path, "w") as f:
+            json.dump(data, f)
+'
+  tar -czf "$dest/$name-logs.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" \
+    && echo "   logs and results: $dest/$name-logs.tar.gz ($(du -h "$dest/$name-logs.tar.gz" | cut -f1))"
 }

@@ -32,9 +32,10 @@
 # Carry .whl (pyzmq, msgspec, xgrammar and its needs, aiohttp and its dependencies: run_all.sh's
 # header) and .sdist (vLLM's client for exit/serve70b: python benchmarks/vllm_benchmark_serving.py
 # --download-only). Every command runs under `timeout`, all within $BUDGET_S (default 530 s)
-# from the start; each step prints PASS/FAIL/TIMEOUT/SKIPPED; logs, JSON lines (4gpu.jsonl) and
-# the whole output (4gpu-PART.log) go to $OUT (default /tmp/zllm-4gpu). Exits 1 if anything
-# failed or was skipped.
+# from the start; each step prints PASS/FAIL/TIMEOUT/SKIPPED. Into $OUT (default /tmp/zllm-4gpu),
+# at most four files: 4gpu-PART.log (the whole output), 4gpu-PART.jsonl (the JSON lines),
+# serve70b.md, 4gpu-PART-logs.tar.gz (every log and result). Exits 1 if anything failed or was
+# skipped.
 # A dry run on a CPU checks the run book, not the figures: DRY_MODEL=<a tiny HF Llama directory
 # with 4 heads, 2 KV heads> stands for every model, SKIP_CSRC_BUILD=1, SERVE_PORT=8123, an
 # nvidia-smi on PATH that prints nothing; for `exit` also EXIT_TP=2 EXIT_SERVER_FLAGS="--dtype
@@ -44,10 +45,15 @@ t0=$(date +%s)
 cd "$(dirname "$0")/../.."
 part="${1:-}"
 case "$part" in dp | tp2dp2 | exit | serve70b) ;; *) echo "usage: $0 dp|tp2dp2|exit|serve70b"; exit 2 ;; esac
-out="${OUT:-/tmp/zllm-4gpu}"
-mkdir -p "$out"
-exec > >(tee -a "$out/4gpu-$part.log") 2>&1
-jsonl="$out/4gpu.jsonl"
+# Into $OUT (a device call brings back 8 files): 4gpu-PART.log (the whole output), 4gpu-PART.jsonl,
+# serve70b.md (serve70b) and, at the end, 4gpu-PART-logs.tar.gz (every log and result file, from
+# the working folder /tmp/zllm-4gpu-PART).
+dest="${OUT:-/tmp/zllm-4gpu}"
+out=/tmp/zllm-4gpu-$part
+rm -rf "$out"
+mkdir -p "$dest" "$out"
+exec > >(tee -a "$dest/4gpu-$part.log") 2>&1
+jsonl="$dest/4gpu-$part.jsonl"
 deadline=$(( t0 + ${BUDGET_S:-530} ))
 source benchmarks/gpu/env.sh
 source benchmarks/gpu/lib.sh
@@ -200,10 +206,11 @@ serve70b)
     verdict "server s70b stop" $?
     gpus_free 30 || { echo "FAIL: GPU memory still held after the 70B server exited"; status=1; }
   fi
-  timeout 60 python benchmarks/plot_sweep.py "$results" | tee "$out/serve70b.md"
+  timeout 60 python benchmarks/plot_sweep.py "$results" | tee "$dest/serve70b.md"
   bounded w2-70b-tp4 240 python benchmarks/latency.py --model "$m70b" --load-format dummy --input-len 128 --output-len 256 \
     --iters 2 --tp 4 --max-model-len 1024
   ;;
 esac
+pack_results "$dest" "4gpu-$part"
 echo "== $part: $( ((status == 0)) && echo 'all passed' || echo 'SOMETHING FAILED OR WAS SKIPPED (see above)'), $(( $(date +%s) - t0 )) s"
 exit $status

@@ -36,8 +36,8 @@
 #                 --backend openai, random dataset, 256 in / 256 out, --ignore-eos): vllm-launch with
 #                 its defaults (piecewise CUDA graphs on) at Poisson 8, 16, 24, 32 and 40 req/s
 #                 (300, 480, 600, 600, 600 prompts), then restarted with --no-piecewise-cuda-graphs
-#                 for Poisson 32 (600 prompts) as the baseline; each run's JSON in $OUT/sweep/, then
-#                 benchmarks/plot_sweep.py's table and $OUT/sweep.png. Carry .whl (aiohttp and its
+#                 for Poisson 32 (600 prompts) as the baseline; each run's JSON saved, then
+#                 benchmarks/plot_sweep.py's table and plot. Carry .whl (aiohttp and its
 #                 dependencies among them) and .sdist (python benchmarks/vllm_benchmark_serving.py
 #                 --download-only). Budget, whole call, from a fresh machine (estimates, not yet
 #                 measured): wheels 10 s, csrc build (sm_90 only) <= 120 s, server start ~50 s, warm-up
@@ -45,7 +45,9 @@
 #                 40, 34, 30 s), restart ~60 s + warm-up, baseline ~34 s, plot 5 s: ~400 s + the build,
 #                 under 9 min. Everything is bounded by $SWEEP_BUDGET_S (default 530 s from the
 #                 start): a rate that no longer fits is SKIPPED, keeping ~140 s for the baseline.
-#                 PASS/FAIL/TIMEOUT/SKIPPED lines; the whole output also in $OUT/sweep-summary.log.
+#                 PASS/FAIL/TIMEOUT/SKIPPED lines. Into $OUT (five files: a device call brings
+#                 back 8): build.log, sweep-summary.log (the whole output), sweep.md (the table),
+#                 sweep.png, sweep-logs.tar.gz (every log, the result JSONs in sweep/).
 #                 A dry run on a CPU (checks the run book, no figures): SKIP_CSRC_BUILD=1
 #                 SERVE_PORT=8123 SWEEP_MODEL=~/.cache/zllm/models/SmolLM2-135M-Instruct
 #                 SWEEP_SERVER_FLAGS="--max-model-len 1024" SWEEP_RATES="2 4" SWEEP_PROMPTS=6
@@ -248,7 +250,13 @@ gemvperf)
 sweep)
   source benchmarks/gpu/env.sh  # the carried wheels: aiohttp for vLLM's client
   source benchmarks/gpu/lib.sh
-  exec > >(tee -a "$out/sweep-summary.log") 2>&1
+  # Into $OUT: sweep-summary.log (the whole output), sweep.md, sweep.png and, at the end,
+  # sweep-logs.tar.gz (every log and result file, from the working folder /tmp/zllm-sweep).
+  dest=$out
+  out=/tmp/zllm-sweep
+  rm -rf "$out"
+  mkdir -p "$out"
+  exec > >(tee -a "$dest/sweep-summary.log") 2>&1
   deadline=$(( t0 + ${SWEEP_BUDGET_S:-530} ))
   need_client_files || exit 1
   # SWEEP_* change the workload for a dry run on a CPU (docs/benchmarks.md), never for figures.
@@ -290,9 +298,10 @@ sweep)
     verdict "server-nopiecewise stop" $?
   fi
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)
-  timeout 60 python benchmarks/plot_sweep.py "$sweep" --plot "$out/sweep.png" \
+  timeout 60 python benchmarks/plot_sweep.py "$sweep" --plot "$dest/sweep.png" \
     --title "$(basename "$sweep_model") (${gpu:-no GPU}): vLLM's benchmark_serving.py, random $len in / $len out" \
-    | tee "$out/sweep.md"
+    | tee "$dest/sweep.md"
+  pack_results "$dest" sweep
   echo "== sweep: $( ((status == 0)) && echo 'all passed' || echo 'SOMETHING FAILED OR WAS SKIPPED (see above)'), $(( $(date +%s) - t0 )) s"
   exit $status
   ;;
