@@ -2,6 +2,7 @@
 
     python benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b
     python benchmarks/dummy_model.py llama3-70b /tmp/llama3-70b
+    python benchmarks/dummy_model.py llama3.2-1b /tmp/llama3.2-1b           (small and quick to start: tied embeddings)
     python benchmarks/dummy_model.py qwen3-30b-a3b /tmp/qwen3-30b-a3b     (MoE: 128 experts, top 8)
     python benchmarks/dummy_model.py mixtral-8x7b /tmp/mixtral-8x7b       (MoE: 8 experts, top 2)
     python benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b-bpe --tokenizer DIR
@@ -40,6 +41,15 @@ SHAPES = {
         num_key_value_heads=8,
         intermediate_size=28672,
         vocab_size=128256,
+    ),
+    "llama3.2-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
     ),
     # Mixture of experts (the published configs' shapes; ~61 GB and ~93 GB in bf16).
     "qwen3-30b-a3b": dict(

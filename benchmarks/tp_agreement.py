@@ -1,10 +1,13 @@
 """How often tensor-parallel greedy decoding picks the same tokens as tp 1.
 
     python benchmarks/tp_agreement.py --model DIR --load-format dummy --tp 2 --dtype bfloat16
+    python benchmarks/tp_agreement.py --model DIR --load-format dummy --tp 2 --dp 2 --dtype float32 --require-equal
 
 Runs the same random prompts greedily at tp 1 and at tp N (one after the other, in this process
-and its worker processes) and reports, as JSON: the share of output positions whose tokens agree,
-the share of requests that agree entirely, and the mean position of the first disagreement.
+and its worker processes; with --dp M, as M data-parallel engines of tp N each, the requests
+spread over them) and reports, as JSON: the share of output positions whose tokens agree, the
+share of requests that agree entirely, and the mean position of the first disagreement. With
+--require-equal it exits 1 unless every request agrees entirely (fp32: expected).
 In bf16 the all-reduce sums partial products in a different order than one GPU does, so
 near-ties can flip; once one token differs, the rest of that sequence follows another path.
 Dummy weights are the same model at every tp (see zllm/workers/weight_loader.py).
@@ -18,7 +21,7 @@ import json
 import random
 
 
-def greedy_tokens(args, tp: int, prompts: list[list[int]]) -> list[list[int]]:
+def greedy_tokens(args, tp: int, prompts: list[list[int]], dp: int = 1) -> list[list[int]]:
     from zllm import LLM, SamplingParams
 
     llm = LLM(
@@ -26,6 +29,7 @@ def greedy_tokens(args, tp: int, prompts: list[list[int]]) -> list[list[int]]:
         load_format=args.load_format,
         dtype=args.dtype,
         tensor_parallel_size=tp,
+        data_parallel_size=dp,
         max_model_len=args.max_model_len,
         max_num_seqs=max(len(prompts), 8),
     )
@@ -57,6 +61,8 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel engines of --tp ranks each")
+    parser.add_argument("--require-equal", action="store_true", help="exit 1 unless every request equals tp 1's")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
@@ -69,16 +75,19 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     reference = greedy_tokens(args, 1, prompts)
-    other = greedy_tokens(args, args.tp, prompts)
+    other = greedy_tokens(args, args.tp, prompts, dp=args.dp)
     result = {
         "benchmark": "tp_agreement",
         "tp": args.tp,
+        "dp": args.dp,
         "dtype": args.dtype,
         "num_prompts": args.num_prompts,
         "output_len": args.output_len,
         **compare(reference, other),
     }
     print(json.dumps(result), flush=True)
+    if args.require_equal and result["identical_request_share"] != 1.0:
+        raise SystemExit(f"tp {args.tp} x dp {args.dp}: not every request equals tp 1's")
 
 
 if __name__ == "__main__":

@@ -263,6 +263,117 @@ def _wait_until(condition, timeout: float) -> bool:
     return condition()
 
 
+# ---- leaving the process group at exit ---------------------------------------------------------
+# NCCL warns at exit ("destroy_process_group() was not called before program exit") unless a
+# worker leaves its group; gloo does not warn, so these tests look for the worker's own log line.
+
+
+def _single_rank_group(tmp_path) -> None:
+    torch.distributed.init_process_group(
+        backend="gloo", init_method=f"file://{tmp_path / 'rendezvous'}", world_size=1, rank=0
+    )
+
+
+def test_leave_process_group_destroys_the_group_once_and_keeps_a_later_alarm(tmp_path, caplog):
+    import signal
+
+    from zllm.workers.distributed import leave_process_group
+
+    assert not leave_process_group()  # no group: nothing to do
+    _single_rank_group(tmp_path)
+    handler = signal.getsignal(signal.SIGALRM)  # pytest-timeout's, where it runs
+    before = signal.setitimer(signal.ITIMER_REAL, 100)
+    try:
+        with caplog.at_level("INFO", logger="zllm.workers.distributed"):
+            assert leave_process_group(limit_s=5)
+        assert not torch.distributed.is_initialized()
+        assert "rank 0: left the gloo group" in caplog.text
+        assert not leave_process_group()  # once
+        assert signal.getsignal(signal.SIGALRM) == handler
+    finally:
+        left, _ = signal.setitimer(signal.ITIMER_REAL, *before)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert 95 < left <= 100
+
+
+def test_leave_process_group_logs_a_failure_instead_of_raising(tmp_path, monkeypatch, caplog):
+    from zllm.workers.distributed import leave_process_group
+
+    real_destroy = torch.distributed.destroy_process_group
+    _single_rank_group(tmp_path)
+    try:
+
+        def failing_destroy(*args, **kwargs):
+            raise RuntimeError("the communicator is gone")
+
+        monkeypatch.setattr(torch.distributed, "destroy_process_group", failing_destroy)
+        assert not leave_process_group(limit_s=5)
+        assert "rank 0: destroy_process_group() failed" in caplog.text
+        assert "the communicator is gone" in caplog.text
+    finally:
+        real_destroy()
+
+
+def test_a_hung_destroy_process_group_ends_the_process_within_its_limit(tmp_path):
+    script = f"""
+import time, torch
+from zllm.workers.distributed import leave_process_group
+torch.distributed.init_process_group(
+    backend="gloo", init_method="file://{tmp_path / "rendezvous"}", world_size=1, rank=0
+)
+torch.distributed.destroy_process_group = lambda *args, **kwargs: time.sleep(60)
+leave_process_group(limit_s=1)
+print("not reached")
+"""
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == -14, result.stderr  # SIGALRM
+    assert "not reached" not in result.stdout
+    assert time.monotonic() - started < 30
+
+
+def _tp2_llm(tmp_path) -> LLM:
+    model_dir = save_tiny_llama(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
+    return LLM(
+        str(model_dir), dtype="float32", tensor_parallel_size=2, max_model_len=256, kv_cache_memory_bytes=8 << 20
+    )
+
+
+def _worker_processes(llm: LLM) -> dict[int, subprocess.Popen]:
+    return dict(llm.engine.core.executor.executor.processes)  # LLM -> EngineCore -> WorkerProcessGroup
+
+
+def test_tp_2_workers_leave_the_group_and_exit_0_on_shutdown(tmp_path, capfd):
+    """The executor's shutdown call reaches each rank before any SIGTERM: each releases its model,
+    leaves the group and exits 0 by itself."""
+    llm = _tp2_llm(tmp_path)
+    workers = _worker_processes(llm)
+    try:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert {rank: process.returncode for rank, process in workers.items()} == {0: 0, 1: 0}
+    stderr = capfd.readouterr().err
+    assert "rank 0: left the gloo group" in stderr and "rank 1: left the gloo group" in stderr
+    assert "destroy_process_group() was not called" not in stderr
+
+
+def test_a_sigtermed_tp_worker_leaves_the_group_too(tmp_path, capfd):
+    """SIGTERM (the core's stop_children after the grace, or the parent's death) takes the same path."""
+    llm = _tp2_llm(tmp_path)
+    workers = _worker_processes(llm)
+    try:
+        for process in workers.values():
+            process.terminate()
+        codes = {rank: process.wait(30) for rank, process in workers.items()}
+    finally:
+        llm.shutdown()
+    assert codes == {0: 143, 1: 143}
+    stderr = capfd.readouterr().err
+    assert "rank 0: left the gloo group" in stderr and "rank 1: left the gloo group" in stderr
+
+
 # ---- the symmetric-memory all-reduce flag (GPU only; checked and ignored here) -----------------
 
 

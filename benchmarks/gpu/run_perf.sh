@@ -32,16 +32,41 @@
 #   PART=gemvperf: W2 on Llama-3-8B with the old and the split GEMV, W2 with FP8 weights by the
 #                 default FP8 GEMV and the builds in $FP8_BUILDS (default _r1u4_b6), then W2 on the
 #                 Qwen3-30B-A3B shape
+#   PART=sweep:   issue 40's rate sweep with vLLM's own client (benchmark_serving.py 0.6.3.post1,
+#                 --backend openai, random dataset, 256 in / 256 out, --ignore-eos): vllm-launch with
+#                 its defaults (piecewise CUDA graphs on) at Poisson 8, 16, 24, 32 and 40 req/s
+#                 (300, 480, 600, 600, 600 prompts), then restarted with --no-piecewise-cuda-graphs
+#                 for Poisson 32 (600 prompts) as the baseline; each run's JSON saved, then
+#                 benchmarks/plot_sweep.py's table and plot. Carry .whl (aiohttp and its
+#                 dependencies among them) and .sdist (python benchmarks/vllm_benchmark_serving.py
+#                 --download-only). Budget, whole call, from a fresh machine (estimates, not yet
+#                 measured): wheels 10 s, csrc build (sm_90 only) <= 120 s, server start ~50 s, warm-up
+#                 ~15 s, each rate N/rate + ~15 s (client start, its test request, the drain: 53, 45,
+#                 40, 34, 30 s), restart ~60 s + warm-up, baseline ~34 s, plot 5 s: ~400 s + the build,
+#                 under 9 min. Everything is bounded by $SWEEP_BUDGET_S (default 530 s from the
+#                 start): a rate that no longer fits is SKIPPED, keeping ~140 s for the baseline.
+#                 PASS/FAIL/TIMEOUT/SKIPPED lines. Into $OUT (five files: a device call brings
+#                 back 8): build.log, sweep-summary.log (the whole output), sweep.md (the table),
+#                 sweep.png, sweep-logs.tar.gz (every log, the result JSONs in sweep/).
+#                 A dry run on a CPU (checks the run book, no figures): SKIP_CSRC_BUILD=1
+#                 SERVE_PORT=8123 SWEEP_MODEL=~/.cache/zllm/models/SmolLM2-135M-Instruct
+#                 SWEEP_SERVER_FLAGS="--max-model-len 1024" SWEEP_RATES="2 4" SWEEP_PROMPTS=6
+#                 SWEEP_LEN=16 SWEEP_WARM_PROMPTS=4 bash benchmarks/gpu/run_perf.sh sweep
 # Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
 set -uo pipefail
+t0=$(date +%s)
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/zllm-perf}"
 mkdir -p "$out"
 model=/tmp/zllm-llama3-8b
 export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has this machine's cmake cache
-[ -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ] || bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" > "$out/build.log" 2>&1 \
+build_flags=()
+[[ "${1:-}" == sweep ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
+[[ -n "${SKIP_CSRC_BUILD:-}" || -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ]] \
+  || timeout 300 bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" ${build_flags[@]+"${build_flags[@]}"} > "$out/build.log" 2>&1 \
   || { echo "csrc build failed (the loader falls back to what was built, or NVRTC):"; tail -15 "$out/build.log"; }
+echo "csrc build: done $(( $(date +%s) - t0 )) s after the start"
 python benchmarks/dummy_model.py llama3-8b "$model" >/dev/null
 jsonl="$out/perf.jsonl"
 run() {  # run LIMIT_S COMMAND...: JSON lines to perf.jsonl, everything to the log
@@ -222,5 +247,63 @@ gemvperf)
   python benchmarks/dummy_model.py qwen3-30b-a3b "$moe" >/dev/null
   run 150 python benchmarks/latency.py --model "$moe" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|moe|moedecode|gemvcheck|gemvperf"; exit 2 ;;
+sweep)
+  source benchmarks/gpu/env.sh  # the carried wheels: aiohttp for vLLM's client
+  source benchmarks/gpu/lib.sh
+  # Into $OUT: sweep-summary.log (the whole output), sweep.md, sweep.png and, at the end,
+  # sweep-logs.tar.gz (every log and result file, from the working folder /tmp/zllm-sweep).
+  dest=$out
+  out=/tmp/zllm-sweep
+  rm -rf "$out"
+  mkdir -p "$out"
+  exec > >(tee -a "$dest/sweep-summary.log") 2>&1
+  deadline=$(( t0 + ${SWEEP_BUDGET_S:-530} ))
+  need_client_files || exit 1
+  # SWEEP_* change the workload for a dry run on a CPU (docs/benchmarks.md), never for figures.
+  sweep_model=${SWEEP_MODEL:-$model}
+  read -ra server_flags <<< "--model $sweep_model ${SWEEP_SERVER_FLAGS---load-format dummy --max-model-len 1024}"
+  read -ra rates <<< "${SWEEP_RATES:-8 16 24 32 40}"
+  len=${SWEEP_LEN:-256}
+  sweep="$out/sweep"
+  rm -rf "$sweep"
+  mkdir -p "$sweep"
+  client=(--model "$(basename "$sweep_model")" --tokenizer "$sweep_model" --random-input-len "$len" --random-output-len "$len" --ignore-eos)
+  # A seed per run: the client draws its prompts from numpy's seed, and runs of one size with one
+  # seed send the same prompts, which the prefix cache (on by default, 150k tokens of 600 prompts
+  # fit in it) would then serve. The baseline repeats the default run's rate-32 prompts, on a
+  # fresh server.
+  warm() {  # 64 requests at once: every step kind, both prefill chunk sizes, before anything is timed
+    vllm_client "sweep-warm-$1" 120 "${client[@]}" --num-prompts "${SWEEP_WARM_PROMPTS:-64}" --request-rate inf --seed 1000
+  }
+  reserve=140  # the baseline: restart (~60 s), warm-up, Poisson 32 (~34 s), stops
+  if serve_start default 180 "${server_flags[@]}"; then
+    warm default
+    for rate in "${rates[@]}"; do
+      case $rate in 8) n=300 ;; 16) n=480 ;; *) n=600 ;; esac
+      n=${SWEEP_PROMPTS:-$n}
+      expected=$(( n / rate + 15 ))
+      fits "sweep-rate$rate" $expected $reserve || continue
+      vllm_client "sweep-rate$rate" $(( 2 * expected + 60 )) "${client[@]}" --num-prompts "$n" --request-rate "$rate" --seed "$rate" \
+        --save-result --result-dir "$sweep" --result-filename "rate$rate.json" --metadata label=default
+    done
+    serve_stop 60
+    verdict "server-default stop" $?
+  fi
+  if fits "sweep-baseline" $(( reserve - 20 )) && serve_start nopiecewise 180 "${server_flags[@]}" --no-piecewise-cuda-graphs; then
+    warm nopiecewise
+    n=${SWEEP_PROMPTS:-600}
+    vllm_client sweep-rate32-nopiecewise $(( 2 * (n / 32 + 15) + 60 )) "${client[@]}" --num-prompts "$n" --request-rate 32 --seed 32 \
+      --save-result --result-dir "$sweep" --result-filename rate32_nopiecewise.json --metadata label=no-piecewise
+    serve_stop 60
+    verdict "server-nopiecewise stop" $?
+  fi
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)
+  timeout 60 python benchmarks/plot_sweep.py "$sweep" --plot "$dest/sweep.png" \
+    --title "$(basename "$sweep_model") (${gpu:-no GPU}): vLLM's benchmark_serving.py, random $len in / $len out" \
+    | tee "$dest/sweep.md"
+  pack_results "$dest" sweep
+  echo "== sweep: $( ((status == 0)) && echo 'all passed' || echo 'SOMETHING FAILED OR WAS SKIPPED (see above)'), $(( $(date +%s) - t0 )) s"
+  exit $status
+  ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|moe|moedecode|gemvcheck|gemvperf|sweep"; exit 2 ;;
 esac

@@ -42,6 +42,10 @@ from zllm.procs.exits import stop_children
 
 logger = logging.getLogger(__name__)
 
+# How long ranks told to shut down get to exit on their own before SIGTERM (the frontend gives a
+# core 10 s to stop: this, then up to 5 s after SIGTERM).
+_WORKER_EXIT_GRACE_S = 5.0
+
 
 class WorkerDiedError(RuntimeError):
     """A worker process exited or reported a failure."""
@@ -155,15 +159,21 @@ class MultiprocExecutor:
         self._send_watching(self.inputs[0], self.outbound.encode(bitmask))
 
     def shutdown(self) -> None:
+        told = False
         try:
             # Never block: a dead rank's socket has no reader, and the rest are stopped below anyway.
             self._broadcast(WorkerCall(call_id=next(self._call_ids), method="shutdown"), flags=zmq.NOBLOCK)
+            told = True
         except zmq.ZMQError:
             pass
-        self._stop_local()
+        # Ranks told to stop release their model and leave the process group before they exit
+        # (a SIGTERM at once would race that); once one rank is gone, the others may be stuck in a
+        # collective with it, so they get no grace.
+        everyone_alive = all(process.poll() is None for process in self.processes.values())
+        self._stop_local(grace_s=_WORKER_EXIT_GRACE_S if told and everyone_alive else 0.0)
 
-    def _stop_local(self) -> None:
-        stop_children(list(self.processes.values()), timeout_s=5.0)
+    def _stop_local(self, grace_s: float = 0.0) -> None:
+        stop_children(list(self.processes.values()), timeout_s=5.0, grace_s=grace_s)
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None

@@ -1,6 +1,7 @@
 """Process exits: waiting for them and forcing them, for children and for any other process.
 
-`stop_children` asks children to stop (SIGTERM) and kills those that do not in time.
+`stop_children` asks children to stop (SIGTERM; after a grace period where they were told
+another way) and kills those that do not in time.
 `wait_for_any_exit` reports the first of some processes to exit: at once where the kernel offers
 pidfds (Linux >= 5.3), else within `_POLL_INTERVAL_S`. `kill_and_wait` is the one SIGKILL in
 zllm: it returns once every process it killed is gone, so their memory (GPU memory included) is
@@ -25,8 +26,12 @@ KILL_WAIT_S = 30.0  # a process SIGKILLed and still present after this long is r
 _POLL_INTERVAL_S = 0.5  # without pidfds: how often the watched processes are polled
 
 
-def stop_children(processes: list[subprocess.Popen], timeout_s: float) -> None:
-    """SIGTERM, wait up to timeout_s, then SIGKILL whatever is left."""
+def stop_children(processes: list[subprocess.Popen], timeout_s: float, grace_s: float = 0.0) -> None:
+    """Wait up to grace_s for them to exit by themselves (children already told to stop some
+    other way), then SIGTERM, wait up to timeout_s, then SIGKILL whatever is left."""
+    if grace_s > 0:
+        grace_end = time.monotonic() + grace_s
+        processes = [process for process in processes if not _reaped(process, grace_end)]
     for process in processes:
         if process.poll() is None:
             process.terminate()

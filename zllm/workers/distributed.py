@@ -4,13 +4,19 @@ NCCL on GPU, gloo on CPU, both through torch.distributed; on GPU, small all-redu
 PyTorch's symmetric-memory one-shot kernel instead (zllm/workers/symmetric_all_reduce.py). The
 rendezvous is a file in the engine's private runtime directory (or whatever
 `distributed_init_method` names), never a fixed port; across nodes, master_addr:master_port.
+A worker leaves its group before it exits (`leave_process_group`), after its model and graphs
+are gone: otherwise NCCL's process group warns at exit that destroy_process_group() was not called.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,8 +70,61 @@ class TensorParallel:
 
     def destroy(self) -> None:
         self.fast = None  # unmaps the peers' buffers while the group still exists
-        if self.size > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if self.size > 1:
+            leave_process_group()
+
+
+LEAVE_LIMIT_S = 10.0  # how long destroy_process_group may take before SIGALRM ends the process
+
+
+def leave_process_group(limit_s: float = LEAVE_LIMIT_S) -> bool:
+    """Destroy this process's default process group, if it has one; True if it did.
+
+    Never raises (a failure is logged) and, called from the main thread, never hangs: NCCL can
+    block in it on a peer that is gone, so a default-action SIGALRM ends the process if the call
+    has not returned within `limit_s` (an alarm set earlier and due sooner stays as it is; one
+    due later is set again afterwards). Only worker processes have a group (tp > 1), so this
+    never touches an application's own."""
+    distributed = torch.distributed
+    if not distributed.is_available() or not distributed.is_initialized():
+        return False
+    try:
+        rank, backend = distributed.get_rank(), distributed.get_backend()
+    except Exception:  # a group in a bad state: leaving it is still worth trying
+        rank, backend = -1, "?"
+    with _alarm_after(limit_s):
+        try:
+            distributed.destroy_process_group()
+        except Exception:
+            logger.warning("rank %d: destroy_process_group() failed", rank, exc_info=True)
+            return False
+    logger.info("rank %d: left the %s group", rank, backend)
+    return True
+
+
+@contextlib.contextmanager
+def _alarm_after(seconds: float):
+    """End the process (SIGALRM, default action) unless the block is done within `seconds`. An
+    alarm due sooner is left as it is, with its own handler; one due later is set again after
+    the block. Outside the main thread (where no handler can be set) the block just runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    earlier, interval = signal.getitimer(signal.ITIMER_REAL)
+    if 0 < earlier <= seconds:
+        yield
+        return
+    handler = signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if handler is not None:  # None: a handler set outside Python, which cannot be restored
+            signal.signal(signal.SIGALRM, handler)
+        if earlier:
+            signal.setitimer(signal.ITIMER_REAL, max(earlier - (time.monotonic() - started), 0.001), interval)
 
 
 def rendezvous_method(config: EngineConfig) -> str:

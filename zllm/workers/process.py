@@ -3,8 +3,9 @@
     engine core --PUSH--> [worker-R-input]  PULL  worker  PUSH --> [worker-output] --PULL--> core
 
 Loads the model, reports its KV capacity (WorkerReady), then serves calls and steps until told
-to shut down. Only rank 0 answers steps. An exception is reported as WorkerFailed naming the
-rank, then the process exits.
+to shut down (a "shutdown" call, or SIGTERM: either way the model and its graphs go first, then
+the process group, then the process exits). Only rank 0 answers steps. An exception is reported
+as WorkerFailed naming the rank, then the process exits.
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ class WorkerProcess:
         return connect_pull_push(self.context, inputs, outputs, hwm=config.socket_hwm, curve_dir=config.curve_dir)
 
     def run(self) -> int:
+        failed = False
         try:
             self._start()
             self._serve()
             return 0
         except Exception as error:  # reported to the core, which decides what happens next
+            failed = True
             logger.error("rank %d failed:\n%s", self.rank, traceback.format_exc())
             self._send(WorkerFailed(rank=self.rank, error=f"rank {self.rank}: {type(error).__name__}: {error}"))
             return 1
@@ -73,6 +76,23 @@ class WorkerProcess:
             # Flush what is queued (a WorkerFailed names the cause), briefly: the core may be gone.
             self.output.close(linger=_FLUSH_MS)
             self.context.destroy(linger=0)
+            if not failed:
+                # Told to stop, by a shutdown call or by SIGTERM (SystemExit, e.g. from the core's
+                # stop_children): one teardown for both. After a failure the engine kills every
+                # rank anyway, and a peer may still hold the group mid-collective.
+                self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Release the model, graphs and cache, then leave the process group; never raises."""
+        try:
+            if self.worker is not None:
+                self.worker.shutdown()
+            else:  # stopped while starting: the group may exist already
+                from zllm.workers.distributed import leave_process_group
+
+                leave_process_group()
+        except Exception:
+            logger.warning("rank %d: shutdown failed", self.rank, exc_info=True)
 
     def _start(self) -> None:
         from zllm.workers.worker import Worker
@@ -101,8 +121,7 @@ class WorkerProcess:
                 self._answer(self.worker.finish_pending())
             elif isinstance(message, WorkerCall):
                 if message.method == "shutdown":
-                    self.worker.shutdown()
-                    return
+                    return  # run() shuts the worker down
                 self._send(self._call(message))
 
     def _answer(self, outputs: list) -> None:

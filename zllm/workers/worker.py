@@ -126,6 +126,8 @@ class Worker:
         self.apply_grammar_bitmask(bitmask)
 
     def shutdown(self) -> None:
+        """Drop the model, graphs and KV cache, then leave the tensor-parallel group (bounded:
+        distributed.leave_process_group). Safe to call again."""
         self._pending, self.awaiting_bitmask = None, False
         self.runner.release_device_memory()
         if self.device.type == "cuda":

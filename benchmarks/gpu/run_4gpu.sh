@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# On nvidia-h100-x4 (it may come as 4 x H200; the first lines say which): issue 30's four-GPU
+# figures and checks, one PART per device call, each under 9 minutes.
+# Usage: bash benchmarks/gpu/run_4gpu.sh dp|tp2dp2|exit|serve70b
+#
+#   dp:       W1 (benchmarks/throughput.py, 1000 x 256/256 offline, Llama-3-8B shape, dummy bf16,
+#             run_perf.sh's flags) at --dp 1, 2 and 4 (one GPU per engine), then the scaling
+#             ratios against dp 1. Estimate: each W1 ~40 s start + 20 s (dp 1) .. 6 s (dp 4) + stop:
+#             ~200 s, plus the csrc build.
+#   tp2dp2:   correctness first: benchmarks/tp_agreement.py in fp32, tp 2 x dp 2 against tp 1, 32
+#             prompts of 64 in / 128 out, every request must be identical (--require-equal); then
+#             W1 at tp 2 x dp 2 (bf16). Estimate: ~150 s (two fp32 starts) + ~70 s, plus the build.
+#   exit:     clean exits at tp 4 (Llama-3.2-1B shape, dummy bf16): vllm-launch --tp 4, wait for
+#             /health, one request, SIGTERM; checks exit code 0, no "destroy_process_group() was
+#             not called" warning on its stderr, every rank logged leaving its group, no process left on any
+#             GPU. Then again, but with kill -9 of rank 1's worker after the first request: the
+#             engine must restart (a request served by new workers) before the SIGTERM and the
+#             same checks. Estimate: three starts of ~30 s, restart wait, stops: ~150 s + the build.
+#   serve70b: vllm-launch --tp 4 on the Llama-3-70B shape (dummy bf16, prefix caching off: see
+#             below) under vLLM's client (random dataset, --ignore-eos): batch 1 (6 runs of one
+#             prompt each, 128 in / 256 out, one after another: 0.6.3's client has no
+#             --max-concurrency), Poisson 4 req/s (200 prompts) and Poisson 12 req/s (480), 256/256;
+#             benchmarks/plot_sweep.py's table of the three; then W2 (latency.py --tp 4, batch 1,
+#             128/256) offline in the same call. Estimate: start ~90 s, warm-up 15 s, batch 1
+#             ~70 s, Poisson 4 ~65 s, Poisson 12 ~60 s, stop, W2 ~110 s: ~420 s, plus the build
+#             (run the parts back to back on one warm machine: the first builds csrc in /tmp and
+#             the others reuse it). Prefix caching is off for this server (SERVE70B_FLAGS) because
+#             each one-prompt run of the client sends its prompt twice (its "initial test run" is
+#             request 0), and the second would be a cache hit; the random prompts share nothing
+#             else, so the Poisson runs lose nothing by it.
+#
+# Carry .whl (pyzmq, msgspec, xgrammar and its needs, aiohttp and its dependencies: run_all.sh's
+# header) and .sdist (vLLM's client for exit/serve70b: python benchmarks/vllm_benchmark_serving.py
+# --download-only). Every command runs under `timeout`, all within $BUDGET_S (default 530 s)
+# from the start; each step prints PASS/FAIL/TIMEOUT/SKIPPED. Into $OUT (default /tmp/zllm-4gpu),
+# at most four files: 4gpu-PART.log (the whole output), 4gpu-PART.jsonl (the JSON lines),
+# serve70b.md, 4gpu-PART-logs.tar.gz (every log and result). Exits 1 if anything failed or was
+# skipped.
+# A dry run on a CPU checks the run book, not the figures: DRY_MODEL=<a tiny HF Llama directory
+# with 4 heads, 2 KV heads> stands for every model, SKIP_CSRC_BUILD=1, SERVE_PORT=8123, an
+# nvidia-smi on PATH that prints nothing; for `exit` also EXIT_TP=2 EXIT_SERVER_FLAGS="--dtype
+# float32 --max-model-len 256 --kv-cache-memory 64MiB", for `dp` W1_PROMPTS=64.
+set -uo pipefail
+t0=$(date +%s)
+cd "$(dirname "$0")/../.."
+part="${1:-}"
+case "$part" in dp | tp2dp2 | exit | serve70b) ;; *) echo "usage: $0 dp|tp2dp2|exit|serve70b"; exit 2 ;; esac
+# Into $OUT (a device call brings back 8 files): 4gpu-PART.log (the whole output), 4gpu-PART.jsonl,
+# serve70b.md (serve70b) and, at the end, 4gpu-PART-logs.tar.gz (every log and result file, from
+# the working folder /tmp/zllm-4gpu-PART).
+dest="${OUT:-/tmp/zllm-4gpu}"
+out=/tmp/zllm-4gpu-$part
+rm -rf "$out"
+mkdir -p "$dest" "$out"
+exec > >(tee -a "$dest/4gpu-$part.log") 2>&1
+jsonl="$dest/4gpu-$part.jsonl"
+deadline=$(( t0 + ${BUDGET_S:-530} ))
+source benchmarks/gpu/env.sh
+source benchmarks/gpu/lib.sh
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1
+env | grep -E '^(NCCL_|CUDA_VISIBLE)' || echo "(no NCCL_* or CUDA_VISIBLE_DEVICES set)"
+export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh here; reused by later parts on the same warm machine
+if [[ -z "${SKIP_CSRC_BUILD:-}" && ! -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ]]; then
+  bounded csrc-build 240 bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" -DZLLM_CUBIN_ARCHS=90 \
+    || echo "   (the kernel loader falls back to what was built, or NVRTC)"
+fi
+m8b=${DRY_MODEL:-/tmp/zllm-llama3-8b}
+dummy() {  # dummy SHAPE DIR: write the dummy model directory (not for a dry run)
+  [[ -n "${DRY_MODEL:-}" ]] || python benchmarks/dummy_model.py "$1" "$2" > /dev/null
+}
+w1() {  # w1 NAME LIMIT_S FLAGS...: run_perf.sh's W1 (1000 x 256/256 offline)
+  bounded "$1" "$2" python benchmarks/throughput.py --model "$m8b" --load-format dummy --num-prompts "${W1_PROMPTS:-1000}" \
+    --input-len 256 --output-len 256 --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192 "${@:3}"
+  gpus_free 30 || { echo "FAIL $1: GPU memory still held after it exited"; status=1; }
+}
+
+case "$part" in
+dp)
+  dummy llama3-8b "$m8b"
+  for dp in 1 2 4; do
+    w1 "w1-dp$dp" 200 --dp "$dp"
+  done
+  echo "== W1 by data-parallel size (requests/s; ideal scaling is dp x)"
+  python - "$out" << 'PY'
+import json, pathlib, sys
+
+out, rows = pathlib.Path(sys.argv[1]), {}
+for dp in (1, 2, 4):
+    log = out / f"w1-dp{dp}.log"
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")] if log.exists() else []
+    if lines:
+        rows[dp] = lines[-1]
+print("| dp | req/s | output tok/s | elapsed | vs dp 1 |")
+print("|---:|---:|---:|---:|---:|")
+for dp, row in rows.items():
+    ratio = f"{row['requests_per_s'] / rows[1]['requests_per_s']:.2f}x" if 1 in rows else "n/a"
+    print(f"| {dp} | {row['requests_per_s']} | {row['output_tokens_per_s']} | {row['elapsed_s']} s | {ratio} |")
+PY
+  ;;
+tp2dp2)
+  dummy llama3-8b "$m8b"
+  bounded agree-tp2dp2-fp32 300 python benchmarks/tp_agreement.py --model "$m8b" --load-format dummy --dtype float32 \
+    --tp 2 --dp 2 --num-prompts 32 --input-len 64 --output-len 128 --max-model-len 1024 --require-equal
+  gpus_free 30 || { echo "FAIL agree-tp2dp2-fp32: GPU memory still held after it exited"; status=1; }
+  w1 w1-tp2dp2 240 --tp 2 --dp 2
+  ;;
+exit)
+  exit_model=${DRY_MODEL:-/tmp/zllm-llama3.2-1b}
+  exit_tp=${EXIT_TP:-4}
+  read -ra exit_flags <<< "--tp $exit_tp ${EXIT_SERVER_FLAGS---load-format dummy --max-model-len 1024}"
+  dummy llama3.2-1b "$exit_model"
+  complete() {  # complete [MAX_S]: one 8-token completion through the OpenAI API; true if it came back
+    curl -sf --max-time "${1:-60}" "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
+      -d "{\"model\": \"$(basename "$exit_model")\", \"prompt\": \"t5 t6 t7 t8\", \"max_tokens\": 8, \"ignore_eos\": true}" \
+      | grep -q '"choices"'
+  }
+  worker_pids() {  # worker_pids [RANK]: the server's live worker processes (all ranks, or one)
+    python - "$SERVER_PID" "${1:-}" << 'PY'
+import sys
+
+import psutil
+
+root, rank, pids = int(sys.argv[1]), sys.argv[2], []
+for process in psutil.Process(root).children(recursive=True):
+    try:
+        command, alive = process.cmdline(), process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        continue
+    if alive and "zllm.workers.process" in command and (not rank or command[command.index("--rank") + 1] == rank):
+        pids.append(process.pid)
+print(" ".join(map(str, sorted(pids))))
+PY
+  }
+  exit_phase() {  # exit_phase NAME KILL_RANK_1 (0 or 1)
+    local name=$1 kill_one=$2 started rc
+    serve_start "$name" 240 --model "$exit_model" "${exit_flags[@]}" || return
+    complete; verdict "$name: a request" $?
+    local before
+    before=$(worker_pids)
+    echo "   workers: $before"
+    if [[ $kill_one == 1 ]]; then
+      local victim
+      victim=$(worker_pids 1)
+      echo "   kill -9 of rank 1's worker (pid $victim)"
+      kill -KILL "$victim"
+      started=$(date +%s)
+      rc=124
+      while (( $(date +%s) - started < 240 && $(time_left) > 90 )); do
+        local now
+        now=$(worker_pids)
+        if [[ -n "$now" && "$now" != "$before" && $(wc -w <<< "$now") -eq $exit_tp ]] && complete 30; then
+          echo "   engine restarted: a request served $(( $(date +%s) - started )) s after the kill, workers now: $now"
+          rc=0
+          break
+        fi
+        sleep 2
+      done
+      verdict "$name: the engine restarted after kill -9 of a worker" $rc
+      grep -E "recovered in|restarting the" "$out/server-$name.err" | tail -2 | sed 's/^/    /'
+      complete; verdict "$name: a request after the restart" $?
+    fi
+    serve_stop 60
+    rc=$?
+    echo "   exit code $rc"
+    verdict "$name: vllm-launch exited 0 after SIGTERM" $rc
+    local warnings  # PyTorch's: "Warning: WARNING: destroy_process_group() was not called before program exit, ..."
+    warnings=$(grep -c "destroy_process_group() was not called" "$out/server-$name.err")
+    grep "destroy_process_group" "$out/server-$name.err" | head -3 | sed 's/^/    /'  # ours too ("... failed"), if any
+    verdict "$name: no destroy_process_group warning on stderr ($warnings lines)" $(( warnings > 0 ))
+    local left
+    left=$(grep -cE "left the (nccl|gloo) group" "$out/server-$name.err")
+    verdict "$name: ranks that left their group at the last stop: $left (expected $exit_tp)" $(( left < exit_tp ))
+    gpus_free 30
+    verdict "$name: no process left on a GPU" $?
+  }
+  exit_phase exit-sigterm 0
+  exit_phase exit-kill9 1
+  ;;
+serve70b)
+  need_client_files || exit 1
+  m70b=${DRY_MODEL:-/tmp/zllm-llama3-70b}
+  dummy llama3-70b "$m70b"
+  results="$out/serve70b"
+  rm -rf "$results"
+  mkdir -p "$results"
+  read -ra flags70b <<< "${SERVE70B_FLAGS---no-enable-prefix-caching}"
+  client=(--model "$(basename "$m70b")" --tokenizer "$m70b" --ignore-eos)
+  keep_for_w2=130  # W2 after the server: a 70B start (~90 s) and 2 x 2 timed generations
+  if serve_start s70b 300 --model "$m70b" --load-format dummy --max-model-len 1024 --tp 4 "${flags70b[@]}"; then
+    vllm_client s70b-warm 120 "${client[@]}" --num-prompts 32 --request-rate inf --random-input-len 256 \
+      --random-output-len 256 --seed 1000
+    for i in 1 2 3 4 5 6; do  # seeds apart from the Poisson runs': no prompt repeats across runs
+      fits "s70b-batch1-$i" 15 $keep_for_w2 || break
+      vllm_client "s70b-batch1-$i" 90 "${client[@]}" --num-prompts 1 --request-rate inf --random-input-len 128 \
+        --random-output-len 256 --seed $(( 100 + i )) --save-result --result-dir "$results" \
+        --result-filename "batch1_$i.json" --metadata label=batch-1
+    done
+    for spec in 4:200 12:480; do
+      rate=${spec%%:*} n=${spec##*:}
+      fits "s70b-poisson$rate" $(( n / rate + 20 )) $keep_for_w2 || continue
+      vllm_client "s70b-poisson$rate" $(( 2 * (n / rate + 20) + 60 )) "${client[@]}" --num-prompts "$n" --request-rate "$rate" \
+        --random-input-len 256 --random-output-len 256 --seed "$rate" --save-result --result-dir "$results" \
+        --result-filename "poisson$rate.json" --metadata label=poisson
+    done
+    serve_stop 90
+    verdict "server s70b stop" $?
+    gpus_free 30 || { echo "FAIL: GPU memory still held after the 70B server exited"; status=1; }
+  fi
+  timeout 60 python benchmarks/plot_sweep.py "$results" | tee "$dest/serve70b.md"
+  bounded w2-70b-tp4 240 python benchmarks/latency.py --model "$m70b" --load-format dummy --input-len 128 --output-len 256 \
+    --iters 2 --tp 4 --max-model-len 1024
+  ;;
+esac
+pack_results "$dest" "4gpu-$part"
+echo "== $part: $( ((status == 0)) && echo 'all passed' || echo 'SOMETHING FAILED OR WAS SKIPPED (see above)'), $(( $(date +%s) - t0 )) s"
+exit $status
