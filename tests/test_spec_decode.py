@@ -231,6 +231,7 @@ def test_draft_model_greedy_output_equals_decoding_without_speculation(baseline)
         assert _tokens(llm, PROMPTS, GREEDY) == baseline.tokens(PROMPTS, GREEDY)
         stats = llm.engine.core.stats()
     assert stats.spec_decode_acceptance_rate > 0.8
+    assert len(stats.spec_decode_num_accepted_tokens_per_pos) == 4  # never more drafts than k
 
 
 @pytest.mark.slow
@@ -279,16 +280,37 @@ def test_seeded_sampling_with_drafts_repeats_exactly(ngram):
 
 
 @pytest.mark.slow
-def test_structured_outputs_with_speculation_on(baseline, ngram):
+def test_structured_outputs_with_drafts_checked_and_masked_per_position(baseline):
+    """SmolLM2 drafting for itself under grammars: drafts the grammar forbids are dropped, each
+    position row is masked by what the grammar allows after the drafts before it, and greedy
+    output equals decoding without speculation (and follows the grammar)."""
+    import json
+
     from zllm.sampling_params import StructuredOutputsParams
 
-    params = SamplingParams(
-        temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])
-    )
-    prompt = ["Is the sea blue? Answer yes, no or maybe."]
-    spec = ngram.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
-    assert spec in ("yes", "no", "maybe")
-    assert spec == baseline.generate(prompt, params)[0].outputs[0].text
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    cases = [
+        StructuredOutputsParams(json=schema),
+        StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+        StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{4}"),
+    ]
+    prompts = ["Describe a person called Ann, aged 31, as JSON.", "Is the sea blue?", "Give a code:"]
+    draft = {"method": "draft_model", "model": baseline.engine.config.model, "num_speculative_tokens": 3}
+    with LLM(**ENGINE, speculative_config=draft) as llm:
+        for prompt, constraint in zip(prompts, cases):
+            params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=constraint)
+            spec = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            plain = baseline.generate([prompt], params)[0].outputs[0]
+            assert spec.token_ids == plain.token_ids, constraint
+            if constraint.json is not None:
+                assert set(json.loads(spec.text)) == {"name", "age"}
+        stats = llm.engine.core.stats()
+    assert stats.spec_decode_num_accepted_tokens > 5  # the constrained requests did take drafts
+    assert len(stats.spec_decode_num_accepted_tokens_per_pos) <= 3
 
 
 @pytest.mark.slow

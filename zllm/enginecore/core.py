@@ -57,7 +57,8 @@ class EngineCore:
         self.executor = executor
         self.async_scheduling = bool(config.async_scheduling)
         self._in_flight: deque[int] = deque()  # step ids submitted, not yet collected
-        self._bitmask_due: dict[int, list[str]] = {}  # step id -> its structured_ids, mask not sent yet
+        # step id -> its structured_ids and their drafts, mask not sent yet
+        self._bitmask_due: dict[int, tuple[list[str], dict[str, list[int]]]] = {}
         self.num_kv_blocks = config.num_kv_blocks or executor.determine_num_kv_blocks()
         _warn_if_a_long_request_cannot_fit(config, self.num_kv_blocks)
         executor.initialize_kv_cache(self.num_kv_blocks)
@@ -153,7 +154,7 @@ class EngineCore:
         self.executor.submit_step(step)
         self._in_flight.append(step.step_id)
         if step.structured_ids:
-            self._bitmask_due[step.step_id] = step.structured_ids
+            self._bitmask_due[step.step_id] = (step.structured_ids, step.spec_token_ids)
         self._send_bitmask_if_due()
 
     def _collect(self, flush: bool) -> list[TokenDelta]:
@@ -169,9 +170,12 @@ class EngineCore:
         if not self._in_flight or self._in_flight[0] not in self._bitmask_due:
             return
         step_id = self._in_flight[0]
-        request_ids = self._bitmask_due.pop(step_id)
+        request_ids, spec_token_ids = self._bitmask_due.pop(step_id)
         grammars = [getattr(self.scheduler.requests.get(rid), "grammar", None) for rid in request_ids]
-        self.executor.send_grammar_bitmask(GrammarBitmask.of(step_id, request_ids, self.structured.bitmask(grammars)))
+        drafts = [spec_token_ids.get(rid, []) for rid in request_ids]
+        rows = self.structured.bitmask(grammars, drafts)
+        row_ids = [rid for rid, d in zip(request_ids, drafts) for _ in range(1 + len(d))]
+        self.executor.send_grammar_bitmask(GrammarBitmask.of(step_id, row_ids, rows))
 
     def _start_compiled_grammars(self) -> list[TokenDelta]:
         if not self.structured.has_compiling:

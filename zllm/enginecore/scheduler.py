@@ -271,8 +271,6 @@ class Scheduler:
         the budget holds beside its own token."""
         if not request.spec_token_ids or request.num_uncomputed_tokens != 1:
             return 0
-        if request.grammar is not None:
-            return 0  # NOTE: drafts are not checked against grammars yet: constrained requests decode one by one
         room = self.max_model_len - request.num_tokens - 1
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None:
@@ -396,7 +394,8 @@ class Scheduler:
             self._roll_back_rejected_drafts(request, len(tokens) - 1)
             kept = self._append_tokens(request, tokens)  # the workers appended them on their side already
             if not request.status.is_finished:
-                request.spec_token_ids = output.draft_token_ids.get(request_id, [])
+                drafts = output.draft_token_ids.get(request_id, [])[: self.max_drafts]
+                request.spec_token_ids = self._drafts_to_keep(request, drafts)
             deltas.append(
                 TokenDelta(
                     request_id=request_id,
@@ -415,6 +414,14 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.status.is_finished]
         return deltas
+
+    @staticmethod
+    def _drafts_to_keep(request: Request, drafts: list[int]) -> list[int]:
+        """A constrained request keeps the drafts its grammar allows (the leading ones): a draft
+        the grammar forbids could never be accepted, nor could any after it."""
+        if not drafts or request.grammar is None or not request.grammar.is_ready:
+            return drafts
+        return request.grammar.valid_drafts(drafts)
 
     def _roll_back_rejected_drafts(self, request: Request, num_accepted: int) -> None:
         """The step computed the request's drafts; those the workers rejected are not its tokens,

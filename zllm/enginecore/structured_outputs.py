@@ -54,6 +54,20 @@ class RequestGrammar:
         """Advance over a sampled token; False if the grammar does not allow it."""
         return not self.is_active or self.matcher.accept_token(token_id)
 
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The leading drafts the grammar allows (up to a stop token that ends it); the matcher
+        is left where it was."""
+        if not self.is_active:
+            return drafts  # past its end (ignore_eos): nothing is constrained any more
+        taken = 0
+        for token_id in drafts:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                break
+            taken += 1
+        if taken:
+            self.matcher.rollback(taken)
+        return drafts[:taken]
+
 
 @dataclass(slots=True)
 class _Backend:
@@ -158,15 +172,37 @@ class StructuredOutputs:
 
     # ---- bitmasks ----------------------------------------------------------------------------------
 
-    def bitmask(self, grammars: list[RequestGrammar | None]) -> np.ndarray:
-        """int32 [len(grammars), words]: what each grammar allows next; all tokens for a request
-        that has none any more (it finished or was aborted since it was scheduled)."""
+    def bitmask(self, grammars: list[RequestGrammar | None], drafts: list[list[int]] | None = None) -> np.ndarray:
+        """int32 [rows, words]: what each grammar allows next; all tokens for a request that has
+        none any more (it finished or was aborted since it was scheduled). With `drafts`, a
+        request has 1 + len(its drafts) rows: what it allows after each prefix of them (the
+        drafts were checked against it when they arrived)."""
         backend = self._loaded_backend()
-        rows = np.full((len(grammars), backend.words), _ALL_ALLOWED, dtype=np.int32)
+        drafts = drafts or [[] for _ in grammars]
+        rows = np.full((sum(1 + len(d) for d in drafts), backend.words), _ALL_ALLOWED, dtype=np.int32)
+        first_rows = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]]).tolist()
         active = [i for i, grammar in enumerate(grammars) if grammar is not None and grammar.is_active]
-        if active:
-            backend.batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in active], rows, active)
+        plain = [i for i in active if not drafts[i]]
+        if plain:
+            matchers = [grammars[i].matcher for i in plain]
+            backend.batch.batch_fill_next_token_bitmask(matchers, rows, [first_rows[i] for i in plain])
+        for i in (i for i in active if drafts[i]):
+            self._fill_along_drafts(backend, grammars[i].matcher, drafts[i], rows, first_rows[i])
         return rows
+
+    @staticmethod
+    def _fill_along_drafts(backend: _Backend, matcher: Any, drafts: list[int], rows: np.ndarray, first: int) -> None:
+        """Row first + j: what the grammar allows after the first j drafts; the matcher walks the
+        drafts and is rolled back to where it was."""
+        taken = 0
+        for j in range(len(drafts) + 1):
+            if matcher.is_terminated():
+                break  # a draft ended the grammar: the rows after it stay all-allowed (never reached)
+            backend.batch.batch_fill_next_token_bitmask([matcher], rows, [first + j])
+            if j < len(drafts) and matcher.accept_token(drafts[j]):
+                taken += 1
+        if taken:
+            matcher.rollback(taken)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -204,7 +204,9 @@ class GrammarBitmask(_Message):
     """The tokens each structured request of a step may sample next (to rank 0, which samples).
 
     Row i belongs to request_ids[i] (the step's structured_ids): `words` little-endian int32
-    words, bit j of word w allowing token 32 * w + j (xgrammar's layout). The core sends it once
+    words, bit j of word w allowing token 32 * w + j (xgrammar's layout). A request scored with
+    drafts has one row per position on consecutive rows (its id repeated): the tokens allowed
+    after its first j drafts. The core sends it once
     every step before this one has been answered, so that the grammars have taken every token
     sampled so far; under async scheduling the worker runs the step's forward meanwhile."""
 

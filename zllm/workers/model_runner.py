@@ -490,10 +490,15 @@ class ModelRunner:
         are then those of the constrained distribution, as in vLLM. logit_rows: each state's row
         of `logits` (default: the i-th state's row i)."""
         index = {state.request_id: (logit_rows[i] if logit_rows else i) for i, state in enumerate(states)}
-        present = [k for k, request_id in enumerate(grammar.request_ids) if request_id in index]
+        present, targets, seen = [], [], {}
+        for k, request_id in enumerate(grammar.request_ids):
+            if request_id in index:  # a request scored with drafts has a row per position, in order
+                present.append(k)
+                targets.append(index[request_id] + seen.get(request_id, 0))
+                seen[request_id] = seen.get(request_id, 0) + 1
         if not present:
             return  # each was dropped here (it failed on this worker)
-        rows = self._to_device([index[grammar.request_ids[k]] for k in present])
+        rows = self._to_device(targets)
         bitmask = to_device(np.ascontiguousarray(grammar.rows()[present]), self.device)
         apply_token_bitmask(logits, rows, bitmask)
 
@@ -597,7 +602,8 @@ class ModelRunner:
         sampling_states: list[RequestState] = []
         sampling_drafts: list[list[int]] = []
         prompt_spans: list[PromptSpan] = []
-        states = []
+        states = []  # per attention row: a request with drafts has one per scored token
+        scheduled_states = []  # per request
         for i in order:
             state = self.requests[step.scheduled_ids[i]]
             drafts = step.spec_token_ids.get(state.request_id, []) if step.spec_token_ids else []
@@ -625,6 +631,7 @@ class ModelRunner:
                 query_start_loc.append(query_start_loc[-1] + row_count)
                 states.append(state)
             state.num_computed_tokens = end
+            scheduled_states.append(state)
             if end_of_known == known + (in_flight is not None and in_flight[0] is state):
                 # Its last known token's logits, and each draft's.
                 logits_indices.extend(range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1]))
@@ -689,7 +696,7 @@ class ModelRunner:
             logits_indices=logits_t,
             sampling_states=sampling_states,
             prompt_spans=prompt_spans,
-            scheduled_states=states,
+            scheduled_states=scheduled_states,
             layout=DraftLayout.of(sampling_drafts) if step.spec_token_ids else None,
         )
 
