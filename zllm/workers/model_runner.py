@@ -262,8 +262,8 @@ class ModelRunner:
             step.scheduled_ids.append(f"profile-{r}")
             step.num_scheduled_tokens.append(count)
         self.execute_step(step)
-        for request_id in self.requests:
-            if self.proposer is not None:
+        if self.proposer is not None:
+            for request_id in self.requests:
                 self.proposer.forget(request_id)
         self.requests.clear()
         self.sampling.clear()
@@ -414,7 +414,7 @@ class ModelRunner:
         if launched.logits is None:
             launched.tokens = torch.empty((len(states), layout.width), dtype=torch.long, device=self.device)
             return
-        if grammar is not None:  # constrained requests have no drafts: one row each, their first
+        if grammar is not None:  # a constrained request's rows from its first: one bitmask row per position
             self._mask_by_grammar(launched.logits, states, grammar, layout.first_row)
         rows = [state.row for state, drafts in zip(states, layout.drafts) for _ in range(len(drafts) + 1)]
         meta = self.sampling.metadata(rows, layout.drafted_before())
