@@ -33,6 +33,7 @@ def expected_entry_points() -> dict[str, set[str]]:
             names["activation_kernels"].add(f"silu_and_mul_{dt}{vec}")
         names["gemv_kernels"].add(f"gemv_{dt}")
         names["gemv_kernels"] |= {f"gemv_{dt}_s{s}_b{b}" for s in (1, 2, 4) for b in (0, 4, 6)}
+        names["gemv_kernels"] |= gemv_rows_entry_points(dt)
         names["pos_encoding_kernels"] |= {f"rotary_embedding_{dt}", f"rotary_embedding_and_cache_{dt}"}
         names["moe_kernels"].add(f"moe_topk_softmax_{dt}")
         if dt != "f32":  # the grouped GEMMs run on tensor cores: half precision only
@@ -45,6 +46,14 @@ def expected_entry_points() -> dict[str, set[str]]:
             names["attention_kernels"].add(f"paged_attention_reduce_{dt}_d{d}")
             names["attention_kernels"] |= {f"paged_attention_decode_{dt}_d{d}_g{g}" for g in (1, 4, 8)}
     names["moe_kernels"].add("moe_align")
+    return names
+
+
+def gemv_rows_entry_points(dt: str) -> set[str]:
+    """Every build of the 2-8-row GEMV (csrc/gemv_kernels.cu) of one dtype."""
+    names = {f"gemv_rows_{dt}_fma_t{t}_s{s}" for t in (2, 4, 8) for s in (1, 2, 4)}
+    if dt != "f32":  # tensor cores: half precision only
+        names |= {f"gemv_rows_{dt}_mma_g{g}_s{s}" for g in (1, 2) for s in (1, 2, 4)}
     return names
 
 
