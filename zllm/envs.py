@@ -75,6 +75,12 @@ SETTINGS: dict[str, Setting] = {
             "Which launch bound the bf16 GEMV kernels are built with (empty: the one-warp-per-row kernel).",
             empty_is_a_value=True,
         ),
+        Setting(
+            "ZLLM_GEMV_ROWS_VARIANT",
+            _text,
+            "",
+            "A build of the 2-8-row GEMV to run for every such product (mma_g2_s4, fma_s2, ...; A/B switch).",
+        ),
         Setting("ZLLM_FP8_GEMV", _text, "", "An FP8 GEMV build variant to use for bf16 per-row layers (A/B switch)."),
         Setting(
             "ZLLM_QUANT_VEC", _switch, True, "0: every row goes through the scalar FP8 quantize kernel (A/B switch)."
