@@ -307,8 +307,8 @@ ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u2, __nv_bfloat16, false, 4, 2)
 //   aligned. Rows of X past m are never read, rows of Y past m never written.
 // Two families, one grid shape (ceil(N / rows a block) blocks of kGemvWarps warps, the split-K of
 // gemv_split_impl: kSplit warps share a row range, each a contiguous kSplit-th of K in rounds of
-// 8 16-byte weight loads a lane, evict-first, the last round masked; fp32 sums, added across the
-// split through shared memory):
+// up to 8 16-byte weight loads a lane, evict-first, the last round masked; fp32 sums, added
+// across the split through shared memory):
 //
 // gemv_rows_<T>_mma_g<G>_s<S> (fp16, bf16): tensor cores. A warp owns G groups of 8 weight rows;
 //   X's m rows are the A tile (rows m ... 15 zero) and each weight row group one B tile of an
@@ -328,9 +328,9 @@ ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u2, __nv_bfloat16, false, 4, 2)
 //   staging it in shared memory would cost each block a full copy of X (8 x 14336 x 2 = 224 KB
 //   for Llama-3-8B's down projection) for the K range of one split. kUnroll is 8 for R <= 4 and 4
 //   at R = 8: with 8 the fp32 build at R = 8 spills under the 128 registers of
-//   __launch_bounds__(128, 4) (52 bytes, ptxas 13.0, sm_90). A lane adds its units in the same order as gemv_split_impl (and a row's products do
-//   not depend on the other rows), so a row's fp32 result is that of the one-row split kernel of
-//   the same split, whatever m.
+//   __launch_bounds__(128, 4) (52 bytes, ptxas 13.0, sm_90). A lane adds its units in the same
+//   order as gemv_split_impl (and a row's products do not depend on the other rows), so a row's
+//   result is that of the one-row split kernel of the same split, bit for bit, whatever m.
 // Both: a row's result does not depend on m (rows past m are zeros or skipped, never mixed into
 // the others), so padding a batch does not change the other rows' bits.
 namespace zllm {
