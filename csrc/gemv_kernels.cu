@@ -15,6 +15,7 @@
 #include <cuda_fp8.h>
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace zllm {
 
@@ -297,3 +298,227 @@ ZLLM_GEMV_FP8(gemv_fp8_bf16_r2u2, __nv_bfloat16, false, 2, 2)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r2u4, __nv_bfloat16, false, 2, 4)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u1, __nv_bfloat16, false, 4, 1)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u2, __nv_bfloat16, false, 4, 2)
+
+// ---- 2 to 8 rows ----------------------------------------------------------------------------------
+// Y[r, n] = sum_k X[r, k] * w[n, k] (+ bias[n]) for r < m, 2 <= m <= 8: a speculative step's
+// verified tokens (1 + k, padded to the decode graph's 8) and small decode batches. The weights
+// are still read once, so the cost should stay that of the one-row GEMV.
+//   X [m, K] and Y [m, N] contiguous; w as above; K a multiple of 16 / sizeof(T); X, w 16-byte
+//   aligned. Rows of X past m are never read, rows of Y past m never written.
+// Two families, one grid shape (ceil(N / rows a block) blocks of kGemvWarps warps, the split-K of
+// gemv_split_impl: kSplit warps share a row range, each a contiguous kSplit-th of K in rounds of
+// up to 8 16-byte weight loads a lane, evict-first, the last round masked; fp32 sums, added
+// across the split through shared memory):
+//
+// gemv_rows_<T>_mma_g<G>_s<S> (fp16, bf16): tensor cores. A warp owns G groups of 8 weight rows;
+//   X's m rows are the A tile (rows m ... 15 zero) and each weight row group one B tile of an
+//   mma.m16n8k16 (mma.cuh): a lane loads 16 bytes of its weight row(s) and 16 bytes of its X row
+//   per 32-column chunk, which is the one-row split kernel's access pattern (one 16-byte X load
+//   per 16-byte weight load, X from L1/L2), and 2 mmas replace its 8 fmas and 16 unpacks, for
+//   any m <= 8. Why not CUDA cores for these dtypes: at m = 8 a 16-byte weight unit (8 weights)
+//   costs 64 fmas, 64 unpacked X elements and 8 X loads, ~140 instructions a lane; streaming
+//   3 TB/s of weights is ~190 G units/s, i.e. ~27 T lane-instructions/s against the H100's ~30 T
+//   issue rate: the kernel would be bound by issue, not by memory, well before m = 8.
+// gemv_rows_<T>_fma_t<R>_s<S> (all three dtypes; the only one for fp32, where an mma would be
+//   TF32): gemv_split_impl with R accumulators a lane (R = 2, 4, 8 covers m <= R). Only the
+//   weight loads are batched a round (kUnroll of them, the DRAM traffic); X is loaded as each
+//   product needs it, one 16-byte load per row per weight unit from the read-only cache (X is at
+//   most 8 x K elements, in L1/L2 once the first warps touched it). Holding X for a round instead
+//   would take R x kUnroll x 16 bytes of registers a lane (256 registers at R = 8, kUnroll = 8);
+//   staging it in shared memory would cost each block a full copy of X (8 x 14336 x 2 = 224 KB
+//   for Llama-3-8B's down projection) for the K range of one split. kUnroll is 8 for R <= 4 and 4
+//   at R = 8: with 8 the fp32 build at R = 8 spills under the 128 registers of
+//   __launch_bounds__(128, 4) (52 bytes, ptxas 13.0, sm_90). A lane adds its units in the same
+//   order as gemv_split_impl (and a row's products do not depend on the other rows), so a row's
+//   result is that of the one-row split kernel of the same split, bit for bit, whatever m.
+// Both: a row's result does not depend on m (rows past m are zeros or skipped, never mixed into
+// the others), so padding a batch does not change the other rows' bits.
+namespace zllm {
+
+template <typename T, int kGroups, int kSplit>
+__device__ __forceinline__ void gemv_rows_mma_impl(T* __restrict__ y, const T* __restrict__ x,
+                                                   const T* __restrict__ w, const T* __restrict__ bias,
+                                                   int m, int n, int k) {
+  constexpr int kUnroll = 8 / kGroups;  // 16-byte weight loads a lane a round: 8, as the one-row kernel
+  constexpr int kTileRows = 8 * kGroups;
+  constexpr int kTilesPerBlock = kGemvWarps / kSplit;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, tig = lane & 3;
+  const int row0 = (blockIdx.x * kTilesPerBlock + warp / kSplit) * kTileRows;  // may pass n: not stored
+  const int units = k / 8;
+  // A warp's range: whole chunks of 4 units (32 columns, one 16-byte unit per lane of a row).
+  const int span = ((units + kSplit - 1) / kSplit + 3) / 4 * 4;
+  const int begin = imin((warp % kSplit) * span, units);
+  const int end = imin(begin + span, units);
+  const uint4* w16[kGroups];
+#pragma unroll
+  for (int q = 0; q < kGroups; ++q) {
+    w16[q] = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row0 + 8 * q + g, n - 1)) * k);
+  }
+  const bool has_x = g < m;  // lanes of A rows past m feed zeros
+  const uint4* x16 = reinterpret_cast<const uint4*>(x + static_cast<i64>(has_x ? g : 0) * k);
+  // Two accumulators a row group, for even and odd chunks: a round is then two chains of 8
+  // dependent mmas, not one of 16 (~30 cycles each on the H100), so a warp gets back to its next
+  // round's loads sooner.
+  float acc[2][kGroups][4];
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int q = 0; q < kGroups; ++q)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[c][q][i] = 0.f;
+  for (int base = begin; base < end; base += 4 * kUnroll) {
+    // Masked as gemv_split_impl's last round: units past the range load the last one (a select,
+    // so a round's loads stay in flight together) and enter the mma as zeros.
+    uint4 wv[kUnroll][kGroups], xv[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+#pragma unroll
+      for (int q = 0; q < kGroups; ++q) wv[j][q] = __ldcs(w16[q] + imin(base + 4 * j + tig, end - 1));
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) xv[j] = has_x ? __ldg(x16 + imin(base + 4 * j + tig, end - 1)) : zero4();
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const bool valid = base + 4 * j + tig < end;
+      const uint4 xj = valid ? xv[j] : zero4();
+#pragma unroll
+      for (int q = 0; q < kGroups; ++q) mma_chunk<T>(acc[j & 1][q], xj, zero4(), valid ? wv[j][q] : zero4());
+    }
+  }
+  // sums[q][i]: X row g times weight row row0 + 8 q + 2 tig + i (acc[.][q][2, 3]: A rows 8-15, zero).
+  float sums[kGroups][2];
+#pragma unroll
+  for (int q = 0; q < kGroups; ++q)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) sums[q][i] = acc[0][q][i] + acc[1][q][i];
+  if constexpr (kSplit > 1) {
+    __shared__ float partial[kGemvWarps][kGroups][2][32];
+#pragma unroll
+    for (int q = 0; q < kGroups; ++q)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) partial[warp][q][i][lane] = sums[q][i];
+    __syncthreads();
+    if (warp % kSplit != 0) return;
+#pragma unroll
+    for (int q = 0; q < kGroups; ++q)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float total = 0.f;
+#pragma unroll
+        for (int p = 0; p < kSplit; ++p) total += partial[warp + p][q][i][lane];
+        sums[q][i] = total;
+      }
+  }
+  if (!has_x) return;
+  T* y_row = y + static_cast<i64>(g) * n;
+#pragma unroll
+  for (int q = 0; q < kGroups; ++q)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = row0 + 8 * q + 2 * tig + i;
+      if (row < n) y_row[row] = from_float<T>(bias == nullptr ? sums[q][i] : sums[q][i] + to_float<T>(bias[row]));
+    }
+}
+
+template <typename T, int kTokens, int kSplit>
+__device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* __restrict__ x,
+                                                   const T* __restrict__ w, const T* __restrict__ bias,
+                                                   int m, int n, int k) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  constexpr int kUnroll = kTokens <= 4 ? 8 : 4;
+  constexpr int kRowsPerBlock = kGemvWarps / kSplit;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kRowsPerBlock + warp / kSplit;  // may pass n: computed, not stored
+  const int units = k / kVec;
+  const int span = ((units + kSplit - 1) / kSplit + 31) / 32 * 32;
+  const int begin = imin((warp % kSplit) * span, units);
+  const int end = imin(begin + span, units);
+  const uint4* x16 = reinterpret_cast<const uint4*>(x);
+  const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row, n - 1)) * k);
+  float acc[kTokens];
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t) acc[t] = 0.f;
+  for (int base = begin; base < end; base += 32 * kUnroll) {
+    uint4 wv[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) wv[j] = __ldcs(w16 + imin(base + lane + 32 * j, end - 1));
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int u = imin(base + lane + 32 * j, end - 1);
+      const bool valid = base + lane + 32 * j < end;
+#pragma unroll
+      for (int t = 0; t < kTokens; ++t) {
+        if (t < m) {  // uniform over the warp
+          const float d = dot16<T>(wv[j], __ldg(x16 + static_cast<i64>(t) * units + u));
+          acc[t] += valid ? d : 0.f;
+        }
+      }
+    }
+  }
+  float total[kTokens];
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t) total[t] = warp_sum(acc[t]);
+  if constexpr (kSplit > 1) {
+    __shared__ float partial[kGemvWarps][kTokens];
+    if (lane == 0) {
+#pragma unroll
+      for (int t = 0; t < kTokens; ++t) partial[warp][t] = total[t];
+    }
+    __syncthreads();
+    if (warp % kSplit != 0) return;
+#pragma unroll
+    for (int t = 0; t < kTokens; ++t) {
+      total[t] = 0.f;
+#pragma unroll
+      for (int p = 0; p < kSplit; ++p) total[t] += partial[warp + p][t];
+    }
+  }
+  if (lane != 0 || row >= n) return;
+  const float b = bias == nullptr ? 0.f : to_float<T>(bias[row]);
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t) {
+    if (t < m) y[static_cast<i64>(t) * n + row] = from_float<T>(bias == nullptr ? total[t] : total[t] + b);
+  }
+}
+
+}  // namespace zllm
+
+// gemv_rows_<T>_mma_g<G>_s<S> and gemv_rows_<T>_fma_t<R>_s<S> (above); zllm/workers/kernels/
+// matvec.py's GEMV_ROWS_* tables must agree. Bound as ZLLM_GEMV_BOUNDS_b4: a round's loads issued
+// together.
+#define ZLLM_GEMV_ROWS_MMA(SUFFIX, T, GROUPS, SPLIT)                                              \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_b4 gemv_rows_##SUFFIX##_mma_g##GROUPS##_s##SPLIT( \
+      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      const T* __restrict__ bias, int m, int n, int k) {                                        \
+    zllm::gemv_rows_mma_impl<T, GROUPS, SPLIT>(y, x, w, bias, m, n, k);                         \
+  }
+#define ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, SPLIT)                                              \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_b4 gemv_rows_##SUFFIX##_fma_t##TOKENS##_s##SPLIT( \
+      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      const T* __restrict__ bias, int m, int n, int k) {                                        \
+    zllm::gemv_rows_fma_impl<T, TOKENS, SPLIT>(y, x, w, bias, m, n, k);                         \
+  }
+#define ZLLM_GEMV_ROWS_MMA_DTYPE(SUFFIX, T) \
+  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 1, 1)       \
+  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 1, 2)       \
+  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 1, 4)       \
+  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 2, 1)       \
+  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 2, 2)       \
+  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 2, 4)
+#define ZLLM_GEMV_ROWS_FMA_SPLITS(SUFFIX, T, TOKENS) \
+  ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, 1)           \
+  ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, 2)           \
+  ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, 4)
+#define ZLLM_GEMV_ROWS_FMA_DTYPE(SUFFIX, T)  \
+  ZLLM_GEMV_ROWS_FMA_SPLITS(SUFFIX, T, 2)    \
+  ZLLM_GEMV_ROWS_FMA_SPLITS(SUFFIX, T, 4)    \
+  ZLLM_GEMV_ROWS_FMA_SPLITS(SUFFIX, T, 8)
+
+ZLLM_GEMV_ROWS_MMA_DTYPE(f16, __half)
+ZLLM_GEMV_ROWS_MMA_DTYPE(bf16, __nv_bfloat16)
+ZLLM_GEMV_ROWS_FMA_DTYPE(f32, float)
+ZLLM_GEMV_ROWS_FMA_DTYPE(f16, __half)
+ZLLM_GEMV_ROWS_FMA_DTYPE(bf16, __nv_bfloat16)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from zllm.workers import kernels
-from zllm.workers.kernels import loader
+from zllm.workers.kernels import loader, matvec
 
 ROOT = Path(__file__).resolve().parents[1]
 CUBIN_ARCHS = (80, 89, 90)
@@ -33,6 +33,7 @@ def expected_entry_points() -> dict[str, set[str]]:
             names["activation_kernels"].add(f"silu_and_mul_{dt}{vec}")
         names["gemv_kernels"].add(f"gemv_{dt}")
         names["gemv_kernels"] |= {f"gemv_{dt}_s{s}_b{b}" for s in (1, 2, 4) for b in (0, 4, 6)}
+        names["gemv_kernels"] |= gemv_rows_entry_points(dt)
         names["pos_encoding_kernels"] |= {f"rotary_embedding_{dt}", f"rotary_embedding_and_cache_{dt}"}
         names["moe_kernels"].add(f"moe_topk_softmax_{dt}")
         if dt != "f32":  # the grouped GEMMs run on tensor cores: half precision only
@@ -45,6 +46,14 @@ def expected_entry_points() -> dict[str, set[str]]:
             names["attention_kernels"].add(f"paged_attention_reduce_{dt}_d{d}")
             names["attention_kernels"] |= {f"paged_attention_decode_{dt}_d{d}_g{g}" for g in (1, 4, 8)}
     names["moe_kernels"].add("moe_align")
+    return names
+
+
+def gemv_rows_entry_points(dt: str) -> set[str]:
+    """Every build of the 2-8-row GEMV (csrc/gemv_kernels.cu) of one dtype."""
+    names = {f"gemv_rows_{dt}_fma_t{t}_s{s}" for t in (2, 4, 8) for s in (1, 2, 4)}
+    if dt != "f32":  # tensor cores: half precision only
+        names |= {f"gemv_rows_{dt}_mma_g{g}_s{s}" for g in (1, 2) for s in (1, 2, 4)}
     return names
 
 
@@ -103,3 +112,67 @@ def test_ops_reject_cpu_tensors_without_touching_cupy():
         kernels.rms_norm(torch.empty_like(x), x, torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="CUDA tensor"):
         kernels.silu_and_mul(torch.empty(2, 4), x)
+
+
+def test_gemv_rows_rejects_cpu_tensors_without_touching_cupy():
+    x, weight = torch.randn(4, 64), torch.randn(32, 64)
+    assert not kernels.gemv_rows_supported(x, weight)
+    with pytest.raises(ValueError, match="gemv_rows: out is on cpu; expected a CUDA tensor"):
+        kernels.gemv_rows(torch.empty(4, 32), x, weight)
+
+
+def test_gemv_rows_launches_only_builds_that_exist():
+    """Every name gemv_rows_kernel can give is an entry point the build test checks, for every row
+    count, shape class and variant, and a block's rows are what the kernel covers."""
+    built = set().union(*(gemv_rows_entry_points(dt) for dt in ("f32", "f16", "bf16")))
+    variants = ["", "mma", "fma"] + [f"mma_g{g}_s{s}" for g in (1, 2) for s in (1, 2, 4)]
+    variants += [f"fma_s{s}" for s in (1, 2, 4)] + [f"mma_s{s}" for s in (1, 2, 4)]
+    for dt in ("f32", "f16", "bf16"):
+        for m in range(1, 9):
+            for n, k in [(7, 64), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
+                for variant in variants:
+                    if dt == "f32" and variant.startswith("mma"):
+                        continue
+                    name, rows = matvec.gemv_rows_kernel(dt, m, n, k, variant)
+                    assert name in built, (dt, m, n, k, variant, name)
+                    split = int(name.rsplit("_s", 1)[1])
+                    if "_mma_" in name:
+                        groups = int(name.split("_g")[1].split("_")[0])
+                        assert rows == 8 * groups * 4 // split
+                    else:
+                        assert rows == 4 // split and int(name.split("_t")[1].split("_")[0]) >= m
+
+
+def test_gemv_rows_default_builds():
+    """fp16/bf16 take the tensor-core build, one group of 8 rows a warp, split until a launch has
+    2048 warps; fp32 the CUDA-core build with the one-row kernel's split and the fewest
+    accumulators that hold m rows."""
+    assert matvec.gemv_rows_kernel("bf16", 5, 4096, 4096) == ("gemv_rows_bf16_mma_g1_s4", 8)  # o: 512 tiles
+    assert matvec.gemv_rows_kernel("bf16", 8, 6144, 4096) == ("gemv_rows_bf16_mma_g1_s4", 8)  # qkv: 768
+    assert matvec.gemv_rows_kernel("f16", 2, 28672, 4096) == ("gemv_rows_f16_mma_g1_s1", 32)  # gate_up: 3584
+    assert matvec.gemv_rows_kernel("bf16", 8, 128256, 4096) == ("gemv_rows_bf16_mma_g1_s1", 32)
+    assert matvec.gemv_rows_kernel("bf16", 8, 512, 4096) == ("gemv_rows_bf16_mma_g1_s4", 8)  # too few tiles
+    assert matvec.gemv_rows_kernel("f32", 3, 4096, 4096) == (
+        f"gemv_rows_f32_fma_t4_s{matvec.gemv_split(1024)}",
+        4 // matvec.gemv_split(1024),
+    )
+    assert matvec.gemv_rows_kernel("f32", 5, 4096, 64)[0] == "gemv_rows_f32_fma_t8_s1"
+    assert matvec.gemv_rows_kernel("bf16", 2, 4096, 4096, "fma")[0] == "gemv_rows_bf16_fma_t2_s2"
+
+
+@pytest.mark.parametrize(
+    "dt, m, variant",
+    [
+        ("f32", 2, "mma"),
+        ("bf16", 2, "mma_g3_s4"),
+        ("bf16", 2, "mma_g1_s8"),
+        ("bf16", 2, "fma_g1_s2"),
+        ("bf16", 2, "dot"),
+        ("bf16", 2, "mma_s4_g1"),
+        ("bf16", 9, ""),
+        ("bf16", 0, ""),
+    ],
+)
+def test_gemv_rows_rejects_what_is_not_built(dt, m, variant):
+    with pytest.raises(ValueError, match="gemv_rows"):
+        matvec.gemv_rows_kernel(dt, m, 4096, 4096, variant)

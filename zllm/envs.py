@@ -67,13 +67,30 @@ SETTINGS: dict[str, Setting] = {
         Setting("ZLLM_CSRC_BUILD", _text, None, "A csrc build directory searched first for prebuilt kernels."),
         Setting("ZLLM_CPU_KERNELS", _switch, True, "0: the CPU attention kernels are not built; torch's path runs."),
         Setting("ZLLM_PACKED_PREFILL", _switch, True, "0: prefill attention runs a request at a time (A/B switch)."),
-        Setting("ZLLM_GEMV", _switch, True, "0: single rows go to cuBLAS too, not the GEMV kernels (A/B switch)."),
+        Setting(
+            "ZLLM_GEMV",
+            _switch,
+            True,
+            "0: single rows (and 2-8 rows) go to cuBLAS too, not the GEMV kernels (A/B switch).",
+        ),
         Setting(
             "ZLLM_GEMV_BOUND",
             _text,
             "b6",
             "Which launch bound the bf16 GEMV kernels are built with (empty: the one-warp-per-row kernel).",
             empty_is_a_value=True,
+        ),
+        Setting(
+            "ZLLM_GEMV_ROWS",
+            _switch,
+            True,
+            "0: 2-8 rows go to cuBLAS, not the GEMV-rows kernels (A/B switch; ZLLM_GEMV=0 turns both off).",
+        ),
+        Setting(
+            "ZLLM_GEMV_ROWS_VARIANT",
+            _text,
+            "",
+            "A build of the 2-8-row GEMV to run for every such product (mma_g2_s4, fma_s2, ...; A/B switch).",
         ),
         Setting("ZLLM_FP8_GEMV", _text, "", "An FP8 GEMV build variant to use for bf16 per-row layers (A/B switch)."),
         Setting(

@@ -401,7 +401,8 @@ def test_gemv_dispatch_and_rejects(gen):
     assert kernels.gemv_supported(x, weight)
     assert_close(linear(x, weight), torch.nn.functional.linear(x.double(), weight.double()), torch.bfloat16, scale=4)
     xs = randn(3, 512, gen=gen, dtype=torch.bfloat16)
-    assert torch.equal(linear(xs, weight), torch.nn.functional.linear(xs, weight))
+    many = randn(9, 512, gen=gen, dtype=torch.bfloat16)  # 2-8 rows: gemv_rows (test_linear_routes_rows)
+    assert torch.equal(linear(many, weight), torch.nn.functional.linear(many, weight))
     assert not kernels.gemv_supported(
         randn(1, 510, gen=gen, dtype=torch.bfloat16), randn(4, 510, gen=gen, dtype=torch.bfloat16)
     )
@@ -410,6 +411,163 @@ def test_gemv_dispatch_and_rejects(gen):
         kernels.gemv(torch.empty(1, 300, dtype=torch.bfloat16, device=DEVICE), xs, weight)
     with pytest.raises(ValueError, match="out"):
         kernels.gemv(torch.empty(1, 299, dtype=torch.bfloat16, device=DEVICE), x, weight)
+
+
+# ---- GEMV for 2 to 8 rows -------------------------------------------------------------------------------------
+
+# Llama-3-8B's projections (qkv, o, gate_up, down) and odd ones: N not a multiple of any build's
+# rows a block (1, 7, 100, 5001), K a whole number of 16-byte units but not of a warp's 32-column
+# chunks or rounds (64, 264, 4104: the masked last round, warps of a split with nothing to do).
+GEMV_ROWS_SHAPES = [
+    (1, 64),
+    (7, 264),
+    (100, 4104),
+    (5001, 4104),
+    (6144, 4096),
+    (4096, 4096),
+    (28672, 4096),
+    (4096, 14336),
+]
+GEMV_ROWS_VARIANTS = [f"mma_g{g}_s{s}" for g in (1, 2) for s in (1, 2, 4)] + [f"fma_s{s}" for s in (1, 2, 4)]
+
+
+def _rows_inputs(n, k, dtype, with_bias, gen):
+    """8 rows of x and an [n, k] weight scaled by 1/sqrt(K), so every output is O(1) and the
+    tolerance means the same for every K (as test_gemv)."""
+    x = randn(8, k, gen=gen, dtype=dtype)
+    weight = (randn(n, k, gen=gen) / math.sqrt(k)).to(dtype)
+    bias = randn(n, gen=gen, dtype=dtype) if with_bias else None
+    return x, weight, bias
+
+
+def _check_rows(x, weight, bias, dtype, variant):
+    """gemv_rows for m = 2 .. 8 of x's rows against float64 x @ w.T, each into the first m rows of
+    a NaN buffer of 8 (a forgotten output stays NaN; a row past m written would not be). Every m
+    gives the first rows the same bits: a row's result does not depend on the others."""
+    n = weight.shape[0]
+    expected = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    results = {}
+    for m in range(2, 9):
+        buffer = torch.full((8, n), float("nan"), dtype=dtype, device=DEVICE)
+        kernels.gemv_rows(buffer[:m], x[:m], weight, bias, variant=variant)
+        assert_close(buffer[:m], expected[:m], dtype)
+        assert buffer[m:].isnan().all(), f"m={m}: rows past m written"
+        results[m] = buffer[:m]
+    for m, result in results.items():
+        assert torch.equal(result, results[8][:m]), f"m={m}: rows differ from the same rows at m=8"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n, k", GEMV_ROWS_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_gemv_rows(dtype, n, k, with_bias, gen):
+    """The default build (tensor cores for fp16/bf16, CUDA cores for fp32) for every m in 2..8."""
+    _check_rows(*_rows_inputs(n, k, dtype, with_bias, gen), dtype, variant="")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n, k", [(7, 264), (100, 4104), (4096, 4096)])
+@pytest.mark.parametrize("variant", GEMV_ROWS_VARIANTS)
+def test_gemv_rows_builds(dtype, n, k, variant, gen):
+    """Every build (the benchmark's and ZLLM_GEMV_ROWS_VARIANT's choices), with a bias."""
+    if dtype == torch.float32 and variant.startswith("mma"):
+        pytest.skip("no fp32 tensor-core build (it would be TF32)")
+    _check_rows(*_rows_inputs(n, k, dtype, True, gen), dtype, variant=variant)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("n, k", [(7, 264), (5001, 4104), (4096, 14336)])
+def test_gemv_rows_fma_is_the_one_row_kernel_per_row(dtype, n, k, gen):
+    """The CUDA-core build adds a row's products in the order of the one-row split kernel of the
+    same split (gemv's default b6 build): the same bits, row by row."""
+    x, weight, bias = _rows_inputs(n, k, dtype, True, gen)
+    rows = kernels.gemv_rows(torch.empty(5, n, dtype=dtype, device=DEVICE), x[:5], weight, bias, variant="fma")
+    for i in range(5):
+        one = kernels.gemv(torch.empty(1, n, dtype=dtype, device=DEVICE), x[i : i + 1], weight, bias, variant="b6")
+        assert torch.equal(rows[i : i + 1], one), f"row {i}"
+
+
+def test_gemv_rows_rejects(gen):
+    weight = randn(300, 512, gen=gen, dtype=torch.bfloat16)
+    x = randn(4, 512, gen=gen, dtype=torch.bfloat16)
+    assert kernels.gemv_rows_supported(x, weight)
+    assert not kernels.gemv_rows_supported(x[:1], weight)  # one row: gemv
+    assert not kernels.gemv_rows_supported(randn(9, 512, gen=gen, dtype=torch.bfloat16), weight)
+    assert not kernels.gemv_rows_supported(x, weight.t().contiguous().t())  # non-contiguous rows
+    assert not kernels.gemv_rows_supported(x[:, :510], weight[:, :510])  # K not whole 16-byte units
+    assert not kernels.gemv_rows_supported(x.float(), weight)
+    with pytest.raises(ValueError, match="gemv_rows"):
+        kernels.gemv_rows(
+            torch.empty(9, 300, dtype=torch.bfloat16, device=DEVICE), randn(9, 512, gen=gen).bfloat16(), weight
+        )
+    with pytest.raises(ValueError, match="out"):
+        kernels.gemv_rows(torch.empty(4, 299, dtype=torch.bfloat16, device=DEVICE), x, weight)
+    with pytest.raises(ValueError, match="out"):
+        kernels.gemv_rows(torch.empty(3, 300, dtype=torch.bfloat16, device=DEVICE), x, weight)
+    with pytest.raises(ValueError, match="bias"):
+        kernels.gemv_rows(torch.empty(4, 300, dtype=torch.bfloat16, device=DEVICE), x, weight, x[0, :299])
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.gemv_rows(torch.empty(4, 300, dtype=torch.float16, device=DEVICE), x, weight)
+    with pytest.raises(ValueError, match="variant"):
+        kernels.gemv_rows(torch.empty(4, 300, dtype=torch.bfloat16, device=DEVICE), x, weight, variant="mma_g4_s1")
+
+
+def test_linear_routes_rows(monkeypatch, gen):
+    """ops.linear: 1 row to gemv, 2..8 rows to gemv_rows (equal to a direct call, bit for bit, and
+    to float64 to rounding), 9 rows to cuBLAS unchanged; ZLLM_GEMV_ROWS=0 (GEMV_ROWS_ENABLED) and
+    ZLLM_GEMV=0 send 2..8 rows to cuBLAS."""
+    from zllm.workers import ops
+
+    calls = []
+    real = kernels.gemv_rows
+    monkeypatch.setattr(kernels, "gemv_rows", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
+    weight = randn(4096, 4096, gen=gen, dtype=torch.bfloat16) / 64
+    bias = randn(4096, gen=gen, dtype=torch.bfloat16)
+    for m in range(2, 9):
+        x = randn(m, 4096, gen=gen, dtype=torch.bfloat16)
+        got = ops.linear(x, weight, bias)
+        assert calls[-1:] == [m]
+        assert torch.equal(got, real(torch.empty(m, 4096, dtype=torch.bfloat16, device=DEVICE), x, weight, bias))
+        assert_close(got, torch.nn.functional.linear(x.double(), weight.double(), bias.double()), torch.bfloat16)
+    calls.clear()
+    x9 = randn(9, 4096, gen=gen, dtype=torch.bfloat16)
+    assert torch.equal(ops.linear(x9, weight, bias), torch.nn.functional.linear(x9, weight, bias))
+    ops.linear(x9[:1], weight, bias)  # one row: gemv, not gemv_rows
+    assert calls == []
+    x5 = x9[:5]
+    for switch in ("GEMV_ROWS_ENABLED", "GEMV_ENABLED"):
+        with monkeypatch.context() as patch:
+            patch.setattr(ops, switch, False)
+            assert torch.equal(ops.linear(x5, weight, bias), torch.nn.functional.linear(x5, weight, bias))
+    assert calls == []
+
+
+def test_gemv_rows_in_a_cuda_graph(gen):
+    """ops.linear on 5 rows (a verifying step: 1 + 4 drafts) captured with its output allocated in
+    the capture, replayed with new inputs: each replay equals the eager call bit for bit."""
+    from zllm.workers import ops
+
+    kernels.preload()
+    weights = [randn(n, 4096, gen=gen, dtype=torch.bfloat16) / 64 for n in (6144, 4096)]
+    x = randn(5, 4096, gen=gen, dtype=torch.bfloat16)
+
+    def step():
+        return [ops.linear(x, w) for w in weights]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(3):
+        x.copy_(randn(5, 4096, gen=gen, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, eager in zip(outs, step(), strict=True):
+            assert torch.equal(out, eager)
 
 
 # ---- SiLU and mul -------------------------------------------------------------------------------------------

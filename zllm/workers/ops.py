@@ -16,6 +16,7 @@ from zllm import envs
 from zllm.workers import attention as ref
 from zllm.workers.attention import UNSCALED, AttentionMetadata, KVScales, PackedPrefill, dequantize_kv
 from zllm.workers.kernels import cpu as cpu_kernels
+from zllm.workers.kernels.matvec import GEMV_ROWS_MAX
 from zllm.workers.layers import apply_rotary, moe_route, rms_norm, silu_and_mul
 
 
@@ -266,23 +267,33 @@ def packed_prefill_attention(
     )[0]
 
 
-# ZLLM_GEMV=0 sends single rows to cuBLAS too (dense and FP8 layers): the A/B switch of
-# benchmarks/gemv.py and latency.py. Read once, at import.
+# ZLLM_GEMV=0 sends single rows to cuBLAS too (dense and FP8 layers), and 2-8 rows; ZLLM_GEMV_ROWS=0
+# only the 2-8 rows: the A/B switches of benchmarks/gemv.py, latency.py and spec_verify_cost.py.
+# Read once, at import.
 GEMV_ENABLED = envs.ZLLM_GEMV
+GEMV_ROWS_ENABLED = envs.ZLLM_GEMV_ROWS
 _gemv_kernels = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear. One CUDA row (a batch-1 decode step) goes through the csrc GEMV instead, which
     streams the weights closer to the memory bandwidth than cuBLAS does at that shape
-    (benchmarks/gemv.py)."""
+    (benchmarks/gemv.py), and 2 to 8 rows (small decode batches, a speculative step's verified
+    tokens padded to the graph's 8) through its few-row form, which reads the weights once for
+    all of them (benchmarks/gemv.py --rows)."""
     global _gemv_kernels
-    if GEMV_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
-        if _gemv_kernels is None:
-            from zllm.workers import kernels as _gemv_kernels
-        if _gemv_kernels.gemv_supported(x, weight):
-            out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-            return _gemv_kernels.gemv(out, x, weight, bias)
+    if GEMV_ENABLED and x.is_cuda and x.dim() == 2:
+        rows = x.shape[0]
+        if rows == 1 or (GEMV_ROWS_ENABLED and 2 <= rows <= GEMV_ROWS_MAX):
+            if _gemv_kernels is None:
+                from zllm.workers import kernels as _gemv_kernels
+            if rows == 1:
+                if _gemv_kernels.gemv_supported(x, weight):
+                    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+                    return _gemv_kernels.gemv(out, x, weight, bias)
+            elif _gemv_kernels.gemv_rows_supported(x, weight):
+                out = torch.empty((rows, weight.shape[0]), dtype=x.dtype, device=x.device)
+                return _gemv_kernels.gemv_rows(out, x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -12,6 +12,7 @@ layers.apply_rotary on q and k                   pos_encoding.rotary_embedding(p
 apply_rotary, then write_kv_cache                pos_encoding.rotary_embedding_and_cache(positions, q, k, v, cos, sin,
   (an FP8 kv cache: quantize_kv / dequantize_kv)   kv, slots)  (the same, with k_scale, v_scale)
 F.linear(x, w, b) for one row x                  matvec.gemv(out, x, w, b); matvec.fp8_gemv for E4M3 weights
+F.linear(x, w, b) for 2 to 8 rows x              matvec.gemv_rows(out, x, w, b)
 fp8.quantize_rows, fp8.quantize_groups           quant.quant_fp8_rows, quant.quant_fp8_groups
 layers.silu_and_mul(x)                           activation.silu_and_mul(out, x)
 models/moe.py's routing and expert loop          moe.* (its own docstring)
@@ -37,7 +38,14 @@ from zllm.workers.kernels.attention import attention_partitions, attention_works
 from zllm.workers.kernels.cache import reshape_and_cache
 from zllm.workers.kernels.layernorm import fused_add_rms_norm, rms_norm
 from zllm.workers.kernels.loader import KernelUnavailableError, cupy_available, preload
-from zllm.workers.kernels.matvec import fp8_gemv, fp8_gemv_supported, gemv, gemv_supported
+from zllm.workers.kernels.matvec import (
+    fp8_gemv,
+    fp8_gemv_supported,
+    gemv,
+    gemv_rows,
+    gemv_rows_supported,
+    gemv_supported,
+)
 from zllm.workers.kernels.pos_encoding import rotary_embedding, rotary_embedding_and_cache
 from zllm.workers.kernels.quant import quant_fp8_groups, quant_fp8_rows
 
@@ -49,6 +57,8 @@ __all__ = [
     "fp8_gemv_supported",
     "fused_add_rms_norm",
     "gemv",
+    "gemv_rows",
+    "gemv_rows_supported",
     "gemv_supported",
     "is_available",
     "paged_attention_decode",

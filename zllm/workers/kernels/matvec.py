@@ -1,11 +1,15 @@
 """Matrix-vector products for one token (csrc/gemv_kernels.cu): the f32/f16/bf16 GEMV, one warp
-a row or split over a few warps a row, and the GEMV over FP8 E4M3 weights. Not named gemv.py:
-the package's `kernels.gemv` function would shadow the module.
+a row or split over a few warps a row, the same for 2 to 8 rows (gemv_rows: tensor cores for
+fp16/bf16), and the GEMV over FP8 E4M3 weights. Not named gemv.py: the package's `kernels.gemv`
+function would shadow the module.
 
-GEMV_BOUND and FP8_GEMV_VARIANT are read from zllm.envs once, at import (A/B switches a
-benchmark sets in the environment; a test or benchmark in-process patches the constants here)."""
+GEMV_BOUND, GEMV_ROWS_VARIANT and FP8_GEMV_VARIANT are read from zllm.envs once, at import (A/B
+switches a benchmark sets in the environment; a test or benchmark in-process patches the
+constants here)."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import torch
@@ -15,11 +19,18 @@ from zllm.workers.kernels.checks import DTYPE_SUFFIX, aligned16, check_cuda, che
 from zllm.workers.kernels.loader import launch
 
 _GEMV_ROWS_PER_BLOCK = 4  # kGemvWarps warps of one row each
+_GEMV_WARPS = 4  # kGemvWarps: the warps of a block of every build
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether gemv() takes this product: one CUDA row, a dtype it has, 16-byte-aligned rows."""
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.dtype not in DTYPE_SUFFIX or weight.dtype != x.dtype:
+    return x.dim() == 2 and x.shape[0] == 1 and _dense_layout_ok(x, weight)
+
+
+def _dense_layout_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x [M, K] and weight [N, K]: CUDA, one dtype the kernels have, contiguous rows starting on
+    16 bytes, K a whole number of 16-byte units."""
+    if x.dim() != 2 or weight.dim() != 2 or x.dtype not in DTYPE_SUFFIX or weight.dtype != x.dtype:
         return False
     per16 = 16 // x.element_size()
     return (
@@ -98,11 +109,103 @@ def gemv_split(units: int) -> int:
     return GEMV_SPLITS[-1]
 
 
-def _check_gemv_out(op: str, out: torch.Tensor, bias: torch.Tensor | None, n: int) -> None:
-    if tuple(out.shape) != (1, n) or not out.is_contiguous():
-        fail(op, f"out must be a contiguous [1, {n}], got {tuple(out.shape)}")
+def _check_gemv_out(op: str, out: torch.Tensor, bias: torch.Tensor | None, n: int, rows: int = 1) -> None:
+    if tuple(out.shape) != (rows, n) or not out.is_contiguous():
+        fail(op, f"out must be a contiguous [{rows}, {n}], got {tuple(out.shape)}")
     if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
         fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+
+
+# ---- 2 to 8 rows (csrc/gemv_kernels.cu gemv_rows_*) -----------------------------------------------
+# The builds: gemv_rows_<T>_mma_g<G>_s<S> (fp16, bf16: tensor cores, G groups of 8 weight rows a
+# warp) and gemv_rows_<T>_fma_t<R>_s<S> (every dtype: CUDA cores, R accumulators a lane), S warps
+# a row range; both take any m <= 8 (rows past m masked). A variant names one: "mma_g<G>_s<S>",
+# "fma_s<S>" (R from m), or "mma" / "fma" with the default split; "" or None: the default (mma for
+# fp16/bf16, fma for fp32).
+GEMV_ROWS_MAX = 8
+GEMV_ROWS_GROUPS = (1, 2)
+GEMV_ROWS_TOKENS = (2, 4, 8)
+GEMV_ROWS_SPLITS = (1, 2, 4)
+_ELEMENT_SIZE = {"f32": 4, "f16": 2, "bf16": 2}
+# The mma default splits a row range over the fewest warps (1, 2 or 4) that give a launch at least
+# this many warps: 16 a SM on the H100's 132, each with a round of 8 16-byte weight loads a lane
+# in flight (Llama-3-8B: qkv, o and down split 4 ways, gate_up and the head not at all). A guess
+# from the one-row kernel's loads in flight, to be checked by `benchmarks/gemv.py --rows`.
+GEMV_ROWS_MIN_WARPS = 2048
+# ZLLM_GEMV_ROWS_VARIANT=mma_g2_s4 (say) runs that build for every 2-8-row product: the A/B
+# switch of a model-level benchmark.
+GEMV_ROWS_VARIANT = envs.ZLLM_GEMV_ROWS_VARIANT
+
+
+def gemv_rows_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv_rows() takes this product: 2 to 8 CUDA rows, a dtype it has, and gemv()'s
+    layout (contiguous 16-byte-aligned rows of a whole number of 16-byte units)."""
+    return x.dim() == 2 and 2 <= x.shape[0] <= GEMV_ROWS_MAX and _dense_layout_ok(x, weight)
+
+
+def gemv_rows_kernel(suffix: str, m: int, n: int, k: int, variant: str | None = None) -> tuple[str, int]:
+    """(entry point, weight rows a block) of gemv_rows for m rows of x against an [n, k] weight of
+    dtype suffix (f32, f16, bf16); variant as above. Raises ValueError for a variant not built."""
+    if not 1 <= m <= GEMV_ROWS_MAX:
+        fail("gemv_rows", f"{m} rows: the kernels take 1 to {GEMV_ROWS_MAX}")
+    if not variant:
+        variant = "fma" if suffix == "f32" else "mma"
+    match = re.fullmatch(r"(mma|fma)(?:_g(\d+))?(?:_s(\d+))?", variant)
+    family = match.group(1) if match else ""
+    groups = int(match.group(2)) if match and match.group(2) else 1
+    split = int(match.group(3)) if match and match.group(3) else None
+    if (
+        family not in ("mma", "fma")
+        or (family == "mma" and suffix == "f32")
+        or (family == "fma" and match.group(2))
+        or groups not in GEMV_ROWS_GROUPS
+        or split not in (None, *GEMV_ROWS_SPLITS)
+    ):
+        fail(
+            "gemv_rows",
+            f"variant {variant!r} for {suffix}: the builds are mma_g<G>_s<S> (f16, bf16; G in {GEMV_ROWS_GROUPS}) "
+            f"and fma_s<S> (every dtype), S in {GEMV_ROWS_SPLITS}, or 'mma' / 'fma' with the default split",
+        )
+    if family == "mma":
+        tiles = -(-n // (8 * groups))
+        if split is None:
+            split = next((s for s in GEMV_ROWS_SPLITS if tiles * s >= GEMV_ROWS_MIN_WARPS), GEMV_ROWS_SPLITS[-1])
+        return f"gemv_rows_{suffix}_mma_g{groups}_s{split}", 8 * groups * (_GEMV_WARPS // split)
+    tokens = next(t for t in GEMV_ROWS_TOKENS if t >= m)
+    if split is None:  # the one-row kernel's split: a row's sums are then that kernel's, bit for bit
+        split = gemv_split(k * _ELEMENT_SIZE[suffix] // 16)
+    return f"gemv_rows_{suffix}_fma_t{tokens}_s{split}", _GEMV_WARPS // split
+
+
+def gemv_rows(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) for 2 <= M <= 8, fp32 accumulation, the
+    weights read once for all M rows; returns out. A row's result does not depend on M. variant
+    (benchmarks): a build (see gemv_rows_kernel); default GEMV_ROWS_VARIANT, else the shape's."""
+    op = "gemv_rows"
+    device = check_cuda(op, out=out, x=x, weight=weight, bias=bias)
+    suffix = dtype_suffix(op, x, "x")
+    check_dtype(op, x.dtype, out=out, weight=weight, bias=bias)
+    if not gemv_rows_supported(x, weight):
+        fail(
+            op,
+            f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2 to {GEMV_ROWS_MAX} contiguous rows and "
+            f"contiguous 16-byte-aligned rows of a length divisible by {16 // x.element_size()}",
+        )
+    m, k = x.shape
+    n = weight.shape[0]
+    _check_gemv_out(op, out, bias, n, rows=m)
+    if n == 0:
+        return out
+    name, rows_per_block = gemv_rows_kernel(suffix, m, n, k, GEMV_ROWS_VARIANT if variant is None else variant)
+    args = (ptr(out), ptr(x), ptr(weight), ptr(bias), np.int32(m), np.int32(n), np.int32(k))
+    launch("gemv_kernels", name, device, (-(-n // rows_per_block),), (128,), args)
+    return out
 
 
 def fp8_gemv_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
