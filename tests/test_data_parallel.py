@@ -206,9 +206,16 @@ def test_kill9_of_one_engines_worker_restarts_that_engine_alone(tmp_path, tiny_m
     # The killed engine's streams wait out its restart; the other engine's keep streaming.
     kill = killed_at[0]
     window = (kill + 0.1, kill + recovery_s - 0.1)
-    paused = [times for _, _, times in results if not any(window[0] < t < window[1] for t in times)]
+    # A survivor's stream may also have finished before the window opened: it neither paused nor
+    # streamed during the restart (seen under a loaded CI machine, where the router had put most
+    # streams on the survivor).
     streaming = [times for _, _, times in results if any(window[0] < t < window[1] for t in times)]
-    assert len(paused) == replayed and len(streaming) == NUM_STREAMS - replayed > 0, (len(paused), replayed)
+    done_before = [times for _, _, times in results if times[-1] <= window[0]]
+    paused = [
+        times for _, _, times in results if times[-1] >= window[1] and not any(window[0] < t < window[1] for t in times)
+    ]
+    assert len(paused) == replayed, (len(paused), replayed)
+    assert len(streaming) + len(done_before) == NUM_STREAMS - replayed and streaming, (len(streaming), len(done_before))
     step_gaps = [b - a for times in streaming for a, b in zip(times, times[1:]) if b < kill]
     typical_step = sorted(step_gaps)[len(step_gaps) // 2]
     longest = max(b - a for times in streaming for a, b in zip(times, times[1:]) if window[0] < b < window[1])
