@@ -93,32 +93,45 @@ def write_step(kv_cache: torch.Tensor, reqs: list[Req], meta: AttentionMetadata)
     write_kv_cache(kv_cache, new_keys, new_values, meta.slot_mapping)
 
 
-def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def dense_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v for one request, in float64. The queries are the last
     query_len positions of the context; kv heads are repeated for GQA (head h uses kv head
-    h // (heads / kv_heads), as HF's repeat_kv)."""
+    h // (heads / kv_heads), as HF's repeat_kv). window: query p sees keys p - window < j <= p;
+    softcap: scores capped at softcap * tanh(scores / softcap) (HF's eager Gemma 2)."""
     q, k, v = query.double(), keys.double(), values.double()
     query_len, context_len = q.shape[0], k.shape[0]
     repeat = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(repeat, dim=1)  # [L, H, D]
     v = v.repeat_interleave(repeat, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     positions = torch.arange(context_len - query_len, context_len)
     causal = torch.arange(context_len)[None, :] <= positions[:, None]  # [Q, L]
+    if window is not None:
+        causal &= positions[:, None] - torch.arange(context_len)[None, :] < window
     scores = scores.masked_fill(~causal[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
-def run_paged(reqs: list[Req], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(paged output, dense reference), both [total query tokens, heads, head_dim]."""
+def run_paged(reqs: list[Req], seed: int, **layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(paged output, dense reference), both [total query tokens, heads, head_dim]; layer: the
+    window and softcap of both."""
     generator = torch.Generator().manual_seed(seed)
     fill_requests(reqs, generator)
     meta = build_metadata(reqs)
     kv_cache = new_cache(generator)
     write_step(kv_cache, reqs, meta)
     query = torch.cat([r.query for r in reqs])
-    out = paged_attention(query, kv_cache, meta, SCALE)
-    reference = torch.cat([dense_attention(r.query, r.keys, r.values, SCALE) for r in reqs])
+    out = paged_attention(query, kv_cache, meta, SCALE, **layer)
+    reference = torch.cat([dense_attention(r.query, r.keys, r.values, SCALE, **layer) for r in reqs])
     return out, reference
 
 
@@ -176,6 +189,19 @@ def test_paged_attention_matches_dense_on_edge_batches(batch):
     reqs = [Req(context_len, query_len) for context_len, query_len in batch]
     out, reference = run_paged(reqs, seed=2)
     torch.testing.assert_close(out, reference.float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 29, 200])
+@pytest.mark.parametrize("softcap", [None, 1.5], ids=["no-cap", "cap"])
+def test_paged_attention_window_and_softcap_match_dense(window, softcap):
+    """Windows shorter than one block, of a block, across blocks and longer than every context,
+    with and without capped scores, over decodes, chunks with a cached prefix and whole prompts."""
+    reqs = [Req(context_len, query_len) for context_len, query_len in MIXED_BATCH]
+    out, reference = run_paged(reqs, seed=5, window=window, softcap=softcap)
+    torch.testing.assert_close(out, reference.float(), atol=1e-5, rtol=0)
+    if window < 70:  # the window reaches into the longest contexts: it changes their attention
+        plain, _ = run_paged([Req(context_len, query_len) for context_len, query_len in MIXED_BATCH], seed=5)
+        assert not torch.allclose(out, plain, atol=1e-3)
 
 
 def test_paged_attention_ignores_other_requests_and_padding():

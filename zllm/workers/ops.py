@@ -84,17 +84,19 @@ class TorchOps:
         meta: AttentionMetadata,
         scale: float,
         kv_scales: KVScales = UNSCALED,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Decodes through the CPU kernel (csrc/cpu) where it runs: it reads K/V in place, where
         the reference gathers them first; the reference otherwise (an FP8 cache too), and for
-        the prefills."""
+        the prefills. window / softcap: the layer's sliding window and logit cap (attention.py)."""
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n and not cpu_kernels.paged_attention_decode(
-            out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale
+            out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, window, softcap
         ):
-            out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale, kv_scales)
-        ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales)
+            out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale, kv_scales, window, softcap)
+        ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap)
         return out
 
 
