@@ -34,6 +34,19 @@
 // Partitions at or past a sequence's length exit at once. seq_len is clamped to the block
 // table's capacity and to the grid's partitions (never a read or write out of bounds);
 // seq_len 0 gives zeros.
+//
+// Per-layer variations (kernel arguments, so a CUDA graph holds them as constants):
+//   window > 0: a sliding window: the sequence attends to its last `window` tokens only (the new
+//     token and window - 1 before it, HF's mask). The partitions then start at the window's first
+//     token, so the grid needs ceil(window / partition_size) of them at most, however long the
+//     context.
+//   softcap_log2: soft-capped scores (Gemma 2): score <- cap * tanh(score / cap), here on the
+//     log2-scaled scores with softcap_log2 = cap * log2(e), before the softmax.
+// Each takes registers the plain kernel has none to spare for (a partition origin that depends on
+// a load; the tanh), so three families of entry points are compiled: the plain ones (no window,
+// no cap: their origin is token 0, recomputed from blockIdx, and the arguments are ignored),
+// _win (kWindow: a window), _cap (kWindow and kCap: Gemma 2's layers, windowed or not), the two
+// latter with one resident block fewer where they would spill.
 #include "common.cuh"
 #include "fp8.cuh"
 
@@ -86,25 +99,34 @@ __device__ __forceinline__ void qk_dot(const T* __restrict__ k, const float (*q_
   for (int g = 0; g < kGC; ++g) s[g] = s2[g][0] + s2[g][1];
 }
 
-// The sequence length the kernels may use: within the block table and the launched partitions.
-__device__ __forceinline__ int clamped_len(int raw_len, int max_blocks, int block_size,
+// The first token a sequence attends to: 0, or the first of its sliding window.
+__device__ __forceinline__ int window_origin(int raw_len, int window, int max_blocks, int block_size) {
+  const i64 table_cap = static_cast<i64>(max_blocks) * block_size;
+  const i64 len = raw_len < table_cap ? raw_len : table_cap;
+  return window > 0 && len > window ? static_cast<int>(len - window) : 0;
+}
+
+// The end of the tokens the kernels may use, [origin, end): within the block table and the
+// launched partitions.
+__device__ __forceinline__ int clamped_end(int raw_len, int origin, int max_blocks, int block_size,
                                            int partition_size, int max_parts) {
   i64 len = raw_len;
   const i64 table_cap = static_cast<i64>(max_blocks) * block_size;
-  const i64 grid_cap = static_cast<i64>(max_parts) * partition_size;
+  const i64 grid_cap = origin + static_cast<i64>(max_parts) * partition_size;
   len = len < table_cap ? len : table_cap;
   len = len < grid_cap ? len : grid_cap;
-  return len > 0 ? static_cast<int>(len) : 0;
+  return len > origin ? static_cast<int>(len) : origin;
 }
 
-// T: the queries' and outputs' type; C: the cache's (T, or fp8_t).
-template <typename T, typename C, int D, int kGC>
+// T: the queries' and outputs' type; C: the cache's (T, or fp8_t); kWindow: a sliding window
+// (window > 0) is honoured; kCap: soft-capped scores.
+template <typename T, typename C, int D, int kGC, bool kWindow, bool kCap>
 __device__ __forceinline__ void paged_attention_impl(
     T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml,
     const T* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, float scale_log2,
     float v_scale, int num_kv_heads, int group, int num_chunks, int block_size, int max_blocks, i64 bt_stride,
-    i64 q_stride, i64 out_stride, int partition_size, int max_parts) {
+    i64 q_stride, i64 out_stride, int partition_size, int max_parts, int window, float softcap_log2) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   constexpr int kE = D / 32;  // output dims per lane
   typedef typename Raw<kE * static_cast<int>(sizeof(C))>::type VRaw;  // one lane's value slice
@@ -128,14 +150,18 @@ __device__ __forceinline__ void paged_attention_impl(
 
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int start = part * partition_size;
   const int* table = block_tables + static_cast<i64>(b) * bt_stride;
 
   // Loads that depend on nothing else, issued together: the length, the block of each lane's
   // token in the warp's first tile (in bounds of the table, used or not; kept in shared memory,
   // where it holds no register through the loop) and this block's queries (pre-scaled; rows past
-  // the group stay zero).
+  // the group stay zero). A sliding window's origin depends on the length: only its layers wait.
   const int raw_len = seq_lens[b];
+  int origin = 0;
+  if constexpr (kWindow) {
+    if (window > 0) origin = window_origin(raw_len, window, max_blocks, block_size);
+  }
+  const int start = origin + part * partition_size;
   const int first_logical = (start + warp * kTile + lane) / block_size;
   first_block_s[warp][lane] = first_logical < max_blocks ? table[first_logical] : 0;
   const T* q_b = q + static_cast<i64>(b) * q_stride + static_cast<i64>(head0) * D;
@@ -143,8 +169,8 @@ __device__ __forceinline__ void paged_attention_impl(
     (&q_s[0][0])[i] = i < heads_here * D ? to_float<T>(q_b[i]) * scale_log2 : 0.f;
   }
 
-  const int len = clamped_len(raw_len, max_blocks, block_size, partition_size, max_parts);
-  const int num_parts = (len + partition_size - 1) / partition_size;
+  const int len = clamped_end(raw_len, origin, max_blocks, block_size, partition_size, max_parts);
+  const int num_parts = (len - origin + partition_size - 1) / partition_size;
   if (start >= len) {
     if (part == 0) {  // empty sequence: zeros rather than 0/0
       for (int i = threadIdx.x; i < heads_here * D; i += kAttnThreads) {
@@ -182,6 +208,10 @@ __device__ __forceinline__ void paged_attention_impl(
       const i64 slot = static_cast<i64>(block) * block_size + (t - logical * block_size);
       row = slot * slot_stride + head_offset;
       qk_dot<C, D, kGC>(k_cache + row, q_s, s);
+      if constexpr (kCap) {
+#pragma unroll
+        for (int g = 0; g < kGC; ++g) s[g] = softcap_log2 * tanhf(s[g] / softcap_log2);
+      }
     } else {
 #pragma unroll
       for (int g = 0; g < kGC; ++g) s[g] = neg_inf();
@@ -277,13 +307,15 @@ template <typename T, int D>
 __device__ __forceinline__ void paged_attention_reduce_impl(
     T* __restrict__ out, const float* __restrict__ ws_out, const float* __restrict__ ws_ml,
     const int* __restrict__ seq_lens, int num_heads, int block_size, int max_blocks,
-    i64 out_stride, int partition_size, int max_parts) {
+    i64 out_stride, int partition_size, int max_parts, int window) {
   __shared__ float scratch[32];
   float* weight_s = dyn_smem;
   const int head = blockIdx.x;
   const int b = blockIdx.y;
-  const int len = clamped_len(seq_lens[b], max_blocks, block_size, partition_size, max_parts);
-  const int num_parts = (len + partition_size - 1) / partition_size;
+  const int raw_len = seq_lens[b];
+  const int origin = window_origin(raw_len, window, max_blocks, block_size);
+  const int len = clamped_end(raw_len, origin, max_blocks, block_size, partition_size, max_parts);
+  const int num_parts = (len - origin + partition_size - 1) / partition_size;
   if (num_parts <= 1) return;  // written directly by the main kernel (or zeros for len 0)
 
   const i64 base = (static_cast<i64>(b) * num_heads + head) * max_parts;
@@ -341,29 +373,29 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
 
 }  // namespace zllm
 
-#define ZLLM_PAGED_ATTENTION(NAME, T, C, D, GC, MIN_BLOCKS)                                       \
+#define ZLLM_PAGED_ATTENTION(NAME, T, C, D, GC, WIN, CAP, MIN_BLOCKS)                             \
   extern "C" __global__ void __launch_bounds__(zllm::kAttnThreads, MIN_BLOCKS) NAME(              \
       T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml,               \
       const T* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,    \
       const int* __restrict__ block_tables, const int* __restrict__ seq_lens, float scale_log2, \
       float v_scale, int num_kv_heads, int group, int num_chunks, int block_size,              \
       int max_blocks, long long bt_stride, long long q_stride, long long out_stride,           \
-      int partition_size, int max_parts) {                                                      \
-    zllm::paged_attention_impl<T, C, D, GC>(out, ws_out, ws_ml, q, k_cache, v_cache,            \
+      int partition_size, int max_parts, int window, float softcap_log2) {                     \
+    zllm::paged_attention_impl<T, C, D, GC, WIN, CAP>(out, ws_out, ws_ml, q, k_cache, v_cache,  \
                                             block_tables, seq_lens, scale_log2, v_scale,       \
                                             num_kv_heads, group, num_chunks, block_size,       \
                                             max_blocks, bt_stride, q_stride, out_stride,       \
-                                            partition_size, max_parts);                        \
+                                            partition_size, max_parts, window, softcap_log2);  \
   }
 
 #define ZLLM_PAGED_ATTENTION_REDUCE(NAME, T, D)                                                   \
   extern "C" __global__ void __launch_bounds__(D) NAME(                                         \
       T* __restrict__ out, const float* __restrict__ ws_out, const float* __restrict__ ws_ml,   \
       const int* __restrict__ seq_lens, int num_heads, int block_size, int max_blocks,          \
-      long long out_stride, int partition_size, int max_parts) {                                \
+      long long out_stride, int partition_size, int max_parts, int window) {                    \
     zllm::paged_attention_reduce_impl<T, D>(out, ws_out, ws_ml, seq_lens, num_heads,            \
                                             block_size, max_blocks, out_stride,                 \
-                                            partition_size, max_parts);                         \
+                                            partition_size, max_parts, window);                 \
   }
 
 // MIN_BLOCKS (resident blocks per SM that the register budget must allow): more resident warps
@@ -376,13 +408,13 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
 #ifndef ZLLM_ATTN_MIN_BLOCKS_16BIT_G8
 #define ZLLM_ATTN_MIN_BLOCKS_16BIT_G8 3
 #endif
-#define ZLLM_PAGED_ATTENTION_CACHE(NAME, T, C, MIN_BLOCKS, MIN_BLOCKS_G8)                 \
-  ZLLM_PAGED_ATTENTION(NAME##_d64_g1, T, C, 64, 1, MIN_BLOCKS)                           \
-  ZLLM_PAGED_ATTENTION(NAME##_d64_g4, T, C, 64, 4, MIN_BLOCKS)                           \
-  ZLLM_PAGED_ATTENTION(NAME##_d64_g8, T, C, 64, 8, MIN_BLOCKS_G8)                        \
-  ZLLM_PAGED_ATTENTION(NAME##_d128_g1, T, C, 128, 1, MIN_BLOCKS)                         \
-  ZLLM_PAGED_ATTENTION(NAME##_d128_g4, T, C, 128, 4, MIN_BLOCKS)                         \
-  ZLLM_PAGED_ATTENTION(NAME##_d128_g8, T, C, 128, 8, MIN_BLOCKS_G8)
+#define ZLLM_PAGED_ATTENTION_CACHE(NAME, T, C, WIN, CAP, MIN_BLOCKS, MIN_BLOCKS_G8)       \
+  ZLLM_PAGED_ATTENTION(NAME##_d64_g1, T, C, 64, 1, WIN, CAP, MIN_BLOCKS)                 \
+  ZLLM_PAGED_ATTENTION(NAME##_d64_g4, T, C, 64, 4, WIN, CAP, MIN_BLOCKS)                 \
+  ZLLM_PAGED_ATTENTION(NAME##_d64_g8, T, C, 64, 8, WIN, CAP, MIN_BLOCKS_G8)              \
+  ZLLM_PAGED_ATTENTION(NAME##_d128_g1, T, C, 128, 1, WIN, CAP, MIN_BLOCKS)               \
+  ZLLM_PAGED_ATTENTION(NAME##_d128_g4, T, C, 128, 4, WIN, CAP, MIN_BLOCKS)               \
+  ZLLM_PAGED_ATTENTION(NAME##_d128_g8, T, C, 128, 8, WIN, CAP, MIN_BLOCKS_G8)
 
 // The FP8-cache kernels take the 16-bit register budget (their rows are smaller), except where
 // the E4M3 conversion has no instruction (before sm_89, so in the compute_80 PTX as well): the
@@ -390,20 +422,39 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
 #define ZLLM_ATTN_MIN_BLOCKS_FP8 2
 #define ZLLM_ATTN_MIN_BLOCKS_FP8_G8 2
+#define ZLLM_ATTN_MIN_BLOCKS_FP8_VARIANT 2
+#define ZLLM_ATTN_MIN_BLOCKS_FP8_VARIANT_G8 2
 #else
 #define ZLLM_ATTN_MIN_BLOCKS_FP8 ZLLM_ATTN_MIN_BLOCKS_16BIT
 #define ZLLM_ATTN_MIN_BLOCKS_FP8_G8 ZLLM_ATTN_MIN_BLOCKS_16BIT_G8
+#define ZLLM_ATTN_MIN_BLOCKS_FP8_VARIANT ZLLM_ATTN_MIN_BLOCKS_VARIANT
+#define ZLLM_ATTN_MIN_BLOCKS_FP8_VARIANT_G8 ZLLM_ATTN_MIN_BLOCKS_VARIANT_G8
 #endif
+
+// The windowed and soft-capped kernels hold more registers: one resident block fewer than the
+// plain ones (16-bit caches), so that they compile without spills.
+#define ZLLM_ATTN_MIN_BLOCKS_VARIANT 3
+#define ZLLM_ATTN_MIN_BLOCKS_VARIANT_G8 2
+
+// One cache's three families (plain, _win, _cap; the header says why).
+#define ZLLM_PAGED_ATTENTION_FAMILIES(NAME, T, C, MIN_BLOCKS, MIN_BLOCKS_G8, VAR_BLOCKS, VAR_BLOCKS_G8) \
+  ZLLM_PAGED_ATTENTION_CACHE(NAME, T, C, false, false, MIN_BLOCKS, MIN_BLOCKS_G8)                   \
+  ZLLM_PAGED_ATTENTION_CACHE(NAME##_win, T, C, true, false, VAR_BLOCKS, VAR_BLOCKS_G8)              \
+  ZLLM_PAGED_ATTENTION_CACHE(NAME##_cap, T, C, true, true, VAR_BLOCKS, VAR_BLOCKS_G8)
 
 // Per query dtype: the kernels over a cache of the same dtype and over an FP8 cache, and the
 // reduce.
-#define ZLLM_PAGED_ATTENTION_DTYPE(SUFFIX, T, MIN_BLOCKS, MIN_BLOCKS_G8)                                 \
-  ZLLM_PAGED_ATTENTION_CACHE(paged_attention_decode_##SUFFIX, T, T, MIN_BLOCKS, MIN_BLOCKS_G8)          \
-  ZLLM_PAGED_ATTENTION_CACHE(paged_attention_decode_##SUFFIX##_kvfp8, T, zllm::fp8_t,                  \
-                             ZLLM_ATTN_MIN_BLOCKS_FP8, ZLLM_ATTN_MIN_BLOCKS_FP8_G8)                    \
+#define ZLLM_PAGED_ATTENTION_DTYPE(SUFFIX, T, MIN_BLOCKS, MIN_BLOCKS_G8, VAR_BLOCKS, VAR_BLOCKS_G8)          \
+  ZLLM_PAGED_ATTENTION_FAMILIES(paged_attention_decode_##SUFFIX, T, T, MIN_BLOCKS, MIN_BLOCKS_G8,         \
+                                VAR_BLOCKS, VAR_BLOCKS_G8)                                               \
+  ZLLM_PAGED_ATTENTION_FAMILIES(paged_attention_decode_##SUFFIX##_kvfp8, T, zllm::fp8_t,                 \
+                                ZLLM_ATTN_MIN_BLOCKS_FP8, ZLLM_ATTN_MIN_BLOCKS_FP8_G8,                   \
+                                ZLLM_ATTN_MIN_BLOCKS_FP8_VARIANT, ZLLM_ATTN_MIN_BLOCKS_FP8_VARIANT_G8)   \
   ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d64, T, 64)                            \
   ZLLM_PAGED_ATTENTION_REDUCE(paged_attention_reduce_##SUFFIX##_d128, T, 128)
 
-ZLLM_PAGED_ATTENTION_DTYPE(f32, float, 2, 2)
-ZLLM_PAGED_ATTENTION_DTYPE(f16, __half, ZLLM_ATTN_MIN_BLOCKS_16BIT, ZLLM_ATTN_MIN_BLOCKS_16BIT_G8)
-ZLLM_PAGED_ATTENTION_DTYPE(bf16, __nv_bfloat16, ZLLM_ATTN_MIN_BLOCKS_16BIT, ZLLM_ATTN_MIN_BLOCKS_16BIT_G8)
+ZLLM_PAGED_ATTENTION_DTYPE(f32, float, 2, 2, 2, 2)
+ZLLM_PAGED_ATTENTION_DTYPE(f16, __half, ZLLM_ATTN_MIN_BLOCKS_16BIT, ZLLM_ATTN_MIN_BLOCKS_16BIT_G8,
+                           ZLLM_ATTN_MIN_BLOCKS_VARIANT, ZLLM_ATTN_MIN_BLOCKS_VARIANT_G8)
+ZLLM_PAGED_ATTENTION_DTYPE(bf16, __nv_bfloat16, ZLLM_ATTN_MIN_BLOCKS_16BIT, ZLLM_ATTN_MIN_BLOCKS_16BIT_G8,
+                           ZLLM_ATTN_MIN_BLOCKS_VARIANT, ZLLM_ATTN_MIN_BLOCKS_VARIANT_G8)

@@ -30,7 +30,7 @@ def expected_entry_points() -> dict[str, set[str]]:
         for vec in ("", "_vec"):
             names["cache_kernels"].add(f"reshape_and_cache_{dt}{vec}")
             names["layernorm_kernels"] |= {f"rms_norm_{dt}{vec}", f"fused_add_rms_norm_{dt}{vec}"}
-            names["activation_kernels"].add(f"silu_and_mul_{dt}{vec}")
+            names["activation_kernels"] |= {f"silu_and_mul_{dt}{vec}", f"gelu_tanh_and_mul_{dt}{vec}"}
         names["gemv_kernels"].add(f"gemv_{dt}")
         names["gemv_kernels"] |= {f"gemv_{dt}_s{s}_b{b}" for s in (1, 2, 4) for b in (0, 4, 6)}
         names["pos_encoding_kernels"] |= {f"rotary_embedding_{dt}", f"rotary_embedding_and_cache_{dt}"}
@@ -43,7 +43,12 @@ def expected_entry_points() -> dict[str, set[str]]:
             }
         for d in (64, 128):
             names["attention_kernels"].add(f"paged_attention_reduce_{dt}_d{d}")
-            names["attention_kernels"] |= {f"paged_attention_decode_{dt}_d{d}_g{g}" for g in (1, 4, 8)}
+            names["attention_kernels"] |= {
+                f"paged_attention_decode_{dt}{cache}{family}_d{d}_g{g}"
+                for cache in ("", "_kvfp8")
+                for family in ("", "_win", "_cap")  # plain, sliding window, soft-capped
+                for g in (1, 4, 8)
+            }
     names["moe_kernels"].add("moe_align")
     return names
 

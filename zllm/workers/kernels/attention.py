@@ -102,6 +102,8 @@ def paged_attention_decode(
     partition_size: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; writes and returns out.
 
@@ -113,6 +115,8 @@ def paged_attention_decode(
     the grid: pass the batch's real maximum to skip empty partitions. Longer contexts are split
     into partitions (partition_size tokens, a multiple of 32; default 512, smaller for small
     batches) reduced through an fp32 workspace of attention_workspace_numel(...) elements.
+    window: a sliding window, the last `window` tokens only (the partitions then cover at most
+    the window); softcap: scores capped at softcap * tanh(score / softcap). None: off.
     """
     op = "paged_attention_decode"
     device = check_cuda(
@@ -156,7 +160,11 @@ def paged_attention_decode(
     max_blocks = block_tables.shape[1]
     capacity = max_blocks * block_size
     max_len = capacity if max_seq_len is None else min(int(max_seq_len), capacity)
-    max_len = max(max_len, 1)
+    if window is not None and window <= 0:
+        fail(op, f"window {window} must be positive (None: no window)")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        fail(op, f"softcap {softcap} must be finite and positive (None: no cap)")
+    max_len = max(min(max_len, window or max_len), 1)  # the tokens one sequence attends to
     if partition_size is not None and (partition_size <= 0 or partition_size % 32):
         fail(op, f"partition_size {partition_size} must be a positive multiple of 32")
     size, parts = attention_partitions(batch, num_heads, kv_heads, max_len, device, partition_size)
@@ -206,8 +214,12 @@ def paged_attention_decode(
         np.int64(out.stride(0)),
         np.int32(size),
         np.int32(parts),
+        np.int32(window or 0),
+        np.float32(softcap * math.log2(math.e) if softcap else 0.0),
     )
-    kernel = f"paged_attention_decode_{suffix}{variant}_d{head_dim}_g{chunk}"
+    # The plain kernels have no registers to spare for a window or a cap: their own families.
+    family = "_cap" if softcap else "_win" if window else ""
+    kernel = f"paged_attention_decode_{suffix}{variant}{family}_d{head_dim}_g{chunk}"
     launch("attention_kernels", kernel, device, (parts, kv_heads * num_chunks, batch), (_ATTN_THREADS,), args)
     if parts > 1:
         reduce_args = (
@@ -221,6 +233,7 @@ def paged_attention_decode(
             np.int64(out.stride(0)),
             np.int32(size),
             np.int32(parts),
+            np.int32(window or 0),
         )
         launch(
             "attention_kernels",
