@@ -221,6 +221,19 @@ def attend(
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - query_len)
     group = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    rows = q.shape[-2]
+    chunks = [slice(i, i + _CAPPED_ROWS) for i in range(0, rows, _CAPPED_ROWS)]
+    return torch.cat([_capped_attention(q[..., r, :], k, v, mask[..., r, :], scale, softcap) for r in chunks], dim=-2)
+
+
+# Query rows per capped score matrix: bounds its memory on a long prefill (heads x rows x keys).
+_CAPPED_ROWS = 1024
+
+
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """HF's eager attention with soft-capped scores, on kv heads already repeated to the queries'."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
