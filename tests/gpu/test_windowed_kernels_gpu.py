@@ -70,6 +70,34 @@ def test_decode_variant_kernels_over_head_dims_and_groups(head_dim, group, famil
     assert_close(batch.run(**layer), batch.reference(**layer), torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim", [96, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("family", ["plain", "win", "cap"])
+def test_decode_head_dims_96_and_256(dtype, head_dim, group, family, gen):
+    """Phi-3's head size (each lane's three value dims loaded one by one) and Gemma's (32-byte
+    fp32 slices, half the rows in flight), in every family, whole and split into partitions."""
+    batch = PagedBatch(
+        [1, 17, 100, 700], num_heads=2 * group, kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype, gen=gen
+    )
+    layer = {"plain": {}, "win": dict(window=90), "cap": dict(window=90, softcap=4.0)}[family]
+    expected = batch.reference(**layer)
+    assert_close(batch.run(**layer), expected, dtype)
+    assert_close(batch.run(partition_size=64, **layer), expected, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_decode_head_dims_96_and_256_over_fp8_cache(head_dim, gen):
+    from zllm.workers.attention import dequantize_kv, quantize_kv
+
+    batch = PagedBatch(LENS, num_heads=8, kv_heads=2, head_dim=head_dim, block_size=16, dtype=torch.bfloat16, gen=gen)
+    fp8 = torch.stack([quantize_kv(batch.cache[0], 0.5), quantize_kv(batch.cache[1], 2.0)])
+    clean = torch.stack([dequantize_kv(fp8[0], 0.5, torch.float32), dequantize_kv(fp8[1], 2.0, torch.float32)])
+    batch.clean_cache, batch.cache = torch.nan_to_num(clean, nan=0.0), fp8
+    for layer in ({}, dict(window=100), dict(softcap=4.0)):
+        assert_close(batch.run(k_scale=0.5, v_scale=2.0, **layer), batch.reference(**layer), torch.bfloat16)
+
+
 def test_decode_window_over_fp8_cache(gen):
     """The FP8 cache's _win and _cap kernels: the cache read back as stored times its scale."""
     from zllm.workers.attention import KV_FP8, dequantize_kv, quantize_kv
@@ -171,7 +199,7 @@ def _reference(query, clean, meta, scale, **layer):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("window", [1, 16, 100, 4096])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_packed_prefill_window_matches_reference(dtype, window, head_dim):
     """FlashAttention's window_size_left = window - 1, aligned to the bottom right with the causal
     mask, on whole prompts and on chunks after a cached prefix (and the decodes beside them)."""

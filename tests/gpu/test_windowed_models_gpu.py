@@ -18,38 +18,41 @@ from tests.helpers.models import save_tiny_model
 pytestmark = pytest.mark.gpu
 
 SHAPES = {
-    # Local and global layers, attention and final logits soft-capped (caps a random model's
-    # scores reach), GeGLU, Gemma's norms, query_pre_attn_scalar apart from head_dim.
-    "gemma2-d128": dict(
+    # Gemma 2 2B's heads (8 of 256 dims over 4 KV heads): local and global layers, attention and
+    # final logits soft-capped (caps a random model's scores reach), GeGLU, Gemma's norms,
+    # query_pre_attn_scalar apart from head_dim.
+    "gemma2-d256": dict(
         architecture="gemma2",
         hidden_size=512,
         intermediate_size=1024,
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=4,
-        head_dim=128,
-        query_pre_attn_scalar=96,
+        head_dim=256,
+        query_pre_attn_scalar=192,
         attn_logit_softcapping=20.0,
         final_logit_softcapping=15.0,
         sliding_window=64,
     ),
-    # q/k norms, a local rotary for the sliding layers, linear scaling on the global ones.
-    "gemma3-d64": dict(
+    # Gemma 3 1B's heads (4 of 256 dims, one KV head): q/k norms, a local rotary for the sliding
+    # layers, linear scaling on the global ones.
+    "gemma3-d256": dict(
         architecture="gemma3",
         hidden_size=512,
         intermediate_size=1024,
         num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
         sliding_window=64,
         sliding_window_pattern=2,
         rope_scaling={"rope_type": "linear", "factor": 4.0},
     ),
-    # Fused qkv_proj / gate_up_proj, a window in every layer (Phi-3-mini-4k's kind).
-    "phi3-d64": dict(
+    # Phi-3-mini-4k's kind: head_dim 96 (hidden / heads), MHA, fused qkv_proj / gate_up_proj, a
+    # window in every layer.
+    "phi3-d96": dict(
         architecture="phi3",
-        hidden_size=512,
+        hidden_size=768,
         intermediate_size=1408,
         num_hidden_layers=4,
         num_attention_heads=8,

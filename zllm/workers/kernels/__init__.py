@@ -1,7 +1,8 @@
 """zllm's CUDA kernels (csrc/) on torch tensors, loaded through CuPy, and its CPU kernels.
 
 One module per kernel file, named after it (csrc/<name>_kernels.cu -> kernels/<name>.py), but for
-csrc/gemv_kernels.cu -> kernels/matvec.py (`kernels.gemv` is the function):
+csrc/gemv_kernels.cu -> kernels/matvec.py (`kernels.gemv` is the function) and
+csrc/attention_window_kernels.cu, whose kernels kernels/attention.py launches too:
 
 Reference (CPU path and oracle)                  Kernel here
 attention.write_kv_cache(kv, k, v, slots)        cache.reshape_and_cache(kv, k, v, slots)
