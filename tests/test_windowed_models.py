@@ -255,3 +255,22 @@ def test_sliding_window_no_longer_caps_max_model_len(tmp_path):
     model_dir = _save(tmp_path, "mistral")
     assert json.loads((model_dir / "config.json").read_text())["sliding_window"] == WINDOW
     assert LLM(str(model_dir), dtype="float32").engine.config.max_model_len == 512  # max_position_embeddings
+
+
+def test_multimodal_gemma3_is_refused_with_the_supported_list(tmp_path):
+    """Gemma3ForConditionalGeneration (vision tower, text_config) is not served: refused before
+    any worker starts, naming what is."""
+    from transformers import Gemma3Config
+
+    from zllm import LLM
+    from zllm.model_spec import MODEL_REGISTRY
+
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28)
+    config = Gemma3Config(text_config=dict(num_hidden_layers=2, hidden_size=64), vision_config=vision)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"^model: architecture \['Gemma3ForConditionalGeneration'\] is not supported"
+    ) as error:
+        LLM(str(tmp_path))
+    assert "Gemma3ForCausalLM" in str(error.value) and all(name in str(error.value) for name in MODEL_REGISTRY)
