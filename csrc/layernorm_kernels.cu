@@ -1,5 +1,7 @@
 // RMSNorm, following zllm.workers.layers.rms_norm step by step:
 //   y = to_T(x * rsqrt(mean(x^2) + eps));  out = to_T(w * y)      (x, w, y read as fp32)
+// or, with unit_offset (Gemma's norm: the checkpoint holds w, the norm scales by 1 + w), rounded
+// once:  out = to_T((x * rsqrt(mean(x^2) + eps)) * (1 + w))
 // fused_add_rms_norm (in place):
 //   residual = to_T(residual + x);  x = rms_norm(residual)
 //
@@ -11,10 +13,16 @@
 
 namespace zllm {
 
+// One normalized element times its weight, in either norm's arithmetic.
+template <typename T>
+__device__ __forceinline__ float scaled(float x, float inv_rms, float w, bool unit_offset) {
+  return unit_offset ? (x * inv_rms) * (1.f + w) : w * round_to<T>(x * inv_rms);
+}
+
 template <typename T, int kVec>
 __device__ __forceinline__ void rms_norm_impl(T* out, const T* x, const T* __restrict__ weight,
                                               float eps, int hidden, i64 x_stride,
-                                              i64 out_stride) {
+                                              i64 out_stride, bool unit_offset) {
   __shared__ float scratch[32];
   const T* xr = x + static_cast<i64>(blockIdx.x) * x_stride;
   T* outr = out + static_cast<i64>(blockIdx.x) * out_stride;
@@ -36,7 +44,7 @@ __device__ __forceinline__ void rms_norm_impl(T* out, const T* x, const T* __res
     load_floats<T, kVec>(xr + i * kVec, v);
     load_floats<T, kVec>(weight + i * kVec, w);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) v[e] = w[e] * round_to<T>(v[e] * inv_rms);
+    for (int e = 0; e < kVec; ++e) v[e] = scaled<T>(v[e], inv_rms, w[e], unit_offset);
     store_floats<T, kVec>(outr + i * kVec, v);
   }
 }
@@ -44,7 +52,7 @@ __device__ __forceinline__ void rms_norm_impl(T* out, const T* x, const T* __res
 template <typename T, int kVec>
 __device__ __forceinline__ void fused_add_rms_norm_impl(T* x, T* residual,
                                                         const T* __restrict__ weight, float eps,
-                                                        int hidden) {
+                                                        int hidden, bool unit_offset) {
   __shared__ float scratch[32];
   const i64 row = static_cast<i64>(blockIdx.x) * hidden;
   T* xr = x + row;
@@ -72,7 +80,7 @@ __device__ __forceinline__ void fused_add_rms_norm_impl(T* x, T* residual,
     load_floats<T, kVec>(rr + i * kVec, r);
     load_floats<T, kVec>(weight + i * kVec, w);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) r[e] = w[e] * round_to<T>(r[e] * inv_rms);
+    for (int e = 0; e < kVec; ++e) r[e] = scaled<T>(r[e], inv_rms, w[e], unit_offset);
     store_floats<T, kVec>(xr + i * kVec, r);
   }
 }
@@ -82,14 +90,16 @@ __device__ __forceinline__ void fused_add_rms_norm_impl(T* x, T* residual,
 #define ZLLM_RMS_NORM(NAME, T, VEC)                                                             \
   extern "C" __global__ void __launch_bounds__(1024)                                          \
       NAME(T* out, const T* x, const T* __restrict__ weight, float eps, int hidden,           \
-           long long x_stride, long long out_stride) {                                        \
-    zllm::rms_norm_impl<T, VEC>(out, x, weight, eps, hidden, x_stride, out_stride);           \
+           long long x_stride, long long out_stride, int unit_offset) {                       \
+    zllm::rms_norm_impl<T, VEC>(out, x, weight, eps, hidden, x_stride, out_stride,            \
+                                unit_offset != 0);                                            \
   }
 
 #define ZLLM_FUSED_ADD_RMS_NORM(NAME, T, VEC)                                                   \
   extern "C" __global__ void __launch_bounds__(1024)                                          \
-      NAME(T* x, T* residual, const T* __restrict__ weight, float eps, int hidden) {          \
-    zllm::fused_add_rms_norm_impl<T, VEC>(x, residual, weight, eps, hidden);                  \
+      NAME(T* x, T* residual, const T* __restrict__ weight, float eps, int hidden,             \
+           int unit_offset) {                                                                 \
+    zllm::fused_add_rms_norm_impl<T, VEC>(x, residual, weight, eps, hidden, unit_offset != 0); \
   }
 
 ZLLM_RMS_NORM(rms_norm_f32, float, 1)

@@ -1,10 +1,12 @@
 // Rotary embedding in place, HF's rotate_half convention (zllm.workers.layers.apply_rotary):
-// the pairs are (i, i + D/2) for i < D/2, rotated by angle position * inv_freq[i]:
-//   x[i]       <- x[i] * cos - x[i + D/2] * sin
-//   x[i + D/2] <- x[i + D/2] * cos + x[i] * sin
+// over the first R = rot_dim dims of each head (R = D but for partial rotary, Phi-4-mini) the
+// pairs are (i, i + R/2) for i < R/2, rotated by angle position * inv_freq[i]:
+//   x[i]       <- x[i] * cos - x[i + R/2] * sin
+//   x[i + R/2] <- x[i + R/2] * cos + x[i] * sin
+// and dims R..D-1 pass unchanged.
 //
 //   q [T, H, D], k [T, KVH, D]   token rows may be strided; heads contiguous (stride D)
-//   positions [T] int64; cos, sin float32 [max_pos, D/2] contiguous
+//   positions [T] int64; cos, sin float32 [max_pos, R/2] contiguous
 //
 // Grid: one block per token; threads stride over the (H + KVH) * D/2 pairs. A position outside
 // [0, max_pos) leaves the token untouched (a kernel cannot raise; never read out of bounds).
@@ -18,9 +20,10 @@
 //   The _kvfp8 entry points store into an FP8 cache: e4m3(x * inv_k_scale) for keys and
 //   e4m3(x * inv_v_scale) for values (zllm/workers/attention.py quantize_kv); the others ignore
 //   the two scales.
-// Grid (T, H + KVH), D/2 threads: thread i rotates the pair (i, i + D/2) of one head; the blocks
-// of kv heads also store k and v. All loads are issued before the first use, so their latencies
-// overlap.
+// Grid (T, H + KVH), D/2 threads: thread i < R/2 rotates the pair (i, i + R/2) of one head, a
+// thread past them owns two neighbouring dims past R (partial rotary: (D - R) / 2 threads); the
+// blocks of kv heads also store k (rotated) and v (dims i and i + D/2). All loads are issued
+// before the first use, so their latencies overlap.
 #include "common.cuh"
 #include "fp8.cuh"
 
@@ -55,12 +58,12 @@ __device__ __forceinline__ void rotary_embedding_impl(const i64* __restrict__ po
                                                       const float* __restrict__ cos_cache,
                                                       const float* __restrict__ sin_cache,
                                                       int num_heads, int num_kv_heads,
-                                                      int head_dim, i64 q_stride, i64 k_stride,
-                                                      i64 max_pos) {
+                                                      int head_dim, int rot_dim, i64 q_stride,
+                                                      i64 k_stride, i64 max_pos) {
   const i64 token = blockIdx.x;
   const i64 pos = positions[token];
   if (pos < 0 || pos >= max_pos) return;
-  const int half = head_dim / 2;
+  const int half = rot_dim / 2;  // dims past rot_dim are left as they are
   const float* cos_row = cos_cache + pos * half;
   const float* sin_row = sin_cache + pos * half;
   T* q_row = q + token * q_stride;
@@ -84,8 +87,9 @@ __device__ __forceinline__ void rotary_embedding_and_cache_impl(
     const float* __restrict__ cos_cache, const float* __restrict__ sin_cache, C* __restrict__ k_cache,
     C* __restrict__ v_cache, const i64* __restrict__ slot_mapping, int num_heads, int num_kv_heads,
     int head_dim, i64 q_stride, i64 k_stride, i64 v_stride, i64 max_pos, i64 num_slots,
-    float inv_k_scale, float inv_v_scale) {
+    int rot_dim, float inv_k_scale, float inv_v_scale) {
   const int half = head_dim / 2;
+  const int rot_half = rot_dim / 2;
   const int i = threadIdx.x;
   if (i >= half) return;
   const i64 token = blockIdx.x;
@@ -97,8 +101,12 @@ __device__ __forceinline__ void rotary_embedding_and_cache_impl(
 
   const i64 pos = positions[token];
   const i64 slot = is_q ? -1 : slot_mapping[token];
-  const T x1 = x[i];
-  const T x2 = x[i + half];
+  // This thread's two dims of x: a rotary pair, or two neighbours past rot_dim, passed unchanged.
+  const bool rotates = i < rot_half;
+  const int e1 = rotates ? i : rot_dim + 2 * (i - rot_half);
+  const int e2 = rotates ? i + rot_half : e1 + 1;
+  const T x1 = x[e1];
+  const T x2 = x[e2];
   T v1 = x1, v2 = x2;
   if (!is_q) {
     const T* v_row = v + token * v_stride + static_cast<i64>(kv_head) * head_dim;
@@ -107,15 +115,16 @@ __device__ __forceinline__ void rotary_embedding_and_cache_impl(
   }
 
   T y1 = x1, y2 = x2;
-  if (pos >= 0 && pos < max_pos) {
-    rotated<T>(to_float<T>(x1), to_float<T>(x2), cos_cache[pos * half + i], sin_cache[pos * half + i], y1, y2);
-    x[i] = y1;
-    x[i + half] = y2;
+  if (rotates && pos >= 0 && pos < max_pos) {
+    rotated<T>(to_float<T>(x1), to_float<T>(x2), cos_cache[pos * rot_half + i], sin_cache[pos * rot_half + i],
+               y1, y2);
+    x[e1] = y1;
+    x[e2] = y2;
   }
   if (slot >= 0 && slot < num_slots) {  // padding (or a bad slot: never write outside)
     const i64 base = (slot * num_kv_heads + kv_head) * head_dim;
-    k_cache[base + i] = to_cache<C>(y1, inv_k_scale);
-    k_cache[base + i + half] = to_cache<C>(y2, inv_k_scale);
+    k_cache[base + e1] = to_cache<C>(y1, inv_k_scale);
+    k_cache[base + e2] = to_cache<C>(y2, inv_k_scale);
     v_cache[base + i] = to_cache<C>(v1, inv_v_scale);
     v_cache[base + i + half] = to_cache<C>(v2, inv_v_scale);
   }
@@ -130,22 +139,23 @@ __device__ __forceinline__ void rotary_embedding_and_cache_impl(
       const float* __restrict__ sin_cache, C* __restrict__ k_cache, C* __restrict__ v_cache,    \
       const long long* __restrict__ slot_mapping, int num_heads, int num_kv_heads, int head_dim, \
       long long q_stride, long long k_stride, long long v_stride, long long max_pos,            \
-      long long num_slots, float inv_k_scale, float inv_v_scale) {                              \
+      long long num_slots, int rot_dim, float inv_k_scale, float inv_v_scale) {                 \
     zllm::rotary_embedding_and_cache_impl<T, C>(positions, q, k, v, cos_cache, sin_cache,       \
                                                 k_cache, v_cache, slot_mapping, num_heads,      \
                                                 num_kv_heads, head_dim, q_stride, k_stride,     \
-                                                v_stride, max_pos, num_slots, inv_k_scale,      \
-                                                inv_v_scale);                                   \
+                                                v_stride, max_pos, num_slots, rot_dim,          \
+                                                inv_k_scale, inv_v_scale);                      \
   }
 
 #define ZLLM_ROTARY(NAME, T)                                                                     \
   extern "C" __global__ void NAME(const long long* __restrict__ positions, T* __restrict__ q,    \
                                   T* __restrict__ k, const float* __restrict__ cos_cache,       \
                                   const float* __restrict__ sin_cache, int num_heads,           \
-                                  int num_kv_heads, int head_dim, long long q_stride,           \
-                                  long long k_stride, long long max_pos) {                      \
+                                  int num_kv_heads, int head_dim, int rot_dim,                  \
+                                  long long q_stride, long long k_stride, long long max_pos) {  \
     zllm::rotary_embedding_impl<T>(positions, q, k, cos_cache, sin_cache, num_heads,            \
-                                   num_kv_heads, head_dim, q_stride, k_stride, max_pos);        \
+                                   num_kv_heads, head_dim, rot_dim, q_stride, k_stride,         \
+                                   max_pos);                                                    \
   }
 
 ZLLM_ROTARY(rotary_embedding_f32, float)

@@ -1,5 +1,6 @@
-"""The paged reference attention against a dense softmax(q k^T * scale + causal mask) v, and the
-rotary embedding against HF transformers' Llama implementation."""
+"""The paged reference attention against a dense softmax(q k^T * scale + causal mask) v (with
+sliding windows and soft-capped scores too), and the rotary embedding (default, llama3, linear,
+LongRoPE, partial), Gemma's norm and GeGLU against HF transformers' implementations."""
 
 from __future__ import annotations
 
@@ -93,32 +94,45 @@ def write_step(kv_cache: torch.Tensor, reqs: list[Req], meta: AttentionMetadata)
     write_kv_cache(kv_cache, new_keys, new_values, meta.slot_mapping)
 
 
-def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def dense_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v for one request, in float64. The queries are the last
     query_len positions of the context; kv heads are repeated for GQA (head h uses kv head
-    h // (heads / kv_heads), as HF's repeat_kv)."""
+    h // (heads / kv_heads), as HF's repeat_kv). window: query p sees keys p - window < j <= p;
+    softcap: scores capped at softcap * tanh(scores / softcap) (HF's eager Gemma 2)."""
     q, k, v = query.double(), keys.double(), values.double()
     query_len, context_len = q.shape[0], k.shape[0]
     repeat = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(repeat, dim=1)  # [L, H, D]
     v = v.repeat_interleave(repeat, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     positions = torch.arange(context_len - query_len, context_len)
     causal = torch.arange(context_len)[None, :] <= positions[:, None]  # [Q, L]
+    if window is not None:
+        causal &= positions[:, None] - torch.arange(context_len)[None, :] < window
     scores = scores.masked_fill(~causal[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
-def run_paged(reqs: list[Req], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(paged output, dense reference), both [total query tokens, heads, head_dim]."""
+def run_paged(reqs: list[Req], seed: int, **layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(paged output, dense reference), both [total query tokens, heads, head_dim]; layer: the
+    window and softcap of both."""
     generator = torch.Generator().manual_seed(seed)
     fill_requests(reqs, generator)
     meta = build_metadata(reqs)
     kv_cache = new_cache(generator)
     write_step(kv_cache, reqs, meta)
     query = torch.cat([r.query for r in reqs])
-    out = paged_attention(query, kv_cache, meta, SCALE)
-    reference = torch.cat([dense_attention(r.query, r.keys, r.values, SCALE) for r in reqs])
+    out = paged_attention(query, kv_cache, meta, SCALE, **layer)
+    reference = torch.cat([dense_attention(r.query, r.keys, r.values, SCALE, **layer) for r in reqs])
     return out, reference
 
 
@@ -176,6 +190,34 @@ def test_paged_attention_matches_dense_on_edge_batches(batch):
     reqs = [Req(context_len, query_len) for context_len, query_len in batch]
     out, reference = run_paged(reqs, seed=2)
     torch.testing.assert_close(out, reference.float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 29, 200])
+@pytest.mark.parametrize("softcap", [None, 1.5], ids=["no-cap", "cap"])
+def test_paged_attention_window_and_softcap_match_dense(window, softcap):
+    """Windows shorter than one block, of a block, across blocks and longer than every context,
+    with and without capped scores, over decodes, chunks with a cached prefix and whole prompts."""
+    reqs = [Req(context_len, query_len) for context_len, query_len in MIXED_BATCH]
+    out, reference = run_paged(reqs, seed=5, window=window, softcap=softcap)
+    torch.testing.assert_close(out, reference.float(), atol=1e-5, rtol=0)
+    if window < 70:  # the window reaches into the longest contexts: it changes their attention
+        plain, _ = run_paged([Req(context_len, query_len) for context_len, query_len in MIXED_BATCH], seed=5)
+        assert not torch.allclose(out, plain, atol=1e-3)
+
+
+def test_capped_attention_in_query_row_chunks_is_the_same(monkeypatch):
+    """A long capped prefill is attended in chunks of query rows (bounding the score matrix):
+    the same result as in one piece."""
+    from zllm.workers import attention
+
+    reqs = [Req(context_len, query_len) for context_len, query_len in MIXED_BATCH]
+    whole, reference = run_paged(reqs, seed=6, window=20, softcap=2.0)
+    monkeypatch.setattr(attention, "_CAPPED_ROWS", 3)
+    chunked, _ = run_paged(
+        [Req(context_len, query_len) for context_len, query_len in MIXED_BATCH], seed=6, window=20, softcap=2.0
+    )
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=0)
+    torch.testing.assert_close(chunked, reference.float(), atol=1e-5, rtol=0)
 
 
 def test_paged_attention_ignores_other_requests_and_padding():
@@ -310,3 +352,96 @@ def test_apply_rotary_matches_transformers(rope):
     hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)  # [1, H, T, D]
     assert torch.equal(ours_q, hf_q[0].transpose(0, 1))
     assert torch.equal(ours_k, hf_k[0].transpose(0, 1))
+
+
+# ---- the variations of Gemma and Phi-3 vs HF transformers ----------------------------------------
+
+
+def _inv_freq_of(config, **kwargs) -> tuple[torch.Tensor, float]:
+    """zllm's inverse frequencies and attention factor for an HF config's rope_parameters."""
+    from zllm.workers.layers import rope_attention_factor
+
+    params = dict(config.rope_parameters)
+    theta = params.pop("rope_theta")
+    rotary_dim = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
+    ours = rope_inv_freq(rotary_dim, theta, params, **kwargs)
+    return ours, rope_attention_factor(params, config.max_position_embeddings)
+
+
+def phi3_config(**overrides):
+    from transformers import Phi3Config
+
+    settings = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=4096,
+        original_max_position_embeddings=256,
+        pad_token_id=0,
+        partial_rotary_factor=0.5,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.9, 3.0], "long_factor": [2, 5, 11, 30.0]},
+    )
+    settings.update(overrides)
+    return Phi3Config(**settings)
+
+
+@pytest.mark.parametrize("long_context", [False, True], ids=["short", "long"])
+def test_longrope_matches_transformers(long_context):
+    from zllm.workers.layers import rope_uses_long_factors
+
+    config = phi3_config()
+    seq_len = 257 if long_context else 256  # HF's switch: the sequence is longer than the original
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=seq_len)
+    ours, factor = _inv_freq_of(config, long_context=long_context)
+    assert torch.equal(ours, expected)
+    assert factor == expected_factor == pytest.approx(math.sqrt(1 + math.log(16) / math.log(256)))
+    params = config.rope_parameters
+    assert rope_uses_long_factors(params, 257) and not rope_uses_long_factors(params, 256)
+    assert not rope_uses_long_factors({"rope_type": "default"}, 10**6)
+
+
+def test_linear_rope_matches_transformers():
+    config = llama_config({"rope_type": "linear", "rope_theta": 10000.0, "factor": 8.0})
+    expected, _ = ROPE_INIT_FUNCTIONS["linear"](config)
+    ours, factor = _inv_freq_of(config)
+    assert torch.equal(ours, expected) and factor == 1.0
+
+
+def test_partial_rotary_with_attention_factor_matches_phi3():
+    """Phi-4-mini's rotary: half of each head rotated by LongRoPE with its attention factor, the
+    other half passed through."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply
+
+    config = phi3_config()
+    generator = torch.Generator().manual_seed(6)
+    positions = torch.randint(0, 200, (23,), generator=generator)
+    q = torch.randn(23, 4, 16, generator=generator)
+    k = torch.randn(23, 2, 16, generator=generator)
+    inv_freq, factor = _inv_freq_of(config)
+    cos_cache, sin_cache = rope_cos_sin_cache(inv_freq, 256, factor)
+    ours_q = apply_rotary(q, cos_cache[positions], sin_cache[positions])
+    ours_k = apply_rotary(k, cos_cache[positions], sin_cache[positions])
+    cos, sin = Phi3RotaryEmbedding(config)(q, positions[None, :])
+    hf_q, hf_k = phi3_apply(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(ours_q, hf_q[0].transpose(0, 1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours_k, hf_k[0].transpose(0, 1), atol=1e-6, rtol=0)
+    assert torch.equal(ours_q[..., 8:], q[..., 8:]) and factor > 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gemma_norm_and_geglu_match_transformers(dtype):
+    from transformers.activations import ACT2FN
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from zllm.workers.layers import gelu_tanh_and_mul, rms_norm
+
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 64, generator=generator).to(dtype)
+    norm = Gemma2RMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=generator) * 0.3)
+    assert torch.equal(rms_norm(x, norm.weight.detach(), 1e-6, unit_offset=True), norm(x).detach())
+    gate_up = torch.randn(5, 2 * 48, generator=generator).to(dtype) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(gelu_tanh_and_mul(gate_up), ACT2FN["gelu_pytorch_tanh"](gate) * up)

@@ -62,9 +62,11 @@ def decode_case(
     return query, kv_cache, meta
 
 
-def run_kernel(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def run_kernel(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, **layer
+) -> torch.Tensor:
     out = torch.full_like(query, float("nan"))
-    assert cpu_kernels.paged_attention_decode(out, query, kv_cache, meta.block_tables, meta.seq_lens, scale)
+    assert cpu_kernels.paged_attention_decode(out, query, kv_cache, meta.block_tables, meta.seq_lens, scale, **layer)
     return out
 
 
@@ -91,6 +93,22 @@ def test_decode_kernel_matches_reference(shape):
         query, kv_cache, meta = decode_case(generator, seq_lens, num_heads, num_kv_heads, head_dim, block_size)
         expected = ref.decode_attention(query, kv_cache, meta, scale)
         torch.testing.assert_close(run_kernel(query, kv_cache, meta, scale), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 33, 5000])
+@pytest.mark.parametrize("softcap", [None, 2.5], ids=["no-cap", "cap"])
+def test_decode_kernel_window_and_softcap_match_reference(window, softcap):
+    """A sliding window (the last `window` tokens, starting inside a block, on a block boundary,
+    or longer than every context) and soft-capped scores (large, so the cap bends them)."""
+    generator = torch.Generator().manual_seed(window)
+    seq_lens = [1, 7, 16, 17, 40, 129, 600]
+    query, kv_cache, meta = decode_case(generator, seq_lens, 9, 3, 64, 16)
+    query = query * 4
+    layer = dict(window=window, softcap=softcap)
+    expected = ref.decode_attention(query, kv_cache, meta, 0.125, **layer)
+    torch.testing.assert_close(run_kernel(query, kv_cache, meta, 0.125, **layer), expected, atol=1e-5, rtol=1e-5)
+    if window < 600:  # the window changes the result where a context is longer
+        assert not torch.allclose(expected[-1], ref.decode_attention(query, kv_cache, meta, 0.125)[-1], atol=1e-3)
 
 
 def test_decode_kernel_handles_large_scores_and_one_token_contexts():
@@ -131,6 +149,10 @@ def test_torch_ops_attention_uses_kernel_for_decodes_and_reference_for_prefills(
     meta.num_decodes, meta.query_start_loc = 3, [0, 1, 2, 3, 10]
     expected = ref.paged_attention(query, kv_cache, meta, 0.125)
     torch.testing.assert_close(TorchOps().attention(query, kv_cache, meta, 0.125), expected, atol=1e-5, rtol=1e-5)
+    layer = dict(window=9, softcap=3.0)  # a layer's window and cap reach both paths
+    expected = ref.paged_attention(query, kv_cache, meta, 0.125, **layer)
+    out = TorchOps().attention(query, kv_cache, meta, 0.125, **layer)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_build_is_cached_per_key(tmp_path):

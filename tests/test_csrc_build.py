@@ -30,7 +30,7 @@ def expected_entry_points() -> dict[str, set[str]]:
         for vec in ("", "_vec"):
             names["cache_kernels"].add(f"reshape_and_cache_{dt}{vec}")
             names["layernorm_kernels"] |= {f"rms_norm_{dt}{vec}", f"fused_add_rms_norm_{dt}{vec}"}
-            names["activation_kernels"].add(f"silu_and_mul_{dt}{vec}")
+            names["activation_kernels"] |= {f"silu_and_mul_{dt}{vec}", f"gelu_tanh_and_mul_{dt}{vec}"}
         names["gemv_kernels"].add(f"gemv_{dt}")
         names["gemv_kernels"] |= {f"gemv_{dt}_s{s}_b{b}" for s in (1, 2, 4) for b in (0, 4, 6)}
         names["gemv_kernels"] |= gemv_rows_entry_points(dt)
@@ -42,9 +42,15 @@ def expected_entry_points() -> dict[str, set[str]]:
             names["moe_kernels"] |= {
                 f"moe_gemv_{part}_{dt}_s{s}_b{b}" for part in ("gate_up", "down") for s, b in ((1, 4), (1, 0), (4, 4))
             }
-        for d in (64, 128):
+        for d in (64, 96, 128, 256):
             names["attention_kernels"].add(f"paged_attention_reduce_{dt}_d{d}")
-            names["attention_kernels"] |= {f"paged_attention_decode_{dt}_d{d}_g{g}" for g in (1, 4, 8)}
+            for cache in ("", "_kvfp8"):
+                names["attention_kernels"] |= {f"paged_attention_decode_{dt}{cache}_d{d}_g{g}" for g in (1, 4, 8)}
+                names["attention_window_kernels"] |= {  # sliding window, soft-capped
+                    f"paged_attention_decode_{dt}{cache}{family}_d{d}_g{g}"
+                    for family in ("_win", "_cap")
+                    for g in (1, 4, 8)
+                }
     names["moe_kernels"].add("moe_align")
     return names
 

@@ -33,6 +33,7 @@ CASES = {  # name: (architecture, config overrides)
     "llama-mha-head-dim": ("llama", {"num_key_value_heads": 4, "head_dim": 32}),
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "mistral": ("mistral", {"sliding_window": 128, "head_dim": 32}),
+    "mistral-window": ("mistral", {"sliding_window": 16, "head_dim": 32}),  # prompts and outputs past it
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),  # q/k/v bias, no o_proj bias
     "qwen3": ("qwen3", {"head_dim": 32}),  # q/k RMSNorm, head_dim apart from hidden/heads
     "qwen3-bias": ("qwen3", {"attention_bias": True, "head_dim": 16}),
@@ -80,6 +81,35 @@ CASES = {  # name: (architecture, config overrides)
             "norm_topk_prob": False,
             "mlp_only_layers": [0],
             "num_hidden_layers": 3,
+        },
+    ),
+    # Sliding windows shorter than the longer prompts; more in tests/test_windowed_models.py.
+    "gemma2": ("gemma2", {"sliding_window": 16, "num_hidden_layers": 4, "head_dim": 16}),  # soft-capped
+    "gemma2-untied": ("gemma2", {"sliding_window": 16, "head_dim": 32, "query_pre_attn_scalar": 20}),
+    "gemma3": (
+        "gemma3",
+        {
+            "sliding_window": 16,
+            "num_hidden_layers": 4,
+            "sliding_window_pattern": 2,
+            "head_dim": 16,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        },
+    ),
+    "phi3": ("phi3", {"sliding_window": 16}),  # fused qkv_proj and gate_up_proj in the checkpoint
+    "phi3-mha-no-window": ("phi3", {"num_key_value_heads": 4}),
+    # Phi-4-mini's kind: rotary over 3/4 of each head; LongRoPE's short factors (max_model_len is
+    # the original length; the long ones: tests/test_windowed_models.py).
+    "phi3-partial-longrope": (
+        "phi3",
+        {
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 512,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.1, 1.5, 2.0, 3.0, 4.0],
+                "long_factor": [2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
+            },
         },
     ),
 }
@@ -142,6 +172,9 @@ TP_CASES = {  # name: (architecture, tp, config overrides)
     # tp 3 splits 4 heads over 2 KV heads unevenly, replicating KV heads.
     "qwen2-tp2": ("qwen2", 2, {"head_dim": 32}),
     "qwen3-tp3": ("qwen3", 3, {"head_dim": 32}),
+    # Gemma 3: Gemma's norms replicated, local and global layers, q/k norms at tp 2 (Phi-3's
+    # fused tensors at tp 2: tests/test_windowed_models.py).
+    "gemma3-tp2": ("gemma3", 2, CASES["gemma3"][1]),
     # MoE (gloo): each rank holds every expert's slice of the intermediate dimension (37 rows split
     # 19/18 for mixtral-top1) and the shared expert's; one all-reduce per MoE block.
     "mixtral-top1-tp2": ("mixtral", 2, CASES["mixtral-top1"][1]),
@@ -220,23 +253,55 @@ def test_architecture_flags_follow_hf():
     assert (mistral.qkv_bias, mistral.sliding_window) == (False, None)
     llama = _spec("llama", attention_bias=True, mlp_bias=True)
     assert (llama.qkv_bias, llama.o_proj_bias, llama.mlp_bias) == (True, True, True)
+    assert (llama.hidden_act, llama.norm_unit_offset, llama.embed_scale, llama.attention_scale) == (
+        "silu",
+        False,
+        None,
+        None,
+    )
+    gemma2 = _spec("gemma2", head_dim=16, query_pre_attn_scalar=24)
+    assert (gemma2.hidden_act, gemma2.norm_unit_offset, gemma2.sandwich_norms, gemma2.qk_norm) == (
+        "gelu_pytorch_tanh",
+        True,
+        True,
+        False,
+    )
+    assert (gemma2.embed_scale, gemma2.attention_scale) == (8.0, 24**-0.5)
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (50.0, 30.0)  # HF's defaults
+    gemma3 = _spec("gemma3", rope_theta=1e6, rope_local_base_freq=1e4)
+    assert (gemma3.qk_norm, gemma3.attn_logit_softcap, gemma3.final_logit_softcap) == (True, None, None)
+    assert (gemma3.rope_theta, gemma3.local_rope_theta) == (1e6, 1e4)
+    phi3 = _spec("phi3", partial_rotary_factor=0.5, pad_token_id=0)
+    assert (phi3.fused_checkpoint, phi3.rotary_dim, phi3.head_dim) == (True, 8, 16)
 
 
 def test_sliding_window_only_where_a_layer_uses_it():
-    assert _spec("mistral", sliding_window=4096).sliding_window == 4096
+    assert _spec("mistral", sliding_window=4096).sliding_layers == tuple(range(32))
     assert _spec("qwen2", sliding_window=4096).sliding_window is None  # use_sliding_window=False
-    assert (
-        _spec(
-            "qwen2", use_sliding_window=True, sliding_window=64, num_hidden_layers=4, max_window_layers=2
-        ).sliding_window
-        == 64
-    )
+    qwen2 = _spec("qwen2", use_sliding_window=True, sliding_window=64, num_hidden_layers=4, max_window_layers=2)
+    assert (qwen2.sliding_window, qwen2.sliding_layers) == (64, (2, 3))
     assert (
         _spec(
             "qwen3", use_sliding_window=True, sliding_window=64, num_hidden_layers=4, max_window_layers=4
         ).sliding_window
         is None
     )  # no layer past max_window_layers
+    gemma2 = _spec("gemma2", num_hidden_layers=4, sliding_window=32)  # local layers first, alternating
+    assert (gemma2.sliding_window, gemma2.sliding_layers) == (32, (0, 2))
+    assert [gemma2.window_of(i) for i in range(4)] == [32, None, 32, None]
+    gemma3 = _spec("gemma3", num_hidden_layers=8, sliding_window=32)  # five local layers, then a global
+    assert gemma3.sliding_layers == (0, 1, 2, 3, 4, 6, 7)
+    assert [gemma3.uses_local_rope(i) for i in (0, 5)] == [True, False]
+    assert _spec("phi3", sliding_window=2047, pad_token_id=0).sliding_layers == tuple(range(32))
+
+
+def test_unsupported_variations_are_refused():
+    with pytest.raises(ValueError, match="^model: use_bidirectional_attention"):
+        _spec("gemma3", use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match=r"^model: hidden_act 'relu' is not supported"):
+        _spec("llama", hidden_act="relu")
+    with pytest.raises(ValueError, match=r"^model: rope_type 'yarn' is not supported"):
+        _spec("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
 
 
 def test_config_without_architectures_falls_back_on_model_type():
@@ -273,12 +338,14 @@ def test_checkpoint_dtype_is_read_from_config(tmp_path, key):
     assert ModelSpec.from_pretrained(str(model_dir)).checkpoint_dtype == "bfloat16"
 
 
-def test_sliding_window_caps_max_model_len(tmp_path):
+def test_sliding_window_does_not_cap_max_model_len(tmp_path):
+    """The window is attended within (tests/test_windowed_models.py): any length up to the
+    model's max_position_embeddings."""
     model_dir = save_tiny_model(tmp_path, "mistral", sliding_window=128)
-    assert LLM(str(model_dir), dtype="float32").engine.config.max_model_len == 128  # not 512
-    assert LLM(str(model_dir), dtype="float32", max_model_len=100).engine.config.max_model_len == 100
-    with pytest.raises(ValueError, match=r"^max_model_len: 256 exceeds the model's sliding_window \(128\)"):
-        LLM(str(model_dir), dtype="float32", max_model_len=256)
+    assert LLM(str(model_dir), dtype="float32").engine.config.max_model_len == 512
+    assert LLM(str(model_dir), dtype="float32", max_model_len=300).engine.config.max_model_len == 300
+    with pytest.raises(ValueError, match=r"^max_model_len: 600 exceeds the model's max_position_embeddings \(512\)"):
+        LLM(str(model_dir), dtype="float32", max_model_len=600)
 
 
 # ---- bad checkpoints: clear errors at construction -----------------------------------------------

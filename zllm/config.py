@@ -7,15 +7,12 @@ length) so that each process receives plain values and never re-derives them dif
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass
 
 from zllm.ipc.addresses import is_loopback_tcp
 from zllm.model_spec import ModelSpec
 from zllm.quantization import QUANTIZATION_METHODS, resolve_quantization
-
-logger = logging.getLogger(__name__)
 
 # The values of each field with a fixed set of them, defined once: validate() checks them, the
 # CLI offers them (zllm/launch/args.py) and docs/configuration.md lists them (a test compares).
@@ -493,30 +490,15 @@ def _insecure_tcp(endpoint: str, what: str = "") -> str:
 
 
 def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
-    """The context length: the model's max_position_embeddings, capped at its sliding window.
+    """The context length: the model's max_position_embeddings unless a shorter one is asked for.
 
-    NOTE: zllm has no sliding-window attention. Full causal attention equals it exactly while a
-    sequence is no longer than the window (HF keeps key j for query i when i - j < window), so a
-    sliding-window model (Mistral v0.1, Qwen with use_sliding_window) serves up to the window and
-    a longer max_model_len is refused, as vLLM does with --disable-sliding-window.
+    Sliding-window layers attend within their window at any length (zllm/workers/attention.py);
+    their KV blocks are kept for the whole sequence, as a full-attention layer's are.
     """
     limit = spec.max_position_embeddings
-    window = spec.sliding_window
     if requested > limit:
         raise ValueError(f"max_model_len: {requested} exceeds the model's max_position_embeddings ({limit})")
-    if window is not None and requested > window:
-        raise ValueError(
-            f"max_model_len: {requested} exceeds the model's sliding_window ({window}); zllm does not implement "
-            f"sliding-window attention and serves such models up to {window} tokens"
-        )
-    if requested:
-        return requested
-    if window is not None and window < limit:
-        logger.warning(
-            "max_model_len: capped at the model's sliding_window, %d (max_position_embeddings %d)", window, limit
-        )
-        return window
-    return limit
+    return requested or limit
 
 
 def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:

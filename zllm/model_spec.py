@@ -13,7 +13,8 @@ from typing import Any
 
 from zllm.quantization import QuantSpec, checkpoint_quantization
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,8 @@ class Architecture:
     mlp_bias: bool | None = None
     qk_norm: bool = False  # RMSNorm over head_dim on each query and key head, before rotary
     moe: MoeFormat | None = None  # a Mixture-of-Experts model: how its config and checkpoint say so
+    gemma: bool = False  # Gemma 2/3: the (1 + w) RMSNorm, four norms a layer, embeddings times sqrt(hidden)
+    fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,9 @@ MODEL_REGISTRY: dict[str, Architecture] = {
     "MixtralForCausalLM": Architecture(qkv_bias=False, o_proj_bias=False, mlp_bias=False, moe=_MIXTRAL),
     "Qwen2MoeForCausalLM": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False, moe=_QWEN_MOE),
     "Qwen3MoeForCausalLM": Architecture(mlp_bias=False, qk_norm=True, moe=_QWEN_MOE),
+    "Gemma2ForCausalLM": Architecture(mlp_bias=False, gemma=True),
+    "Gemma3ForCausalLM": Architecture(mlp_bias=False, qk_norm=True, gemma=True),  # Gemma 3 1B, text-only
+    "Phi3ForCausalLM": Architecture(qkv_bias=False, o_proj_bias=False, mlp_bias=False, fused_checkpoint=True),
 }
 # Configs without `architectures` (hand-written, or converted from GGUF by older zllm).
 _BY_MODEL_TYPE = {
@@ -74,6 +80,9 @@ _BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -96,10 +105,25 @@ class ModelSpec:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    # Tokens a query may look back (HF: key kept when query - key < sliding_window); None: all.
+    # Tokens a query may look back (HF: key kept when query - key < sliding_window), in the layers
+    # `sliding_layers` names: every layer for Mistral and Phi-3, those `layer_types` marks
+    # "sliding_attention" for Gemma and Qwen. None: every layer attends to its whole context.
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # the config's torch_dtype, e.g. "bfloat16"
-    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type and its parameters
+    partial_rotary_factor: float = 1.0  # rotary on the first int(head_dim * factor) dims only (Phi-4-mini)
+    # Gemma 3: the sliding layers' rotary base and scaling (rope_local_base_freq); None: as the others.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] = field(default_factory=dict)
+    hidden_act: str = "silu"  # the MLP gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + w), in fp32
+    sandwich_norms: bool = False  # Gemma 2/3: attention and MLP outputs normed too (four norms a layer)
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), in the model dtype
+    attention_scale: float | None = None  # None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5
+    attn_logit_softcap: float | None = None  # Gemma 2: scores <- cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: logits <- cap * tanh(logits / cap)
+    fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
     moe: MoeSpec | None = None  # None: a dense model
     quantization: QuantSpec | None = None  # the checkpoint's (config.json quantization_config); None: none
 
@@ -108,12 +132,9 @@ class ModelSpec:
         architecture = pick_architecture(hf_config)
         arch = MODEL_REGISTRY[architecture]
         num_heads = hf_config.num_attention_heads
-        rope = _rope_parameters(hf_config)
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
-        if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"model: rope_type {rope['rope_type']!r} is not supported {SUPPORTED_ROPE_TYPES}")
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        rope, local_rope = _rope_parameters(hf_config)
+        window, sliding_layers = _sliding_layers(hf_config)
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         return cls(
             architecture=architecture,
@@ -123,7 +144,7 @@ class ModelSpec:
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+            head_dim=head_dim,
             intermediate_size=hf_config.intermediate_size,
             rms_norm_eps=hf_config.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
@@ -133,11 +154,18 @@ class ModelSpec:
             o_proj_bias=attention_bias if arch.o_proj_bias is None else arch.o_proj_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)) if arch.mlp_bias is None else arch.mlp_bias,
             qk_norm=arch.qk_norm,
-            sliding_window=_sliding_window(hf_config),
+            sliding_window=window,
+            sliding_layers=sliding_layers,
             checkpoint_dtype=_checkpoint_dtype(hf_config),
-            rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
+            rope_scaling=_without_theta(rope),
+            partial_rotary_factor=_partial_rotary_factor(hf_config, rope),
+            local_rope_theta=None if local_rope is None else float(local_rope.get("rope_theta", 10000.0)),
+            local_rope_scaling={} if local_rope is None else _without_theta(local_rope),
+            hidden_act=_hidden_act(hf_config),
+            fused_checkpoint=arch.fused_checkpoint,
             moe=None if arch.moe is None else MoeSpec.from_hf_config(hf_config, arch.moe),
             quantization=checkpoint_quantization(hf_config),
+            **(_gemma_fields(hf_config) if arch.gemma else {}),
         )
 
     @classmethod
@@ -145,6 +173,19 @@ class ModelSpec:
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_dir))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that rotary rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None where it attends to its whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether the layer rotates by the sliding layers' own rotary (Gemma 3's local layers)."""
+        return self.local_rope_theta is not None and layer in self.sliding_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,19 +242,50 @@ def unsupported_architecture(found) -> ValueError:
     )
 
 
-def _sliding_window(hf_config) -> int | None:
-    """The window of the model's sliding-window layers, None when every layer attends to all.
+def _sliding_layers(hf_config) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers that use it); (None, ()) when every layer attends to all.
 
-    Mistral sets `sliding_window` for every layer (null in v0.2 and later); Qwen2/Qwen3 keep it
-    only with `use_sliding_window`, for the layers `layer_types` marks "sliding_attention".
+    Mistral and Phi-3 set `sliding_window` for every layer (null in Mistral v0.2 and later);
+    Gemma 2/3 and Qwen2/3 (only with `use_sliding_window`) use it in the layers `layer_types`
+    marks "sliding_attention".
     """
     window = getattr(hf_config, "sliding_window", None)
     if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
+        return None, ()
     layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
+    num_layers = hf_config.num_hidden_layers
+    if layer_types is None:
+        layers = tuple(range(num_layers))
+    else:
+        layers = tuple(i for i, kind in enumerate(layer_types[:num_layers]) if kind == "sliding_attention")
+    return (int(window), layers) if layers else (None, ())
+
+
+def _hidden_act(hf_config) -> str:
+    """The MLP's activation: Gemma names it `hidden_activation`, the others `hidden_act`."""
+    act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"model: hidden_act {act!r} is not supported {SUPPORTED_ACTIVATIONS}")
+    return act
+
+
+def _gemma_fields(hf_config) -> dict[str, Any]:
+    """Gemma 2/3's variations, read from their config (absent keys keep HF's defaults)."""
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ValueError("model: use_bidirectional_attention (Gemma embedding models) is not supported")
+    scalar = getattr(hf_config, "query_pre_attn_scalar", None)
+    return dict(
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        embed_scale=hf_config.hidden_size**0.5,
+        attention_scale=None if scalar is None else float(scalar) ** -0.5,
+        attn_logit_softcap=_positive_or_none(getattr(hf_config, "attn_logit_softcapping", None)),
+        final_logit_softcap=_positive_or_none(getattr(hf_config, "final_logit_softcapping", None)),
+    )
+
+
+def _positive_or_none(value) -> float | None:
+    return float(value) if value else None
 
 
 def _checkpoint_dtype(hf_config) -> str | None:
@@ -222,13 +294,48 @@ def _checkpoint_dtype(hf_config) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def _rope_parameters(hf_config) -> dict[str, Any]:
-    """transformers >= 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta/rope_scaling."""
+def _rope_parameters(hf_config) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the rotary parameters, the sliding layers' own or None), each with `rope_theta` and a
+    checked `rope_type`.
+
+    transformers >= 5 keeps them in `rope_parameters`, keyed by layer type where the kinds of
+    layer differ (Gemma 3: "full_attention", "sliding_attention"); 4.x in rope_theta/rope_scaling
+    (and Gemma 3's rope_local_base_freq).
+    """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    local = None
+    if "full_attention" in params:
+        local = params.get("sliding_attention")
+        params = dict(params["full_attention"] or {})
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params.pop("type")
-    params.setdefault("rope_type", "default")
+    if local is None and getattr(hf_config, "rope_local_base_freq", None) is not None:
+        local = {"rope_theta": hf_config.rope_local_base_freq}
+    params = _checked_rope(params, hf_config)
+    return params, None if local is None else _checked_rope(dict(local), hf_config)
+
+
+def _checked_rope(params: dict[str, Any], hf_config) -> dict[str, Any]:
+    legacy = params.pop("type", None)  # transformers 4.x's name
+    params.setdefault("rope_type", legacy or "default")
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"model: rope_type {params['rope_type']!r} is not supported {SUPPORTED_ROPE_TYPES}")
+    if params["rope_type"] == "longrope":  # transformers 4.x keeps the pretrained length on the config
+        original = params.get("original_max_position_embeddings") or getattr(
+            hf_config, "original_max_position_embeddings", None
+        )
+        if not original:
+            raise ValueError("model: rope_type 'longrope' needs original_max_position_embeddings")
+        params["original_max_position_embeddings"] = int(original)
     return params
+
+
+def _without_theta(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+
+
+def _partial_rotary_factor(hf_config, rope: dict[str, Any]) -> float:
+    """transformers 5 keeps it in rope_parameters, 4.x on the config."""
+    factor = rope.get("partial_rotary_factor") or getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    return float(factor)

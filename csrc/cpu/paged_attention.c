@@ -15,10 +15,15 @@
  * One task is one sequence (or, with fewer sequences than threads need, a range of its kv heads): it
  * reads each K and V row of its context once for all the query heads that share it (GQA), in two
  * passes over its fp32 scores: scores = q.k * scale for the whole context, then a max-subtracted
- * softmax, then the probability-weighted sum of the value rows. All arithmetic is fp32. Tasks run
+ * softmax, then the probability-weighted sum of the value rows. All arithmetic is fp32.
+ *
+ * A sliding window (window > 0) keeps the last `window` tokens of the context (the new token and
+ * window - 1 before it, as HF's mask does); softcap > 0 caps each score at softcap * tanh(score /
+ * softcap) before the softmax (Gemma 2). Both are per layer; 0 turns them off. Tasks run
  * on OpenMP threads; the caller passes torch's thread count, and the library links the libgomp
  * that torch has already loaded, so both share one thread pool. */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +47,8 @@ typedef struct {
     const int64_t *strides;
     const int64_t *block_tables, *seq_lens;
     float scale;
+    int64_t window; /* > 0: attend to the last `window` tokens only */
+    float softcap;  /* > 0: scores <- softcap * tanh(scores / softcap) */
 } Shape;
 
 /* Per-thread scratch: the task's query rows, output sums, scores and softmax 1/sums, all fp32. */
@@ -97,23 +104,23 @@ static inline void prefetch(const void *start, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)start + i);
 }
 
-/* Walk the task's context block by block: ROW is the first of the task's kv heads at token T,
- * and the same slot of the next block is prefetched meanwhile. */
-#define FOR_EACH_ROW(s, base, table, len, task, ROW, T, BODY)                                       \
+/* Walk the task's context tokens [first, len) block by block: ROW is the first of the task's kv
+ * heads at token first + T, and the same slot of the next block is prefetched meanwhile. */
+#define FOR_EACH_ROW(s, base, table, first, len, task, ROW, T, BODY)                                \
     do {                                                                                            \
         const int64_t *st_ = (s)->strides;                                                          \
         const int64_t bs_ = (s)->block_size, nblocks_ = ((len) + bs_ - 1) / bs_;                    \
         const int64_t row_bytes_ = ((task)->kv_end - (task)->kv_begin) * st_[S_KV_HEAD] *           \
                                    (int64_t)sizeof(*(base));                                        \
-        for (int64_t b_ = 0; b_ < nblocks_; b_++) {                                                 \
+        for (int64_t b_ = (first) / bs_; b_ < nblocks_; b_++) {                                     \
             const __typeof__(base) block_ = (base) + (table)[b_] * st_[S_KV_BLOCK];                \
             const __typeof__(base) next_ =                                                          \
                 b_ + 1 < nblocks_ ? (base) + (table)[b_ + 1] * st_[S_KV_BLOCK] : NULL;              \
             const int64_t n_ = (len) - b_ * bs_ < bs_ ? (len) - b_ * bs_ : bs_;                     \
-            for (int64_t o_ = 0; o_ < n_; o_++) {                                                   \
+            for (int64_t o_ = b_ * bs_ < (first) ? (first) - b_ * bs_ : 0; o_ < n_; o_++) {        \
                 if (next_) prefetch(next_ + o_ * st_[S_KV_SLOT], row_bytes_);                       \
                 const __typeof__(base) ROW = block_ + o_ * st_[S_KV_SLOT];                          \
-                const int64_t T = b_ * bs_ + o_;                                                    \
+                const int64_t T = b_ * bs_ + o_ - (first);                                          \
                 BODY                                                                                \
             }                                                                                       \
         }                                                                                           \
@@ -139,14 +146,16 @@ static float softmax_unnormalised(float *scores, int64_t len) {
 
 /* The kernel for one element type. `dim` is a compile-time constant where the dispatch can make it
  * one (64, 128), so the head_dim loops unroll fully. Query head i of the task (i = local kv head *
- * group + g) keeps its scores at scores[i * len + t] and its output sums at acc[i * dim]. */
+ * group + g) keeps the score of context token first + t at scores[i * n + t] (n = len - first
+ * tokens seen) and its output sums at acc[i * dim]. */
 #define DEFINE_KERNEL(SUFFIX, T, LOAD, STORE)                                                       \
     static inline __attribute__((always_inline)) void scores_##SUFFIX(                              \
-        const Shape *s, const Task *task, const T *keys, const int64_t *table, int64_t len,        \
-        const int64_t dim, const float *q, float *scores) {                                         \
+        const Shape *s, const Task *task, const T *keys, const int64_t *table, int64_t first,      \
+        int64_t len, const int64_t dim, const float *q, float *scores) {                            \
         const int64_t group = s->num_heads / s->num_kv_heads, nkv = task->kv_end - task->kv_begin; \
-        const int64_t head_stride = s->strides[S_KV_HEAD];                                          \
-        FOR_EACH_ROW(s, keys, table, len, task, row, t, {                                           \
+        const int64_t head_stride = s->strides[S_KV_HEAD], n = len - first;                         \
+        const float cap = s->softcap;                                                               \
+        FOR_EACH_ROW(s, keys, table, first, len, task, row, t, {                                    \
             for (int64_t h = 0; h < nkv; h++) {                                                     \
                 const T *k = row + h * head_stride;                                                 \
                 for (int64_t g = 0; g < group; g++) {                                               \
@@ -155,24 +164,25 @@ static float softmax_unnormalised(float *scores, int64_t len) {
                     float dot = 0.0f;                                                               \
                     _Pragma("omp simd reduction(+ : dot)") for (int64_t d = 0; d < dim; d++) dot += \
                         qi[d] * LOAD(k[d]);                                                         \
-                    scores[i * len + t] = dot * s->scale;                                           \
+                    const float score = dot * s->scale;                                             \
+                    scores[i * n + t] = cap > 0.0f ? tanhf(score / cap) * cap : score;              \
                 }                                                                                   \
             }                                                                                       \
         });                                                                                         \
     }                                                                                               \
                                                                                                     \
     static inline __attribute__((always_inline)) void weighted_sum_##SUFFIX(                        \
-        const Shape *s, const Task *task, const T *values, const int64_t *table, int64_t len,      \
-        const int64_t dim, const float *probs, float *acc) {                                        \
+        const Shape *s, const Task *task, const T *values, const int64_t *table, int64_t first,    \
+        int64_t len, const int64_t dim, const float *probs, float *acc) {                           \
         const int64_t group = s->num_heads / s->num_kv_heads, nkv = task->kv_end - task->kv_begin; \
-        const int64_t head_stride = s->strides[S_KV_HEAD];                                          \
+        const int64_t head_stride = s->strides[S_KV_HEAD], n = len - first;                         \
         memset(acc, 0, (size_t)(nkv * group * dim) * sizeof(float));                               \
-        FOR_EACH_ROW(s, values, table, len, task, row, t, {                                         \
+        FOR_EACH_ROW(s, values, table, first, len, task, row, t, {                                  \
             for (int64_t h = 0; h < nkv; h++) {                                                     \
                 const T *v = row + h * head_stride;                                                 \
                 for (int64_t g = 0; g < group; g++) {                                               \
                     const int64_t i = h * group + g;                                                \
-                    const float p = probs[i * len + t];                                             \
+                    const float p = probs[i * n + t];                                               \
                     float *a = acc + i * dim;                                                       \
                     _Pragma("omp simd") for (int64_t d = 0; d < dim; d++) a[d] += p * LOAD(v[d]);   \
                 }                                                                                   \
@@ -197,10 +207,12 @@ static float softmax_unnormalised(float *scores, int64_t len) {
         }                                                                                           \
         for (int64_t i = 0; i < nq; i++)                                                            \
             for (int64_t d = 0; d < dim; d++) w->q[i * dim + d] = LOAD(q_row[i * st[S_QUERY_HEAD] + d]); \
+        const int64_t first = s->window > 0 && len > s->window ? len - s->window : 0;               \
         const T *keys = kv_cache + task->kv_begin * st[S_KV_HEAD];                                  \
-        scores_##SUFFIX(s, task, keys, table, len, dim, w->q, w->scores);                           \
-        for (int64_t i = 0; i < nq; i++) w->inv_sum[i] = softmax_unnormalised(w->scores + i * len, len); \
-        weighted_sum_##SUFFIX(s, task, keys + st[S_KV_HALF], table, len, dim, w->scores, w->acc);   \
+        scores_##SUFFIX(s, task, keys, table, first, len, dim, w->q, w->scores);                    \
+        for (int64_t i = 0; i < nq; i++)                                                            \
+            w->inv_sum[i] = softmax_unnormalised(w->scores + i * (len - first), len - first);       \
+        weighted_sum_##SUFFIX(s, task, keys + st[S_KV_HALF], table, first, len, dim, w->scores, w->acc); \
         for (int64_t i = 0; i < nq; i++)                                                            \
             for (int64_t d = 0; d < dim; d++)                                                       \
                 out_row[i * st[S_OUT_HEAD] + d] = STORE(w->acc[i * dim + d] * w->inv_sum[i]);       \
@@ -218,12 +230,14 @@ static float softmax_unnormalised(float *scores, int64_t len) {
     int paged_attention_decode_##SUFFIX(                                                            \
         T *out, const T *query, const T *kv_cache, const int64_t *block_tables,                     \
         const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,         \
-        int64_t head_dim, int64_t block_size, const int64_t *strides, float scale, int num_threads) { \
+        int64_t head_dim, int64_t block_size, const int64_t *strides, float scale, int64_t window,  \
+        float softcap, int num_threads) {                                                           \
         const Shape s = {num_seqs, num_heads, num_kv_heads, head_dim, block_size,                  \
-                         strides, block_tables, seq_lens, scale};                                   \
+                         strides,  block_tables, seq_lens, scale, window, softcap};                 \
         const Split split = split_tasks(num_seqs, num_kv_heads, num_threads);                       \
         const int64_t heads_per_task = split.kv_heads_per_task * (num_heads / num_kv_heads);        \
-        const int64_t longest = longest_context(seq_lens, num_seqs);                                \
+        int64_t longest = longest_context(seq_lens, num_seqs);                                      \
+        if (window > 0 && longest > window) longest = window; /* scores kept per task */            \
         int failed = 0;                                                                             \
         _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)") {                    \
             Scratch w;                                                                              \

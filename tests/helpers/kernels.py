@@ -66,7 +66,8 @@ class PagedBatch:
         self.query = randn(batch, num_heads, head_dim, gen=gen, dtype=dtype)
         self.scale = head_dim**-0.5
 
-    def reference(self, query: torch.Tensor | None = None) -> torch.Tensor:
+    def reference(self, query: torch.Tensor | None = None, **layer) -> torch.Tensor:
+        """The float64 reference; layer: a window and softcap (attention.paged_attention's)."""
         query = self.query if query is None else query
         batch = query.shape[0]
         meta = AttentionMetadata(
@@ -78,7 +79,7 @@ class PagedBatch:
             num_decodes=batch,
             block_size=self.block_size,
         )
-        return paged_attention(query.double(), self.clean_cache.double(), meta, self.scale)
+        return paged_attention(query.double(), self.clean_cache.double(), meta, self.scale, **layer)
 
     def run(self, query: torch.Tensor | None = None, out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         query = self.query if query is None else query

@@ -34,6 +34,9 @@ TINY_ARCHITECTURES = {  # architecture: (transformers config class, model class)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 
@@ -62,6 +65,7 @@ def save_tiny_model(directory: Path, architecture: str = "llama", shards: int = 
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
+        pad_token_id=0,  # Phi-3's default (32000) lies outside a tiny vocabulary
     )
     settings.update(overrides)
     torch.manual_seed(0)

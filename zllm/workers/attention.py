@@ -14,6 +14,12 @@ folds s into the query scale (keys) and the output (values): equal up to fp32 ro
 A batch is ordered decodes first: requests 0..num_decodes-1 have exactly one query token each
 (attended as one batched call); each remaining request has a run of query tokens that attend
 causally to their cached prefix and to each other.
+
+Two per-layer variations, as HF applies them: a sliding `window` (the query at position p sees
+the keys at p - window < j <= p: itself and window - 1 before it; Mistral, Phi-3, Gemma's local
+layers) and a logit `softcap` (scores <- softcap * tanh(scores / softcap) after the scale, before
+the mask; Gemma 2). SDPA has no soft-capping, so a capped layer takes the explicit
+softmax(q k^T) v of HF's eager attention.
 """
 
 from __future__ import annotations
@@ -142,14 +148,20 @@ def write_kv_cache(
 
 
 def paged_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_scales: KVScales = UNSCALED
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scales: KVScales = UNSCALED,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query [tokens, heads, head_dim] -> [tokens, heads, head_dim], over the paged cache."""
     out = torch.empty_like(query)
     num_decodes = meta.num_decodes
     if num_decodes:
-        out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta, scale, kv_scales)
-    prefill_attention(out, query, kv_cache, meta, scale, kv_scales)
+        out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta, scale, kv_scales, window, softcap)
+    prefill_attention(out, query, kv_cache, meta, scale, kv_scales, window, softcap)
     return out
 
 
@@ -160,11 +172,13 @@ def prefill_attention(
     meta: AttentionMetadata,
     scale: float,
     kv_scales: KVScales = UNSCALED,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Fill the rows of `out` that belong to the requests after the decodes."""
     for i in range(meta.num_decodes, len(meta.seq_lens_list)):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        out[start:end] = _prefill_attention(query[start:end], kv_cache, meta, i, scale, kv_scales)
+        out[start:end] = _prefill_attention(query[start:end], kv_cache, meta, i, scale, kv_scales, window, softcap)
 
 
 def gather_context(
@@ -182,37 +196,99 @@ def gather_context(
     )
 
 
+def window_start(seq_len: int, query_len: int, window: int | None) -> int:
+    """The first key position any of a sequence's last query_len queries sees."""
+    return 0 if window is None else max(0, seq_len - query_len - window + 1)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale, capped, masked) v for queries [..., H, Q, D] and keys/values
+    [..., KVH, L, D] (query head h reads kv head h // (H / KVH)); mask [..., Q, L] bool, True
+    where a key is seen, or None for the causal mask aligned to the last key."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    if mask is None:
+        query_len, seq_len = q.shape[-2], k.shape[-2]
+        mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - query_len)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    rows = q.shape[-2]
+    chunks = [slice(i, i + _CAPPED_ROWS) for i in range(0, rows, _CAPPED_ROWS)]
+    return torch.cat([_capped_attention(q[..., r, :], k, v, mask[..., r, :], scale, softcap) for r in chunks], dim=-2)
+
+
+# Query rows per capped score matrix: bounds its memory on a long prefill (heads x rows x keys).
+_CAPPED_ROWS = 1024
+
+
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """HF's eager attention with soft-capped scores, on kv heads already repeated to the queries'."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 _DECODE_GROUP = 16  # decodes per attention call: each group is padded to its own longest context
 
 
 def decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, kv_scales: KVScales = UNSCALED
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scales: KVScales = UNSCALED,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The first meta.num_decodes requests' single queries [num_decodes, heads, head_dim]."""
     groups = [
-        _decode_group(query[i : i + _DECODE_GROUP], kv_cache, meta, i, scale, kv_scales)
+        _decode_group(query[i : i + _DECODE_GROUP], kv_cache, meta, i, scale, kv_scales, window, softcap)
         for i in range(0, query.shape[0], _DECODE_GROUP)
     ]
     return groups[0] if len(groups) == 1 else torch.cat(groups)
 
 
 def _decode_group(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, first: int, scale: float, kv_scales: KVScales
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    first: int,
+    scale: float,
+    kv_scales: KVScales,
+    window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     rows = slice(first, first + query.shape[0])
     seq_lens = meta.seq_lens[rows]
-    max_len = max(meta.seq_lens_list[rows])
-    num_blocks = -(-max_len // meta.block_size)
-    keys, values = gather_context(kv_cache, meta.block_tables[rows, :num_blocks], kv_scales, query.dtype)
-    positions = torch.arange(keys.shape[1], device=query.device)
-    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-    out = F.scaled_dot_product_attention(
+    lens = meta.seq_lens_list[rows]
+    num_blocks = -(-max(lens) // meta.block_size)
+    # A window leaves the blocks before the group's earliest visible key unread.
+    first_block = min(window_start(n, 1, window) for n in lens) // meta.block_size
+    table = meta.block_tables[rows, first_block:num_blocks]
+    keys, values = gather_context(kv_cache, table, kv_scales, query.dtype)
+    positions = torch.arange(first_block * meta.block_size, num_blocks * meta.block_size, device=query.device)
+    mask = positions[None, :] < seq_lens[:, None]
+    if window is not None:
+        mask &= positions[None, :] >= seq_lens[:, None] - window
+    out = attend(
         query[:, :, None, :],  # [B, H, 1, D]
         keys.transpose(1, 2),  # [B, KVH, L, D]
         values.transpose(1, 2),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
+        mask[:, None, None, :],  # [B, 1, 1, L]
+        scale,
+        softcap,
     )
     return out[:, :, 0, :]
 
@@ -224,17 +300,22 @@ def _prefill_attention(
     index: int,
     scale: float,
     kv_scales: KVScales = UNSCALED,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     query_len = query.shape[0]
     seq_len = meta.seq_lens_list[index]
+    first_block = window_start(seq_len, query_len, window) // meta.block_size
     num_blocks = -(-seq_len // meta.block_size)
-    keys, values = gather_context(kv_cache, meta.block_tables[index, :num_blocks], kv_scales, query.dtype)
-    keys, values = keys[:seq_len].transpose(0, 1), values[:seq_len].transpose(0, 1)  # [KVH, L, D]
+    keys, values = gather_context(kv_cache, meta.block_tables[index, first_block:num_blocks], kv_scales, query.dtype)
+    offset = first_block * meta.block_size
+    keys, values = keys[: seq_len - offset].transpose(0, 1), values[: seq_len - offset].transpose(0, 1)  # [KVH, L, D]
     q = query.transpose(0, 1)  # [H, Q, D]
-    if query_len == seq_len:
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        # Query i sits at position seq_len - query_len + i and sees every key up to it.
-        mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - query_len)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    mask = None  # the causal mask: query i sits at position seq_len - query_len + i
+    if window is not None or query_len != seq_len:
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(offset, seq_len, device=query.device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= q_pos - k_pos < window
+    return attend(q, keys, values, mask, scale, softcap).transpose(0, 1)

@@ -13,17 +13,33 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """Llama's RMSNorm: normalized in fp32, rounded to the input dtype, times w. unit_offset:
+    Gemma's, which multiplies by (1 + w) in fp32 and rounds once, at the end."""
     input_dtype = x.dtype
     x = x.to(torch.float32)
     variance = x.pow(2).mean(-1, keepdim=True)
     x = x * torch.rsqrt(variance + eps)
+    if unit_offset:
+        return (x * (1.0 + weight.float())).to(input_dtype)
     return weight * x.to(input_dtype)
+
+
+def rounded_to(value: float, dtype: torch.dtype) -> float:
+    """A Python float rounded to `dtype`: multiplying a tensor of that dtype by it gives what HF's
+    multiplication by a 0-dim tensor of that dtype gives (Gemma's embedding scale)."""
+    return float(torch.tensor(value, dtype=torch.float32).to(dtype))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma's MLP): gelu_pytorch_tanh(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def moe_route(
@@ -39,16 +55,49 @@ def moe_route(
     return (weights if fp32_weights else weights.to(logits.dtype)), experts
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding, with Llama-3 scaling when configured."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any], long_context: bool = False) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding over `rotary_dim` dims, with the configured
+    scaling: llama3, linear (Gemma 3's global layers), or longrope (Phi-3), whose long factors
+    apply when `long_context` (see rope_uses_long_factors)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     rope_type = scaling.get("rope_type", "default")
+    if rope_type == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long_context else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if rope_type == "default":
         return inv_freq
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, scaling)
-    raise ValueError(f"model: rope_type {rope_type!r} is not supported (default, llama3)")
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    raise ValueError(f"model: rope_type {rope_type!r} is not supported (default, llama3, linear, longrope)")
+
+
+def rope_uses_long_factors(scaling: dict[str, Any], max_model_len: int) -> bool:
+    """Whether a longrope model rotates by its long factors: once for the whole engine, when
+    max_model_len exceeds original_max_position_embeddings (as vLLM decides).
+
+    HF switches per forward by the sequence's length, so a sequence that crosses the original
+    length keeps keys rotated by the short factors in its cache next to new ones rotated by the
+    long. A paged cache shares blocks between requests (prefix caching), so a key's rotation
+    must depend on its position alone: with the choice made once, every sequence equals HF's
+    when max_model_len <= original_max_position_embeddings (short factors throughout), and the
+    sequences longer than that when it is larger (HF's long factors from their first forward)."""
+    return scaling.get("rope_type") == "longrope" and max_model_len > scaling["original_max_position_embeddings"]
+
+
+def rope_attention_factor(scaling: dict[str, Any], max_position_embeddings: int) -> float:
+    """The factor cos and sin are multiplied by: longrope's attention_factor, else 1 (HF's
+    _compute_longrope_parameters: sqrt(1 + ln(factor) / ln(original)) with factor defaulting
+    to max_position_embeddings / original_max_position_embeddings)."""
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -67,16 +116,25 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Ten
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * inv_freq for every position: two [max_positions, head_dim/2] tensors."""
+def rope_cos_sin_cache(
+    inv_freq: torch.Tensor, max_positions: int, attention_factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * inv_freq for every position, times attention_factor (HF's
+    attention_scaling): two [max_positions, rotary_dim/2] tensors."""
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
-    return freqs.cos(), freqs.sin()
+    if attention_factor == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * attention_factor, freqs.sin() * attention_factor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [tokens, heads, head_dim] by per-token cos/sin of shape [tokens, head_dim/2]
-    (HF's rotate_half convention: the two halves of head_dim form the pairs)."""
+    """Rotate [tokens, heads, head_dim] by per-token cos/sin of shape [tokens, rotary_dim/2]
+    (HF's rotate_half convention: the two halves of the rotary dims form the pairs). With
+    rotary_dim < head_dim (partial rotary) the dims past rotary_dim pass unchanged."""
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(x.dtype)
     sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)

@@ -143,7 +143,7 @@ class ModelRunner:
     def load_model(self) -> None:
         try:
             with _default_dtype(self.dtype), torch.device(self.device):
-                model = build_model(self.spec, self.ops, self.tp, self.quant)
+                model = build_model(self.spec, self.ops, self.tp, self.quant, self.config.max_model_len)
             if self.config.load_format == "dummy":
                 init_dummy_weights(model, self.config.seed)
             else:

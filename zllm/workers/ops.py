@@ -17,7 +17,7 @@ from zllm.workers import attention as ref
 from zllm.workers.attention import UNSCALED, AttentionMetadata, KVScales, PackedPrefill, dequantize_kv
 from zllm.workers.kernels import cpu as cpu_kernels
 from zllm.workers.kernels.matvec import GEMV_ROWS_MAX
-from zllm.workers.layers import apply_rotary, moe_route, rms_norm, silu_and_mul
+from zllm.workers.layers import apply_rotary, gelu_tanh_and_mul, moe_route, rms_norm, silu_and_mul
 
 
 class TorchOps:
@@ -29,18 +29,22 @@ class TorchOps:
         model of this dtype and head size; the runner asks once and packs every step then."""
         return False
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+        """unit_offset: Gemma's norm, (1 + w) in fp32 (layers.rms_norm)."""
+        return rms_norm(x, weight, eps, unit_offset)
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual <- x + residual; returns (rms_norm(residual), residual)."""
         residual = residual + x
-        return rms_norm(residual, weight, eps), residual
+        return rms_norm(residual, weight, eps, unit_offset), residual
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul(x)
 
     def fuses_moe(self, dtype: torch.dtype) -> bool:
         """Whether moe() runs fused kernels for this dtype (no host sync: graphs can hold it)."""
@@ -85,17 +89,19 @@ class TorchOps:
         meta: AttentionMetadata,
         scale: float,
         kv_scales: KVScales = UNSCALED,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Decodes through the CPU kernel (csrc/cpu) where it runs: it reads K/V in place, where
         the reference gathers them first; the reference otherwise (an FP8 cache too), and for
-        the prefills."""
+        the prefills. window / softcap: the layer's sliding window and logit cap (attention.py)."""
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n and not cpu_kernels.paged_attention_decode(
-            out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale
+            out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, window, softcap
         ):
-            out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale, kv_scales)
-        ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales)
+            out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale, kv_scales, window, softcap)
+        ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap)
         return out
 
 
@@ -121,19 +127,24 @@ class CudaOps(TorchOps):
         numel = self.k.attention_workspace_numel(max_batch, num_heads, head_dim, -(-max_len // 128))
         self.workspace = torch.empty(numel, dtype=torch.float32, device=device)
 
-    def rms_norm(self, x, weight, eps):
+    def rms_norm(self, x, weight, eps, unit_offset=False):
         out = torch.empty_like(x)
-        self.k.rms_norm(out, x.contiguous(), weight, eps)
+        self.k.rms_norm(out, x.contiguous(), weight, eps, unit_offset)
         return out
 
-    def add_rms_norm(self, x, residual, weight, eps):
+    def add_rms_norm(self, x, residual, weight, eps, unit_offset=False):
         x = x.contiguous()
-        self.k.fused_add_rms_norm(x, residual, weight, eps)  # in place: residual += x; x = norm(residual)
+        self.k.fused_add_rms_norm(x, residual, weight, eps, unit_offset)  # in place: residual += x; x = norm(residual)
         return x, residual
 
     def silu_and_mul(self, x):
         out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
         self.k.silu_and_mul(out, x.contiguous())
+        return out
+
+    def gelu_tanh_and_mul(self, x):
+        out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
+        self.k.gelu_tanh_and_mul(out, x.contiguous())
         return out
 
     def fuses_moe(self, dtype):
@@ -158,13 +169,18 @@ class CudaOps(TorchOps):
 
     def rotary_and_write_kv(self, positions, q, k, v, cos, sin, kv_cache, slot_mapping, kv_scales=UNSCALED):
         # One kernel, in place on the strided q/k views of the fused QKV output: at decode, two
-        # would each cost a launch and k would round-trip through memory.
+        # would each cost a launch and k would round-trip through memory. cos/sin narrower than
+        # half a head rotate its first dims only (partial rotary).
         self.k.rotary_embedding_and_cache(
             positions, q, k, v, cos, sin, kv_cache, slot_mapping, kv_scales.k, kv_scales.v
         )
         return q
 
-    def attention(self, q, kv_cache, meta, scale, kv_scales=UNSCALED):
+    def attention(self, q, kv_cache, meta, scale, kv_scales=UNSCALED, window=None, softcap=None):
+        """Decodes through the csrc kernel, the layer's window and cap its arguments (constants
+        a captured graph holds). Prefills packed into one FlashAttention call (its window_size
+        is the sliding window), or per request; FlashAttention has no soft-capping, so a capped
+        layer (Gemma 2) takes the reference's per-request path (HF's eager arithmetic)."""
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes:
@@ -182,10 +198,18 @@ class CudaOps(TorchOps):
                 workspace=self.workspace,
                 k_scale=kv_scales.k,
                 v_scale=kv_scales.v,
+                window=window,
+                softcap=softcap,
             )
+        if softcap is not None:
+            ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap)
+            return out
         if meta.prefill is not None:
             start = meta.query_start_loc[num_decodes]
-            out[start:] = packed_prefill_attention(q[start:], kv_cache, meta.prefill, scale, kv_scales)
+            out[start:] = packed_prefill_attention(q[start:], kv_cache, meta.prefill, scale, kv_scales, window)
+            return out
+        if window is not None:  # SDPA's flash kernels take no window: the reference's explicit mask
+            ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window)
             return out
         for i in range(num_decodes, len(meta.query_start_loc) - 1):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -238,7 +262,12 @@ def flash_varlen_available(device: torch.device) -> bool:
 
 
 def packed_prefill_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, prefill: PackedPrefill, scale: float, kv_scales: KVScales = UNSCALED
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    prefill: PackedPrefill,
+    scale: float,
+    kv_scales: KVScales = UNSCALED,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Every prefill request of the step in one FlashAttention call over variable lengths.
 
@@ -247,7 +276,9 @@ def packed_prefill_attention(
     of them; an FP8 cache's rows are dequantized after the gather); FlashAttention aligns the causal diagonal to the bottom right when a request has
     fewer queries than keys, which is a chunk (or a prefix-cache hit) attending to its prefix,
     and takes fewer KV heads than query heads as they are (GQA). Where the per-request loop
-    costs a dozen launches per request and layer, this is three per layer."""
+    costs a dozen launches per request and layer, this is three per layer. A sliding window is
+    FlashAttention's window_size_left, window - 1 keys before the query's own (also aligned to
+    the bottom right)."""
     keys, values = (
         dequantize_kv(ref.select_slots(kv_cache[half], prefill.context_slots), s, query.dtype)
         for half, s in ((0, kv_scales.k), (1, kv_scales.v))
@@ -264,6 +295,8 @@ def packed_prefill_attention(
         True,
         False,
         scale=scale,
+        window_size_left=None if window is None else window - 1,
+        window_size_right=None if window is None else 0,
     )[0]
 
 

@@ -1,7 +1,8 @@
 """Tensor-parallel building blocks: each rank holds a slice of a weight and knows which part of
 the checkpoint's full tensor fills it, so loading reads only that part from disk.
 
-- ColumnParallelLinear: output rows split (fused q/k/v or gate/up: one span per fused part).
+- ColumnParallelLinear: output rows split (fused q/k/v or gate/up: one span per fused part; the
+  checkpoint holds the parts apart (Llama) or fused too (Phi-3), and each rank reads its rows of each).
 - RowParallelLinear: input columns split; partial products are summed with an all-reduce.
 - VocabParallelEmbedding / ParallelLMHead: vocabulary rows split in equal padded blocks; the
   embedding all-reduces the rows each rank found, the head gathers logits to rank 0.
@@ -60,10 +61,20 @@ class _Linear(nn.Module):
 
 
 class ColumnParallelLinear(_Linear):
-    def __init__(self, input_size: int, parts: list[FusedPart], bias: bool, quant: QuantSpec | None = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        parts: list[FusedPart],
+        bias: bool,
+        quant: QuantSpec | None = None,
+        fused_in_checkpoint: bool = False,
+    ) -> None:
+        """fused_in_checkpoint: one checkpoint tensor holds every part, one after the other
+        (Phi-3's qkv_proj, gate_up_proj), and fills each shard from its own rows."""
         super().__init__()
         self.input_size = input_size
         self.parts = parts
+        self.fused_in_checkpoint = fused_in_checkpoint
         rows = sum(p.span.count for p in parts)
         if quant is not None and quant.block:
             offset = 0
@@ -85,9 +96,14 @@ class ColumnParallelLinear(_Linear):
         part = self.parts[shard]
         offset = sum(p.span.count for p in self.parts[:shard])
         rows, src_rows = slice(offset, offset + part.span.count), slice(part.span.start, part.span.stop)
+        full_rows = part.full_rows
+        if self.fused_in_checkpoint:  # the part's rows start after the earlier parts' in the tensor
+            src_offset = sum(p.full_rows for p in self.parts[:shard])
+            src_rows = slice(src_rows.start + src_offset, src_rows.stop + src_offset)
+            full_rows = sum(p.full_rows for p in self.parts)
         if param_name == "bias":
-            return LoadTarget(self.bias.data[rows], (part.full_rows,), (src_rows,))
-        region = WeightRegion(rows, src_rows, slice(None), (part.full_rows, self.input_size), shard)
+            return LoadTarget(self.bias.data[rows], (full_rows,), (src_rows,))
+        region = WeightRegion(rows, src_rows, slice(None), (full_rows, self.input_size), shard)
         return self._weight_target(param_name, region)
 
 

@@ -95,9 +95,8 @@ class EagerPieces:
 
     def _piece(self, index: int, size: int) -> None:
         """Piece `index` at `size` rows, from and to the static buffers."""
-        rotary = self.model.model.rotary
         if index == 0:
-            x, residual = self.model.model.embed_tokens(self.input_ids[:size]), None
+            x, residual = self.model.model.embed(self.input_ids[:size]), None
         else:
             x, residual = self.layers[index - 1].after_attention(self.attended[:size], self.residual[:size])
         if index == len(self.layers):
@@ -105,7 +104,12 @@ class EagerPieces:
             self.hidden[:size].copy_(x)
             return
         q, residual = self.layers[index].before_attention(
-            x, residual, self.positions[:size], rotary, self.kv_caches[index], self.slot_mapping[:size]
+            x,
+            residual,
+            self.positions[:size],
+            self.model.model.rotary_of(index),
+            self.kv_caches[index],
+            self.slot_mapping[:size],
         )
         self.q[:size].copy_(q)
         self.residual[:size].copy_(residual)

@@ -41,18 +41,17 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: str) -> None:
     for path in checkpoint_files(model_dir):
         with _open_safetensors(path) as f:
             for hf_name in f.keys():
-                target = model.checkpoint_targets(hf_name)
-                if target is None:
-                    continue
-                name, shard = target
-                if target in loaded:
-                    raise ValueError(f"model: {path}: tensor {hf_name!r} appears a second time in the checkpoint")
-                if name not in params:
-                    raise ValueError(f"model: {path}: tensor {hf_name!r} matches no parameter of the model")
-                where = model.load_target(name, shard)
-                where.fill(_read_region(f, hf_name, where, path))
-                loaded.add(target)
-    missing = sorted(model.checkpoint_name(name, shard) for name, shard in expected - loaded)
+                for target in model.checkpoint_targets(hf_name):  # several: a tensor fused in the checkpoint
+                    name, shard = target
+                    if target in loaded:
+                        raise ValueError(f"model: {path}: tensor {hf_name!r} appears a second time in the checkpoint")
+                    if name not in params:
+                        raise ValueError(f"model: {path}: tensor {hf_name!r} matches no parameter of the model")
+                    where = model.load_target(name, shard)
+                    where.fill(_read_region(f, hf_name, where, path))
+                    loaded.add(target)
+    # A tensor fused in the checkpoint fills several shards: named once.
+    missing = sorted({model.checkpoint_name(name, shard) for name, shard in expected - loaded})
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise ValueError(f"model: checkpoint in {model_dir} lacks tensor(s) {', '.join(missing[:8])}{more}")

@@ -1,13 +1,16 @@
 """zllm's CUDA kernels (csrc/) on torch tensors, loaded through CuPy, and its CPU kernels.
 
 One module per kernel file, named after it (csrc/<name>_kernels.cu -> kernels/<name>.py), but for
-csrc/gemv_kernels.cu -> kernels/matvec.py (`kernels.gemv` is the function):
+csrc/gemv_kernels.cu -> kernels/matvec.py (`kernels.gemv` is the function) and
+csrc/attention_window_kernels.cu, whose kernels kernels/attention.py launches too:
 
 Reference (CPU path and oracle)                  Kernel here
 attention.write_kv_cache(kv, k, v, slots)        cache.reshape_and_cache(kv, k, v, slots)
-attention.decode_attention(q, kv, meta, scale)   attention.paged_attention_decode(out, q, kv, tables, lens, scale)
-layers.rms_norm(x, w, eps)                       layernorm.rms_norm(out, x, w, eps)
-x + y, then layers.rms_norm                      layernorm.fused_add_rms_norm(x, residual, w, eps)  (in place)
+attention.decode_attention(q, kv, meta, scale,   attention.paged_attention_decode(out, q, kv, tables, lens, scale,
+  window, softcap)                                 window=, softcap=)
+layers.rms_norm(x, w, eps, unit_offset)          layernorm.rms_norm(out, x, w, eps, unit_offset)
+x + y, then layers.rms_norm                      layernorm.fused_add_rms_norm(x, residual, w, eps, unit_offset)
+                                                   (in place)
 layers.apply_rotary on q and k                   pos_encoding.rotary_embedding(positions, q, k, cos, sin)  (in place)
 apply_rotary, then write_kv_cache                pos_encoding.rotary_embedding_and_cache(positions, q, k, v, cos, sin,
   (an FP8 kv cache: quantize_kv / dequantize_kv)   kv, slots)  (the same, with k_scale, v_scale)
@@ -15,6 +18,7 @@ F.linear(x, w, b) for one row x                  matvec.gemv(out, x, w, b); matv
 F.linear(x, w, b) for 2 to 8 rows x              matvec.gemv_rows(out, x, w, b)
 fp8.quantize_rows, fp8.quantize_groups           quant.quant_fp8_rows, quant.quant_fp8_groups
 layers.silu_and_mul(x)                           activation.silu_and_mul(out, x)
+layers.gelu_tanh_and_mul(x)                      activation.gelu_tanh_and_mul(out, x)
 models/moe.py's routing and expert loop          moe.* (its own docstring)
 
 `checks` holds the argument checks they share; `loader` finds, builds and launches the CUDA
@@ -33,7 +37,7 @@ CPU path and the oracle of tests/gpu/test_kernels.py.
 
 from __future__ import annotations
 
-from zllm.workers.kernels.activation import silu_and_mul
+from zllm.workers.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from zllm.workers.kernels.attention import attention_partitions, attention_workspace_numel, paged_attention_decode
 from zllm.workers.kernels.cache import reshape_and_cache
 from zllm.workers.kernels.layernorm import fused_add_rms_norm, rms_norm
@@ -56,6 +60,7 @@ __all__ = [
     "fp8_gemv",
     "fp8_gemv_supported",
     "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
     "gemv",
     "gemv_rows",
     "gemv_rows_supported",

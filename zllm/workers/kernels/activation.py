@@ -1,4 +1,5 @@
-"""The gated MLP's activation: SiLU of the gate times the up projection (csrc/activation_kernels.cu)."""
+"""The gated MLP's activation of the gate times the up projection (csrc/activation_kernels.cu):
+SiLU (SwiGLU) or GELU with the tanh approximation (Gemma's GeGLU)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,15 @@ from zllm.workers.kernels.loader import launch
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """out [..., I] = silu(x[..., :I]) * x[..., I:] for x [..., 2I] (dtype rounding as the reference)."""
-    op = "silu_and_mul"
+    return _act_and_mul("silu_and_mul", out, x)
+
+
+def gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """out [..., I] = gelu_tanh(x[..., :I]) * x[..., I:] for x [..., 2I] (layers.gelu_tanh_and_mul)."""
+    return _act_and_mul("gelu_tanh_and_mul", out, x)
+
+
+def _act_and_mul(op: str, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     device = check_cuda(op, out=out, x=x)
     suffix = dtype_suffix(op, x, "x")
     check_dtype(op, x.dtype, out=out)
@@ -44,7 +53,7 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     args = (ptr(out), ptr(x), np.int32(d), np.int64(x_stride), np.int64(out_stride))
     launch(
         "activation_kernels",
-        f"silu_and_mul_{suffix}{'_vec' if vec else ''}",
+        f"{op}_{suffix}{'_vec' if vec else ''}",
         device,
         (rows, blocks_y),
         (threads,),

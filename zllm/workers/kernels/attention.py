@@ -1,6 +1,8 @@
 """Paged attention of one query token per sequence (decode) over its cached context
-(csrc/attention_kernels.cu): long contexts are split into partitions (split-K) whose partial
-results a second kernel reduces, through an fp32 workspace passed in or cached per device."""
+(csrc/attention.cuh; the plain kernels in attention_kernels.cu, those of sliding-window and
+soft-capped layers in attention_window_kernels.cu): long contexts are split into partitions
+(split-K) whose partial results a second kernel reduces, through an fp32 workspace passed in or
+cached per device."""
 
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from zllm.workers.kernels.checks import (
 )
 from zllm.workers.kernels.loader import launch
 
-_ATTN_THREADS = 128  # kAttnThreads in attention_kernels.cu
-_ATTN_HEAD_DIMS = (64, 128)
+_ATTN_THREADS = 128  # kAttnThreads in attention.cuh
+_ATTN_HEAD_DIMS = (64, 96, 128, 256)  # compiled head sizes (Phi-3: 96; Gemma 2/3: 256)
 _MAX_REDUCE_PARTS = 48 * 1024 // 4  # the reduce kernel's weights live in 48 KiB of shared memory
 
 _workspaces: dict[int, torch.Tensor] = {}
@@ -102,17 +104,21 @@ def paged_attention_decode(
     partition_size: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; writes and returns out.
 
     out, query: [B, H, D] (token stride free, heads contiguous, out must not overlap query);
-    kv_cache: [2, num_blocks, block_size, KVH, D] contiguous, H a multiple of KVH, D 64 or 128,
+    kv_cache: [2, num_blocks, block_size, KVH, D] contiguous, H a multiple of KVH, D 64, 96, 128 or 256,
     in the query's dtype or FP8 E4M3 (keys read as stored * k_scale, values * v_scale);
     block_tables: int32 [>= B, max_blocks]; seq_lens: int32 [>= B] (context length including the
     new token). max_seq_len bounds every seq_len (default: the block table's capacity) and sizes
     the grid: pass the batch's real maximum to skip empty partitions. Longer contexts are split
     into partitions (partition_size tokens, a multiple of 32; default 512, smaller for small
     batches) reduced through an fp32 workspace of attention_workspace_numel(...) elements.
+    window: a sliding window, the last `window` tokens only (the partitions then cover at most
+    the window); softcap: scores capped at softcap * tanh(score / softcap). None: off.
     """
     op = "paged_attention_decode"
     device = check_cuda(
@@ -136,7 +142,7 @@ def paged_attention_decode(
     if two != 2 or cache_head_dim != head_dim:
         fail(op, f"kv_cache must be [2, num_blocks, block_size, kv_heads, {head_dim}], got {tuple(kv_cache.shape)}")
     if head_dim not in _ATTN_HEAD_DIMS:
-        fail(op, f"head_dim {head_dim} is not supported (64 or 128)")
+        fail(op, f"head_dim {head_dim} is not supported {_ATTN_HEAD_DIMS}")
     if num_heads % kv_heads:
         fail(op, f"{num_heads} query heads are not a multiple of {kv_heads} kv heads")
     if out.shape != query.shape:
@@ -156,7 +162,11 @@ def paged_attention_decode(
     max_blocks = block_tables.shape[1]
     capacity = max_blocks * block_size
     max_len = capacity if max_seq_len is None else min(int(max_seq_len), capacity)
-    max_len = max(max_len, 1)
+    if window is not None and window <= 0:
+        fail(op, f"window {window} must be positive (None: no window)")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        fail(op, f"softcap {softcap} must be finite and positive (None: no cap)")
+    max_len = max(min(max_len, window or max_len), 1)  # the tokens one sequence attends to
     if partition_size is not None and (partition_size <= 0 or partition_size % 32):
         fail(op, f"partition_size {partition_size} must be a positive multiple of 32")
     size, parts = attention_partitions(batch, num_heads, kv_heads, max_len, device, partition_size)
@@ -206,9 +216,15 @@ def paged_attention_decode(
         np.int64(out.stride(0)),
         np.int32(size),
         np.int32(parts),
+        np.int32(window or 0),
+        np.float32(softcap * math.log2(math.e) if softcap else 0.0),
     )
-    kernel = f"paged_attention_decode_{suffix}{variant}_d{head_dim}_g{chunk}"
-    launch("attention_kernels", kernel, device, (parts, kv_heads * num_chunks, batch), (_ATTN_THREADS,), args)
+    # The plain kernels have no registers to spare for a window or a cap: their own families, in
+    # a module of their own.
+    family = "_cap" if softcap else "_win" if window else ""
+    kernel = f"paged_attention_decode_{suffix}{variant}{family}_d{head_dim}_g{chunk}"
+    module = "attention_window_kernels" if family else "attention_kernels"
+    launch(module, kernel, device, (parts, kv_heads * num_chunks, batch), (_ATTN_THREADS,), args)
     if parts > 1:
         reduce_args = (
             ptr(out),
@@ -221,6 +237,7 @@ def paged_attention_decode(
             np.int64(out.stride(0)),
             np.int32(size),
             np.int32(parts),
+            np.int32(window or 0),
         )
         launch(
             "attention_kernels",

@@ -121,7 +121,8 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in _NAMES.values():
         fn = getattr(library, f"paged_attention_decode_{name}")
-        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_float, ctypes.c_int]
+        f32 = ctypes.c_float
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, f32, i64, f32, ctypes.c_int]
         fn.restype = ctypes.c_int
     return library
 
@@ -146,9 +147,12 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> bool:
     """out[s] = attention of query[s] ([seqs, heads, head_dim]) over its first seq_lens[s] cached
-    tokens (kv_cache [2, blocks, block_size, kv_heads, head_dim], block_tables [seqs, width]).
+    tokens (kv_cache [2, blocks, block_size, kv_heads, head_dim], block_tables [seqs, width]),
+    the last `window` of them only if given, scores soft-capped at `softcap` if given.
     Returns False, leaving `out` untouched, where the kernel cannot run (the caller falls back)."""
     library = _load()
     if library is None or not _supported(out, query, kv_cache):
@@ -166,7 +170,8 @@ def paged_attention_decode(
     fn = getattr(library, f"paged_attention_decode_{_NAMES[query.dtype]}")
     status = fn(
         out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, strides, scale, torch.get_num_threads(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, strides, scale, window or 0, softcap or 0.0,
+        torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged_attention_decode: could not allocate its scratch")

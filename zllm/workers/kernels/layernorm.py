@@ -19,9 +19,11 @@ from zllm.workers.kernels.checks import (
 from zllm.workers.kernels.loader import launch
 
 
-def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """out = weight * to_dtype(x * rsqrt(mean(x^2) + eps)) over the last dimension (fp32 inside).
-    out may be x itself."""
+def rms_norm(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
+    """out = weight * to_dtype(x * rsqrt(mean(x^2) + eps)) over the last dimension (fp32 inside);
+    unit_offset: Gemma's to_dtype(x * rsqrt(...) * (1 + weight)). out may be x itself."""
     op = "rms_norm"
     device = check_cuda(op, out=out, x=x, weight=weight)
     suffix = dtype_suffix(op, x, "x")
@@ -47,15 +49,17 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: floa
         np.int32(hidden),
         np.int64(x_stride),
         np.int64(out_stride),
+        np.int32(unit_offset),
     )
     launch("layernorm_kernels", kernel, device, (rows,), (threads_for(units, 1024),), args)
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place: residual = residual + x (rounded to the dtype), then x = rms_norm(residual)."""
+    """In place: residual = residual + x (rounded to the dtype), then x = rms_norm(residual)
+    (Gemma's with unit_offset)."""
     op = "fused_add_rms_norm"
     device = check_cuda(op, x=x, residual=residual, weight=weight)
     suffix = dtype_suffix(op, x, "x")
@@ -75,6 +79,6 @@ def fused_add_rms_norm(
     vec = hidden % per16 == 0 and aligned16(x, residual, weight)
     units = hidden // per16 if vec else hidden
     kernel = f"fused_add_rms_norm_{suffix}{'_vec' if vec else ''}"
-    args = (ptr(x), ptr(residual), ptr(weight), np.float32(eps), np.int32(hidden))
+    args = (ptr(x), ptr(residual), ptr(weight), np.float32(eps), np.int32(hidden), np.int32(unit_offset))
     launch("layernorm_kernels", kernel, device, (rows,), (threads_for(units, 1024),), args)
     return x, residual

@@ -34,6 +34,7 @@ from zllm import envs
 KERNEL_FILES: dict[str, str] = {
     "activation_kernels": "silu_and_mul_f32",
     "attention_kernels": "paged_attention_reduce_f32_d64",
+    "attention_window_kernels": "paged_attention_decode_f32_win_d64_g1",
     "cache_kernels": "reshape_and_cache_f32",
     "gemv_kernels": "gemv_f32",
     "layernorm_kernels": "rms_norm_f32",

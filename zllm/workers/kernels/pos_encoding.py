@@ -27,8 +27,9 @@ def rotary_embedding(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate query [T, H, D] and key [T, KVH, D] in place by the float32 cos/sin caches
-    [max_pos, D/2] at positions [T] (int64), pairing dims i and i + D/2 (HF's rotate_half).
-    A position outside [0, max_pos) leaves its token unrotated."""
+    [max_pos, R/2] at positions [T] (int64), pairing dims i and i + R/2 (HF's rotate_half) of
+    the first R dims; R < D is partial rotary (the dims past R pass unchanged). A position
+    outside [0, max_pos) leaves its token unrotated."""
     op = "rotary_embedding"
     device = check_cuda(op, positions=positions, query=query, key=key, cos=cos, sin=sin)
     suffix = dtype_suffix(op, query, "query")
@@ -46,13 +47,12 @@ def rotary_embedding(
         num_kv_heads, key_stride = key.shape[1], key.stride(0)
     if head_dim % 2:
         fail(op, f"head_dim {head_dim} must be even")
-    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim // 2:
-        fail(op, f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be [max_pos, {head_dim // 2}]")
+    rot_dim = _rotary_dim(op, cos, sin, head_dim)
     if tuple(positions.shape) != (tokens,):
         fail(op, f"positions must be [{tokens}], got {tuple(positions.shape)}")
     if tokens == 0:
         return query, key
-    pairs = (num_heads + num_kv_heads) * (head_dim // 2)
+    pairs = (num_heads + num_kv_heads) * (rot_dim // 2)
     args = (
         ptr(positions),
         ptr(query),
@@ -62,6 +62,7 @@ def rotary_embedding(
         np.int32(num_heads),
         np.int32(num_kv_heads),
         np.int32(head_dim),
+        np.int32(rot_dim),
         np.int64(query.stride(0)),
         np.int64(key_stride),
         np.int64(cos.shape[0]),
@@ -85,7 +86,8 @@ def rotary_embedding_and_cache(
     """rotary_embedding(positions, query, key, cos, sin) then reshape_and_cache(kv_cache, key,
     value, slot_mapping), in one launch: query and key are rotated in place, and the rotated key
     and value are stored at their slots (slots < 0 are padding). An FP8 E4M3 kv_cache stores
-    them quantized as attention.quantize_kv does, by k_scale and v_scale."""
+    them quantized as attention.quantize_kv does, by k_scale and v_scale. cos/sin narrower than
+    head_dim / 2 rotate the first dims only (partial rotary), as in rotary_embedding."""
     op = "rotary_embedding_and_cache"
     device = check_cuda(
         op,
@@ -116,8 +118,7 @@ def rotary_embedding_and_cache(
         fail(op, f"query {tuple(query.shape)} needs the cache's even head_dim {head_dim}")
     if tuple(key.shape) != (tokens, kv_heads, head_dim) or value.shape != key.shape:
         fail(op, f"key {tuple(key.shape)} and value {tuple(value.shape)} must be [{tokens}, {kv_heads}, {head_dim}]")
-    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim // 2:
-        fail(op, f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be [max_pos, {head_dim // 2}]")
+    rot_dim = _rotary_dim(op, cos, sin, head_dim)
     if tuple(positions.shape) != (tokens,) or tuple(slot_mapping.shape) != (tokens,):
         fail(op, f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} must be [{tokens}]")
     if num_heads + kv_heads > MAX_GRID_YZ:
@@ -144,6 +145,7 @@ def rotary_embedding_and_cache(
         np.int64(value.stride(0)),
         np.int64(cos.shape[0]),
         np.int64(slots),
+        np.int32(rot_dim),
         np.float32(1.0 / k_scale),
         np.float32(1.0 / v_scale),
     )
@@ -156,3 +158,13 @@ def rotary_embedding_and_cache(
         args,
     )
     return query, key
+
+
+def _rotary_dim(op: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> int:
+    """The dims rotated: twice the caches' width, at most head_dim (less: partial rotary)."""
+    if cos.dim() != 2 or cos.shape != sin.shape or not 0 < cos.shape[1] <= head_dim // 2:
+        fail(
+            op,
+            f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be [max_pos, rotary_dim / 2 <= {head_dim // 2}]",
+        )
+    return 2 * cos.shape[1]

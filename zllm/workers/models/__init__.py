@@ -7,12 +7,13 @@ from zllm.model_spec import MODEL_REGISTRY, ModelSpec, unsupported_architecture
 __all__ = ["MODEL_REGISTRY", "ModelSpec", "build_model"]
 
 
-def build_model(spec: ModelSpec, ops=None, tp=None, quant=None):
+def build_model(spec: ModelSpec, ops=None, tp=None, quant=None, max_model_len: int | None = None):
     """This rank's model for `spec`. Every registered architecture is the shared Llama-family
-    decoder; the spec's flags (biases, q/k norm) carry what differs. quant: a QuantSpec for the
-    linear layers (zllm/quantization.py), None for the model dtype."""
+    decoder; the spec's fields (biases, q/k norm, windows, Gemma's norms, ...) carry what differs.
+    quant: a QuantSpec for the linear layers (zllm/quantization.py), None for the model dtype;
+    max_model_len: the engine's context length (picks LongRoPE's factors)."""
     from zllm.workers.models.llama import LlamaForCausalLM
 
     if spec.architecture not in MODEL_REGISTRY:
         raise unsupported_architecture(repr(spec.architecture))
-    return LlamaForCausalLM(spec, ops, tp, quant)
+    return LlamaForCausalLM(spec, ops, tp, quant, max_model_len)

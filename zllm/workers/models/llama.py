@@ -1,9 +1,13 @@
 """The Llama-family decoder shared by every registered architecture (zllm/model_spec.py): GQA
-attention, SwiGLU MLP, RMSNorm, RoPE. The spec's flags carry what differs: Qwen2's q/k/v bias,
-Qwen3's per-head q/k RMSNorm, Llama's optional attention/MLP bias.
+attention, SwiGLU MLP, RMSNorm, RoPE. The spec's fields carry what differs: Qwen2's q/k/v bias,
+Qwen3's per-head q/k RMSNorm, Llama's optional attention/MLP bias; sliding-window layers
+(Mistral, Phi-3, Gemma's local layers, each with its own rotary in Gemma 3), attention and final
+logit soft-capping and query_pre_attn_scalar (Gemma 2), GeGLU, the (1 + w) RMSNorm, four norms a
+layer and scaled embeddings (Gemma 2/3), LongRoPE and partial rotary (Phi-3/Phi-4).
 
 Parameter names mirror HF's, with q/k/v and gate/up fused into one matrix each; the weight
-loader (zllm/workers/weight_loader.py) maps HF's separate tensors onto their shard of the fused one.
+loader (zllm/workers/weight_loader.py) maps HF's separate tensors onto their shard of the fused
+one, and Phi-3's fused tensors onto every shard they hold.
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ from zllm.partition import Span, even_split, head_shards
 from zllm.quantization import QuantSpec
 from zllm.workers.attention import UNSCALED, AttentionMetadata, KVScales
 from zllm.workers.distributed import TensorParallel
-from zllm.workers.layers import rope_cos_sin_cache, rope_inv_freq
+from zllm.workers.layers import (
+    rope_attention_factor,
+    rope_cos_sin_cache,
+    rope_inv_freq,
+    rope_uses_long_factors,
+    rounded_to,
+)
 from zllm.workers.models.moe import Experts, SparseMoeBlock
 from zllm.workers.ops import TorchOps
 from zllm.workers.parallel_layers import (
@@ -35,24 +45,35 @@ from zllm.workers.parallel_layers import (
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, ops: TorchOps) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: TorchOps, unit_offset: bool = False) -> None:
+        """unit_offset: Gemma's norm, which scales by (1 + w) (the checkpoint holds w)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.ops = ops
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With: (norm(x + residual), x + residual)."""
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
 
 
 class Rotary(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: TorchOps) -> None:
+    """cos and sin of every position for one kind of layer (Gemma 3's local layers have their
+    own). LongRoPE's short or long factors are chosen once, by max_model_len
+    (layers.rope_uses_long_factors)."""
+
+    def __init__(self, spec: ModelSpec, ops: TorchOps, max_model_len: int | None = None, local: bool = False) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-        cos, sin = rope_cos_sin_cache(inv_freq, spec.max_position_embeddings)
+        theta, scaling = (
+            (spec.local_rope_theta, spec.local_rope_scaling) if local else (spec.rope_theta, spec.rope_scaling)
+        )
+        long_context = rope_uses_long_factors(scaling, max_model_len or spec.max_position_embeddings)
+        inv_freq = rope_inv_freq(spec.rotary_dim, theta, scaling, long_context)
+        factor = rope_attention_factor(scaling, spec.max_position_embeddings)
+        cos, sin = rope_cos_sin_cache(inv_freq, spec.max_position_embeddings, factor)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.ops = ops
@@ -74,7 +95,9 @@ class Rotary(nn.Module):
 class LlamaAttention(nn.Module):
     """This rank's heads: a slice of q/k/v in, a partial o_proj product all-reduced out."""
 
-    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, quant: QuantSpec | None) -> None:
+    def __init__(
+        self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, quant: QuantSpec | None, index: int = 0
+    ) -> None:
         super().__init__()
         self.ops = ops
         shard = head_shards(spec.num_heads, spec.num_kv_heads, tp.size)[tp.rank]
@@ -84,7 +107,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = d
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
-        self.scale = d**-0.5
+        self.scale = d**-0.5 if spec.attention_scale is None else spec.attention_scale
+        # Constants of the layer, so a captured CUDA graph holds them too.
+        self.window = spec.window_of(index)
+        self.softcap = spec.attn_logit_softcap
         q_rows = _scaled(shard.q_heads, d)
         kv_rows = _scaled(shard.kv_heads, d)
         parts = [
@@ -92,11 +118,13 @@ class LlamaAttention(nn.Module):
             FusedPart(spec.num_kv_heads * d, kv_rows),
             FusedPart(spec.num_kv_heads * d, kv_rows),
         ]
-        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, parts, bias=spec.qkv_bias, quant=quant)
+        self.qkv_proj = ColumnParallelLinear(
+            spec.hidden_size, parts, bias=spec.qkv_bias, quant=quant, fused_in_checkpoint=spec.fused_checkpoint
+        )
         self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, q_rows, spec.o_proj_bias, tp, quant=quant)
-        if spec.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by all heads (replicated on every rank)
-            self.q_norm = RMSNorm(d, spec.rms_norm_eps, ops)
-            self.k_norm = RMSNorm(d, spec.rms_norm_eps, ops)
+        if spec.qk_norm:  # Qwen3, Gemma 3: one RMSNorm over head_dim for all heads (replicated on every rank)
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps, ops, spec.norm_unit_offset)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps, ops, spec.norm_unit_offset)
         else:
             self.q_norm = self.k_norm = None
         # The checkpoint's FP8 KV cache scales, one value each, required of every layer when its
@@ -146,7 +174,7 @@ class LlamaAttention(nn.Module):
         return rotary.apply_and_cache(positions, q, k, v, kv_cache, slot_mapping, self.kv_scales)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.ops.attention(q, kv_cache, meta, self.scale, self.kv_scales)
+        return self.ops.attention(q, kv_cache, meta, self.scale, self.kv_scales, self.window, self.softcap)
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attended.reshape(-1, self.q_size))
@@ -158,27 +186,44 @@ class LlamaMLP(nn.Module):
         self.ops = ops
         rows = even_split(spec.intermediate_size, tp.size, tp.rank)
         part = FusedPart(spec.intermediate_size, rows)
-        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, [part, part], bias=spec.mlp_bias, quant=quant)
+        self.gate_up_proj = ColumnParallelLinear(
+            spec.hidden_size, [part, part], bias=spec.mlp_bias, quant=quant, fused_in_checkpoint=spec.fused_checkpoint
+        )
         self.down_proj = RowParallelLinear(
             spec.intermediate_size, spec.hidden_size, rows, spec.mlp_bias, tp, quant=quant
         )
+        # SwiGLU, or GeGLU (Gemma): act(gate) * up.
+        self.act_and_mul = ops.gelu_tanh_and_mul if spec.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream is carried separately so the add fuses into the norm."""
+    """Pre-norm block; the residual stream is carried separately so the add fuses into the norm.
+
+    Gemma's "sandwich" layer norms the attention and MLP outputs too before each joins the
+    residual stream; its names follow HF's: post_attention_layernorm norms the attention output
+    there (the MLP's input norm in Llama), pre_feedforward_layernorm is the MLP's input norm."""
 
     def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, index: int, quant: QuantSpec | None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, ops, tp, quant)
+        self.index = index
+        self.self_attn = LlamaAttention(spec, ops, tp, quant, index)
         if spec.moe is not None and index in spec.moe.layers:
             self.mlp = SparseMoeBlock(spec, ops, tp)
         else:
             self.mlp = LlamaMLP(spec, ops, tp, quant)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops, spec.norm_unit_offset)
+
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(
         self,
@@ -210,17 +255,35 @@ class LlamaDecoderLayer(nn.Module):
 
     def after_attention(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, norm, MLP: (this layer's output, residual)."""
-        x, residual = self.post_attention_layernorm(self.self_attn.output(attended), residual)
+        x = self.self_attn.output(attended)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
+        x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, quant: QuantSpec | None) -> None:
+    def __init__(
+        self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, quant: QuantSpec | None, max_model_len: int | None
+    ) -> None:
         super().__init__()
+        self.spec = spec
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, ops, tp, i, quant) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
-        self.rotary = Rotary(spec, ops)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops, spec.norm_unit_offset)
+        self.rotary = Rotary(spec, ops, max_model_len)
+        self.local_rotary = Rotary(spec, ops, max_model_len, local=True) if spec.local_rope_theta is not None else None
+
+    def rotary_of(self, layer: int) -> Rotary:
+        """The rotary of layer `layer`: Gemma 3's local layers have their own."""
+        return self.local_rotary if self.spec.uses_local_rope(layer) else self.rotary
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings; Gemma's times sqrt(hidden_size), rounded to the model dtype first
+        as HF does."""
+        x = self.embed_tokens(input_ids)
+        return x if self.spec.embed_scale is None else x * rounded_to(self.spec.embed_scale, x.dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -239,14 +302,17 @@ class LlamaForCausalLM(nn.Module):
         ops: TorchOps | None = None,
         tp: TensorParallel | None = None,
         quant: QuantSpec | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         """quant: how the attention and MLP projections hold their weights (None: the model
-        dtype); embeddings, norms, routers, experts and the head always stay in the model dtype."""
+        dtype); embeddings, norms, routers, experts and the head always stay in the model dtype.
+        max_model_len: the engine's context length (None: max_position_embeddings), which picks
+        LongRoPE's factors."""
         super().__init__()
         self.spec = spec
         tp = tp or TensorParallel()
         self.tp = tp
-        self.model = LlamaModel(spec, ops or TorchOps(), tp, quant)
+        self.model = LlamaModel(spec, ops or TorchOps(), tp, quant, max_model_len)
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -278,25 +344,47 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.model.rotary, kv_cache, meta)
+        x, residual = self.model.embed(input_ids), None
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            x, residual = layer(x, residual, positions, self.model.rotary_of(i), kv_cache, meta)
         x, _ = self.model.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits over the whole vocabulary on rank 0; None on the other ranks."""
+        """Logits over the whole vocabulary on rank 0 (Gemma 2's soft-capped); None on the other ranks."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.logits(hidden)
+        logits = head.logits(hidden)
+        cap = self.spec.final_logit_softcap
+        if cap is None or logits is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
 
     # ---- weights -------------------------------------------------------------------------------
 
-    def checkpoint_targets(self, hf_name: str) -> tuple[str, int | None] | None:
-        """Map an HF tensor name to (our parameter name, shard index or None); None: not ours."""
+    def checkpoint_targets(self, hf_name: str) -> list[tuple[str, int | None]]:
+        """The (our parameter name, shard index or None) that an HF tensor fills: one, or every
+        part of a fused parameter for Phi-3's fused tensors; none when the tensor is not ours."""
         if "rotary_emb.inv_freq" in hf_name:
-            return None
+            return []
         if hf_name == "lm_head.weight" and self.lm_head is None:
-            return None  # tied: the embedding serves as the head
+            return []  # tied: the embedding serves as the head
+        if self.spec.fused_checkpoint:
+            module_name = hf_name.rsplit(".", 1)[0]
+            module = self._fused_module(module_name)
+            if module is not None:
+                return [(hf_name, shard) for shard in range(len(module.parts))]
+        target = self._checkpoint_target(hf_name)
+        return [] if target is None else [target]
+
+    def _fused_module(self, module_name: str) -> ColumnParallelLinear | None:
+        """The fused linear layer of that name, if the model has one."""
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:
+            return None
+        return module if isinstance(module, ColumnParallelLinear) and len(module.parts) > 1 else None
+
+    def _checkpoint_target(self, hf_name: str) -> tuple[str, int | None] | None:
         if self.spec.moe is not None:
             hf_name = hf_name.replace(f".{self.spec.moe.format.block}.", ".mlp.")
             if ".shared_expert" in hf_name and not self.spec.moe.shared_expert_intermediate_size:
@@ -322,6 +410,8 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_name(self, name: str, shard: int | None) -> str:
         """The HF tensor name that fills (parameter, shard): checkpoint_targets reversed."""
+        if self.spec.fused_checkpoint:
+            return name
         if self.spec.moe is not None and ".experts." in name:
             gate, up, down = self.spec.moe.format.expert_parts
             prefix, param = name.rsplit(".experts.", 1)
