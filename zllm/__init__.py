@@ -20,6 +20,11 @@ _LAZY_NAMES = {
     "RequestOutput": "zllm.outputs",
     "CompletionOutput": "zllm.outputs",
     "Logprob": "zllm.outputs",
+    "PoolingParams": "zllm.pooling",
+    "PoolingRequestOutput": "zllm.outputs",
+    "EmbeddingRequestOutput": "zllm.outputs",
+    "ClassificationRequestOutput": "zllm.outputs",
+    "ScoringRequestOutput": "zllm.outputs",
     "EngineConfig": "zllm.config",
     "Client": "zllm.client",
     "AsyncClient": "zllm.client",
@@ -32,7 +37,16 @@ if TYPE_CHECKING:
     from zllm.config import EngineConfig
     from zllm.launch.llm import LLM
     from zllm.launch.llm_engine import LLMEngine
-    from zllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from zllm.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from zllm.pooling import PoolingParams
     from zllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 

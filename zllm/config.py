@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from zllm.ipc.addresses import is_loopback_tcp
 from zllm.model_spec import ModelSpec
+from zllm.pooling import PoolerConfig, read_pooler_config
 from zllm.quantization import QUANTIZATION_METHODS, resolve_quantization
 
 # The values of each field with a fixed set of them, defined once: validate() checks them, the
@@ -22,6 +23,11 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ON_FAILURE_POLICIES = ("restart", "fail")
+# What the engine runs (vLLM's --runner): "generate" samples tokens, "pooling" returns one vector per
+# input (embeddings, classifier scores); "auto" picks by the checkpoint's architecture. --convert
+# names the pooling task of a checkpoint (only encoder architectures are served as pooling models yet).
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
 # The tool-call parsers' names (--tool-call-parser; None: none). zllm/frontend/openai/tool_parsers.py
 # maps each to its parser class (tests/test_tool_parsers.py keeps the two equal).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
@@ -39,6 +45,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "scheduling_policy": SCHEDULING_POLICIES,
     "on_failure": ON_FAILURE_POLICIES,
+    "runner": RUNNERS,
+    "convert": CONVERTS,
 }
 USAGES = ("serving", "offline")
 # An offline batch (LLM) on a GPU gains from larger decode batches and prefill chunks than a
@@ -232,6 +240,11 @@ class EngineConfig:
     headless: bool = False
     node_join_timeout_s: float = 300.0  # the head gives up when a node has not joined by then
     data_parallel_size_local: int = 0  # engines per node when engines split over nodes; 0: all on the head
+    # Pooling models (zllm/pooling.py): "auto" resolves to "generate" or "pooling" from the
+    # architecture; the pooler is what the checkpoint declares (resolved by create()).
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler: PoolerConfig | None = None
 
     @classmethod
     def create(cls, model: str | None = None, usage: str = "serving", **kwargs) -> EngineConfig:
@@ -256,7 +269,8 @@ class EngineConfig:
             for name in unset_limits:
                 setattr(config, name, OFFLINE_GPU_SCHEDULER_DEFAULTS[name])
         spec = ModelSpec.from_pretrained(config.model)
-        config.max_model_len = _resolve_max_model_len(spec, config.max_model_len)
+        _resolve_runner(config, spec)
+        config.max_model_len = _resolve_max_model_len(spec, config.max_model_len, config.pooler)
         config.validate()
         resolve_quantization(
             spec.quantization, config.quantization, config.load_format == "dummy", spec.moe is not None
@@ -297,6 +311,8 @@ class EngineConfig:
             f"must be 8, 16, 32, 64 or 128, got {self.block_size}",
         )
         _require(self.max_model_len >= 2, "max_model_len", f"must be >= 2, got {self.max_model_len}")
+        _require_choice(self, "runner")
+        _require_choice(self, "convert")
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens >= 1,
@@ -489,8 +505,9 @@ def _insecure_tcp(endpoint: str, what: str = "") -> str:
     return f"{name} is reachable from the network: {fix}, on a trusted network only, --allow-insecure-tcp"
 
 
-def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
-    """The context length: the model's max_position_embeddings unless a shorter one is asked for.
+def _resolve_max_model_len(spec: ModelSpec, requested: int, pooler: PoolerConfig | None = None) -> int:
+    """The context length: the model's max_position_embeddings unless a shorter one is asked for;
+    a sentence-transformers model's own max_seq_length where it declares one.
 
     Sliding-window layers attend within their window at any length (zllm/workers/attention.py);
     their KV blocks are kept for the whole sequence, as a full-attention layer's are.
@@ -498,7 +515,51 @@ def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
     limit = spec.max_position_embeddings
     if requested > limit:
         raise ValueError(f"max_model_len: {requested} exceeds the model's max_position_embeddings ({limit})")
+    if not requested and pooler is not None and pooler.max_seq_length:
+        return min(limit, pooler.max_seq_length)
     return requested or limit
+
+
+def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
+    """runner "auto" -> "generate" or "pooling" by the architecture; a pooling engine schedules
+    synchronously (one step makes each input's vector: nothing to pipeline), without graphs of
+    the decoder's."""
+    _require_choice(config, "runner")
+    _require_choice(config, "convert")
+    pooling = spec.pooling
+    if config.runner == "auto":
+        config.runner = "pooling" if pooling is not None else "generate"
+    if config.runner == "generate":
+        _require(
+            pooling is None,
+            "runner",
+            f"{spec.architecture} is a pooling model (embeddings, scores): it cannot generate; "
+            "leave --runner unset or use --runner pooling",
+        )
+        _require(config.convert in ("auto", "none"), "convert", "applies to --runner pooling only")
+        return
+    _require(
+        pooling is not None,
+        "runner",
+        f"pooling with the decoder {spec.architecture} is not supported yet; pooling architectures: "
+        + ", ".join(sorted(_pooling_registry())),
+    )
+    _require(
+        config.convert in ("auto", "none", pooling.kind),
+        "convert",
+        f"{spec.architecture} is a {pooling.kind} model; --convert {config.convert} does not apply",
+    )
+    _require(config.speculative_config is None, "speculative_config", "does not apply to a pooling model")
+    config.pooler = read_pooler_config(config.model, pooling.kind, pooling.default_pooling, spec.num_labels)
+    config.async_scheduling = False
+    config.piecewise_cuda_graphs = False
+    config.enable_prefix_caching = False
+
+
+def _pooling_registry() -> dict:
+    from zllm.model_spec import POOLING_REGISTRY
+
+    return POOLING_REGISTRY
 
 
 def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:

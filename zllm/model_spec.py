@@ -71,6 +71,30 @@ MODEL_REGISTRY: dict[str, Architecture] = {
     "Gemma3ForCausalLM": Architecture(mlp_bias=False, qk_norm=True, gemma=True),  # Gemma 3 1B, text-only
     "Phi3ForCausalLM": Architecture(qkv_bias=False, o_proj_bias=False, mlp_bias=False, fused_checkpoint=True),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingArchitecture:
+    """A pooling model (zllm/pooling.py): an encoder family and what its checkpoint's head is.
+
+    family: "bert" (absolute positions from 0, token types) or "xlm-roberta" (positions after
+    padding_idx); kind: "embed" (hidden states pooled) or "classify" (a sequence-classification
+    head over the CLS token); default_pooling: where sentence-transformers' modules say nothing."""
+
+    family: str
+    kind: str = "embed"
+    default_pooling: str = "cls"
+
+
+# Encoder-only, bidirectional models (zllm/workers/models/bert.py), served by the pooling runner.
+POOLING_REGISTRY: dict[str, PoolingArchitecture] = {
+    "BertModel": PoolingArchitecture("bert"),
+    "BertForSequenceClassification": PoolingArchitecture("bert", "classify"),
+    "XLMRobertaModel": PoolingArchitecture("xlm-roberta"),
+    "XLMRobertaForSequenceClassification": PoolingArchitecture("xlm-roberta", "classify"),
+}
+ENCODER_ACTIVATIONS = ("gelu",)
+
 # Configs without `architectures` (hand-written, or converted from GGUF by older zllm).
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -83,6 +107,8 @@ _BY_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "bert": "BertModel",
+    "xlm-roberta": "XLMRobertaModel",
 }
 
 
@@ -126,10 +152,18 @@ class ModelSpec:
     fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
     moe: MoeSpec | None = None  # None: a dense model
     quantization: QuantSpec | None = None  # the checkpoint's (config.json quantization_config); None: none
+    # Encoder-only pooling models (POOLING_REGISTRY): token types, where positions start (XLM-R:
+    # after padding_idx), the classifier's labels; rms_norm_eps holds their LayerNorm's eps.
+    encoder: bool = False
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    num_labels: int = 0
 
     @classmethod
     def from_hf_config(cls, hf_config) -> ModelSpec:
         architecture = pick_architecture(hf_config)
+        if architecture in POOLING_REGISTRY:
+            return cls._encoder(hf_config, architecture)
         arch = MODEL_REGISTRY[architecture]
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -167,6 +201,43 @@ class ModelSpec:
             quantization=checkpoint_quantization(hf_config),
             **(_gemma_fields(hf_config) if arch.gemma else {}),
         )
+
+    @classmethod
+    def _encoder(cls, hf_config, architecture: str) -> ModelSpec:
+        """BERT and XLM-RoBERTa: post-LayerNorm encoder layers, GELU MLP, learned positions."""
+        act = getattr(hf_config, "hidden_act", "gelu")
+        if act not in ENCODER_ACTIVATIONS:
+            raise ValueError(f"model: hidden_act {act!r} is not supported for encoders {ENCODER_ACTIVATIONS}")
+        if getattr(hf_config, "position_embedding_type", "absolute") not in (None, "absolute"):
+            raise ValueError("model: only absolute position embeddings are supported for encoders")
+        offset = (hf_config.pad_token_id + 1) if POOLING_REGISTRY[architecture].family == "xlm-roberta" else 0
+        num_heads = hf_config.num_attention_heads
+        return cls(
+            architecture=architecture,
+            model_type=hf_config.model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_heads,
+            head_dim=hf_config.hidden_size // num_heads,
+            intermediate_size=hf_config.intermediate_size,
+            rms_norm_eps=float(hf_config.layer_norm_eps),
+            rope_theta=0.0,
+            max_position_embeddings=hf_config.max_position_embeddings - offset,
+            tie_word_embeddings=False,
+            checkpoint_dtype=_checkpoint_dtype(hf_config),
+            hidden_act=act,
+            encoder=True,
+            type_vocab_size=int(getattr(hf_config, "type_vocab_size", 0) or 0),
+            position_offset=offset,
+            num_labels=int(getattr(hf_config, "num_labels", 0) or 0) if "Classification" in architecture else 0,
+        )
+
+    @property
+    def pooling(self) -> PoolingArchitecture | None:
+        """The pooling architecture, None for a decoder served for generation."""
+        return POOLING_REGISTRY.get(self.architecture)
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> ModelSpec:
@@ -231,14 +302,15 @@ def pick_architecture(hf_config) -> str:
     if not names and getattr(hf_config, "model_type", None) in _BY_MODEL_TYPE:
         names = [_BY_MODEL_TYPE[hf_config.model_type]]
     for name in names:
-        if name in MODEL_REGISTRY:
+        if name in MODEL_REGISTRY or name in POOLING_REGISTRY:
             return name
     raise unsupported_architecture(names or f"none (model_type {getattr(hf_config, 'model_type', None)!r})")
 
 
 def unsupported_architecture(found) -> ValueError:
     return ValueError(
-        f"model: architecture {found} is not supported; supported architectures: {', '.join(sorted(MODEL_REGISTRY))}"
+        f"model: architecture {found} is not supported; supported architectures: "
+        f"{', '.join(sorted([*MODEL_REGISTRY, *POOLING_REGISTRY]))}"
     )
 
 

@@ -53,3 +53,60 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs=k
+    # A pooling request's result (zllm/pooling.py): the embedding, or the class probabilities.
+    pooled: list[float] | None = None
+
+
+# ---- pooling models (LLM.embed / classify / score / encode): vLLM's output types ------------------
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """The raw pooled vector (LLM.encode). vLLM holds a tensor here; zllm a list (torch-free)."""
+
+    data: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """One input's result from a pooling model; `outputs` is one of the four kinds above."""
+
+    request_id: str
+    outputs: PoolingOutput | EmbeddingOutput | ClassificationOutput | ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    __slots__ = ()
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    __slots__ = ()
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    __slots__ = ()

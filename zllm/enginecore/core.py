@@ -15,6 +15,7 @@ from typing import Protocol
 from zllm.config import EngineConfig
 from zllm.enginecore.block_pool import BlockPool
 from zllm.enginecore.kv_cache_manager import KVCacheManager
+from zllm.enginecore.pooling_scheduler import PoolingScheduler
 from zllm.enginecore.request import Request
 from zllm.enginecore.scheduler import Scheduler, SchedulerStats
 from zllm.enginecore.structured_outputs import StructuredOutputs
@@ -59,12 +60,17 @@ class EngineCore:
         self._in_flight: deque[int] = deque()  # step ids submitted, not yet collected
         # step id -> its structured_ids and their drafts, mask not sent yet
         self._bitmask_due: dict[int, tuple[list[str], dict[str, list[int]]]] = {}
+        self.pooling = config.runner == "pooling"
         self.num_kv_blocks = config.num_kv_blocks or executor.determine_num_kv_blocks()
-        _warn_if_a_long_request_cannot_fit(config, self.num_kv_blocks)
         executor.initialize_kv_cache(self.num_kv_blocks)
         pool = BlockPool(self.num_kv_blocks)
-        self.scheduler = Scheduler(config, KVCacheManager(pool, config.block_size, config.enable_prefix_caching))
+        scheduler_class = PoolingScheduler if self.pooling else Scheduler
+        self.scheduler = scheduler_class(config, KVCacheManager(pool, config.block_size, config.enable_prefix_caching))
         self.structured = StructuredOutputs(config)
+        if self.pooling:
+            logger.info("pooling model: no KV cache; inputs of up to %d tokens", config.max_model_len)
+            return
+        _warn_if_a_long_request_cannot_fit(config, self.num_kv_blocks)
         logger.info(
             "KV cache (%s): %d blocks of %d tokens (%d tokens); max concurrency at %d tokens each: %.1fx",
             "fp8_e4m3" if config.kv_cache_dtype.startswith("fp8") else "model dtype",
@@ -78,11 +84,14 @@ class EngineCore:
     def add_request(self, message: AddRequest) -> None:
         """Queue a request. ValueError: it can never run; QueueFullError: not now."""
         num_tokens = len(message.prompt_token_ids) + len(message.output_token_ids)
-        if not message.prompt_token_ids or num_tokens >= self.config.max_model_len:
+        longest = self.config.max_model_len if self.pooling else self.config.max_model_len - 1
+        if not message.prompt_token_ids or num_tokens > longest:
             raise ValueError(
                 f"prompt: {len(message.prompt_token_ids)} tokens; must be between 1 and "
-                f"max_model_len - 1 ({self.config.max_model_len - 1})"
+                f"{'max_model_len' if self.pooling else 'max_model_len - 1'} ({longest})"
             )
+        if message.pooling is not None and not self.pooling:
+            raise ValueError("task: this model generates text; it serves no pooling requests (embeddings, scores)")
         num_waiting = len(self.scheduler.waiting)
         if num_waiting >= self.config.max_waiting and not message.resumed:
             raise QueueFullError(
@@ -99,6 +108,7 @@ class EngineCore:
             cache_salt=message.cache_salt,
             bad_words_token_ids=message.bad_words_token_ids,
             output_token_ids=list(message.output_token_ids),
+            pooling=message.pooling,
         )
         self.scheduler.add_request(request)
         if message.sampling.structured_outputs is not None:

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from zllm.pooling import PoolingParams
 from zllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class Request:
     # flight scores (its computed count is rolled back by those the workers reject).
     spec_token_ids: list[int] = field(default_factory=list)
     num_scheduled_drafts: int = 0
+    pooling: PoolingParams | None = None  # a pooling request: one step, no sampling, no KV kept
 
     def __post_init__(self) -> None:
         # Output tokens may be given up front: a request resumed after an engine restart.

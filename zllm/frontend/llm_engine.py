@@ -37,7 +37,7 @@ class LLMEngine:
         self.core = core
         self.tokenizer = load_tokenizer(config.tokenizer_path)
         self.processor = InputProcessor.from_config(config, self.tokenizer)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, config.pooler)
 
     def add_request(
         self,

@@ -15,6 +15,7 @@ from zllm.frontend.detokenizer import IncrementalDetokenizer
 from zllm.frontend.parallel_sampling import core_request_ids, fan_out
 from zllm.ipc.messages import AddRequest, TokenDelta, TokenLogprobs
 from zllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from zllm.pooling import PoolerConfig, PoolingParams, finish_embedding, finish_scores
 from zllm.sampling_params import SamplingParams
 
 
@@ -53,6 +54,8 @@ class _Request:
     completions: list[_Completion]
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    pooling: PoolingParams | None = None
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -70,12 +73,14 @@ class _Request:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            pooled=self.pooled,
         )
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, pooler: PoolerConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.pooler = pooler
         self._requests: dict[str, _Request] = {}
         self._completions: dict[str, tuple[_Request, _Completion]] = {}  # by engine-core request id
         self._token_texts: dict[int, str] = {}
@@ -96,7 +101,9 @@ class OutputProcessor:
             )
             for index, core_id in enumerate(core_ids)
         ]
-        request = _Request(message.request_id, prompt, message.prompt_token_ids, sampling, completions)
+        request = _Request(
+            message.request_id, prompt, message.prompt_token_ids, sampling, completions, pooling=message.pooling
+        )
         self._requests[message.request_id] = request
         for completion in completions:
             self._completions[completion.core_id] = (request, completion)
@@ -163,6 +170,8 @@ class OutputProcessor:
         """Returns True when a stop string ended the completion."""
         sampling = request.sampling
         request.num_cached_tokens = max(request.num_cached_tokens, delta.num_cached_tokens)
+        if delta.pooled is not None and request.pooling is not None:
+            request.pooled = self._finish_pooled(delta.pooled, request.pooling)
         if delta.prompt_logprobs is not None:
             request.prompt_logprobs = [None] + self._logprob_dicts(
                 delta.prompt_logprobs, sampling.prompt_logprobs, sampling
@@ -184,6 +193,17 @@ class OutputProcessor:
             completion.finish_reason = delta.finish_reason
             completion.stop_reason = delta.stop_reason
         return False
+
+    def _finish_pooled(self, pooled: bytes, params: PoolingParams) -> list[float]:
+        """The worker's raw vector as the request asked for it (zllm/pooling.py)."""
+        import numpy as np
+
+        vector = np.frombuffer(pooled, dtype="<f4").tolist()
+        if params.task == "embed":
+            return finish_embedding(vector, params, self.pooler)
+        if params.task in ("classify", "score") and self.pooler.kind == "classify":
+            return finish_scores(vector, params)
+        return vector
 
     def _add_logprobs(self, completion: _Completion, logprobs: TokenLogprobs, sampling: SamplingParams) -> None:
         dicts = self._logprob_dicts(logprobs, sampling.logprobs, sampling)

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from zllm.grammars import grammar_of
 from zllm.ipc.messages import AddRequest
+from zllm.pooling import PoolerConfig, PoolingParams, check_pooling
 from zllm.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any]]
@@ -34,6 +35,7 @@ class InputProcessor:
             max_logprobs=config.max_logprobs,
             max_n=config.max_n,
             scheduling_policy=config.scheduling_policy,
+            pooler=config.pooler,
         )
 
     def __init__(
@@ -46,6 +48,7 @@ class InputProcessor:
         max_logprobs: int = 20,
         max_n: int = 128,
         scheduling_policy: str = "fcfs",
+        pooler: PoolerConfig | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -54,6 +57,7 @@ class InputProcessor:
         self.max_logprobs = max_logprobs
         self.max_n = max_n
         self.scheduling_policy = scheduling_policy
+        self.pooler = pooler  # set: a pooling model, which serves pooling requests only
 
     def process(
         self,
@@ -63,15 +67,21 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> tuple[AddRequest, str | None]:
         """Returns the message for the engine core and the prompt text (None for token ids).
-        A prompt dict may carry a "cache_salt" (as in vLLM); `cache_salt` here is the same."""
+        A prompt dict may carry a "cache_salt" (as in vLLM); `cache_salt` here is the same.
+        `pooling`: a pooling request (the only kind a pooling model serves); a prompt dict may
+        then carry the "token_type_ids" of a text pair."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(sampling).__name__}")
+        self._check_task(pooling)
         self._check_sampling(sampling)
         self._check_priority(priority)
         text, token_ids = self._tokenize(prompt)
         self._check_length(token_ids)
+        if pooling is not None:
+            pooling = self._with_token_types(pooling, prompt, len(token_ids))
         message = AddRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -81,8 +91,48 @@ class InputProcessor:
             priority=priority,
             cache_salt=self._cache_salt(prompt, cache_salt),
             bad_words_token_ids=self._bad_words_token_ids(sampling.bad_words or []),
+            pooling=pooling,
         )
         return message, text
+
+    def _check_task(self, pooling: PoolingParams | None) -> None:
+        """A pooling model serves pooling requests only, a generative model none."""
+        if self.pooler is None:
+            if pooling is not None:
+                raise ValueError(f"task: {pooling.task!r} needs a pooling model; this model generates text")
+            return
+        if pooling is None:
+            raise ValueError(
+                "task: this is a pooling model (embeddings, scores, classes); it cannot generate text: "
+                "use /v1/embeddings, /score, /rerank or /classify (LLM.embed, score, classify, encode)"
+            )
+        check_pooling(pooling, self.pooler)
+
+    def tokenize_pair(self, first: str, second: str) -> dict:
+        """A text pair as one input (a cross-encoder's query and document), with its token types."""
+        for name, text in (("text_1", first), ("text_2", second)):
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"{name}: must be a non-empty string")
+        encoded = self.tokenizer(first, second)
+        prompt = {"prompt_token_ids": list(encoded["input_ids"])}
+        if "token_type_ids" in encoded:
+            prompt["token_type_ids"] = list(encoded["token_type_ids"])
+        return prompt
+
+    @staticmethod
+    def _with_token_types(pooling: PoolingParams, prompt: PromptType, num_tokens: int) -> PoolingParams:
+        token_types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if token_types is None:
+            return pooling
+        if len(token_types) != num_tokens or not all(t in (0, 1) for t in token_types):
+            raise ValueError(f"token_type_ids: must be {num_tokens} values of 0 or 1, one per token")
+        return PoolingParams(
+            task=pooling.task,
+            normalize=pooling.normalize,
+            dimensions=pooling.dimensions,
+            activation=pooling.activation,
+            token_type_ids=list(token_types),
+        )
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         """The limits that depend on this engine: its config and its vocabulary."""
@@ -144,6 +194,12 @@ class InputProcessor:
         raise ValueError(f"prompt: expected a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     def _check_length(self, token_ids: list[int]) -> None:
+        if self.pooler is not None:
+            if len(token_ids) > self.max_model_len:
+                raise ValueError(
+                    f"input: {len(token_ids)} tokens exceed the model's maximum of {self.max_model_len} tokens"
+                )
+            return
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"

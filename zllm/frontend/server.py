@@ -112,7 +112,7 @@ class FrontendServer:
         self.client_endpoint = config.client_endpoint or default_client_endpoint()
         self.tokenizer = load_tokenizer(config.tokenizer_path)
         self.processor = InputProcessor.from_config(config, self.tokenizer)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, config.pooler)
         self.context = zmq.asyncio.Context()
         self.client_socket: zmq.asyncio.Socket | None = None  # bound once the engines are ready
         self.from_clients: Codec = Codec(ClientToServer)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Union
 import msgspec
 
 from zllm.outputs import Logprob
+from zllm.pooling import PoolingParams
 from zllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class AddRequest(_Message):
     # output index), and is admitted even past max_waiting since it was admitted once.
     output_token_ids: list[int] = []
     resumed: bool = False
+    # Appended: a pooling request (embedding, classification, score): no sampling, one step.
+    pooling: PoolingParams | None = None
 
 
 class AbortRequests(_Message):
@@ -100,6 +103,7 @@ class TokenDelta(_Message):
     logprobs: TokenLogprobs | None = None  # one row per new token (SamplingParams.logprobs)
     prompt_logprobs: TokenLogprobs | None = None  # prompt positions 1..P-1, with the first token
     error: str | None = None  # appended: why the request failed (finish_reason "error")
+    pooled: bytes | None = None  # appended: a pooling request's vector (float32, little-endian)
 
 
 class EngineOutputs(_Message):
@@ -151,6 +155,7 @@ class NewRequestData(_Message):
     num_computed_tokens: int
     eos_token_ids: list[int] = []  # masked until min_tokens (unless ignore_eos)
     bad_words_token_ids: list[list[int]] = []
+    pooling: PoolingParams | None = None  # appended: a pooling request (its token types, if any)
 
 
 class CachedRequestData(_Message):
@@ -259,6 +264,8 @@ class StepOutput(_Message):
     failed_requests: dict[str, str] = {}
     # Appended: speculative decoding. Request id -> the tokens proposed for its next step.
     draft_token_ids: dict[str, list[int]] = {}
+    # Appended: pooling requests. Request id -> its pooled vector (float32, little-endian bytes).
+    pooled: dict[str, bytes] = {}
 
 
 class WorkerReady(_Message):
@@ -386,6 +393,11 @@ class ClientGenerate(_ClientMessage, tag="generate"):
     priority: int = 0
     cache_salt: str | None = None
     api_key: str | None = None  # required when the server runs with --api-key
+    # A pooling request (PoolingParams fields: task, normalize, dimensions, ...) to a pooling
+    # model; its answer is one ServerOutput with `pooled` set.
+    pooling: dict[str, Any] | None = None
+    # A text pair (cross-encoder score): tokenized together with `prompt`.
+    prompt_pair: str | None = None
 
 
 class ClientAbort(_ClientMessage, tag="abort"):
@@ -425,6 +437,7 @@ class ServerOutput(_ClientMessage, tag="output"):
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with the first output only
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's result: the embedding or the scores
 
 
 class ServerError(_ClientMessage, tag="error"):

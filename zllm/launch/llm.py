@@ -16,8 +16,22 @@ from tqdm.auto import tqdm
 from zllm.frontend.processor import PromptType
 from zllm.frontend.tokenizer import Messages, chat_prompt
 from zllm.launch.llm_engine import LLMEngine
-from zllm.outputs import RequestOutput
+from zllm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from zllm.pooling import PoolingParams, cosine
 from zllm.sampling_params import SamplingParams
+
+# What a pooling request carries as SamplingParams: nothing is sampled or detokenized.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
 
 
 class LLM:
@@ -81,6 +95,91 @@ class LLM:
         priorities = self._priorities(priority, len(prompt_list))
         request_ids = self._add_all(prompt_list, params, priorities)
         return self._run(request_ids, use_tqdm)
+
+    # ---- pooling models (embeddings, classifiers, cross-encoders) ----------------------------------
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (normalized as the model declares, unless pooling_params say)."""
+        params = pooling_params or PoolingParams()
+        outputs = self._pool(self._prompt_list(prompts), _with_task(params, "embed"), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.pooled), o.prompt_token_ids) for o in outputs]
+
+    def classify(
+        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (softmax over the labels; sigmoid for one label)."""
+        outputs = self._pool(self._prompt_list(prompts), PoolingParams(task="classify"), use_tqdm)
+        return [
+            ClassificationRequestOutput(o.request_id, ClassificationOutput(o.pooled), o.prompt_token_ids)
+            for o in outputs
+        ]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """The raw pooled vector per prompt (the pooled hidden state, or the classifier's logits)."""
+        params = pooling_params or PoolingParams(task="encode")
+        outputs = self._pool(self._prompt_list(prompts), params, use_tqdm)
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(o.pooled), o.prompt_token_ids) for o in outputs]
+
+    def score(
+        self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True
+    ) -> list[ScoringRequestOutput]:
+        """The relevance of each pair (one text against many, or pairwise): a cross-encoder reads
+        the pair as one input; an embedding model scores the cosine of the two embeddings."""
+        firsts, seconds = score_pairs(data_1, data_2)
+        pooler = self.engine.config.pooler
+        if pooler is not None and pooler.kind == "classify":
+            pairs = [self.engine.processor.tokenize_pair(a, b) for a, b in zip(firsts, seconds)]
+            outputs = self._pool(pairs, PoolingParams(task="score"), use_tqdm)
+            scores = [o.pooled[0] for o in outputs]
+            ids = [o.prompt_token_ids for o in outputs]
+        else:
+            embedded = self._pool([*firsts, *seconds], PoolingParams(task="embed"), use_tqdm)
+            vectors = [o.pooled for o in embedded]
+            scores = [cosine(a, b) for a, b in zip(vectors[: len(firsts)], vectors[len(firsts) :])]
+            ids = [
+                a.prompt_token_ids + b.prompt_token_ids
+                for a, b in zip(embedded[: len(firsts)], embedded[len(firsts) :])
+            ]
+        return [
+            ScoringRequestOutput(str(i), ScoringOutput(score), tokens)
+            for i, (score, tokens) in enumerate(zip(scores, ids))
+        ]
+
+    @staticmethod
+    def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if not prompt_list:
+            raise ValueError("prompts: must not be empty")
+        return prompt_list
+
+    def _pool(self, prompts: list[PromptType], params: PoolingParams, use_tqdm: bool) -> list[RequestOutput]:
+        processor = self.engine.processor
+        processed = [
+            processor.process(str(next(self._ids)), prompt, _POOLING_SAMPLING, pooling=params) for prompt in prompts
+        ]
+        submitted = []
+        try:
+            for message, text in processed:
+                self.engine.submit(message, text)
+                submitted.append(message.request_id)
+        except ValueError:
+            self.engine.abort_request(submitted)
+            raise
+        outputs = self._run(submitted, use_tqdm)
+        failed = [o.request_id for o in outputs if o.pooled is None]
+        if failed:
+            raise RuntimeError(f"the engine failed pooling request(s) {failed[:5]}")
+        return outputs
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix: later requests recompute their prompts."""
@@ -146,3 +245,22 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+
+def _with_task(params: PoolingParams, task: str) -> PoolingParams:
+    if params.task == task:
+        return params
+    return PoolingParams(task=task, normalize=params.normalize, dimensions=params.dimensions)
+
+
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> tuple[list[str], list[str]]:
+    """vLLM's pairing: one text against each of the others, or the two lists pairwise."""
+    firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+    seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+    if not firsts or not seconds:
+        raise ValueError("data: the texts to score must not be empty")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise ValueError(f"data: {len(firsts)} first texts for {len(seconds)} second texts; give one, or as many")
+    return firsts, seconds

@@ -17,6 +17,7 @@ from zllm.config import EngineConfig
 from zllm.ipc.messages import GrammarBitmask, StepInput, StepOutput
 from zllm.workers.distributed import init_tensor_parallel
 from zllm.workers.model_runner import LaunchedStep, ModelRunner
+from zllm.workers.pooling_runner import PoolingRunner
 from zllm.workers.symmetric_all_reduce import attach_symmetric_all_reduce
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class Worker:
         self._pending: LaunchedStep | None = None  # sampled (or awaiting its bitmask), not yet answered
         self.awaiting_bitmask = False  # rank 0: the pending step samples once its GrammarBitmask arrives
         self._answers: deque[StepOutput] = deque()  # answered here, not yet collected (in-process)
-        self.runner = ModelRunner(config, self.device, self.tp)
+        runner_class = PoolingRunner if config.runner == "pooling" else ModelRunner
+        self.runner = runner_class(config, self.device, self.tp)
         self.runner.load_model()
         # Before the memory profile (the buffer counts against the KV cache) and before any graph
         # captures an all-reduce; every rank gets here, so its agreement votes line up.

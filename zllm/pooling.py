@@ -1,0 +1,159 @@
+"""Pooling models (embeddings, classifiers, cross-encoder scores): what every process shares.
+
+Plain Python (no torch). `PoolingParams` travels with a request from the frontend to the workers;
+`PoolerConfig` is what a checkpoint declares about its output, resolved once by
+`EngineConfig.create` (sentence-transformers' `modules.json` and `1_Pooling/config.json`, or the
+architecture's default); `finish_embedding` / `finish_scores` are the frontend's last step on
+the vector a worker pooled.
+
+The split: the worker pools (mean / CLS / last token over the final hidden states, then the
+classifier head where there is one) and sends that raw fp32 vector; the frontend normalizes,
+truncates (Matryoshka `dimensions`) or applies the activation, per request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+POOLING_TASKS = ("embed", "classify", "score", "encode")
+POOLING_TYPES = ("mean", "cls", "last")
+
+
+class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `PoolingParams`: what a pooling request wants back.
+
+    task: "embed" (a vector), "classify" (class probabilities), "score" (a cross-encoder's
+    relevance of a pair), "encode" (the raw pooled vector). normalize: None follows the model
+    (sentence-transformers' Normalize module); dimensions: keep the first n (Matryoshka models),
+    then normalize. token_type_ids: a text pair's segment ids (BERT cross-encoders), set by the
+    frontend from the tokenizer."""
+
+    task: str = "embed"
+    normalize: bool | None = None
+    dimensions: int | None = None
+    activation: bool | None = None  # classify/score: softmax / sigmoid over the logits (default on)
+    token_type_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.task not in POOLING_TASKS:
+            raise ValueError(f"task: must be one of {POOLING_TASKS}, got {self.task!r}")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or self.dimensions < 1):
+            raise ValueError(f"dimensions: must be a positive integer, got {self.dimensions!r}")
+
+
+@dataclass(slots=True)
+class PoolerConfig:
+    """How a pooling model's hidden states become its output, as the checkpoint declares it.
+
+    kind: "embed" (a vector of hidden_size) or "classify" (a head of num_labels logits);
+    pooling_type: mean / cls / last; normalize: the embedding is L2-normalized by default."""
+
+    kind: str = "embed"
+    pooling_type: str = "cls"
+    normalize: bool = False
+    num_labels: int = 0
+    max_seq_length: int = 0  # sentence-transformers' truncation length; 0: none declared
+    hidden_size: int = 0  # an embedding's width
+    matryoshka: bool = False  # config.json's is_matryoshka / matryoshka_dimensions: `dimensions` allowed
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks this model serves."""
+        if self.kind == "classify":
+            return ("classify", "score", "encode") if self.num_labels >= 1 else ("classify", "encode")
+        return ("embed", "score", "encode")
+
+
+def read_pooler_config(model_dir: str, kind: str, default_pooling: str, num_labels: int = 0) -> PoolerConfig:
+    """The pooler a model directory declares: sentence-transformers' modules (a Pooling module's
+    mode, a Normalize module) where it has them, else the architecture's default."""
+    root = Path(model_dir)
+    config = PoolerConfig(kind=kind, pooling_type=default_pooling, num_labels=num_labels)
+    modules = _read_json(root / "modules.json")
+    if isinstance(modules, list):
+        for module in modules:
+            module_type = str(module.get("type", ""))
+            if module_type.endswith(".Pooling"):
+                config.pooling_type = _pooling_mode(root / module.get("path", "") / "config.json", default_pooling)
+            elif module_type.endswith(".Normalize"):
+                config.normalize = True
+    model_config = _read_json(root / "config.json") or {}
+    config.hidden_size = int(model_config.get("hidden_size", 0) or 0)
+    config.matryoshka = bool(model_config.get("is_matryoshka") or model_config.get("matryoshka_dimensions"))
+    bert_config = _read_json(root / "sentence_bert_config.json")
+    if isinstance(bert_config, dict) and isinstance(bert_config.get("max_seq_length"), int):
+        config.max_seq_length = bert_config["max_seq_length"]
+    return config
+
+
+def _pooling_mode(path: Path, default: str) -> str:
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        return default
+    if config.get("pooling_mode_cls_token"):
+        return "cls"
+    if config.get("pooling_mode_mean_tokens"):
+        return "mean"
+    if config.get("pooling_mode_lasttoken"):
+        return "last"
+    modes = [k for k, v in config.items() if k.startswith("pooling_mode") and v]
+    raise ValueError(f"model: {path}: pooling mode {modes} is not supported; supported: {POOLING_TYPES}")
+
+
+def _read_json(path: Path):
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+# ---- the frontend's last step --------------------------------------------------------------------
+
+
+def check_pooling(params: PoolingParams, pooler: PoolerConfig) -> None:
+    """What depends on the model: its tasks, and `dimensions` only where it is Matryoshka."""
+    if params.task not in pooler.tasks:
+        raise ValueError(f"task: {params.task!r} is not served by this model; it serves {pooler.tasks}")
+    if params.dimensions is not None:
+        if not pooler.matryoshka:
+            raise ValueError("dimensions: this model does not support Matryoshka representations")
+        if params.dimensions > pooler.hidden_size:
+            raise ValueError(f"dimensions: {params.dimensions} exceeds the model's {pooler.hidden_size}")
+
+
+def finish_embedding(vector: list[float], params: PoolingParams, pooler: PoolerConfig) -> list[float]:
+    """Matryoshka truncation, then L2 normalization (as sentence-transformers: truncate, then
+    normalize when the model's Normalize module or the request asks)."""
+    if params.dimensions is not None:
+        if params.dimensions > len(vector):
+            raise ValueError(f"dimensions: {params.dimensions} exceeds the model's {len(vector)}")
+        vector = vector[: params.dimensions]
+    normalize = pooler.normalize if params.normalize is None else params.normalize
+    if not normalize:
+        return vector
+    norm = math.sqrt(math.fsum(x * x for x in vector))
+    return [x / max(norm, 1e-12) for x in vector]
+
+
+def finish_scores(logits: list[float], params: PoolingParams) -> list[float]:
+    """A classifier's logits into probabilities: softmax over several labels, sigmoid over one
+    (a cross-encoder's relevance), as vLLM and sentence-transformers' CrossEncoder do."""
+    if params.activation is False:
+        return logits
+    if len(logits) == 1:
+        return [1.0 / (1.0 + math.exp(-logits[0]))]
+    top = max(logits)
+    exps = [math.exp(x - top) for x in logits]
+    total = math.fsum(exps)
+    return [e / total for e in exps]
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """The cosine similarity of two embeddings (a bi-encoder's score of a pair)."""
+    dot = math.fsum(x * y for x, y in zip(a, b))
+    norms = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
+    return dot / max(norms, 1e-12)

@@ -1,0 +1,146 @@
+"""The pooling runner: one forward per step over whole inputs, one vector per input, no KV cache.
+
+A step's inputs are sorted by length and packed ([N] token rows, no padding) for the embeddings,
+the linear layers and the MLPs; attention runs on groups of inputs of similar length, each padded
+to its longest (zllm/workers/models/bert.py), so padding costs little even when a step mixes
+16- and 128-token inputs. The pooled vectors (mean / CLS / last token, or the classifier head's
+logits) go back to the core as float32 bytes, and the runner forgets the inputs at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from zllm.config import EngineConfig
+from zllm.ipc.messages import NewRequestData, StepInput, StepOutput
+from zllm.model_spec import ModelSpec
+from zllm.workers.distributed import TensorParallel
+from zllm.workers.model_runner import _default_dtype, resolve_dtype
+from zllm.workers.models.bert import BertModel, PaddedGroup
+from zllm.workers.transfer import to_device
+from zllm.workers.weight_loader import finish_loading, init_dummy_weights, load_safetensors
+
+# A group's padded size may exceed its real tokens by this factor before a new group starts.
+_MAX_PADDING = 1.25
+
+
+@dataclass(slots=True)
+class PooledStep:
+    step_id: int
+    request_ids: list[str] = field(default_factory=list)
+    pooled: torch.Tensor | None = None  # [inputs, width] float32, in request_ids' order
+
+
+class PoolingRunner:
+    """The ModelRunner's interface (load, steps, release) for a pooling model."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, tp: TensorParallel | None = None) -> None:
+        self.config = config
+        self.device = device
+        self.tp = tp or TensorParallel()
+        self.spec = ModelSpec.from_pretrained(config.model)
+        self.dtype = resolve_dtype(config.dtype, device, self.spec.checkpoint_dtype)
+        self.pooling_type = config.pooler.pooling_type
+        self.model: BertModel | None = None
+
+    def load_model(self) -> None:
+        with _default_dtype(self.dtype), torch.device(self.device):
+            model = BertModel(self.spec, self.tp)
+        if self.config.load_format == "dummy":
+            init_dummy_weights(model, self.config.seed)
+        else:
+            load_safetensors(model, self.config.model)
+        finish_loading(model)
+        self.model = model.eval()
+
+    def determine_num_kv_blocks(self) -> int:
+        return 1  # no KV cache: the core's pool is a formality
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        pass
+
+    def capture_graphs(self) -> None:
+        pass
+
+    def release_device_memory(self) -> None:
+        self.model = None
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def launch_step(self, step: StepInput) -> PooledStep:
+        requests = sorted(step.new_requests, key=lambda r: len(r.token_ids))
+        launched = PooledStep(step.step_id, [r.request_id for r in requests])
+        if requests:
+            with torch.inference_mode():
+                launched.pooled = self._pool(requests)
+        return launched
+
+    def sample_step(self, launched: PooledStep, grammar=None) -> None:
+        pass  # nothing to sample
+
+    def finish_step(self, launched: PooledStep) -> StepOutput:
+        output = StepOutput(step_id=launched.step_id, request_ids=launched.request_ids, sampled_token_ids=[])
+        if launched.pooled is not None:
+            rows = launched.pooled.cpu().numpy().astype("<f4", copy=False)
+            output.pooled = {rid: rows[i].tobytes() for i, rid in enumerate(launched.request_ids)}
+        return output
+
+    def _pool(self, requests: list[NewRequestData]) -> torch.Tensor:
+        lengths = [len(r.token_ids) for r in requests]
+        token_ids = np.fromiter((t for r in requests for t in r.token_ids), dtype=np.int64, count=sum(lengths))
+        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
+        token_types = np.concatenate([_token_types(r) for r in requests])
+        groups = [self._group(lengths, first, stop) for first, stop in _similar_lengths(lengths)]
+        hidden = self.model(
+            to_device(token_ids, self.device),
+            to_device(positions, self.device),
+            to_device(token_types, self.device),
+            groups,
+        )
+        return self._pooled(hidden, lengths).float()
+
+    def _group(self, lengths: list[int], first: int, stop: int) -> PaddedGroup:
+        """Inputs first..stop-1 as one padded attention batch over their packed rows."""
+        mine = lengths[first:stop]
+        longest = max(mine)
+        offsets = np.cumsum([0, *mine[:-1]])
+        columns = np.arange(longest)
+        valid = columns[None, :] < np.asarray(mine)[:, None]
+        index = np.where(valid, offsets[:, None] + columns[None, :], 0)
+        start = sum(lengths[:first])
+        return PaddedGroup(start, start + sum(mine), to_device(index, self.device), to_device(valid, self.device))
+
+    def _pooled(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        counts = torch.tensor(lengths, device=hidden.device)
+        starts = torch.cumsum(counts, 0) - counts
+        if self.model.head is not None:
+            return self.model.head(hidden[starts])
+        if self.pooling_type == "cls":
+            return hidden[starts]
+        if self.pooling_type == "last":
+            return hidden[starts + counts - 1]
+        segment = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), counts)
+        sums = torch.zeros(len(lengths), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+        return sums.index_add_(0, segment, hidden) / counts[:, None].to(hidden.dtype)
+
+
+def _token_types(request: NewRequestData) -> np.ndarray:
+    given = request.pooling.token_type_ids if request.pooling is not None else None
+    if given is None:
+        return np.zeros(len(request.token_ids), dtype=np.int64)
+    return np.asarray(given, dtype=np.int64)
+
+
+def _similar_lengths(lengths: list[int]) -> list[tuple[int, int]]:
+    """Runs of the ascending `lengths` whose padding to their longest stays under _MAX_PADDING."""
+    runs, first, total = [], 0, 0
+    for index, length in enumerate(lengths):
+        if index > first and (index - first + 1) * length > _MAX_PADDING * (total + length):
+            runs.append((first, index))
+            first, total = index, 0
+        total += length
+    runs.append((first, len(lengths)))
+    return runs
