@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
+from zllm.sampling_params import SamplingParams
+
 POOLING_TASKS = ("embed", "classify", "score", "encode")
 POOLING_TYPES = ("mean", "cls", "last")
+# What a pooling request carries as SamplingParams: nothing is sampled or detokenized.
+POOLING_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
 
 
 class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
@@ -60,6 +64,7 @@ class PoolerConfig:
     max_seq_length: int = 0  # sentence-transformers' truncation length; 0: none declared
     hidden_size: int = 0  # an embedding's width
     matryoshka: bool = False  # config.json's is_matryoshka / matryoshka_dimensions: `dimensions` allowed
+    labels: list[str] = field(default_factory=list)  # a classifier's id2label, in label order
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -85,6 +90,9 @@ def read_pooler_config(model_dir: str, kind: str, default_pooling: str, num_labe
     model_config = _read_json(root / "config.json") or {}
     config.hidden_size = int(model_config.get("hidden_size", 0) or 0)
     config.matryoshka = bool(model_config.get("is_matryoshka") or model_config.get("matryoshka_dimensions"))
+    if kind == "classify":
+        id2label = model_config.get("id2label") or {}
+        config.labels = [str(id2label.get(str(i), f"LABEL_{i}")) for i in range(num_labels)]
     bert_config = _read_json(root / "sentence_bert_config.json")
     if isinstance(bert_config, dict) and isinstance(bert_config.get("max_seq_length"), int):
         config.max_seq_length = bert_config["max_seq_length"]

@@ -69,6 +69,7 @@ from zllm.ipc.messages import (
 )
 from zllm.ipc.sockets import make_socket
 from zllm.outputs import CompletionOutput, RequestOutput
+from zllm.pooling import POOLING_SAMPLING, PoolingParams
 from zllm.procs.racing import race
 from zllm.sampling_params import SamplingParams
 
@@ -406,9 +407,15 @@ class FrontendServer:
         try:
             if request_key in self.requests:
                 raise ValueError(f"request_id: {message.request_id!r} is already in use by this client")
-            sampling = convert(message.sampling, SamplingParams)
+            pooling = None if message.pooling is None else convert(message.pooling, PoolingParams)
+            sampling = POOLING_SAMPLING if pooling is not None else convert(message.sampling, SamplingParams)
             add, text = self.processor.process(
-                request_key, self._prompt(message), sampling, priority=message.priority, cache_salt=message.cache_salt
+                request_key,
+                self._prompt(message),
+                sampling,
+                priority=message.priority,
+                cache_salt=message.cache_salt,
+                pooling=pooling,
             )
             core_messages = self.outputs.add_request(add, text)  # n > 1: n children
         except ValueError as error:
@@ -458,6 +465,8 @@ class FrontendServer:
             raise ValueError("prompt: give exactly one of prompt, prompt_token_ids or messages")
         if message.messages is not None:
             return chat_prompt(self.tokenizer, message.messages, message.add_generation_prompt)
+        if message.prompt_pair is not None:
+            return self.processor.tokenize_pair(message.prompt, message.prompt_pair)
         if message.prompt_token_ids is not None:
             return {"prompt_token_ids": message.prompt_token_ids}
         return message.prompt
@@ -594,6 +603,7 @@ class FrontendServer:
             prompt_logprobs=prompt_logprobs,
             cumulative_logprob=completion.cumulative_logprob,
             num_cached_tokens=output.num_cached_tokens,
+            pooled=output.pooled,
         )
         request.sent_prompt = True
         request.sent_prompt_logprobs = prompt_logprobs is not None or request.sent_prompt_logprobs

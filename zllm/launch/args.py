@@ -8,11 +8,13 @@ import re
 
 from zllm import envs
 from zllm.config import (
+    CONVERTS,
     DEVICES,
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     ON_FAILURE_POLICIES,
+    RUNNERS,
     SCHEDULING_POLICIES,
     TOOL_CALL_PARSERS,
     EngineConfig,
@@ -129,6 +131,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="reuse the KV cache of identical prompt prefixes across requests (default: on)",
     )
     group.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default=defaults.runner,
+        help="generate: sample tokens; pooling: embeddings, scores, classes (default auto: by the architecture)",
+    )
+    group.add_argument(
+        "--convert",
+        choices=CONVERTS,
+        default=defaults.convert,
+        help="the pooling task of the checkpoint, embed or classify (default auto: its head decides)",
+    )
+    group.add_argument(
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
         default=defaults.scheduling_policy,
@@ -237,6 +251,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         served_model_name=args.served_model_name,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        runner=args.runner,
+        convert=args.convert,
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,
         distributed_init_method=args.distributed_init_method,

@@ -27,11 +27,8 @@ from zllm.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from zllm.pooling import PoolingParams, cosine
+from zllm.pooling import POOLING_SAMPLING, PoolingParams, cosine
 from zllm.sampling_params import SamplingParams
-
-# What a pooling request carries as SamplingParams: nothing is sampled or detokenized.
-_POOLING_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
 
 
 class LLM:
@@ -165,7 +162,7 @@ class LLM:
     def _pool(self, prompts: list[PromptType], params: PoolingParams, use_tqdm: bool) -> list[RequestOutput]:
         processor = self.engine.processor
         processed = [
-            processor.process(str(next(self._ids)), prompt, _POOLING_SAMPLING, pooling=params) for prompt in prompts
+            processor.process(str(next(self._ids)), prompt, POOLING_SAMPLING, pooling=params) for prompt in prompts
         ]
         submitted = []
         try:

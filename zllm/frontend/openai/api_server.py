@@ -2,6 +2,7 @@
 
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
     POST /tokenize              POST /detokenize
+    POST /v1/embeddings  /score  /rerank  /classify   (pooling models: pooling.py)
     GET  /health                GET  /version                    GET /metrics     GET /openapi.json
 
 Built on aiohttp: its AppRunner runs inside an event loop someone else owns (the frontend's, which
@@ -36,6 +37,7 @@ from aiohttp import web
 
 import zllm
 from zllm.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from zllm.frontend.openai.pooling import PoolingRoutes
 from zllm.frontend.openai.protocol import (
     BadRequestError,
     ChatCompletionRequest,
@@ -129,6 +131,7 @@ class ApiServer:
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/openapi.json", self.openapi)
+        PoolingRoutes(self).register(app)  # /v1/embeddings, /score, /rerank, /classify
         return app
 
     async def start(self) -> str:
