@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers.models import save_tiny_model
-from tests.helpers.pooling import minilm_dir, mixed_sentences, save_tiny_encoder
+from tests.helpers.pooling import minilm_dir, mixed_sentences, save_tiny_decoder, save_tiny_encoder
 from zllm import LLM, PoolingParams, SamplingParams
 from zllm.config import EngineConfig
 from zllm.enginecore.block_pool import BlockPool
@@ -89,8 +89,8 @@ def test_generative_model_refuses_pooling_requests(tmp_path):
             llm.embed("hello", use_tqdm=False)
     finally:
         llm.shutdown()
-    with pytest.raises(ValueError, match="runner: pooling with the decoder LlamaForCausalLM is not supported"):
-        EngineConfig.create(str(tmp_path / "llama"), runner="pooling")
+    with pytest.raises(ValueError, match="convert: classify: a LlamaForCausalLM checkpoint has no classification head"):
+        EngineConfig.create(str(tmp_path / "llama"), runner="pooling", convert="classify")
 
 
 # ---- tiny random encoders against transformers ------------------------------------------------
@@ -122,20 +122,76 @@ def test_bert_cross_encoder_scores_equal_transformers(cross_encoder_dir, tp):
     assert max(reference) - min(reference) > 1e-3  # the pairs' token types and texts matter
 
 
+def _normalized(vectors) -> np.ndarray:
+    vectors = np.asarray(vectors)
+    return vectors / np.linalg.norm(vectors, axis=-1, keepdims=True)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bert_model_cls_pooling_equals_transformers(tmp_path, tp):
-    model_dir = save_tiny_encoder(tmp_path / "bert", "BertModel")  # no modules.json: CLS, not normalized
+    model_dir = save_tiny_encoder(tmp_path / "bert", "BertModel")  # no modules.json: CLS, normalized (vLLM's)
     hf = _hf(model_dir, "BertModel")
     texts = mixed_sentences(9)
     llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=tp)
     try:
         tokenizer = llm.get_tokenizer()
-        ours = np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+        embedded = np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+        raw = np.array([o.outputs.data for o in llm.encode(texts, use_tqdm=False)])
     finally:
         llm.shutdown()
     with torch.inference_mode():
         reference = np.array([hf(**tokenizer(t, return_tensors="pt")).last_hidden_state[0, 0].numpy() for t in texts])
-    assert np.allclose(ours, reference, atol=ATOL)
+    assert np.allclose(raw, reference, atol=ATOL)
+    assert np.allclose(embedded, _normalized(reference), atol=ATOL)
+
+
+# ---- decoders: last-token embeddings and sequence classifiers -------------------------------------
+
+DECODER_PROMPTS = [[5, 17, 200, 3], list(range(3, 90)), list(range(100, 141)), [9]]
+
+
+def _decoder_outputs(model_dir, tp: int, run: str, **engine_args):
+    llm = LLM(str(model_dir), device="cpu", tensor_parallel_size=tp, **engine_args)
+    try:
+        inputs = [{"prompt_token_ids": p} for p in DECODER_PROMPTS]
+        if run == "embed":
+            return np.array([o.outputs.embedding for o in llm.embed(inputs, use_tqdm=False)])
+        return np.array([o.outputs.probs for o in llm.classify(inputs, use_tqdm=False)])
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen3_model_last_token_embeddings_equal_transformers(tmp_path, tp):
+    model_dir = save_tiny_decoder(tmp_path / "qwen3", "Qwen3Config", "Qwen3Model", head_dim=16)
+    ours = _decoder_outputs(model_dir, tp, "embed")
+    hf = _hf(model_dir, "Qwen3Model")
+    with torch.inference_mode():
+        reference = [hf(torch.tensor([p])).last_hidden_state[0, -1].numpy() for p in DECODER_PROMPTS]
+    assert np.allclose(ours, _normalized(reference), atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "config_class, model_class, num_labels",
+    [("Qwen2Config", "Qwen2ForSequenceClassification", 3), ("LlamaConfig", "LlamaForSequenceClassification", 1)],
+)
+def test_decoder_sequence_classifiers_equal_transformers(tmp_path, config_class, model_class, num_labels):
+    model_dir = save_tiny_decoder(tmp_path / "cls", config_class, model_class, num_labels=num_labels)
+    ours = _decoder_outputs(model_dir, 1, "classify")
+    hf = _hf(model_dir, model_class)
+    with torch.inference_mode():
+        logits = torch.stack([hf(torch.tensor([p])).logits[0] for p in DECODER_PROMPTS])
+    reference = torch.sigmoid(logits) if num_labels == 1 else torch.softmax(logits, -1)
+    assert np.allclose(ours, reference.numpy(), atol=ATOL)
+
+
+def test_generative_decoder_served_as_an_embedding_model(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "qwen2", "qwen2")
+    ours = _decoder_outputs(model_dir, 1, "embed", runner="pooling")
+    hf = _hf(model_dir, "Qwen2ForCausalLM")
+    with torch.inference_mode():
+        reference = [hf.model(torch.tensor([p])).last_hidden_state[0, -1].numpy() for p in DECODER_PROMPTS]
+    assert np.allclose(ours, _normalized(reference), atol=ATOL)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

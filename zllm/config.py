@@ -530,7 +530,8 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
     _require_choice(config, "convert")
     pooling = spec.pooling
     if config.runner == "auto":
-        config.runner = "pooling" if pooling is not None else "generate"
+        converting = config.convert in ("embed", "classify")
+        config.runner = "pooling" if pooling is not None or converting else "generate"
     if config.runner == "generate":
         _require(
             pooling is None,
@@ -540,11 +541,11 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
         )
         _require(config.convert in ("auto", "none"), "convert", "applies to --runner pooling only")
         return
+    pooling = pooling or _converted_decoder(config, spec)
     _require(
-        pooling is not None,
+        spec.sliding_window is None and spec.attn_logit_softcap is None,
         "runner",
-        f"pooling with the decoder {spec.architecture} is not supported yet; pooling architectures: "
-        + ", ".join(sorted(_pooling_registry())),
+        f"pooling with {spec.architecture}'s sliding windows or soft-capped attention is not supported yet",
     )
     _require(
         config.convert in ("auto", "none", pooling.kind),
@@ -558,10 +559,17 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
     config.enable_prefix_caching = False
 
 
-def _pooling_registry() -> dict:
-    from zllm.model_spec import POOLING_REGISTRY
+def _converted_decoder(config: EngineConfig, spec: ModelSpec):
+    """A generative decoder served as an embedding model (--runner pooling): its final hidden
+    state at the last token (vLLM's --convert embed)."""
+    from zllm.model_spec import PoolingArchitecture
 
-    return POOLING_REGISTRY
+    _require(
+        config.convert in ("auto", "none", "embed"),
+        "convert",
+        f"{config.convert}: a {spec.architecture} checkpoint has no classification head; use --convert embed",
+    )
+    return PoolingArchitecture("decoder", "embed", "last", spec.architecture)
 
 
 def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:

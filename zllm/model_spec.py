@@ -77,13 +77,14 @@ MODEL_REGISTRY: dict[str, Architecture] = {
 class PoolingArchitecture:
     """A pooling model (zllm/pooling.py): an encoder family and what its checkpoint's head is.
 
-    family: "bert" (absolute positions from 0, token types) or "xlm-roberta" (positions after
-    padding_idx); kind: "embed" (hidden states pooled) or "classify" (a sequence-classification
+    family: "bert" (absolute positions from 0, token types), "xlm-roberta" (positions after
+    padding_idx) or "decoder" (a causal decoder's layers, pooled at the last token); kind: "embed" (hidden states pooled) or "classify" (a sequence-classification
     head over the CLS token); default_pooling: where sentence-transformers' modules say nothing."""
 
     family: str
     kind: str = "embed"
     default_pooling: str = "cls"
+    decoder: str | None = None  # family "decoder": the MODEL_REGISTRY entry whose layers it has
 
 
 # Encoder-only, bidirectional models (zllm/workers/models/bert.py), served by the pooling runner.
@@ -92,6 +93,14 @@ POOLING_REGISTRY: dict[str, PoolingArchitecture] = {
     "BertForSequenceClassification": PoolingArchitecture("bert", "classify"),
     "XLMRobertaModel": PoolingArchitecture("xlm-roberta"),
     "XLMRobertaForSequenceClassification": PoolingArchitecture("xlm-roberta", "classify"),
+    # Decoders without their LM head (Qwen3-Embedding's `Qwen3Model`, gte-Qwen2's layers) and with a
+    # sequence-classification head (`score`, over the last token).
+    "Qwen3Model": PoolingArchitecture("decoder", "embed", "last", "Qwen3ForCausalLM"),
+    "Qwen2Model": PoolingArchitecture("decoder", "embed", "last", "Qwen2ForCausalLM"),
+    "LlamaModel": PoolingArchitecture("decoder", "embed", "last", "LlamaForCausalLM"),
+    "Qwen2ForSequenceClassification": PoolingArchitecture("decoder", "classify", "last", "Qwen2ForCausalLM"),
+    "Qwen3ForSequenceClassification": PoolingArchitecture("decoder", "classify", "last", "Qwen3ForCausalLM"),
+    "LlamaForSequenceClassification": PoolingArchitecture("decoder", "classify", "last", "LlamaForCausalLM"),
 }
 ENCODER_ACTIVATIONS = ("gelu",)
 
@@ -162,9 +171,10 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, hf_config) -> ModelSpec:
         architecture = pick_architecture(hf_config)
-        if architecture in POOLING_REGISTRY:
+        pooling = POOLING_REGISTRY.get(architecture)
+        if pooling is not None and pooling.family != "decoder":
             return cls._encoder(hf_config, architecture)
-        arch = MODEL_REGISTRY[architecture]
+        arch = MODEL_REGISTRY[architecture if pooling is None else pooling.decoder]
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         rope, local_rope = _rope_parameters(hf_config)
@@ -199,6 +209,7 @@ class ModelSpec:
             fused_checkpoint=arch.fused_checkpoint,
             moe=None if arch.moe is None else MoeSpec.from_hf_config(hf_config, arch.moe),
             quantization=checkpoint_quantization(hf_config),
+            num_labels=int(hf_config.num_labels) if pooling is not None and pooling.kind == "classify" else 0,
             **(_gemma_fields(hf_config) if arch.gemma else {}),
         )
 

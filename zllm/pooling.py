@@ -80,6 +80,8 @@ def read_pooler_config(model_dir: str, kind: str, default_pooling: str, num_labe
     root = Path(model_dir)
     config = PoolerConfig(kind=kind, pooling_type=default_pooling, num_labels=num_labels)
     modules = _read_json(root / "modules.json")
+    # Without sentence-transformers' modules an embedding is normalized, as vLLM's embed pooler does.
+    config.normalize = kind == "embed" and not isinstance(modules, list)
     if isinstance(modules, list):
         for module in modules:
             module_type = str(module.get("type", ""))

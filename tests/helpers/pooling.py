@@ -60,3 +60,38 @@ def mixed_sentences(count: int) -> list[str]:
         length = 1 + (index * 37) % 120
         sentences.append(" ".join(words[(index + k) % len(words)] for k in range(length)) + ".")
     return sentences
+
+
+def save_tiny_decoder(directory: Path, config_class: str, model_class: str, **overrides) -> Path:
+    """A small random decoder pooling model (`Qwen3Model`, `Qwen2ForSequenceClassification`, ...)
+    made by transformers, beside a placeholder tokenizer over its vocabulary."""
+    import torch
+    import transformers
+
+    from benchmarks.dummy_model import write_placeholder_tokenizer
+
+    settings = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.2,
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**settings)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    write_placeholder_tokenizer(directory, settings["vocab_size"])
+    return directory

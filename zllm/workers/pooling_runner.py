@@ -20,6 +20,8 @@ from zllm.model_spec import ModelSpec
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.model_runner import _default_dtype, resolve_dtype
 from zllm.workers.models.bert import BertModel, PaddedGroup
+from zllm.workers.models.decoder_pooling import DecoderForPooling
+from zllm.workers.ops import ops_for
 from zllm.workers.transfer import to_device
 from zllm.workers.weight_loader import finish_loading, init_dummy_weights, load_safetensors
 
@@ -44,11 +46,14 @@ class PoolingRunner:
         self.spec = ModelSpec.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, device, self.spec.checkpoint_dtype)
         self.pooling_type = config.pooler.pooling_type
-        self.model: BertModel | None = None
+        self.model: BertModel | DecoderForPooling | None = None
 
     def load_model(self) -> None:
         with _default_dtype(self.dtype), torch.device(self.device):
-            model = BertModel(self.spec, self.tp)
+            if self.spec.encoder:
+                model = BertModel(self.spec, self.tp)
+            else:
+                model = DecoderForPooling(self.spec, ops_for(self.device), self.tp)
         if self.config.load_format == "dummy":
             init_dummy_weights(model, self.config.seed)
         else:
@@ -117,7 +122,7 @@ class PoolingRunner:
         counts = torch.tensor(lengths, device=hidden.device)
         starts = torch.cumsum(counts, 0) - counts
         if self.model.head is not None:
-            return self.model.head(hidden[starts])
+            return self.model.head(hidden[starts if self.model.head_reads_first else starts + counts - 1])
         if self.pooling_type == "cls":
             return hidden[starts]
         if self.pooling_type == "last":

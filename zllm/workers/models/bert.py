@@ -94,6 +94,8 @@ class ClassifierHead(nn.Module):
 class BertModel(nn.Module):
     """An encoder (and, for a *ForSequenceClassification checkpoint, its head)."""
 
+    head_reads_first = True  # the classifier reads the first token (CLS, <s>)
+
     # Our parameter -> the HF checkpoint's name (after the "bert." / "roberta." prefix).
     _RENAMES = (
         (".qkv.", (".attention.self.query.", ".attention.self.key.", ".attention.self.value.")),
