@@ -511,3 +511,12 @@ def test_health_and_requests_answer_503_when_dead_or_draining(smollm2_dir):
     serving, dead, draining, recovering = asyncio.run(scenario())
     assert serving == (200, None) and recovering == (503, "engine_restarting")
     assert dead == (503, 503, "engine_dead") and draining == (503, 503, "draining")
+
+
+def test_pooling_routes_refuse_a_generative_model(api):
+    # The reverse of tests/test_pooling_api.py's refusal: a text model serves no embeddings.
+    response = post(api, "/v1/embeddings", {"model": MODEL, "input": "hello"}, AUTH)
+    assert response.status_code == 400
+    assert (
+        response.json()["error"]["param"] == "task" and "needs a pooling model" in response.json()["error"]["message"]
+    )

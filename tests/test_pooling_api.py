@@ -100,6 +100,14 @@ def test_langchain_openai_embeddings(api, reference):
     assert _close_to([embeddings.embed_query(SENTENCES[2])], reference[2:3])
 
 
+def test_python_client_embeds(api, reference):
+    from zllm import Client
+
+    with Client(api.endpoint) as client:
+        out = client.embed(SENTENCES[3])
+    assert _close_to([out.outputs.embedding], reference[3:4]) and out.prompt_token_ids
+
+
 def test_rerank_in_cohere_shape_and_score(api):
     query = "what is a fox"
     documents = ["cars are fast", "a fox is a small wild animal of the dog family", "bread is baked"]

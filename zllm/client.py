@@ -6,6 +6,7 @@
     for delta in client.stream("Tell me a story"):
         print(delta.outputs[0].text, end="")
     three = client.generate("Hello", SamplingParams(n=3, seed=1, logprobs=2))  # 3 completions, top-2 logprobs
+    vector = client.embed("Hello").outputs.embedding  # a pooling model (also score, classify)
 
 `AsyncClient` offers the same calls as coroutines and async iterators and runs many requests
 concurrently over one connection. Leaving a stream early (break, cancel, close) aborts the
@@ -65,7 +66,16 @@ from zllm.ipc.messages import (
     ServerToClient,
     ServerUtilityResult,
 )
-from zllm.outputs import CompletionOutput, RequestOutput
+from zllm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from zllm.sampling_params import SamplingParams
 
 
@@ -317,6 +327,52 @@ class AsyncClient:
     async def stats(self) -> dict[str, Any]:
         """The engine core's counters (running, waiting, KV blocks, preemptions, prefix cache hits)."""
         return await self._call(lambda call_id: ClientStats(call_id=call_id, api_key=self.api_key))
+
+    # ---- pooling models (embeddings, cross-encoder scores, classes) --------------------------------
+
+    async def embed(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> EmbeddingRequestOutput:
+        """One embedding from a pooling model (normalized as the model declares unless `normalize`)."""
+        pooling = {"task": "embed", "dimensions": dimensions, "normalize": normalize}
+        out = await self._pool(pooling, prompt, prompt_token_ids, None, request_id, timeout)
+        return EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled), out.prompt_token_ids)
+
+    async def score(
+        self, text_1: str, text_2: str, *, request_id: str | None = None, timeout: float | None = None
+    ) -> ScoringRequestOutput:
+        """A cross-encoder's relevance of the pair (for an embedding model, embed both and take the
+        cosine)."""
+        out = await self._pool({"task": "score"}, text_1, None, text_2, request_id, timeout)
+        return ScoringRequestOutput(out.request_id, ScoringOutput(out.pooled[0]), out.prompt_token_ids)
+
+    async def classify(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> ClassificationRequestOutput:
+        out = await self._pool({"task": "classify"}, prompt, prompt_token_ids, None, request_id, timeout)
+        return ClassificationRequestOutput(out.request_id, ClassificationOutput(out.pooled), out.prompt_token_ids)
+
+    async def _pool(self, pooling, prompt, prompt_token_ids, pair, request_id, timeout) -> RequestOutput:
+        message = ClientGenerate(
+            request_id or _new_id(),
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            pooling={k: v for k, v in pooling.items() if v is not None},
+            prompt_pair=pair,
+        )
+        return await asyncio.wait_for(_collect(self._stream(message)), timeout)
 
     async def reset_prefix_cache(self) -> bool:
         """Make the engine forget every cached prefix (vLLM's reset_prefix_cache)."""
@@ -631,6 +687,15 @@ class Client:
     ) -> Iterator[RequestOutput]:
         return self._iterate(self._async.stream(prompt, sampling_params, **kwargs))
 
+    def embed(self, prompt: str | None = None, **kwargs) -> EmbeddingRequestOutput:
+        return self._run(self._async.embed(prompt, **kwargs))
+
+    def score(self, text_1: str, text_2: str, **kwargs) -> ScoringRequestOutput:
+        return self._run(self._async.score(text_1, text_2, **kwargs))
+
+    def classify(self, prompt: str | None = None, **kwargs) -> ClassificationRequestOutput:
+        return self._run(self._async.classify(prompt, **kwargs))
+
     def abort(self, request_id: str) -> None:
         self._run(self._async.abort(request_id))
 
@@ -769,6 +834,7 @@ def _to_request_output(message: ServerOutput, prompt: str | None, prompt_token_i
         finished=message.finished,
         num_cached_tokens=message.num_cached_tokens,
         prompt_logprobs=message.prompt_logprobs,
+        pooled=message.pooled,
     )
 
 

@@ -71,7 +71,7 @@ class PoolerConfig:
         """The tasks this model serves."""
         if self.kind == "classify":
             return ("classify", "score", "encode") if self.num_labels >= 1 else ("classify", "encode")
-        return ("embed", "score", "encode")
+        return ("embed", "encode")  # scored by the cosine of two embeddings (LLM.score, /score)
 
 
 def read_pooler_config(model_dir: str, kind: str, default_pooling: str, num_labels: int = 0) -> PoolerConfig:
