@@ -152,6 +152,15 @@ class LLM:
             for i, (score, tokens) in enumerate(zip(scores, ids))
         ]
 
+    def _tokenized_together(self, prompts: list[PromptType]) -> list[PromptType]:
+        """The text prompts tokenized in one call (the tokenizer's batch path runs in parallel):
+        many short inputs are a pooling model's usual load."""
+        texts = [p for p in prompts if isinstance(p, str) and p]
+        if len(texts) < 2:
+            return prompts
+        ids = iter(self.get_tokenizer()(texts)["input_ids"])
+        return [{"prompt": p, "prompt_token_ids": next(ids)} if isinstance(p, str) and p else p for p in prompts]
+
     @staticmethod
     def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
@@ -161,6 +170,7 @@ class LLM:
 
     def _pool(self, prompts: list[PromptType], params: PoolingParams, use_tqdm: bool) -> list[RequestOutput]:
         processor = self.engine.processor
+        prompts = self._tokenized_together(prompts)
         processed = [
             processor.process(str(next(self._ids)), prompt, POOLING_SAMPLING, pooling=params) for prompt in prompts
         ]

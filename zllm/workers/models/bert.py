@@ -63,18 +63,17 @@ class EncoderLayer(nn.Module):
         self.output_norm = LayerNorm(hidden, spec.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, groups: list[PaddedGroup]) -> torch.Tensor:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        attended = torch.cat([self._attend(q, k, v, group) for group in groups])
+        qkv = self.qkv(x)
+        attended = torch.cat([self._attend(qkv, group) for group in groups])
         x = self.attention_norm(x + self.attention_output(attended))
         return self.output_norm(x + self.output(F.gelu(self.intermediate(x))))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PaddedGroup) -> torch.Tensor:
-        def padded(t: torch.Tensor) -> torch.Tensor:  # [rows, heads*d] -> [B, heads, T, d]
-            rows = t[group.start : group.stop][group.index]
-            return rows.view(*group.index.shape, self.num_heads, self.head_dim).transpose(1, 2)
-
-        mask = group.valid[:, None, None, :]
-        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask)
+    def _attend(self, qkv: torch.Tensor, group: PaddedGroup) -> torch.Tensor:
+        """One gather of the group's q/k/v rows to [B, T, 3, heads, d], bidirectional attention
+        under the key-padding mask, and the valid rows back."""
+        rows = qkv[group.start : group.stop][group.index]
+        q, k, v = rows.view(*group.index.shape, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.valid[:, None, None, :])
         return out.transpose(1, 2)[group.valid].reshape(group.stop - group.start, -1)
 
 
