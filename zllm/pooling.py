@@ -135,31 +135,40 @@ def check_pooling(params: PoolingParams, pooler: PoolerConfig) -> None:
             raise ValueError(f"dimensions: {params.dimensions} exceeds the model's {pooler.hidden_size}")
 
 
-def finish_embedding(vector: list[float], params: PoolingParams, pooler: PoolerConfig) -> list[float]:
-    """Matryoshka truncation, then L2 normalization (as sentence-transformers: truncate, then
-    normalize when the model's Normalize module or the request asks)."""
+def finish_pooled(rows: bytes, params: PoolingParams, pooler: PoolerConfig) -> list[list[float]]:
+    """The workers' raw float32 vectors (rows of equal width, concatenated) as the request asked:
+    an embedding truncated (`dimensions`) then L2-normalized (the model's Normalize module, or the
+    request's `normalize`), as sentence-transformers does; a classifier's logits as probabilities
+    (softmax over several labels, sigmoid over one, as vLLM and CrossEncoder do); `encode` raw.
+    Vectorized over the rows: the offline path finishes a whole batch at once."""
+    import numpy as np
+
+    width = pooler.num_labels if pooler.kind == "classify" else pooler.hidden_size
+    matrix = np.frombuffer(rows, dtype="<f4").reshape(-1, width).astype(np.float64)
+    if params.task == "embed":
+        matrix = _embedding_rows(matrix, params, pooler)
+    elif params.task in ("classify", "score") and params.activation is not False:
+        matrix = _probabilities(matrix)
+    return matrix.tolist()
+
+
+def _embedding_rows(matrix, params: PoolingParams, pooler: PoolerConfig):
+    import numpy as np
+
     if params.dimensions is not None:
-        if params.dimensions > len(vector):
-            raise ValueError(f"dimensions: {params.dimensions} exceeds the model's {len(vector)}")
-        vector = vector[: params.dimensions]
-    normalize = pooler.normalize if params.normalize is None else params.normalize
-    if not normalize:
-        return vector
-    norm = math.sqrt(math.fsum(x * x for x in vector))
-    return [x / max(norm, 1e-12) for x in vector]
+        matrix = matrix[:, : params.dimensions]
+    if pooler.normalize if params.normalize is None else params.normalize:
+        matrix = matrix / np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
+    return matrix
 
 
-def finish_scores(logits: list[float], params: PoolingParams) -> list[float]:
-    """A classifier's logits into probabilities: softmax over several labels, sigmoid over one
-    (a cross-encoder's relevance), as vLLM and sentence-transformers' CrossEncoder do."""
-    if params.activation is False:
-        return logits
-    if len(logits) == 1:
-        return [1.0 / (1.0 + math.exp(-logits[0]))]
-    top = max(logits)
-    exps = [math.exp(x - top) for x in logits]
-    total = math.fsum(exps)
-    return [e / total for e in exps]
+def _probabilities(logits):
+    import numpy as np
+
+    if logits.shape[1] == 1:
+        return 1.0 / (1.0 + np.exp(-logits))
+    exps = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return exps / exps.sum(axis=1, keepdims=True)
 
 
 def cosine(a: list[float], b: list[float]) -> float:

@@ -15,7 +15,7 @@ from zllm.frontend.detokenizer import IncrementalDetokenizer
 from zllm.frontend.parallel_sampling import core_request_ids, fan_out
 from zllm.ipc.messages import AddRequest, TokenDelta, TokenLogprobs
 from zllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
-from zllm.pooling import PoolerConfig, PoolingParams, finish_embedding, finish_scores
+from zllm.pooling import PoolerConfig, PoolingParams, finish_pooled
 from zllm.sampling_params import SamplingParams
 
 
@@ -171,7 +171,7 @@ class OutputProcessor:
         sampling = request.sampling
         request.num_cached_tokens = max(request.num_cached_tokens, delta.num_cached_tokens)
         if delta.pooled is not None and request.pooling is not None:
-            request.pooled = self._finish_pooled(delta.pooled, request.pooling)
+            request.pooled = finish_pooled(delta.pooled, request.pooling, self.pooler)[0]
         if delta.prompt_logprobs is not None:
             request.prompt_logprobs = [None] + self._logprob_dicts(
                 delta.prompt_logprobs, sampling.prompt_logprobs, sampling
@@ -193,17 +193,6 @@ class OutputProcessor:
             completion.finish_reason = delta.finish_reason
             completion.stop_reason = delta.stop_reason
         return False
-
-    def _finish_pooled(self, pooled: bytes, params: PoolingParams) -> list[float]:
-        """The worker's raw vector as the request asked for it (zllm/pooling.py)."""
-        import numpy as np
-
-        vector = np.frombuffer(pooled, dtype="<f4").tolist()
-        if params.task == "embed":
-            return finish_embedding(vector, params, self.pooler)
-        if params.task in ("classify", "score") and self.pooler.kind == "classify":
-            return finish_scores(vector, params)
-        return vector
 
     def _add_logprobs(self, completion: _Completion, logprobs: TokenLogprobs, sampling: SamplingParams) -> None:
         dicts = self._logprob_dicts(logprobs, sampling.logprobs, sampling)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from tqdm.auto import tqdm
 
@@ -27,7 +28,7 @@ from zllm.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from zllm.pooling import POOLING_SAMPLING, PoolingParams, cosine
+from zllm.pooling import POOLING_SAMPLING, PoolingParams, cosine, finish_pooled
 from zllm.sampling_params import SamplingParams
 
 
@@ -168,25 +169,42 @@ class LLM:
             raise ValueError("prompts: must not be empty")
         return prompt_list
 
-    def _pool(self, prompts: list[PromptType], params: PoolingParams, use_tqdm: bool) -> list[RequestOutput]:
+    def _pool(self, prompts: list[PromptType], params: PoolingParams, use_tqdm: bool) -> list[_Pooled]:
+        """Validate every input, run them through the engine core (at most max_waiting queued at
+        once: an offline batch of 100,000 inputs would overflow its waiting queue), then finish
+        all vectors in one vectorized pass. The output processor (detokenizers, per-token state)
+        has nothing to do for a pooling request, so the core's deltas are read directly."""
         processor = self.engine.processor
         prompts = self._tokenized_together(prompts)
-        processed = [
-            processor.process(str(next(self._ids)), prompt, POOLING_SAMPLING, pooling=params) for prompt in prompts
+        messages = [
+            processor.process(str(next(self._ids)), prompt, POOLING_SAMPLING, pooling=params)[0] for prompt in prompts
         ]
-        submitted = []
-        try:
-            for message, text in processed:
-                self.engine.submit(message, text)
-                submitted.append(message.request_id)
-        except ValueError:
-            self.engine.abort_request(submitted)
-            raise
-        outputs = self._run(submitted, use_tqdm)
-        failed = [o.request_id for o in outputs if o.pooled is None]
-        if failed:
-            raise RuntimeError(f"the engine failed pooling request(s) {failed[:5]}")
-        return outputs
+        raw = self._run_pooling(messages, use_tqdm)
+        rows = finish_pooled(b"".join(raw[m.request_id] for m in messages), params, self.engine.config.pooler)
+        return [_Pooled(m.request_id, m.prompt_token_ids, row) for m, row in zip(messages, rows)]
+
+    def _run_pooling(self, messages: list, use_tqdm: bool) -> dict[str, bytes]:
+        core, limit = self.engine.core, self.engine.config.max_waiting
+        pending, pooled, in_engine = deque(messages), {}, set()
+        with tqdm(total=len(messages), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                while pending or in_engine:
+                    while pending and len(in_engine) < limit:
+                        message = pending.popleft()
+                        core.add_request(message)
+                        in_engine.add(message.request_id)
+                    for delta in core.step():
+                        if delta.finish_reason is None or delta.request_id not in in_engine:
+                            continue
+                        in_engine.discard(delta.request_id)
+                        if delta.pooled is None:
+                            raise RuntimeError(f"the engine failed pooling request {delta.request_id}: {delta.error}")
+                        pooled[delta.request_id] = delta.pooled
+                        bar.update(1)
+            except BaseException:
+                core.abort_requests(sorted(in_engine))
+                raise
+        return pooled
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix: later requests recompute their prompts."""
@@ -252,6 +270,12 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+
+class _Pooled(NamedTuple):
+    request_id: str
+    prompt_token_ids: list[int]
+    pooled: list[float]
 
 
 def _with_task(params: PoolingParams, task: str) -> PoolingParams:

@@ -97,7 +97,7 @@ class PoolingRunner:
         lengths = [len(r.token_ids) for r in requests]
         token_ids = np.fromiter((t for r in requests for t in r.token_ids), dtype=np.int64, count=sum(lengths))
         positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
-        token_types = np.concatenate([_token_types(r) for r in requests])
+        token_types = np.concatenate([_token_types(r, self.spec.type_vocab_size) for r in requests])
         groups = [self._group(lengths, first, stop) for first, stop in _similar_lengths(lengths)]
         hidden = self.model(
             to_device(token_ids, self.device),
@@ -127,14 +127,16 @@ class PoolingRunner:
             return hidden[starts]
         if self.pooling_type == "last":
             return hidden[starts + counts - 1]
+        # Mean pooling sums in fp32: a bf16 sum of a hundred rows would lose the low bits.
         segment = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), counts)
-        sums = torch.zeros(len(lengths), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-        return sums.index_add_(0, segment, hidden) / counts[:, None].to(hidden.dtype)
+        sums = torch.zeros(len(lengths), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        return sums.index_add_(0, segment, hidden.float()) / counts[:, None].float()
 
 
-def _token_types(request: NewRequestData) -> np.ndarray:
+def _token_types(request: NewRequestData, type_vocab_size: int) -> np.ndarray:
+    """The input's segment ids (a text pair's), zeros where the model has no second segment."""
     given = request.pooling.token_type_ids if request.pooling is not None else None
-    if given is None:
+    if given is None or type_vocab_size < 2:
         return np.zeros(len(request.token_ids), dtype=np.int64)
     return np.asarray(given, dtype=np.int64)
 
