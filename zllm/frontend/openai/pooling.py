@@ -214,6 +214,7 @@ class PoolingRoutes:
         """Every input through the frontend server as one local client; their outputs in order."""
         self.api._check_serving()
         pooling = {k: v for k, v in pooling.items() if v is not None}
+        inputs = self._tokenized_together(inputs)
         identity, inbox = self.frontend.open_local_client()
         try:
             for index, fields in enumerate(inputs):
@@ -228,6 +229,15 @@ class PoolingRoutes:
             return [outputs[str(index)] for index in range(len(inputs))]
         finally:
             await self.frontend.close_local_client(identity)
+
+
+    def _tokenized_together(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Single texts tokenized in one batch call (the tokenizer's parallel path), sent as ids."""
+        texts = [fields["prompt"] for fields in inputs if set(fields) == {"prompt"}]
+        if len(texts) < 2:
+            return inputs
+        ids = iter(self.frontend.tokenizer(texts)["input_ids"])
+        return [{"prompt_token_ids": next(ids)} if set(f) == {"prompt"} else f for f in inputs]
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
