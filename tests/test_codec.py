@@ -13,6 +13,7 @@ from zllm.config import EngineConfig, SpeculativeConfig
 from zllm.ipc import messages as m
 from zllm.ipc.codec import Codec, MessageError, convert, decode_json, encode_json
 from zllm.outputs import Logprob
+from zllm.pooling import PoolerConfig, PoolingParams
 from zllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Every field differs from its default, except detokenize (False forbids stop strings; its round
@@ -55,6 +56,7 @@ TOKEN_DELTA = m.TokenDelta(
     logprobs=LOGPROBS,
     prompt_logprobs=PROMPT_LOGPROBS,
     error="(the codec does not care: set for the round trip)",
+    pooled=b"\x00\x00\x80?\x00\x00\x00\xc0",
 )
 TOKEN_DELTA_INT_STOP = m.TokenDelta(
     request_id="ab12/req-2",
@@ -65,7 +67,9 @@ TOKEN_DELTA_INT_STOP = m.TokenDelta(
     logprobs=m.TokenLogprobs(token_ids=[[2]], logprobs=[[-0.0]], ranks=[1]),
     prompt_logprobs=m.TokenLogprobs([], [], []),
     error="RuntimeError: boom",
+    pooled=b"",
 )
+POOLING = PoolingParams(task="score", normalize=False, dimensions=8, activation=False, token_type_ids=[0, 0, 1, 1])
 NEW_REQUEST = m.NewRequestData(
     request_id="ab12/req-1",
     prompt_len=3,
@@ -75,6 +79,7 @@ NEW_REQUEST = m.NewRequestData(
     num_computed_tokens=16,
     eos_token_ids=[2, 49152],
     bad_words_token_ids=[[17], [22, 23]],
+    pooling=POOLING,
 )
 CACHED_REQUEST = m.CachedRequestData(request_id="ab12/req-3", new_block_ids=[4], num_computed_tokens=17)
 
@@ -93,6 +98,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             bad_words_token_ids=[[17], [22, 23]],
             output_token_ids=[17, 18],
             resumed=True,
+            pooling=POOLING,
         ),
         m.AbortRequests(request_ids=["ab12/req-1", "ab12/req-2"]),
         m.UtilityCall(call_id=7, method="stats", args=[1, "two", [3.5, None], {"k": False}, b"\x00\xff"]),
@@ -142,6 +148,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             prompt_logprobs={"ab12/req-2": PROMPT_LOGPROBS},
             failed_requests={"ab12/req-3": "InjectedFaultError: the prompt holds token 77"},
             draft_token_ids={"ab12/req-1": [5, 6]},
+            pooled={"ab12/req-2": b"\x00\x00\x80?"},
         ),
         m.WorkerReady(rank=1, num_kv_blocks=100, pid=4242),
         m.WorkerCallResult(rank=1, call_id=2, result=[1, "x", {"y": 2}], error="unknown worker method 'x'"),
@@ -176,6 +183,8 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             priority=5,
             cache_salt="tenant-7",
             api_key="key",
+            pooling={"task": "embed", "dimensions": 8},
+            prompt_pair="a second text",
         ),
         m.ClientAbort(request_id="req-1"),
         m.ClientPing(),
@@ -196,6 +205,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             prompt_logprobs=[None, {4: Logprob(-7.0, 300, "x")}],
             cumulative_logprob=-3.5,
             num_cached_tokens=16,
+            pooled=[0.25, -1.5],
         ),
         m.ServerError(request_id="req-1", message="temperature: must be >= 0", kind="internal", call_id=4),
         m.ServerPong(),
@@ -396,7 +406,7 @@ def _wrong_values(type_) -> list:
 
 def _wrong_type_cases():
     for channel, message in ALL:
-        builtins = msgspec.to_builtins(message)
+        builtins = msgspec.to_builtins(message, builtin_types=(bytes,))  # bytes stay bytes in msgpack
         for index, field in enumerate(msgspec.structs.fields(message)):
             for value in _wrong_values(field.type):
                 if isinstance(builtins, list):  # array_like: [tag, field0, field1, ...]
@@ -611,6 +621,18 @@ CONFIG = EngineConfig(
     host="0.0.0.0",
     port=8123,
     max_request_body_bytes=1 << 20,
+    runner="pooling",
+    convert="embed",
+    pooler=PoolerConfig(
+        kind="embed",
+        pooling_type="mean",
+        normalize=True,
+        num_labels=2,
+        max_seq_length=256,
+        hidden_size=384,
+        matryoshka=True,
+        labels=["a", "b"],
+    ),
 )
 
 

@@ -230,7 +230,6 @@ class PoolingRoutes:
         finally:
             await self.frontend.close_local_client(identity)
 
-
     def _tokenized_together(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Single texts tokenized in one batch call (the tokenizer's parallel path), sent as ids."""
         texts = [fields["prompt"] for fields in inputs if set(fields) == {"prompt"}]
