@@ -145,6 +145,19 @@ def test_bert_model_cls_pooling_equals_transformers(tmp_path, tp):
     assert np.allclose(embedded, _normalized(reference), atol=ATOL)
 
 
+def test_matryoshka_dimensions_truncate_then_normalize(tmp_path):
+    model_dir = save_tiny_encoder(tmp_path / "mrl", "BertModel", matryoshka_dimensions=[16, 32])
+    llm = LLM(str(model_dir), device="cpu")
+    try:
+        raw = np.array(llm.encode("a nested embedding", use_tqdm=False)[0].outputs.data)
+        short = llm.embed("a nested embedding", PoolingParams(dimensions=16), use_tqdm=False)[0].outputs.embedding
+        with pytest.raises(ValueError, match="dimensions: 65 exceeds the model's 64"):
+            llm.embed("x", PoolingParams(dimensions=65), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert len(short) == 16 and np.allclose(short, _normalized(raw[:16]), atol=1e-6)
+
+
 # ---- decoders: last-token embeddings and sequence classifiers -------------------------------------
 
 DECODER_PROMPTS = [[5, 17, 200, 3], list(range(3, 90)), list(range(100, 141)), [9]]
