@@ -68,17 +68,19 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         pooling: PoolingParams | None = None,
+        tokenized: bool = False,
     ) -> tuple[AddRequest, str | None]:
         """Returns the message for the engine core and the prompt text (None for token ids).
         A prompt dict may carry a "cache_salt" (as in vLLM); `cache_salt` here is the same.
         `pooling`: a pooling request (the only kind a pooling model serves); a prompt dict may
-        then carry the "token_type_ids" of a text pair."""
+        then carry the "token_type_ids" of a text pair. `tokenized`: the prompt dict's ids came
+        from this processor's own tokenizer (LLM's batch call), so they need no checking."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(sampling).__name__}")
         self._check_task(pooling)
         self._check_sampling(sampling)
         self._check_priority(priority)
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = (prompt.get("prompt"), prompt["prompt_token_ids"]) if tokenized else self._tokenize(prompt)
         self._check_length(token_ids)
         if pooling is not None:
             pooling = self._with_token_types(pooling, prompt, len(token_ids))

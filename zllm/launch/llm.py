@@ -175,9 +175,12 @@ class LLM:
         all vectors in one vectorized pass. The output processor (detokenizers, per-token state)
         has nothing to do for a pooling request, so the core's deltas are read directly."""
         processor = self.engine.processor
-        prompts = self._tokenized_together(prompts)
+        tokenized = self._tokenized_together(prompts)
         messages = [
-            processor.process(str(next(self._ids)), prompt, POOLING_SAMPLING, pooling=params)[0] for prompt in prompts
+            processor.process(
+                str(next(self._ids)), prompt, POOLING_SAMPLING, pooling=params, tokenized=prompt is not given
+            )[0]
+            for prompt, given in zip(tokenized, prompts)
         ]
         raw = self._run_pooling(messages, use_tqdm)
         rows = finish_pooled(b"".join(raw[m.request_id] for m in messages), params, self.engine.config.pooler)
