@@ -52,6 +52,18 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm):
     assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-6)  # the model's Normalize module
 
 
+def test_pipelined_steps_give_the_same_embeddings(minilm):
+    # Async scheduling (on by default with CUDA): step N+1 is scheduled and launched before step
+    # N is answered; a small budget makes many steps.
+    sentences = mixed_sentences(40)
+    llm = LLM(minilm_dir(), device="cpu", async_scheduling=True, max_num_batched_tokens=300, max_num_seqs=8)
+    try:
+        pipelined = [o.outputs.embedding for o in llm.embed(sentences, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert np.allclose(pipelined, [o.outputs.embedding for o in minilm.embed(sentences, use_tqdm=False)], atol=1e-6)
+
+
 def test_minilm_token_ids_encode_and_bi_encoder_score(minilm):
     tokenizer = minilm.get_tokenizer()
     text = "embeddings from token ids"

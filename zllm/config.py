@@ -523,9 +523,8 @@ def _resolve_max_model_len(spec: ModelSpec, requested: int, pooler: PoolerConfig
 
 
 def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
-    """runner "auto" -> "generate" or "pooling" by the architecture; a pooling engine schedules
-    synchronously (one step makes each input's vector: nothing to pipeline), without graphs of
-    the decoder's."""
+    """runner "auto" -> "generate" or "pooling" by the architecture; a pooling engine runs
+    without prefix caching (nothing is cached) and without the decoder's piecewise graphs."""
     _require_choice(config, "runner")
     _require_choice(config, "convert")
     pooling = spec.pooling
@@ -554,7 +553,9 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
     )
     _require(config.speculative_config is None, "speculative_config", "does not apply to a pooling model")
     config.pooler = read_pooler_config(config.model, pooling.kind, pooling.default_pooling, spec.num_labels)
-    config.async_scheduling = False
+    # NOTE: async scheduling stays as resolved (on with CUDA): pooling steps never depend on each
+    # other's answers, so the core schedules step N+1 while N runs and the device never waits on
+    # the host's bookkeeping between steps.
     config.piecewise_cuda_graphs = False
     config.enable_prefix_caching = False
 
