@@ -197,12 +197,16 @@ def test_qwen3_model_last_token_embeddings_equal_transformers(tmp_path, tp):
 
 
 @pytest.mark.parametrize(
-    "config_class, model_class, num_labels",
-    [("Qwen2Config", "Qwen2ForSequenceClassification", 3), ("LlamaConfig", "LlamaForSequenceClassification", 1)],
+    "config_class, model_class, num_labels, tp",
+    [
+        ("Qwen2Config", "Qwen2ForSequenceClassification", 3, 1),
+        ("Qwen2Config", "Qwen2ForSequenceClassification", 3, 2),
+        ("LlamaConfig", "LlamaForSequenceClassification", 1, 1),
+    ],
 )
-def test_decoder_sequence_classifiers_equal_transformers(tmp_path, config_class, model_class, num_labels):
+def test_decoder_sequence_classifiers_equal_transformers(tmp_path, config_class, model_class, num_labels, tp):
     model_dir = save_tiny_decoder(tmp_path / "cls", config_class, model_class, num_labels=num_labels)
-    ours = _decoder_outputs(model_dir, 1, "classify")
+    ours = _decoder_outputs(model_dir, tp, "classify")
     hf = _hf(model_dir, model_class)
     with torch.inference_mode():
         logits = torch.stack([hf(torch.tensor([p])).logits[0] for p in DECODER_PROMPTS])
