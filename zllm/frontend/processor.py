@@ -112,14 +112,20 @@ class InputProcessor:
 
     def tokenize_pair(self, first: str, second: str) -> dict:
         """A text pair as one input (a cross-encoder's query and document), with its token types."""
-        for name, text in (("text_1", first), ("text_2", second)):
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"{name}: must be a non-empty string")
-        encoded = self.tokenizer(first, second)
-        prompt = {"prompt_token_ids": list(encoded["input_ids"])}
-        if "token_type_ids" in encoded:
-            prompt["token_type_ids"] = list(encoded["token_type_ids"])
-        return prompt
+        return self.tokenize_pairs([first], [second])[0]
+
+    def tokenize_pairs(self, firsts: list[str], seconds: list[str]) -> list[dict]:
+        """Text pairs as inputs, tokenized in one call; each with its token types where the
+        tokenizer makes them (BERT's segments)."""
+        for name, texts in (("text_1", firsts), ("text_2", seconds)):
+            if not all(isinstance(text, str) and text for text in texts):
+                raise ValueError(f"{name}: must be non-empty strings")
+        encoded = self.tokenizer(list(firsts), list(seconds))
+        types = encoded.get("token_type_ids")
+        return [
+            {"prompt_token_ids": list(ids)} | ({} if types is None else {"token_type_ids": list(types[i])})
+            for i, ids in enumerate(encoded["input_ids"])
+        ]
 
     @staticmethod
     def _with_token_types(pooling: PoolingParams, prompt: PromptType, num_tokens: int) -> PoolingParams:

@@ -136,7 +136,7 @@ class LLM:
         firsts, seconds = score_pairs(data_1, data_2)
         pooler = self.engine.config.pooler
         if pooler is not None and pooler.kind == "classify":
-            pairs = [self.engine.processor.tokenize_pair(a, b) for a, b in zip(firsts, seconds)]
+            pairs = self.engine.processor.tokenize_pairs(firsts, seconds)
             outputs = self._pool(pairs, PoolingParams(task="score"), use_tqdm)
             scores = [o.pooled[0] for o in outputs]
             ids = [o.prompt_token_ids for o in outputs]
