@@ -116,10 +116,13 @@ class PoolingRunner:
         valid = columns[None, :] < np.asarray(mine)[:, None]
         index = np.where(valid, offsets[:, None] + columns[None, :], 0)
         start = sum(lengths[:first])
-        return PaddedGroup(start, start + sum(mine), to_device(index, self.device), to_device(valid, self.device))
+        rows = np.flatnonzero(valid)
+        return PaddedGroup(start, start + sum(mine), *(to_device(a, self.device) for a in (index, valid, rows)))
 
     def _pooled(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        counts = torch.tensor(lengths, device=hidden.device)
+        """One row per input. NOTE: nothing here waits for the device (no pageable copy, no
+        data-dependent shape), so under async scheduling the next step launches behind it."""
+        counts = to_device(np.asarray(lengths, dtype=np.int64), self.device)
         starts = torch.cumsum(counts, 0) - counts
         if self.model.head is not None:
             return self.model.head(hidden[starts if self.model.head_reads_first else starts + counts - 1])
@@ -128,7 +131,9 @@ class PoolingRunner:
         if self.pooling_type == "last":
             return hidden[starts + counts - 1]
         # Mean pooling sums in fp32: a bf16 sum of a hundred rows would lose the low bits.
-        segment = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), counts)
+        segment = torch.repeat_interleave(
+            torch.arange(len(lengths), device=hidden.device), counts, output_size=hidden.shape[0]
+        )
         sums = torch.zeros(len(lengths), hidden.shape[1], dtype=torch.float32, device=hidden.device)
         return sums.index_add_(0, segment, hidden.float()) / counts[:, None].float()
 

@@ -28,12 +28,19 @@ from zllm.workers.parallel_layers import ColumnParallelLinear, RowParallelLinear
 @dataclass(slots=True)
 class PaddedGroup:
     """Inputs of one attention call: packed rows [start, stop) scattered to [B, T] by `index`
-    (padding points at row 0 and is masked out by `valid`)."""
+    (padding points at row 0 and is masked out by `valid`), and gathered back from the flattened
+    [B * T] positions `rows` (an index, not a boolean mask: no host sync on a GPU)."""
 
     start: int
     stop: int
     index: torch.Tensor  # [B, T] row within the group
     valid: torch.Tensor  # [B, T] bool
+    rows: torch.Tensor  # [stop - start] positions of the valid entries in index.flatten()
+
+    def unpadded(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, heads, T, d] attention output -> the group's packed rows [stop - start, heads * d]."""
+        batch, heads, length, dim = out.shape
+        return out.transpose(1, 2).reshape(batch * length, heads * dim)[self.rows]
 
 
 class LayerNorm(nn.Module):
@@ -74,7 +81,7 @@ class EncoderLayer(nn.Module):
         rows = qkv[group.start : group.stop][group.index]
         q, k, v = rows.view(*group.index.shape, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.valid[:, None, None, :])
-        return out.transpose(1, 2)[group.valid].reshape(group.stop - group.start, -1)
+        return group.unpadded(out)
 
 
 class ClassifierHead(nn.Module):

@@ -35,7 +35,7 @@ class DecoderForPooling(LlamaForCausalLM):
     ) -> torch.Tensor:
         """Final (normed) hidden states of the packed tokens [N, hidden]."""
         x, residual = self.model.embed(input_ids), None
-        slots = torch.arange(len(input_ids), device=input_ids.device, dtype=_slot_dtype(input_ids.device))
+        slots = torch.arange(len(input_ids), device=input_ids.device)  # int64, as the csrc rotary-and-cache takes
         for index, layer in enumerate(self.model.layers):
             attention = layer.self_attn
             scratch = x.new_empty(2, len(input_ids), 1, attention.num_kv_heads, attention.head_dim)
@@ -72,8 +72,4 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PaddedGrou
     if repeat > 1:  # grouped-query attention: each KV head serves `repeat` query heads
         keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
     out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
-    return out.transpose(1, 2)[group.valid].reshape(group.stop - group.start, -1)
-
-
-def _slot_dtype(device: torch.device) -> torch.dtype:
-    return torch.int32 if device.type == "cuda" else torch.long
+    return group.unpadded(out)
