@@ -1,0 +1,90 @@
+"""Pooling models on a GPU (skipped without one): the real all-MiniLM-L6-v2 in half precision
+against sentence-transformers in fp32 on the same GPU, tiny random decoders (Qwen3Model, a
+sequence classifier) in bf16 against transformers in fp32, pipelined (async) steps equal to
+synchronous ones, and a step that never waits for the device before its vectors are read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.pooling import minilm_dir, mixed_sentences, save_tiny_decoder
+from zllm import LLM
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 17, 200, 3], list(range(3, 90)), list(range(100, 141)), [9], list(range(7, 400))]
+
+
+def _cosines(a, b) -> np.ndarray:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_minilm_on_the_gpu_equals_sentence_transformers(dtype):
+    from sentence_transformers import SentenceTransformer
+
+    sentences = mixed_sentences(300)
+    reference = SentenceTransformer(minilm_dir(), device="cuda").encode(sentences, convert_to_numpy=True)
+    llm = LLM(minilm_dir(), dtype=dtype)
+    try:
+        ours = [o.outputs.embedding for o in llm.embed(sentences, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert _cosines(ours, reference).min() >= (0.99999 if dtype == "float32" else 0.999)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_qwen3_model_bf16_on_the_gpu_equals_transformers(tmp_path, async_scheduling):
+    model_dir = save_tiny_decoder(tmp_path / "q3", "Qwen3Config", "Qwen3Model", head_dim=64, hidden_size=256)
+    llm = LLM(str(model_dir), dtype="bfloat16", async_scheduling=async_scheduling, max_num_batched_tokens=512)
+    try:
+        ours = [o.outputs.embedding for o in llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    import transformers
+
+    hf = transformers.Qwen3Model.from_pretrained(model_dir, dtype=torch.float32).eval().cuda()
+    with torch.inference_mode():
+        reference = [hf(torch.tensor([p], device="cuda")).last_hidden_state[0, -1].cpu().numpy() for p in PROMPTS]
+    assert _cosines(ours, reference).min() >= 0.999
+
+
+def test_decoder_classifier_bf16_on_the_gpu(tmp_path):
+    model_dir = save_tiny_decoder(tmp_path / "cls", "Qwen2Config", "Qwen2ForSequenceClassification", num_labels=3)
+    llm = LLM(str(model_dir), dtype="bfloat16")
+    try:
+        ours = np.array([o.outputs.probs for o in llm.classify([{"prompt_token_ids": p} for p in PROMPTS])])
+    finally:
+        llm.shutdown()
+    import transformers
+
+    hf = transformers.Qwen2ForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval().cuda()
+    with torch.inference_mode():
+        reference = [torch.softmax(hf(torch.tensor([p], device="cuda")).logits[0], -1).cpu().numpy() for p in PROMPTS]
+    assert np.abs(ours - np.array(reference)).max() < 2e-2
+
+
+def test_a_pooling_step_never_waits_for_the_device():
+    from zllm.config import EngineConfig
+    from zllm.ipc.messages import NewRequestData, StepInput
+    from zllm.pooling import POOLING_SAMPLING
+    from zllm.workers.pooling_runner import PoolingRunner
+
+    config = EngineConfig.create(minilm_dir(), dtype="float16")
+    runner = PoolingRunner(config, torch.device("cuda"))
+    runner.load_model()
+    requests = [
+        NewRequestData(str(i), len(p) + 2, [101, *p, 102], POOLING_SAMPLING, [], 0)
+        for i, p in enumerate([[2000 + j for j in range(n)] for n in (3, 50, 120, 7)])
+    ]
+    step = StepInput(1, requests, [], [r.request_id for r in requests], [len(r.token_ids) for r in requests])
+    runner.finish_step(runner.launch_step(step))  # warm-up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = runner.launch_step(step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(runner.finish_step(launched).pooled) == 4
