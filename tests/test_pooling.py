@@ -5,6 +5,8 @@ tp 1 and tp 2; the pooling scheduler step by step; and the inputs a pooling engi
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -216,6 +218,22 @@ def test_decoder_sequence_classifiers_equal_transformers(tmp_path, config_class,
         logits = torch.stack([hf(torch.tensor([p])).logits[0] for p in DECODER_PROMPTS])
     reference = torch.sigmoid(logits) if num_labels == 1 else torch.softmax(logits, -1)
     assert np.allclose(ours, reference.numpy(), atol=ATOL)
+
+
+def test_a_sentence_transformers_decoder_is_a_pooling_model_by_itself(tmp_path):
+    # Qwen3-Embedding ships as Qwen3ForCausalLM with sentence-transformers' modules: last-token
+    # pooling (and here no Normalize module, so the raw hidden state).
+    model_dir = save_tiny_model(tmp_path / "st-qwen3", "qwen3", head_dim=16)
+    (model_dir / "modules.json").write_text(
+        json.dumps([{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
+    )
+    (model_dir / "1_Pooling").mkdir()
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    ours = _decoder_outputs(model_dir, 1, "embed")
+    hf = _hf(model_dir, "Qwen3ForCausalLM")
+    with torch.inference_mode():
+        reference = [hf.model(torch.tensor([p])).last_hidden_state[0, -1].numpy() for p in DECODER_PROMPTS]
+    assert np.allclose(ours, reference, atol=ATOL)
 
 
 def test_generative_decoder_served_as_an_embedding_model(tmp_path):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from zllm.ipc.addresses import is_loopback_tcp
 from zllm.model_spec import ModelSpec
-from zllm.pooling import PoolerConfig, read_pooler_config
+from zllm.pooling import PoolerConfig, declares_pooling, read_pooler_config
 from zllm.quantization import QUANTIZATION_METHODS, resolve_quantization
 
 # The values of each field with a fixed set of them, defined once: validate() checks them, the
@@ -529,7 +529,7 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
     _require_choice(config, "convert")
     pooling = spec.pooling
     if config.runner == "auto":
-        converting = config.convert in ("embed", "classify")
+        converting = config.convert in ("embed", "classify") or declares_pooling(config.model)
         config.runner = "pooling" if pooling is not None or converting else "generate"
     if config.runner == "generate":
         _require(

@@ -101,6 +101,13 @@ def read_pooler_config(model_dir: str, kind: str, default_pooling: str, num_labe
     return config
 
 
+def declares_pooling(model_dir: str) -> bool:
+    """A sentence-transformers directory (a Pooling module in modules.json): an embedding model
+    whatever its architecture (Qwen3-Embedding ships as Qwen3ForCausalLM)."""
+    modules = _read_json(Path(model_dir) / "modules.json")
+    return isinstance(modules, list) and any(str(m.get("type", "")).endswith(".Pooling") for m in modules)
+
+
 def _pooling_mode(path: Path, default: str) -> str:
     config = _read_json(path)
     if not isinstance(config, dict):
