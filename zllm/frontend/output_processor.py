@@ -25,7 +25,7 @@ class _Completion:
 
     index: int
     core_id: str
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: a pooling request
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -97,7 +97,10 @@ class OutputProcessor:
             _Completion(
                 index,
                 core_id,
-                IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, sampling.skip_special_tokens),
+                # A pooling request gains no tokens: nothing to detokenize.
+                None
+                if message.pooling is not None
+                else IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, sampling.skip_special_tokens),
             )
             for index, core_id in enumerate(core_ids)
         ]
