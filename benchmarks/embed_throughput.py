@@ -118,7 +118,9 @@ def run_zllm(model_dir: str, inputs: list, device: str, dtype: str, **engine_arg
     return elapsed, np.array([o.outputs.embedding for o in outputs], dtype=np.float32), tokens
 
 
-def run_served(model_dir: str, sentences: list[str], device: str, dtype: str, per_request: int, concurrency: int):
+def run_served(
+    model_dir: str, sentences: list[str], device: str, dtype: str, per_request: int, concurrency: int, limits: dict
+):
     """vllm-launch on the model; `sentences` sent as /v1/embeddings requests of `per_request`
     inputs, `concurrency` at a time."""
     import httpx
@@ -126,6 +128,8 @@ def run_served(model_dir: str, sentences: list[str], device: str, dtype: str, pe
     with tempfile.TemporaryDirectory() as runtime:
         command = [sys.executable, "-m", "zllm.launch.cli", "--model", model_dir, "--device", device, "--dtype", dtype]
         command += ["--port", "0", "--runtime-dir", f"{runtime}/rt", "--zmq-endpoint", f"ipc://{runtime}/c.sock"]
+        command += ["--max-num-batched-tokens", str(limits["max_num_batched_tokens"])]
+        command += ["--max-num-seqs", str(limits["max_num_seqs"])]
         log_path = Path(runtime) / "server.log"
         with open(log_path, "wb") as log:
             server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -221,7 +225,7 @@ def main() -> None:
     )
     if not args.skip_served:
         elapsed, served_tokens = run_served(
-            model_dir, sentences, device, dtype, args.served_per_request, args.served_concurrency
+            model_dir, sentences, device, dtype, args.served_per_request, args.served_concurrency, limits
         )
         report("zllm /v1/embeddings", elapsed, args.n, served_tokens, model="all-MiniLM-L6-v2")
     if not args.skip_qwen3:
