@@ -272,6 +272,42 @@ def test_xlm_roberta_encoder_and_classifier_equal_transformers(tmp_path, tp):
     assert np.allclose(outputs[1], probs, atol=ATOL)
 
 
+def _reference_varlen(q, k, v, packed, causal, scale):
+    """What FlashAttention's variable-length kernel computes, input by input (CPU stand-in)."""
+    bounds = packed.cu_seqlens.tolist()
+    outs = []
+    for start, stop in zip(bounds, bounds[1:]):
+        qi, ki, vi = (t[start:stop].transpose(0, 1) for t in (q, k, v))
+        repeat = qi.shape[0] // ki.shape[0]
+        ki, vi = ki.repeat_interleave(repeat, 0), vi.repeat_interleave(repeat, 0)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, scale=scale))
+    return torch.cat([o.transpose(0, 1) for o in outs]).reshape(q.shape[0], -1)
+
+
+def test_the_packed_flash_path_computes_what_the_grouped_path_does(tmp_path, monkeypatch):
+    # On a GPU in half precision the runner packs the inputs for FlashAttention's varlen kernel;
+    # here a reference stands in for the kernel, so the packing around it is what is checked.
+    from zllm.workers import pooling_runner
+    from zllm.workers.models import bert, decoder_pooling
+
+    monkeypatch.setattr(bert, "varlen_attention", _reference_varlen)
+    monkeypatch.setattr(decoder_pooling, "varlen_attention", _reference_varlen)
+    sentences = mixed_sentences(12)
+    encoder = save_tiny_encoder(tmp_path / "bert", "BertModel")
+    decoder = save_tiny_decoder(tmp_path / "q3", "Qwen3Config", "Qwen3Model", head_dim=16)
+    for model_dir, inputs in ((encoder, sentences), (decoder, [{"prompt_token_ids": p} for p in DECODER_PROMPTS])):
+        results = []
+        for packs in (False, True):
+            monkeypatch.setattr(pooling_runner, "packs_inputs", lambda *_, packs=packs: packs)
+            llm = LLM(str(model_dir), device="cpu")
+            try:
+                assert llm.engine.core.executor.runner.packs is packs
+                results.append([o.outputs.embedding for o in llm.embed(inputs, use_tqdm=False)])
+            finally:
+                llm.shutdown()
+        assert np.allclose(results[0], results[1], atol=1e-5)
+
+
 # ---- the pooling scheduler ------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ from zllm.ipc.messages import NewRequestData, StepInput, StepOutput
 from zllm.model_spec import ModelSpec
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.model_runner import _default_dtype, resolve_dtype
-from zllm.workers.models.bert import BertModel, PaddedGroup
+from zllm.workers.models.bert import BertModel, PackedInputs, PaddedGroup
 from zllm.workers.models.decoder_pooling import DecoderForPooling
 from zllm.workers.ops import ops_for
 from zllm.workers.transfer import to_device
@@ -46,6 +46,9 @@ class PoolingRunner:
         self.spec = ModelSpec.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, device, self.spec.checkpoint_dtype)
         self.pooling_type = config.pooler.pooling_type
+        # CUDA in half precision: FlashAttention over the packed inputs; else torch's SDPA over
+        # groups of similar length (the reference, and fp32).
+        self.packs = packs_inputs(device, self.dtype, self.spec.head_dim)
         self.model: BertModel | DecoderForPooling | None = None
 
     def load_model(self) -> None:
@@ -98,7 +101,7 @@ class PoolingRunner:
         token_ids = np.fromiter((t for r in requests for t in r.token_ids), dtype=np.int64, count=sum(lengths))
         positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
         token_types = np.concatenate([_token_types(r, self.spec.type_vocab_size) for r in requests])
-        groups = [self._group(lengths, first, stop) for first, stop in _similar_lengths(lengths)]
+        groups = self._packed(lengths) if self.packs else self._groups(lengths)
         hidden = self.model(
             to_device(token_ids, self.device),
             to_device(positions, self.device),
@@ -106,6 +109,13 @@ class PoolingRunner:
             groups,
         )
         return self._pooled(hidden, lengths).float()
+
+    def _packed(self, lengths: list[int]) -> PackedInputs:
+        offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+        return PackedInputs(to_device(offsets, self.device), max(lengths))
+
+    def _groups(self, lengths: list[int]) -> list[PaddedGroup]:
+        return [self._group(lengths, first, stop) for first, stop in _similar_lengths(lengths)]
 
     def _group(self, lengths: list[int], first: int, stop: int) -> PaddedGroup:
         """Inputs first..stop-1 as one padded attention batch over their packed rows."""
@@ -136,6 +146,11 @@ class PoolingRunner:
         )
         sums = torch.zeros(len(lengths), hidden.shape[1], dtype=torch.float32, device=hidden.device)
         return sums.index_add_(0, segment, hidden.float()) / counts[:, None].float()
+
+
+def packs_inputs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a step's inputs go packed to FlashAttention (the ops' own test for packed prefills)."""
+    return ops_for(device).packs_prefill(dtype, head_dim)
 
 
 def _token_types(request: NewRequestData, type_vocab_size: int) -> np.ndarray:

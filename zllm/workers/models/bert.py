@@ -6,7 +6,8 @@ tensor-parallel layers as the decoder (q/k/v fused and split by heads, the MLP b
 block ending in one all-reduce). Only attention sees a padded batch: each group of inputs of
 similar length (zllm/workers/pooling_runner.py) is scattered to [B, heads, T, head_dim] and
 attends bidirectionally through torch's scaled_dot_product_attention with a key-padding mask
-(FlashAttention / memory-efficient kernels on a GPU), then is gathered back to packed rows.
+(the reference path, and fp32), then is gathered back to packed rows. On a GPU in half precision
+the packed rows go straight to FlashAttention's variable-length kernel instead (`PackedInputs`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,36 @@ class PaddedGroup:
         return out.transpose(1, 2).reshape(batch * length, heads * dim)[self.rows]
 
 
+@dataclass(slots=True)
+class PackedInputs:
+    """A step's inputs packed back to back for FlashAttention's variable-length kernel (CUDA,
+    half precision): no padding and no gathers, one call per layer."""
+
+    cu_seqlens: torch.Tensor  # [inputs + 1] int32 offsets
+    max_len: int
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedInputs, causal: bool, scale: float
+) -> torch.Tensor:
+    """[N, heads, d] (k/v may have fewer heads: GQA) -> [N, heads * d], each input attending to
+    itself only."""
+    out = torch.ops.aten._flash_attention_forward(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        packed.cu_seqlens,
+        packed.cu_seqlens,
+        packed.max_len,
+        packed.max_len,
+        0.0,
+        causal,
+        False,
+        scale=scale,
+    )[0]
+    return out.reshape(q.shape[0], -1)
+
+
 class LayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -69,9 +100,13 @@ class EncoderLayer(nn.Module):
         self.output = RowParallelLinear(spec.intermediate_size, hidden, columns, bias=True, tp=tp)
         self.output_norm = LayerNorm(hidden, spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, groups: list[PaddedGroup]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, groups: list[PaddedGroup] | PackedInputs) -> torch.Tensor:
         qkv = self.qkv(x)
-        attended = torch.cat([self._attend(qkv, group) for group in groups])
+        if isinstance(groups, PackedInputs):
+            q, k, v = qkv.view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+            attended = varlen_attention(q, k, v, groups, causal=False, scale=self.head_dim**-0.5)
+        else:
+            attended = torch.cat([self._attend(qkv, group) for group in groups])
         x = self.attention_norm(x + self.attention_output(attended))
         return self.output_norm(x + self.output(F.gelu(self.intermediate(x))))
 
@@ -128,7 +163,11 @@ class BertModel(nn.Module):
         self._xlm = spec.pooling.family == "xlm-roberta"
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor, groups: list[PaddedGroup]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_types: torch.Tensor,
+        groups: list[PaddedGroup] | PackedInputs,
     ) -> torch.Tensor:
         """Final hidden states of the packed tokens [N, hidden]."""
         x = self.word_embeddings(input_ids) + self.position_embeddings[positions + self.spec.position_offset]

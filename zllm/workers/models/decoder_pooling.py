@@ -17,7 +17,7 @@ from torch import nn
 
 from zllm.model_spec import ModelSpec
 from zllm.workers.distributed import TensorParallel
-from zllm.workers.models.bert import PaddedGroup
+from zllm.workers.models.bert import PackedInputs, PaddedGroup, varlen_attention
 from zllm.workers.models.llama import LlamaForCausalLM
 from zllm.workers.ops import TorchOps
 
@@ -31,7 +31,11 @@ class DecoderForPooling(LlamaForCausalLM):
         self.head = nn.Linear(spec.hidden_size, spec.num_labels, bias=False) if spec.num_labels else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor, groups: list[PaddedGroup]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_types: torch.Tensor,
+        groups: list[PaddedGroup] | PackedInputs,
     ) -> torch.Tensor:
         """Final (normed) hidden states of the packed tokens [N, hidden]."""
         x, residual = self.model.embed(input_ids), None
@@ -41,7 +45,10 @@ class DecoderForPooling(LlamaForCausalLM):
             scratch = x.new_empty(2, len(input_ids), 1, attention.num_kv_heads, attention.head_dim)
             q, residual = layer.before_attention(x, residual, positions, self.model.rotary_of(index), scratch, slots)
             k, v = scratch[0, :, 0], scratch[1, :, 0]
-            attended = torch.cat([_causal(q, k, v, g, attention.scale) for g in groups])
+            if isinstance(groups, PackedInputs):
+                attended = varlen_attention(q, k, v, groups, causal=True, scale=attention.scale)
+            else:
+                attended = torch.cat([_causal(q, k, v, g, attention.scale) for g in groups])
             x, residual = layer.after_attention(attended, residual)
         x, _ = self.model.norm(x, residual)
         return x
