@@ -173,6 +173,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     served_model_name: str | None = None
     enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
+    # vLLM's name: keep every block of sliding-window layers as of full ones (one block table, no
+    # freeing behind the window; zllm/kv_layout.py). For comparisons; off by default.
+    disable_hybrid_kv_cache_manager: bool = False
     scheduling_policy: str = "fcfs"  # fcfs: arrival order; priority: lower `priority` value first
     max_logprobs: int = 20  # the most SamplingParams.logprobs / prompt_logprobs may ask for
     max_n: int = 128  # the most completions (SamplingParams.n) one request may ask for
@@ -493,7 +496,7 @@ def _resolve_max_model_len(spec: ModelSpec, requested: int) -> int:
     """The context length: the model's max_position_embeddings unless a shorter one is asked for.
 
     Sliding-window layers attend within their window at any length (zllm/workers/attention.py);
-    their KV blocks are kept for the whole sequence, as a full-attention layer's are.
+    their KV blocks behind the window are freed (zllm/kv_layout.py).
     """
     limit = spec.max_position_embeddings
     if requested > limit:

@@ -151,6 +151,8 @@ class NewRequestData(_Message):
     num_computed_tokens: int
     eos_token_ids: list[int] = []  # masked until min_tokens (unless ignore_eos)
     bad_words_token_ids: list[list[int]] = []
+    # A hybrid model's sliding-window layers' table (zllm/kv_layout.py); [] for other models.
+    sliding_block_ids: list[int] = []
 
 
 class CachedRequestData(_Message):
@@ -160,6 +162,7 @@ class CachedRequestData(_Message):
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_sliding_block_ids: list[int] = []  # a hybrid model's sliding-window layers' new blocks
 
 
 class StepInput(_Message):

@@ -129,6 +129,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="reuse the KV cache of identical prompt prefixes across requests (default: on)",
     )
     group.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        default=defaults.disable_hybrid_kv_cache_manager,
+        help="keep sliding-window layers' KV blocks for the whole sequence, as full layers' (default: blocks "
+        "behind the window are freed)",
+    )
+    group.add_argument(
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
         default=defaults.scheduling_policy,
@@ -236,6 +243,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_config=args.speculative_config,
         served_model_name=args.served_model_name,
         enable_prefix_caching=args.enable_prefix_caching,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,

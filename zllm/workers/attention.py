@@ -83,6 +83,12 @@ class AttentionMetadata:
     # the cache slots of every context token of each, in order, and the int32 offsets of each
     # request's queries and keys in the packed rows (None when the step has no prefill).
     prefill: PackedPrefill | None = None
+    # A hybrid model's sliding-window layers (zllm/kv_layout.py): the same step over their own
+    # block tables (slot_mapping, block_tables and prefill differ); None for other models.
+    sliding: AttentionMetadata | None = None
+
+    def for_layer(self, sliding_layer: bool) -> AttentionMetadata:
+        return self.sliding if sliding_layer and self.sliding is not None else self
 
 
 @dataclass(slots=True)
