@@ -210,6 +210,7 @@ def test_a_cache_smaller_than_one_sequence_serves_it_exactly(tmp_path, case):
     expected = [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=None) for p in LONG_PROMPTS]
     tokens, _ = _engine_tokens(engine, LONG_PROMPTS)
     assert tokens == expected
+    assert core.scheduler.num_preemptions > 0  # three at once do not fit: recomputed after preemption
     again, cached = _engine_tokens(engine, [p[:40] + [7, 7] for p in LONG_PROMPTS[:1]] + LONG_PROMPTS[:1])
     assert again[1] == expected[0] and max(cached) > 0
     assert again[0] == hf_greedy(hf, LONG_PROMPTS[0][:40] + [7, 7], MAX_TOKENS, eos_token_id=None)
@@ -226,3 +227,18 @@ def test_disabling_the_hybrid_manager_keeps_every_block_and_the_tokens(tmp_path)
     assert [g.window for g in plain.core.kv_groups] == [None]
     assert plain.core.max_concurrency < hybrid.core.max_concurrency
     assert _engine_tokens(hybrid, LONG_PROMPTS)[0] == _engine_tokens(plain, LONG_PROMPTS)[0]
+
+
+def test_a_draft_model_for_a_windowed_target_asks_for_every_block(tmp_path):
+    from tests.helpers.models import save_tiny_llama
+
+    architecture, overrides = CASES["mistral"]
+    target = save_tiny_model(tmp_path / "target", architecture, **overrides)
+    draft = save_tiny_llama(tmp_path / "draft")
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="needs --disable-hybrid-kv-cache-manager"):
+        EngineConfig.create(str(target), device="cpu", speculative_config=speculative)
+    config = EngineConfig.create(
+        str(target), device="cpu", speculative_config=speculative, disable_hybrid_kv_cache_manager=True
+    )
+    assert config.speculative_config.model == str(draft)

@@ -514,6 +514,14 @@ def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
     if speculative.method != "draft_model":
         return
     speculative.model = str(resolve_model_dir(speculative.model))
+    # NOTE: the draft's cache shares group 0's block tables, sized for one group of every layer;
+    # the window-aware groups (zllm/kv_layout.py) would free or resize blocks under it.
+    _require(
+        not target.sliding_layers or config.disable_hybrid_kv_cache_manager,
+        "speculative_config",
+        "a draft model with a sliding-window target needs --disable-hybrid-kv-cache-manager "
+        "(every block kept); the ngram method needs nothing",
+    )
     draft = ModelSpec.from_pretrained(speculative.model)
     _require(
         draft.vocab_size == target.vocab_size,
