@@ -152,6 +152,19 @@ WINDOW = 12
 ALTERNATING = ["sliding_attention", "full_attention"] * 2
 CASES = {
     "mistral": ("mistral", dict(sliding_window=WINDOW, head_dim=32)),
+    "phi3": ("phi3", dict(sliding_window=WINDOW, num_hidden_layers=2)),
+    "gemma2": (
+        "gemma2",
+        dict(
+            sliding_window=WINDOW,
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=4.0,
+            tie_word_embeddings=True,
+        ),
+    ),
     "gemma3": (
         "gemma3",
         dict(
@@ -188,15 +201,15 @@ def test_a_cache_smaller_than_one_sequence_serves_it_exactly(tmp_path, case):
     from the prefix cache (later steps reuse the blocks behind every window)."""
     architecture, overrides = CASES[case]
     model_dir = save_tiny_model(tmp_path / case, architecture, initializer_range=0.2, **overrides)
-    hybrid = case == "gemma3"
+    hybrid = case.startswith("gemma")
     engine = LLMEngine.from_engine_args(
         str(model_dir),
         dtype="float32",
         block_size=8,
         max_num_batched_tokens=8,
         max_model_len=64,
-        # mistral: 7 blocks of every layer (+ the null block); gemma3: the full layers' share
-        # holds about two sequences, the sliding layers' a few windows.
+        # mistral, phi3: 7 blocks of every layer (+ the null block); gemma: the full layers'
+        # share holds about two sequences, the sliding layers' a few windows.
         num_kv_blocks=11 if hybrid else 8,
         enable_prefix_caching=True,
     )
@@ -242,3 +255,34 @@ def test_a_draft_model_for_a_windowed_target_asks_for_every_block(tmp_path):
         str(target), device="cpu", speculative_config=speculative, disable_hybrid_kv_cache_manager=True
     )
     assert config.speculative_config.model == str(draft)
+
+
+def test_a_hybrid_model_keeps_its_two_tables_at_tp2(tmp_path):
+    """Gemma 2 over two worker processes (gloo): both ranks build the sliding layers' table from
+    the same messages; a small cache with preemptions, HF's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from zllm import LLM
+
+    architecture, overrides = CASES["gemma2"]
+    model_dir = save_tiny_model(tmp_path / "gemma2", architecture, initializer_range=0.2, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=None) for p in LONG_PROMPTS]
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        tensor_parallel_size=2,
+        block_size=8,
+        max_num_batched_tokens=8,
+        max_model_len=64,
+        num_kv_blocks=11,
+    )
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in LONG_PROMPTS],
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == expected
