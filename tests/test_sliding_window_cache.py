@@ -257,15 +257,38 @@ def test_a_draft_model_for_a_windowed_target_asks_for_every_block(tmp_path):
     assert config.speculative_config.model == str(draft)
 
 
-def test_a_hybrid_model_keeps_its_two_tables_at_tp2(tmp_path):
-    """Gemma 2 over two worker processes (gloo): both ranks build the sliding layers' table from
-    the same messages; a small cache with preemptions, HF's tokens."""
+TP2_CASES = {
+    **CASES,
+    # Phi-4-mini's kind: LongRoPE over half of each head, pretrained on 32 positions: the
+    # prompts run past the switch to the long factors.
+    "phi3-longrope": (
+        "phi3",
+        dict(
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            max_position_embeddings=128,
+            original_max_position_embeddings=32,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.3, 1.7, 2.5],
+                "long_factor": [1.5, 3.0, 7.0, 20.0],
+            },
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TP2_CASES))
+def test_every_family_matches_hf_at_tp2(tmp_path, case):
+    """Over two worker processes (gloo), prompts past the window (and LongRoPE's switch), 8-token
+    steps and a small cache with preemptions: HF's tokens. Gemma's ranks each build the sliding
+    layers' table from the same messages."""
     from transformers import AutoModelForCausalLM
 
     from zllm import LLM
 
-    architecture, overrides = CASES["gemma2"]
-    model_dir = save_tiny_model(tmp_path / "gemma2", architecture, initializer_range=0.2, **overrides)
+    architecture, overrides = TP2_CASES[case]
+    model_dir = save_tiny_model(tmp_path / case, architecture, initializer_range=0.2, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     expected = [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=None) for p in LONG_PROMPTS]
     llm = LLM(
@@ -275,7 +298,7 @@ def test_a_hybrid_model_keeps_its_two_tables_at_tp2(tmp_path):
         block_size=8,
         max_num_batched_tokens=8,
         max_model_len=64,
-        num_kv_blocks=11,
+        num_kv_blocks=11 if architecture.startswith("gemma") else 8,
     )
     try:
         outs = llm.generate(
