@@ -36,12 +36,16 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """Render a conversation (and the tools it may call, as OpenAI's `tools` entries) to the
-    prompt text the model was trained on; a template that ignores tools renders without them."""
+    prompt text the model was trained on; a template that ignores tools renders without them.
+    template_kwargs: extra variables for the template (vLLM's chat_template_kwargs, such as
+    Qwen3's `enable_thinking`); they cannot replace the ones set here."""
     _check_messages(messages)
     if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("messages: this model's tokenizer has no chat template; pass chat_template=")
+    extra = _extra_variables(template_kwargs)
     try:
         return tokenizer.apply_chat_template(
             messages,
@@ -49,6 +53,7 @@ def apply_chat_template(
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             tools=tools,
+            **extra,
         )
     except Exception as error:  # a template may reject what it does not expect, in any way
         raise ValueError(f"messages: the chat template rejected them: {type(error).__name__}: {error}") from None
@@ -60,11 +65,25 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A conversation as a prompt: its rendered text and token ids."""
-    text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tools)
+    text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tools, template_kwargs)
     # The template already holds the special tokens; don't let the tokenizer add a BOS twice.
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+_RESERVED_TEMPLATE_ARGS = ("messages", "conversation", "tools", "add_generation_prompt", "chat_template", "tokenize")
+
+
+def _extra_variables(template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The caller's template variables, refusing those that would change how we render (a
+    `chat_template` could run any Jinja; `tokenize` would change what comes back)."""
+    template_kwargs = template_kwargs or {}
+    reserved = sorted(set(template_kwargs) & set(_RESERVED_TEMPLATE_ARGS))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: may not set {', '.join(reserved)}")
+    return template_kwargs
 
 
 def _check_messages(messages: Messages) -> None:

@@ -13,6 +13,7 @@ from zllm.config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     ON_FAILURE_POLICIES,
+    REASONING_PARSERS,
     SCHEDULING_POLICIES,
     TOOL_CALL_PARSERS,
     EngineConfig,
@@ -198,6 +199,17 @@ def add_http_args(group) -> None:
         default=None,
         help="the model's tool-call format, as vLLM names it",
     )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        default=None,
+        help="split a reasoning model's thinking from its answer (reasoning_content), as vLLM names the format",
+    )
+    group.add_argument(
+        "--enable-responses-store",
+        action="store_true",
+        help="/v1/responses: keep recent responses in memory so that previous_response_id can continue them",
+    )
 
 
 def http_kwargs(args: argparse.Namespace) -> dict:
@@ -208,6 +220,8 @@ def http_kwargs(args: argparse.Namespace) -> dict:
         max_request_body_bytes=args.max_request_body_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        enable_responses_store=args.enable_responses_store,
     )
 
 

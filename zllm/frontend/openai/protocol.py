@@ -166,8 +166,10 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call
-    # vLLM's extension. (A per-request chat_template is not accepted: it would run any Jinja.)
+    # vLLM's extensions. (A per-request chat_template is not accepted: it would run any Jinja.)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking: false)
+    include_reasoning: bool = True  # with --reasoning-parser: False drops the reasoning from the answer
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -235,6 +237,9 @@ class ChatResponseMessage(_Response, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ResponseToolCall] = []
+    # With --reasoning-parser: the thinking, under vLLM's older and newer names.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class DeltaFunctionCall(_Response, kw_only=True, omit_defaults=True):
@@ -272,6 +277,8 @@ class DeltaMessage(_Response, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None  # as in ChatResponseMessage
+    reasoning: str | None = None
 
 
 class ChatStreamChoice(_Response, kw_only=True):
@@ -320,6 +327,7 @@ class TokenizeChatRequest(_Request, kw_only=True):
     messages: list[ChatMessage]
     tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the chat template already holds them
 
 

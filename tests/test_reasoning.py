@@ -1,0 +1,183 @@
+"""Reasoning parsers (--reasoning-parser): the thinking split from the answer exactly at the tags,
+whole and streamed; chat_template_kwargs reaching the template. The parsers alone, then through a
+real `vllm-launch` on a tiny random Qwen3 checkpoint whose chat template opens a `<think>` (as
+Qwen3-Thinking's does) unless `enable_thinking` is false."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers.models import save_tiny_model
+from tests.helpers.server import ONE_THREAD, start_server
+from zllm.config import REASONING_PARSERS as CONFIG_NAMES
+from zllm.frontend.openai.reasoning_parsers import REASONING_PARSERS, ReasoningStream, reasoning_parser
+
+THINK, END = "<think>", "</think>"
+
+
+# ---- the parsers alone ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "prompt", "output", "reasoning", "content"),
+    [
+        ("deepseek_r1", "Q: ", "<think>a b</think> c", "a b", " c"),
+        ("deepseek_r1", "Q: <think>", "a b</think>c</think>", "a b", "c</think>"),
+        ("deepseek_r1", "Q: ", "never closed", "never closed", ""),
+        ("qwen3", "Q: ", "<think>\nx\n</think>\n\ny", "\nx\n", "\n\ny"),
+        ("qwen3", "Q: <think>\n", "x</think>y", "x", "y"),
+        ("qwen3", "Q: ", "no thinking here", None, "no thinking here"),
+        ("qwen3", "Q: <think></think>", "y </think>", None, "y </think>"),  # thinking closed in the prompt
+    ],
+)
+def test_split_is_exactly_at_the_tags(name, prompt, output, reasoning, content):
+    split = reasoning_parser(name, prompt).split(output, final=True)
+    assert (split.reasoning, split.content) == (reasoning, content)
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("prompt", ["Q: ", "Q: <think>"])
+@pytest.mark.parametrize("output", ["<think>ab</think>cd", "a<b</th</think>x<", "<thin", "plain", "<think>x"])
+def test_streamed_parts_concatenate_to_the_whole_split(name, prompt, output):
+    whole = reasoning_parser(name, prompt).split(output, final=True)
+    for size in (1, 2, 3):
+        stream = ReasoningStream(reasoning_parser(name, prompt))
+        pieces = [output[i : i + size] for i in range(0, len(output), size)]
+        fed = [stream.feed(piece, final=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+        assert "".join(r for r, _ in fed) == (whole.reasoning or "")
+        assert "".join(c for _, c in fed) == whole.content
+
+
+def test_one_list_of_names_for_registry_config_cli_and_docs():
+    from zllm.launch.cli import build_parser
+
+    (action,) = [a for a in build_parser()._actions if a.dest == "reasoning_parser"]
+    assert sorted(REASONING_PARSERS) == sorted(CONFIG_NAMES) == sorted(action.choices)
+    api_doc = (Path(__file__).parents[1] / "docs/api.md").read_text()
+    documented = re.search(r"--reasoning-parser \{([^}]*)\}", api_doc).group(1).split(",")
+    assert sorted(documented) == sorted(REASONING_PARSERS)
+
+
+def test_an_unknown_parser_is_refused_when_configured():
+    from zllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="^reasoning_parser"):
+        EngineConfig(model="m", max_model_len=64, reasoning_parser="nope").validate()
+
+
+# ---- through a server -----------------------------------------------------------------------------
+
+# Word-level placeholder vocabulary t0..t255 (tests/helpers/models.py), plus the two tags.
+TEMPLATE = (
+    "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}"
+    "{% if add_generation_prompt %}t5 {% if enable_thinking is defined and not enable_thinking %}"
+    "<think> </think> {% else %}<think> {% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    from benchmarks.dummy_model import write_placeholder_tokenizer
+
+    directory = save_tiny_model(
+        tmp_path_factory.mktemp("qwen3"), "qwen3", vocab_size=272, max_position_embeddings=4096, head_dim=16
+    )
+    write_placeholder_tokenizer(directory, 256)  # t0..t255, then the tags at 256 and 257
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.add_tokens([THINK, END])  # not special: they stay in the text, as Qwen3's do
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory, qwen3_dir):
+    handle = start_server(
+        tmp_path_factory.mktemp("reasoning"), str(qwen3_dir), "--reasoning-parser", "qwen3", env=ONE_THREAD
+    )
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def client(api) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{api.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+MESSAGES = [{"role": "user", "content": "t10 t11 t12"}]
+# Sampling that writes </think> now and then: a bias on the tag's id, a fixed seed.
+SAMPLING = dict(max_tokens=48, temperature=1.0, seed=7)
+
+
+def _raw(api, client, end_id: int, **template_kwargs) -> tuple[str, str]:
+    """The rendered prompt and the raw completion text of the same tokens (seeded sampling)."""
+    body = {"messages": MESSAGES, "chat_template_kwargs": template_kwargs}
+    tokens = httpx.post(f"{api.http_url}/tokenize", json=body).json()["tokens"]
+    prompt = httpx.post(f"{api.http_url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    raw = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=tokens,
+        logit_bias={str(end_id): 3.0},
+        extra_body={"ignore_eos": True},
+        **SAMPLING,
+    )
+    return prompt, raw.choices[0].text
+
+
+def _end_id(qwen3_dir) -> int:
+    vocab = json.loads((qwen3_dir / "tokenizer.json").read_text())
+    return next(t["id"] for t in vocab["added_tokens"] if t["content"] == END)
+
+
+def _chat(client, end_id: int, stream: bool, **template_kwargs):
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=MESSAGES,
+        logit_bias={str(end_id): 3.0},
+        stream=stream,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": template_kwargs},
+        **SAMPLING,
+    )
+
+
+def test_chat_splits_the_thinking_at_the_tag_whole_and_streamed(api, client, qwen3_dir):
+    end_id = _end_id(qwen3_dir)
+    prompt, raw = _raw(api, client, end_id)
+    assert prompt.rstrip().endswith(THINK)
+    assert END in raw and raw.index(END) > 0, raw  # the seed and bias make it think, then answer
+    reasoning, content = raw.split(END, 1)
+
+    message = _chat(client, end_id, stream=False).choices[0].message
+    assert message.reasoning_content == message.model_extra["reasoning"] == reasoning
+    assert message.content == (content or None)
+
+    chunks = list(_chat(client, end_id, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed_reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    streamed_content = "".join(d.content or "" for d in deltas)
+    assert (streamed_reasoning, streamed_content) == (reasoning, content)
+
+
+def test_enable_thinking_false_reaches_the_template_and_all_is_answer(api, client, qwen3_dir):
+    end_id = _end_id(qwen3_dir)
+    prompt, raw = _raw(api, client, end_id, enable_thinking=False)
+    assert prompt.rstrip().endswith(END)  # the template closed the thinking itself
+    message = _chat(client, end_id, stream=False, enable_thinking=False).choices[0].message
+    assert message.reasoning_content is None and message.content == raw
+
+
+def test_bad_chat_template_kwargs_are_a_400(api):
+    for kwargs in ({"chat_template": "{{ 1 }}"}, "not an object"):
+        response = httpx.post(
+            f"{api.http_url}/v1/chat/completions", json={"messages": MESSAGES, "chat_template_kwargs": kwargs}
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "chat_template_kwargs"
