@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API, served by the frontend process on its own asyncio loop.
 
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
+    POST /v1/responses          GET  /v1/responses/{id}          (responses.py: OpenAI's Responses API)
     POST /tokenize              POST /detokenize
     GET  /health                GET  /version                    GET /metrics     GET /openapi.json
 
@@ -55,6 +56,8 @@ from zllm.frontend.openai.protocol import (
     openapi_document,
     param_of,
 )
+from zllm.frontend.openai.responses import ResponsesCall, ResponseStore
+from zllm.frontend.openai.responses_protocol import ResponsesRequest
 from zllm.frontend.openai.serving import ChatCall, CompletionCall, FrontendRequestError, conversation_prompt
 from zllm.ipc.messages import ClientStats, ServerStats
 
@@ -113,6 +116,7 @@ class ApiServer:
         self.config = frontend.config
         self._runner: web.AppRunner | None = None
         self._openapi = msgspec.json.encode(openapi_document(zllm.__version__))
+        self.responses = ResponseStore() if self.config.enable_responses_store else None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -122,6 +126,8 @@ class ApiServer:
         )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.create_response)
+        app.router.add_get("/v1/responses/{response_id}", self.get_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -155,7 +161,7 @@ class ApiServer:
         try:
             return await handler(request)
         except BadRequestError as error:
-            return error_response(400, str(error), "invalid_request_error", error.param, error.code)
+            return error_response(error.status, str(error), "invalid_request_error", error.param, error.code)
         except FrontendRequestError as error:
             error = _from_engine_error(error)
             return error_response(error.status, str(error), error.type, error.param, error.code)
@@ -202,6 +208,18 @@ class ApiServer:
         call = ChatCall.build(self.frontend, body, self._model(body.model))
         return await self._run(request, call, body.stream, ignored)
 
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
+        body, ignored = await self._decode(request, ResponsesRequest)
+        call = ResponsesCall.build(self.frontend, body, self._model(body.model), self.responses)
+        return await self._run(request, call, body.stream, ignored)
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        stored = self.responses.get(response_id) if self.responses is not None else None
+        if stored is None:
+            raise ApiError(404, f"no stored response {response_id!r}", "invalid_request_error", code="not_found")
+        return json_response(stored.response)
+
     async def _decode(self, request: web.Request, type_: type) -> tuple[msgspec.Struct, dict[str, str]]:
         """The request body, and the header listing the fields it had that are ignored."""
         body, ignored = decode_request(await request.read(), type_)
@@ -211,28 +229,36 @@ class ApiServer:
                 logger.warning("ignoring the unknown request field %r on %s (logged once)", name, request.path)
         return body, {IGNORED_FIELDS_HEADER: ignored_fields_header(ignored)} if ignored else {}
 
-    async def _run(
-        self, request: web.Request, call: CompletionCall | ChatCall, stream: bool, headers: dict[str, str]
-    ) -> web.StreamResponse:
+    async def _run(self, request: web.Request, call, stream: bool, headers: dict[str, str]) -> web.StreamResponse:
+        """Run a call (CompletionCall, ChatCall, ResponsesCall, MessagesCall: `engine_call`,
+        `response`, `chunks`; those whose events are named also have `error_event`)."""
         self._check_serving()
         async with call.engine_call(self.frontend) as engine:
             if not stream:
                 return json_response(await call.response(self.frontend, engine), headers)
-            return await self._stream(request, call.chunks(self.frontend, engine), headers)
+            return await self._stream(request, call, call.chunks(self.frontend, engine), headers)
 
     async def _stream(
-        self, request: web.Request, chunks: AsyncIterator[msgspec.Struct], headers: dict[str, str]
+        self, request: web.Request, call, chunks: AsyncIterator[msgspec.Struct], headers: dict[str, str]
     ) -> web.StreamResponse:
-        """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`."""
+        """Server-sent events: `data: <json>` per chunk, then `data: [DONE]` (OpenAI's completions);
+        or `event: <type>` + `data: <json>` per typed event, without [DONE] (the Responses and
+        Anthropic Messages APIs)."""
+        named = getattr(call, "named_events", False)
         response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         await response.prepare(request)
         try:
             async for chunk in chunks:
-                await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+                await response.write(_sse_event(chunk, named))
         except FrontendRequestError as error:  # the status line is gone: report it in the stream
             error = _from_engine_error(error)
-            await response.write(b"data: " + error_body(str(error), error.type, error.param, error.code) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
+            if named:
+                await response.write(_sse_event(call.error_event(str(error), error.code, error.param), named))
+            else:
+                body = error_body(str(error), error.type, error.param, error.code)
+                await response.write(b"data: " + body + b"\n\n")
+        if not named:
+            await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
@@ -316,6 +342,11 @@ class ApiServer:
             return None
         finally:
             await self.frontend.close_local_client(identity)
+
+
+def _sse_event(chunk: msgspec.Struct, named: bool) -> bytes:
+    data = b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+    return f"event: {chunk.type}\n".encode() + data if named else data
 
 
 def ignored_fields_header(paths: list[str]) -> str:

@@ -363,6 +363,8 @@ class ErrorResponse(_Response, kw_only=True):
 class BadRequestError(ValueError):
     """A request the API refuses with 400; `param` names the offending field when known."""
 
+    status = 400  # a subclass may name something that does not exist (404)
+
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param

@@ -1,0 +1,169 @@
+"""The newer client APIs against a real `vllm-launch` on the embedded SmolLM2, through the official
+clients: OpenAI's Responses API (`openai`'s `responses.create`) and Anthropic's Messages API
+(`anthropic`'s `messages.create`). Both translate to a chat completion, so each answer is checked
+against the chat completion of the same conversation (greedy: the same tokens), streamed and not,
+with a function tool (grammar-forced, so a 135M model calls it reliably), and bad input answered
+with a 400 in the API's own error shape."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.helpers.server import ONE_THREAD, start_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+RESPONSES_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather of a city",
+    "parameters": WEATHER_SCHEMA,
+}
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory, smollm2_dir):
+    handle = start_server(tmp_path_factory.mktemp("newer"), smollm2_dir, "--enable-responses-store", env=ONE_THREAD)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def client(api) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{api.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat(client, messages: list[dict], max_tokens: int = 16):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+
+
+# ---- /v1/responses ----------------------------------------------------------------------------
+
+
+def test_responses_plain_equals_the_chat_completion(client):
+    response = client.responses.create(
+        model=MODEL, instructions="Answer briefly.", input=QUESTION, max_output_tokens=16, temperature=0
+    )
+    chat = _chat(client, [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}])
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat.choices[0].message.content and response.output_text
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant"
+
+
+def test_responses_stream_sends_typed_events_that_add_up(client):
+    whole = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0)
+    events = list(
+        client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24, temperature=0, stream=True)
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete" if whole.status == "incomplete" else "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert deltas == done.text == events[-1].response.output_text == whole.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_responses_function_tool_call_and_its_output(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.responses.create(
+        model=MODEL, input=ask, tools=[RESPONSES_TOOL], tool_choice="required", max_output_tokens=40, temperature=0
+    )
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather", called.output
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER_SCHEMA)
+
+    streamed = list(
+        client.responses.create(
+            model=MODEL,
+            input=ask,
+            tools=[RESPONSES_TOOL],
+            tool_choice="required",
+            max_output_tokens=40,
+            temperature=0,
+            stream=True,
+        )
+    )
+    done = next(e for e in streamed if e.type == "response.function_call_arguments.done")
+    deltas = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    assert deltas == done.arguments == calls[0].arguments and done.name == "get_weather"
+
+    # The call and its result go back as items; the model answers in text.
+    follow = ask + [
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "22 C and sunny"},
+    ]
+    answer = client.responses.create(
+        model=MODEL, input=follow, tools=[RESPONSES_TOOL], tool_choice="none", max_output_tokens=16, temperature=0
+    )
+    assert answer.output_text and answer.usage.input_tokens > called.usage.input_tokens
+
+
+def test_responses_chained_by_previous_response_id(client):
+    first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=12, temperature=0)
+    second = client.responses.create(
+        model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=12, temperature=0
+    )
+    alone = client.responses.create(model=MODEL, input="What is my name?", max_output_tokens=1, temperature=0)
+    assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
+    # The second prompt is exactly the whole first turn (its input and its answer), then the new input.
+    chat = _chat(
+        client,
+        [
+            {"role": "user", "content": "My name is Ada."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"},
+        ],
+        max_tokens=12,
+    )
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": []}, 400, "input"),
+        ({"input": [{"type": "image", "url": "x"}]}, 400, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, 400, "input"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools"),
+        ({"input": "hi", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
+        ({"input": "hi", "max_output_tokens": -1}, 400, "max_tokens"),
+        ({"input": 3}, 400, "input"),
+    ],
+)
+def test_responses_bad_input_is_an_openai_error(api, body, status, param):
+    response = httpx.post(f"{api.http_url}/v1/responses", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
