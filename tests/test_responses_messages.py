@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -167,3 +168,137 @@ def test_responses_bad_input_is_an_openai_error(api, body, status, param):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+# ---- /v1/messages -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def claude(api) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=api.http_url, api_key="unused", max_retries=0, timeout=120)
+
+
+# This anthropic client has no temperature argument (the server takes the field): sample greedily.
+GREEDY = {"temperature": 0}
+ANTHROPIC_TOOL = {"name": "get_weather", "description": "Weather of a city", "input_schema": WEATHER_SCHEMA}
+
+
+def test_messages_plain_equals_the_chat_completion(client, claude):
+    message = claude.messages.create(
+        model=MODEL,
+        system="Answer briefly.",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=16,
+        extra_body=GREEDY,
+    )
+    chat = _chat(client, [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}])
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    (block,) = message.content
+    assert block.type == "text" and block.text == chat.choices[0].message.content
+    assert message.usage.input_tokens == chat.usage.prompt_tokens
+    assert message.usage.output_tokens == chat.usage.completion_tokens
+    assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+
+
+def test_messages_stop_sequences_end_with_stop_sequence(claude):
+    whole = claude.messages.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=24, extra_body=GREEDY
+    )
+    word = whole.content[0].text.split()[2]  # a word the answer is known to contain
+    stopped = claude.messages.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=24,
+        extra_body=GREEDY,
+        stop_sequences=[word],
+    )
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
+    assert word not in stopped.content[0].text and whole.content[0].text.startswith(stopped.content[0].text)
+
+
+def test_messages_stream_sends_anthropic_events_that_add_up(claude):
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=24, extra_body=GREEDY)
+    whole = claude.messages.create(**ask)
+    events = list(claude.messages.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["message_start", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == whole.content[0].text
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens
+    assert (
+        events[-2].delta.stop_reason == whole.stop_reason
+        and events[-2].usage.output_tokens == whole.usage.output_tokens
+    )
+    with claude.messages.stream(**ask) as stream:  # the client's own accumulator agrees
+        assert stream.get_final_message().content[0].text == whole.content[0].text
+
+
+def test_messages_tool_use_and_tool_result(claude):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = claude.messages.create(
+        model=MODEL, messages=ask, tools=[ANTHROPIC_TOOL], tool_choice={"type": "any"}, max_tokens=40, extra_body=GREEDY
+    )
+    uses = [b for b in called.content if b.type == "tool_use"]
+    assert uses and uses[0].name == "get_weather" and called.stop_reason == "tool_use", called
+    jsonschema.validate(uses[0].input, WEATHER_SCHEMA)
+
+    events = list(
+        claude.messages.create(
+            model=MODEL,
+            messages=ask,
+            tools=[ANTHROPIC_TOOL],
+            tool_choice={"type": "tool", "name": "get_weather"},
+            max_tokens=40,
+            extra_body=GREEDY,
+            stream=True,
+        )
+    )
+    start = next(e for e in events if e.type == "content_block_start")
+    assert start.content_block.type == "tool_use" and start.content_block.name == "get_weather"
+    arguments = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
+    jsonschema.validate(json.loads(arguments), WEATHER_SCHEMA)
+
+    follow = ask + [
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": uses[0].id, "name": "get_weather", "input": uses[0].input}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "22 C and sunny"}]},
+    ]
+    answer = claude.messages.create(
+        model=MODEL,
+        messages=follow,
+        tools=[ANTHROPIC_TOOL],
+        tool_choice={"type": "none"},
+        max_tokens=16,
+        extra_body=GREEDY,
+    )
+    assert answer.content[0].type == "text" and answer.content[0].text
+    assert answer.usage.input_tokens > called.usage.input_tokens
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}]}, 400),  # no max_tokens
+        ({"max_tokens": 8, "messages": []}, 400),
+        ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400),
+        ({"max_tokens": 8, "messages": [{"role": "robot", "content": "hi"}]}, 400),
+        ({"max_tokens": -1, "messages": [{"role": "user", "content": "hi"}]}, 400),
+        ({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "tool"}}, 400),
+        ({"max_tokens": 8, "model": "claude-9", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ],
+)
+def test_messages_bad_input_is_an_anthropic_error(api, body, status):
+    body = {"model": MODEL, **body}
+    response = httpx.post(f"{api.http_url}/v1/messages", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] in ("invalid_request_error", "not_found_error")
+    assert error["error"]["message"]
+
+
+def test_anthropic_client_raises_its_own_error_type(claude):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model=MODEL, messages=[], max_tokens=8)
+    assert caught.value.body["error"]["type"] == "invalid_request_error"

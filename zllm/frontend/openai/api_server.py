@@ -2,6 +2,7 @@
 
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
     POST /v1/responses          GET  /v1/responses/{id}          (responses.py: OpenAI's Responses API)
+    POST /v1/messages           (messages_api.py: Anthropic's Messages API, with Anthropic's error shape)
     POST /tokenize              POST /detokenize
     GET  /health                GET  /version                    GET /metrics     GET /openapi.json
 
@@ -37,6 +38,8 @@ from aiohttp import web
 
 import zllm
 from zllm.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from zllm.frontend.openai.messages_api import MessagesCall, error_type
+from zllm.frontend.openai.messages_protocol import ErrorBody, ErrorDetail, MessagesRequest
 from zllm.frontend.openai.protocol import (
     BadRequestError,
     ChatCompletionRequest,
@@ -70,6 +73,7 @@ IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
 _IGNORED_HEADER_MAX_CHARS = 1024  # clients refuse long headers (aiohttp's limit is 8190 bytes)
 _MAX_WARNED_FIELDS = 1024  # distinct names logged; bounded so that fuzzed names cannot grow it forever
 _warned_fields: set[str] = set()  # unknown field names already logged (once each)
+ANTHROPIC_PREFIX = "/v1/messages"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # ServerError kinds -> HTTP status (retry-later conditions are 503, as OpenAI answers "overloaded").
 _ENGINE_ERROR_STATUS = {"bad_request": 400, "unauthorized": 401, "engine_dead": 503, "overloaded": 503, "draining": 503}
@@ -89,6 +93,20 @@ def error_response(
     status: int, message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> web.Response:
     return web.Response(status=status, body=error_body(message, type_, param, code), content_type="application/json")
+
+
+def anthropic_error_response(status: int, message: str) -> web.Response:
+    body = msgspec.json.encode(ErrorBody(error=ErrorDetail(type=error_type(status), message=message)))
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
+def _api_error_response(
+    request: web.Request, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+) -> web.Response:
+    """The error in the shape of the API the route belongs to: Anthropic's for /v1/messages."""
+    if request.path.startswith(ANTHROPIC_PREFIX):
+        return anthropic_error_response(status, message)
+    return error_response(status, message, type_, param, code)
 
 
 def json_response(value: msgspec.Struct, headers: dict[str, str] | None = None) -> web.Response:
@@ -128,6 +146,7 @@ class ApiServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.create_response)
         app.router.add_get("/v1/responses/{response_id}", self.get_response)
+        app.router.add_post("/v1/messages", self.create_message)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -161,16 +180,19 @@ class ApiServer:
         try:
             return await handler(request)
         except BadRequestError as error:
-            return error_response(error.status, str(error), "invalid_request_error", error.param, error.code)
+            return _api_error_response(
+                request, error.status, str(error), "invalid_request_error", error.param, error.code
+            )
         except FrontendRequestError as error:
             error = _from_engine_error(error)
-            return error_response(error.status, str(error), error.type, error.param, error.code)
+            return _api_error_response(request, error.status, str(error), error.type, error.param, error.code)
         except ApiError as error:
-            return error_response(error.status, str(error), error.type, error.param, error.code)
+            return _api_error_response(request, error.status, str(error), error.type, error.param, error.code)
         except web.HTTPException as error:  # routing (404, 405) and the body limit (413)
             if error.status < 400:
                 raise
-            return error_response(
+            return _api_error_response(
+                request,
                 error.status,
                 _http_error_message(request, error),
                 "invalid_request_error",
@@ -180,13 +202,15 @@ class ApiServer:
             raise  # the client went away; nothing to answer
         except Exception:
             logger.exception("internal error on %s %s", request.method, request.path)
-            return error_response(500, "internal server error", "server_error")
+            return _api_error_response(request, 500, "internal server error", "server_error")
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
         key = self.config.api_key
         if key and (request.path == "/v1" or request.path.startswith("/v1/")):
             given = request.headers.get("Authorization", "")
+            if request.path.startswith(ANTHROPIC_PREFIX) and "x-api-key" in request.headers:
+                given = f"Bearer {request.headers['x-api-key']}"  # Anthropic's clients send their key so
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 raise ApiError(
                     401,
@@ -211,6 +235,11 @@ class ApiServer:
     async def create_response(self, request: web.Request) -> web.StreamResponse:
         body, ignored = await self._decode(request, ResponsesRequest)
         call = ResponsesCall.build(self.frontend, body, self._model(body.model), self.responses)
+        return await self._run(request, call, body.stream, ignored)
+
+    async def create_message(self, request: web.Request) -> web.StreamResponse:
+        body, ignored = await self._decode(request, MessagesRequest)
+        call = MessagesCall.build(self.frontend, body, self._model(body.model))
         return await self._run(request, call, body.stream, ignored)
 
     async def get_response(self, request: web.Request) -> web.Response:
