@@ -114,7 +114,7 @@ def client(api) -> openai.OpenAI:
 
 MESSAGES = [{"role": "user", "content": "t10 t11 t12"}]
 # Sampling that writes </think> now and then: a bias on the tag's id, a fixed seed.
-SAMPLING = dict(max_tokens=48, temperature=1.0, seed=7)
+SAMPLING = dict(max_tokens=64, temperature=1.0, seed=7)
 
 
 def _raw(api, client, end_id: int, **template_kwargs) -> tuple[str, str]:
@@ -152,7 +152,7 @@ def test_chat_splits_the_thinking_at_the_tag_whole_and_streamed(api, client, qwe
     end_id = _end_id(qwen3_dir)
     prompt, raw = _raw(api, client, end_id)
     assert prompt.rstrip().endswith(THINK)
-    assert END in raw and raw.index(END) > 0, raw  # the seed and bias make it think, then answer
+    assert END in raw and raw.index(END) > 0 and raw.split(END, 1)[1].strip(), raw  # it thinks, then answers
     reasoning, content = raw.split(END, 1)
 
     message = _chat(client, end_id, stream=False).choices[0].message
@@ -181,3 +181,66 @@ def test_bad_chat_template_kwargs_are_a_400(api):
         )
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "chat_template_kwargs"
+
+
+# ---- structured outputs constrain the answer only -------------------------------------------------
+
+
+class _OnlyDigits:
+    """A stand-in xgrammar matcher: allows tokens below 10, never terminates."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id >= 10:
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def rollback(self, count: int) -> None:
+        del self.accepted[len(self.accepted) - count :]
+
+
+def test_the_engine_grammar_sleeps_until_the_end_of_thinking():
+    from concurrent.futures import Future
+
+    from zllm.enginecore.structured_outputs import RequestGrammar
+
+    grammar = RequestGrammar(Future(), matcher=_OnlyDigits(), starts_after=[50, 51])
+    assert not grammar.is_active and grammar.valid_drafts([40, 50, 51, 99]) == [40, 50]  # up to the waking one
+    for token in (40, 51, 50, 42, 50):  # thinking: anything goes, a lone 50 or 51 is no end
+        assert grammar.accept(token) and not grammar.is_active
+    assert grammar.accept(51) and grammar.is_active  # ... 50, 51: the answer starts
+    assert grammar.matcher.accepted == []
+    assert not grammar.accept(99) and grammar.accept(3) and grammar.matcher.accepted == [3]
+
+
+def test_the_gate_travels_as_a_sampling_field():
+    from zllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"], starts_after=[7]))
+    assert params.structured_outputs.grammar_spec() == StructuredOutputsParams(choice=["a"]).grammar_spec()
+    with pytest.raises(ValueError, match="starts_after"):
+        StructuredOutputsParams(choice=["a"], starts_after=[])
+
+
+def test_a_constrained_answer_follows_free_thinking(api, client, qwen3_dir):
+    end_id = _end_id(qwen3_dir)
+    _, raw = _raw(api, client, end_id)
+    answer = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=MESSAGES,
+        logit_bias={str(end_id): 3.0},
+        extra_body={"structured_outputs": {"choice": ["t7", "t9"]}},
+        **SAMPLING,
+    )
+    message = answer.choices[0].message
+    # The thinking ran free: the same seeded tokens as without a constraint (a grammar from the
+    # first token would have forced t7 or t9 at once) ...
+    assert message.reasoning_content == raw.split(END, 1)[0]
+    # ... and the answer after </think> is exactly one of the choices, which ends it.
+    assert message.content.strip() in ("t7", "t9") and answer.choices[0].finish_reason == "stop", message

@@ -42,6 +42,12 @@ class ReasoningParser:
         """Whether the output starts inside the thinking (None: cannot tell yet)."""
         raise NotImplementedError
 
+    @property
+    def thinks_first(self) -> bool:
+        """The output is known, before it starts, to begin with thinking: an output constraint
+        then applies only after `END` (the engine's grammar sleeps until then)."""
+        return True
+
     def split(self, text: str, final: bool) -> Split:
         thinking = self.thinks(text, final)
         if thinking is None:
@@ -66,6 +72,12 @@ class DeepSeekR1Parser(ReasoningParser):
 
 class Qwen3Parser(ReasoningParser):
     name = "qwen3"
+
+    @property
+    def thinks_first(self) -> bool:
+        # Otherwise the model may or may not open <think> itself; a grammar from the first token
+        # makes it answer at once (as enable_thinking: false would).
+        return self.opened_in_prompt
 
     def thinks(self, text: str, final: bool) -> bool | None:
         if self.opened_in_prompt or text.startswith(self.START):

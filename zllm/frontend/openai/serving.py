@@ -586,7 +586,16 @@ class ChatCall:
         sampling = sampling_params(
             request, max_tokens, logprobs, None, structured_outputs_of(request, schema), keep_special
         )
-        return cls(request, model, prompt, sampling, tools, server.config.reasoning_parser)
+        call = cls(request, model, prompt, sampling, tools, server.config.reasoning_parser)
+        call._constrain_the_answer_only(server)
+        return call
+
+    def _constrain_the_answer_only(self, server: FrontendServer) -> None:
+        """Under a reasoning parser, an output constraint (response_format, a forced tool call)
+        applies to the answer: the engine's grammar sleeps until the end-of-thinking tokens."""
+        parser, constraint = self._reasoning(), self.sampling.structured_outputs
+        if parser is not None and constraint is not None and parser.thinks_first:
+            constraint.starts_after = server.tokenizer.encode(parser.END, add_special_tokens=False)
 
     def _reasoning(self) -> ReasoningParser | None:
         """A fresh parser for one choice (None: no reasoning parser)."""
