@@ -607,6 +607,7 @@ CONFIG = EngineConfig(
     enable_auto_tool_choice=True,
     tool_call_parser="hermes",
     reasoning_parser="qwen3",
+    skip_tokenizer_init=True,
     enable_responses_store=True,
     grammar_cache_size=8,
     grammar_threads=2,

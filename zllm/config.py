@@ -131,6 +131,9 @@ class EngineConfig:
 
     model: str  # a HF model directory (config.json + safetensors + tokenizer); a .gguf is converted to one
     tokenizer: str | None = None  # defaults to the model directory
+    # No tokenizer at all (vLLM's skip_tokenizer_init): prompts are token ids, outputs token ids
+    # only (empty text); what needs text (stop strings, bad words, grammars, chat) is refused.
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"  # auto: float32 on CPU; on CUDA the checkpoint's fp16/bf16, else bfloat16
     device: str = "auto"
     seed: int = 0

@@ -157,6 +157,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "one-shot kernel instead of NCCL (default 0: NCCL only)",
     )
     group.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: prompts are token ids and outputs token ids (for checkpoints without one)",
+    )
+    group.add_argument(
         "--grammar-cache-size",
         type=int,
         default=defaults.grammar_cache_size,
@@ -229,6 +234,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig.create keyword arguments from parsed arguments (model excluded)."""
     return dict(
         tokenizer=args.tokenizer,
+        skip_tokenizer_init=args.skip_tokenizer_init,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         device=args.device,

@@ -61,7 +61,13 @@ from zllm.frontend.openai.protocol import (
 )
 from zllm.frontend.openai.responses import ResponsesCall, ResponseStore
 from zllm.frontend.openai.responses_protocol import ResponsesRequest
-from zllm.frontend.openai.serving import ChatCall, CompletionCall, FrontendRequestError, conversation_prompt
+from zllm.frontend.openai.serving import (
+    NO_TOKENIZER,
+    ChatCall,
+    CompletionCall,
+    FrontendRequestError,
+    conversation_prompt,
+)
 from zllm.ipc.messages import ClientStats, ServerStats
 
 if TYPE_CHECKING:
@@ -303,6 +309,10 @@ class ApiServer:
             )
         return served
 
+    def _check_tokenizer(self, field: str) -> None:
+        if self.frontend.tokenizer is None:
+            raise BadRequestError(NO_TOKENIZER.format(field=field), field)
+
     def _check_serving(self) -> None:
         if self.frontend.dead_reason is not None:
             raise ApiError(503, f"engine is dead: {self.frontend.dead_reason}", "server_error", code="engine_dead")
@@ -320,6 +330,7 @@ class ApiServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt (with the tokenizer's special tokens by default) or chat
         messages (through the chat template, as /v1/chat/completions renders them)."""
+        self._check_tokenizer("prompt")
         chat = _has_messages(await request.read())
         body, headers = await self._decode(request, TokenizeChatRequest if chat else TokenizeCompletionRequest)
         self._model(body.model)
@@ -332,6 +343,7 @@ class ApiServer:
     async def detokenize(self, request: web.Request) -> web.Response:
         body, headers = await self._decode(request, DetokenizeRequest)
         self._model(body.model)
+        self._check_tokenizer("tokens")
         vocab_size = len(self.frontend.tokenizer)
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:

@@ -64,6 +64,9 @@ if TYPE_CHECKING:
     from zllm.frontend.server import FrontendServer
 
 
+NO_TOKENIZER = "{field}: this server runs without a tokenizer (--skip-tokenizer-init)"
+
+
 class FrontendRequestError(Exception):
     """Raised in the HTTP layer when the frontend refused or failed a request (through its local
     client): `kind` is ServerError's (bad_request, engine_dead, ...)."""
@@ -293,6 +296,8 @@ def completion_prompts(server: FrontendServer, prompt: str | list) -> list[Promp
 def _text_prompt(server: FrontendServer, text: str) -> Prompt:
     if not text:
         raise BadRequestError("prompt: must not be empty", "prompt")
+    if server.tokenizer is None:
+        raise BadRequestError(NO_TOKENIZER.format(field="prompt") + ": send token ids", "prompt")
     return Prompt(text, server.tokenizer.encode(text))
 
 
@@ -365,7 +370,9 @@ def _chosen(position: dict[int, Logprob]) -> tuple[int, Logprob]:
 
 
 def _token_text(server: FrontendServer, token_id: int, logprob: Logprob) -> str:
-    return logprob.decoded_token if logprob.decoded_token is not None else server.tokenizer.decode([token_id])
+    if logprob.decoded_token is not None or server.tokenizer is None:
+        return logprob.decoded_token or ""
+    return server.tokenizer.decode([token_id])
 
 
 def completion_logprobs(
@@ -446,7 +453,7 @@ class CompletionCall:
     def _prompt_of(self, server: FrontendServer, index: int) -> Prompt:
         prompt = self.prompts[index // self.request.n]
         if prompt.text is None:
-            prompt.text = server.tokenizer.decode(prompt.token_ids)
+            prompt.text = server.tokenizer.decode(prompt.token_ids) if server.tokenizer is not None else ""
         return prompt
 
     def _logprobs(self, server: FrontendServer, call: EngineCall, index: int) -> CompletionLogprobs | None:
