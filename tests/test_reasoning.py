@@ -244,3 +244,45 @@ def test_a_constrained_answer_follows_free_thinking(api, client, qwen3_dir):
     assert message.reasoning_content == raw.split(END, 1)[0]
     # ... and the answer after </think> is exactly one of the choices, which ends it.
     assert message.content.strip() in ("t7", "t9") and answer.choices[0].finish_reason == "stop", message
+
+
+# ---- the Responses and Messages APIs carry the thinking too ---------------------------------------
+
+
+def test_responses_have_a_reasoning_item_whole_and_streamed(api, client, qwen3_dir):
+    end_id = _end_id(qwen3_dir)
+    _, raw = _raw(api, client, end_id)
+    reasoning, content = raw.split(END, 1)
+    ask = dict(
+        model=client.models.list().data[0].id,
+        input=MESSAGES[0]["content"],
+        max_output_tokens=SAMPLING["max_tokens"],
+        temperature=1.0,
+        extra_body={"seed": 7, "logit_bias": {str(end_id): 3.0}},
+    )
+    response = client.responses.create(**ask)
+    thought, message = response.output
+    assert thought.type == "reasoning" and thought.content[0].text == reasoning
+    assert message.type == "message" and response.output_text == content
+
+    events = list(client.responses.create(**ask, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == content
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
+
+
+def test_anthropic_messages_have_a_thinking_block(api, client, qwen3_dir):
+    import anthropic
+
+    end_id = _end_id(qwen3_dir)
+    claude = anthropic.Anthropic(base_url=api.http_url, api_key="unused", max_retries=0, timeout=120)
+    message = claude.messages.create(
+        model=client.models.list().data[0].id,
+        max_tokens=SAMPLING["max_tokens"],
+        messages=MESSAGES,
+        extra_body={"temperature": 1.0, "seed": 7, "logit_bias": {str(end_id): 3.0}},
+    )
+    _, raw = _raw(api, client, end_id)
+    thinking, text = message.content
+    assert thinking.type == "thinking" and thinking.thinking == raw.split(END, 1)[0]
+    assert text.type == "text" and text.text == raw.split(END, 1)[1]

@@ -136,6 +136,8 @@ def chat_request(request: MessagesRequest) -> ChatCompletionRequest:
         temperature=request.temperature,
         top_p=request.top_p,
         top_k=request.top_k,
+        seed=request.seed,
+        logit_bias=request.logit_bias,
         stop=request.stop_sequences,
         tools=tools or None,
         tool_choice=_tool_choice(request),

@@ -73,7 +73,9 @@ class MessagesRequest(_Body, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
-    # vLLM's extension, as in chat completions
+    # vLLM's extensions, as in chat completions
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

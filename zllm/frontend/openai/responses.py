@@ -204,6 +204,7 @@ def chat_request(request: ResponsesRequest, conversation: list[ChatMessage]) -> 
         top_p=request.top_p,
         top_k=request.top_k,
         seed=request.seed,
+        logit_bias=request.logit_bias,
         stop=request.stop,
         tools=_chat_tools(request),
         tool_choice=_tool_choice(request),

@@ -71,6 +71,7 @@ class ResponsesRequest(_Body, kw_only=True):
     # vLLM's extensions, as in chat completions
     seed: int | None = None
     top_k: int | None = None
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
