@@ -439,18 +439,18 @@ def _json(schema_name: str) -> dict:
     return {"application/json": {"schema": {"$ref": _REF.format(name=schema_name)}}}
 
 
-def _errors(*codes: int) -> dict:
+def _errors(*codes: int, shape: str = "ErrorResponse") -> dict:
     reasons = {
         400: "Bad request",
         401: "Missing or wrong API key",
-        404: "Unknown model",
+        404: "Unknown model (or stored response)",
         413: "Body too large",
         503: "Engine dead or draining",
     }
-    return {str(code): {"description": reasons[code], "content": _json("ErrorResponse")} for code in codes}
+    return {str(code): {"description": reasons[code], "content": _json(shape)} for code in codes}
 
 
-def _generation(summary: str, request: str, response: str) -> dict:
+def _generation(summary: str, request: str, response: str, error_shape: str = "ErrorResponse") -> dict:
     ok = {
         "description": "The completion; with `stream: true`, server-sent events ending with `data: [DONE]`",
         "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}},
@@ -460,7 +460,7 @@ def _generation(summary: str, request: str, response: str) -> dict:
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": _json(request)},
-            "responses": {"200": ok, **_errors(400, 401, 404, 413, 503)},
+            "responses": {"200": ok, **_errors(400, 401, 404, 413, 503, shape=error_shape)},
             "security": [{"bearer": []}],
         }
     }
@@ -486,8 +486,17 @@ _IGNORED_HEADER = {
 
 
 def openapi_document(version: str) -> dict:
-    """OpenAPI 3.1 for every route, with schemas generated from the Structs above."""
+    """OpenAPI 3.1 for every route, with schemas generated from the Structs above (and the
+    Responses and Messages APIs' own, imported here: their modules import this one)."""
+    from zllm.frontend.openai.messages_protocol import ErrorBody, Message, MessagesRequest
+    from zllm.frontend.openai.responses_protocol import ResponseObject, ResponsesRequest
+
     types = [
+        ResponsesRequest,
+        ResponseObject,
+        MessagesRequest,
+        Message,
+        ErrorBody,
         CompletionRequest,
         ChatCompletionRequest,
         CompletionResponse,
@@ -511,6 +520,23 @@ def openapi_document(version: str) -> dict:
             "/v1/completions": _generation("Complete prompts", "CompletionRequest", "CompletionResponse"),
             "/v1/chat/completions": _generation(
                 "Answer a conversation", "ChatCompletionRequest", "ChatCompletionResponse"
+            ),
+            "/v1/responses": _generation("Respond (OpenAI's Responses API)", "ResponsesRequest", "ResponseObject"),
+            "/v1/responses/{response_id}": {
+                "get": {
+                    "summary": "A stored response (--enable-responses-store)",
+                    "parameters": [
+                        {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                    ],
+                    "security": [{"bearer": []}],
+                    "responses": {
+                        "200": {"description": "The response", "content": _json("ResponseObject")},
+                        **_errors(401, 404),
+                    },
+                }
+            },
+            "/v1/messages": _generation(
+                "Answer messages (Anthropic's Messages API)", "MessagesRequest", "Message", "ErrorBody"
             ),
             "/tokenize": _utility(
                 "Token ids of a prompt, or of chat messages rendered by the chat template",

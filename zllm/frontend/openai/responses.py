@@ -14,22 +14,17 @@ conversations hold user data and memory).
 
 from __future__ import annotations
 
-import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from zllm.frontend.openai.protocol import (
     BadRequestError,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatMessage,
     ChatResponseMessage,
     ChatTool,
-    DeltaToolCall,
     FunctionCall,
     FunctionDefinition,
     NamedFunction,
@@ -41,16 +36,11 @@ from zllm.frontend.openai.protocol import (
     now_s,
 )
 from zllm.frontend.openai.responses_protocol import (
-    ArgumentsDeltaEvent,
-    ArgumentsDoneEvent,
-    ContentPartEvent,
     ErrorEvent,
     FunctionCallItem,
     IncompleteDetails,
-    LifecycleEvent,
     MessageItem,
     OutputItem,
-    OutputItemEvent,
     OutputText,
     ReasoningItem,
     ReasoningText,
@@ -58,9 +48,9 @@ from zllm.frontend.openai.responses_protocol import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
-    TextDeltaEvent,
-    TextDoneEvent,
+    item_id,
 )
+from zllm.frontend.openai.responses_stream import EventStream
 from zllm.frontend.openai.serving import ChatCall, EngineCall
 
 if TYPE_CHECKING:
@@ -96,10 +86,6 @@ class ResponseStore:
 
     def get(self, response_id: str) -> StoredResponse | None:
         return self._items.get(response_id)
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 # ---- input items -> chat messages -----------------------------------------------------------------
@@ -222,13 +208,13 @@ def chat_request(request: ResponsesRequest, conversation: list[ChatMessage]) -> 
 def output_items(message: ChatResponseMessage) -> list[OutputItem]:
     items: list[OutputItem] = []
     if message.reasoning_content is not None:
-        items.append(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(text=message.reasoning_content)]))
+        items.append(ReasoningItem(id=item_id("rs"), content=[ReasoningText(text=message.reasoning_content)]))
     if message.content:
-        items.append(MessageItem(id=_item_id("msg"), content=[OutputText(text=message.content)]))
+        items.append(MessageItem(id=item_id("msg"), content=[OutputText(text=message.content)]))
     for call in message.tool_calls:
         items.append(
             FunctionCallItem(
-                id=_item_id("fc"), call_id=call.id, name=call.function.name, arguments=call.function.arguments
+                id=item_id("fc"), call_id=call.id, name=call.function.name, arguments=call.function.arguments
             )
         )
     return items
@@ -261,7 +247,7 @@ class ResponsesCall:
     chat: ChatCall
     conversation: list[ChatMessage]  # what a later previous_response_id continues (with the output)
     store: ResponseStore | None
-    id: str = field(default_factory=lambda: _item_id("resp"))
+    id: str = field(default_factory=lambda: item_id("resp"))
     created: int = field(default_factory=now_s)
     named_events = True  # SSE events carry `event: <type>`; no [DONE]
 
@@ -313,7 +299,7 @@ class ResponsesCall:
         return result
 
     async def chunks(self, server: FrontendServer, call: EngineCall) -> AsyncIterator[ResponseEvent]:
-        events = _EventStream(self._response("in_progress", [], None, None))
+        events = EventStream(self._response("in_progress", [], None, None))
         yield events.lifecycle("response.created")
         yield events.lifecycle("response.in_progress")
         async for chunk in self.chat.chunks(server, call):
@@ -345,129 +331,3 @@ def _history(request: ResponsesRequest, store: ResponseStore | None) -> list[Cha
             f"previous_response_id: no stored response {request.previous_response_id!r}", "previous_response_id"
         )
     return list(stored.conversation)
-
-
-class _EventStream:
-    """Chat chunks into the Responses API's typed events: one output item at a time is open."""
-
-    def __init__(self, response: ResponseObject) -> None:
-        self.response = response
-        self.items: list[OutputItem] = []
-        self.open: OutputItem | None = None
-        self.sequence = 0
-        self.usage: UsageInfo | None = None
-        self.finish_reason: str | None = None
-
-    def _numbered(self, event: ResponseEvent) -> ResponseEvent:
-        event.sequence_number = self.sequence
-        self.sequence += 1
-        return event
-
-    def lifecycle(self, kind: str) -> LifecycleEvent:
-        return self._numbered(LifecycleEvent(type=kind, response=self.response))
-
-    def feed(self, chunk: ChatCompletionChunk) -> list[ResponseEvent]:
-        if chunk.usage is not None:
-            self.usage = chunk.usage
-        if not chunk.choices:
-            return []
-        choice = chunk.choices[0]
-        delta = choice.delta
-        events: list[ResponseEvent] = []
-        if delta.reasoning_content:
-            events += self._text(ReasoningItem, delta.reasoning_content, "response.reasoning_text.delta")
-        if delta.content:
-            events += self._text(MessageItem, delta.content, "response.output_text.delta")
-        for call in delta.tool_calls or []:
-            events += self._call(call)
-        if choice.finish_reason is not None:
-            self.finish_reason = choice.finish_reason
-        return [self._numbered(e) for e in events]
-
-    def _start(self, item: OutputItem) -> list[ResponseEvent]:
-        events = self._close()
-        self.open = item
-        self.items.append(item)
-        item.status = "in_progress"
-        # As announced: empty (the item itself grows as deltas arrive, and is sent whole when done).
-        announced = (
-            msgspec.structs.replace(item, content=[]) if hasattr(item, "content") else msgspec.structs.replace(item)
-        )
-        events.append(OutputItemEvent(type="response.output_item.added", output_index=self._index, item=announced))
-        if isinstance(item, MessageItem):
-            part = OutputText(text="")
-            events.append(
-                ContentPartEvent(
-                    type="response.content_part.added", item_id=item.id, output_index=self._index, part=part
-                )
-            )
-        return events
-
-    @property
-    def _index(self) -> int:
-        return len(self.items) - 1
-
-    def _text(self, kind: type, text: str, event_type: str) -> list[ResponseEvent]:
-        events: list[ResponseEvent] = []
-        if not isinstance(self.open, kind):
-            if kind is ReasoningItem:
-                events += self._start(ReasoningItem(id=_item_id("rs"), content=[ReasoningText(text="")]))
-            else:
-                events += self._start(MessageItem(id=_item_id("msg"), content=[OutputText(text="")]))
-        self.open.content[0].text += text
-        events.append(TextDeltaEvent(type=event_type, item_id=self.open.id, output_index=self._index, delta=text))
-        return events
-
-    def _call(self, call: DeltaToolCall) -> list[ResponseEvent]:
-        events: list[ResponseEvent] = []
-        if call.id is not None:
-            name = call.function.name if call.function else ""
-            events += self._start(FunctionCallItem(id=_item_id("fc"), call_id=call.id, name=name or "", arguments=""))
-        arguments = call.function.arguments if call.function else None
-        if arguments and isinstance(self.open, FunctionCallItem):
-            self.open.arguments += arguments
-            events.append(
-                ArgumentsDeltaEvent(
-                    type="response.function_call_arguments.delta",
-                    item_id=self.open.id,
-                    output_index=self._index,
-                    delta=arguments,
-                )
-            )
-        return events
-
-    def _close(self) -> list[ResponseEvent]:
-        item, self.open = self.open, None
-        if item is None:
-            return []
-        item.status = "completed"
-        index = self.items.index(item)
-        events: list[ResponseEvent] = []
-        if isinstance(item, ReasoningItem):
-            text = item.content[0].text
-            events.append(
-                TextDoneEvent(type="response.reasoning_text.done", item_id=item.id, output_index=index, text=text)
-            )
-        elif isinstance(item, MessageItem):
-            part = item.content[0]
-            events.append(
-                TextDoneEvent(type="response.output_text.done", item_id=item.id, output_index=index, text=part.text)
-            )
-            events.append(
-                ContentPartEvent(type="response.content_part.done", item_id=item.id, output_index=index, part=part)
-            )
-        else:
-            events.append(
-                ArgumentsDoneEvent(
-                    type="response.function_call_arguments.done",
-                    item_id=item.id,
-                    output_index=index,
-                    name=item.name,
-                    arguments=item.arguments,
-                )
-            )
-        events.append(OutputItemEvent(type="response.output_item.done", output_index=index, item=item))
-        return events
-
-    def close_all(self) -> list[ResponseEvent]:
-        return [self._numbered(e) for e in self._close()]

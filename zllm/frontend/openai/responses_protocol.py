@@ -8,6 +8,7 @@ in a 400.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, Literal
 
 import msgspec
@@ -17,6 +18,11 @@ from zllm.frontend.openai.protocol import JsonSchemaFormat
 
 class _Body(msgspec.Struct, kw_only=True):
     pass
+
+
+def item_id(prefix: str) -> str:
+    """An id as OpenAI writes them: resp_..., msg_..., fc_..., rs_..."""
+    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 # ---- the request ----------------------------------------------------------------------------------
