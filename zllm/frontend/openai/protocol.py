@@ -450,10 +450,21 @@ def _errors(*codes: int, shape: str = "ErrorResponse") -> dict:
     return {str(code): {"description": reasons[code], "content": _json(shape)} for code in codes}
 
 
-def _generation(summary: str, request: str, response: str, error_shape: str = "ErrorResponse") -> dict:
+# A typed server-sent event (the Responses and Messages APIs): `event: <type>` and `data: <json>`.
+_NAMED_EVENT = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+}
+
+
+def _generation(
+    summary: str, request: str, response: str, error_shape: str = "ErrorResponse", named: bool = False
+) -> dict:
     ok = {
-        "description": "The completion; with `stream: true`, server-sent events ending with `data: [DONE]`",
-        "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}},
+        "description": "The answer; with `stream: true`, server-sent events "
+        + ("named by their type" if named else "ending with `data: [DONE]`"),
+        "content": {**_json(response), "text/event-stream": {"schema": _NAMED_EVENT if named else {"type": "string"}}},
         "headers": _IGNORED_HEADER,
     }
     return {
@@ -521,7 +532,9 @@ def openapi_document(version: str) -> dict:
             "/v1/chat/completions": _generation(
                 "Answer a conversation", "ChatCompletionRequest", "ChatCompletionResponse"
             ),
-            "/v1/responses": _generation("Respond (OpenAI's Responses API)", "ResponsesRequest", "ResponseObject"),
+            "/v1/responses": _generation(
+                "Respond (OpenAI's Responses API)", "ResponsesRequest", "ResponseObject", named=True
+            ),
             "/v1/responses/{response_id}": {
                 "get": {
                     "summary": "A stored response (--enable-responses-store)",
@@ -536,7 +549,7 @@ def openapi_document(version: str) -> dict:
                 }
             },
             "/v1/messages": _generation(
-                "Answer messages (Anthropic's Messages API)", "MessagesRequest", "Message", "ErrorBody"
+                "Answer messages (Anthropic's Messages API)", "MessagesRequest", "Message", "ErrorBody", named=True
             ),
             "/tokenize": _utility(
                 "Token ids of a prompt, or of chat messages rendered by the chat template",
