@@ -61,3 +61,35 @@ def test_the_cli_flag_reaches_the_config():
 
     assert engine_kwargs(build_parser().parse_args(["--skip-tokenizer-init"]))["skip_tokenizer_init"] is True
     assert engine_kwargs(build_parser().parse_args([]))["skip_tokenizer_init"] is False
+
+
+def test_a_server_without_a_tokenizer_serves_token_ids_and_refuses_text(tmp_path):
+    import httpx
+
+    from tests.helpers.server import ONE_THREAD, start_server
+
+    model_dir = _without_tokenizer(tmp_path / "m", "llama")
+    (tmp_path / "s").mkdir()
+    handle = start_server(
+        tmp_path / "s", str(model_dir), "--skip-tokenizer-init", "--max-model-len", "256", env=ONE_THREAD
+    )
+    try:
+        url = handle.http_url
+        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 1, "echo": True}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 4 and answer.json()["choices"][0]["text"] == ""
+        refused = [
+            ("/v1/completions", {"prompt": "text", "max_tokens": 2}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+            ("/v1/responses", {"input": "hi"}, "messages"),
+            ("/tokenize", {"prompt": "hi"}, "prompt"),
+            ("/detokenize", {"tokens": [1, 2]}, "tokens"),
+            ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stop": ["x"]}, "stop"),
+        ]
+        for path, request, param in refused:
+            response = httpx.post(f"{url}{path}", json=request, timeout=60)
+            assert response.status_code == 400, (path, response.text)
+            assert response.json()["error"]["param"] == param and "tokenizer" in response.json()["error"]["message"]
+    finally:
+        assert handle.stop() == 0

@@ -369,10 +369,13 @@ def _chosen(position: dict[int, Logprob]) -> tuple[int, Logprob]:
     return next(iter(position.items()))  # the chosen (sampled or prompt) token comes first
 
 
+def decoded(server: FrontendServer, token_ids: list[int]) -> str:
+    """The text of token ids; "" on a server without a tokenizer (--skip-tokenizer-init)."""
+    return server.tokenizer.decode(token_ids) if server.tokenizer is not None else ""
+
+
 def _token_text(server: FrontendServer, token_id: int, logprob: Logprob) -> str:
-    if logprob.decoded_token is not None or server.tokenizer is None:
-        return logprob.decoded_token or ""
-    return server.tokenizer.decode([token_id])
+    return logprob.decoded_token if logprob.decoded_token is not None else decoded(server, [token_id])
 
 
 def completion_logprobs(
@@ -384,7 +387,7 @@ def completion_logprobs(
     result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for i, position in enumerate(positions):
         if position is None:
-            token = server.tokenizer.decode([prompt_ids[i]])
+            token = decoded(server, [prompt_ids[i]])
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
         else:
@@ -453,7 +456,7 @@ class CompletionCall:
     def _prompt_of(self, server: FrontendServer, index: int) -> Prompt:
         prompt = self.prompts[index // self.request.n]
         if prompt.text is None:
-            prompt.text = server.tokenizer.decode(prompt.token_ids) if server.tokenizer is not None else ""
+            prompt.text = decoded(server, prompt.token_ids)
         return prompt
 
     def _logprobs(self, server: FrontendServer, call: EngineCall, index: int) -> CompletionLogprobs | None:
