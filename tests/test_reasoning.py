@@ -286,3 +286,17 @@ def test_anthropic_messages_have_a_thinking_block(api, client, qwen3_dir):
     thinking, text = message.content
     assert thinking.type == "thinking" and thinking.thinking == raw.split(END, 1)[0]
     assert text.type == "text" and text.text == raw.split(END, 1)[1]
+
+
+def test_include_reasoning_false_drops_the_thinking(api, client, qwen3_dir):
+    end_id = _end_id(qwen3_dir)
+    _, raw = _raw(api, client, end_id)
+    answer = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=MESSAGES,
+        logit_bias={str(end_id): 3.0},
+        extra_body={"ignore_eos": True, "include_reasoning": False},
+        **SAMPLING,
+    )
+    assert answer.choices[0].message.reasoning_content is None
+    assert answer.choices[0].message.content == raw.split(END, 1)[1]
