@@ -300,3 +300,13 @@ def test_include_reasoning_false_drops_the_thinking(api, client, qwen3_dir):
     )
     assert answer.choices[0].message.reasoning_content is None
     assert answer.choices[0].message.content == raw.split(END, 1)[1]
+
+
+def test_llm_chat_passes_chat_template_kwargs(qwen3_dir):
+    from zllm import LLM, SamplingParams
+
+    with LLM(str(qwen3_dir), dtype="float32", max_model_len=256) as llm:
+        params = SamplingParams(max_tokens=1)
+        thinking = llm.chat(MESSAGES, params, use_tqdm=False)[0].prompt
+        plain = llm.chat(MESSAGES, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})[0].prompt
+    assert thinking.rstrip().endswith(THINK) and plain.rstrip().endswith(END)
