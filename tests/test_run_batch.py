@@ -34,10 +34,13 @@ def _lines() -> tuple[list[str], dict[str, tuple[int, str]]]:
     for i in range(30):  # each city three times: equal requests, equal greedy answers
         lines.append(json.dumps(_chat(i, CITIES[i % 10])))
         expected[f"chat-{i}"] = (200, "chat.completion")
-    for i in range(6):
+    for i in range(5):
         body = {"prompt": f"The capital of {CITIES[i]} is", "max_tokens": 4, "temperature": 0}
         lines.append(json.dumps({"custom_id": f"cmpl-{i}", "method": "POST", "url": "/v1/completions", "body": body}))
         expected[f"cmpl-{i}"] = (200, "text_completion")
+    body = {"input": "Tell me about Paris.", "max_output_tokens": 8, "temperature": 0}
+    lines.append(json.dumps({"custom_id": "resp-0", "method": "POST", "url": "/v1/responses", "body": body}))
+    expected["resp-0"] = (200, "response")
     for i in range(4):
         body = {"model": MODEL, "input": f"embed {i}"}
         lines.append(json.dumps({"custom_id": f"emb-{i}", "method": "POST", "url": "/v1/embeddings", "body": body}))
@@ -94,7 +97,8 @@ def test_run_batch_answers_every_line_in_order(tmp_path, smollm2_dir):
         assert result["id"].startswith("batch_req_") and response["request_id"] == result["id"]
         if status == 200:
             assert result["error"] is None and response["body"]["object"] == shows
-            assert response["body"]["usage"]["completion_tokens"] <= 8
+            usage = response["body"]["usage"]
+            assert usage.get("completion_tokens", usage.get("output_tokens")) <= 8
         else:
             assert shows in result["error"]["message"], (key, result)
             assert response["body"]["error"]["message"] == result["error"]["message"]
@@ -103,6 +107,8 @@ def test_run_batch_answers_every_line_in_order(tmp_path, smollm2_dir):
     for i in range(10):  # the same request three times: the same greedy answer
         assert answers[f"chat-{i}"] == answers[f"chat-{i + 10}"] == answers[f"chat-{i + 20}"] != ""
     assert len({answers[f"chat-{i}"] for i in range(10)}) > 1  # and different cities differ
+    (paris,) = [r["response"]["body"] for r in results if r["custom_id"] == "resp-0"]
+    assert paris["output"][0]["content"][0]["text"] == answers["chat-0"]  # the same chat underneath
 
 
 def test_run_batch_refuses_a_missing_input_file(tmp_path):

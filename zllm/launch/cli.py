@@ -9,7 +9,7 @@ vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port] [--hos
 vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
     runs the engine in this process, prints the completions, exits.
 vllm-launch run-batch -i requests.jsonl -o results.jsonl [engine flags]
-    runs an OpenAI batch file (chat completions, completions) offline, with a progress bar, and
+    runs an OpenAI batch file (chat completions, completions, responses) offline, with a progress bar, and
     writes one result or error line per request (zllm/launch/run_batch.py).
 vllm-launch --headless --nnodes N --node-rank R --master-addr HEAD --master-port P [--zmq-curve-dir DIR]
     runs this node's tp ranks for the head's engine (zllm/launch/node_agent.py); the head is

@@ -32,6 +32,8 @@ from zllm.frontend.openai.protocol import (
     ErrorResponse,
     decode_request,
 )
+from zllm.frontend.openai.responses import ResponsesCall
+from zllm.frontend.openai.responses_protocol import ResponsesRequest
 from zllm.frontend.openai.serving import ChatCall, CompletionCall, FrontendRequestError
 
 if TYPE_CHECKING:
@@ -61,6 +63,10 @@ class Endpoint:
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": Endpoint(ChatCompletionRequest, ChatCall.build),
     "/v1/completions": Endpoint(CompletionRequest, CompletionCall.build),
+    # No previous_response_id: a batch keeps no responses.
+    "/v1/responses": Endpoint(
+        ResponsesRequest, lambda server, request, model: ResponsesCall.build(server, request, model, None)
+    ),
     # Pooling models (embeddings) plug in here once the engine serves them.
     "/v1/embeddings": Endpoint(None, refusal="this model does not serve embeddings (/v1/embeddings)"),
 }
