@@ -302,3 +302,13 @@ def test_anthropic_client_raises_its_own_error_type(claude):
     with pytest.raises(anthropic.BadRequestError) as caught:
         claude.messages.create(model=MODEL, messages=[], max_tokens=8)
     assert caught.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_the_response_store_is_bounded_and_forgets_the_oldest():
+    from zllm.frontend.openai.responses import ResponseStore, StoredResponse
+    from zllm.frontend.openai.responses_protocol import ResponseObject
+
+    store = ResponseStore(capacity=3)
+    for i in range(5):
+        store.put(StoredResponse(ResponseObject(id=f"resp_{i}", created_at=0, status="completed", model="m"), []))
+    assert [store.get(f"resp_{i}") is not None for i in range(5)] == [False, False, True, True, True]
