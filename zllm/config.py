@@ -25,6 +25,9 @@ ON_FAILURE_POLICIES = ("restart", "fail")
 # The tool-call parsers' names (--tool-call-parser; None: none). zllm/frontend/openai/tool_parsers.py
 # maps each to its parser class (tests/test_tool_parsers.py keeps the two equal).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# The reasoning parsers' names (--reasoning-parser; None: none), mapped to their classes by
+# zllm/frontend/openai/reasoning_parsers.py (tests/test_reasoning.py keeps the two equal).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # Speculative decoding proposers (vLLM's `method` names). EAGLE heads are not served yet: they are
 # refused at start with a clear message.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
@@ -128,6 +131,9 @@ class EngineConfig:
 
     model: str  # a HF model directory (config.json + safetensors + tokenizer); a .gguf is converted to one
     tokenizer: str | None = None  # defaults to the model directory
+    # No tokenizer at all (vLLM's skip_tokenizer_init): prompts are token ids, outputs token ids
+    # only (empty text); what needs text (stop strings, bad words, grammars, chat) is refused.
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"  # auto: float32 on CPU; on CUDA the checkpoint's fp16/bf16, else bfloat16
     device: str = "auto"
     seed: int = 0
@@ -215,6 +221,11 @@ class EngineConfig:
     # built); "required" and named choices need neither.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # Reasoning models: the parser that splits the thinking from the answer (vLLM's names).
+    reasoning_parser: str | None = None
+    # /v1/responses: keep finished responses (a bounded number, in memory) so that a later request
+    # can continue one by previous_response_id. Off by default, as in vLLM: it holds user data.
+    enable_responses_store: bool = False
     # Structured outputs (xgrammar in the engine core): compiled grammars kept for reuse, and the
     # threads that compile one and fill a step's bitmask rows.
     grammar_cache_size: int = 1024
@@ -327,6 +338,11 @@ class EngineConfig:
             self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
             "tool_call_parser",
             f"must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}",
+        )
+        _require(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+            "reasoning_parser",
+            f"must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}",
         )
         _require(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,

@@ -24,7 +24,7 @@ class _Completion:
 
     index: int
     core_id: str
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer (skip_tokenizer_init)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -74,7 +74,7 @@ class _Request:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self._requests: dict[str, _Request] = {}
         self._completions: dict[str, tuple[_Request, _Completion]] = {}  # by engine-core request id
@@ -92,7 +92,9 @@ class OutputProcessor:
             _Completion(
                 index,
                 core_id,
-                IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, sampling.skip_special_tokens),
+                IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, sampling.skip_special_tokens)
+                if self.tokenizer is not None
+                else None,
             )
             for index, core_id in enumerate(core_ids)
         ]
@@ -174,7 +176,9 @@ class OutputProcessor:
         hide_last = hide_last and not sampling.include_stop_str_in_output
         for position, token_id in enumerate(delta.new_token_ids):
             completion.token_ids.append(token_id)
-            if not sampling.detokenize or (hide_last and position == len(delta.new_token_ids) - 1):
+            if completion.detokenizer is None or not sampling.detokenize:
+                continue  # token ids only
+            if hide_last and position == len(delta.new_token_ids) - 1:
                 continue
             checked_from = len(completion.text)
             completion.text += completion.detokenizer.add_token(token_id)
@@ -206,7 +210,7 @@ class OutputProcessor:
         return dicts
 
     def _token_text(self, token_id: int, sampling: SamplingParams) -> str | None:
-        if not sampling.detokenize:
+        if not sampling.detokenize or self.tokenizer is None:
             return None
         text = self._token_texts.get(token_id)
         if text is None:

@@ -13,6 +13,7 @@ from zllm.config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     ON_FAILURE_POLICIES,
+    REASONING_PARSERS,
     SCHEDULING_POLICIES,
     TOOL_CALL_PARSERS,
     EngineConfig,
@@ -163,6 +164,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "one-shot kernel instead of NCCL (default 0: NCCL only)",
     )
     group.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: prompts are token ids and outputs token ids (for checkpoints without one)",
+    )
+    group.add_argument(
         "--grammar-cache-size",
         type=int,
         default=defaults.grammar_cache_size,
@@ -205,6 +211,17 @@ def add_http_args(group) -> None:
         default=None,
         help="the model's tool-call format, as vLLM names it",
     )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        default=None,
+        help="split a reasoning model's thinking from its answer (reasoning_content), as vLLM names the format",
+    )
+    group.add_argument(
+        "--enable-responses-store",
+        action="store_true",
+        help="/v1/responses: keep recent responses in memory so that previous_response_id can continue them",
+    )
 
 
 def http_kwargs(args: argparse.Namespace) -> dict:
@@ -215,6 +232,8 @@ def http_kwargs(args: argparse.Namespace) -> dict:
         max_request_body_bytes=args.max_request_body_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        enable_responses_store=args.enable_responses_store,
     )
 
 
@@ -222,6 +241,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig.create keyword arguments from parsed arguments (model excluded)."""
     return dict(
         tokenizer=args.tokenizer,
+        skip_tokenizer_init=args.skip_tokenizer_init,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         device=args.device,
