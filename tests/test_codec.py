@@ -75,8 +75,11 @@ NEW_REQUEST = m.NewRequestData(
     num_computed_tokens=16,
     eos_token_ids=[2, 49152],
     bad_words_token_ids=[[17], [22, 23]],
+    sliding_block_ids=[0, 5, 6],
 )
-CACHED_REQUEST = m.CachedRequestData(request_id="ab12/req-3", new_block_ids=[4], num_computed_tokens=17)
+CACHED_REQUEST = m.CachedRequestData(
+    request_id="ab12/req-3", new_block_ids=[4], num_computed_tokens=17, new_sliding_block_ids=[8]
+)
 
 CHANNELS = m.CHANNELS
 
@@ -582,6 +585,7 @@ CONFIG = EngineConfig(
     ),
     served_model_name="served",
     enable_prefix_caching=False,
+    disable_hybrid_kv_cache_manager=True,
     scheduling_policy="priority",
     max_logprobs=5,
     max_n=4,
