@@ -5,6 +5,8 @@
     python benchmarks/dummy_model.py llama3.2-1b /tmp/llama3.2-1b           (small and quick to start: tied embeddings)
     python benchmarks/dummy_model.py qwen3-30b-a3b /tmp/qwen3-30b-a3b     (MoE: 128 experts, top 8)
     python benchmarks/dummy_model.py mixtral-8x7b /tmp/mixtral-8x7b       (MoE: 8 experts, top 2)
+    python benchmarks/dummy_model.py gemma3-12b /tmp/gemma3-12b           (sliding windows, head_dim 256)
+    python benchmarks/dummy_model.py phi4 /tmp/phi4                       (Phi-3 architecture, 14B)
     python benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b-bpe --tokenizer DIR
 
 --tokenizer copies a real tokenizer (tokenizer.json, tokenizer_config.json) from DIR, e.g. the
@@ -83,6 +85,42 @@ SHAPES = {
         num_experts_per_tok=2,
         vocab_size=32000,
         rope_theta=1000000.0,
+    ),
+    # Issue 31's shapes (the published configs): Gemma 3 12B's text model (five 1024-token sliding
+    # layers to one global, head_dim 256, tied 262k embeddings) and Phi-4 (14B, GQA 40/10).
+    "gemma3-12b": dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_size=3840,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        intermediate_size=15360,
+        vocab_size=262208,
+        sliding_window=1024,
+        layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(48)],
+        query_pre_attn_scalar=256,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    ),
+    "phi4": dict(
+        architectures=["Phi3ForCausalLM"],
+        model_type="phi3",
+        hidden_size=5120,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=10,
+        intermediate_size=17920,
+        vocab_size=100352,
+        rope_theta=250000.0,
+        max_position_embeddings=16384,
+        sliding_window=None,
     ),
 }
 

@@ -80,8 +80,11 @@ NEW_REQUEST = m.NewRequestData(
     eos_token_ids=[2, 49152],
     bad_words_token_ids=[[17], [22, 23]],
     pooling=POOLING,
+    sliding_block_ids=[0, 5, 6],
 )
-CACHED_REQUEST = m.CachedRequestData(request_id="ab12/req-3", new_block_ids=[4], num_computed_tokens=17)
+CACHED_REQUEST = m.CachedRequestData(
+    request_id="ab12/req-3", new_block_ids=[4], num_computed_tokens=17, new_sliding_block_ids=[8]
+)
 
 CHANNELS = m.CHANNELS
 
@@ -592,6 +595,7 @@ CONFIG = EngineConfig(
     ),
     served_model_name="served",
     enable_prefix_caching=False,
+    disable_hybrid_kv_cache_manager=True,
     scheduling_policy="priority",
     max_logprobs=5,
     max_n=4,
@@ -616,6 +620,9 @@ CONFIG = EngineConfig(
     internal_max_message_bytes=16 << 20,
     enable_auto_tool_choice=True,
     tool_call_parser="hermes",
+    reasoning_parser="qwen3",
+    skip_tokenizer_init=True,
+    enable_responses_store=True,
     grammar_cache_size=8,
     grammar_threads=2,
     host="0.0.0.0",

@@ -490,3 +490,15 @@ def test_gguf_file_loads_like_its_conversion(tmp_path, monkeypatch, hf_smollm2):
         assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, out.prompt_token_ids, 24, eos_token_id=None)
     # The conversion is cached: a second engine reuses the directory.
     assert LLM(str(gguf), dtype="float32", max_model_len=64).engine.config.model == llm.engine.config.model
+
+
+def test_a_checkpoint_saved_after_loading_a_gguf_loads_as_the_plain_model(tmp_path):
+    """transformers writes `quantization_config: {quant_method: gguf}` beside the plain float
+    weights it dequantized: the same model, token for token."""
+    plain = save_tiny_llama(tmp_path / "plain")
+    noted = save_tiny_llama(tmp_path / "noted")
+    config = json.loads((noted / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gguf"}
+    (noted / "config.json").write_text(json.dumps(config))
+    prompts = PROMPTS[:2]
+    assert engine_generate_all(noted, prompts, 6) == engine_generate_all(plain, prompts, 6)

@@ -83,3 +83,19 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 def test_no_5xx_and_answers_match_the_schema(case, fuzz_server):
     case.call_and_validate(headers={"Authorization": f"Bearer {API_KEY}"}, checks=CHECKS, timeout=30)
+
+
+def test_anthropic_clients_authenticate_with_x_api_key(fuzz_server):
+    """Anthropic's clients send their key as `x-api-key`; a wrong one is a 401 in Anthropic's shape."""
+    import httpx
+
+    body = {"model": "", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    url = f"{fuzz_server.http_url}/v1/messages"
+    model = httpx.get(f"{fuzz_server.http_url}/v1/models", headers={"x-api-key": API_KEY}, timeout=30)
+    assert model.status_code == 401  # x-api-key is Anthropic's, taken on /v1/messages only
+    body["model"] = httpx.get(
+        f"{fuzz_server.http_url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+    ).json()["data"][0]["id"]
+    assert httpx.post(url, json=body, headers={"x-api-key": API_KEY}, timeout=60).status_code == 200
+    wrong = httpx.post(url, json=body, headers={"x-api-key": "nope"}, timeout=60)
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"

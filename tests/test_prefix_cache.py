@@ -124,36 +124,36 @@ def test_lookup_finds_the_longest_cached_run_of_leading_blocks():
     manager = KVCacheManager(BlockPool(16), BS)
     computed(manager, request_with("a", list(range(12)) + [99]))
     hits = manager.find_cached_prefix(request_with("b", list(range(8)) + [50, 51, 52, 53, 54]))
-    assert [b.block_id for b in hits] == manager.block_ids("a")[:2]
-    assert manager.find_cached_prefix(request_with("c", [7] + list(range(1, 13)))) == []
+    assert [b.block_id for b in hits.blocks] == manager.block_ids("a")[:2]
+    assert manager.find_cached_prefix(request_with("c", [7] + list(range(1, 13)))).blocks == []
 
 
 def test_lookup_never_covers_the_last_token():
     manager = KVCacheManager(BlockPool(16), BS)
     computed(manager, request_with("a", list(range(8)) + [9]))
     assert (
-        len(manager.find_cached_prefix(request_with("b", list(range(8))))) == 1
+        manager.find_cached_prefix(request_with("b", list(range(8)))).num_blocks == 1
     )  # 8 tokens: the 2nd block is recomputed
-    assert len(manager.find_cached_prefix(request_with("c", list(range(9))))) == 2
+    assert manager.find_cached_prefix(request_with("c", list(range(9)))).num_blocks == 2
 
 
 def test_lookup_is_off_when_caching_is_disabled_or_prompt_logprobs_are_wanted():
     manager = KVCacheManager(BlockPool(16), BS, enable_caching=False)
     computed(manager, request_with("a", list(range(9))))
     assert manager.pool.num_cached_blocks == 0
-    assert manager.find_cached_prefix(request_with("b", list(range(9)))) == []
+    assert manager.find_cached_prefix(request_with("b", list(range(9)))).blocks == []
 
     manager = KVCacheManager(BlockPool(16), BS)
     computed(manager, request_with("a", list(range(9))))
-    assert manager.find_cached_prefix(request_with("b", list(range(9)), prompt_logprobs=1)) == []
+    assert manager.find_cached_prefix(request_with("b", list(range(9)), prompt_logprobs=1)).blocks == []
 
 
 def test_salts_keep_prefixes_apart():
     manager = KVCacheManager(BlockPool(16), BS)
     computed(manager, request_with("a", list(range(9)), salt="tenant-a"))
-    assert len(manager.find_cached_prefix(request_with("b", list(range(9)), salt="tenant-a"))) == 2
-    assert manager.find_cached_prefix(request_with("c", list(range(9)), salt="tenant-b")) == []
-    assert manager.find_cached_prefix(request_with("d", list(range(9)))) == []
+    assert manager.find_cached_prefix(request_with("b", list(range(9)), salt="tenant-a")).num_blocks == 2
+    assert manager.find_cached_prefix(request_with("c", list(range(9)), salt="tenant-b")).blocks == []
+    assert manager.find_cached_prefix(request_with("d", list(range(9)))).blocks == []
 
 
 def test_allocating_with_a_cached_prefix_shares_its_blocks():
@@ -164,9 +164,9 @@ def test_allocating_with_a_cached_prefix_shares_its_blocks():
     hits = manager.find_cached_prefix(b)
     new = manager.allocate_slots("b", b.num_tokens, hits)
     assert new[:2] == manager.block_ids("a")[:2] and len(new) == 3
-    assert [blk.ref_cnt for blk in hits] == [2, 2]
+    assert [blk.ref_cnt for blk in hits.blocks] == [2, 2]
     manager.free("a")
-    assert [blk.ref_cnt for blk in hits] == [1, 1]
+    assert [blk.ref_cnt for blk in hits.blocks] == [1, 1]
     manager.free("b")
     assert manager.pool.num_free_blocks == 6
 
@@ -178,9 +178,9 @@ def test_allocation_counts_revived_free_blocks_against_the_pool():
     manager.free("a")  # 3 free blocks, two of them cached
     b = request_with("b", list(range(8)) + [1] * 8)
     hits = manager.find_cached_prefix(b)
-    assert len(hits) == 2
+    assert hits.num_blocks == 2
     assert manager.allocate_slots("b", b.num_tokens, hits) is None  # 2 revived + 2 new > 3 free
-    assert [blk.ref_cnt for blk in hits] == [0, 0] and manager.pool.num_free_blocks == 3
+    assert [blk.ref_cnt for blk in hits.blocks] == [0, 0] and manager.pool.num_free_blocks == 3
     assert manager.block_ids("b") == []
 
 

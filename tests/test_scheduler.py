@@ -814,7 +814,9 @@ def assert_finished_correctly(
             assert request.num_output_tokens >= request.sampling.min_tokens
 
 
-def test_engine_core_delivers_finished_ids_even_when_nothing_else_is_scheduled():
+def test_engine_core_delivers_finished_ids_even_when_nothing_else_is_scheduled(tmp_path):
+    from transformers import LlamaConfig
+
     from zllm.enginecore.core import EngineCore
     from zllm.ipc.messages import AddRequest, StepOutput
 
@@ -840,7 +842,11 @@ def test_engine_core_delivers_finished_ids_even_when_nothing_else_is_scheduled()
             pass
 
     executor = RecordingExecutor()
-    core = EngineCore(EngineConfig(model="unused", max_model_len=32, block_size=4), executor)
+    # The core reads the model's layers (their windows) from its config.json.
+    LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64).save_pretrained(
+        tmp_path
+    )
+    core = EngineCore(EngineConfig(model=str(tmp_path), max_model_len=32, block_size=4), executor)
     core.add_request(AddRequest("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4), 0.0, eos_token_ids=[2]))
     core.step()  # prefill; samples EOS and finishes
     assert not core.has_unfinished_requests()
@@ -926,7 +932,7 @@ def test_request_failed_on_the_workers_ends_alone_and_readers_of_its_blocks_reco
     assert "a" not in scheduler.requests
     assert b.status == RequestStatus.PREEMPTED and b.output_token_ids == []  # its token was read off bad blocks
     assert scheduler.running == [c] and c.output_token_ids == [TOKEN]
-    assert scheduler.kv_cache.find_cached_prefix(make_request("again", 10)) == []  # a's blocks left the cache
+    assert scheduler.kv_cache.find_cached_prefix(make_request("again", 10)).blocks == []  # a's blocks left the cache
 
     step = scheduler.schedule()
     assert step.finished_ids == ["a"] and step.preempted_ids == ["b"]  # the workers drop both

@@ -31,6 +31,9 @@ CONVERTS = ("auto", "none", "embed", "classify")
 # The tool-call parsers' names (--tool-call-parser; None: none). zllm/frontend/openai/tool_parsers.py
 # maps each to its parser class (tests/test_tool_parsers.py keeps the two equal).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# The reasoning parsers' names (--reasoning-parser; None: none), mapped to their classes by
+# zllm/frontend/openai/reasoning_parsers.py (tests/test_reasoning.py keeps the two equal).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # Speculative decoding proposers (vLLM's `method` names). EAGLE heads are not served yet: they are
 # refused at start with a clear message.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
@@ -136,6 +139,9 @@ class EngineConfig:
 
     model: str  # a HF model directory (config.json + safetensors + tokenizer); a .gguf is converted to one
     tokenizer: str | None = None  # defaults to the model directory
+    # No tokenizer at all (vLLM's skip_tokenizer_init): prompts are token ids, outputs token ids
+    # only (empty text); what needs text (stop strings, bad words, grammars, chat) is refused.
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"  # auto: float32 on CPU; on CUDA the checkpoint's fp16/bf16, else bfloat16
     device: str = "auto"
     seed: int = 0
@@ -181,6 +187,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     served_model_name: str | None = None
     enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
+    # vLLM's name: keep every block of sliding-window layers as of full ones (one block table, no
+    # freeing behind the window; zllm/kv_layout.py). For comparisons; off by default.
+    disable_hybrid_kv_cache_manager: bool = False
     scheduling_policy: str = "fcfs"  # fcfs: arrival order; priority: lower `priority` value first
     max_logprobs: int = 20  # the most SamplingParams.logprobs / prompt_logprobs may ask for
     max_n: int = 128  # the most completions (SamplingParams.n) one request may ask for
@@ -220,6 +229,11 @@ class EngineConfig:
     # built); "required" and named choices need neither.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # Reasoning models: the parser that splits the thinking from the answer (vLLM's names).
+    reasoning_parser: str | None = None
+    # /v1/responses: keep finished responses (a bounded number, in memory) so that a later request
+    # can continue one by previous_response_id. Off by default, as in vLLM: it holds user data.
+    enable_responses_store: bool = False
     # Structured outputs (xgrammar in the engine core): compiled grammars kept for reuse, and the
     # threads that compile one and fill a step's bitmask rows.
     grammar_cache_size: int = 1024
@@ -342,6 +356,11 @@ class EngineConfig:
             self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
             "tool_call_parser",
             f"must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}",
+        )
+        _require(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+            "reasoning_parser",
+            f"must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}",
         )
         _require(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
@@ -512,7 +531,7 @@ def _resolve_max_model_len(spec: ModelSpec, requested: int, pooler: PoolerConfig
     a sentence-transformers model's own max_seq_length where it declares one.
 
     Sliding-window layers attend within their window at any length (zllm/workers/attention.py);
-    their KV blocks are kept for the whole sequence, as a full-attention layer's are.
+    their KV blocks behind the window are freed (zllm/kv_layout.py).
     """
     limit = spec.max_position_embeddings
     if requested > limit:
@@ -583,6 +602,14 @@ def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
     if speculative.method != "draft_model":
         return
     speculative.model = str(resolve_model_dir(speculative.model))
+    # NOTE: the draft's cache shares group 0's block tables, sized for one group of every layer;
+    # the window-aware groups (zllm/kv_layout.py) would free or resize blocks under it.
+    _require(
+        not target.sliding_layers or config.disable_hybrid_kv_cache_manager,
+        "speculative_config",
+        "a draft model with a sliding-window target needs --disable-hybrid-kv-cache-manager "
+        "(every block kept); the ngram method needs nothing",
+    )
     draft = ModelSpec.from_pretrained(speculative.model)
     _require(
         draft.vocab_size == target.vocab_size,

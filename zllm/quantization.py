@@ -91,6 +91,10 @@ def checkpoint_quantization(hf_config) -> QuantSpec | None:
         return _compressed_tensors(config)
     if method == "fp8":
         return _fp8_block(config)
+    if method == "gguf":
+        # transformers dequantizes a GGUF file as it loads it, and save_pretrained then writes
+        # plain float safetensors, keeping this note in config.json: the model is unquantized.
+        return None
     raise _unsupported(f"quant_method {method!r}")
 
 

@@ -24,6 +24,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # EBNF, in the dialect xgrammar reads (GBNF)
     json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    # A reasoning model's end-of-thinking tokens: the grammar applies only once the output has
+    # written them (the thinking is free, the answer constrained). Set by the HTTP API's
+    # reasoning parser; not part of the grammar (nor of its cache key). Appended last.
+    starts_after: list[int] | None = None
 
     def __post_init__(self) -> None:
         kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -33,6 +37,12 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
             "structured_outputs",
             f"set exactly one of json, regex, choice, grammar, json_object; got {kinds or 'none'}",
         )
+        if self.starts_after is not None:
+            _check(
+                len(self.starts_after) > 0 and all(isinstance(t, int) and t >= 0 for t in self.starts_after),
+                "structured_outputs",
+                "starts_after must be a non-empty list of token ids",
+            )
         if self.choice is not None:
             _check(
                 len(self.choice) > 0 and all(isinstance(c, str) for c in self.choice),

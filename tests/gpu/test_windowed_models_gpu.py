@@ -121,3 +121,13 @@ def test_chunked_prefill_and_piecewise_graphs_equal_hf_in_fp32(model_dir, prompt
     theirs = hf_tokens(model_dir, prompt_ids, torch.float32)
     assert engine_tokens(model_dir, prompt_ids, dtype="float32", max_num_batched_tokens=48) == theirs
     assert engine_tokens(model_dir, prompt_ids, dtype="float32", piecewise_cuda_graphs=True) == theirs
+
+
+def test_a_small_cache_reuses_the_blocks_behind_the_window(model_dir, prompt_ids):
+    """fp32, 32-token steps, a KV cache of 80 blocks of every layer: Gemma's sliding layers get a
+    few blocks of their own (zllm/kv_layout.py), freed behind the window and reused (with
+    preemptions) under the decode graphs' and the pieces' second block table; HF's tokens still."""
+    import torch
+
+    theirs = hf_tokens(model_dir, prompt_ids, torch.float32)
+    assert engine_tokens(model_dir, prompt_ids, dtype="float32", max_num_batched_tokens=32, num_kv_blocks=80) == theirs

@@ -70,7 +70,7 @@ def hf_tokens(model_dir, prompt_ids, dtype) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **_hf_attention(model_dir)).cuda().eval()
     eos = model.generation_config.eos_token_id
     out = []
     for ids in prompt_ids:
@@ -87,6 +87,15 @@ def hf_tokens(model_dir, prompt_ids, dtype) -> list[list[int]]:
     del model
     torch.cuda.empty_cache()
     return out
+
+
+def _hf_attention(model_dir) -> dict:
+    """Soft-capped attention (Gemma 2) only in HF's eager attention: some transformers versions
+    (5.17 on the GPU machines) pick SDPA for Gemma 2, which drops the cap without a word."""
+    from transformers import AutoConfig
+
+    capped = getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None)
+    return {"attn_implementation": "eager"} if capped else {}
 
 
 def share_identical(a: list[list[int]], b: list[list[int]]) -> float:

@@ -77,17 +77,24 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns every KV block; hands out and takes back whole blocks; maps hashes to cached blocks."""
 
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"num_blocks: must be >= {1 + reserve_null_block}, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free = FreeBlockQueue(self.blocks)
+        # A sliding-window group's tables point the entries behind the window at block 0, which
+        # is never handed out (the workers keep it zero: a masked read of it is harmless).
+        self.null_block = self.blocks[0] if reserve_null_block else None
+        self._free = FreeBlockQueue(self.blocks[1:] if reserve_null_block else self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0  # cached blocks given to other tokens
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        """The blocks that can be handed out (the null block is not one)."""
+        return len(self.blocks) - (self.null_block is not None)
+
+    def owns(self, block: KVBlock) -> bool:
+        return block.block_id < len(self.blocks) and self.blocks[block.block_id] is block
 
     @property
     def num_free_blocks(self) -> int:

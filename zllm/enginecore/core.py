@@ -20,6 +20,8 @@ from zllm.enginecore.request import Request
 from zllm.enginecore.scheduler import Scheduler, SchedulerStats
 from zllm.enginecore.structured_outputs import StructuredOutputs
 from zllm.ipc.messages import AddRequest, GrammarBitmask, StepInput, StepOutput, TokenDelta
+from zllm.kv_layout import KVGroup, KVLayout
+from zllm.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -62,24 +64,36 @@ class EngineCore:
         self._bitmask_due: dict[int, tuple[list[str], dict[str, list[int]]]] = {}
         self.pooling = config.runner == "pooling"
         self.num_kv_blocks = config.num_kv_blocks or executor.determine_num_kv_blocks()
-        executor.initialize_kv_cache(self.num_kv_blocks)
-        pool = BlockPool(self.num_kv_blocks)
-        scheduler_class = PoolingScheduler if self.pooling else Scheduler
-        self.scheduler = scheduler_class(config, KVCacheManager(pool, config.block_size, config.enable_prefix_caching))
-        self.structured = StructuredOutputs(config)
         if self.pooling:
-            logger.info("pooling model: no KV cache; inputs of up to %d tokens", config.max_model_len)
+            self._start_pooling(executor)
             return
-        _warn_if_a_long_request_cannot_fit(config, self.num_kv_blocks)
+        layout = KVLayout.of(ModelSpec.from_pretrained(config.model), config)
+        self.kv_groups = layout.groups(self.num_kv_blocks)
+        _warn_if_a_long_request_cannot_fit(config, layout, self.kv_groups)
+        executor.initialize_kv_cache(self.num_kv_blocks)
+        self.scheduler = Scheduler(config, _kv_cache_manager(config, self.kv_groups))
+        self.structured = StructuredOutputs(config)
+        self.max_concurrency = layout.max_concurrency(self.kv_groups)
         logger.info(
-            "KV cache (%s): %d blocks of %d tokens (%d tokens); max concurrency at %d tokens each: %.1fx",
+            "KV cache (%s): %d blocks of %d tokens (%d tokens)%s; max concurrency at %d tokens each: %.1fx",
             "fp8_e4m3" if config.kv_cache_dtype.startswith("fp8") else "model dtype",
             self.num_kv_blocks,
             config.block_size,
             self.num_kv_blocks * config.block_size,
+            _describe_groups(self.kv_groups),
             config.max_model_len,
-            self.num_kv_blocks * config.block_size / config.max_model_len,
+            self.max_concurrency,
         )
+
+    def _start_pooling(self, executor: Executor) -> None:
+        """A pooling model keeps no KV cache: a nominal pool, and steps of whole inputs."""
+        executor.initialize_kv_cache(self.num_kv_blocks)
+        self.kv_groups: list[KVGroup] = []
+        pool = KVCacheManager(BlockPool(self.num_kv_blocks), self.config.block_size, False)
+        self.scheduler = PoolingScheduler(self.config, pool)
+        self.structured = StructuredOutputs(self.config)
+        self.max_concurrency = 0.0
+        logger.info("pooling model: no KV cache; inputs of up to %d tokens", self.config.max_model_len)
 
     def add_request(self, message: AddRequest) -> None:
         """Queue a request. ValueError: it can never run; QueueFullError: not now."""
@@ -209,18 +223,44 @@ def _worth_sending(step: StepInput) -> bool:
     return not step.is_empty or bool(step.finished_ids or step.preempted_ids)
 
 
-def _warn_if_a_long_request_cannot_fit(config: EngineConfig, num_blocks: int) -> None:
-    """The scheduler refuses each request that could outgrow the whole pool (with an error that
-    says so); warn at start-up when that includes requests up to max_model_len."""
-    needed = config.blocks_for_tokens(config.max_model_len)
-    if num_blocks < needed:
-        logger.warning(
-            "KV cache of %d blocks of %d tokens holds %d tokens, less than max_model_len=%d (%d blocks): "
-            "requests whose prompt + max_tokens exceed it will be refused; raise the KV cache memory or "
-            "lower max_model_len",
-            num_blocks,
-            config.block_size,
-            num_blocks * config.block_size,
-            config.max_model_len,
-            needed,
-        )
+def _describe_groups(groups: list[KVGroup]) -> str:
+    if len(groups) == 1 and groups[0].window is None:
+        return ""
+    return "; " + ", ".join(
+        f"{len(g.layers)} {'full' if g.window is None else f'{g.window}-token window'} layers: {g.num_blocks} blocks"
+        for g in groups
+    )
+
+
+def _kv_cache_manager(config: EngineConfig, groups: list[KVGroup]) -> KVCacheManager:
+    """One pool per group of layers (zllm/kv_layout.py); a window group's reserves its null block."""
+    pools = [BlockPool(g.num_blocks, reserve_null_block=g.window is not None) for g in groups]
+    sliding = groups[1] if len(groups) > 1 else None
+    return KVCacheManager(
+        pools[0],
+        config.block_size,
+        config.enable_prefix_caching,
+        window=groups[0].window,
+        sliding_pool=pools[1] if sliding else None,
+        sliding_window=sliding.window if sliding else None,
+    )
+
+
+def _warn_if_a_long_request_cannot_fit(config: EngineConfig, layout: KVLayout, groups: list[KVGroup]) -> None:
+    """The scheduler refuses each request that could outgrow a whole pool (with an error that
+    says so); warn at start-up when that includes requests up to max_model_len. A sliding-window
+    group holds only the blocks its window reaches (zllm/kv_layout.py)."""
+    for group in groups:
+        needed = layout.blocks_held(config.max_model_len, group.window)
+        usable = group.num_blocks - (group.window is not None)
+        if usable < needed:
+            logger.warning(
+                "KV cache of %d blocks of %d tokens (layers %s) holds less than one sequence of max_model_len=%d "
+                "(%d blocks): requests whose prompt + max_tokens exceed it will be refused; raise the KV cache "
+                "memory or lower max_model_len",
+                usable,
+                config.block_size,
+                "all" if len(groups) == 1 else f"{group.layers[0]}..{group.layers[-1]} ({len(group.layers)})",
+                config.max_model_len,
+                needed,
+            )

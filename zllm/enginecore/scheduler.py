@@ -138,11 +138,12 @@ class Scheduler:
         never finish: refuse it now rather than let it wait (or thrash) forever."""
         max_tokens = request.sampling.max_tokens or self.max_model_len
         longest = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
-        needed, available = self.kv_cache.num_blocks_needed(longest), self.kv_cache.pool.num_blocks
-        if needed > available:
-            field_name = (
-                "prompt" if self.kv_cache.num_blocks_needed(request.num_prompt_tokens + 1) > available else "max_tokens"
-            )
+        chunk = self.max_num_batched_tokens + self.num_lookahead
+        prompt_held = self.kv_cache.max_blocks_held(request.num_prompt_tokens + 1, chunk)
+        for (needed, available), (prompt_needs, _) in zip(self.kv_cache.max_blocks_held(longest, chunk), prompt_held):
+            if needed <= available:
+                continue
+            field_name = "prompt" if prompt_needs > available else "max_tokens"
             raise ValueError(
                 f"{field_name}: {request.num_prompt_tokens} prompt tokens + up to {longest - request.num_prompt_tokens} "
                 f"generated need {needed} KV blocks of {self.kv_cache.block_size} tokens, but the whole KV cache "
@@ -173,15 +174,15 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            kv_cache_usage=self.kv_cache.pool.usage,
+            kv_cache_usage=self.kv_cache.usage,
             num_preemptions=self.num_preemptions,
             num_steps=self._step_id,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             prefix_cache_misses=prefix.queries - prefix.hits,
             prefix_cache_hit_rate=prefix.hit_rate,
-            num_cached_blocks=self.kv_cache.pool.num_cached_blocks,
-            prefix_cache_evictions=self.kv_cache.pool.num_evictions,
+            num_cached_blocks=sum(p.num_cached_blocks for p in self.kv_cache.pools),
+            prefix_cache_evictions=sum(p.num_evictions for p in self.kv_cache.pools),
             spec_decode_num_drafts=self.spec.num_drafts,
             spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
@@ -234,7 +235,7 @@ class Scheduler:
                 compiling.append(self.waiting.pop())
                 continue
             cached_prefix = self.kv_cache.find_cached_prefix(request)
-            num_cached_tokens = len(cached_prefix) * self.kv_cache.block_size
+            num_cached_tokens = cached_prefix.num_blocks * self.kv_cache.block_size
             num_tokens = self._num_tokens_to_schedule(request, plan.budget, num_cached_tokens)
             total = num_cached_tokens + num_tokens
             with_lookahead = min(total + self.num_lookahead, self.max_model_len)
@@ -292,6 +293,10 @@ class Scheduler:
         """Allocate blocks for the request's next tokens, preempting running requests until they
         fit. Returns the new block ids, or None if the request itself was preempted."""
         total = min(request.num_computed_tokens + num_tokens + self.num_lookahead, self.max_model_len)
+        # Blocks behind the sliding window of the step's first token are read by no later step.
+        # (A step still in flight reads them before this one writes any reused block: the
+        # workers run steps in order.)
+        self.kv_cache.free_out_of_window(request.request_id, request.num_computed_tokens)
         while (new_block_ids := self.kv_cache.allocate_slots(request.request_id, total)) is None:
             victim = self._preemption_victim()
             plan.remove(victim)
@@ -335,6 +340,7 @@ class Scheduler:
                         request_id=request.request_id,
                         new_block_ids=plan.new_block_ids[request.request_id],
                         num_computed_tokens=request.num_computed_tokens,
+                        new_sliding_block_ids=self.kv_cache.take_new_sliding_block_ids(request.request_id),
                     )
                 )
             request.num_computed_tokens += num_tokens
@@ -372,6 +378,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             eos_token_ids=sorted(request.eos_token_ids),
             bad_words_token_ids=request.bad_words_token_ids,
+            sliding_block_ids=self.kv_cache.sliding_block_ids(request.request_id),
         )
 
     # ---- results -------------------------------------------------------------------------------
@@ -491,7 +498,7 @@ class Scheduler:
                 self._preempt(request)  # its token of this step, if any, is dropped: recomputed
                 self._preempted_ids.append(request.request_id)
                 readers.remove(request)
-        self.kv_cache.pool.uncache(suspect)
+        self.kv_cache.uncache(suspect)
 
     def _apply_stop_rules(self, request: Request, token_id: int) -> None:
         sampling = request.sampling

@@ -6,6 +6,9 @@ request that takes each token the request is given, and each step's bitmask.
     a step samples the request --> its bitmask row: the tokens the grammar allows next
     the token arrives --> matcher.accept_token
 
+With `starts_after` (a reasoning model's end-of-thinking tokens) the grammar sleeps, allowing
+every token, until the output has written those tokens; the answer after them is constrained.
+
 The busy loop never waits for a compile: a request whose grammar is not ready stays waiting
 (the scheduler passes over it) and the others run. xgrammar, the tokenizer and their torch
 import are loaded in the compile thread with the first constrained request.
@@ -19,7 +22,7 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +43,53 @@ class RequestGrammar:
 
     compiled: Future  # of an xgrammar CompiledGrammar
     matcher: Any = None  # xgrammar GrammarMatcher, once compiled and started
+    starts_after: list[int] | None = None  # asleep until the output has written these tokens
+    _tail: list[int] = field(default_factory=list)  # the last tokens seen while asleep
 
     @property
     def is_ready(self) -> bool:
         return self.matcher is not None
 
     @property
+    def is_awake(self) -> bool:
+        return self.starts_after is None
+
+    @property
     def is_active(self) -> bool:
-        """It still constrains the next token (a terminated grammar accepted its stop token)."""
-        return self.matcher is not None and not self.matcher.is_terminated()
+        """It constrains the next token: awake, and not terminated (a terminated grammar accepted
+        its stop token)."""
+        return self.is_awake and self.matcher is not None and not self.matcher.is_terminated()
 
     def accept(self, token_id: int) -> bool:
         """Advance over a sampled token; False if the grammar does not allow it."""
+        if not self.is_awake:
+            self._wake_after(token_id)
+            return True
         return not self.is_active or self.matcher.accept_token(token_id)
+
+    def _wake_after(self, token_id: int) -> None:
+        gate = self.starts_after
+        self._tail = (self._tail + [token_id])[-len(gate) :]
+        if self._tail == gate:
+            self.starts_after = None  # the thinking has ended: the next token is the answer's
+
+    def ends_sleep_at(self, drafts: list[int]) -> int | None:
+        """The index of the draft that would wake the grammar (None: none would)."""
+        tail = list(self._tail)
+        for j, token_id in enumerate(drafts):
+            tail = (tail + [token_id])[-len(self.starts_after) :]
+            if tail == self.starts_after:
+                return j
+        return None
 
     def valid_drafts(self, drafts: list[int]) -> list[int]:
         """The leading drafts the grammar allows (up to a stop token that ends it); the matcher
-        is left where it was."""
+        is left where it was. Asleep, drafts run free up to the one that would wake it: the
+        rows after it would need the awake grammar's bitmask, which the step's mask (computed
+        asleep) lacks; the token that wakes it is then sampled free in the step's last row."""
+        if not self.is_awake:
+            end = self.ends_sleep_at(drafts)
+            return drafts if end is None else drafts[:end]
         if not self.is_active:
             return drafts  # past its end (ignore_eos): nothing is constrained any more
         taken = 0
@@ -90,7 +123,7 @@ class StructuredOutputs:
 
     def start(self, request: Any, params: StructuredOutputsParams) -> RequestGrammar:
         """Compile (or find compiled) the request's grammar; `activate_compiled` starts its matcher."""
-        grammar = RequestGrammar(self._compile(params))
+        grammar = RequestGrammar(self._compile(params), starts_after=params.starts_after)
         self._compiling[request.request_id] = (request, grammar)
         return grammar
 
@@ -156,9 +189,7 @@ class StructuredOutputs:
                 failed[request_id] = str(error)
                 continue
             grammar.matcher = self._start_matcher(grammar.compiled.result(), request)
-            if not grammar.matcher.is_terminated() and not all(
-                map(grammar.matcher.accept_token, request.output_token_ids)
-            ):
+            if not all(map(grammar.accept, request.output_token_ids)):
                 failed[request_id] = "structured_outputs: the tokens it resumed with do not follow its grammar"
         return failed
 

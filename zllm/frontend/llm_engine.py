@@ -35,7 +35,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, core: EngineCoreClient) -> None:
         self.config = config
         self.core = core
-        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.tokenizer = load_tokenizer(config.tokenizer_path, config.skip_tokenizer_init)
         self.processor = InputProcessor.from_config(config, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer, config.pooler)
 

@@ -25,7 +25,7 @@ class _Completion:
 
     index: int
     core_id: str
-    detokenizer: IncrementalDetokenizer | None  # None: a pooling request
+    detokenizer: IncrementalDetokenizer | None  # None: without a tokenizer (skip_tokenizer_init), or pooling
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -78,7 +78,7 @@ class _Request:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, pooler: PoolerConfig | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, pooler: PoolerConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.pooler = pooler
         self._requests: dict[str, _Request] = {}
@@ -98,9 +98,9 @@ class OutputProcessor:
                 index,
                 core_id,
                 # A pooling request gains no tokens: nothing to detokenize.
-                None
-                if message.pooling is not None
-                else IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, sampling.skip_special_tokens),
+                IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, sampling.skip_special_tokens)
+                if self.tokenizer is not None and message.pooling is None
+                else None,
             )
             for index, core_id in enumerate(core_ids)
         ]
@@ -186,7 +186,9 @@ class OutputProcessor:
         hide_last = hide_last and not sampling.include_stop_str_in_output
         for position, token_id in enumerate(delta.new_token_ids):
             completion.token_ids.append(token_id)
-            if not sampling.detokenize or (hide_last and position == len(delta.new_token_ids) - 1):
+            if completion.detokenizer is None or not sampling.detokenize:
+                continue  # token ids only
+            if hide_last and position == len(delta.new_token_ids) - 1:
                 continue
             checked_from = len(completion.text)
             completion.text += completion.detokenizer.add_token(token_id)
@@ -218,7 +220,7 @@ class OutputProcessor:
         return dicts
 
     def _token_text(self, token_id: int, sampling: SamplingParams) -> str | None:
-        if not sampling.detokenize:
+        if not sampling.detokenize or self.tokenizer is None:
             return None
         text = self._token_texts.get(token_id)
         if text is None:

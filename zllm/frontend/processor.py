@@ -20,7 +20,7 @@ PromptType = Union[str, dict[str, Any]]
 
 class InputProcessor:
     @classmethod
-    def from_config(cls, config, tokenizer: PreTrainedTokenizerBase) -> InputProcessor:
+    def from_config(cls, config, tokenizer: PreTrainedTokenizerBase | None) -> InputProcessor:
         """Limits from the engine config and the model's own config (vocabulary, EOS ids)."""
         from transformers import AutoConfig
 
@@ -40,7 +40,7 @@ class InputProcessor:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerBase | None,  # None: skip_tokenizer_init (token ids only)
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: list[int],
@@ -150,6 +150,8 @@ class InputProcessor:
             value = getattr(sampling, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name}: {value} is more than max_logprobs ({self.max_logprobs})")
+        if self.tokenizer is None:
+            _check_without_tokenizer(sampling)
         self._check_token_ids(sampling.stop_token_ids or [], "stop_token_ids")
         self._check_token_ids(list(sampling.logit_bias or {}), "logit_bias")
         if sampling.structured_outputs is not None:
@@ -186,6 +188,11 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt: this engine runs without a tokenizer (skip_tokenizer_init): "
+                    'give {"prompt_token_ids": [...]} instead of text'
+                )
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
@@ -219,3 +226,15 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{field}: token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+
+
+def _check_without_tokenizer(sampling: SamplingParams) -> None:
+    """Without a tokenizer (skip_tokenizer_init) nothing that needs text can be honoured."""
+    needs_text = {
+        "stop": sampling.stop_strings,
+        "bad_words": sampling.bad_words,
+        "structured_outputs": sampling.structured_outputs,
+    }
+    for name, value in needs_text.items():
+        if value:
+            raise ValueError(f"{name}: needs a tokenizer; this engine runs without one (skip_tokenizer_init)")

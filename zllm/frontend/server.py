@@ -111,7 +111,7 @@ class FrontendServer:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.client_endpoint = config.client_endpoint or default_client_endpoint()
-        self.tokenizer = load_tokenizer(config.tokenizer_path)
+        self.tokenizer = load_tokenizer(config.tokenizer_path, config.skip_tokenizer_init)
         self.processor = InputProcessor.from_config(config, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer, config.pooler)
         self.context = zmq.asyncio.Context()

@@ -156,6 +156,8 @@ class NewRequestData(_Message):
     eos_token_ids: list[int] = []  # masked until min_tokens (unless ignore_eos)
     bad_words_token_ids: list[list[int]] = []
     pooling: PoolingParams | None = None  # appended: a pooling request (its token types, if any)
+    # A hybrid model's sliding-window layers' table (zllm/kv_layout.py); [] for other models.
+    sliding_block_ids: list[int] = []
 
 
 class CachedRequestData(_Message):
@@ -165,6 +167,7 @@ class CachedRequestData(_Message):
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_sliding_block_ids: list[int] = []  # a hybrid model's sliding-window layers' new blocks
 
 
 class StepInput(_Message):

@@ -14,6 +14,7 @@ from zllm.config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     ON_FAILURE_POLICIES,
+    REASONING_PARSERS,
     RUNNERS,
     SCHEDULING_POLICIES,
     TOOL_CALL_PARSERS,
@@ -143,6 +144,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="the pooling task of the checkpoint, embed or classify (default auto: its head decides)",
     )
     group.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        default=defaults.disable_hybrid_kv_cache_manager,
+        help="keep sliding-window layers' KV blocks for the whole sequence, as full layers' (default: blocks "
+        "behind the window are freed)",
+    )
+    group.add_argument(
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
         default=defaults.scheduling_policy,
@@ -168,6 +176,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="GPU tp: all-reduces up to this size (e.g. 8MiB) use PyTorch's symmetric-memory "
         "one-shot kernel instead of NCCL (default 0: NCCL only)",
+    )
+    group.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: prompts are token ids and outputs token ids (for checkpoints without one)",
     )
     group.add_argument(
         "--grammar-cache-size",
@@ -212,6 +225,17 @@ def add_http_args(group) -> None:
         default=None,
         help="the model's tool-call format, as vLLM names it",
     )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        default=None,
+        help="split a reasoning model's thinking from its answer (reasoning_content), as vLLM names the format",
+    )
+    group.add_argument(
+        "--enable-responses-store",
+        action="store_true",
+        help="/v1/responses: keep recent responses in memory so that previous_response_id can continue them",
+    )
 
 
 def http_kwargs(args: argparse.Namespace) -> dict:
@@ -222,6 +246,8 @@ def http_kwargs(args: argparse.Namespace) -> dict:
         max_request_body_bytes=args.max_request_body_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        enable_responses_store=args.enable_responses_store,
     )
 
 
@@ -229,6 +255,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig.create keyword arguments from parsed arguments (model excluded)."""
     return dict(
         tokenizer=args.tokenizer,
+        skip_tokenizer_init=args.skip_tokenizer_init,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         device=args.device,
@@ -250,6 +277,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_config=args.speculative_config,
         served_model_name=args.served_model_name,
         enable_prefix_caching=args.enable_prefix_caching,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         scheduling_policy=args.scheduling_policy,
         runner=args.runner,
         convert=args.convert,

@@ -8,6 +8,9 @@ vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port] [--hos
     (zllm/frontend/engines.py, zllm/procs/engine_processes.py); see docs/deployment.md for systemd.
 vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
     runs the engine in this process, prints the completions, exits.
+vllm-launch run-batch -i requests.jsonl -o results.jsonl [engine flags]
+    runs an OpenAI batch file (chat completions, completions, responses) offline, with a progress bar, and
+    writes one result or error line per request (zllm/launch/run_batch.py).
 vllm-launch --headless --nnodes N --node-rank R --master-addr HEAD --master-port P [--zmq-curve-dir DIR]
     runs this node's tp ranks for the head's engine (zllm/launch/node_agent.py); the head is
     `vllm-launch --tp T --nnodes N --node-rank 0 --master-addr HEAD --master-port P ...`.
@@ -64,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from zllm.procs.log import configure_logging
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run-batch"]:
+        from zllm.launch.run_batch import main as run_batch
+
+        return run_batch(argv[1:])
     args = build_parser().parse_args(argv)
     configure_logging("node" if args.headless else "frontend", args.log_level)
     try:

@@ -220,11 +220,16 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of messages) or several, through the chat template."""
+        """Answer one conversation (a list of messages) or several, through the chat template;
+        chat_template_kwargs are extra template variables (vLLM's), e.g. {"enable_thinking": False}."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [chat_prompt(tokenizer, c, add_generation_prompt, chat_template) for c in conversations]
+        prompts = [
+            chat_prompt(tokenizer, c, add_generation_prompt, chat_template, template_kwargs=chat_template_kwargs)
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _params_per_prompt(

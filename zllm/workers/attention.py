@@ -83,6 +83,12 @@ class AttentionMetadata:
     # the cache slots of every context token of each, in order, and the int32 offsets of each
     # request's queries and keys in the packed rows (None when the step has no prefill).
     prefill: PackedPrefill | None = None
+    # A hybrid model's sliding-window layers (zllm/kv_layout.py): the same step over their own
+    # block tables (slot_mapping, block_tables and prefill differ); None for other models.
+    sliding: AttentionMetadata | None = None
+
+    def for_layer(self, sliding_layer: bool) -> AttentionMetadata:
+        return self.sliding if sliding_layer and self.sliding is not None else self
 
 
 @dataclass(slots=True)
@@ -233,8 +239,10 @@ _CAPPED_ROWS = 1024
 def _capped_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
 ) -> torch.Tensor:
-    """HF's eager attention with soft-capped scores, on kv heads already repeated to the queries'."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    """HF's eager attention with soft-capped scores, on kv heads already repeated to the queries'.
+    The scores are formed in fp32 whatever the model's dtype: a bf16 score carries an absolute
+    error of ~0.4% of its size, which the softmax turns into a relative error of each weight."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

@@ -7,6 +7,7 @@ padded rows write their K/V nowhere (slot -1) and attend to one dummy token.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from functools import partial
 
@@ -29,7 +30,15 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches: list[torch.Tensor], max_batch: int, max_blocks_per_seq: int, block_size: int):
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        max_batch: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        hybrid: bool = False,
+    ):
         device = kv_caches[0].device
         self.model = model
         self.kv_caches = kv_caches
@@ -41,6 +50,11 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
         self.block_tables = torch.zeros((largest, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        # A hybrid model's sliding layers (zllm/kv_layout.py): their own slots and block tables.
+        self.hybrid = hybrid
+        if hybrid:
+            self.sliding_slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
+            self.sliding_block_tables = torch.zeros((largest, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capturer = GraphCapturer()
@@ -59,7 +73,7 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
 
-    def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens) -> torch.Tensor:
+    def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens, sliding=None) -> torch.Tensor:
         """Replay the graph of the smallest bucket that holds the batch; returns [batch, hidden]."""
         batch = input_ids.shape[0]
         size = self.bucket(batch)
@@ -71,11 +85,15 @@ class DecodeGraphs:
         self.block_tables[:batch, :width].copy_(block_tables)
         self.seq_lens[:batch].copy_(seq_lens)
         self.seq_lens[batch:size].fill_(1)
+        if self.hybrid:
+            self.sliding_slot_mapping[:batch].copy_(sliding.slot_mapping)
+            self.sliding_slot_mapping[batch:size].fill_(-1)
+            self.sliding_block_tables[:batch, : sliding.block_tables.shape[1]].copy_(sliding.block_tables)
         self.graphs[size].replay()
         return self.outputs[size][:batch]
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size],
@@ -84,6 +102,11 @@ class DecodeGraphs:
             num_decodes=size,
             block_size=self.block_size,
         )
+        if self.hybrid:
+            meta.sliding = dataclasses.replace(
+                meta, slot_mapping=self.sliding_slot_mapping[:size], block_tables=self.sliding_block_tables[:size]
+            )
+        return meta
 
     def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)

@@ -7,6 +7,7 @@ the runner keeps every live request's tokens and block table between steps.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import torch
 
 from zllm.config import EngineConfig
 from zllm.ipc.messages import CachedRequestData, GrammarBitmask, NewRequestData, StepInput, StepOutput, TokenLogprobs
+from zllm.kv_layout import KVLayout
 from zllm.model_spec import ModelSpec
 from zllm.partition import head_shards
 from zllm.quantization import resolve_quantization
@@ -50,6 +52,7 @@ class RequestState:
     num_computed_tokens: int
     sampling: SamplingParams
     row: int = -1  # in the sampling batch
+    sliding_block_ids: list[int] = field(default_factory=list)  # a hybrid model's sliding layers' table
     # Prompt logprobs computed so far (chunked prefill); None once sent, or when not wanted.
     prompt_logprobs: list[LogprobsTensors] | None = None
 
@@ -119,6 +122,8 @@ class ModelRunner:
         self.num_kv_heads = heads.kv_heads.count
         self.block_size = config.block_size
         self.kv_cache_dtype = KV_FP8 if config.kv_cache_dtype.startswith("fp8") else self.dtype
+        self.kv_layout = KVLayout.of(self.spec, config)
+        self.hybrid = self.kv_layout.is_hybrid  # two block tables a request (zllm/kv_layout.py)
         self.ops = ops_for(device)
         self.packs_prefill = self.ops.packs_prefill(self.dtype, self.spec.head_dim)
         self.is_cuda = device.type == "cuda"
@@ -252,13 +257,23 @@ class ModelRunner:
         per_request = min(tokens, self.config.max_model_len)
         blocks_per_request = -(-per_request // self.block_size)
         num_requests = -(-tokens // per_request)
-        self.initialize_kv_cache(blocks_per_request * num_requests)
+        self.initialize_kv_cache(blocks_per_request * num_requests, split=False)
         step = StepInput(step_id=0, new_requests=[], cached_requests=[], scheduled_ids=[], num_scheduled_tokens=[])
         sampling = SamplingParams(temperature=0.0)
         for r in range(num_requests):
             count = min(per_request, tokens - r * per_request)
             blocks = list(range(r * blocks_per_request, (r + 1) * blocks_per_request))
-            step.new_requests.append(NewRequestData(f"profile-{r}", count, [0] * count, sampling, blocks, 0))
+            step.new_requests.append(
+                NewRequestData(
+                    f"profile-{r}",
+                    count,
+                    [0] * count,
+                    sampling,
+                    blocks,
+                    0,
+                    sliding_block_ids=blocks if self.hybrid else [],
+                )
+            )
             step.scheduled_ids.append(f"profile-{r}")
             step.num_scheduled_tokens.append(count)
         self.execute_step(step)
@@ -275,11 +290,23 @@ class ModelRunner:
         self.kv_caches = []
         return scratch
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.spec.head_dim)
+    def initialize_kv_cache(self, num_blocks: int, split: bool = True) -> None:
+        """num_blocks blocks of every layer's bytes; split: divided between a hybrid model's full
+        and sliding layers as the engine core divides its pools (else num_blocks in each layer).
+        Zero-filled: a sliding table's null block (and any slot never written) reads as zeros."""
+        blocks_of = [num_blocks] * self.spec.num_layers
+        if split:
+            for group in self.kv_layout.groups(num_blocks):
+                for layer in group.layers:
+                    blocks_of[layer] = group.num_blocks
         try:
             self.kv_caches = [
-                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.spec.num_layers)
+                torch.zeros(
+                    (2, blocks, self.block_size, self.num_kv_heads, self.spec.head_dim),
+                    dtype=self.kv_cache_dtype,
+                    device=self.device,
+                )
+                for blocks in blocks_of
             ]
             if self.proposer is not None:
                 self.proposer.initialize_kv_cache(num_blocks)
@@ -322,7 +349,9 @@ class ModelRunner:
         from zllm.workers.cuda_graphs import DecodeGraphs
 
         max_blocks = -(-self.config.max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_blocks, self.block_size)
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.config.max_num_seqs, max_blocks, self.block_size, self.hybrid
+        )
         with torch.inference_mode():
             self.graphs.capture()
 
@@ -338,9 +367,9 @@ class ModelRunner:
 
         sizes = piecewise_sizes(self.config.max_num_batched_tokens)
         if not (self.is_cuda and self.ops.supports_graphs):
-            self.pieces = EagerPieces(self.model, self.kv_caches, sizes)
+            self.pieces = EagerPieces(self.model, self.kv_caches, sizes, self.hybrid)
             return
-        self.pieces = PiecewiseGraphs(self.model, self.kv_caches, sizes)
+        self.pieces = PiecewiseGraphs(self.model, self.kv_caches, sizes, self.hybrid)
         with torch.inference_mode():
             self.pieces.capture()
 
@@ -544,7 +573,7 @@ class ModelRunner:
         num_tokens = batch.input_ids.shape[0]
         if self.graphs is not None and meta.num_decodes == num_tokens and self.graphs.bucket(num_tokens):
             return self.graphs.run(
-                batch.input_ids, batch.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens
+                batch.input_ids, batch.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.sliding
             )
         if self.pieces is not None and self.pieces.bucket(num_tokens):
             return self.pieces.run(batch.input_ids, batch.positions, meta)
@@ -640,7 +669,7 @@ class ModelRunner:
         counts = np.diff(query_start_loc)
         num_decodes = int(np.argmin(counts == 1)) if (counts != 1).any() else len(counts)  # the leading 1-token rows
         positions = np.arange(query_start_loc[-1]) + np.repeat(np.asarray(starts) - query_start_loc[:-1], counts)
-        block_tables = self._block_tables(states)
+        block_tables = self._block_tables([s.block_ids for s in states])
         rows = np.repeat(np.arange(len(states)), counts)
         slot_mapping = block_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
         packs_prefill = self.packs_prefill and num_decodes < len(states)
@@ -648,6 +677,18 @@ class ModelRunner:
             pack_prefill(block_tables, seq_lens, query_start_loc, num_decodes, self.block_size)
             if packs_prefill
             else ([], [])
+        )
+        # A hybrid model's sliding layers: the same rows over their own tables.
+        sliding_tables = self._block_tables([s.sliding_block_ids for s in states]) if self.hybrid else np.zeros((0, 0))
+        sliding_slots = (
+            sliding_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+            if self.hybrid
+            else []
+        )
+        sliding_context_slots = (
+            pack_prefill(sliding_tables, seq_lens, query_start_loc, num_decodes, self.block_size)[0]
+            if self.hybrid and packs_prefill
+            else []
         )
         # One host-to-device copy for every integer input of the step.
         parts = [
@@ -661,6 +702,9 @@ class ModelRunner:
             block_tables.ravel(),
             context_slots,
             cu_seqs,
+            sliding_slots,
+            sliding_tables.ravel(),
+            sliding_context_slots,
         ]
         bounds = np.cumsum([0] + [len(p) for p in parts])
         packed = self._to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
@@ -675,6 +719,9 @@ class ModelRunner:
             tables,
             context_slots_t,
             cu_seqs_t,
+            sliding_slots_t,
+            sliding_tables_t,
+            sliding_context_slots_t,
         ) = (packed[bounds[k] : bounds[k + 1]] for k in range(len(parts)))
         if fill_at:
             input_ids.index_copy_(0, fill_at_t, self._in_flight_tokens[fill_from_t])
@@ -689,6 +736,17 @@ class ModelRunner:
         )
         if packs_prefill:
             attention.prefill = packed_prefill_of(context_slots_t, cu_seqs_t, seq_lens, query_start_loc, num_decodes)
+        if self.hybrid:
+            attention.sliding = dataclasses.replace(
+                attention,
+                slot_mapping=sliding_slots_t,
+                block_tables=sliding_tables_t.view(sliding_tables.shape).to(self.index_dtype),
+                prefill=(
+                    packed_prefill_of(sliding_context_slots_t, cu_seqs_t, seq_lens, query_start_loc, num_decodes)
+                    if packs_prefill
+                    else None
+                ),
+            )
         return BatchInputs(
             input_ids=input_ids,
             positions=positions_t,
@@ -700,11 +758,12 @@ class ModelRunner:
             layout=DraftLayout.of(sampling_drafts) if step.spec_token_ids else None,
         )
 
-    def _block_tables(self, states: list[RequestState]) -> np.ndarray:
-        width = max(len(s.block_ids) for s in states)
-        table = np.zeros((len(states), width), dtype=np.int64)
-        for row, state in enumerate(states):
-            table[row, : len(state.block_ids)] = state.block_ids
+    @staticmethod
+    def _block_tables(tables: list[list[int]]) -> np.ndarray:
+        width = max(len(t) for t in tables)
+        table = np.zeros((len(tables), width), dtype=np.int64)
+        for row, ids in enumerate(tables):
+            table[row, : len(ids)] = ids
         return table
 
 
@@ -717,6 +776,7 @@ def _state_from_new(new: NewRequestData) -> RequestState:
         prompt_len=new.prompt_len,
         token_ids=list(new.token_ids),
         block_ids=list(new.block_ids),
+        sliding_block_ids=list(new.sliding_block_ids),
         num_computed_tokens=new.num_computed_tokens,
         sampling=new.sampling,
         prompt_logprobs=[] if new.sampling.prompt_logprobs is not None and fresh else None,
@@ -746,6 +806,7 @@ def _concat_to_message(parts: list[LogprobsTensors]) -> TokenLogprobs:
 
 def _apply_diff(state: RequestState, diff: CachedRequestData) -> None:
     state.block_ids.extend(diff.new_block_ids)
+    state.sliding_block_ids.extend(diff.new_sliding_block_ids)
     state.num_computed_tokens = diff.num_computed_tokens
 
 

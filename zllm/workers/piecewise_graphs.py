@@ -50,8 +50,9 @@ def piecewise_sizes(max_num_batched_tokens: int, largest: int = _LARGEST_PIECEWI
 class EagerPieces:
     """The forward as pieces over static buffers, run eagerly: what PiecewiseGraphs captures."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], sizes: list[int]) -> None:
+    def __init__(self, model, kv_caches: list[torch.Tensor], sizes: list[int], hybrid: bool = False) -> None:
         self.model = model
+        self.hybrid = hybrid  # two block tables (zllm/kv_layout.py)
         self.layers = model.model.layers
         self.kv_caches = kv_caches
         self.sizes = sizes
@@ -62,6 +63,9 @@ class EagerPieces:
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
+        # A hybrid model's sliding layers write through their own tables' slots.
+        self.sliding_slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
+        self.sliding_layers = set(model.spec.sliding_layers)
         self.q = torch.zeros(largest, first.num_heads, first.head_dim, dtype=dtype, device=device)
         self.attended = torch.zeros(largest, first.num_heads, first.head_dim, dtype=dtype, device=device)
         self.residual = torch.zeros(largest, hidden, dtype=dtype, device=device)
@@ -82,16 +86,25 @@ class EagerPieces:
         self.positions[:num_tokens].copy_(positions)
         self.slot_mapping[:num_tokens].copy_(meta.slot_mapping)
         self.slot_mapping[num_tokens:size].fill_(-1)
+        if meta.sliding is not None:
+            self.sliding_slot_mapping[:num_tokens].copy_(meta.sliding.slot_mapping)
+            self.sliding_slot_mapping[num_tokens:size].fill_(-1)
         for index in range(self.num_pieces):
             if index > 0:  # the attention of layer index - 1, on the real tokens only
                 layer = self.layers[index - 1]
-                attended = layer.self_attn.attend(self.q[:num_tokens], self.kv_caches[index - 1], meta)
+                layer_meta = self.model.model.meta_of(index - 1, meta)
+                attended = layer.self_attn.attend(self.q[:num_tokens], self.kv_caches[index - 1], layer_meta)
                 self.attended[:num_tokens].copy_(attended.reshape(num_tokens, *self.attended.shape[1:]))
             self._run_piece(index, size)
         return self.hidden[:num_tokens]
 
     def _run_piece(self, index: int, size: int) -> None:
         self._piece(index, size)
+
+    def _slots_of(self, layer: int) -> torch.Tensor:
+        """The slot buffer layer `layer` writes through. Only a hybrid model's steps fill the
+        sliding buffer (AttentionMetadata.sliding); for the others every layer uses slot_mapping."""
+        return self.sliding_slot_mapping if self.hybrid and layer in self.sliding_layers else self.slot_mapping
 
     def _piece(self, index: int, size: int) -> None:
         """Piece `index` at `size` rows, from and to the static buffers."""
@@ -109,7 +122,7 @@ class EagerPieces:
             self.positions[:size],
             self.model.model.rotary_of(index),
             self.kv_caches[index],
-            self.slot_mapping[:size],
+            self._slots_of(index)[:size],
         )
         self.q[:size].copy_(q)
         self.residual[:size].copy_(residual)
@@ -118,14 +131,15 @@ class EagerPieces:
 class PiecewiseGraphs(EagerPieces):
     """EagerPieces with every piece captured as a CUDA graph at every size."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], sizes: list[int]) -> None:
-        super().__init__(model, kv_caches, sizes)
+    def __init__(self, model, kv_caches: list[torch.Tensor], sizes: list[int], hybrid: bool = False) -> None:
+        super().__init__(model, kv_caches, sizes, hybrid)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.capturer = GraphCapturer()
 
     def capture(self) -> None:
         for size in reversed(self.sizes):  # largest first: the smaller sizes reuse its memory pool
             self.slot_mapping[:size].fill_(-1)  # capture writes no cache slot
+            self.sliding_slot_mapping[:size].fill_(-1)
             for index in range(self.num_pieces):
                 self.graphs[(index, size)], _ = self.capturer.capture(partial(self._piece, index, size))
         torch.cuda.synchronize()

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API, served by the frontend process on its own asyncio loop.
 
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models
+    POST /v1/responses          GET  /v1/responses/{id}          (responses.py: OpenAI's Responses API)
+    POST /v1/messages           (messages_api.py: Anthropic's Messages API, with Anthropic's error shape)
     POST /tokenize              POST /detokenize
     POST /v1/embeddings  /score  /rerank  /classify   (pooling models: pooling.py)
     GET  /health                GET  /version                    GET /metrics     GET /openapi.json
@@ -37,6 +39,8 @@ from aiohttp import web
 
 import zllm
 from zllm.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from zllm.frontend.openai.messages_api import MessagesCall, error_type
+from zllm.frontend.openai.messages_protocol import ErrorBody, ErrorDetail, MessagesRequest
 from zllm.frontend.openai.pooling import PoolingRoutes
 from zllm.frontend.openai.protocol import (
     BadRequestError,
@@ -57,7 +61,15 @@ from zllm.frontend.openai.protocol import (
     openapi_document,
     param_of,
 )
-from zllm.frontend.openai.serving import ChatCall, CompletionCall, FrontendRequestError, conversation_prompt
+from zllm.frontend.openai.responses import ResponsesCall, ResponseStore
+from zllm.frontend.openai.responses_protocol import ResponsesRequest
+from zllm.frontend.openai.serving import (
+    NO_TOKENIZER,
+    ChatCall,
+    CompletionCall,
+    FrontendRequestError,
+    conversation_prompt,
+)
 from zllm.ipc.messages import ClientStats, ServerStats
 
 if TYPE_CHECKING:
@@ -69,6 +81,7 @@ IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
 _IGNORED_HEADER_MAX_CHARS = 1024  # clients refuse long headers (aiohttp's limit is 8190 bytes)
 _MAX_WARNED_FIELDS = 1024  # distinct names logged; bounded so that fuzzed names cannot grow it forever
 _warned_fields: set[str] = set()  # unknown field names already logged (once each)
+ANTHROPIC_PREFIX = "/v1/messages"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # ServerError kinds -> HTTP status (retry-later conditions are 503, as OpenAI answers "overloaded").
 _ENGINE_ERROR_STATUS = {"bad_request": 400, "unauthorized": 401, "engine_dead": 503, "overloaded": 503, "draining": 503}
@@ -88,6 +101,20 @@ def error_response(
     status: int, message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> web.Response:
     return web.Response(status=status, body=error_body(message, type_, param, code), content_type="application/json")
+
+
+def anthropic_error_response(status: int, message: str) -> web.Response:
+    body = msgspec.json.encode(ErrorBody(error=ErrorDetail(type=error_type(status), message=message)))
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
+def _api_error_response(
+    request: web.Request, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+) -> web.Response:
+    """The error in the shape of the API the route belongs to: Anthropic's for /v1/messages."""
+    if request.path.startswith(ANTHROPIC_PREFIX):
+        return anthropic_error_response(status, message)
+    return error_response(status, message, type_, param, code)
 
 
 def json_response(value: msgspec.Struct, headers: dict[str, str] | None = None) -> web.Response:
@@ -115,6 +142,7 @@ class ApiServer:
         self.config = frontend.config
         self._runner: web.AppRunner | None = None
         self._openapi = msgspec.json.encode(openapi_document(zllm.__version__))
+        self.responses = ResponseStore() if self.config.enable_responses_store else None
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -124,6 +152,9 @@ class ApiServer:
         )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.create_response)
+        app.router.add_get("/v1/responses/{response_id}", self.get_response)
+        app.router.add_post("/v1/messages", self.create_message)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -158,16 +189,19 @@ class ApiServer:
         try:
             return await handler(request)
         except BadRequestError as error:
-            return error_response(400, str(error), "invalid_request_error", error.param, error.code)
+            return _api_error_response(
+                request, error.status, str(error), "invalid_request_error", error.param, error.code
+            )
         except FrontendRequestError as error:
             error = _from_engine_error(error)
-            return error_response(error.status, str(error), error.type, error.param, error.code)
+            return _api_error_response(request, error.status, str(error), error.type, error.param, error.code)
         except ApiError as error:
-            return error_response(error.status, str(error), error.type, error.param, error.code)
+            return _api_error_response(request, error.status, str(error), error.type, error.param, error.code)
         except web.HTTPException as error:  # routing (404, 405) and the body limit (413)
             if error.status < 400:
                 raise
-            return error_response(
+            return _api_error_response(
+                request,
                 error.status,
                 _http_error_message(request, error),
                 "invalid_request_error",
@@ -177,13 +211,15 @@ class ApiServer:
             raise  # the client went away; nothing to answer
         except Exception:
             logger.exception("internal error on %s %s", request.method, request.path)
-            return error_response(500, "internal server error", "server_error")
+            return _api_error_response(request, 500, "internal server error", "server_error")
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
         key = self.config.api_key
         if key and (request.path == "/v1" or request.path.startswith("/v1/")):
             given = request.headers.get("Authorization", "")
+            if request.path.startswith(ANTHROPIC_PREFIX) and "x-api-key" in request.headers:
+                given = f"Bearer {request.headers['x-api-key']}"  # Anthropic's clients send their key so
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 raise ApiError(
                     401,
@@ -205,6 +241,23 @@ class ApiServer:
         call = ChatCall.build(self.frontend, body, self._model(body.model))
         return await self._run(request, call, body.stream, ignored)
 
+    async def create_response(self, request: web.Request) -> web.StreamResponse:
+        body, ignored = await self._decode(request, ResponsesRequest)
+        call = ResponsesCall.build(self.frontend, body, self._model(body.model), self.responses)
+        return await self._run(request, call, body.stream, ignored)
+
+    async def create_message(self, request: web.Request) -> web.StreamResponse:
+        body, ignored = await self._decode(request, MessagesRequest)
+        call = MessagesCall.build(self.frontend, body, self._model(body.model))
+        return await self._run(request, call, body.stream, ignored)
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        stored = self.responses.get(response_id) if self.responses is not None else None
+        if stored is None:
+            raise ApiError(404, f"no stored response {response_id!r}", "invalid_request_error", code="not_found")
+        return json_response(stored.response)
+
     async def _decode(self, request: web.Request, type_: type) -> tuple[msgspec.Struct, dict[str, str]]:
         """The request body, and the header listing the fields it had that are ignored."""
         body, ignored = decode_request(await request.read(), type_)
@@ -214,28 +267,36 @@ class ApiServer:
                 logger.warning("ignoring the unknown request field %r on %s (logged once)", name, request.path)
         return body, {IGNORED_FIELDS_HEADER: ignored_fields_header(ignored)} if ignored else {}
 
-    async def _run(
-        self, request: web.Request, call: CompletionCall | ChatCall, stream: bool, headers: dict[str, str]
-    ) -> web.StreamResponse:
+    async def _run(self, request: web.Request, call, stream: bool, headers: dict[str, str]) -> web.StreamResponse:
+        """Run a call (CompletionCall, ChatCall, ResponsesCall, MessagesCall: `engine_call`,
+        `response`, `chunks`; those whose events are named also have `error_event`)."""
         self._check_serving()
         async with call.engine_call(self.frontend) as engine:
             if not stream:
                 return json_response(await call.response(self.frontend, engine), headers)
-            return await self._stream(request, call.chunks(self.frontend, engine), headers)
+            return await self._stream(request, call, call.chunks(self.frontend, engine), headers)
 
     async def _stream(
-        self, request: web.Request, chunks: AsyncIterator[msgspec.Struct], headers: dict[str, str]
+        self, request: web.Request, call, chunks: AsyncIterator[msgspec.Struct], headers: dict[str, str]
     ) -> web.StreamResponse:
-        """Server-sent events: `data: <json>` per chunk, then `data: [DONE]`."""
+        """Server-sent events: `data: <json>` per chunk, then `data: [DONE]` (OpenAI's completions);
+        or `event: <type>` + `data: <json>` per typed event, without [DONE] (the Responses and
+        Anthropic Messages APIs)."""
+        named = getattr(call, "named_events", False)
         response = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         await response.prepare(request)
         try:
             async for chunk in chunks:
-                await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+                await response.write(_sse_event(chunk, named))
         except FrontendRequestError as error:  # the status line is gone: report it in the stream
             error = _from_engine_error(error)
-            await response.write(b"data: " + error_body(str(error), error.type, error.param, error.code) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
+            if named:
+                await response.write(_sse_event(call.error_event(str(error), error.code, error.param), named))
+            else:
+                body = error_body(str(error), error.type, error.param, error.code)
+                await response.write(b"data: " + body + b"\n\n")
+        if not named:
+            await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
@@ -250,6 +311,10 @@ class ApiServer:
                 "model_not_found",
             )
         return served
+
+    def _check_tokenizer(self, field: str) -> None:
+        if self.frontend.tokenizer is None:
+            raise BadRequestError(NO_TOKENIZER.format(field=field), field)
 
     def _check_serving(self) -> None:
         if self.frontend.dead_reason is not None:
@@ -268,6 +333,7 @@ class ApiServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt (with the tokenizer's special tokens by default) or chat
         messages (through the chat template, as /v1/chat/completions renders them)."""
+        self._check_tokenizer("prompt")
         chat = _has_messages(await request.read())
         body, headers = await self._decode(request, TokenizeChatRequest if chat else TokenizeCompletionRequest)
         self._model(body.model)
@@ -280,6 +346,7 @@ class ApiServer:
     async def detokenize(self, request: web.Request) -> web.Response:
         body, headers = await self._decode(request, DetokenizeRequest)
         self._model(body.model)
+        self._check_tokenizer("tokens")
         vocab_size = len(self.frontend.tokenizer)
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
@@ -319,6 +386,11 @@ class ApiServer:
             return None
         finally:
             await self.frontend.close_local_client(identity)
+
+
+def _sse_event(chunk: msgspec.Struct, named: bool) -> bytes:
+    data = b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+    return f"event: {chunk.type}\n".encode() + data if named else data
 
 
 def ignored_fields_header(paths: list[str]) -> str:

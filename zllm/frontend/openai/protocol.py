@@ -166,8 +166,10 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call
-    # vLLM's extension. (A per-request chat_template is not accepted: it would run any Jinja.)
+    # vLLM's extensions. (A per-request chat_template is not accepted: it would run any Jinja.)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking: false)
+    include_reasoning: bool = True  # with --reasoning-parser: False drops the reasoning from the answer
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -235,6 +237,9 @@ class ChatResponseMessage(_Response, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ResponseToolCall] = []
+    # With --reasoning-parser: the thinking, under vLLM's older and newer names.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class DeltaFunctionCall(_Response, kw_only=True, omit_defaults=True):
@@ -272,6 +277,8 @@ class DeltaMessage(_Response, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None  # as in ChatResponseMessage
+    reasoning: str | None = None
 
 
 class ChatStreamChoice(_Response, kw_only=True):
@@ -320,6 +327,7 @@ class TokenizeChatRequest(_Request, kw_only=True):
     messages: list[ChatMessage]
     tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the chat template already holds them
 
 
@@ -354,6 +362,8 @@ class ErrorResponse(_Response, kw_only=True):
 
 class BadRequestError(ValueError):
     """A request the API refuses with 400; `param` names the offending field when known."""
+
+    status = 400  # a subclass may name something that does not exist (404)
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -429,28 +439,39 @@ def _json(schema_name: str) -> dict:
     return {"application/json": {"schema": {"$ref": _REF.format(name=schema_name)}}}
 
 
-def _errors(*codes: int) -> dict:
+def _errors(*codes: int, shape: str = "ErrorResponse") -> dict:
     reasons = {
         400: "Bad request",
         401: "Missing or wrong API key",
-        404: "Unknown model",
+        404: "Unknown model (or stored response)",
         413: "Body too large",
         503: "Engine dead or draining",
     }
-    return {str(code): {"description": reasons[code], "content": _json("ErrorResponse")} for code in codes}
+    return {str(code): {"description": reasons[code], "content": _json(shape)} for code in codes}
 
 
-def _generation(summary: str, request: str, response: str) -> dict:
+# A typed server-sent event (the Responses and Messages APIs): `event: <type>` and `data: <json>`.
+_NAMED_EVENT = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+}
+
+
+def _generation(
+    summary: str, request: str, response: str, error_shape: str = "ErrorResponse", named: bool = False
+) -> dict:
     ok = {
-        "description": "The completion; with `stream: true`, server-sent events ending with `data: [DONE]`",
-        "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}},
+        "description": "The answer; with `stream: true`, server-sent events "
+        + ("named by their type" if named else "ending with `data: [DONE]`"),
+        "content": {**_json(response), "text/event-stream": {"schema": _NAMED_EVENT if named else {"type": "string"}}},
         "headers": _IGNORED_HEADER,
     }
     return {
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": _json(request)},
-            "responses": {"200": ok, **_errors(400, 401, 404, 413, 503)},
+            "responses": {"200": ok, **_errors(400, 401, 404, 413, 503, shape=error_shape)},
             "security": [{"bearer": []}],
         }
     }
@@ -476,8 +497,17 @@ _IGNORED_HEADER = {
 
 
 def openapi_document(version: str) -> dict:
-    """OpenAPI 3.1 for every route, with schemas generated from the Structs above."""
+    """OpenAPI 3.1 for every route, with schemas generated from the Structs above (and the
+    Responses and Messages APIs' own, imported here: their modules import this one)."""
+    from zllm.frontend.openai.messages_protocol import ErrorBody, Message, MessagesRequest
+    from zllm.frontend.openai.responses_protocol import ResponseObject, ResponsesRequest
+
     types = [
+        ResponsesRequest,
+        ResponseObject,
+        MessagesRequest,
+        Message,
+        ErrorBody,
         CompletionRequest,
         ChatCompletionRequest,
         CompletionResponse,
@@ -501,6 +531,25 @@ def openapi_document(version: str) -> dict:
             "/v1/completions": _generation("Complete prompts", "CompletionRequest", "CompletionResponse"),
             "/v1/chat/completions": _generation(
                 "Answer a conversation", "ChatCompletionRequest", "ChatCompletionResponse"
+            ),
+            "/v1/responses": _generation(
+                "Respond (OpenAI's Responses API)", "ResponsesRequest", "ResponseObject", named=True
+            ),
+            "/v1/responses/{response_id}": {
+                "get": {
+                    "summary": "A stored response (--enable-responses-store)",
+                    "parameters": [
+                        {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                    ],
+                    "security": [{"bearer": []}],
+                    "responses": {
+                        "200": {"description": "The response", "content": _json("ResponseObject")},
+                        **_errors(401, 404),
+                    },
+                }
+            },
+            "/v1/messages": _generation(
+                "Answer messages (Anthropic's Messages API)", "MessagesRequest", "Message", "ErrorBody", named=True
             ),
             "/tokenize": _utility(
                 "Token ids of a prompt, or of chat messages rendered by the chat template",

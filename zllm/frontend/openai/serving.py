@@ -45,6 +45,7 @@ from zllm.frontend.openai.protocol import (
     now_s,
     param_of,
 )
+from zllm.frontend.openai.reasoning_parsers import ReasoningParser, ReasoningStream, reasoning_parser
 from zllm.frontend.openai.tool_parsers import (
     CallDelta,
     NamedParser,
@@ -61,6 +62,9 @@ from zllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from zllm.frontend.server import FrontendServer
+
+
+NO_TOKENIZER = "{field}: this server runs without a tokenizer (--skip-tokenizer-init)"
 
 
 class FrontendRequestError(Exception):
@@ -292,6 +296,8 @@ def completion_prompts(server: FrontendServer, prompt: str | list) -> list[Promp
 def _text_prompt(server: FrontendServer, text: str) -> Prompt:
     if not text:
         raise BadRequestError("prompt: must not be empty", "prompt")
+    if server.tokenizer is None:
+        raise BadRequestError(NO_TOKENIZER.format(field="prompt") + ": send token ids", "prompt")
     return Prompt(text, server.tokenizer.encode(text))
 
 
@@ -300,9 +306,15 @@ def conversation_prompt(server: FrontendServer, request: ChatCompletionRequest) 
     messages = [_message_dict(m) for m in request.messages]
     tools = [msgspec.to_builtins(tool) for tool in request.tools] if request.tools else None
     try:
-        rendered = chat_prompt(server.tokenizer, messages, request.add_generation_prompt, tools=tools)
+        rendered = chat_prompt(
+            server.tokenizer,
+            messages,
+            request.add_generation_prompt,
+            tools=tools,
+            template_kwargs=request.chat_template_kwargs,
+        )
     except ValueError as error:
-        raise BadRequestError(str(error), "messages") from None
+        raise BadRequestError(str(error), param_of(str(error)) or "messages") from None
     return Prompt(rendered["prompt"], rendered["prompt_token_ids"])
 
 
@@ -357,8 +369,13 @@ def _chosen(position: dict[int, Logprob]) -> tuple[int, Logprob]:
     return next(iter(position.items()))  # the chosen (sampled or prompt) token comes first
 
 
+def decoded(server: FrontendServer, token_ids: list[int]) -> str:
+    """The text of token ids; "" on a server without a tokenizer (--skip-tokenizer-init)."""
+    return server.tokenizer.decode(token_ids) if server.tokenizer is not None else ""
+
+
 def _token_text(server: FrontendServer, token_id: int, logprob: Logprob) -> str:
-    return logprob.decoded_token if logprob.decoded_token is not None else server.tokenizer.decode([token_id])
+    return logprob.decoded_token if logprob.decoded_token is not None else decoded(server, [token_id])
 
 
 def completion_logprobs(
@@ -370,7 +387,7 @@ def completion_logprobs(
     result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for i, position in enumerate(positions):
         if position is None:
-            token = server.tokenizer.decode([prompt_ids[i]])
+            token = decoded(server, [prompt_ids[i]])
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
         else:
@@ -439,7 +456,7 @@ class CompletionCall:
     def _prompt_of(self, server: FrontendServer, index: int) -> Prompt:
         prompt = self.prompts[index // self.request.n]
         if prompt.text is None:
-            prompt.text = server.tokenizer.decode(prompt.token_ids)
+            prompt.text = decoded(server, prompt.token_ids)
         return prompt
 
     def _logprobs(self, server: FrontendServer, call: EngineCall, index: int) -> CompletionLogprobs | None:
@@ -559,6 +576,7 @@ class ChatCall:
     prompt: Prompt
     sampling: SamplingParams
     tools: ToolMode | None = None
+    reasoning_parser: str | None = None  # --reasoning-parser: split each choice's thinking from its answer
     id: str = field(default_factory=lambda: request_id("chatcmpl"))
     created: int = field(default_factory=now_s)
 
@@ -578,7 +596,20 @@ class ChatCall:
         sampling = sampling_params(
             request, max_tokens, logprobs, None, structured_outputs_of(request, schema), keep_special
         )
-        return cls(request, model, prompt, sampling, tools)
+        call = cls(request, model, prompt, sampling, tools, server.config.reasoning_parser)
+        call._constrain_the_answer_only(server)
+        return call
+
+    def _constrain_the_answer_only(self, server: FrontendServer) -> None:
+        """Under a reasoning parser, an output constraint (response_format, a forced tool call)
+        applies to the answer: the engine's grammar sleeps until the end-of-thinking tokens."""
+        parser, constraint = self._reasoning(), self.sampling.structured_outputs
+        if parser is not None and constraint is not None and parser.thinks_first:
+            constraint.starts_after = server.tokenizer.encode(parser.END, add_special_tokens=False)
+
+    def _reasoning(self) -> ReasoningParser | None:
+        """A fresh parser for one choice (None: no reasoning parser)."""
+        return reasoning_parser(self.reasoning_parser, self.prompt.text or "") if self.reasoning_parser else None
 
     def engine_call(self, server: FrontendServer) -> EngineCall:
         return EngineCall(server, [self.prompt], self.sampling, keep_n=self.request.n)
@@ -589,14 +620,24 @@ class ChatCall:
         return chat_logprobs(server, positions or [], self.request.top_logprobs or 0)
 
     def _message(self, choice: _Choice) -> tuple[ChatResponseMessage, str | None]:
-        text = "".join(choice.text)
+        text, reasoning = "".join(choice.text), None
+        parser = self._reasoning()
+        if parser is not None:  # tool calls and the answer are read from what follows the thinking
+            split = parser.split(text, final=True)
+            text, reasoning = split.content, split.reasoning if self.request.include_reasoning else None
         if self.tools is None:
-            return ChatResponseMessage(content=text), choice.finish_reason
+            message = ChatResponseMessage(content=text if text or reasoning is None else None)
+            return self._with_reasoning(message, reasoning), choice.finish_reason
         content, calls = self.tools.parser.extract(text)
         if self.tools.single:
             calls = calls[:1]
         message = ChatResponseMessage(content=content, tool_calls=_response_tool_calls(calls))
-        return message, self.tools.finish_reason(bool(calls), choice.finish_reason)
+        return self._with_reasoning(message, reasoning), self.tools.finish_reason(bool(calls), choice.finish_reason)
+
+    @staticmethod
+    def _with_reasoning(message: ChatResponseMessage, reasoning: str | None) -> ChatResponseMessage:
+        message.reasoning_content = message.reasoning = reasoning
+        return message
 
     async def response(self, server: FrontendServer, call: EngineCall) -> ChatCompletionResponse:
         await call.wait()
@@ -619,24 +660,33 @@ class ChatCall:
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
-    def _delta(self, stream: ToolCallStream | None, out: ServerOutput) -> tuple[DeltaMessage, str | None]:
+    def _delta(
+        self, thinking: ReasoningStream | None, stream: ToolCallStream | None, out: ServerOutput
+    ) -> tuple[DeltaMessage, str | None]:
         """The delta to send for one engine output, and the choice's finish reason."""
+        final = out.finish_reason is not None
+        text, reasoning = out.text, ""
+        if thinking is not None:
+            reasoning, text = thinking.feed(out.text, final)
+            reasoning = reasoning if self.request.include_reasoning else ""
+        thought = dict(reasoning_content=reasoning, reasoning=reasoning) if reasoning else {}
         if stream is None:
-            return (DeltaMessage(content=out.text) if out.text else DeltaMessage()), out.finish_reason
-        content, deltas = stream.feed(out.text, final=out.finish_reason is not None)
+            return DeltaMessage(content=text or None, **thought), out.finish_reason
+        content, deltas = stream.feed(text, final=final)
         if self.tools.single:
             deltas = [d for d in deltas if d.index == 0]
-        delta = DeltaMessage(content=content or None, tool_calls=_delta_tool_calls(deltas) or None)
+        delta = DeltaMessage(content=content or None, tool_calls=_delta_tool_calls(deltas) or None, **thought)
         return delta, self.tools.finish_reason(stream.called, out.finish_reason)
 
     async def chunks(self, server: FrontendServer, call: EngineCall) -> AsyncIterator[ChatCompletionChunk]:
         options = self.request.stream_options
         streams = [ToolCallStream(self.tools.parser) if self.tools else None for _ in call.choices]
+        thinking = [ReasoningStream(parser) if (parser := self._reasoning()) else None for _ in call.choices]
         # The role comes first, once per choice, as OpenAI sends it.
         for index in range(len(call.choices)):
             yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         async for index, out in call.outputs():
-            delta, finish_reason = self._delta(streams[index], out)
+            delta, finish_reason = self._delta(thinking[index], streams[index], out)
             if delta == DeltaMessage() and finish_reason is None and not out.logprobs:
                 continue  # nothing to show yet (held back while a stop string or a tool marker may match)
             choice = ChatStreamChoice(

@@ -152,7 +152,7 @@ def scan_calls(text: str, i: int, separator: str = ",") -> list[PartialCall]:
         i += len(separator)
 
 
-def _held_back(text: str, marker: str) -> str:
+def held_back(text: str, marker: str) -> str:
     """Text without a trailing partial `marker` (it may be the start of one)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
@@ -201,7 +201,7 @@ class HermesParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
         first = text.find(self.START)
         if first < 0:
-            return Parsed(text if final else _held_back(text, self.START))
+            return Parsed(text if final else held_back(text, self.START))
         calls, i = [], first
         while i >= 0:
             call, _ = scan_call(text, i + len(self.START))
@@ -246,7 +246,7 @@ class MistralParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
         at = text.find(self.MARKER)
         if at < 0:
-            return Parsed(text if final else _held_back(text, self.MARKER))
+            return Parsed(text if final else held_back(text, self.MARKER))
         i = _skip_ws(text, at + len(self.MARKER))
         calls = []
         if i < len(text) and text[i] == "[":

@@ -279,6 +279,11 @@ class LlamaModel(nn.Module):
         """The rotary of layer `layer`: Gemma 3's local layers have their own."""
         return self.local_rotary if self.spec.uses_local_rope(layer) else self.rotary
 
+    def meta_of(self, layer: int, meta: AttentionMetadata) -> AttentionMetadata:
+        """The attention metadata of layer `layer`: a hybrid model's sliding layers have their own
+        block tables (zllm/kv_layout.py)."""
+        return meta.for_layer(layer in self.spec.sliding_layers)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings; Gemma's times sqrt(hidden_size), rounded to the model dtype first
         as HF does."""
@@ -346,7 +351,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x, residual = self.model.embed(input_ids), None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
-            x, residual = layer(x, residual, positions, self.model.rotary_of(i), kv_cache, meta)
+            x, residual = layer(x, residual, positions, self.model.rotary_of(i), kv_cache, self.model.meta_of(i, meta))
         x, _ = self.model.norm(x, residual)
         return x
 
