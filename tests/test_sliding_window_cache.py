@@ -9,6 +9,8 @@ import torch
 
 from tests.helpers.models import hf_greedy, save_tiny_model
 from tests.helpers.scheduler import make_request, prompt
+from tests.test_windowed_models import CASES as WINDOWED_CASES
+from tests.test_windowed_models import LONGROPE, ORIGINAL_MAX, WINDOW
 from zllm import LLMEngine, SamplingParams
 from zllm.config import EngineConfig
 from zllm.enginecore.block_pool import BlockPool
@@ -82,7 +84,7 @@ def test_hybrid_groups_keep_their_own_tables():
     assert manager.take_new_sliding_block_ids("a") == [1, 2, 3]
     assert manager.take_new_sliding_block_ids("a") == []  # told once
     manager.free_out_of_window("a", 12)
-    assert manager.sliding_block_ids("a") == [0, 2, 3] and manager.block_ids("a") == [0, 1, 2]
+    assert manager.take_sliding_block_ids("a") == [0, 2, 3] and manager.block_ids("a") == [0, 1, 2]
     assert manager.allocate_slots("a", 16) == [3]
     assert manager.take_new_sliding_block_ids("a") == [4]
     assert manager.pools[1].num_free_blocks == 2
@@ -93,7 +95,7 @@ def test_hybrid_groups_keep_their_own_tables():
 def test_hybrid_allocation_changes_nothing_when_either_pool_is_short():
     manager = KVCacheManager(BlockPool(2), BS, sliding_pool=BlockPool(8, reserve_null_block=True), sliding_window=8)
     assert manager.allocate_slots("a", 12) is None
-    assert manager.pools[1].num_free_blocks == 7 and manager.sliding_block_ids("a") == []
+    assert manager.pools[1].num_free_blocks == 7 and manager.take_sliding_block_ids("a") == []
 
 
 def test_a_window_model_takes_a_request_longer_than_its_pool():
@@ -148,36 +150,8 @@ def test_a_window_in_every_layer_is_one_group():
 
 # ---- the engine against HF -----------------------------------------------------------------------
 
-WINDOW = 12
-ALTERNATING = ["sliding_attention", "full_attention"] * 2
-CASES = {
-    "mistral": ("mistral", dict(sliding_window=WINDOW, head_dim=32)),
-    "phi3": ("phi3", dict(sliding_window=WINDOW, num_hidden_layers=2)),
-    "gemma2": (
-        "gemma2",
-        dict(
-            sliding_window=WINDOW,
-            num_hidden_layers=4,
-            head_dim=16,
-            query_pre_attn_scalar=24,
-            attn_logit_softcapping=3.0,
-            final_logit_softcapping=4.0,
-            tie_word_embeddings=True,
-        ),
-    ),
-    "gemma3": (
-        "gemma3",
-        dict(
-            sliding_window=WINDOW,
-            num_hidden_layers=4,
-            head_dim=16,
-            query_pre_attn_scalar=24,
-            layer_types=ALTERNATING,
-            rope_local_base_freq=100.0,
-            tie_word_embeddings=True,
-        ),
-    ),
-}
+# The families and tiny configs of tests/test_windowed_models.py (windows of 12 tokens).
+CASES = {name: WINDOWED_CASES[name] for name in ("mistral", "phi3", "gemma2", "gemma3")}
 LONG_PROMPTS = [list(range(3, 48)), [9] * 7 + list(range(60, 100)), list(range(101, 152))]
 MAX_TOKENS = 12
 
@@ -267,12 +241,8 @@ TP2_CASES = {
             head_dim=16,
             partial_rotary_factor=0.5,
             max_position_embeddings=128,
-            original_max_position_embeddings=32,
-            rope_scaling={
-                "rope_type": "longrope",
-                "short_factor": [1.0, 1.3, 1.7, 2.5],
-                "long_factor": [1.5, 3.0, 7.0, 20.0],
-            },
+            original_max_position_embeddings=ORIGINAL_MAX,
+            rope_scaling=LONGROPE,
         ),
     ),
 }

@@ -28,6 +28,17 @@ if TYPE_CHECKING:
     from zllm.model_spec import ModelSpec
 
 
+def blocks_held(num_tokens: int, window: int | None, block_size: int, max_chunk: int) -> int:
+    """The most blocks one sequence of num_tokens holds at once in a group with this window, when
+    a step computes at most max_chunk of its tokens: every block without a window; with one, the
+    blocks from the window's start before a chunk to the chunk's end (plus one for the block the
+    window starts in part-way)."""
+    every = -(-num_tokens // block_size)
+    if window is None:
+        return every
+    return min(every, -(-(window - 1 + max_chunk) // block_size) + 1)
+
+
 @dataclass(frozen=True, slots=True)
 class KVGroup:
     layers: tuple[int, ...]
@@ -68,14 +79,7 @@ class KVLayout:
         return tuple(i for i in range(self.num_layers) if i not in sliding)
 
     def blocks_held(self, num_tokens: int, window: int | None) -> int:
-        """The most blocks one sequence of num_tokens holds at once in a group with this window:
-        every block without one; with one, the blocks from the window's start before a chunk
-        to the chunk's end (plus one for the block the window starts in part-way)."""
-        every = -(-num_tokens // self.block_size)
-        if window is None:
-            return every
-        reach = window - 1 + self.max_num_batched_tokens
-        return min(every, -(-reach // self.block_size) + 1)
+        return blocks_held(num_tokens, window, self.block_size, self.max_num_batched_tokens)
 
     def steady_blocks(self, num_tokens: int, window: int | None) -> int:
         """The blocks a sequence of num_tokens holds between its prefill chunks (while decoding)."""

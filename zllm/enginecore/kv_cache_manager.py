@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from zllm.block_hash import BlockHash, extend_block_hashes
 from zllm.enginecore.block_pool import BlockPool, KVBlock
 from zllm.enginecore.request import Request
+from zllm.kv_layout import blocks_held
 
 
 @dataclass(slots=True)
@@ -118,8 +119,9 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._groups[0].tables.get(request_id, ())]
 
-    def sliding_block_ids(self, request_id: str) -> list[int]:
-        """Group 1's table ([] unless the model is hybrid); what the workers hold of it now."""
+    def take_sliding_block_ids(self, request_id: str) -> list[int]:
+        """Group 1's whole table ([] unless the model is hybrid), for a request sent to the workers
+        in full: nothing of it is new to them after this."""
         if len(self._groups) < 2:
             return []
         group = self._groups[1]
@@ -183,10 +185,11 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request)
         first = self._num_registered.get(request.request_id, 0)
-        last = first
+        # Every group's table has the same length (allocate_slots grows them together).
+        length = len(self._groups[0].tables.get(request.request_id, []))
+        last = min(num_tokens // self.block_size, length, len(hashes))
         for group in self._groups:
             blocks = group.tables.get(request.request_id, [])
-            last = min(num_tokens // self.block_size, len(blocks), len(hashes))
             for index in range(first, last):
                 if not group.is_null(blocks[index]):
                     group.pool.cache(blocks[index], hashes[index])
@@ -210,13 +213,9 @@ class KVCacheManager:
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> list[tuple[int, int]]:
         """(blocks one sequence of num_tokens holds at most, blocks the pool has) per group; a step
         computes at most max_chunk tokens of it."""
-        held = []
-        for group in self._groups:
-            every = self.num_blocks_needed(num_tokens)
-            if group.window is not None:
-                every = min(every, self.num_blocks_needed(group.window - 1 + max_chunk) + 1)
-            held.append((every, group.pool.num_blocks))
-        return held
+        return [
+            (blocks_held(num_tokens, g.window, self.block_size, max_chunk), g.pool.num_blocks) for g in self._groups
+        ]
 
     def free_out_of_window(self, request_id: str, num_computed_tokens: int) -> None:
         """Give back the blocks no window reaches any more: the next token computed is at

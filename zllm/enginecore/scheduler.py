@@ -378,7 +378,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             eos_token_ids=sorted(request.eos_token_ids),
             bad_words_token_ids=request.bad_words_token_ids,
-            sliding_block_ids=self.kv_cache.sliding_block_ids(request.request_id),
+            sliding_block_ids=self.kv_cache.take_sliding_block_ids(request.request_id),
         )
 
     # ---- results -------------------------------------------------------------------------------

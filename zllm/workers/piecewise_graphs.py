@@ -65,7 +65,6 @@ class EagerPieces:
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
         # A hybrid model's sliding layers write through their own tables' slots.
         self.sliding_slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
-        self.sliding_layers = set(model.spec.sliding_layers)
         self.q = torch.zeros(largest, first.num_heads, first.head_dim, dtype=dtype, device=device)
         self.attended = torch.zeros(largest, first.num_heads, first.head_dim, dtype=dtype, device=device)
         self.residual = torch.zeros(largest, hidden, dtype=dtype, device=device)
@@ -104,7 +103,9 @@ class EagerPieces:
     def _slots_of(self, layer: int) -> torch.Tensor:
         """The slot buffer layer `layer` writes through. Only a hybrid model's steps fill the
         sliding buffer (AttentionMetadata.sliding); for the others every layer uses slot_mapping."""
-        return self.sliding_slot_mapping if self.hybrid and layer in self.sliding_layers else self.slot_mapping
+        return (
+            self.sliding_slot_mapping if self.hybrid and layer in self.model.model.sliding_layers else self.slot_mapping
+        )
 
     def _piece(self, index: int, size: int) -> None:
         """Piece `index` at `size` rows, from and to the static buffers."""

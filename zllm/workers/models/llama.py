@@ -274,6 +274,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops, spec.norm_unit_offset)
         self.rotary = Rotary(spec, ops, max_model_len)
         self.local_rotary = Rotary(spec, ops, max_model_len, local=True) if spec.local_rope_theta is not None else None
+        self.sliding_layers = frozenset(spec.sliding_layers)
 
     def rotary_of(self, layer: int) -> Rotary:
         """The rotary of layer `layer`: Gemma 3's local layers have their own."""
@@ -282,7 +283,7 @@ class LlamaModel(nn.Module):
     def meta_of(self, layer: int, meta: AttentionMetadata) -> AttentionMetadata:
         """The attention metadata of layer `layer`: a hybrid model's sliding layers have their own
         block tables (zllm/kv_layout.py)."""
-        return meta.for_layer(layer in self.spec.sliding_layers)
+        return meta.for_layer(layer in self.sliding_layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings; Gemma's times sqrt(hidden_size), rounded to the model dtype first
