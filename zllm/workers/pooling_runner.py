@@ -9,6 +9,7 @@ logits) go back to the core as float32 bytes, and the runner forgets the inputs 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,9 +99,15 @@ class PoolingRunner:
 
     def _pool(self, requests: list[NewRequestData]) -> torch.Tensor:
         lengths = [len(r.token_ids) for r in requests]
-        token_ids = np.fromiter((t for r in requests for t in r.token_ids), dtype=np.int64, count=sum(lengths))
-        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
-        token_types = np.concatenate([_token_types(r, self.spec.type_vocab_size) for r in requests])
+        total = sum(lengths)
+        token_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in requests), np.int64, count=total)
+        starts = np.cumsum(lengths) - lengths
+        positions = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+        token_types = (
+            np.concatenate([_token_types(r, self.spec.type_vocab_size) for r in requests])
+            if any(r.pooling is not None and r.pooling.token_type_ids is not None for r in requests)
+            else np.zeros(total, dtype=np.int64)
+        )
         groups = self._packed(lengths) if self.packs else self._groups(lengths)
         hidden = self.model(
             to_device(token_ids, self.device),
