@@ -65,6 +65,13 @@ class TorchOps:
         weights, ids = moe_route(logits, top_k, renormalize, fp32_weights)
         return experts(x, weights, ids)
 
+    def moe_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: torch.nn.Module
+    ) -> torch.Tensor:
+        """The experts' output for routing already decided (DeepSeek's grouped routing, layers.
+        grouped_route): fp32 weights [T, k], expert ids [T, k]."""
+        return experts(x, weights, ids)
+
     def rotary_and_write_kv(
         self,
         positions: torch.Tensor,
@@ -166,6 +173,20 @@ class CudaOps(TorchOps):
         ids = torch.empty((tokens, top_k), dtype=torch.int32, device=x.device)
         fused.moe_topk_softmax(weights, ids, logits.contiguous(), renormalize, round_weights=not fp32_weights)
         return fused.experts(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+
+    def moe_experts(self, x, weights, ids, experts):
+        from zllm.workers.kernels import moe as fused
+
+        x = x.contiguous()
+        if not (
+            self.fuses_moe(x.dtype)
+            and fused.fused_experts_supported(x, experts.gate_up_proj, experts.down_proj)
+            and ids.shape[-1] <= 32
+        ):
+            return super().moe_experts(x, weights, ids, experts)
+        return fused.experts(
+            x, weights.float().contiguous(), ids.to(torch.int32), experts.gate_up_proj, experts.down_proj
+        )
 
     def rotary_and_write_kv(self, positions, q, k, v, cos, sin, kv_cache, slot_mapping, kv_scales=UNSCALED):
         # One kernel, in place on the strided q/k views of the fused QKV output: at decode, two

@@ -209,7 +209,12 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, index: int, quant: QuantSpec | None) -> None:
         super().__init__()
         self.index = index
-        self.self_attn = LlamaAttention(spec, ops, tp, quant, index)
+        if spec.mla is not None:
+            from zllm.workers.models.deepseek import MlaAttention  # deepseek.py builds on this module
+
+            self.self_attn = MlaAttention(spec, ops, tp, quant, index)
+        else:
+            self.self_attn = LlamaAttention(spec, ops, tp, quant, index)
         if spec.moe is not None and index in spec.moe.layers:
             self.mlp = SparseMoeBlock(spec, ops, tp)
         else:
