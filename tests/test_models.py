@@ -127,10 +127,11 @@ def _hf_generate_all(model_dir, prompts, max_new_tokens):
 
 
 def test_every_registered_architecture_is_tested():
-    """Here, or in the files of the families with their own tests (MLA: DeepSeek)."""
+    """Here, or in the files of the families with their own tests (DeepSeek's MLA,
+    tests/test_deepseek_models.py; GPT-OSS, tests/test_gpt_oss_model.py)."""
     from tests.test_deepseek_models import CASES as DEEPSEEK_CASES
 
-    cases = [*CASES.values(), *DEEPSEEK_CASES.values()]
+    cases = [*CASES.values(), *DEEPSEEK_CASES.values(), ("gpt_oss", {})]
     assert {TINY_ARCHITECTURES[arch][1] for arch, _ in cases} == set(MODEL_REGISTRY)
 
 

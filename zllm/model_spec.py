@@ -31,6 +31,7 @@ class Architecture:
     gemma: bool = False  # Gemma 2/3: the (1 + w) RMSNorm, four norms a layer, embeddings times sqrt(hidden)
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused
     mla: bool = False  # DeepSeek-V2/V3: multi-head latent attention (MlaSpec)
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,9 @@ class MoeFormat:
     # experts (`shared_experts`); grouped routing (topk_method, n_group, topk_group) and
     # routed_scaling_factor; V3's sigmoid scores with e_score_correction_bias ("noaux_tc").
     deepseek: bool = False
+    # GPT-OSS (models/gpt_oss.py): a router with a bias, softmax over the top k logits, experts
+    # with biases and the clamped SwiGLU, stored fused (and in MXFP4 in OpenAI's checkpoints).
+    gpt_oss: bool = False
 
 
 _MIXTRAL = MoeFormat(
@@ -72,6 +76,11 @@ _DEEPSEEK_MOE = MoeFormat(
 )
 
 
+_GPT_OSS_MOE = MoeFormat(
+    "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "num_local_experts", "intermediate_size", gpt_oss=True
+)
+
+
 # Keyed by `config.architectures`; every entry is the shared decoder in models/llama.py.
 MODEL_REGISTRY: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(),  # Llama 2, 3, 3.1, 3.2; SmolLM2
@@ -87,6 +96,9 @@ MODEL_REGISTRY: dict[str, Architecture] = {
     # DeepSeek-V2 / V2-Lite / V3: MLA (models/deepseek.py) and DeepSeek's MoE.
     "DeepseekV2ForCausalLM": Architecture(mlp_bias=False, moe=_DEEPSEEK_MOE, mla=True),
     "DeepseekV3ForCausalLM": Architecture(mlp_bias=False, moe=_DEEPSEEK_MOE, mla=True),
+    # GPT-OSS 20B / 120B: biases on q/k/v/o (attention_bias), attention sinks, a window of 128 in
+    # alternating layers, YaRN, MoE in every layer (models/gpt_oss.py).
+    "GptOssForCausalLM": Architecture(mlp_bias=False, moe=_GPT_OSS_MOE, attention_sinks=True),
 }
 
 
@@ -135,6 +147,7 @@ _BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "bert": "BertModel",
     "xlm-roberta": "XLMRobertaModel",
 }
@@ -180,6 +193,7 @@ class ModelSpec:
     fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
     moe: MoeSpec | None = None  # None: a dense model
     mla: MlaSpec | None = None  # DeepSeek's multi-head latent attention; None: per-head K and V
+    attention_sinks: bool = False  # GPT-OSS: each head's learned sink logit joins its softmax
     quantization: QuantSpec | None = None  # the checkpoint's (config.json quantization_config); None: none
     # Encoder-only pooling models (POOLING_REGISTRY): token types, where positions start (XLM-R:
     # after padding_idx), the classifier's labels; rms_norm_eps holds their LayerNorm's eps.
@@ -229,7 +243,8 @@ class ModelSpec:
             fused_checkpoint=arch.fused_checkpoint,
             moe=None if arch.moe is None else MoeSpec.from_hf_config(hf_config, arch.moe),
             mla=MlaSpec.from_hf_config(hf_config) if arch.mla else None,
-            quantization=checkpoint_quantization(hf_config),
+            attention_sinks=arch.attention_sinks,
+            quantization=None if _mxfp4_experts(hf_config, arch) else checkpoint_quantization(hf_config),
             num_labels=int(hf_config.num_labels) if pooling is not None and pooling.kind == "classify" else 0,
             **(_gemma_fields(hf_config) if arch.gemma else {}),
         )
@@ -370,11 +385,16 @@ class MoeSpec:
     # the softmax within the topk_group groups of n_group whose best expert scores highest), V3's
     # "noaux_tc" (sigmoid scores; groups ranked by their two best scores plus the correction bias,
     # which picks but does not weigh). DeepSeek's weights are then times routed_scaling_factor.
+    # GPT-OSS's "topk_softmax": the top k of the router's logits (it has a bias), softmaxed.
     routing: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate; DeepSeek's shared experts are ungated
+    # GPT-OSS: the clamped SwiGLU's alpha and limit; experts stored as MXFP4 blocks and scales.
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    mxfp4: bool = False
 
     @classmethod
     def from_hf_config(cls, hf_config, fmt: MoeFormat) -> MoeSpec:
@@ -383,6 +403,20 @@ class MoeSpec:
         layers = tuple(range(num_layers))
         if fmt.deepseek:
             return cls._deepseek(hf_config, fmt, num_experts)
+        if fmt.gpt_oss:
+            return cls(
+                format=fmt,
+                num_experts=num_experts,
+                top_k=int(hf_config.num_experts_per_tok),
+                intermediate_size=int(getattr(hf_config, fmt.intermediate_key)),
+                shared_expert_intermediate_size=0,
+                renormalize=True,  # a softmax over the k chosen logits
+                layers=layers,
+                routing="topk_softmax",
+                swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
+                swiglu_limit=float(getattr(hf_config, "swiglu_limit", 7.0)),
+                mxfp4=_quant_method(hf_config) == "mxfp4",
+            )
         if fmt.sparse_layer_keys:
             step = getattr(hf_config, "decoder_sparse_step", 1) or 1
             dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
@@ -432,6 +466,21 @@ class MoeSpec:
             routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0),
             shared_expert_gated=False,
         )
+
+
+def _quant_method(hf_config) -> str | None:
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        config = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    return config.get("quant_method")
+
+
+def _mxfp4_experts(hf_config, arch: Architecture) -> bool:
+    """GPT-OSS's MXFP4 checkpoints quantize the experts only (modules_to_not_convert names the
+    rest), which the MoE block reads itself: the linear layers stay unquantized."""
+    return arch.moe is not None and arch.moe.gpt_oss and _quant_method(hf_config) == "mxfp4"
 
 
 def pick_architecture(hf_config) -> str:

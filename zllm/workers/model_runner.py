@@ -338,9 +338,11 @@ class ModelRunner:
         )
         if self.config.enforce_eager:
             return
-        if self.spec.mla is not None:
-            # MLA's attention is the torch path (models/deepseek.py), which sizes its work on the host.
-            logger.info("decode CUDA graphs off: MLA attention runs in torch (no csrc kernel yet)")
+        if self.spec.mla is not None or self.spec.attention_sinks:
+            # MLA's and the sinks' attention is the torch path, which sizes its work on the host.
+            logger.info(
+                "decode CUDA graphs off: %s's attention runs in torch (no csrc kernel yet)", self.spec.architecture
+            )
             return
         if self.spec.moe is not None and not self.ops.fuses_moe(self.dtype):
             # The torch expert loop picks the experts on the host (a sync): no graph can hold it.

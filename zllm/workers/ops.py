@@ -98,17 +98,22 @@ class TorchOps:
         kv_scales: KVScales = UNSCALED,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decodes through the CPU kernel (csrc/cpu) where it runs: it reads K/V in place, where
-        the reference gathers them first; the reference otherwise (an FP8 cache too), and for
-        the prefills. window / softcap: the layer's sliding window and logit cap (attention.py)."""
+        the reference gathers them first; the reference otherwise (an FP8 cache, sinks), and for
+        the prefills. window / softcap / sinks: the layer's sliding window, logit cap and sink
+        logits (attention.py)."""
         out = torch.empty_like(q)
         n = meta.num_decodes
-        if n and not cpu_kernels.paged_attention_decode(
-            out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, window, softcap
+        if n and (
+            sinks is not None
+            or not cpu_kernels.paged_attention_decode(
+                out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, window, softcap
+            )
         ):
-            out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale, kv_scales, window, softcap)
-        ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap)
+            out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale, kv_scales, window, softcap, sinks)
+        ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
         return out
 
 
@@ -197,11 +202,14 @@ class CudaOps(TorchOps):
         )
         return q
 
-    def attention(self, q, kv_cache, meta, scale, kv_scales=UNSCALED, window=None, softcap=None):
+    def attention(self, q, kv_cache, meta, scale, kv_scales=UNSCALED, window=None, softcap=None, sinks=None):
         """Decodes through the csrc kernel, the layer's window and cap its arguments (constants
         a captured graph holds). Prefills packed into one FlashAttention call (its window_size
         is the sliding window), or per request; FlashAttention has no soft-capping, so a capped
-        layer (Gemma 2) takes the reference's per-request path (HF's eager arithmetic)."""
+        layer (Gemma 2) takes the reference's per-request path (HF's eager arithmetic). A layer
+        with sinks (GPT-OSS) takes the reference throughout (no csrc sinks kernel yet)."""
+        if sinks is not None:
+            return ref.paged_attention(q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes:
