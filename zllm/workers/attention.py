@@ -356,3 +356,46 @@ def _prefill_attention(
         if window is not None:
             mask &= q_pos - k_pos < window
     return attend(q, keys, values, mask, scale, softcap, sinks).transpose(0, 1)
+
+
+# ---- multi-head latent attention (models/deepseek.py) ---------------------------------------------
+
+
+def gather_latents(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The latents of the given blocks: [..., num_blocks * block_size, latent_dim]."""
+    rows = torch.index_select(kv_cache[0], 0, block_table.reshape(-1))
+    return rows.reshape(*block_table.shape[:-1], -1, kv_cache.shape[-1])
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_list: list[int],
+    block_size: int,
+    kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention over the latent cache (the reference of the CUDA MLA decode kernel):
+    absorbed queries [B, H, latent_dim] (W_UK^T q_nope, then the rotated q_pe) -> the
+    softmax-weighted sum of each sequence's latents [B, H, kv_lora_rank]. Every head reads the
+    same latents: multi-query attention with keys of latent_dim values and values of the first
+    kv_lora_rank of them."""
+    outs = []
+    for first in range(0, q_latent.shape[0], _DECODE_GROUP):
+        rows = slice(first, first + _DECODE_GROUP)
+        q = q_latent[rows]
+        num_blocks = -(-max(seq_lens_list[rows]) // block_size)
+        latents = gather_latents(kv_cache, block_tables[rows, :num_blocks]).to(q.dtype)  # [B, L, D]
+        positions = torch.arange(num_blocks * block_size, device=q.device)
+        mask = positions[None, :] < seq_lens[rows, None]
+        out = attend(
+            q[:, :, None, :],  # [B, H, 1, D]
+            latents[:, None],  # [B, 1, L, D]
+            latents[:, None, :, :kv_lora_rank],
+            mask[:, None, None, :],
+            scale,
+        )
+        outs.append(out[:, :, 0, :])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

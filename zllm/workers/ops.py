@@ -116,6 +116,23 @@ class TorchOps:
         ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
         return out
 
+    def mla_decode(
+        self, q_latent: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor:
+        """MLA decode in the latent space (models/deepseek.py): absorbed queries [n, H, latent_dim]
+        of the first n = len(q_latent) requests -> [n, H, kv_lora_rank]."""
+        n = q_latent.shape[0]
+        return ref.mla_decode(
+            q_latent,
+            kv_cache,
+            meta.block_tables[:n],
+            meta.seq_lens[:n],
+            meta.seq_lens_list[:n],
+            meta.block_size,
+            kv_lora_rank,
+            scale,
+        )
+
 
 class CudaOps(TorchOps):
     name = "cuda"
@@ -209,7 +226,7 @@ class CudaOps(TorchOps):
         layer (Gemma 2) takes the reference's per-request path (HF's eager arithmetic). A layer
         with sinks (GPT-OSS) takes the reference throughout (no csrc sinks kernel yet)."""
         if sinks is not None:
-            return ref.paged_attention(q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
+            return self._sinks_attention(q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes:
@@ -244,6 +261,32 @@ class CudaOps(TorchOps):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = self.prefill_attention(q[start:end], kv_cache, meta, i, scale, kv_scales)
         return out
+
+    def _sinks_attention(self, q, kv_cache, meta, scale, kv_scales, window, softcap, sinks):
+        """GPT-OSS: decodes through csrc/mla_kernels.cu's sinks kernel where it takes the layer,
+        prefills (and everything else) through the torch reference."""
+        from zllm.workers.kernels import mla as mla_kernels
+
+        n = meta.num_decodes
+        if not (n and softcap is None and mla_kernels.sinks_decode_supported(q, kv_cache)):
+            return ref.paged_attention(q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
+        out = torch.empty_like(q)
+        mla_kernels.paged_attention_decode_sinks(
+            out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], sinks, scale, window
+        )
+        ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
+        return out
+
+    def mla_decode(self, q_latent, kv_cache, meta, kv_lora_rank, scale):
+        from zllm.workers.kernels import mla as mla_kernels
+
+        if not mla_kernels.mla_decode_supported(q_latent, kv_cache, kv_lora_rank):
+            return super().mla_decode(q_latent, kv_cache, meta, kv_lora_rank, scale)
+        n = q_latent.shape[0]
+        out = torch.empty((n, q_latent.shape[1], kv_lora_rank), dtype=q_latent.dtype, device=q_latent.device)
+        return mla_kernels.mla_decode(
+            out, q_latent.contiguous(), kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale
+        )
 
     def prefill_attention(self, query, kv_cache, meta, index, scale, kv_scales=UNSCALED):
         """A chunk of new tokens against its request's cached prefix, through PyTorch's fused SDPA.

@@ -32,7 +32,7 @@ from torch import nn
 from zllm.model_spec import ModelSpec
 from zllm.partition import Span, head_shards
 from zllm.quantization import QuantSpec
-from zllm.workers.attention import AttentionMetadata, attend
+from zllm.workers.attention import AttentionMetadata, attend, gather_latents
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.layers import apply_rotary
 from zllm.workers.linear_weights import DenseWeights
@@ -42,7 +42,6 @@ from zllm.workers.parallel_layers import ColumnParallelLinear, FusedPart, RowPar
 
 # HF's q_a_layernorm and kv_a_layernorm keep DeepseekV2RMSNorm's default eps, not rms_norm_eps.
 _LORA_NORM_EPS = 1e-6
-_DECODE_GROUP = 16  # decodes per attention call, each group padded to its longest context
 
 
 def _head_rows(heads: Span, per_head: int) -> Span:
@@ -60,46 +59,6 @@ def write_latent(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: tor
         keep = slot_mapping >= 0
         latent, slot_mapping = latent[keep], slot_mapping[keep]
     kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
-
-
-def gather_latents(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """The latents of the given blocks: [..., num_blocks * block_size, latent_dim]."""
-    rows = torch.index_select(kv_cache[0], 0, block_table.reshape(-1))
-    return rows.reshape(*block_table.shape[:-1], -1, kv_cache.shape[-1])
-
-
-def mla_decode(
-    q_latent: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_lens_list: list[int],
-    block_size: int,
-    kv_lora_rank: int,
-    scale: float,
-) -> torch.Tensor:
-    """Decode attention over the latent cache (the reference of the CUDA MLA decode kernel):
-    absorbed queries [B, H, latent_dim] (W_UK^T q_nope, then the rotated q_pe) -> the
-    softmax-weighted sum of each sequence's latents [B, H, kv_lora_rank]. Every head reads the
-    same latents: multi-query attention with keys of latent_dim values and values of the first
-    kv_lora_rank of them."""
-    outs = []
-    for first in range(0, q_latent.shape[0], _DECODE_GROUP):
-        rows = slice(first, first + _DECODE_GROUP)
-        q = q_latent[rows]
-        num_blocks = -(-max(seq_lens_list[rows]) // block_size)
-        latents = gather_latents(kv_cache, block_tables[rows, :num_blocks]).to(q.dtype)  # [B, L, D]
-        positions = torch.arange(num_blocks * block_size, device=q.device)
-        mask = positions[None, :] < seq_lens[rows, None]
-        out = attend(
-            q[:, :, None, :],  # [B, H, 1, D]
-            latents[:, None],  # [B, 1, L, D]
-            latents[:, None, :, :kv_lora_rank],
-            mask[:, None, None, :],
-            scale,
-        )
-        outs.append(out[:, :, 0, :])
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class MlaAttention(nn.Module):
@@ -198,17 +157,7 @@ class MlaAttention(nn.Module):
         w_uk, w_uv = self._kv_b()
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         q_latent = torch.cat((torch.einsum("bhn,hnc->bhc", q_nope, w_uk), q_pe), dim=-1)
-        n = q.shape[0]
-        attended = mla_decode(
-            q_latent,
-            kv_cache,
-            meta.block_tables[:n],
-            meta.seq_lens[:n],
-            meta.seq_lens_list[:n],
-            meta.block_size,
-            mla.kv_lora_rank,
-            self.scale,
-        )
+        attended = self.ops.mla_decode(q_latent, kv_cache, meta, mla.kv_lora_rank, self.scale)
         return torch.einsum("bhc,hvc->bhv", attended, w_uv)
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, index: int) -> torch.Tensor:
