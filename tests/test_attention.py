@@ -329,7 +329,32 @@ def test_default_inv_freq_matches_transformers():
 
 def test_unsupported_rope_type_is_rejected():
     with pytest.raises(ValueError, match="rope_type"):
-        rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+        rope_inv_freq(64, 10000.0, {"rope_type": "dynamic", "factor": 4.0})
+
+
+YARN_VARIANTS = {
+    "plain": {"factor": 8.0},  # attention factor mscale(8)
+    "deepseek": {"factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+    "gpt-oss": {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+    "given-factor": {"factor": 4.0, "attention_factor": 1.25},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(YARN_VARIANTS))
+def test_yarn_matches_transformers(variant):
+    """YaRN's frequencies (ramp between beta_fast and beta_slow, truncated or not) and attention
+    factor (mscale, DeepSeek's mscale / mscale_all_dim, or given) are transformers' bit for bit."""
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 512,
+        **YARN_VARIANTS[variant],
+    }
+    config = llama_config(rope)
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    ours, factor = _inv_freq_of(config)
+    assert torch.equal(ours, expected)
+    assert factor == pytest.approx(expected_factor, rel=1e-15)
 
 
 @pytest.mark.parametrize("rope", [DEFAULT_ROPE, LLAMA3_ROPE], ids=["default", "llama3"])

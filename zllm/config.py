@@ -292,6 +292,11 @@ class EngineConfig:
             spec.quantization, config.quantization, config.load_format == "dummy", spec.moe is not None
         )
         _check_tensor_parallel(config, spec)
+        _require(
+            spec.mla is None or not config.kv_cache_dtype.startswith("fp8"),
+            "kv_cache_dtype",
+            f"{config.kv_cache_dtype}: {spec.architecture}'s latent (MLA) cache is kept in the model dtype",
+        )
         if config.speculative_config is not None:
             _resolve_draft_model(config, spec)
             # NOTE: how many tokens a step accepts is known only from its answer, so the next step

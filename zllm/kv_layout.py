@@ -28,6 +28,24 @@ if TYPE_CHECKING:
     from zllm.model_spec import ModelSpec
 
 
+def cache_entry(spec: ModelSpec, num_kv_heads: int) -> tuple[int, int, int]:
+    """(parts, heads, values) of one token in one layer's cache on a rank, by the layer's kind of
+    attention: per-head keys and values (2, this rank's KV heads, head_dim); MLA's latent and
+    rotated shared key (1, 1, kv_lora_rank + qk_rope_head_dim), the same on every rank (replicated:
+    zllm/workers/models/deepseek.py says why). A layer's cache is [parts, blocks, block_size,
+    heads, values]."""
+    if spec.mla is not None:
+        return (1, 1, spec.mla.latent_dim)
+    return (2, num_kv_heads, spec.head_dim)
+
+
+def cache_bytes_per_token(spec: ModelSpec, num_kv_heads: int, itemsize: int) -> int:
+    """Bytes of one token in every layer's cache on a rank: what sizes the blocks a memory budget
+    holds, so MLA's smaller entry gives more blocks."""
+    parts, heads, values = cache_entry(spec, num_kv_heads)
+    return spec.num_layers * parts * heads * values * itemsize
+
+
 def blocks_held(num_tokens: int, window: int | None, block_size: int, max_chunk: int) -> int:
     """The most blocks one sequence of num_tokens holds at once in a group with this window, when
     a step computes at most max_chunk of its tokens: every block without a window; with one, the

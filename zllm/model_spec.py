@@ -8,12 +8,13 @@ the tensor-parallel split before any worker starts; the workers build their mode
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from zllm.quantization import QuantSpec, checkpoint_quantization
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -29,6 +30,8 @@ class Architecture:
     moe: MoeFormat | None = None  # a Mixture-of-Experts model: how its config and checkpoint say so
     gemma: bool = False  # Gemma 2/3: the (1 + w) RMSNorm, four norms a layer, embeddings times sqrt(hidden)
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused
+    mla: bool = False  # DeepSeek-V2/V3: multi-head latent attention (MlaSpec)
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,13 @@ class MoeFormat:
     always_renormalize: bool = False  # Mixtral renormalizes the top-k always; Qwen per norm_topk_prob
     fp32_routing_weights: bool = False  # Mixtral keeps the weights fp32; Qwen casts them to the model dtype
     sparse_layer_keys: bool = False  # Qwen: decoder_sparse_step and mlp_only_layers pick the MoE layers
+    # DeepSeek-V2/V3: first_k_dense_replace dense layers, then MoE; n_shared_experts ungated shared
+    # experts (`shared_experts`); grouped routing (topk_method, n_group, topk_group) and
+    # routed_scaling_factor; V3's sigmoid scores with e_score_correction_bias ("noaux_tc").
+    deepseek: bool = False
+    # GPT-OSS (models/gpt_oss.py): a router with a bias, softmax over the top k logits, experts
+    # with biases and the clamped SwiGLU, stored fused (and in MXFP4 in OpenAI's checkpoints).
+    gpt_oss: bool = False
 
 
 _MIXTRAL = MoeFormat(
@@ -55,6 +65,19 @@ _MIXTRAL = MoeFormat(
 )
 _QWEN_MOE = MoeFormat(
     "mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size", sparse_layer_keys=True
+)
+_DEEPSEEK_MOE = MoeFormat(
+    "mlp",
+    ("gate_proj", "up_proj", "down_proj"),
+    "n_routed_experts",
+    "moe_intermediate_size",
+    fp32_routing_weights=True,
+    deepseek=True,
+)
+
+
+_GPT_OSS_MOE = MoeFormat(
+    "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), "num_local_experts", "intermediate_size", gpt_oss=True
 )
 
 
@@ -70,6 +93,12 @@ MODEL_REGISTRY: dict[str, Architecture] = {
     "Gemma2ForCausalLM": Architecture(mlp_bias=False, gemma=True),
     "Gemma3ForCausalLM": Architecture(mlp_bias=False, qk_norm=True, gemma=True),  # Gemma 3 1B, text-only
     "Phi3ForCausalLM": Architecture(qkv_bias=False, o_proj_bias=False, mlp_bias=False, fused_checkpoint=True),
+    # DeepSeek-V2 / V2-Lite / V3: MLA (models/deepseek.py) and DeepSeek's MoE.
+    "DeepseekV2ForCausalLM": Architecture(mlp_bias=False, moe=_DEEPSEEK_MOE, mla=True),
+    "DeepseekV3ForCausalLM": Architecture(mlp_bias=False, moe=_DEEPSEEK_MOE, mla=True),
+    # GPT-OSS 20B / 120B: biases on q/k/v/o (attention_bias), attention sinks, a window of 128 in
+    # alternating layers, YaRN, MoE in every layer (models/gpt_oss.py).
+    "GptOssForCausalLM": Architecture(mlp_bias=False, moe=_GPT_OSS_MOE, attention_sinks=True),
 }
 
 
@@ -116,6 +145,9 @@ _BY_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "bert": "BertModel",
     "xlm-roberta": "XLMRobertaModel",
 }
@@ -160,6 +192,8 @@ class ModelSpec:
     final_logit_softcap: float | None = None  # Gemma 2: logits <- cap * tanh(logits / cap)
     fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj stored fused
     moe: MoeSpec | None = None  # None: a dense model
+    mla: MlaSpec | None = None  # DeepSeek's multi-head latent attention; None: per-head K and V
+    attention_sinks: bool = False  # GPT-OSS: each head's learned sink logit joins its softmax
     quantization: QuantSpec | None = None  # the checkpoint's (config.json quantization_config); None: none
     # Encoder-only pooling models (POOLING_REGISTRY): token types, where positions start (XLM-R:
     # after padding_idx), the classifier's labels; rms_norm_eps holds their LayerNorm's eps.
@@ -208,7 +242,9 @@ class ModelSpec:
             hidden_act=_hidden_act(hf_config),
             fused_checkpoint=arch.fused_checkpoint,
             moe=None if arch.moe is None else MoeSpec.from_hf_config(hf_config, arch.moe),
-            quantization=checkpoint_quantization(hf_config),
+            mla=MlaSpec.from_hf_config(hf_config) if arch.mla else None,
+            attention_sinks=arch.attention_sinks,
+            quantization=None if _mxfp4_experts(hf_config, arch) else checkpoint_quantization(hf_config),
             num_labels=int(hf_config.num_labels) if pooling is not None and pooling.kind == "classify" else 0,
             **(_gemma_fields(hf_config) if arch.gemma else {}),
         )
@@ -258,7 +294,10 @@ class ModelSpec:
 
     @property
     def rotary_dim(self) -> int:
-        """The leading dims of each head that rotary rotates (HF: int(head_dim * partial_rotary_factor))."""
+        """The leading dims of each head that rotary rotates (HF: int(head_dim * partial_rotary_factor));
+        MLA's qk_rope_head_dim."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     def window_of(self, layer: int) -> int | None:
@@ -268,6 +307,64 @@ class ModelSpec:
     def uses_local_rope(self, layer: int) -> bool:
         """Whether the layer rotates by the sliding layers' own rotary (Gemma 3's local layers)."""
         return self.local_rope_theta is not None and layer in self.sliding_layers
+
+
+@dataclass(frozen=True, slots=True)
+class MlaSpec:
+    """DeepSeek's multi-head latent attention (HF DeepseekV2Attention / DeepseekV3Attention).
+
+    Each token's keys and values are one compressed latent: kv_lora_rank values (normed, shared
+    by every head) and one qk_rope_head_dim rotary key (shared too). kv_b_proj expands the latent
+    into each head's qk_nope_head_dim key and v_head_dim value. The cache holds the latent and the
+    rotated key: kv_lora_rank + qk_rope_head_dim values per token per layer."""
+
+    q_lora_rank: int | None  # None (V2-Lite): q_proj; else q_a_proj, q_a_layernorm, q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) ** 2
+    # The rotary dims pair up as (x0, x1), (x2, x3), ... (V2 always, V3's rope_interleave), rather
+    # than as the two halves.
+    rope_interleave: bool = True
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> MlaSpec:
+        nope, rope = int(hf_config.qk_nope_head_dim), int(hf_config.qk_rope_head_dim)
+        q_lora = getattr(hf_config, "q_lora_rank", None)
+        return cls(
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            kv_lora_rank=int(hf_config.kv_lora_rank),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(hf_config.v_head_dim),
+            softmax_scale=_mla_softmax_scale((nope + rope) ** -0.5, _rope_parameters(hf_config)[0]),
+            rope_interleave=bool(getattr(hf_config, "rope_interleave", True)),
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token per layer in the cache: the latent, then the rotated shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context extended `factor` times (HF's get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _mla_softmax_scale(scale: float, rope: dict[str, Any]) -> float:
+    """HF's yarn_apply_mscale: a scaled rotary with mscale_all_dim multiplies the softmax scale by
+    mscale(factor, mscale_all_dim) squared."""
+    mscale_all_dim = rope.get("mscale_all_dim", 0)
+    if rope.get("rope_type", "default") != "default" and mscale_all_dim:
+        m = yarn_mscale(rope["factor"], mscale_all_dim)
+        scale = scale * m * m
+    return scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,12 +380,43 @@ class MoeSpec:
     shared_expert_intermediate_size: int  # 0: no shared expert (Qwen2-MoE has one, with a sigmoid gate)
     renormalize: bool
     layers: tuple[int, ...]
+    # How experts are picked (zllm/workers/layers.py grouped_route): "softmax" (Mixtral, Qwen: the
+    # top k of a softmax over all), DeepSeek-V2's "greedy" and "group_limited_greedy" (the top k of
+    # the softmax within the topk_group groups of n_group whose best expert scores highest), V3's
+    # "noaux_tc" (sigmoid scores; groups ranked by their two best scores plus the correction bias,
+    # which picks but does not weigh). DeepSeek's weights are then times routed_scaling_factor.
+    # GPT-OSS's "topk_softmax": the top k of the router's logits (it has a bias), softmaxed.
+    routing: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate; DeepSeek's shared experts are ungated
+    # GPT-OSS: the clamped SwiGLU's alpha and limit; experts stored as MXFP4 blocks and scales.
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    mxfp4: bool = False
 
     @classmethod
     def from_hf_config(cls, hf_config, fmt: MoeFormat) -> MoeSpec:
         num_experts = int(getattr(hf_config, fmt.num_experts_key))
         num_layers = hf_config.num_hidden_layers
         layers = tuple(range(num_layers))
+        if fmt.deepseek:
+            return cls._deepseek(hf_config, fmt, num_experts)
+        if fmt.gpt_oss:
+            return cls(
+                format=fmt,
+                num_experts=num_experts,
+                top_k=int(hf_config.num_experts_per_tok),
+                intermediate_size=int(getattr(hf_config, fmt.intermediate_key)),
+                shared_expert_intermediate_size=0,
+                renormalize=True,  # a softmax over the k chosen logits
+                layers=layers,
+                routing="topk_softmax",
+                swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
+                swiglu_limit=float(getattr(hf_config, "swiglu_limit", 7.0)),
+                mxfp4=_quant_method(hf_config) == "mxfp4",
+            )
         if fmt.sparse_layer_keys:
             step = getattr(hf_config, "decoder_sparse_step", 1) or 1
             dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
@@ -305,6 +433,54 @@ class MoeSpec:
             renormalize=fmt.always_renormalize or bool(getattr(hf_config, "norm_topk_prob", False)),
             layers=layers,
         )
+
+    @classmethod
+    def _deepseek(cls, hf_config, fmt: MoeFormat, num_experts: int) -> MoeSpec:
+        """DeepSeek-V2/V3: MoE from layer first_k_dense_replace on; V2's topk_method (V3 has none:
+        always noaux_tc); V2 never renormalizes, V3 per norm_topk_prob."""
+        v3 = hf_config.model_type == "deepseek_v3"
+        routing = "noaux_tc" if v3 else (getattr(hf_config, "topk_method", None) or "greedy")
+        if routing not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"model: topk_method {routing!r} is not supported (greedy, group_limited_greedy)")
+        grouped = routing != "greedy"
+        n_group = int(hf_config.n_group or 1) if grouped else 1
+        topk_group = int(hf_config.topk_group or 1) if grouped else 1
+        if grouped and (num_experts % n_group or not 0 < topk_group <= n_group):
+            raise ValueError(
+                f"model: {num_experts} experts cannot form n_group {n_group} groups with topk_group {topk_group}"
+            )
+        top_k = int(hf_config.num_experts_per_tok)
+        first_dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
+        return cls(
+            format=fmt,
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=int(getattr(hf_config, fmt.intermediate_key)),
+            shared_expert_intermediate_size=int(hf_config.moe_intermediate_size)
+            * int(getattr(hf_config, "n_shared_experts", 0) or 0),
+            renormalize=v3 and bool(getattr(hf_config, "norm_topk_prob", False)),
+            layers=tuple(range(first_dense, hf_config.num_hidden_layers)),
+            routing=routing,
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0),
+            shared_expert_gated=False,
+        )
+
+
+def _quant_method(hf_config) -> str | None:
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        config = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    return config.get("quant_method")
+
+
+def _mxfp4_experts(hf_config, arch: Architecture) -> bool:
+    """GPT-OSS's MXFP4 checkpoints quantize the experts only (modules_to_not_convert names the
+    rest), which the MoE block reads itself: the linear layers stay unquantized."""
+    return arch.moe is not None and arch.moe.gpt_oss and _quant_method(hf_config) == "mxfp4"
 
 
 def pick_architecture(hf_config) -> str:
@@ -410,6 +586,9 @@ def _checked_rope(params: dict[str, Any], hf_config) -> dict[str, Any]:
         )
         if not original:
             raise ValueError("model: rope_type 'longrope' needs original_max_position_embeddings")
+        params["original_max_position_embeddings"] = int(original)
+    if params["rope_type"] == "yarn":  # HF's default: the context the model was trained at
+        original = params.get("original_max_position_embeddings") or hf_config.max_position_embeddings
         params["original_max_position_embeddings"] = int(original)
     return params
 

@@ -37,6 +37,9 @@ TINY_ARCHITECTURES = {  # architecture: (transformers config class, model class)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 
@@ -115,3 +118,47 @@ def train_subword_tokenizer(corpus: list[str], vocab_size: int = 1024):
     )
     backend.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>")
+
+
+# ---- MXFP4 (GPT-OSS's expert format) -----------------------------------------------------------
+
+_FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MXFP4_MODULES_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def quantize_mxfp4(weight):
+    """weight [..., out, in] (in divisible by 32) as MXFP4 is stored: (blocks uint8 [..., out,
+    in / 32, 16], two E2M1 codes a byte with the even value in the low nibble; scales uint8
+    [..., out, in / 32], E8M0 exponents biased by 127, each the smallest that brings its 32
+    values within E2M1's +-6). Each value rounds to the nearest E2M1 value."""
+    import torch
+
+    *lead, cols = weight.shape
+    groups = weight.float().reshape(*lead, cols // 32, 32)
+    amax = groups.abs().amax(dim=-1)
+    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitude = (scaled.abs()[..., None] - torch.tensor(_FP4_MAGNITUDES)).abs().argmin(dim=-1)
+    codes = (magnitude | (((scaled < 0) & (magnitude > 0)).to(torch.int64) << 3)).to(torch.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def write_mxfp4_experts(model_dir: Path) -> Path:
+    """A GPT-OSS checkpoint saved by transformers rewritten as OpenAI ships it: every expert
+    tensor (experts.gate_up_proj [E, H, 2I], experts.down_proj [E, I, H]) replaced by its MXFP4
+    `_blocks` and `_scales` over the stored [E, out, in] matrix, and config.json's
+    quantization_config saying mxfp4, which transformers' mxfp4 integration reads (and on CPU
+    dequantizes)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = quantize_mxfp4(tensors.pop(name).transpose(-1, -2))
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_MODULES_NOT_CONVERTED}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return model_dir

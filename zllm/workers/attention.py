@@ -19,7 +19,9 @@ Two per-layer variations, as HF applies them: a sliding `window` (the query at p
 the keys at p - window < j <= p: itself and window - 1 before it; Mistral, Phi-3, Gemma's local
 layers) and a logit `softcap` (scores <- softcap * tanh(scores / softcap) after the scale, before
 the mask; Gemma 2). SDPA has no soft-capping, so a capped layer takes the explicit
-softmax(q k^T) v of HF's eager attention.
+softmax(q k^T) v of HF's eager attention. So does a layer with attention sinks (GPT-OSS: a learned
+logit per head that joins the softmax as one more column, then is dropped, so the weights of the
+real keys sum to less than one).
 """
 
 from __future__ import annotations
@@ -161,13 +163,16 @@ def paged_attention(
     kv_scales: KVScales = UNSCALED,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [tokens, heads, head_dim] -> [tokens, heads, head_dim], over the paged cache."""
     out = torch.empty_like(query)
     num_decodes = meta.num_decodes
     if num_decodes:
-        out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta, scale, kv_scales, window, softcap)
-    prefill_attention(out, query, kv_cache, meta, scale, kv_scales, window, softcap)
+        out[:num_decodes] = decode_attention(
+            query[:num_decodes], kv_cache, meta, scale, kv_scales, window, softcap, sinks
+        )
+    prefill_attention(out, query, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
     return out
 
 
@@ -180,11 +185,14 @@ def prefill_attention(
     kv_scales: KVScales = UNSCALED,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Fill the rows of `out` that belong to the requests after the decodes."""
     for i in range(meta.num_decodes, len(meta.seq_lens_list)):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        out[start:end] = _prefill_attention(query[start:end], kv_cache, meta, i, scale, kv_scales, window, softcap)
+        out[start:end] = _prefill_attention(
+            query[start:end], kv_cache, meta, i, scale, kv_scales, window, softcap, sinks
+        )
 
 
 def gather_context(
@@ -214,11 +222,13 @@ def attend(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale, capped, masked) v for queries [..., H, Q, D] and keys/values
     [..., KVH, L, D] (query head h reads kv head h // (H / KVH)); mask [..., Q, L] bool, True
-    where a key is seen, or None for the causal mask aligned to the last key."""
-    if softcap is None:
+    where a key is seen, or None for the causal mask aligned to the last key. sinks [H]: each
+    head's sink logit joins its softmax as one more key whose value is zero (GPT-OSS)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
@@ -229,23 +239,38 @@ def attend(
     k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     rows = q.shape[-2]
     chunks = [slice(i, i + _CAPPED_ROWS) for i in range(0, rows, _CAPPED_ROWS)]
-    return torch.cat([_capped_attention(q[..., r, :], k, v, mask[..., r, :], scale, softcap) for r in chunks], dim=-2)
+    return torch.cat(
+        [_explicit_attention(q[..., r, :], k, v, mask[..., r, :], scale, softcap, sinks) for r in chunks], dim=-2
+    )
 
 
 # Query rows per capped score matrix: bounds its memory on a long prefill (heads x rows x keys).
 _CAPPED_ROWS = 1024
 
 
-def _capped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+def _explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """HF's eager attention with soft-capped scores, on kv heads already repeated to the queries'.
-    The scores are formed in fp32 whatever the model's dtype: a bf16 score carries an absolute
-    error of ~0.4% of its size, which the softmax turns into a relative error of each weight."""
+    """HF's eager attention with soft-capped scores (Gemma 2) or sinks (GPT-OSS: each head's
+    sink logit is one more column of the softmax, dropped after it), on kv heads already
+    repeated to the queries'. The scores are formed in fp32 whatever the model's dtype: a bf16
+    score carries an absolute error of ~0.4% of its size, which the softmax turns into a
+    relative error of each weight."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    sink = sinks.float().reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)  # [..., H, Q, 1]
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs[..., :-1].to(q.dtype), v)
 
 
 _DECODE_GROUP = 16  # decodes per attention call: each group is padded to its own longest context
@@ -259,10 +284,11 @@ def decode_attention(
     kv_scales: KVScales = UNSCALED,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The first meta.num_decodes requests' single queries [num_decodes, heads, head_dim]."""
     groups = [
-        _decode_group(query[i : i + _DECODE_GROUP], kv_cache, meta, i, scale, kv_scales, window, softcap)
+        _decode_group(query[i : i + _DECODE_GROUP], kv_cache, meta, i, scale, kv_scales, window, softcap, sinks)
         for i in range(0, query.shape[0], _DECODE_GROUP)
     ]
     return groups[0] if len(groups) == 1 else torch.cat(groups)
@@ -277,6 +303,7 @@ def _decode_group(
     kv_scales: KVScales,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     rows = slice(first, first + query.shape[0])
     seq_lens = meta.seq_lens[rows]
@@ -297,6 +324,7 @@ def _decode_group(
         mask[:, None, None, :],  # [B, 1, 1, L]
         scale,
         softcap,
+        sinks,
     )
     return out[:, :, 0, :]
 
@@ -310,6 +338,7 @@ def _prefill_attention(
     kv_scales: KVScales = UNSCALED,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     query_len = query.shape[0]
     seq_len = meta.seq_lens_list[index]
@@ -326,4 +355,47 @@ def _prefill_attention(
         mask = k_pos <= q_pos
         if window is not None:
             mask &= q_pos - k_pos < window
-    return attend(q, keys, values, mask, scale, softcap).transpose(0, 1)
+    return attend(q, keys, values, mask, scale, softcap, sinks).transpose(0, 1)
+
+
+# ---- multi-head latent attention (models/deepseek.py) ---------------------------------------------
+
+
+def gather_latents(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The latents of the given blocks: [..., num_blocks * block_size, latent_dim]."""
+    rows = torch.index_select(kv_cache[0], 0, block_table.reshape(-1))
+    return rows.reshape(*block_table.shape[:-1], -1, kv_cache.shape[-1])
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_list: list[int],
+    block_size: int,
+    kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention over the latent cache (the reference of the CUDA MLA decode kernel):
+    absorbed queries [B, H, latent_dim] (W_UK^T q_nope, then the rotated q_pe) -> the
+    softmax-weighted sum of each sequence's latents [B, H, kv_lora_rank]. Every head reads the
+    same latents: multi-query attention with keys of latent_dim values and values of the first
+    kv_lora_rank of them."""
+    outs = []
+    for first in range(0, q_latent.shape[0], _DECODE_GROUP):
+        rows = slice(first, first + _DECODE_GROUP)
+        q = q_latent[rows]
+        num_blocks = -(-max(seq_lens_list[rows]) // block_size)
+        latents = gather_latents(kv_cache, block_tables[rows, :num_blocks]).to(q.dtype)  # [B, L, D]
+        positions = torch.arange(num_blocks * block_size, device=q.device)
+        mask = positions[None, :] < seq_lens[rows, None]
+        out = attend(
+            q[:, :, None, :],  # [B, H, 1, D]
+            latents[:, None],  # [B, 1, L, D]
+            latents[:, None, :, :kv_lora_rank],
+            mask[:, None, None, :],
+            scale,
+        )
+        outs.append(out[:, :, 0, :])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

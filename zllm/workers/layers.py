@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from zllm.model_spec import yarn_mscale
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """Llama's RMSNorm: normalized in fp32, rounded to the input dtype, times w. unit_offset:
@@ -55,6 +57,52 @@ def moe_route(
     return (weights if fp32_weights else weights.to(logits.dtype)), experts
 
 
+def grouped_route(
+    logits: torch.Tensor,
+    top_k: int,
+    routing: str,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling_factor: float,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's router as transformers has it (DeepseekV2TopkRouter, DeepseekV3TopkRouter):
+    (fp32 weights [T, k], expert ids [T, k]) from fp32 router logits [T, E].
+
+    V2 ("greedy", "group_limited_greedy"): softmax scores; grouped, the experts outside the
+    topk_group groups whose best expert scores highest are zeroed before the top k. V3
+    ("noaux_tc"): sigmoid scores; the choice (not the weights) adds correction_bias, ranks the
+    groups by the sum of their two best, masks the others to -inf; the chosen experts' scores,
+    renormalized (+1e-20) if asked. Both times scaling_factor."""
+    num_experts = logits.shape[-1]
+    if routing == "noaux_tc":
+        scores = logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias
+        grouped = choice.view(-1, n_group, num_experts // n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        choice = choice.masked_fill(~_group_mask(group_scores, topk_group, num_experts), float("-inf"))
+        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * scaling_factor, ids
+    scores = logits.softmax(dim=-1, dtype=torch.float32)
+    if routing == "group_limited_greedy":
+        group_scores = scores.view(-1, n_group, num_experts // n_group).max(dim=-1).values
+        scores = scores.masked_fill(~_group_mask(group_scores, topk_group, num_experts), 0.0)
+    weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    return weights * scaling_factor, ids
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    """[T, E] bool: the experts of each token's topk_group best groups."""
+    n_group = group_scores.shape[-1]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    return mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group).reshape(-1, num_experts).bool()
+
+
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any], long_context: bool = False) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding over `rotary_dim` dims, with the configured
     scaling: llama3, linear (Gemma 3's global layers), or longrope (Phi-3), whose long factors
@@ -71,7 +119,33 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any], long_c
         return _llama3_scaled(inv_freq, scaling)
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
-    raise ValueError(f"model: rope_type {rope_type!r} is not supported (default, llama3, linear, longrope)")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, theta, scaling)
+    raise ValueError(f"model: rope_type {rope_type!r} is not supported (default, llama3, linear, longrope, yarn)")
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (HF's _compute_yarn_parameters): frequencies that turn fewer than beta_slow times over
+    the original context are interpolated (divided by factor), those that turn more than
+    beta_fast times kept, a linear ramp between."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def rope_uses_long_factors(scaling: dict[str, Any], max_model_len: int) -> bool:
@@ -91,6 +165,8 @@ def rope_attention_factor(scaling: dict[str, Any], max_position_embeddings: int)
     """The factor cos and sin are multiplied by: longrope's attention_factor, else 1 (HF's
     _compute_longrope_parameters: sqrt(1 + ln(factor) / ln(original)) with factor defaulting
     to max_position_embeddings / original_max_position_embeddings)."""
+    if scaling.get("rope_type") == "yarn":
+        return _yarn_attention_factor(scaling)
     if scaling.get("rope_type") != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -98,6 +174,17 @@ def rope_attention_factor(scaling: dict[str, Any], max_position_embeddings: int)
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or max_position_embeddings / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """YaRN's factor on cos and sin: attention_factor, else mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) where both are set (DeepSeek), else mscale(factor)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

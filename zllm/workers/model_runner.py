@@ -16,7 +16,7 @@ import torch
 
 from zllm.config import EngineConfig
 from zllm.ipc.messages import CachedRequestData, GrammarBitmask, NewRequestData, StepInput, StepOutput, TokenLogprobs
-from zllm.kv_layout import KVLayout
+from zllm.kv_layout import KVLayout, cache_bytes_per_token, cache_entry
 from zllm.model_spec import ModelSpec
 from zllm.partition import head_shards
 from zllm.quantization import resolve_quantization
@@ -190,7 +190,7 @@ class ModelRunner:
         )
 
     def kv_cache_bytes_per_block(self) -> int:
-        per_token = 2 * self.spec.num_layers * self.num_kv_heads * self.spec.head_dim * self.kv_cache_dtype.itemsize
+        per_token = cache_bytes_per_token(self.spec, self.num_kv_heads, self.kv_cache_dtype.itemsize)
         draft = self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0
         return per_token * self.block_size + draft
 
@@ -299,10 +299,11 @@ class ModelRunner:
             for group in self.kv_layout.groups(num_blocks):
                 for layer in group.layers:
                     blocks_of[layer] = group.num_blocks
+        parts, heads, values = cache_entry(self.spec, self.num_kv_heads)
         try:
             self.kv_caches = [
                 torch.zeros(
-                    (2, blocks, self.block_size, self.num_kv_heads, self.spec.head_dim),
+                    (parts, blocks, self.block_size, heads, values),
                     dtype=self.kv_cache_dtype,
                     device=self.device,
                 )
@@ -336,6 +337,12 @@ class ModelRunner:
             self.config.max_num_seqs, self.num_heads, self.spec.head_dim, self.config.max_model_len, self.device
         )
         if self.config.enforce_eager:
+            return
+        if self.spec.mla is not None or self.spec.attention_sinks:
+            # MLA's and the sinks' attention is the torch path, which sizes its work on the host.
+            logger.info(
+                "decode CUDA graphs off: %s's attention runs in torch (no csrc kernel yet)", self.spec.architecture
+            )
             return
         if self.spec.moe is not None and not self.ops.fuses_moe(self.dtype):
             # The torch expert loop picks the experts on the host (a sync): no graph can hold it.

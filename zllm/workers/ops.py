@@ -65,6 +65,13 @@ class TorchOps:
         weights, ids = moe_route(logits, top_k, renormalize, fp32_weights)
         return experts(x, weights, ids)
 
+    def moe_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: torch.nn.Module
+    ) -> torch.Tensor:
+        """The experts' output for routing already decided (DeepSeek's grouped routing, layers.
+        grouped_route): fp32 weights [T, k], expert ids [T, k]."""
+        return experts(x, weights, ids)
+
     def rotary_and_write_kv(
         self,
         positions: torch.Tensor,
@@ -91,18 +98,40 @@ class TorchOps:
         kv_scales: KVScales = UNSCALED,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decodes through the CPU kernel (csrc/cpu) where it runs: it reads K/V in place, where
-        the reference gathers them first; the reference otherwise (an FP8 cache too), and for
-        the prefills. window / softcap: the layer's sliding window and logit cap (attention.py)."""
+        the reference gathers them first; the reference otherwise (an FP8 cache, sinks), and for
+        the prefills. window / softcap / sinks: the layer's sliding window, logit cap and sink
+        logits (attention.py)."""
         out = torch.empty_like(q)
         n = meta.num_decodes
-        if n and not cpu_kernels.paged_attention_decode(
-            out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, window, softcap
+        if n and (
+            sinks is not None
+            or not cpu_kernels.paged_attention_decode(
+                out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale, window, softcap
+            )
         ):
-            out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale, kv_scales, window, softcap)
-        ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap)
+            out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale, kv_scales, window, softcap, sinks)
+        ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
         return out
+
+    def mla_decode(
+        self, q_latent: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, kv_lora_rank: int, scale: float
+    ) -> torch.Tensor:
+        """MLA decode in the latent space (models/deepseek.py): absorbed queries [n, H, latent_dim]
+        of the first n = len(q_latent) requests -> [n, H, kv_lora_rank]."""
+        n = q_latent.shape[0]
+        return ref.mla_decode(
+            q_latent,
+            kv_cache,
+            meta.block_tables[:n],
+            meta.seq_lens[:n],
+            meta.seq_lens_list[:n],
+            meta.block_size,
+            kv_lora_rank,
+            scale,
+        )
 
 
 class CudaOps(TorchOps):
@@ -167,6 +196,20 @@ class CudaOps(TorchOps):
         fused.moe_topk_softmax(weights, ids, logits.contiguous(), renormalize, round_weights=not fp32_weights)
         return fused.experts(x, weights, ids, experts.gate_up_proj, experts.down_proj)
 
+    def moe_experts(self, x, weights, ids, experts):
+        from zllm.workers.kernels import moe as fused
+
+        x = x.contiguous()
+        if not (
+            self.fuses_moe(x.dtype)
+            and fused.fused_experts_supported(x, experts.gate_up_proj, experts.down_proj)
+            and ids.shape[-1] <= 32
+        ):
+            return super().moe_experts(x, weights, ids, experts)
+        return fused.experts(
+            x, weights.float().contiguous(), ids.to(torch.int32), experts.gate_up_proj, experts.down_proj
+        )
+
     def rotary_and_write_kv(self, positions, q, k, v, cos, sin, kv_cache, slot_mapping, kv_scales=UNSCALED):
         # One kernel, in place on the strided q/k views of the fused QKV output: at decode, two
         # would each cost a launch and k would round-trip through memory. cos/sin narrower than
@@ -176,11 +219,14 @@ class CudaOps(TorchOps):
         )
         return q
 
-    def attention(self, q, kv_cache, meta, scale, kv_scales=UNSCALED, window=None, softcap=None):
+    def attention(self, q, kv_cache, meta, scale, kv_scales=UNSCALED, window=None, softcap=None, sinks=None):
         """Decodes through the csrc kernel, the layer's window and cap its arguments (constants
         a captured graph holds). Prefills packed into one FlashAttention call (its window_size
         is the sliding window), or per request; FlashAttention has no soft-capping, so a capped
-        layer (Gemma 2) takes the reference's per-request path (HF's eager arithmetic)."""
+        layer (Gemma 2) takes the reference's per-request path (HF's eager arithmetic). A layer
+        with sinks (GPT-OSS) takes the reference throughout (no csrc sinks kernel yet)."""
+        if sinks is not None:
+            return self._sinks_attention(q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes:
@@ -215,6 +261,32 @@ class CudaOps(TorchOps):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = self.prefill_attention(q[start:end], kv_cache, meta, i, scale, kv_scales)
         return out
+
+    def _sinks_attention(self, q, kv_cache, meta, scale, kv_scales, window, softcap, sinks):
+        """GPT-OSS: decodes through csrc/mla_kernels.cu's sinks kernel where it takes the layer,
+        prefills (and everything else) through the torch reference."""
+        from zllm.workers.kernels import mla as mla_kernels
+
+        n = meta.num_decodes
+        if not (n and softcap is None and mla_kernels.sinks_decode_supported(q, kv_cache)):
+            return ref.paged_attention(q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
+        out = torch.empty_like(q)
+        mla_kernels.paged_attention_decode_sinks(
+            out[:n], q[:n], kv_cache, meta.block_tables[:n], meta.seq_lens[:n], sinks, scale, window
+        )
+        ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
+        return out
+
+    def mla_decode(self, q_latent, kv_cache, meta, kv_lora_rank, scale):
+        from zllm.workers.kernels import mla as mla_kernels
+
+        if not mla_kernels.mla_decode_supported(q_latent, kv_cache, kv_lora_rank):
+            return super().mla_decode(q_latent, kv_cache, meta, kv_lora_rank, scale)
+        n = q_latent.shape[0]
+        out = torch.empty((n, q_latent.shape[1], kv_lora_rank), dtype=q_latent.dtype, device=q_latent.device)
+        return mla_kernels.mla_decode(
+            out, q_latent.contiguous(), kv_cache, meta.block_tables[:n], meta.seq_lens[:n], scale
+        )
 
     def prefill_attention(self, query, kv_cache, meta, index, scale, kv_scales=UNSCALED):
         """A chunk of new tokens against its request's cached prefix, through PyTorch's fused SDPA.

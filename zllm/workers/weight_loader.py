@@ -98,6 +98,8 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
         where = model.load_target(name, shard)
         if name.endswith("norm.weight"):
             where.dest.fill_(1.0)
+        elif where.dest.dtype == torch.uint8:  # MXFP4 experts (models/gpt_oss.py): random codes
+            _fill_mxfp4(where.dest, name, _stable_seed(seed, name, shard))
         elif where.store is None:
             _fill_hashed(where.dest, where, _stable_seed(seed, name, shard))
         else:  # quantized while loading: the same values, then quantized as a checkpoint's would be
@@ -106,12 +108,30 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
             where.fill(values)
 
 
+_MXFP4_DUMMY_EXPONENT = 127 - 6  # scales of 2^-6: E2M1 values up to 6 give weights up to ~0.09
+
+
+def _fill_mxfp4(dest: torch.Tensor, name: str, seed: int) -> None:
+    """Stored MXFP4: hashed bytes for the blocks (two random E2M1 codes each), one small
+    exponent for the scales."""
+    if name.endswith("_scales"):
+        dest.fill_(_MXFP4_DUMMY_EXPONENT)
+        return
+    flat = torch.arange(dest.numel(), dtype=torch.int64, device=dest.device)
+    dest.view(-1).copy_(_hash32(flat ^ (seed & _MASK32)) & 0xFF)
+
+
 _DUMMY_STD = 0.02
 _CHUNK_ELEMENTS = 1 << 24  # bounds the int64 scratch per step (128 MiB)
 
 
 def _fill_hashed(dest: torch.Tensor, where: LoadTarget, seed: int) -> None:
     """dest (where.dest or a tensor of its shape) <- the hashed values of where's region."""
+    if dest.dim() > 2 and all(r == slice(None) for r in where.region):  # a whole stacked tensor (GPT-OSS)
+        full = where.full_shape
+        flat_where = LoadTarget(dest.view(-1, dest.shape[-1]), (math.prod(full[:-1]), full[-1]), (slice(None),) * 2)
+        _fill_hashed(flat_where.dest, flat_where, seed)
+        return
     if dest.dim() == 1:  # a vector is one row of the hash's index space
         dest, full_cols, row0, col0 = dest.view(1, -1), where.full_shape[0], 0, where.region[0].start or 0
     else:

@@ -20,6 +20,9 @@ fp8.quantize_rows, fp8.quantize_groups           quant.quant_fp8_rows, quant.qua
 layers.silu_and_mul(x)                           activation.silu_and_mul(out, x)
 layers.gelu_tanh_and_mul(x)                      activation.gelu_tanh_and_mul(out, x)
 models/moe.py's routing and expert loop          moe.* (its own docstring)
+attention.mla_decode(q_latent, cache, ...)       mla.mla_decode(out, q_latent, cache, tables, lens, scale)
+attention.decode_attention(..., sinks=)          mla.paged_attention_decode_sinks(out, q, kv, tables, lens, sinks, scale,
+                                                   window)
 
 `checks` holds the argument checks they share; `loader` finds, builds and launches the CUDA
 modules; `cpu` is the C kernel the CPU path decodes with (csrc/cpu/, ctypes).

@@ -103,6 +103,7 @@ class LlamaAttention(nn.Module):
         shard = head_shards(spec.num_heads, spec.num_kv_heads, tp.size)[tp.rank]
         d = spec.head_dim
         self.num_heads = shard.q_heads.count
+        self.num_heads_total = spec.num_heads
         self.num_kv_heads = shard.kv_heads.count
         self.head_dim = d
         self.q_size = self.num_heads * d
@@ -133,10 +134,16 @@ class LlamaAttention(nn.Module):
             self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
             self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
         self.kv_scales = UNSCALED
+        # GPT-OSS: one learned sink logit per head (this rank's heads).
+        self.q_heads = shard.q_heads
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if spec.attention_sinks else None
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
-        """k_scale / v_scale: one value each, the same on every rank."""
+        """k_scale / v_scale: one value each, the same on every rank; sinks: this rank's heads'."""
         param = getattr(self, param_name)
+        if param_name == "sinks":
+            heads = self.q_heads
+            return LoadTarget(param.data, (self.num_heads_total,), (slice(heads.start, heads.stop),))
         return LoadTarget(param.data, None, ())
 
     def finish_loading(self) -> None:
@@ -174,7 +181,7 @@ class LlamaAttention(nn.Module):
         return rotary.apply_and_cache(positions, q, k, v, kv_cache, slot_mapping, self.kv_scales)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.ops.attention(q, kv_cache, meta, self.scale, self.kv_scales, self.window, self.softcap)
+        return self.ops.attention(q, kv_cache, meta, self.scale, self.kv_scales, self.window, self.softcap, self.sinks)
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attended.reshape(-1, self.q_size))
@@ -209,8 +216,17 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel, index: int, quant: QuantSpec | None) -> None:
         super().__init__()
         self.index = index
-        self.self_attn = LlamaAttention(spec, ops, tp, quant, index)
-        if spec.moe is not None and index in spec.moe.layers:
+        if spec.mla is not None:
+            from zllm.workers.models.deepseek import MlaAttention  # deepseek.py builds on this module
+
+            self.self_attn = MlaAttention(spec, ops, tp, quant, index)
+        else:
+            self.self_attn = LlamaAttention(spec, ops, tp, quant, index)
+        if spec.moe is not None and index in spec.moe.layers and spec.moe.format.gpt_oss:
+            from zllm.workers.models.gpt_oss import GptOssMoeBlock  # gpt_oss.py builds on models/moe.py
+
+            self.mlp = GptOssMoeBlock(spec, tp)
+        elif spec.moe is not None and index in spec.moe.layers:
             self.mlp = SparseMoeBlock(spec, ops, tp)
         else:
             self.mlp = LlamaMLP(spec, ops, tp, quant)
@@ -418,7 +434,7 @@ class LlamaForCausalLM(nn.Module):
         """The HF tensor name that fills (parameter, shard): checkpoint_targets reversed."""
         if self.spec.fused_checkpoint:
             return name
-        if self.spec.moe is not None and ".experts." in name:
+        if self.spec.moe is not None and ".experts." in name and shard is not None:
             gate, up, down = self.spec.moe.format.expert_parts
             prefix, param = name.rsplit(".experts.", 1)
             expert, part = (shard // 2, (gate, up)[shard % 2]) if param == "gate_up_proj" else (shard, down)

@@ -1,4 +1,4 @@
-"""The Mixture-of-Experts block of Mixtral, Qwen2-MoE and Qwen3-MoE (zllm/model_spec.py's MoeSpec),
+"""The Mixture-of-Experts block of Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2/V3 (zllm/model_spec.py's MoeSpec),
 which replaces the dense MLP in the layers the spec names; attention, norms and the rest are
 models/llama.py's.
 
@@ -21,19 +21,27 @@ from torch import nn
 from zllm.model_spec import ModelSpec
 from zllm.partition import Span, even_split
 from zllm.workers.distributed import TensorParallel
+from zllm.workers.layers import grouped_route
 from zllm.workers.ops import TorchOps, linear
 from zllm.workers.parallel_layers import ColumnParallelLinear, FusedPart, LoadTarget, RowParallelLinear
 
 
 class Router(nn.Module):
-    """The replicated gate: hidden -> one logit per expert (no bias in any supported model)."""
+    """The replicated gate: hidden -> one logit per expert (no bias in any supported model).
+    correction_bias: DeepSeek-V3's e_score_correction_bias, one fp32 value per expert."""
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
+
+    def fp32_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's router logits, in fp32 whatever the model dtype (HF keeps the gate in fp32)."""
+        return F.linear(x.float(), self.weight.float())
 
 
 def expert_loop(
@@ -108,17 +116,34 @@ class SparseMoeBlock(nn.Module):
         self.ops = ops
         self.tp = tp
         self.fp32_weights = moe.format.fp32_routing_weights
-        self.gate = Router(spec.hidden_size, moe.num_experts)
         span = even_split(moe.intermediate_size, tp.size, tp.rank)
+        self.gate = Router(spec.hidden_size, moe.num_experts, correction_bias=moe.routing == "noaux_tc")
         self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size, span)
-        if moe.shared_expert_intermediate_size:
+        self.shared_expert = self.shared_expert_gate = self.shared_experts = None
+        if moe.shared_expert_intermediate_size and moe.shared_expert_gated:  # Qwen2-MoE
             self.shared_expert = SharedExpert(spec.hidden_size, moe.shared_expert_intermediate_size, tp)
             self.shared_expert_gate = Router(spec.hidden_size, 1)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+        elif moe.shared_expert_intermediate_size:  # DeepSeek: n_shared_experts fused into one MLP, no gate
+            self.shared_experts = SharedExpert(spec.hidden_size, moe.shared_expert_intermediate_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ops.moe(x, self.gate(x), self.experts, self.moe.top_k, self.moe.renormalize, self.fp32_weights)
+        moe = self.moe
+        if moe.routing == "softmax":
+            out = self.ops.moe(x, self.gate(x), self.experts, moe.top_k, moe.renormalize, self.fp32_weights)
+        else:
+            weights, ids = grouped_route(
+                self.gate.fp32_logits(x),
+                moe.top_k,
+                moe.routing,
+                moe.n_group,
+                moe.topk_group,
+                moe.renormalize,
+                moe.routed_scaling_factor,
+                getattr(self.gate, "e_score_correction_bias", None),
+            )
+            out = self.ops.moe_experts(x, weights, ids, self.experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        elif self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out

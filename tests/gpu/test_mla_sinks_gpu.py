@@ -1,0 +1,165 @@
+"""csrc/mla_kernels.cu against the torch references: DeepSeek's MLA decode over the latent cache
+(attention.mla_decode) and GPT-OSS's decode attention with sinks and windows
+(attention.decode_attention(sinks=...)), in fp32, fp16 and bf16, on caches whose unused slots
+hold NaN (a slot read by mistake fails the comparison); then the tiny DeepSeek-V2 and GPT-OSS
+checkpoints through the CUDA engine in fp32 (the kernels on the decode path) against HF's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("cupy")
+
+from tests.helpers.kernels import DEVICE, DTYPE_IDS, DTYPES, PagedBatch, assert_close, nan_like, randn  # noqa: E402
+from tests.helpers.models import hf_greedy, save_tiny_model, write_mxfp4_experts  # noqa: E402
+from zllm.workers.attention import mla_decode as mla_decode_reference  # noqa: E402
+from zllm.workers.kernels import mla as mla_kernels  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+LENS = [1, 7, 16, 17, 100, 257, 1030]
+
+
+def _latent_batch(lens, block_size, dtype, gen, spare_blocks=3):
+    """A latent cache [1, blocks, block_size, 1, 576] from a shuffled pool, NaN outside the
+    sequences, with block tables that point past each sequence at a spare block."""
+    dim = mla_kernels.MLA_LATENT_DIM
+    blocks = [-(-n // block_size) for n in lens]
+    total = sum(blocks) + spare_blocks
+    pool = torch.randperm(total, generator=gen, device=DEVICE).tolist()
+    table = torch.full((len(lens), max(blocks) + 2), pool[0], dtype=torch.int32)
+    cache = randn(1, total, block_size, 1, dim, gen=gen, dtype=dtype)
+    valid = torch.zeros(total * block_size, dtype=torch.bool, device=DEVICE)
+    for i, n in enumerate(lens):
+        ids = torch.tensor([pool.pop() for _ in range(blocks[i])], dtype=torch.int32)
+        table[i, : len(ids)] = ids
+        positions = torch.arange(n)
+        valid[(ids.long()[positions // block_size] * block_size + positions % block_size).to(DEVICE)] = True
+    valid = valid.view(1, total, block_size, 1, 1)
+    return cache.masked_fill(~valid, float("nan")), cache * valid, table.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("num_heads", [1, 5, 16, 128])
+def test_mla_decode_matches_reference(dtype, num_heads, gen):
+    """DeepSeek's 512 + 64 latent; head counts below, at and past a block's 8, V3's 128."""
+    lens = LENS if num_heads <= 16 else LENS[:4]
+    cache, clean, tables = _latent_batch(lens, 16, dtype, gen)
+    q = randn(len(lens), num_heads, mla_kernels.MLA_LATENT_DIM, gen=gen, dtype=dtype)
+    scale = 0.1
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    expected = mla_decode_reference(
+        q.double(), clean.double(), tables.long(), seq_lens.long(), lens, 16, mla_kernels.MLA_KV_LORA_RANK, scale
+    )
+    out = torch.full((len(lens), num_heads, 512), float("nan"), dtype=dtype, device=DEVICE)
+    mla_kernels.mla_decode(out, q, cache, tables, seq_lens, scale)
+    assert_close(out, expected, dtype)
+
+
+def test_mla_decode_refuses_other_latents():
+    q = torch.zeros(2, 4, 96, device=DEVICE)
+    cache = torch.zeros(1, 4, 16, 1, 96, device=DEVICE)
+    assert not mla_kernels.mla_decode_supported(q, cache, 64)
+    with pytest.raises(ValueError, match="mla_decode: q_latent"):
+        mla_kernels.mla_decode(
+            torch.empty(2, 4, 512, device=DEVICE),
+            q,
+            cache,
+            torch.zeros(2, 1, dtype=torch.int32, device=DEVICE),
+            torch.ones(2, dtype=torch.int32, device=DEVICE),
+            1.0,
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [None, 1, 16, 128, 5000])
+def test_sinks_decode_matches_reference(dtype, head_dim, window, gen):
+    """GPT-OSS's shape of heads (64 query heads over 8 KV heads, scaled down), sinks of a few
+    units, windows of a token, a block, GPT-OSS's 128 and longer than every context."""
+    batch = PagedBatch(LENS, num_heads=8, kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype, gen=gen)
+    batch.query = batch.query * 2
+    sinks = randn(8, gen=gen) * 3
+    expected = batch.reference(window=window, sinks=sinks)
+    out = nan_like(batch.query)
+    mla_kernels.paged_attention_decode_sinks(
+        out, batch.query, batch.cache, batch.block_tables, batch.seq_lens_t, sinks, batch.scale, window
+    )
+    assert_close(out, expected, dtype)
+    assert not torch.allclose(expected, batch.reference(window=window), atol=1e-2)  # the sinks matter
+
+
+# ---- the tiny models through the CUDA engine -----------------------------------------------------------
+
+
+def _engine_vs_hf(model_dir, prompts, max_tokens=12, **engine_args):
+    from transformers import AutoModelForCausalLM
+
+    from zllm import LLM, SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager").eval()
+    expected = [hf_greedy(hf, p, max_tokens, eos_token_id=None) for p in prompts]
+    del hf
+    llm = LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True, **engine_args)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+PROMPTS = [[7, 3, 9, 11, 5], list(range(3, 40)), list(range(200, 213))]
+
+
+def test_deepseek_v2_on_cuda_matches_hf(tmp_path):
+    """DeepSeek's real latent (512 + 64): the decodes go through mla_decode's kernel."""
+    model_dir = save_tiny_model(
+        tmp_path / "dsv2",
+        "deepseek_v2",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        initializer_range=0.2,
+    )
+    _engine_vs_hf(model_dir, PROMPTS)
+
+
+def test_gpt_oss_on_cuda_matches_hf(tmp_path):
+    """head_dim 64 with sinks and an 8-token window: the decodes go through the sinks kernel;
+    MXFP4 experts dequantized on the GPU."""
+    model_dir = save_tiny_model(
+        tmp_path / "oss",
+        "gpt_oss",
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        swiglu_limit=1.0,
+        initializer_range=0.2,
+    )
+    _engine_vs_hf(write_mxfp4_experts(model_dir), PROMPTS)

@@ -1,0 +1,147 @@
+"""DeepSeek-V2 / V3 (multi-head latent attention, DeepSeek's MoE) against HF transformers (fp32,
+CPU), on tiny random checkpoints made by transformers itself.
+
+Each case compares the engine's greedy tokens with HF generate's exactly: decode in the latent
+space with the absorbed projections (HF expands every cached latent), prefill expanded, YaRN with
+DeepSeek's mscale, first_k_dense_replace dense layers, shared experts and grouped routing (V2's
+group_limited_greedy, V3's noaux_tc with e_score_correction_bias and routed_scaling_factor), at
+tp 1 with chunked prefill and preemption from a small cache, and at tp 2 (two worker processes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.models import hf_greedy, save_tiny_model
+from zllm import LLM, SamplingParams
+
+MAX_TOKENS = 12
+PROMPTS = [[7, 3, 9, 11, 5], list(range(3, 40)), [7] * 5 + list(range(100, 130)), list(range(200, 213))]
+# Positions past original_max_position_embeddings (32) reach YaRN's interpolated frequencies.
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=24,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    max_position_embeddings=128,
+    rope_parameters={"rope_theta": 10000.0, **YARN},
+    initializer_range=0.2,
+)
+CASES = {  # name: (architecture, config overrides)
+    # V2-Lite's shape: no q_lora_rank (q_proj), softmax routing, no groups.
+    "v2-lite": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0)),
+    # V2: q_lora_rank, group_limited_greedy over 4 groups of 2, scaled weights.
+    "v2": (
+        "deepseek_v2",
+        dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5),
+    ),
+    # V3: noaux_tc (sigmoid, correction bias, groups by their two best), renormalized and scaled.
+    "v3": (
+        "deepseek_v3",
+        dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+    ),
+}
+
+
+def _save(tmp_path: Path, case: str) -> Path:
+    architecture, overrides = CASES[case]
+    model_dir = save_tiny_model(tmp_path / case, architecture, **{**COMMON, **overrides})
+    if architecture == "deepseek_v3":
+        _randomize_correction_bias(model_dir)
+    return model_dir
+
+
+def _randomize_correction_bias(model_dir: Path) -> None:
+    """HF starts e_score_correction_bias at zero; a random one changes which experts are picked."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(1)
+    names = [name for name in tensors if name.endswith("e_score_correction_bias")]
+    assert names
+    for name in names:
+        tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _hf_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    # HF's expert-by-expert loop, the reference (as tests/test_models.py).
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager").eval()
+    return [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=None) for p in prompts]
+
+
+def _engine_tokens(model_dir: Path, prompts: list[list[int]], **engine_args) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model_dir), dtype="float32", **engine_args)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_hf_with_chunked_prefill_and_preemption(tmp_path, case):
+    """16-token steps chunk every long prompt; 9 blocks of 8 tokens cannot hold all four
+    sequences at once (20 blocks), so some are preempted and recomputed."""
+    model_dir = _save(tmp_path, case)
+    expected = _hf_tokens(model_dir, PROMPTS)
+    tokens, llm = _engine_tokens(model_dir, PROMPTS, block_size=8, max_num_batched_tokens=16, num_kv_blocks=9)
+    assert tokens == expected
+    assert llm.engine.core.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("case", ["v2", "v3"])
+def test_matches_hf_at_tp2(tmp_path, case):
+    """Heads split over two ranks, the latent cache replicated on each."""
+    model_dir = _save(tmp_path, case)
+    tokens, _ = _engine_tokens(model_dir, PROMPTS, tensor_parallel_size=2, kv_cache_memory_bytes=4 << 20)
+    assert tokens == _hf_tokens(model_dir, PROMPTS)
+
+
+def test_latent_cache_sizes_the_blocks(tmp_path):
+    """The cache holds kv_lora_rank + qk_rope_head_dim values a token a layer, so a budget holds
+    (2 x heads x head_dim) / latent_dim times the blocks of per-head K and V caches."""
+    from zllm.kv_layout import cache_bytes_per_token
+    from zllm.model_spec import ModelSpec
+
+    model_dir = _save(tmp_path, "v2-lite")
+    spec = ModelSpec.from_pretrained(str(model_dir))
+    latent = COMMON["kv_lora_rank"] + COMMON["qk_rope_head_dim"]
+    assert cache_bytes_per_token(spec, 4, 4) == COMMON["num_hidden_layers"] * latent * 4
+    budget = 1 << 20
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory_bytes=budget, block_size=16)
+    try:
+        assert llm.engine.core.num_kv_blocks == budget // (16 * COMMON["num_hidden_layers"] * latent * 4)
+        assert llm.engine.core.executor.runner.kv_caches[0].shape == (1, llm.engine.core.num_kv_blocks, 16, 1, latent)
+    finally:
+        llm.shutdown()

@@ -1,0 +1,108 @@
+"""GPT-OSS against HF transformers (fp32, CPU), on tiny random checkpoints made by transformers
+itself: attention sinks, a sliding window on alternating layers (window-aware KV blocks), YaRN,
+q/k/v/o biases, MoE with a biased router and the clamped SwiGLU, and experts stored in MXFP4 as
+OpenAI ships them (tests/helpers/models.py write_mxfp4_experts; transformers' own mxfp4 reader
+loads the same file as the reference).
+
+Greedy tokens equal HF generate's exactly, at tp 1 with chunked prefill and preemption from a
+small cache, and at tp 2 (two worker processes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.models import hf_greedy, save_tiny_model, write_mxfp4_experts
+from zllm import LLM, SamplingParams
+
+MAX_TOKENS = 12
+WINDOW = 8
+PROMPTS = [[7, 3, 9, 11, 5], list(range(3, 40)), [7] * 5 + list(range(100, 130)), list(range(200, 213))]
+CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=WINDOW,
+    max_position_embeddings=128,
+    # Positions past original_max_position_embeddings (32) reach YaRN's interpolated frequencies.
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 32,
+    },
+    swiglu_limit=1.0,  # small enough that the tiny model's activations reach the clamp
+    initializer_range=0.2,
+)
+
+
+def _save(tmp_path: Path, mxfp4: bool) -> Path:
+    model_dir = save_tiny_model(tmp_path / ("mxfp4" if mxfp4 else "dense"), "gpt_oss", **CONFIG)
+    _scale_sinks(model_dir)
+    return write_mxfp4_experts(model_dir) if mxfp4 else model_dir
+
+
+def _scale_sinks(model_dir: Path) -> None:
+    """Sink logits of a few units, comparable to the tiny model's scores, so they move the softmax."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(2)
+    for name in [n for n in tensors if n.endswith("self_attn.sinks")]:
+        tensors[name] = torch.randn(tensors[name].shape, generator=generator) * 2.0
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _hf_tokens(model_dir: Path, prompts: list[list[int]], **config_changes) -> list[list[int]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, config=config, dtype=torch.float32, experts_implementation="eager"
+    ).eval()
+    return [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=None) for p in prompts]
+
+
+def _engine_tokens(model_dir: Path, prompts: list[list[int]], **engine_args) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model_dir), dtype="float32", **engine_args)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["dense", "mxfp4"])
+def test_matches_hf_with_chunked_prefill_and_preemption(tmp_path, mxfp4):
+    """16-token steps chunk the long prompts across the window; a small cache preempts."""
+    model_dir = _save(tmp_path, mxfp4)
+    expected = _hf_tokens(model_dir, PROMPTS)
+    tokens, llm = _engine_tokens(model_dir, PROMPTS, block_size=8, max_num_batched_tokens=16, num_kv_blocks=9)
+    assert tokens == expected
+    assert llm.engine.core.stats().num_preemptions > 0
+
+
+def test_mxfp4_matches_hf_at_tp2(tmp_path):
+    """Heads (and their sinks) and each expert's intermediate slice split over two ranks."""
+    model_dir = _save(tmp_path, mxfp4=True)
+    tokens, _ = _engine_tokens(model_dir, PROMPTS, tensor_parallel_size=2, kv_cache_memory_bytes=4 << 20)
+    assert tokens == _hf_tokens(model_dir, PROMPTS)
