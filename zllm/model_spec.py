@@ -70,6 +70,15 @@ MODEL_REGISTRY: dict[str, Architecture] = {
     "Gemma2ForCausalLM": Architecture(mlp_bias=False, gemma=True),
     "Gemma3ForCausalLM": Architecture(mlp_bias=False, qk_norm=True, gemma=True),  # Gemma 3 1B, text-only
     "Phi3ForCausalLM": Architecture(qkv_bias=False, o_proj_bias=False, mlp_bias=False, fused_checkpoint=True),
+    # Vision-language models: the Qwen2 decoder with M-RoPE beside a vision transformer
+    # (zllm/workers/models/qwen2_vl.py); the spec's `vision` says which tower.
+    "Qwen2VLForConditionalGeneration": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False),
+    "Qwen2_5_VLForConditionalGeneration": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False),
+}
+# The vision-language architectures: their tower's kind (VisionSpec.kind).
+VISION_ARCHITECTURES = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 
 
@@ -122,6 +131,63 @@ _BY_MODEL_TYPE = {
 
 
 @dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """A vision-language model's image side: its vision transformer, how images become tokens,
+    and the language model's M-RoPE sections.
+
+    Qwen2-VL: LayerNorm blocks with a GELU MLP, full attention within each image; Qwen2.5-VL:
+    RMSNorm blocks with a SwiGLU MLP, window attention except in `full_attention_blocks`. Both
+    embed patches of temporal x patch x patch pixels, rotate by 2-D (row, column) positions and
+    merge spatial_merge_size^2 neighbouring patches into one language-model token."""
+
+    kind: str  # "qwen2_vl" or "qwen2_5_vl"
+    depth: int
+    hidden_size: int  # the tower's width
+    num_heads: int
+    intermediate_size: int  # its MLP's
+    hidden_act: str
+    patch_size: int
+    temporal_patch_size: int
+    in_channels: int
+    spatial_merge_size: int
+    out_hidden_size: int  # the merger's output: the language model's hidden size
+    image_token_id: int
+    mrope_section: tuple[int, ...]  # rotary frequency pairs per position stream (t, h, w)
+    window_size: int = 0  # Qwen2.5-VL: window attention's side in pixels
+    full_attention_blocks: tuple[int, ...] = ()
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_hf_config(cls, hf_config, kind: str, text_rope: dict[str, Any]) -> VisionSpec:
+        v = hf_config.vision_config
+        qwen25 = kind == "qwen2_5_vl"
+        width = v.hidden_size if qwen25 else v.embed_dim
+        return cls(
+            kind=kind,
+            depth=v.depth,
+            hidden_size=width,
+            num_heads=v.num_heads,
+            intermediate_size=v.intermediate_size if qwen25 else int(v.embed_dim * v.mlp_ratio),
+            hidden_act=v.hidden_act,
+            patch_size=v.patch_size,
+            temporal_patch_size=v.temporal_patch_size,
+            in_channels=getattr(v, "in_channels", None) or getattr(v, "in_chans", 3),
+            spatial_merge_size=v.spatial_merge_size,
+            out_hidden_size=v.out_hidden_size if qwen25 else v.hidden_size,
+            image_token_id=int(hf_config.image_token_id),
+            mrope_section=tuple(text_rope.get("mrope_section") or (16, 24, 24)),
+            window_size=int(getattr(v, "window_size", 0) or 0) if qwen25 else 0,
+            full_attention_blocks=tuple(getattr(v, "fullatt_block_indexes", ()) or ()) if qwen25 else (),
+            rope_theta=float((getattr(v, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+        )
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per language-model token."""
+        return self.spatial_merge_size**2
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     architecture: str
     model_type: str
@@ -167,10 +233,13 @@ class ModelSpec:
     type_vocab_size: int = 0
     position_offset: int = 0
     num_labels: int = 0
+    vision: VisionSpec | None = None  # a vision-language model's image side
 
     @classmethod
     def from_hf_config(cls, hf_config) -> ModelSpec:
         architecture = pick_architecture(hf_config)
+        if architecture in VISION_ARCHITECTURES:
+            return cls._vision_language(hf_config, architecture)
         pooling = POOLING_REGISTRY.get(architecture)
         if pooling is not None and pooling.family != "decoder":
             return cls._encoder(hf_config, architecture)
@@ -211,6 +280,26 @@ class ModelSpec:
             quantization=checkpoint_quantization(hf_config),
             num_labels=int(hf_config.num_labels) if pooling is not None and pooling.kind == "classify" else 0,
             **(_gemma_fields(hf_config) if arch.gemma else {}),
+        )
+
+    @classmethod
+    def _vision_language(cls, hf_config, architecture: str) -> ModelSpec:
+        """The language model from the config's text part, the image side beside it."""
+        import dataclasses
+
+        text = hf_config.get_text_config()
+        text.architectures = ["Qwen2ForCausalLM"]
+        if getattr(text, "tie_word_embeddings", None) is None or hasattr(hf_config, "tie_word_embeddings"):
+            text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        language = cls.from_hf_config(text)
+        rope = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+        vision = VisionSpec.from_hf_config(hf_config, VISION_ARCHITECTURES[architecture], rope)
+        return dataclasses.replace(
+            language,
+            architecture=architecture,
+            model_type=hf_config.model_type,
+            checkpoint_dtype=_checkpoint_dtype(hf_config) or language.checkpoint_dtype,
+            vision=vision,
         )
 
     @classmethod
@@ -402,6 +491,8 @@ def _rope_parameters(hf_config) -> tuple[dict[str, Any], dict[str, Any] | None]:
 def _checked_rope(params: dict[str, Any], hf_config) -> dict[str, Any]:
     legacy = params.pop("type", None)  # transformers 4.x's name
     params.setdefault("rope_type", legacy or "default")
+    if params["rope_type"] == "mrope":  # Qwen2-VL's multimodal rotary: default frequencies, 3 position streams
+        params["rope_type"] = "default"
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"model: rope_type {params['rope_type']!r} is not supported {SUPPORTED_ROPE_TYPES}")
     if params["rope_type"] == "longrope":  # transformers 4.x keeps the pretrained length on the config
