@@ -1,4 +1,4 @@
-"""Vision-language models (Qwen2-VL, Qwen2.5-VL): tiny random checkpoints made by transformers,
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA): tiny random checkpoints made by transformers,
 generated pictures of different sizes and aspect ratios through the model's own image processor;
 the engine's greedy tokens equal transformers' generate on the same processor output (fp32) at
 tp 1 and 2, with several images in a prompt and prefill chunks that cut through image tokens; the
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.vision import PLACEHOLDER, HFReference, picture, save_tiny_vlm
+from tests.helpers.vision import LLAVA_PLACEHOLDER, PLACEHOLDER, HFReference, picture, save_tiny_vlm
 from zllm import LLM, SamplingParams
 
 MAX_TOKENS = 8
@@ -21,7 +21,7 @@ PICTURES = {"landscape": (120, 90, 0), "portrait": (60, 200, 1), "square": (90, 
 def models(tmp_path_factory):
     """kind -> (checkpoint directory, its transformers reference)."""
     made = {}
-    for kind in ("qwen2_vl", "qwen2_5_vl"):
+    for kind in ("qwen2_vl", "qwen2_5_vl", "llava"):
         directory = save_tiny_vlm(tmp_path_factory.mktemp(kind), kind)
         made[kind] = (directory, HFReference(directory))
     return made
@@ -31,17 +31,19 @@ def models(tmp_path_factory):
 def expected(models):
     """kind -> transformers' (prompt ids, greedy tokens) of each of _cases()."""
     return {
-        kind: [ref.greedy(text, images, MAX_TOKENS) for text, images in _cases()] for kind, (_, ref) in models.items()
+        kind: [ref.greedy(text, images, MAX_TOKENS) for text, images in _cases(kind)]
+        for kind, (_, ref) in models.items()
     }
 
 
-def _cases() -> list[tuple[str, list]]:
+def _cases(kind: str = "qwen2_vl") -> list[tuple[str, list]]:
     """(prompt text, its pictures): one image each, then two in one prompt."""
     images = {name: picture(*args) for name, args in PICTURES.items()}
+    image = LLAVA_PLACEHOLDER if kind == "llava" else PLACEHOLDER
     return [
-        (f"t5 t6 {PLACEHOLDER} t7 t8", [images["landscape"]]),
-        (f"t9 {PLACEHOLDER} t10 t11 t12", [images["portrait"]]),
-        (f"t3 {PLACEHOLDER} t4 t5 {PLACEHOLDER} t6", [images["wide"], images["square"]]),
+        (f"t5 t6 {image} t7 t8", [images["landscape"]]),
+        (f"t9 {image} t10 t11 t12", [images["portrait"]]),
+        (f"t3 {image} t4 t5 {image} t6", [images["wide"], images["square"]]),
     ]
 
 
@@ -57,12 +59,14 @@ def _generate(llm: LLM, cases) -> list[tuple[list[int], list[int]]]:
         ("qwen2_5_vl", 1, 7),  # 7-token chunks: every image is cut, several times
         ("qwen2_vl", 2, 7),
         ("qwen2_5_vl", 2, None),
+        ("llava", 1, 7),
+        ("llava", 2, None),
     ],
 )
 def test_greedy_tokens_equal_transformers(models, expected, kind, tp, max_num_batched_tokens):
     chunking = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
     with LLM(str(models[kind][0]), dtype="float32", tensor_parallel_size=tp, **chunking) as llm:
-        assert _generate(llm, _cases()) == expected[kind]
+        assert _generate(llm, _cases(kind)) == expected[kind]
 
 
 def test_different_images_differ_and_never_share_prefix_blocks(models):

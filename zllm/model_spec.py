@@ -74,11 +74,14 @@ MODEL_REGISTRY: dict[str, Architecture] = {
     # (zllm/workers/models/qwen2_vl.py); the spec's `vision` says which tower.
     "Qwen2VLForConditionalGeneration": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False),
     "Qwen2_5_VLForConditionalGeneration": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False),
+    # LLaVA: a CLIP vision tower and a projector before a Llama-family decoder (its text_config's).
+    "LlavaForConditionalGeneration": Architecture(),
 }
 # The vision-language architectures: their tower's kind (VisionSpec.kind).
 VISION_ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "LlavaForConditionalGeneration": "llava",
 }
 
 
@@ -138,9 +141,13 @@ class VisionSpec:
     Qwen2-VL: LayerNorm blocks with a GELU MLP, full attention within each image; Qwen2.5-VL:
     RMSNorm blocks with a SwiGLU MLP, window attention except in `full_attention_blocks`. Both
     embed patches of temporal x patch x patch pixels, rotate by 2-D (row, column) positions and
-    merge spatial_merge_size^2 neighbouring patches into one language-model token."""
+    merge spatial_merge_size^2 neighbouring patches into one language-model token.
 
-    kind: str  # "qwen2_vl" or "qwen2_5_vl"
+    LLaVA: a CLIP vision transformer (class token, learned positions, pre-norm, quick-GELU MLP)
+    whose `feature_layer`'s hidden states (without the class token for feature_select "default")
+    go through the projector (linear, act, linear): one token per patch."""
+
+    kind: str  # "qwen2_vl", "qwen2_5_vl" or "llava"
     depth: int
     hidden_size: int  # the tower's width
     num_heads: int
@@ -156,10 +163,19 @@ class VisionSpec:
     window_size: int = 0  # Qwen2.5-VL: window attention's side in pixels
     full_attention_blocks: tuple[int, ...] = ()
     rope_theta: float = 10000.0
+    # LLaVA's CLIP tower and projector.
+    image_size: int = 0
+    layer_norm_eps: float = 1e-6
+    feature_layer: int = -2
+    feature_select: str = "default"  # "default": without the class token; "full": with it
+    projector_act: str = "gelu"
+    projector_bias: bool = True
 
     @classmethod
     def from_hf_config(cls, hf_config, kind: str, text_rope: dict[str, Any]) -> VisionSpec:
         v = hf_config.vision_config
+        if kind == "llava":
+            return cls._llava(hf_config)
         qwen25 = kind == "qwen2_5_vl"
         width = v.hidden_size if qwen25 else v.embed_dim
         return cls(
@@ -180,6 +196,45 @@ class VisionSpec:
             full_attention_blocks=tuple(getattr(v, "fullatt_block_indexes", ()) or ()) if qwen25 else (),
             rope_theta=float((getattr(v, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
         )
+
+    @classmethod
+    def _llava(cls, hf_config) -> VisionSpec:
+        v = hf_config.vision_config
+        if getattr(v, "model_type", "clip_vision_model") != "clip_vision_model":
+            raise ValueError(f"model: LLaVA's vision tower {v.model_type!r} is not supported (CLIP is)")
+        layer = hf_config.vision_feature_layer
+        if not isinstance(layer, int):
+            raise ValueError("model: LLaVA with several vision_feature_layer values is not supported")
+        return cls(
+            kind="llava",
+            depth=v.num_hidden_layers,
+            hidden_size=v.hidden_size,
+            num_heads=v.num_attention_heads,
+            intermediate_size=v.intermediate_size,
+            hidden_act=v.hidden_act,
+            patch_size=v.patch_size,
+            temporal_patch_size=1,
+            in_channels=getattr(v, "num_channels", 3),
+            spatial_merge_size=1,
+            out_hidden_size=hf_config.get_text_config().hidden_size,
+            image_token_id=int(getattr(hf_config, "image_token_id", None) or hf_config.image_token_index),
+            mrope_section=(),
+            image_size=v.image_size,
+            layer_norm_eps=float(v.layer_norm_eps),
+            feature_layer=layer,
+            feature_select=hf_config.vision_feature_select_strategy,
+            projector_act=hf_config.projector_hidden_act,
+            projector_bias=bool(getattr(hf_config, "multimodal_projector_bias", True)),
+        )
+
+    @property
+    def uses_mrope(self) -> bool:
+        return self.kind != "llava"
+
+    def tokens_of(self, grid: list[int]) -> int:
+        """Language-model tokens of an image of grid (t, h, w) patches."""
+        tokens = grid[0] * grid[1] * grid[2] // self.merge_unit
+        return tokens + (self.kind == "llava" and self.feature_select == "full")
 
     @property
     def merge_unit(self) -> int:
@@ -288,7 +343,7 @@ class ModelSpec:
         import dataclasses
 
         text = hf_config.get_text_config()
-        text.architectures = ["Qwen2ForCausalLM"]
+        text.architectures = [_BY_MODEL_TYPE.get(text.model_type, "Qwen2ForCausalLM")]
         if getattr(text, "tie_word_embeddings", None) is None or hasattr(hf_config, "tie_word_embeddings"):
             text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         language = cls.from_hf_config(text)

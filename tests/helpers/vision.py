@@ -10,15 +10,19 @@ VOCAB = 256
 # The special tokens' ids: the last three of the tiny vocabulary.
 VISION_START, IMAGE_PAD, VISION_END = 253, 254, 255
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+LLAVA_PLACEHOLDER = "<image>"
+SPECIAL_TOKENS = {  # kind -> the tokens at ids 253, 254, 255
+    "qwen2_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
+    "qwen2_5_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
+    "llava": ["<unused_0>", "<image>", "<unused_1>"],
+}
 
 
 def save_tiny_vlm(directory: Path, kind: str = "qwen2_vl") -> Path:
-    """A random model of `kind` ("qwen2_vl" or "qwen2_5_vl"), biases and norms randomised too,
-    with a processor that makes 4..48 tokens an image."""
+    """A random model of `kind` ("qwen2_vl", "qwen2_5_vl" or "llava"), biases and norms
+    randomised too, with a processor that makes 4..48 tokens an image (LLaVA: 56 x 56 pixels, 16)."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     text = dict(
         vocab_size=VOCAB,
@@ -33,6 +37,8 @@ def save_tiny_vlm(directory: Path, kind: str = "qwen2_vl") -> Path:
         eos_token_id=2,
         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
     )
+    if kind == "llava":
+        return _save_tiny_llava(directory, text)
     if kind == "qwen2_vl":
         config_class, model_class, processor_class = (
             transformers.Qwen2VLConfig,
@@ -71,20 +77,58 @@ def save_tiny_vlm(directory: Path, kind: str = "qwen2_vl") -> Path:
     )
     torch.manual_seed(0)
     model = model_class(config).eval()
+    _randomise(model)
+    model.save_pretrained(directory, safe_serialization=True)
+    _save_tokenizer(directory, kind)
+    processor_class(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 48).save_pretrained(directory)
+    return directory
+
+
+def _save_tiny_llava(directory: Path, text: dict) -> Path:
+    import torch
+    import transformers
+
+    text = {k: v for k, v in text.items() if k != "rope_scaling"}
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=56, patch_size=14
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=transformers.LlamaConfig(**text, pad_token_id=0),
+        image_token_id=IMAGE_PAD,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    _randomise(model)
+    model.save_pretrained(directory, safe_serialization=True)
+    _save_tokenizer(directory, "llava")
+    transformers.CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}).save_pretrained(
+        directory
+    )
+    return directory
+
+
+def _randomise(model) -> None:
+    import torch
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name or "ln_q" in name:
                 param.add_(torch.randn_like(param) * 0.1)
             elif param.dim() >= 2:  # HF's init is small: without this the outputs barely see the image
                 param.copy_(torch.randn_like(param) * 0.08)
-    model.save_pretrained(directory, safe_serialization=True)
+
+
+def _save_tokenizer(directory: Path, kind: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB - 3)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t2", bos_token="t1")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[kind]})
     tokenizer.save_pretrained(directory)
-    processor_class(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 48).save_pretrained(directory)
-    return directory
 
 
 def picture(width: int, height: int, seed: int):
@@ -122,17 +166,21 @@ class HFReference:
         kwargs = {}
         if images:
             out = self.processor(images=images, return_tensors="pt")
-            counts = (out["image_grid_thw"].prod(-1) // 4).tolist()
+            if "image_grid_thw" in out:
+                counts = (out["image_grid_thw"].prod(-1) // 4).tolist()
+            else:  # LLaVA: a token per 14 x 14 patch
+                counts = [out["pixel_values"].shape[-1] * out["pixel_values"].shape[-2] // 14**2] * len(images)
             expanded = []
             for token in ids:
                 expanded.extend([IMAGE_PAD] * counts.pop(0) if token == IMAGE_PAD else [token])
             ids = expanded
             # mm_token_type_ids (1: an image token) is how transformers 5 finds the images for M-RoPE.
-            kwargs = dict(
-                pixel_values=out["pixel_values"],
-                image_grid_thw=out["image_grid_thw"],
-                mm_token_type_ids=torch.tensor([[int(t == IMAGE_PAD) for t in ids]]),
-            )
+            kwargs = dict(pixel_values=out["pixel_values"])
+            if "image_grid_thw" in out:
+                kwargs.update(
+                    image_grid_thw=out["image_grid_thw"],
+                    mm_token_type_ids=torch.tensor([[int(t == IMAGE_PAD) for t in ids]]),
+                )
         with torch.inference_mode():
             generated = self.model.generate(
                 torch.tensor([ids]),

@@ -50,30 +50,37 @@ class ImageProcessor:
                 f"multi_modal_data: {len(images)} image(s) but the prompt has {found} image placeholder(s) "
                 f"(token {placeholder}, e.g. <|vision_start|><|image_pad|><|vision_end|>)"
             )
-        pixels, grids = self._process(images, processor_kwargs)
+        processed = iter(self._process(images, processor_kwargs))
         expanded: list[int] = []
         inputs: list[ImageInput] = []
-        first_patch = 0
         for token in token_ids:
             if token != placeholder:
                 expanded.append(token)
                 continue
-            grid = [int(g) for g in grids[len(inputs)]]
-            patches = grid[0] * grid[1] * grid[2]
-            values = pixels[first_patch : first_patch + patches]
-            first_patch += patches
-            length = patches // self.vision.merge_unit
+            values, grid = next(processed)
+            length = self.vision.tokens_of(grid)
             inputs.append(ImageInput(_image_hash(values, grid), len(expanded), length, ArrayData.of(values), grid))
             expanded.extend([placeholder] * length)
         return expanded, inputs
 
     def _process(self, images: list, processor_kwargs: dict[str, Any] | None):
+        """Each image's pixel values and grid of patches (t, h, w)."""
         kwargs = {**self.processor_kwargs, **(processor_kwargs or {})}
         try:
             out = self.processor(images=images, return_tensors="np", **kwargs)
         except (TypeError, ValueError, OSError) as error:
             raise ValueError(f"multi_modal_data: the image processor refused the image(s): {error}") from None
-        return out["pixel_values"], out["image_grid_thw"]
+        pixels = out["pixel_values"]
+        if "image_grid_thw" not in out:  # LLaVA: [images, channels, height, width], a patch a token
+            patch = self.vision.patch_size
+            return [(values, [1, values.shape[-2] // patch, values.shape[-1] // patch]) for values in pixels]
+        per_image, first = [], 0
+        for grid in out["image_grid_thw"]:  # Qwen: every image's patches in one array
+            grid = [int(g) for g in grid]
+            patches = grid[0] * grid[1] * grid[2]
+            per_image.append((pixels[first : first + patches], grid))
+            first += patches
+        return per_image
 
 
 def _image_list(images: Any) -> list:

@@ -50,7 +50,7 @@ class MultimodalRunner:
     def mrope_of(self, token_ids: list[int], prompt_len: int, images: list[ImageInput]) -> MRopeState | None:
         from zllm.workers.models.qwen2_vl import mrope_positions
 
-        if not images:
+        if not images or not self.vision.uses_mrope:
             return None
         spans = [(image.offset, image.length, tuple(image.grid_thw)) for image in images]
         positions, delta = mrope_positions(token_ids[:prompt_len], spans, self.vision.spatial_merge_size)

@@ -16,6 +16,10 @@ def build_model(spec: ModelSpec, ops=None, tp=None, quant=None, max_model_len: i
 
     if spec.architecture not in MODEL_REGISTRY:
         raise unsupported_architecture(repr(spec.architecture))
+    if spec.vision is not None and spec.vision.kind == "llava":
+        from zllm.workers.models.llava import LlavaForConditionalGeneration
+
+        return LlavaForConditionalGeneration(spec, ops, tp, quant, max_model_len)
     if spec.vision is not None:
         from zllm.workers.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
