@@ -70,6 +70,13 @@ TOKEN_DELTA_INT_STOP = m.TokenDelta(
     pooled=b"",
 )
 POOLING = PoolingParams(task="score", normalize=False, dimensions=8, activation=False, token_type_ids=[0, 0, 1, 1])
+IMAGE = m.ImageInput(
+    mm_hash="9f86d081884c7d65",
+    offset=2,
+    length=4,
+    pixel_values=m.ArrayData(dtype="float32", shape=[4, 2], data=bytes(32)),
+    grid_thw=[1, 4, 4],
+)
 NEW_REQUEST = m.NewRequestData(
     request_id="ab12/req-1",
     prompt_len=3,
@@ -81,6 +88,7 @@ NEW_REQUEST = m.NewRequestData(
     bad_words_token_ids=[[17], [22, 23]],
     pooling=POOLING,
     sliding_block_ids=[0, 5, 6],
+    mm_inputs=[IMAGE],
 )
 CACHED_REQUEST = m.CachedRequestData(
     request_id="ab12/req-3", new_block_ids=[4], num_computed_tokens=17, new_sliding_block_ids=[8]
@@ -102,6 +110,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             output_token_ids=[17, 18],
             resumed=True,
             pooling=POOLING,
+            mm_inputs=[IMAGE],
         ),
         m.AbortRequests(request_ids=["ab12/req-1", "ab12/req-2"]),
         m.UtilityCall(call_id=7, method="stats", args=[1, "two", [3.5, None], {"k": False}, b"\x00\xff"]),
@@ -137,6 +146,8 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             preempted_ids=["ab12/req-8"],
             structured_ids=["ab12/req-1"],
             spec_token_ids={"ab12/req-2": [17, 4, 99]},
+            encode={"ab12/req-1": [0]},
+            freed_mm_hashes=["e3b0c44298fc1c14"],
         ),
         m.FlushStep(step_id=7),
         m.GrammarBitmask(step_id=42, request_ids=["ab12/req-1", "ab12/req-3"], words=2, bitmask=bytes(range(16))),
@@ -218,7 +229,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
 }
 
 # Messages that only travel inside another one.
-NESTED = [SAMPLING, TOKEN_DELTA, TOKEN_DELTA_INT_STOP, NEW_REQUEST, CACHED_REQUEST, LOGPROBS]
+NESTED = [SAMPLING, TOKEN_DELTA, TOKEN_DELTA_INT_STOP, NEW_REQUEST, CACHED_REQUEST, LOGPROBS, IMAGE, IMAGE.pixel_values]
 
 ALL = [(channel, message) for channel, examples in EXAMPLES.items() for message in examples]
 CLIENT_FACING = [(c, msg) for c, msg in ALL if c in ("ClientToServer", "ServerToClient")]
@@ -698,3 +709,14 @@ def test_internal_frame_limit_leaves_room_for_any_client_frame():
         EngineConfig(
             model="m", max_model_len=16, client_max_message_bytes=1 << 20, internal_max_message_bytes=4 << 20
         ).validate()
+
+
+def test_array_data_round_trips_an_array():
+    import numpy as np
+
+    array = np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7
+    data = m.ArrayData.of(array)
+    assert data.dtype == "float32" and data.shape == [2, 3, 4]
+    assert np.array_equal(Codec(m.ArrayData).decode(Codec(m.ArrayData).encode(data)).to_numpy(), array)
+    with pytest.raises(ValueError, match="bytes for shape"):
+        m.ArrayData("float32", [5], bytes(8)).to_numpy()

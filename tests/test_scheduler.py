@@ -976,3 +976,46 @@ def test_piecewise_sizes_pad_a_step_by_32_tokens_or_a_quarter_at_most_and_end_at
         assert padded - tokens <= max(31, tokens // 4), (tokens, padded)
     assert piecewise_sizes(64)[-1] == 64 and piecewise_sizes(100)[-1] == 100
     assert piecewise_sizes(8192)[-1] == 2048  # larger steps run eagerly
+
+
+# ---- images: the encoder cache's account ------------------------------------------------------
+
+
+def _image_request(request_id: str, spans: list[tuple[int, int, str]], prompt_len: int = 40):
+    from zllm.ipc.messages import ArrayData, ImageInput
+
+    request = make_request(request_id, prompt_len)
+    request.mm_inputs = [ImageInput(h, o, n, ArrayData("float32", [0], b""), [1, 2, 2]) for o, n, h in spans]
+    request.image_spans = list(spans)
+    return request
+
+
+def test_a_chunk_stops_before_an_image_the_encoder_cannot_take():
+    """The step's encoder budget (the cache's capacity) holds one 10-token image: the second
+    request's chunk stops before its own image; the next step encodes it, then the first one's
+    entry, no longer needed, is evicted (the workers are told)."""
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    scheduler.encoder_cache.capacity = 10
+    first, second = _image_request("a", [(2, 10, "h1")]), _image_request("b", [(5, 10, "h2")])
+    add(scheduler, first, second)
+    step = scheduler.schedule()
+    assert scheduled(step) == {"a": 40, "b": 5}
+    assert step.encode == {"a": [0]} and step.freed_mm_hashes == []
+    step = scheduler.schedule()  # a decodes; b goes on from its image
+    assert scheduled(step)["b"] == 35
+    assert step.encode == {"b": [0]} and step.freed_mm_hashes == ["h1"]
+    stats = scheduler.stats()
+    assert (stats.encoder_cache_queries, stats.encoder_cache_hits) == (2, 0)
+
+
+def test_a_repeated_image_is_a_hit_and_chunks_cut_through_it():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    add(
+        scheduler,
+        _image_request("a", [(3, 12, "h")], prompt_len=20),
+        _image_request("b", [(1, 12, "h")], prompt_len=20),
+    )
+    steps = [scheduler.schedule() for _ in range(6)]
+    encodes = [step.encode for step in steps if step.encode]
+    assert encodes == [{"a": [0]}]  # once, in the first step that reached it
+    assert scheduler.stats().encoder_cache_hits == 1  # b read a's entry

@@ -2,8 +2,9 @@
 
     block 0: H(salt, tokens[0:16])   block 1: H(hash 0, tokens[16:32])   block 2: H(hash 1, ...)
 
-A block's hash covers every token before it (through its parent) and the request's cache salt
-(through block 0), so two requests share a block only when their whole prefixes up to it are
+A block's hash covers every token before it (through its parent), the request's cache salt
+(through block 0) and the hashes of the images whose placeholder tokens it holds (their tokens
+are all one placeholder id, so the ids alone would let different images share blocks), so two requests share a block only when their whole prefixes up to it are
 equal and their salts match. SHA-256 makes a collision, accidental or crafted by one tenant to
 read another's prefix, impractical; the cost is ~1 µs per block of 16 tokens.
 """
@@ -19,7 +20,13 @@ _FIRST = b"\x00"
 _CHAINED = b"\x01"
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int], salt: str | None = None) -> BlockHash:
+# An image's placeholder tokens in a prompt: (first token, token count, the image's hash).
+ImageSpan = tuple[int, int, str]
+
+
+def hash_block(
+    parent: BlockHash | None, token_ids: list[int], salt: str | None = None, extra: bytes = b""
+) -> BlockHash:
     digest = hashlib.sha256()
     if parent is None:
         # Domain-separated and length-prefixed, so no salt can make block 0 alias a chained block.
@@ -28,11 +35,29 @@ def hash_block(parent: BlockHash | None, token_ids: list[int], salt: str | None 
     else:
         digest.update(_CHAINED + parent)
     digest.update(array("q", token_ids).tobytes())
+    if extra:
+        digest.update(b"\x02" + extra)
     return digest.digest()
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int, salt: str | None) -> None:
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    token_ids: list[int],
+    block_size: int,
+    salt: str | None,
+    images: list[ImageSpan] | tuple = (),
+) -> None:
     """Append the hashes of the blocks of `token_ids` that became full since `hashes` was last extended."""
     for index in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[index * block_size : (index + 1) * block_size], salt))
+        start, end = index * block_size, (index + 1) * block_size
+        hashes.append(hash_block(parent, token_ids[start:end], salt, _images_in(images, start, end)))
+
+
+def _images_in(images: list[ImageSpan] | tuple, start: int, end: int) -> bytes:
+    """The hashes (and offsets) of the images with tokens in [start, end)."""
+    return b"".join(
+        f"{offset}:{mm_hash};".encode()
+        for offset, length, mm_hash in images
+        if offset < end and offset + length > start
+    )

@@ -99,6 +99,18 @@ MODEL_REGISTRY: dict[str, Architecture] = {
     # GPT-OSS 20B / 120B: biases on q/k/v/o (attention_bias), attention sinks, a window of 128 in
     # alternating layers, YaRN, MoE in every layer (models/gpt_oss.py).
     "GptOssForCausalLM": Architecture(mlp_bias=False, moe=_GPT_OSS_MOE, attention_sinks=True),
+    # Vision-language models: the Qwen2 decoder with M-RoPE beside a vision transformer
+    # (zllm/workers/models/qwen2_vl.py); the spec's `vision` says which tower.
+    "Qwen2VLForConditionalGeneration": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False),
+    "Qwen2_5_VLForConditionalGeneration": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False),
+    # LLaVA: a CLIP vision tower and a projector before a Llama-family decoder (its text_config's).
+    "LlavaForConditionalGeneration": Architecture(),
+}
+# The vision-language architectures: their tower's kind (VisionSpec.kind).
+VISION_ARCHITECTURES = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "LlavaForConditionalGeneration": "llava",
 }
 
 
@@ -154,6 +166,115 @@ _BY_MODEL_TYPE = {
 
 
 @dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """A vision-language model's image side: its vision transformer, how images become tokens,
+    and the language model's M-RoPE sections.
+
+    Qwen2-VL: LayerNorm blocks with a GELU MLP, full attention within each image; Qwen2.5-VL:
+    RMSNorm blocks with a SwiGLU MLP, window attention except in `full_attention_blocks`. Both
+    embed patches of temporal x patch x patch pixels, rotate by 2-D (row, column) positions and
+    merge spatial_merge_size^2 neighbouring patches into one language-model token.
+
+    LLaVA: a CLIP vision transformer (class token, learned positions, pre-norm, quick-GELU MLP)
+    whose `feature_layer`'s hidden states (without the class token for feature_select "default")
+    go through the projector (linear, act, linear): one token per patch."""
+
+    kind: str  # "qwen2_vl", "qwen2_5_vl" or "llava"
+    depth: int
+    hidden_size: int  # the tower's width
+    num_heads: int
+    intermediate_size: int  # its MLP's
+    hidden_act: str
+    patch_size: int
+    temporal_patch_size: int
+    in_channels: int
+    spatial_merge_size: int
+    out_hidden_size: int  # the merger's output: the language model's hidden size
+    image_token_id: int
+    mrope_section: tuple[int, ...]  # rotary frequency pairs per position stream (t, h, w)
+    window_size: int = 0  # Qwen2.5-VL: window attention's side in pixels
+    full_attention_blocks: tuple[int, ...] = ()
+    rope_theta: float = 10000.0
+    # LLaVA's CLIP tower and projector.
+    image_size: int = 0
+    layer_norm_eps: float = 1e-6
+    feature_layer: int = -2
+    feature_select: str = "default"  # "default": without the class token; "full": with it
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+
+    @classmethod
+    def from_hf_config(cls, hf_config, kind: str, text_rope: dict[str, Any]) -> VisionSpec:
+        v = hf_config.vision_config
+        if kind == "llava":
+            return cls._llava(hf_config)
+        qwen25 = kind == "qwen2_5_vl"
+        width = v.hidden_size if qwen25 else v.embed_dim
+        return cls(
+            kind=kind,
+            depth=v.depth,
+            hidden_size=width,
+            num_heads=v.num_heads,
+            intermediate_size=v.intermediate_size if qwen25 else int(v.embed_dim * v.mlp_ratio),
+            hidden_act=v.hidden_act,
+            patch_size=v.patch_size,
+            temporal_patch_size=v.temporal_patch_size,
+            in_channels=getattr(v, "in_channels", None) or getattr(v, "in_chans", 3),
+            spatial_merge_size=v.spatial_merge_size,
+            out_hidden_size=v.out_hidden_size if qwen25 else v.hidden_size,
+            image_token_id=int(hf_config.image_token_id),
+            mrope_section=tuple(text_rope.get("mrope_section") or (16, 24, 24)),
+            window_size=int(getattr(v, "window_size", 0) or 0) if qwen25 else 0,
+            full_attention_blocks=tuple(getattr(v, "fullatt_block_indexes", ()) or ()) if qwen25 else (),
+            rope_theta=float((getattr(v, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+        )
+
+    @classmethod
+    def _llava(cls, hf_config) -> VisionSpec:
+        v = hf_config.vision_config
+        if getattr(v, "model_type", "clip_vision_model") != "clip_vision_model":
+            raise ValueError(f"model: LLaVA's vision tower {v.model_type!r} is not supported (CLIP is)")
+        layer = hf_config.vision_feature_layer
+        if not isinstance(layer, int):
+            raise ValueError("model: LLaVA with several vision_feature_layer values is not supported")
+        return cls(
+            kind="llava",
+            depth=v.num_hidden_layers,
+            hidden_size=v.hidden_size,
+            num_heads=v.num_attention_heads,
+            intermediate_size=v.intermediate_size,
+            hidden_act=v.hidden_act,
+            patch_size=v.patch_size,
+            temporal_patch_size=1,
+            in_channels=getattr(v, "num_channels", 3),
+            spatial_merge_size=1,
+            out_hidden_size=hf_config.get_text_config().hidden_size,
+            image_token_id=int(getattr(hf_config, "image_token_id", None) or hf_config.image_token_index),
+            mrope_section=(),
+            image_size=v.image_size,
+            layer_norm_eps=float(v.layer_norm_eps),
+            feature_layer=layer,
+            feature_select=hf_config.vision_feature_select_strategy,
+            projector_act=hf_config.projector_hidden_act,
+            projector_bias=bool(getattr(hf_config, "multimodal_projector_bias", True)),
+        )
+
+    @property
+    def uses_mrope(self) -> bool:
+        return self.kind != "llava"
+
+    def tokens_of(self, grid: list[int]) -> int:
+        """Language-model tokens of an image of grid (t, h, w) patches."""
+        tokens = grid[0] * grid[1] * grid[2] // self.merge_unit
+        return tokens + (self.kind == "llava" and self.feature_select == "full")
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per language-model token."""
+        return self.spatial_merge_size**2
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     architecture: str
     model_type: str
@@ -201,10 +322,13 @@ class ModelSpec:
     type_vocab_size: int = 0
     position_offset: int = 0
     num_labels: int = 0
+    vision: VisionSpec | None = None  # a vision-language model's image side
 
     @classmethod
     def from_hf_config(cls, hf_config) -> ModelSpec:
         architecture = pick_architecture(hf_config)
+        if architecture in VISION_ARCHITECTURES:
+            return cls._vision_language(hf_config, architecture)
         pooling = POOLING_REGISTRY.get(architecture)
         if pooling is not None and pooling.family != "decoder":
             return cls._encoder(hf_config, architecture)
@@ -247,6 +371,26 @@ class ModelSpec:
             quantization=None if _mxfp4_experts(hf_config, arch) else checkpoint_quantization(hf_config),
             num_labels=int(hf_config.num_labels) if pooling is not None and pooling.kind == "classify" else 0,
             **(_gemma_fields(hf_config) if arch.gemma else {}),
+        )
+
+    @classmethod
+    def _vision_language(cls, hf_config, architecture: str) -> ModelSpec:
+        """The language model from the config's text part, the image side beside it."""
+        import dataclasses
+
+        text = hf_config.get_text_config()
+        text.architectures = [_BY_MODEL_TYPE.get(text.model_type, "Qwen2ForCausalLM")]
+        if getattr(text, "tie_word_embeddings", None) is None or hasattr(hf_config, "tie_word_embeddings"):
+            text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        language = cls.from_hf_config(text)
+        rope = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+        vision = VisionSpec.from_hf_config(hf_config, VISION_ARCHITECTURES[architecture], rope)
+        return dataclasses.replace(
+            language,
+            architecture=architecture,
+            model_type=hf_config.model_type,
+            checkpoint_dtype=_checkpoint_dtype(hf_config) or language.checkpoint_dtype,
+            vision=vision,
         )
 
     @classmethod
@@ -578,6 +722,8 @@ def _rope_parameters(hf_config) -> tuple[dict[str, Any], dict[str, Any] | None]:
 def _checked_rope(params: dict[str, Any], hf_config) -> dict[str, Any]:
     legacy = params.pop("type", None)  # transformers 4.x's name
     params.setdefault("rope_type", legacy or "default")
+    if params["rope_type"] == "mrope":  # Qwen2-VL's multimodal rotary: default frequencies, 3 position streams
+        params["rope_type"] = "default"
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"model: rope_type {params['rope_type']!r} is not supported {SUPPORTED_ROPE_TYPES}")
     if params["rope_type"] == "longrope":  # transformers 4.x keeps the pretrained length on the config

@@ -123,6 +123,7 @@ class EngineCore:
             bad_words_token_ids=message.bad_words_token_ids,
             output_token_ids=list(message.output_token_ids),
             pooling=message.pooling,
+            mm_inputs=message.mm_inputs,
         )
         self.scheduler.add_request(request)
         if message.sampling.structured_outputs is not None:

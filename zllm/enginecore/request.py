@@ -13,6 +13,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from zllm.block_hash import ImageSpan
+from zllm.ipc.messages import ImageInput
 from zllm.pooling import PoolingParams
 from zllm.sampling_params import SamplingParams
 
@@ -77,10 +79,15 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_scheduled_drafts: int = 0
     pooling: PoolingParams | None = None  # a pooling request: one step, no sampling, no KV kept
+    # A vision-language model's images (sent to the workers with the request), their token
+    # spans, and the ones whose encoder-cache entry it holds (zllm/enginecore/encoder_cache.py).
+    mm_inputs: list[ImageInput] = field(default_factory=list)
+    image_spans: list[ImageSpan] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Output tokens may be given up front: a request resumed after an engine restart.
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.image_spans = [(image.offset, image.length, image.mm_hash) for image in self.mm_inputs]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,6 +21,10 @@ target's own. The computed count is then rolled back past the rejected drafts: t
 simply overwritten by the next step, and no block hash ever covers a draft (hashes are made of
 known tokens only). With a draft model, each step also allocates k slots past its end, where the
 draft writes its own KV entries while it proposes.
+
+Images (vision-language models): a chunk that reaches an image's tokens needs the image's encoder
+output; one the workers do not hold yet (zllm/enginecore/encoder_cache.py) is encoded in that step
+if the step's encoder budget and the cache have room, else the chunk stops before the image.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 
 from zllm.config import EngineConfig
 from zllm.enginecore.block_pool import KVBlock
+from zllm.enginecore.encoder_cache import MIN_ENCODER_CACHE_TOKENS, EncoderCache
 from zllm.enginecore.kv_cache_manager import KVCacheManager
 from zllm.enginecore.request import Request, RequestStatus
 from zllm.enginecore.request_queue import make_waiting_queue, priority_key
@@ -41,6 +46,8 @@ class _StepPlan:
     """What one `schedule()` call decided, before it becomes a StepInput."""
 
     budget: int
+    encoder_budget: int = 0  # image tokens the workers may still encode this step
+    encode: dict[str, list[int]] = field(default_factory=dict)  # request id -> its images to encode
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
@@ -81,6 +88,10 @@ class SchedulerStats:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     spec_decode_acceptance_rate: float = 0.0  # accepted / draft tokens
     spec_decode_mean_acceptance_length: float = 0.0  # tokens gained per drafted step: 1 + accepted / drafts
+    # Vision-language models: images scheduled requests needed, and those the workers' encoder
+    # cache held already (not encoded again).
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 @dataclass(slots=True)
@@ -122,6 +133,7 @@ class Scheduler:
         self.num_lookahead = self.max_drafts if speculative and speculative.method == "draft_model" else 0
         self.drafts_off_at = (speculative.disable_by_batch_size if speculative else None) or None
         self.spec = SpecDecodeCounters()
+        self.encoder_cache = EncoderCache(max(MIN_ENCODER_CACHE_TOKENS, config.max_num_batched_tokens))
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -129,6 +141,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
         self._check_fits(request)
+        self._check_images_fit(request)
         request.sequence = next(self._sequence)
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -149,6 +162,14 @@ class Scheduler:
                 f"generated need {needed} KV blocks of {self.kv_cache.block_size} tokens, but the whole KV cache "
                 f"has {available}; shorten the prompt, lower max_tokens or enlarge the KV cache"
             )
+
+    def _check_images_fit(self, request: Request) -> None:
+        for _, length, _ in request.image_spans:
+            if length > self.encoder_cache.capacity:
+                raise ValueError(
+                    f"multi_modal_data: an image of {length} tokens exceeds the encoder cache "
+                    f"({self.encoder_cache.capacity} tokens); send a smaller image"
+                )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Finish the given requests as aborted; returns the ids that were still unfinished."""
@@ -193,6 +214,8 @@ class Scheduler:
             spec_decode_mean_acceptance_length=(
                 1 + self.spec.num_accepted_tokens / self.spec.num_drafts if self.spec.num_drafts else 0.0
             ),
+            encoder_cache_queries=self.encoder_cache.queries,
+            encoder_cache_hits=self.encoder_cache.hits,
         )
 
     def reset_prefix_cache(self) -> int:
@@ -201,7 +224,7 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------------------
 
     def schedule(self) -> StepInput:
-        plan = _StepPlan(budget=self.max_num_batched_tokens)
+        plan = _StepPlan(budget=self.max_num_batched_tokens, encoder_budget=self.encoder_cache.capacity)
         self._schedule_running(plan)
         if not plan.preempted:
             # NOTE: admitting new work in a step that had to preempt would just thrash.
@@ -218,6 +241,7 @@ class Scheduler:
             if self._may_finish_in_flight(request):
                 continue
             num_tokens = self._num_tokens_to_schedule(request, plan.budget)
+            num_tokens, encode = self._fit_images(request, request.num_computed_tokens, num_tokens, plan)
             if num_tokens == 0:
                 continue
             request.num_scheduled_drafts = self._num_drafts_to_score(request, plan.budget) if drafting else 0
@@ -226,6 +250,7 @@ class Scheduler:
             if new_block_ids is None:
                 break  # the request preempted itself: it was the least important one left
             plan.add(request, num_tokens, new_block_ids)
+            self._take_images(request, request.num_computed_tokens, num_tokens, encode, plan)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         compiling: list[Request] = []  # passed over: their grammar is not ready
@@ -237,6 +262,9 @@ class Scheduler:
             cached_prefix = self.kv_cache.find_cached_prefix(request)
             num_cached_tokens = cached_prefix.num_blocks * self.kv_cache.block_size
             num_tokens = self._num_tokens_to_schedule(request, plan.budget, num_cached_tokens)
+            num_tokens, encode = self._fit_images(request, num_cached_tokens, num_tokens, plan)
+            if num_tokens == 0:
+                break  # its image must wait for encoder room; the queue keeps its order
             total = num_cached_tokens + num_tokens
             with_lookahead = min(total + self.num_lookahead, self.max_model_len)
             new_block_ids = self.kv_cache.allocate_slots(request.request_id, with_lookahead, cached_prefix)
@@ -248,6 +276,7 @@ class Scheduler:
             # every layer writes the whole batch's K/V before any request attends.
             self.kv_cache.cache_full_blocks(request, total)
             plan.add(request, num_tokens, new_block_ids)
+            self._take_images(request, num_cached_tokens, num_tokens, encode, plan)
         for request in reversed(compiling):
             self.waiting.add_preempted(request)  # back where they were: at the front
 
@@ -265,6 +294,63 @@ class Scheduler:
         room = self.max_model_len - num_computed
         known = request.num_tokens_with_placeholders if self.async_scheduling else request.num_tokens
         return max(0, min(known - num_computed, budget, room))
+
+    # ---- images ----------------------------------------------------------------------------------
+
+    def _fit_images(self, request: Request, start: int, num_tokens: int, plan: _StepPlan) -> tuple[int, list[int]]:
+        """(tokens the step can compute of the num_tokens from `start`, the indices of the images
+        it must encode first). An image the workers do not hold and the step's encoder budget or
+        the cache cannot take ends the chunk before it."""
+        end, encode, pending, seen = start + num_tokens, [], 0, set()
+        for index, (offset, length, mm_hash) in enumerate(request.image_spans):
+            if offset >= end or offset + length <= start or mm_hash in seen or self.encoder_cache.holds(mm_hash):
+                continue
+            if pending + length > plan.encoder_budget or not self.encoder_cache.can_fit(pending + length):
+                return max(0, offset - start), encode
+            encode.append(index)
+            seen.add(mm_hash)
+            pending += length
+        return num_tokens, encode
+
+    def _take_images(self, request: Request, start: int, num_tokens: int, encode: list[int], plan: _StepPlan) -> None:
+        """The scheduled chunk's images: new cache entries for those to encode, uses of the rest."""
+        end = start + num_tokens
+        for index, (offset, length, mm_hash) in enumerate(request.image_spans):
+            if offset >= end or offset + length <= start:
+                continue
+            if index in encode:
+                self.encoder_cache.add(mm_hash, length, request.request_id)
+                plan.encode.setdefault(request.request_id, []).append(index)
+                plan.encoder_budget -= length
+            else:
+                self.encoder_cache.use(mm_hash, request.request_id)
+
+    def _release_images(self, request: Request, up_to: int | None = None) -> None:
+        """The request needs no more the images that end at or before `up_to` (None: any)."""
+        for offset, length, mm_hash in request.image_spans:
+            if up_to is None or offset + length <= up_to:
+                self.encoder_cache.release(mm_hash, request.request_id)
+
+    def _drop_planned_images(self, request: Request, plan: _StepPlan) -> None:
+        """A request taken back out of the step: the images it was to encode are encoded by
+        another request of the step that uses them, or forgotten (the workers never see them)."""
+        for index in plan.encode.pop(request.request_id, []):
+            mm_hash = request.image_spans[index][2]
+            self.encoder_cache.release(mm_hash, request.request_id)
+            heir = next(
+                (
+                    (other, i)
+                    for other, _ in plan.scheduled
+                    if other is not request
+                    for i, span in enumerate(other.image_spans)
+                    if span[2] == mm_hash and self.encoder_cache.is_used_by(mm_hash, other.request_id)
+                ),
+                None,
+            )
+            if heir is None:
+                self.encoder_cache.forget(mm_hash)
+            else:
+                plan.encode.setdefault(heir[0].request_id, []).append(heir[1])
 
     def _num_drafts_to_score(self, request: Request, budget: int) -> int:
         """How many of the request's drafts its step scores: none unless it is one token behind
@@ -300,6 +386,7 @@ class Scheduler:
         while (new_block_ids := self.kv_cache.allocate_slots(request.request_id, total)) is None:
             victim = self._preemption_victim()
             plan.remove(victim)
+            self._drop_planned_images(victim, plan)
             self._preempt(victim)
             plan.preempted.append(victim)
             if victim is request:
@@ -314,6 +401,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache.free(request.request_id)
+        self._release_images(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.on_workers = False
@@ -344,6 +432,8 @@ class Scheduler:
                     )
                 )
             request.num_computed_tokens += num_tokens
+            if request.image_spans:
+                self._release_images(request, request.num_computed_tokens)
             if request.num_scheduled_drafts:
                 spec_token_ids[request.request_id] = request.spec_token_ids[: request.num_scheduled_drafts]
             request.spec_token_ids = []
@@ -364,6 +454,8 @@ class Scheduler:
             preempted_ids=self._preempted_ids + [r.request_id for r in plan.preempted],
             structured_ids=structured_ids,
             spec_token_ids=spec_token_ids,
+            encode=plan.encode,
+            freed_mm_hashes=self.encoder_cache.take_freed(),
         )
         self._finished_ids, self._preempted_ids = [], []
         return step
@@ -379,6 +471,7 @@ class Scheduler:
             eos_token_ids=sorted(request.eos_token_ids),
             bad_words_token_ids=request.bad_words_token_ids,
             sliding_block_ids=self.kv_cache.take_sliding_block_ids(request.request_id),
+            mm_inputs=request.mm_inputs,
         )
 
     # ---- results -------------------------------------------------------------------------------
@@ -516,6 +609,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         """Forget a finished request: free its blocks, tell the workers if they hold it."""
         self.kv_cache.free(request.request_id)
+        self._release_images(request)
         if request.on_workers:
             self._finished_ids.append(request.request_id)
         del self.requests[request.request_id]

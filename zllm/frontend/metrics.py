@@ -218,6 +218,8 @@ class _EngineStats:
             ("zllm:num_preemptions", "Requests preempted by the engine.", "num_preemptions"),
             ("zllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
             ("zllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+            ("zllm:encoder_cache_queries", "Images scheduled requests needed encoded.", "encoder_cache_queries"),
+            ("zllm:encoder_cache_hits", "Images found in the workers' encoder cache.", "encoder_cache_hits"),
             ("zllm:spec_decode_num_drafts", "Requests whose drafts a step scored.", "spec_decode_num_drafts"),
             ("zllm:spec_decode_num_draft_tokens", "Draft tokens scored.", "spec_decode_num_draft_tokens"),
             ("zllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_decode_num_accepted_tokens"),

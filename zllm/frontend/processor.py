@@ -10,8 +10,9 @@ from typing import Any, Union
 
 from transformers import PreTrainedTokenizerBase
 
+from zllm.frontend.multimodal import ImageProcessor
 from zllm.grammars import grammar_of
-from zllm.ipc.messages import AddRequest
+from zllm.ipc.messages import AddRequest, ImageInput
 from zllm.pooling import PoolerConfig, PoolingParams, check_pooling
 from zllm.sampling_params import SamplingParams
 
@@ -26,7 +27,8 @@ class InputProcessor:
 
         from zllm.frontend.tokenizer import eos_token_ids
 
-        vocab_size = AutoConfig.from_pretrained(config.model).vocab_size
+        hf_config = AutoConfig.from_pretrained(config.model)
+        vocab_size = hf_config.get_text_config().vocab_size
         return cls(
             tokenizer,
             config.max_model_len,
@@ -36,6 +38,7 @@ class InputProcessor:
             max_n=config.max_n,
             scheduling_policy=config.scheduling_policy,
             pooler=config.pooler,
+            images=_image_processor(config, hf_config),
         )
 
     def __init__(
@@ -49,6 +52,7 @@ class InputProcessor:
         max_n: int = 128,
         scheduling_policy: str = "fcfs",
         pooler: PoolerConfig | None = None,
+        images: ImageProcessor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -58,6 +62,7 @@ class InputProcessor:
         self.max_n = max_n
         self.scheduling_policy = scheduling_policy
         self.pooler = pooler  # set: a pooling model, which serves pooling requests only
+        self.images = images  # set: a vision-language model, which takes images
 
     def process(
         self,
@@ -81,6 +86,7 @@ class InputProcessor:
         self._check_sampling(sampling)
         self._check_priority(priority)
         text, token_ids = (prompt.get("prompt"), prompt["prompt_token_ids"]) if tokenized else self._tokenize(prompt)
+        token_ids, mm_inputs = self._with_images(prompt, token_ids)
         self._check_length(token_ids)
         if pooling is not None:
             pooling = self._with_token_types(pooling, prompt, len(token_ids))
@@ -94,8 +100,20 @@ class InputProcessor:
             cache_salt=self._cache_salt(prompt, cache_salt),
             bad_words_token_ids=self._bad_words_token_ids(sampling.bad_words or []),
             pooling=pooling,
+            mm_inputs=mm_inputs,
         )
         return message, text
+
+    def _with_images(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], list[ImageInput]]:
+        """A prompt dict's "multi_modal_data" {"image": image or list}: the placeholders expanded."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return token_ids, []
+        if self.images is None:
+            raise ValueError("multi_modal_data: this model takes text only")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError('multi_modal_data: expected {"image": a PIL image or a list of them}')
+        return self.images.expand(token_ids, data["image"], prompt.get("mm_processor_kwargs"))
 
     def _check_task(self, pooling: PoolingParams | None) -> None:
         """A pooling model serves pooling requests only, a generative model none."""
@@ -238,3 +256,12 @@ def _check_without_tokenizer(sampling: SamplingParams) -> None:
     for name, value in needs_text.items():
         if value:
             raise ValueError(f"{name}: needs a tokenizer; this engine runs without one (skip_tokenizer_init)")
+
+
+def _image_processor(config, hf_config) -> ImageProcessor | None:
+    """A vision-language model's image processor; None for a text model."""
+    from zllm.model_spec import VISION_ARCHITECTURES, ModelSpec
+
+    if not set(getattr(hf_config, "architectures", None) or []) & set(VISION_ARCHITECTURES):
+        return None
+    return ImageProcessor(config.model, ModelSpec.from_hf_config(hf_config).vision)

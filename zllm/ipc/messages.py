@@ -26,6 +26,51 @@ class _Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, ta
     pass
 
 
+# ---- multimodal inputs (frontend -> engine core -> workers) ------------------------------------
+
+
+class ArrayData(_Message):
+    """A numpy array as raw little-endian bytes: dtype name ("float32"), shape, data."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> ArrayData:
+        import numpy as np
+
+        array = np.ascontiguousarray(array)
+        return cls(
+            array.dtype.name, list(array.shape), array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+        )
+
+    def to_numpy(self) -> np.ndarray:
+        """The array (read-only, over the message's bytes)."""
+        import numpy as np
+
+        dtype = np.dtype(self.dtype).newbyteorder("<")
+        count = 1
+        for size in self.shape:
+            count *= size
+        if len(self.data) != count * dtype.itemsize:
+            raise ValueError(f"ArrayData: {len(self.data)} bytes for shape {self.shape} of {self.dtype}")
+        return np.frombuffer(self.data, dtype=dtype).reshape(self.shape)
+
+
+class ImageInput(_Message):
+    """One image of a prompt, processed by the model's image processor in the frontend: its
+    placeholder tokens are prompt_token_ids[offset : offset + length]; `mm_hash` (hex SHA-256 of
+    the pixel values and grid) keys the workers' encoder cache and enters the prefix-cache hashes
+    of the blocks that hold its tokens."""
+
+    mm_hash: str
+    offset: int
+    length: int
+    pixel_values: ArrayData  # [patches, channels * temporal * patch * patch]
+    grid_thw: list[int]  # patches along time, height, width
+
+
 # ---- frontend -> engine core ------------------------------------------------------------------
 
 
@@ -47,6 +92,8 @@ class AddRequest(_Message):
     resumed: bool = False
     # Appended: a pooling request (embedding, classification, score): no sampling, one step.
     pooling: PoolingParams | None = None
+    # Appended: a vision-language model's images, in prompt order.
+    mm_inputs: list[ImageInput] = []
 
 
 class AbortRequests(_Message):
@@ -158,6 +205,7 @@ class NewRequestData(_Message):
     pooling: PoolingParams | None = None  # appended: a pooling request (its token types, if any)
     # A hybrid model's sliding-window layers' table (zllm/kv_layout.py); [] for other models.
     sliding_block_ids: list[int] = []
+    mm_inputs: list[ImageInput] = []  # appended: its images (encoded when StepInput.encode says)
 
 
 class CachedRequestData(_Message):
@@ -190,6 +238,11 @@ class StepInput(_Message):
     # Appended: speculative decoding. Request id -> the draft tokens this step scores after the
     # request's last known token; they are part of its num_scheduled_tokens (1 + len(drafts)).
     spec_token_ids: dict[str, list[int]] = {}
+    # Appended: the encoder cache (zllm/enginecore/encoder_cache.py). Request id -> indices of its
+    # images to encode this step (before the forward); hashes to drop first, the core having
+    # evicted them.
+    encode: dict[str, list[int]] = {}
+    freed_mm_hashes: list[str] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -15,7 +15,15 @@ import numpy as np
 import torch
 
 from zllm.config import EngineConfig
-from zllm.ipc.messages import CachedRequestData, GrammarBitmask, NewRequestData, StepInput, StepOutput, TokenLogprobs
+from zllm.ipc.messages import (
+    CachedRequestData,
+    GrammarBitmask,
+    ImageInput,
+    NewRequestData,
+    StepInput,
+    StepOutput,
+    TokenLogprobs,
+)
 from zllm.kv_layout import KVLayout, cache_bytes_per_token, cache_entry
 from zllm.model_spec import ModelSpec
 from zllm.partition import head_shards
@@ -24,6 +32,7 @@ from zllm.sampling_params import SamplingParams
 from zllm.workers.attention import KV_FP8, AttentionMetadata, pack_prefill, packed_prefill_of
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.models import build_model
+from zllm.workers.multimodal import Chunk, MRopeState, MultimodalRunner
 from zllm.workers.ops import ops_for
 from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
@@ -55,6 +64,8 @@ class RequestState:
     sliding_block_ids: list[int] = field(default_factory=list)  # a hybrid model's sliding layers' table
     # Prompt logprobs computed so far (chunked prefill); None once sent, or when not wanted.
     prompt_logprobs: list[LogprobsTensors] | None = None
+    mm_inputs: list[ImageInput] = field(default_factory=list)  # a vision-language model's images
+    mrope: MRopeState | None = None  # their M-RoPE positions
 
 
 @dataclass(slots=True)
@@ -78,6 +89,8 @@ class BatchInputs:
     scheduled_states: list[RequestState] = field(default_factory=list)
     # Speculative decoding: the drafts each sampling request is scored with (None: a step without).
     layout: DraftLayout | None = None
+    # A vision-language model's image tokens: (rows of the step, their embeddings).
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -142,6 +155,7 @@ class ModelRunner:
         self.graphs = None
         self.pieces = None  # EagerPieces / PiecewiseGraphs: steps with prefill (piecewise_cuda_graphs)
         self.proposer = None  # speculative decoding: drafts for the requests that sampled (load_model)
+        self.mm: MultimodalRunner | None = None  # a vision-language model's images (load_model)
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -158,6 +172,8 @@ class ModelRunner:
             raise OutOfDeviceMemoryError(self._weights_do_not_fit()) from None
         self.model = model.eval()
         self.proposer = make_proposer(self)
+        if self.spec.vision is not None:
+            self.mm = MultimodalRunner(self.model, self.spec.vision, self.device, self.dtype)
 
     def _weights_do_not_fit(self) -> str:
         spec = self.spec
@@ -325,6 +341,7 @@ class ModelRunner:
         self.kv_caches = []
         self.model = None
         self.proposer = None
+        self.mm = None
         self._in_flight, self._in_flight_tokens = {}, None
 
     def capture_graphs(self) -> None:
@@ -397,6 +414,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_step(self, step: StepInput) -> LaunchedStep:
         self._update_states(step)
+        if self.mm is not None:
+            self.mm.update_cache(step, self._images_of)
         launched = LaunchedStep(step_id=step.step_id)
         if step.is_empty:
             return launched
@@ -575,8 +594,14 @@ class ModelRunner:
                 del self.awaiting_prompt_logprobs[request_id]
         return done
 
+    def _images_of(self, request_id: str) -> list[ImageInput] | None:
+        state = self.requests.get(request_id)
+        return None if state is None else state.mm_inputs
+
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         meta = batch.attention
+        if batch.mm_embeds is not None or batch.positions.dim() == 2:  # images or M-RoPE: eager
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, meta, mm_embeds=batch.mm_embeds)
         num_tokens = batch.input_ids.shape[0]
         if self.graphs is not None and meta.num_decodes == num_tokens and self.graphs.bucket(num_tokens):
             return self.graphs.run(
@@ -601,6 +626,8 @@ class ModelRunner:
 
     def _add_request(self, new: NewRequestData) -> None:
         state = _state_from_new(new)
+        if self.mm is not None:
+            state.mrope = self.mm.mrope_of(state.token_ids, state.prompt_len, state.mm_inputs)
         state.row = self.sampling.add(
             new.request_id, new.sampling, state.token_ids, new.prompt_len, new.eos_token_ids, new.bad_words_token_ids
         )
@@ -640,6 +667,7 @@ class ModelRunner:
         prompt_spans: list[PromptSpan] = []
         states = []  # per attention row: a request with drafts has one per scored token
         scheduled_states = []  # per request
+        chunks: list[Chunk] = []  # a vision-language model's: each request's rows
         for i in order:
             state = self.requests[step.scheduled_ids[i]]
             drafts = step.spec_token_ids.get(state.request_id, []) if step.spec_token_ids else []
@@ -661,6 +689,8 @@ class ModelRunner:
                 fill_from.append(in_flight[1])
                 token_ids.append(0)
             token_ids.extend(drafts)  # scored after the request's last token
+            if self.mm is not None:
+                chunks.append(Chunk(state.request_id, state.mm_inputs, state.mrope, start, end, query_start_loc[-1]))
             for row_start, row_count in [(p, 1) for p in range(start, end)] if drafts else [(start, count)]:
                 starts.append(row_start)
                 seq_lens.append(row_start + row_count)
@@ -676,6 +706,7 @@ class ModelRunner:
         counts = np.diff(query_start_loc)
         num_decodes = int(np.argmin(counts == 1)) if (counts != 1).any() else len(counts)  # the leading 1-token rows
         positions = np.arange(query_start_loc[-1]) + np.repeat(np.asarray(starts) - query_start_loc[:-1], counts)
+        rope_positions = positions if self.mm is None else self.mm.rope_positions(chunks, positions)
         block_tables = self._block_tables([s.block_ids for s in states])
         rows = np.repeat(np.arange(len(states)), counts)
         slot_mapping = block_tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
@@ -700,7 +731,7 @@ class ModelRunner:
         # One host-to-device copy for every integer input of the step.
         parts = [
             token_ids,
-            positions,
+            rope_positions.ravel(),
             slot_mapping,
             seq_lens,
             logits_indices,
@@ -732,6 +763,8 @@ class ModelRunner:
         ) = (packed[bounds[k] : bounds[k + 1]] for k in range(len(parts)))
         if fill_at:
             input_ids.index_copy_(0, fill_at_t, self._in_flight_tokens[fill_from_t])
+        if rope_positions.ndim == 2:
+            positions_t = positions_t.view(3, -1)
         attention = AttentionMetadata(
             slot_mapping=slots,
             block_tables=tables.view(block_tables.shape).to(self.index_dtype),
@@ -763,6 +796,7 @@ class ModelRunner:
             prompt_spans=prompt_spans,
             scheduled_states=scheduled_states,
             layout=DraftLayout.of(sampling_drafts) if step.spec_token_ids else None,
+            mm_embeds=self.mm.embeddings(chunks) if self.mm is not None else None,
         )
 
     @staticmethod
@@ -787,6 +821,7 @@ def _state_from_new(new: NewRequestData) -> RequestState:
         num_computed_tokens=new.num_computed_tokens,
         sampling=new.sampling,
         prompt_logprobs=[] if new.sampling.prompt_logprobs is not None and fresh else None,
+        mm_inputs=list(new.mm_inputs),
     )
 
 

@@ -366,7 +366,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        x, residual = self.model.embed(input_ids), None
+        return self.forward_embeds(self.model.embed(input_ids), positions, kv_caches, meta)
+
+    def forward_embeds(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The layers over given input embeddings (a vision-language model's, images placed in)."""
+        residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x, residual = layer(x, residual, positions, self.model.rotary_of(i), kv_cache, self.model.meta_of(i, meta))
         x, _ = self.model.norm(x, residual)

@@ -1,0 +1,100 @@
+"""Images into a vision-language model's prompt, in the frontend: the model's own image
+processor from transformers resizes and normalizes them into patches, and each image placeholder
+token of the prompt becomes as many tokens as the image has merged patches.
+
+```
+ prompt ids: t t <vision_start> <image_pad> <vision_end> t       1 placeholder per image
+ processor:  pixel_values [patches, C*T*P*P], grid (t, h, w)    tokens = t*h*w / merge^2
+ out:        t t <vision_start> <image_pad> x tokens <vision_end> t, ImageInput(hash, offset, length, ...)
+```
+
+The image's hash (SHA-256 of its pixel values and grid) keys the workers' encoder cache and the
+prefix-cache hashes of its blocks, so equal images share both, whoever sent them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from zllm.ipc.messages import ArrayData, ImageInput
+from zllm.model_spec import VisionSpec
+
+
+class ImageProcessor:
+    """A vision-language model's image processor and placeholder expansion."""
+
+    def __init__(self, model_dir: str, vision: VisionSpec, processor_kwargs: dict[str, Any] | None = None) -> None:
+        self.model_dir = model_dir
+        self.vision = vision
+        self.processor_kwargs = dict(processor_kwargs or {})
+        self._processor = None  # loaded with the first image
+
+    @property
+    def processor(self):
+        if self._processor is None:
+            from transformers import AutoImageProcessor
+
+            self._processor = AutoImageProcessor.from_pretrained(self.model_dir)
+        return self._processor
+
+    def expand(
+        self, token_ids: list[int], images: Any, processor_kwargs: dict[str, Any] | None = None
+    ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with each image's placeholder expanded, and the images as messages."""
+        images = _image_list(images)
+        placeholder = self.vision.image_token_id
+        found = token_ids.count(placeholder)
+        if found != len(images):
+            raise ValueError(
+                f"multi_modal_data: {len(images)} image(s) but the prompt has {found} image placeholder(s) "
+                f"(token {placeholder}, e.g. <|vision_start|><|image_pad|><|vision_end|>)"
+            )
+        processed = iter(self._process(images, processor_kwargs))
+        expanded: list[int] = []
+        inputs: list[ImageInput] = []
+        for token in token_ids:
+            if token != placeholder:
+                expanded.append(token)
+                continue
+            values, grid = next(processed)
+            length = self.vision.tokens_of(grid)
+            inputs.append(ImageInput(_image_hash(values, grid), len(expanded), length, ArrayData.of(values), grid))
+            expanded.extend([placeholder] * length)
+        return expanded, inputs
+
+    def _process(self, images: list, processor_kwargs: dict[str, Any] | None):
+        """Each image's pixel values and grid of patches (t, h, w)."""
+        kwargs = {**self.processor_kwargs, **(processor_kwargs or {})}
+        try:
+            out = self.processor(images=images, return_tensors="np", **kwargs)
+        except (TypeError, ValueError, OSError) as error:
+            raise ValueError(f"multi_modal_data: the image processor refused the image(s): {error}") from None
+        pixels = out["pixel_values"]
+        if "image_grid_thw" not in out:  # LLaVA: [images, channels, height, width], a patch a token
+            patch = self.vision.patch_size
+            return [(values, [1, values.shape[-2] // patch, values.shape[-1] // patch]) for values in pixels]
+        per_image, first = [], 0
+        for grid in out["image_grid_thw"]:  # Qwen: every image's patches in one array
+            grid = [int(g) for g in grid]
+            patches = grid[0] * grid[1] * grid[2]
+            per_image.append((pixels[first : first + patches], grid))
+            first += patches
+        return per_image
+
+
+def _image_list(images: Any) -> list:
+    from PIL import Image
+
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    for index, image in enumerate(images):
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"multi_modal_data: image {index} must be a PIL image, got {type(image).__name__}")
+    return images
+
+
+def _image_hash(values, grid: list[int]) -> str:
+    digest = hashlib.sha256()
+    digest.update(repr((str(values.dtype), grid)).encode())
+    digest.update(values.tobytes())
+    return digest.hexdigest()
