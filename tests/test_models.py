@@ -128,11 +128,16 @@ def _hf_generate_all(model_dir, prompts, max_new_tokens):
 
 def test_every_registered_architecture_is_tested():
     """Here, or in the files of the families with their own tests (DeepSeek's MLA,
-    tests/test_deepseek_models.py; GPT-OSS, tests/test_gpt_oss_model.py)."""
+    tests/test_deepseek_models.py; GPT-OSS, tests/test_gpt_oss_model.py; the vision-language
+    models, tests/test_vision_models.py, whose cases name each tower's kind)."""
     from tests.test_deepseek_models import CASES as DEEPSEEK_CASES
+    from tests.test_vision_models import test_greedy_tokens_equal_transformers as vision_test
+    from zllm.model_spec import VISION_ARCHITECTURES
 
     cases = [*CASES.values(), *DEEPSEEK_CASES.values(), ("gpt_oss", {})]
-    assert {TINY_ARCHITECTURES[arch][1] for arch, _ in cases} == set(MODEL_REGISTRY)
+    vision_kinds = {args[0] for mark in vision_test.pytestmark if mark.name == "parametrize" for args in mark.args[1]}
+    vision = {arch for arch, kind in VISION_ARCHITECTURES.items() if kind in vision_kinds}
+    assert {TINY_ARCHITECTURES[arch][1] for arch, _ in cases} | vision == set(MODEL_REGISTRY)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
