@@ -239,12 +239,43 @@ def test_qwen3_model_last_token_embeddings_equal_transformers(tmp_path, tp):
     assert np.allclose(ours, _normalized(reference), atol=ATOL)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bidirectional_decoder_embeddings_equal_transformers(tmp_path, tp):
+    """gte-Qwen2's embedders (Qodo-Embed-1 and kin) are Qwen2Model checkpoints whose config says
+    is_causal: false; transformers' mask builder reads that flag (checked: a causal mask given
+    explicitly changes its output)."""
+    import transformers
+
+    model_dir = save_tiny_decoder(tmp_path / "gte", "Qwen2Config", "Qwen2Model", is_causal=False)
+    ours = _decoder_outputs(model_dir, tp, "embed")
+    hf = transformers.Qwen2Model.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        reference = [hf(torch.tensor([p])).last_hidden_state[0, -1].numpy() for p in DECODER_PROMPTS]
+        causal = [
+            hf(torch.tensor([p]), attention_mask=torch.full((len(p), len(p)), -torch.inf).triu(1)[None, None])
+            .last_hidden_state[0, -1]
+            .numpy()
+            for p in DECODER_PROMPTS
+        ]
+    assert np.abs(np.array(reference[:3]) - np.array(causal[:3])).max() > 1e-2  # the flag matters
+    assert np.allclose(ours, _normalized(reference), atol=ATOL)
+
+
+def test_a_bidirectional_decoder_cannot_generate(tmp_path):
+    model_dir = save_tiny_decoder(tmp_path / "gte", "Qwen2Config", "Qwen2ForCausalLM", is_causal=False)
+    with LLM(str(model_dir), device="cpu") as llm:  # a pooling model by itself
+        assert len(llm.embed({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].outputs.embedding) == 64
+    with pytest.raises(ValueError, match="is_causal: false"):
+        LLM(str(model_dir), device="cpu", runner="generate")
+
+
 @pytest.mark.parametrize(
     "config_class, model_class, num_labels, tp",
     [
         ("Qwen2Config", "Qwen2ForSequenceClassification", 3, 1),
         ("Qwen2Config", "Qwen2ForSequenceClassification", 3, 2),
         ("LlamaConfig", "LlamaForSequenceClassification", 1, 1),
+        ("LlamaConfig", "LlamaForSequenceClassification", 1, 2),
     ],
 )
 def test_decoder_sequence_classifiers_equal_transformers(tmp_path, config_class, model_class, num_labels, tp):

@@ -553,7 +553,7 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
     _require_choice(config, "convert")
     pooling = spec.pooling
     if config.runner == "auto":
-        converting = config.convert in ("embed", "classify") or declares_pooling(config.model)
+        converting = config.convert in ("embed", "classify") or declares_pooling(config.model) or spec.bidirectional
         config.runner = "pooling" if pooling is not None or converting else "generate"
     if config.runner == "generate":
         _require(
@@ -563,6 +563,12 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
             "leave --runner unset or use --runner pooling",
         )
         _require(config.convert in ("auto", "none"), "convert", "applies to --runner pooling only")
+        _require(
+            not spec.bidirectional,
+            "runner",
+            f"{spec.architecture} declares is_causal: false (bidirectional attention, an embedding model): "
+            "it cannot generate; serve it with --runner pooling",
+        )
         return
     pooling = pooling or _converted_decoder(config, spec)
     _require(

@@ -323,6 +323,9 @@ class ModelSpec:
     position_offset: int = 0
     num_labels: int = 0
     vision: VisionSpec | None = None  # a vision-language model's image side
+    # A decoder whose config says is_causal: false (gte-Qwen2's embedders, e.g. Qodo-Embed-1):
+    # every token attends to the whole input. Served by the pooling runner only.
+    bidirectional: bool = False
 
     @classmethod
     def from_hf_config(cls, hf_config) -> ModelSpec:
@@ -370,6 +373,7 @@ class ModelSpec:
             attention_sinks=arch.attention_sinks,
             quantization=None if _mxfp4_experts(hf_config, arch) else checkpoint_quantization(hf_config),
             num_labels=int(hf_config.num_labels) if pooling is not None and pooling.kind == "classify" else 0,
+            bidirectional=getattr(hf_config, "is_causal", True) is False,
             **(_gemma_fields(hf_config) if arch.gemma else {}),
         )
 

@@ -6,7 +6,8 @@ carries (q/k norms, biases, rotary scaling, MoE blocks) is the same code. Per la
 `before_attention` normalizes, projects, rotates and writes k/v into a scratch "cache" of one
 slot per token (block size 1, slot = row): the step keeps no KV cache. Attention is causal over
 groups of similar length (right-padded, so a query never sees padding), through torch's
-scaled_dot_product_attention.
+scaled_dot_product_attention; bidirectional under a key-padding mask where the config says
+`is_causal: false` (gte-Qwen2's embedders), as FlashAttention's varlen call is on CUDA.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class DecoderForPooling(LlamaForCausalLM):
         super().__init__(spec, ops, tp)
         self.lm_head = None  # hidden states are the output
         self.head = nn.Linear(spec.hidden_size, spec.num_labels, bias=False) if spec.num_labels else None
+        self.causal = not spec.bidirectional
 
     def forward(
         self,
@@ -46,9 +48,9 @@ class DecoderForPooling(LlamaForCausalLM):
             q, residual = layer.before_attention(x, residual, positions, self.model.rotary_of(index), scratch, slots)
             k, v = scratch[0, :, 0], scratch[1, :, 0]
             if isinstance(groups, PackedInputs):
-                attended = varlen_attention(q, k, v, groups, causal=True, scale=attention.scale)
+                attended = varlen_attention(q, k, v, groups, causal=self.causal, scale=attention.scale)
             else:
-                attended = torch.cat([_causal(q, k, v, g, attention.scale) for g in groups])
+                attended = torch.cat([_grouped(q, k, v, g, attention.scale, self.causal) for g in groups])
             x, residual = layer.after_attention(attended, residual)
         x, _ = self.model.norm(x, residual)
         return x
@@ -68,8 +70,11 @@ class DecoderForPooling(LlamaForCausalLM):
         return "score.weight" if name == "head.weight" else super().checkpoint_name(name, shard)
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PaddedGroup, scale: float) -> torch.Tensor:
-    """One group's causal attention: [rows, heads, d] scattered to [B, heads, T, d] and back."""
+def _grouped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PaddedGroup, scale: float, causal: bool
+) -> torch.Tensor:
+    """One group's attention: [rows, heads, d] scattered to [B, heads, T, d] and back. Causal
+    needs no mask (padding is on the right, after every query); bidirectional masks the padding."""
 
     def padded(t: torch.Tensor) -> torch.Tensor:
         return t[group.start : group.stop][group.index].transpose(1, 2)
@@ -78,5 +83,9 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PaddedGrou
     repeat = queries.shape[1] // keys.shape[1]
     if repeat > 1:  # grouped-query attention: each KV head serves `repeat` query heads
         keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
-    out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+    if causal:
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+    else:
+        mask = group.valid[:, None, None, :]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
     return group.unpadded(out)
