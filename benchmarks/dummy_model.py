@@ -7,6 +7,8 @@
     python benchmarks/dummy_model.py mixtral-8x7b /tmp/mixtral-8x7b       (MoE: 8 experts, top 2)
     python benchmarks/dummy_model.py gemma3-12b /tmp/gemma3-12b           (sliding windows, head_dim 256)
     python benchmarks/dummy_model.py phi4 /tmp/phi4                       (Phi-3 architecture, 14B)
+    python benchmarks/dummy_model.py deepseek-v2-lite /tmp/deepseek-v2-lite (MLA; 16B, 2.4B active)
+    python benchmarks/dummy_model.py gpt-oss-20b /tmp/gpt-oss-20b         (sinks, windows; MXFP4 experts)
     python benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b-bpe --tokenizer DIR
 
 --tokenizer copies a real tokenizer (tokenizer.json, tokenizer_config.json) from DIR, e.g. the
@@ -121,6 +123,89 @@ SHAPES = {
         rope_theta=250000.0,
         max_position_embeddings=16384,
         sliding_window=None,
+    ),
+    # Issue 32's shapes (the published configs). DeepSeek-V2-Lite: MLA (512 + 64 latent, no
+    # q_lora_rank), YaRN, one dense layer, then 64 routed experts (top 6) and 2 shared.
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"],
+        model_type="deepseek_v2",
+        hidden_size=2048,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vocab_size=102400,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=163840,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        bos_token_id=100000,
+        eos_token_id=100001,
+    ),
+    # gpt-oss-20b: 24 layers, sinks, a 128-token window on every other layer, 32 experts (top 4)
+    # stored as MXFP4 (dummy weights: random E2M1 codes, scales of 2^-6).
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=201088,
+        sliding_window=128,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+        attention_bias=True,
+        swiglu_limit=7.0,
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        max_position_embeddings=131072,
+        quantization_config={
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        },
+        bos_token_id=199998,
+        eos_token_id=200002,
     ),
 }
 

@@ -1,5 +1,10 @@
 """KV memory of sliding-window models: window-aware blocks (zllm/kv_layout.py) against keeping
-every block, and how many long sequences fit at once.
+every block, and how many long sequences fit at once. For an MLA model (DeepSeek) the same report
+of its latent cache, beside what per-head K and V caches of the same model would take (computed:
+heads x (qk_head_dim + v_head_dim) values a token a layer) and how many sequences those would fit.
+
+    python benchmarks/dummy_model.py deepseek-v2-lite /tmp/deepseek-v2-lite
+    python benchmarks/window_memory.py --model /tmp/deepseek-v2-lite --max-model-len 8192
 
     python benchmarks/dummy_model.py gemma3-12b /tmp/gemma3-12b
     python benchmarks/window_memory.py --model /tmp/gemma3-12b --max-model-len 32768
@@ -23,7 +28,7 @@ import time
 import torch
 
 from zllm import LLMEngine, SamplingParams
-from zllm.kv_layout import KVLayout
+from zllm.kv_layout import KVLayout, cache_bytes_per_token, cache_entry
 from zllm.model_spec import ModelSpec
 from zllm.workers.model_runner import resolve_dtype
 
@@ -68,18 +73,30 @@ def _describe(engine: LLMEngine, args) -> dict:
         if config.kv_cache_dtype.startswith("fp8")
         else resolve_dtype(config.dtype, device, spec.checkpoint_dtype).itemsize
     )
-    layer_block_bytes = 2 * spec.num_kv_heads * spec.head_dim * kv_bytes * config.block_size
+    parts, heads, values = cache_entry(spec, spec.num_kv_heads // config.tensor_parallel_size)
+    layer_block_bytes = parts * heads * values * kv_bytes * config.block_size
     per_sequence = sum(
         len(g.layers) * layout.steady_blocks(config.max_model_len, g.window) * layer_block_bytes for g in core.kv_groups
     )
+    kv_cache_bytes = core.num_kv_blocks * spec.num_layers * layer_block_bytes
+    mla = {}
+    if spec.mla is not None:  # what the same model would hold with per-head K and V (computed)
+        per_head_token = spec.num_layers * spec.num_heads * (spec.mla.qk_head_dim + spec.mla.v_head_dim) * kv_bytes
+        per_head_token //= config.tensor_parallel_size
+        mla = {
+            "kv_bytes_per_token": cache_bytes_per_token(spec, heads, kv_bytes),
+            "per_head_kv_bytes_per_token_computed": per_head_token,
+            "per_head_max_concurrency_computed": kv_cache_bytes / (per_head_token * config.max_model_len),
+        }
     return {
         "mode": "every block" if args.disable_hybrid_kv_cache_manager else "window-aware",
         "max_model_len": config.max_model_len,
         "num_kv_blocks": core.num_kv_blocks,
-        "kv_cache_gib": core.num_kv_blocks * spec.num_layers * layer_block_bytes / 2**30,
+        "kv_cache_gib": kv_cache_bytes / 2**30,
         "groups": [{"layers": len(g.layers), "window": g.window, "blocks": g.num_blocks} for g in core.kv_groups],
         "kv_gib_per_sequence": per_sequence / 2**30,
         "max_concurrency": core.max_concurrency,
+        **mla,
     }
 
 

@@ -145,3 +145,19 @@ def test_latent_cache_sizes_the_blocks(tmp_path):
         assert llm.engine.core.executor.runner.kv_caches[0].shape == (1, llm.engine.core.num_kv_blocks, 16, 1, latent)
     finally:
         llm.shutdown()
+
+
+def test_what_is_not_supported_is_refused_before_any_worker(tmp_path):
+    """A V2 config asking for V3's routing (HF's V2 router has none), and an FP8 KV cache for the
+    latent cache: refused by the frontend, naming what."""
+    from transformers import AutoConfig
+
+    from zllm.model_spec import ModelSpec
+
+    model_dir = _save(tmp_path, "v2")
+    config = AutoConfig.from_pretrained(model_dir)
+    config.topk_method = "noaux_tc"
+    with pytest.raises(ValueError, match="^model: topk_method 'noaux_tc' is not supported"):
+        ModelSpec.from_hf_config(config)
+    with pytest.raises(ValueError, match="kv_cache_dtype.*latent \\(MLA\\) cache"):
+        LLM(str(model_dir), dtype="float32", kv_cache_dtype="fp8")

@@ -106,3 +106,14 @@ def test_mxfp4_matches_hf_at_tp2(tmp_path):
     model_dir = _save(tmp_path, mxfp4=True)
     tokens, _ = _engine_tokens(model_dir, PROMPTS, tensor_parallel_size=2, kv_cache_memory_bytes=4 << 20)
     assert tokens == _hf_tokens(model_dir, PROMPTS)
+
+
+def test_dummy_mxfp4_experts_are_the_same_model_at_tp1_and_tp2(tmp_path):
+    """--load-format dummy fills MXFP4's stored tensors (random codes, small exponents) the same on
+    every rank, as every other dummy tensor: tp 2 gives tp 1's tokens (the benchmarks' gpt-oss
+    shape relies on it)."""
+    model_dir = _save(tmp_path, mxfp4=True)
+    tp1, _ = _engine_tokens(model_dir, PROMPTS[:2], load_format="dummy")
+    tp2, _ = _engine_tokens(model_dir, PROMPTS[:2], load_format="dummy", tensor_parallel_size=2)
+    assert tp1 == tp2
+    assert len({tuple(t) for t in tp1[0:1] + tp1[1:2]}) == 2  # not a constant model

@@ -588,7 +588,7 @@ class MoeSpec:
         always noaux_tc); V2 never renormalizes, V3 per norm_topk_prob."""
         v3 = hf_config.model_type == "deepseek_v3"
         routing = "noaux_tc" if v3 else (getattr(hf_config, "topk_method", None) or "greedy")
-        if routing not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        if routing not in ("greedy", "group_limited_greedy", "noaux_tc") or (routing == "noaux_tc") != v3:
             raise ValueError(f"model: topk_method {routing!r} is not supported (greedy, group_limited_greedy)")
         grouped = routing != "greedy"
         n_group = int(hf_config.n_group or 1) if grouped else 1

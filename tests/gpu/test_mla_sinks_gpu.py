@@ -101,7 +101,9 @@ def _engine_vs_hf(model_dir, prompts, max_tokens=12, **engine_args):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager").eval()
     expected = [hf_greedy(hf, p, max_tokens, eos_token_id=None) for p in prompts]
     del hf
-    llm = LLM(str(model_dir), dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True, **engine_args)
+    llm = LLM(
+        str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True, **engine_args
+    )
     try:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],

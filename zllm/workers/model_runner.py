@@ -356,10 +356,9 @@ class ModelRunner:
         if self.config.enforce_eager:
             return
         if self.spec.mla is not None or self.spec.attention_sinks:
-            # MLA's and the sinks' attention is the torch path, which sizes its work on the host.
-            logger.info(
-                "decode CUDA graphs off: %s's attention runs in torch (no csrc kernel yet)", self.spec.architecture
-            )
+            # Around their decode kernels (csrc/mla_kernels.cu), MLA's and the sinks' attention
+            # pick kernels and pad work by values read on the host: not yet graph-safe.
+            logger.info("decode CUDA graphs off: not yet for %s's attention", self.spec.architecture)
             return
         if self.spec.moe is not None and not self.ops.fuses_moe(self.dtype):
             # The torch expert loop picks the experts on the host (a sync): no graph can hold it.

@@ -31,6 +31,7 @@ from zllm.workers.layers import (
     rope_uses_long_factors,
     rounded_to,
 )
+from zllm.workers.models.gpt_oss import GptOssMoeBlock
 from zllm.workers.models.moe import Experts, SparseMoeBlock
 from zllm.workers.ops import TorchOps
 from zllm.workers.parallel_layers import (
@@ -223,8 +224,6 @@ class LlamaDecoderLayer(nn.Module):
         else:
             self.self_attn = LlamaAttention(spec, ops, tp, quant, index)
         if spec.moe is not None and index in spec.moe.layers and spec.moe.format.gpt_oss:
-            from zllm.workers.models.gpt_oss import GptOssMoeBlock  # gpt_oss.py builds on models/moe.py
-
             self.mlp = GptOssMoeBlock(spec, tp)
         elif spec.moe is not None and index in spec.moe.layers:
             self.mlp = SparseMoeBlock(spec, ops, tp)

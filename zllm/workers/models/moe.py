@@ -28,11 +28,12 @@ from zllm.workers.parallel_layers import ColumnParallelLinear, FusedPart, LoadTa
 
 class Router(nn.Module):
     """The replicated gate: hidden -> one logit per expert (no bias in any supported model).
-    correction_bias: DeepSeek-V3's e_score_correction_bias, one fp32 value per expert."""
+    fp32: DeepSeek's gate, which HF keeps in fp32 whatever the model dtype; correction_bias:
+    DeepSeek-V3's e_score_correction_bias, one fp32 value per expert."""
 
-    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = False, fp32: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32 if fp32 else None))
         if correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
@@ -117,7 +118,8 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp
         self.fp32_weights = moe.format.fp32_routing_weights
         span = even_split(moe.intermediate_size, tp.size, tp.rank)
-        self.gate = Router(spec.hidden_size, moe.num_experts, correction_bias=moe.routing == "noaux_tc")
+        deepseek = moe.routing != "softmax"
+        self.gate = Router(spec.hidden_size, moe.num_experts, correction_bias=moe.routing == "noaux_tc", fp32=deepseek)
         self.experts = Experts(moe.num_experts, spec.hidden_size, moe.intermediate_size, span)
         self.shared_expert = self.shared_expert_gate = self.shared_experts = None
         if moe.shared_expert_intermediate_size and moe.shared_expert_gated:  # Qwen2-MoE
