@@ -11,6 +11,8 @@ VOCAB = 256
 VISION_START, IMAGE_PAD, VISION_END = 253, 254, 255
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 LLAVA_PLACEHOLDER = "<image>"
+# Each message's content and a space: the text the tests' references tokenize.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 SPECIAL_TOKENS = {  # kind -> the tokens at ids 253, 254, 255
     "qwen2_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
     "qwen2_5_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
@@ -128,6 +130,7 @@ def _save_tokenizer(directory: Path, kind: str) -> None:
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t2", bos_token="t1")
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[kind]})
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
 
 
