@@ -69,6 +69,12 @@ def test_greedy_tokens_equal_transformers(models, expected, kind, tp, max_num_ba
         assert _generate(llm, _cases(kind)) == expected[kind]
 
 
+def test_every_vision_architecture_is_tested(models):
+    from zllm.model_spec import VISION_ARCHITECTURES
+
+    assert set(VISION_ARCHITECTURES.values()) == set(models)
+
+
 def test_different_images_differ_and_never_share_prefix_blocks(models):
     """Two pictures of one size (so equal token ids) in one text: different outputs, each
     transformers' own, though the second request finds the first's blocks in the prefix cache

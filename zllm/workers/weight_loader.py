@@ -95,7 +95,7 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
     tp N can be checked against tp 1 without a checkpoint), and no rank materialises a full tensor.
     """
     for name, shard in model.expected_checkpoint_tensors():
-        where = model.load_target(name, shard)
+        where = _as_matrix(model.load_target(name, shard))
         if name.endswith("norm.weight"):
             where.dest.fill_(1.0)
         elif where.store is None:
@@ -104,6 +104,15 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
             values = torch.empty(where.dest.shape, dtype=torch.float32, device=where.dest.device)
             _fill_hashed(values, where, _stable_seed(seed, name, shard))
             where.fill(values)
+
+
+def _as_matrix(where: LoadTarget) -> LoadTarget:
+    """A whole tensor of more than two dimensions (a vision tower's convolution) as rows x columns."""
+    if where.dest.dim() <= 2 or where.store is not None:
+        return where
+    rows = where.dest.shape[0]
+    columns = where.dest[0].numel()
+    return LoadTarget(where.dest.view(rows, columns), (rows, columns), (slice(None), slice(None)))
 
 
 _DUMMY_STD = 0.02
