@@ -22,6 +22,8 @@ those of the text model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -136,15 +138,16 @@ class VisionAttention(nn.Module):
         self.qkv = column(dim, dim, tp, parts=3)
         self.proj = row(dim, dim, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-        """Bidirectional attention within each segment bounds[i]:bounds[i + 1]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segments]) -> torch.Tensor:
+        """Bidirectional attention within each segment (a frame, or a window)."""
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
         q = apply_rotary(q.float(), cos, sin).to(x.dtype)
         k = apply_rotary(k.float(), cos, sin).to(x.dtype)
         out = torch.empty_like(q)
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            seg = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
-            out[start:end] = F.scaled_dot_product_attention(*seg)[0].transpose(0, 1)
+        for group in segments:  # segments of one length in one batched call
+            shape = (group.count, group.length, self.num_heads, q.shape[-1])
+            seg = [t[group.rows].view(shape).transpose(1, 2) for t in (q, k, v)]
+            out[group.rows] = F.scaled_dot_product_attention(*seg).transpose(1, 2).reshape(-1, *q.shape[1:])
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -177,8 +180,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(v.hidden_size, v.num_heads, tp)
         self.mlp = VisionMLP(v, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, bounds)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segments]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -221,10 +224,11 @@ class VisionTransformer(nn.Module):
             dim=-1,
         )
         cos, sin = angles.cos(), angles.sin()
-        frames = list(range(0, t * h * w + 1, h * w))
+        frames = segments_of(list(range(0, t * h * w + 1, h * w)), device)
         windows, order = frames, None
         if v.kind == "qwen2_5_vl":
-            order, windows = _window_order(t, h, w, v)
+            order, bounds = _window_order(t, h, w, v)
+            windows = segments_of(bounds, device)
             patch_order = torch.as_tensor(
                 (order[:, None] * v.merge_unit + np.arange(v.merge_unit)).ravel(), device=device
             )
@@ -236,6 +240,31 @@ class VisionTransformer(nn.Module):
         if order is not None:
             merged = merged[torch.as_tensor(np.argsort(order), device=device)]
         return merged
+
+
+@dataclass(slots=True)
+class Segments:
+    """Attention segments of one length: `count` of `length` rows each, at `rows` (in order)."""
+
+    rows: torch.Tensor
+    count: int
+    length: int
+
+
+def segments_of(bounds: list[int], device: torch.device) -> list[Segments]:
+    """Segments bounds[i]:bounds[i + 1] grouped by length, so that each length is one batched
+    attention call (Qwen2.5-VL's windows are mostly of one size)."""
+    by_length: dict[int, list[int]] = {}
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        by_length.setdefault(end - start, []).append(start)
+    return [
+        Segments(
+            torch.as_tensor((np.asarray(starts)[:, None] + np.arange(length)).ravel(), device=device),
+            len(starts),
+            length,
+        )
+        for length, starts in by_length.items()
+    ]
 
 
 def _patch_coordinates(t: int, h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
