@@ -128,3 +128,24 @@ def test_llm_chat_takes_image_parts(model):
         )
     ids, text = _expected(reference, [first, second])
     assert (out[0].prompt_token_ids, out[0].outputs[0].text.split()) == (ids, text)
+
+
+@pytest.fixture(scope="module")
+def http_media(media):
+    """The media folder served over HTTP on a free local port."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(media))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_an_http_image_is_fetched(client, model, http_media):
+    _, text = _expected(model[1], [picture(120, 90, 0)])
+    assert _chat(client, f"{http_media}/landscape.png").choices[0].message.content.split() == text
+    with pytest.raises(openai.BadRequestError, match="answered HTTP 404"):
+        _chat(client, f"{http_media}/missing.png")
