@@ -9,6 +9,7 @@
     python benchmarks/dummy_model.py phi4 /tmp/phi4                       (Phi-3 architecture, 14B)
     python benchmarks/dummy_model.py deepseek-v2-lite /tmp/deepseek-v2-lite (MLA; 16B, 2.4B active)
     python benchmarks/dummy_model.py gpt-oss-20b /tmp/gpt-oss-20b         (sinks, windows; MXFP4 experts)
+    python benchmarks/dummy_model.py qwen2.5-vl-7b /tmp/qwen2.5-vl-7b     (vision-language: benchmarks/vision.py)
     python benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b-bpe --tokenizer DIR
 
 --tokenizer copies a real tokenizer (tokenizer.json, tokenizer_config.json) from DIR, e.g. the
@@ -254,10 +255,97 @@ def write_dummy_model(shape: str, target: Path, tokenizer: Path | None = None) -
     return target
 
 
+# Qwen2.5-VL-7B-Instruct's published config (issue 35's benchmark shape): the Qwen2 decoder with
+# M-RoPE and the 32-block vision tower (window attention but in blocks 7, 15, 23, 31).
+QWEN25_VL_7B = dict(
+    architectures=["Qwen2_5_VLForConditionalGeneration"],
+    model_type="qwen2_5_vl",
+    torch_dtype="bfloat16",
+    image_token_id=151655,
+    video_token_id=151656,
+    vision_start_token_id=151652,
+    vision_end_token_id=151653,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    tie_word_embeddings=False,
+    text_config=dict(
+        model_type="qwen2_5_vl_text",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=128000,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+        hidden_act="silu",
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+    vision_config=dict(
+        model_type="qwen2_5_vl",
+        depth=32,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        out_hidden_size=3584,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[7, 15, 23, 31],
+        hidden_act="silu",
+        in_chans=3,
+        tokens_per_second=2,
+    ),
+)
+QWEN_VISION_TOKENS = {"<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655}
+
+
+def write_dummy_vlm(target: Path) -> Path:
+    """Qwen2.5-VL-7B's shape: config.json, the image processor's config (Qwen's defaults) and a
+    word-level tokenizer whose vision tokens sit at Qwen's ids (t<i> for every other id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(QWEN25_VL_7B, indent=2))
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": QWEN25_VL_7B["eos_token_id"]}))
+    preprocessor = dict(
+        image_processor_type="Qwen2VLImageProcessor",
+        do_convert_rgb=True,
+        do_normalize=True,
+        do_rescale=True,
+        do_resize=True,
+        image_mean=[0.48145466, 0.4578275, 0.40821073],
+        image_std=[0.26862954, 0.26130258, 0.27577711],
+        merge_size=2,
+        patch_size=14,
+        temporal_patch_size=2,
+        resample=3,
+        rescale_factor=1 / 255,
+        size={"shortest_edge": 3136, "longest_edge": 12845056},
+    )
+    (target / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    special = {i: name for name, i in QWEN_VISION_TOKENS.items()}
+    vocab = {special.get(i, f"t{i}"): i for i in range(QWEN25_VL_7B["text_config"]["vocab_size"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t151645", bos_token="t151643")
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VISION_TOKENS)})
+    tokenizer.save_pretrained(target)
+    return target
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("shape", choices=sorted([*SHAPES, "qwen2.5-vl-7b"]))
     parser.add_argument("target", type=Path)
     parser.add_argument("--tokenizer", type=Path, default=None, help="copy this directory's tokenizer")
     args = parser.parse_args()
-    print(write_dummy_model(args.shape, args.target, args.tokenizer))
+    if args.shape == "qwen2.5-vl-7b":
+        print(write_dummy_vlm(args.target))
+    else:
+        print(write_dummy_model(args.shape, args.target, args.tokenizer))

@@ -15,6 +15,7 @@ from tests.helpers.engine import PROMPTS, engine_generate_all
 from tests.helpers.models import TINY_ARCHITECTURES, hf_greedy, save_tiny_llama, save_tiny_model
 from tests.helpers.server import start_server
 from zllm import LLM, LLMEngine, SamplingParams
+from zllm.model_spec import VISION_ARCHITECTURES
 from zllm.workers.models import MODEL_REGISTRY
 from zllm.workers.weight_loader import checkpoint_files
 
@@ -132,7 +133,6 @@ def test_every_registered_architecture_is_tested():
     models, tests/test_vision_models.py, whose cases name each tower's kind)."""
     from tests.test_deepseek_models import CASES as DEEPSEEK_CASES
     from tests.test_vision_models import test_greedy_tokens_equal_transformers as vision_test
-    from zllm.model_spec import VISION_ARCHITECTURES
 
     cases = [*CASES.values(), *DEEPSEEK_CASES.values(), ("gpt_oss", {})]
     vision_kinds = {args[0] for mark in vision_test.pytestmark if mark.name == "parametrize" for args in mark.args[1]}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.vision import LLAVA_PLACEHOLDER, PLACEHOLDER, HFReference, picture, save_tiny_vlm
+from tests.helpers.vision import IMAGE_PAD, LLAVA_PLACEHOLDER, PLACEHOLDER, HFReference, picture, save_tiny_vlm
 from zllm import LLM, SamplingParams
 
 MAX_TOKENS = 8
@@ -69,6 +69,12 @@ def test_greedy_tokens_equal_transformers(models, expected, kind, tp, max_num_ba
         assert _generate(llm, _cases(kind)) == expected[kind]
 
 
+def test_every_vision_architecture_is_tested(models):
+    from zllm.model_spec import VISION_ARCHITECTURES
+
+    assert set(VISION_ARCHITECTURES.values()) == set(models)
+
+
 def test_different_images_differ_and_never_share_prefix_blocks(models):
     """Two pictures of one size (so equal token ids) in one text: different outputs, each
     transformers' own, though the second request finds the first's blocks in the prefix cache
@@ -115,3 +121,34 @@ def test_preempted_requests_resume_from_the_encoder_cache(models, expected):
     assert outputs == expected["qwen2_vl"]
     assert stats.num_preemptions > 0
     assert stats.encoder_cache_hits > 0
+
+
+def test_processor_kwargs_limits_and_refusals(models):
+    """--mm-processor-kwargs reach the image processor (a prompt's own override them), more
+    images than --limit-mm-per-prompt or than placeholders are refused, naming the field."""
+    directory = models["qwen2_vl"][0]
+    image = picture(*PICTURES["wide"])
+    text = f"t5 {PLACEHOLDER} t6"
+    with LLM(
+        str(directory),
+        dtype="float32",
+        limit_mm_per_prompt={"image": 1},
+        mm_processor_kwargs={"max_pixels": 28 * 28 * 4},
+    ) as llm:
+        small = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+        larger = llm.generate(
+            {"prompt": text, "multi_modal_data": {"image": image}, "mm_processor_kwargs": {"max_pixels": 28 * 28 * 16}},
+            GREEDY,
+            use_tqdm=False,
+        )
+        assert small[0].prompt_token_ids.count(IMAGE_PAD) == 4
+        assert 4 < larger[0].prompt_token_ids.count(IMAGE_PAD) <= 16
+        with pytest.raises(ValueError, match="more than the 1 a prompt may carry"):
+            llm.generate({"prompt": text + f" {PLACEHOLDER}", "multi_modal_data": {"image": [image, image]}}, GREEDY)
+        with pytest.raises(ValueError, match="1 image.* but the prompt has 0 image placeholder"):
+            llm.generate({"prompt": "t5 t6", "multi_modal_data": {"image": image}}, GREEDY)
+        with pytest.raises(ValueError, match="must be a PIL image"):
+            llm.generate({"prompt": text, "multi_modal_data": {"image": "picture.png"}}, GREEDY)
+        # The engine goes on.
+        again = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+        assert again[0].outputs[0].token_ids == small[0].outputs[0].token_ids

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from zllm.ipc.addresses import is_loopback_tcp
 from zllm.model_spec import ModelSpec
@@ -238,6 +239,15 @@ class EngineConfig:
     # threads that compile one and fill a step's bitmask rows.
     grammar_cache_size: int = 1024
     grammar_threads: int = 4
+    # Vision-language models (docs/api.md, "Images"): the most items of each modality one prompt
+    # may carry ({"image": 2}; a modality left out: no limit), keyword arguments for the model's
+    # image processor (Qwen's min_pixels / max_pixels), the folder under which the HTTP API may
+    # read local images (None: none), and the bounds on fetching an image by URL.
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    allowed_local_media_path: str | None = None
+    media_fetch_timeout_s: float = 10.0
+    max_media_bytes: int = 20 << 20
     # Tensor parallelism across nodes: the tp ranks split evenly over `nnodes` machines; node 0
     # (the head) runs the frontend, the engine core and ranks 0 .. tp/nnodes - 1, every other node
     # runs `vllm-launch --headless` (its workers only). torch.distributed meets at
@@ -374,6 +384,14 @@ class EngineConfig:
         )
         _require(self.grammar_cache_size >= 1, "grammar_cache_size", f"must be >= 1, got {self.grammar_cache_size}")
         _require(self.grammar_threads >= 1, "grammar_threads", f"must be >= 1, got {self.grammar_threads}")
+        _require(
+            set(self.limit_mm_per_prompt) <= {"image"}
+            and all(isinstance(n, int) and n >= 0 for n in self.limit_mm_per_prompt.values()),
+            "limit_mm_per_prompt",
+            f'must map "image" to a count >= 0, got {self.limit_mm_per_prompt!r}',
+        )
+        _require(self.media_fetch_timeout_s > 0, "media_fetch_timeout_s", "must be > 0")
+        _require(self.max_media_bytes > 0, "max_media_bytes", "must be > 0")
         _require(
             self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}"
         )

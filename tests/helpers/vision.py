@@ -11,6 +11,8 @@ VOCAB = 256
 VISION_START, IMAGE_PAD, VISION_END = 253, 254, 255
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 LLAVA_PLACEHOLDER = "<image>"
+# Each message's content and a space: the text the tests' references tokenize.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 SPECIAL_TOKENS = {  # kind -> the tokens at ids 253, 254, 255
     "qwen2_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
     "qwen2_5_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
@@ -18,9 +20,11 @@ SPECIAL_TOKENS = {  # kind -> the tokens at ids 253, 254, 255
 }
 
 
-def save_tiny_vlm(directory: Path, kind: str = "qwen2_vl") -> Path:
+def save_tiny_vlm(directory: Path, kind: str = "qwen2_vl", **text_overrides) -> Path:
     """A random model of `kind` ("qwen2_vl", "qwen2_5_vl" or "llava"), biases and norms
-    randomised too, with a processor that makes 4..48 tokens an image (LLaVA: 56 x 56 pixels, 16)."""
+    randomised too, with a processor that makes 4..48 tokens an image (LLaVA: 56 x 56 pixels, 16).
+    text_overrides: the language model's config (wider heads for the GPU kernels); M-RoPE's
+    sections follow its head_dim in Qwen's 2:3:3."""
     import torch
     import transformers
 
@@ -35,8 +39,11 @@ def save_tiny_vlm(directory: Path, kind: str = "qwen2_vl") -> Path:
         rms_norm_eps=1e-5,
         bos_token_id=1,
         eos_token_id=2,
-        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
     )
+    text.update(text_overrides)
+    pairs = text["hidden_size"] // text["num_attention_heads"] // 2
+    sections = [pairs // 4, pairs * 3 // 8]
+    text["rope_scaling"] = {"type": "mrope", "mrope_section": [*sections, pairs - sum(sections)]}
     if kind == "llava":
         return _save_tiny_llava(directory, text)
     if kind == "qwen2_vl":
@@ -45,7 +52,9 @@ def save_tiny_vlm(directory: Path, kind: str = "qwen2_vl") -> Path:
             transformers.Qwen2VLForConditionalGeneration,
             transformers.Qwen2VLImageProcessor,
         )
-        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, hidden_act="quick_gelu")
+        vision = dict(
+            depth=2, embed_dim=32, hidden_size=text["hidden_size"], num_heads=4, mlp_ratio=2, hidden_act="quick_gelu"
+        )
     else:
         config_class, model_class, processor_class = (
             transformers.Qwen2_5_VLConfig,
@@ -58,7 +67,7 @@ def save_tiny_vlm(directory: Path, kind: str = "qwen2_vl") -> Path:
             hidden_size=32,
             intermediate_size=48,
             num_heads=4,
-            out_hidden_size=64,
+            out_hidden_size=text["hidden_size"],
             window_size=112,
             fullatt_block_indexes=[1],
             hidden_act="silu",
@@ -128,6 +137,7 @@ def _save_tokenizer(directory: Path, kind: str) -> None:
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t2", bos_token="t1")
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[kind]})
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
 
 
@@ -149,13 +159,13 @@ def picture(width: int, height: int, seed: int):
 class HFReference:
     """transformers' processor and model of a checkpoint, for greedy references."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, device: str = "cpu") -> None:
         import torch
         from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
 
     def greedy(self, prompt: str, images: list, max_new_tokens: int) -> tuple[list[int], list[int]]:
         """The processor's output (placeholders expanded) and the model's greedy tokens:
@@ -181,10 +191,12 @@ class HFReference:
                     image_grid_thw=out["image_grid_thw"],
                     mm_token_type_ids=torch.tensor([[int(t == IMAGE_PAD) for t in ids]]),
                 )
+        device = self.model.device
+        kwargs = {k: v.to(device) for k, v in kwargs.items()}
         with torch.inference_mode():
             generated = self.model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 eos_token_id=None,

@@ -14,7 +14,10 @@ prefix-cache hashes of its blocks, so equal images share both, whoever sent them
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import io
 from typing import Any
 
 from zllm.ipc.messages import ArrayData, ImageInput
@@ -24,11 +27,31 @@ from zllm.model_spec import VisionSpec
 class ImageProcessor:
     """A vision-language model's image processor and placeholder expansion."""
 
-    def __init__(self, model_dir: str, vision: VisionSpec, processor_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        vision: VisionSpec,
+        processor_kwargs: dict[str, Any] | None = None,
+        limit: int | None = None,
+    ) -> None:
+        """processor_kwargs: the engine's (--mm-processor-kwargs; a prompt's own override them);
+        limit: the most images a prompt may carry (--limit-mm-per-prompt), None: no limit."""
         self.model_dir = model_dir
         self.vision = vision
         self.processor_kwargs = dict(processor_kwargs or {})
+        self.limit = limit
         self._processor = None  # loaded with the first image
+
+    @property
+    def placeholder(self) -> str:
+        """The text that stands for one image in a prompt (the chat API writes it per image part)."""
+        return "<image>" if self.vision.kind == "llava" else "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def check_count(self, count: int) -> None:
+        if self.limit is not None and count > self.limit:
+            raise ValueError(
+                f"multi_modal_data: {count} images, more than the {self.limit} a prompt may carry (--limit-mm-per-prompt)"
+            )
 
     @property
     def processor(self):
@@ -98,3 +121,58 @@ def _image_hash(values, grid: list[int]) -> str:
     digest.update(repr((str(values.dtype), grid)).encode())
     digest.update(values.tobytes())
     return digest.hexdigest()
+
+
+def chat_images(messages: list[dict], images: ImageProcessor | None) -> tuple[list[dict], list]:
+    """A conversation's content parts for LLM.chat: text parts joined, each image part
+    ({"type": "image_url", "image_url": {"url": "data:..."}} or vLLM's {"type": "image_pil",
+    "image_pil": image}) replaced by the model's placeholder; the images, in order."""
+    found: list = []
+    result = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            result.append(message)
+            continue
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                texts.append(part.get("text", ""))
+                continue
+            if kind not in ("image_url", "image_pil"):
+                raise ValueError(f"messages: unknown content part {kind!r} (text, image_url, image_pil)")
+            if images is None:
+                raise ValueError("messages: image parts need a vision-language model; this one takes text only")
+            if kind == "image_pil":
+                found.append(part["image_pil"])
+            else:
+                url = (part.get("image_url") or {}).get("url", "")
+                if not url.startswith("data:"):
+                    raise ValueError("messages: LLM.chat takes image_url parts as data: URLs (or image_pil parts)")
+                found.append(decode_image(read_data_url(url, len(found)), len(found)))
+            texts.append(images.placeholder)
+        result.append({**message, "content": "\n".join(texts)})
+    return result, found
+
+
+def decode_image(data: bytes, index: int = 0):
+    """An image's bytes as a loaded RGB PIL image; a ValueError if they are not one."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
+        raise ValueError(f"messages: image {index} cannot be decoded: {error}") from None
+
+
+def read_data_url(url: str, index: int = 0) -> bytes:
+    """The bytes of a `data:[<type>];base64,<data>` URL."""
+    header, comma, payload = url.partition(",")
+    if not comma or not header.endswith(";base64"):
+        raise ValueError(f"messages: image {index}: a data URL must be data:<type>;base64,<data>")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"messages: image {index}: the data URL is not valid base64") from None

@@ -105,7 +105,10 @@ class InputProcessor:
         return message, text
 
     def _with_images(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], list[ImageInput]]:
-        """A prompt dict's "multi_modal_data" {"image": image or list}: the placeholders expanded."""
+        """A prompt dict's "multi_modal_data" {"image": image or list}: the placeholders expanded;
+        or its "mm_inputs", images the HTTP API processed already (off the serving loop)."""
+        if isinstance(prompt, dict) and prompt.get("mm_inputs"):
+            return token_ids, self._checked_inputs(token_ids, prompt["mm_inputs"])
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not data:
             return token_ids, []
@@ -113,7 +116,20 @@ class InputProcessor:
             raise ValueError("multi_modal_data: this model takes text only")
         if not isinstance(data, dict) or set(data) - {"image"}:
             raise ValueError('multi_modal_data: expected {"image": a PIL image or a list of them}')
-        return self.images.expand(token_ids, data["image"], prompt.get("mm_processor_kwargs"))
+        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        self.images.check_count(len(images))
+        return self.images.expand(token_ids, images, prompt.get("mm_processor_kwargs"))
+
+    def _checked_inputs(self, token_ids: list[int], inputs: list[ImageInput]) -> list[ImageInput]:
+        if self.images is None:
+            raise ValueError("multi_modal_data: this model takes text only")
+        self.images.check_count(len(inputs))
+        placeholder = self.images.vision.image_token_id
+        for image in inputs:
+            span = token_ids[image.offset : image.offset + image.length]
+            if image.length < 1 or len(span) != image.length or any(t != placeholder for t in span):
+                raise ValueError("multi_modal_data: an image's tokens are not its placeholders in the prompt")
+        return list(inputs)
 
     def _check_task(self, pooling: PoolingParams | None) -> None:
         """A pooling model serves pooling requests only, a generative model none."""
@@ -264,4 +280,5 @@ def _image_processor(config, hf_config) -> ImageProcessor | None:
 
     if not set(getattr(hf_config, "architectures", None) or []) & set(VISION_ARCHITECTURES):
         return None
-    return ImageProcessor(config.model, ModelSpec.from_hf_config(hf_config).vision)
+    vision = ModelSpec.from_hf_config(hf_config).vision
+    return ImageProcessor(config.model, vision, config.mm_processor_kwargs, config.limit_mm_per_prompt.get("image"))

@@ -329,9 +329,11 @@ class FrontendServer:
         self.clients[identity] = _Client(last_seen=time.monotonic(), inbox=inbox)
         return identity, inbox
 
-    async def submit(self, identity: bytes, message: ClientToServer) -> None:
-        """Handle a message from a local client exactly as one that came over the socket."""
-        await self._dispatch(identity, message)
+    async def submit(self, identity: bytes, message: ClientToServer, mm_inputs: list | None = None) -> None:
+        """Handle a message from a local client exactly as one that came over the socket.
+        mm_inputs: the images of a ClientGenerate whose prompt_token_ids hold their expanded
+        placeholders (the HTTP API processed them)."""
+        await self._dispatch(identity, message, mm_inputs)
 
     async def close_local_client(self, identity: bytes) -> None:
         """Forget a local client and abort its unfinished requests."""
@@ -363,13 +365,13 @@ class FrontendServer:
                     identity, ServerError(request_id, f"internal error: {type(error).__name__}", "internal")
                 )
 
-    async def _dispatch(self, identity: bytes, message) -> None:
+    async def _dispatch(self, identity: bytes, message, mm_inputs: list | None = None) -> None:
         if not self._authorized(identity, message):
             request_id, call_id = getattr(message, "request_id", None), getattr(message, "call_id", None)
             error = "unauthorized: missing or wrong api_key"
             await self._send(identity, ServerError(request_id, error, "unauthorized", call_id))
         elif isinstance(message, ClientGenerate):
-            await self._add_request(identity, message)
+            await self._add_request(identity, message, mm_inputs)
         elif isinstance(message, ClientAbort):
             await self._abort([self._request_key(identity, message.request_id)])
         elif isinstance(message, ClientPing):
@@ -398,7 +400,7 @@ class FrontendServer:
             stats["engines_recovering"] = [engine.dp_rank for engine in self.engines if engine.recovering]
         return stats
 
-    async def _add_request(self, identity: bytes, message: ClientGenerate) -> None:
+    async def _add_request(self, identity: bytes, message: ClientGenerate, mm_inputs: list | None = None) -> None:
         request_key = self._request_key(identity, message.request_id)
         refusal = self._refusal()
         if refusal is not None:
@@ -409,9 +411,12 @@ class FrontendServer:
                 raise ValueError(f"request_id: {message.request_id!r} is already in use by this client")
             pooling = None if message.pooling is None else convert(message.pooling, PoolingParams)
             sampling = POOLING_SAMPLING if pooling is not None else convert(message.sampling, SamplingParams)
+            prompt = self._prompt(message)
+            if mm_inputs:
+                prompt = {"prompt_token_ids": message.prompt_token_ids, "mm_inputs": mm_inputs}
             add, text = self.processor.process(
                 request_key,
-                self._prompt(message),
+                prompt,
                 sampling,
                 priority=message.priority,
                 cache_salt=message.cache_salt,

@@ -194,6 +194,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.grammar_threads,
         help="structured outputs: threads compiling grammars and filling a step's bitmask",
     )
+    group.add_argument(
+        "--limit-mm-per-prompt",
+        type=parse_json_object,
+        default=None,
+        help="vision-language models: the most images a prompt may carry, e.g. '{\"image\": 2}'",
+    )
+    group.add_argument(
+        "--mm-processor-kwargs",
+        type=parse_json_object,
+        default=None,
+        help="vision-language models: arguments for the image processor, e.g. '{\"max_pixels\": 1003520}'",
+    )
+    group.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="the folder under which image URLs may name local files (file:// or a path); none by default",
+    )
 
 
 def add_http_args(group) -> None:
@@ -287,6 +304,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes,
         grammar_cache_size=args.grammar_cache_size,
         grammar_threads=args.grammar_threads,
+        limit_mm_per_prompt=args.limit_mm_per_prompt or {},
+        mm_processor_kwargs=args.mm_processor_kwargs or {},
+        allowed_local_media_path=args.allowed_local_media_path,
     )
 
 

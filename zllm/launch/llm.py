@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from tqdm.auto import tqdm
 
+from zllm.frontend.multimodal import chat_images
 from zllm.frontend.processor import PromptType
 from zllm.frontend.tokenizer import Messages, batch_token_ids, chat_prompt
 from zllm.ipc.messages import AddRequest
@@ -287,10 +288,13 @@ class LLM:
         chat_template_kwargs are extra template variables (vLLM's), e.g. {"enable_thinking": False}."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [
-            chat_prompt(tokenizer, c, add_generation_prompt, chat_template, template_kwargs=chat_template_kwargs)
-            for c in conversations
-        ]
+        prompts = []
+        for conversation in conversations:
+            conversation, images = chat_images(conversation, self.engine.processor.images)
+            prompt = chat_prompt(
+                tokenizer, conversation, add_generation_prompt, chat_template, template_kwargs=chat_template_kwargs
+            )
+            prompts.append({**prompt, "multi_modal_data": {"image": images}} if images else prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _params_per_prompt(

@@ -100,7 +100,7 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
             where.dest.fill_(1.0)
         elif where.dest.dtype == torch.uint8:  # MXFP4 experts (models/gpt_oss.py): random codes
             _fill_mxfp4(where.dest, name, _stable_seed(seed, name, shard))
-        elif where.store is None:
+        elif (where := _as_matrix(where)).store is None:
             _fill_hashed(where.dest, where, _stable_seed(seed, name, shard))
         else:  # quantized while loading: the same values, then quantized as a checkpoint's would be
             values = torch.empty(where.dest.shape, dtype=torch.float32, device=where.dest.device)
@@ -119,6 +119,16 @@ def _fill_mxfp4(dest: torch.Tensor, name: str, seed: int) -> None:
         return
     flat = torch.arange(dest.numel(), dtype=torch.int64, device=dest.device)
     dest.view(-1).copy_(_hash32(flat ^ (seed & _MASK32)) & 0xFF)
+
+
+def _as_matrix(where: LoadTarget) -> LoadTarget:
+    """A whole tensor of more than two dimensions (a vision tower's convolution) as rows x columns
+    (a shard keeps its region: its hash indices must be the full tensor's)."""
+    if where.dest.dim() <= 2 or where.store is not None or not all(r == slice(None) for r in where.region):
+        return where
+    rows = where.dest.shape[0]
+    columns = where.dest[0].numel()
+    return LoadTarget(where.dest.view(rows, columns), (rows, columns), (slice(None), slice(None)))
 
 
 _DUMMY_STD = 0.02

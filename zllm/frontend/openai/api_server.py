@@ -68,6 +68,7 @@ from zllm.frontend.openai.serving import (
     ChatCall,
     CompletionCall,
     FrontendRequestError,
+    attach_images,
     conversation_prompt,
 )
 from zllm.ipc.messages import ClientStats, ServerStats
@@ -239,6 +240,7 @@ class ApiServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body, ignored = await self._decode(request, ChatCompletionRequest)
         call = ChatCall.build(self.frontend, body, self._model(body.model))
+        await attach_images(self.frontend, call.prompt)
         return await self._run(request, call, body.stream, ignored)
 
     async def create_response(self, request: web.Request) -> web.StreamResponse:

@@ -111,7 +111,8 @@ class TextContent(_Request, kw_only=True, tag_field="type", tag="text"):
 
 
 class ImageContent(_Request, kw_only=True, tag_field="type", tag="image_url"):
-    """Recognised so that it gets a clear refusal: this server serves text-only models."""
+    """An image by URL (`{"url": "data:...;base64,..." | "https://..." | "file://..."}`), for a
+    vision-language model (zllm/frontend/openai/media.py loads it); a text model refuses it."""
 
     image_url: dict[str, Any]
 

@@ -10,6 +10,7 @@ gone — closes that client, which aborts whatever is still running in the engin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from zllm.frontend.openai.constraints import structured_outputs_of, tool_choice_schema
+from zllm.frontend.openai.media import load_images
 from zllm.frontend.openai.protocol import (
     BadRequestError,
     ChatChoice,
@@ -56,7 +58,7 @@ from zllm.frontend.openai.tool_parsers import (
 )
 from zllm.frontend.parallel_sampling import best_of_indices
 from zllm.frontend.tokenizer import chat_prompt
-from zllm.ipc.messages import ClientGenerate, ServerError, ServerOutput
+from zllm.ipc.messages import ClientGenerate, ImageInput, ServerError, ServerOutput
 from zllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from zllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -80,6 +82,10 @@ class FrontendRequestError(Exception):
 class Prompt:
     text: str | None  # None when given as token ids (decoded only if echo needs it)
     token_ids: list[int]
+    # A chat's image parts, in order (their placeholders are in the text), then the images
+    # processed: token_ids expanded, one ImageInput each (attach_images).
+    image_urls: list[str] = field(default_factory=list)
+    mm_inputs: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -121,7 +127,7 @@ class EngineCall:
         try:
             for index, prompt in enumerate(self.prompts):
                 message = ClientGenerate(str(index), prompt_token_ids=prompt.token_ids, sampling=self.sampling)
-                await self.server.submit(self._identity, message)
+                await self.server.submit(self._identity, message, mm_inputs=prompt.mm_inputs)
             self._raise_early_refusal()
         except BaseException:
             await self.server.close_local_client(self._identity)
@@ -303,7 +309,8 @@ def _text_prompt(server: FrontendServer, text: str) -> Prompt:
 
 def conversation_prompt(server: FrontendServer, request: ChatCompletionRequest) -> Prompt:
     """The messages (and tools) rendered through the model's chat template (transformers)."""
-    messages = [_message_dict(m) for m in request.messages]
+    image_urls: list[str] = []
+    messages = [_message_dict(m, server, image_urls) for m in request.messages]
     tools = [msgspec.to_builtins(tool) for tool in request.tools] if request.tools else None
     try:
         rendered = chat_prompt(
@@ -315,15 +322,31 @@ def conversation_prompt(server: FrontendServer, request: ChatCompletionRequest) 
         )
     except ValueError as error:
         raise BadRequestError(str(error), param_of(str(error)) or "messages") from None
-    return Prompt(rendered["prompt"], rendered["prompt_token_ids"])
+    return Prompt(rendered["prompt"], rendered["prompt_token_ids"], image_urls)
 
 
-def _message_dict(message) -> dict[str, Any]:
+async def attach_images(server: FrontendServer, prompt: Prompt) -> None:
+    """Load a chat's images and run the model's image processor on them (off the serving loop):
+    the prompt's placeholders expanded, its ImageInputs attached."""
+    if not prompt.image_urls:
+        return
+    images = await load_images(prompt.image_urls, server.config)
+    loop = asyncio.get_running_loop()
+    try:
+        prompt.token_ids, prompt.mm_inputs = await loop.run_in_executor(
+            None, server.processor.images.expand, prompt.token_ids, images
+        )
+    except ValueError as error:
+        raise BadRequestError(str(error), "messages") from None
+    check_context([prompt], None, server.config.max_model_len, "messages")
+
+
+def _message_dict(message, server: FrontendServer, image_urls: list[str]) -> dict[str, Any]:
+    """A message as chat templates read it; an image part becomes the model's placeholder text
+    (its URL joins image_urls)."""
     content = message.content
     if isinstance(content, list):
-        if any(not isinstance(part, TextContent) for part in content):
-            raise BadRequestError("messages: only text content parts are supported by this model", "messages")
-        content = "\n".join(part.text for part in content)
+        content = "\n".join(_part_text(part, server, image_urls) for part in content)
     result = {"role": message.role, "content": content or ""}
     if message.name is not None:
         result["name"] = message.name
@@ -332,6 +355,22 @@ def _message_dict(message) -> dict[str, Any]:
     if message.tool_calls:
         result["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
     return result
+
+
+def _part_text(part, server: FrontendServer, image_urls: list[str]) -> str:
+    if isinstance(part, TextContent):
+        return part.text
+    images = server.processor.images
+    if images is None:
+        raise BadRequestError(
+            "messages: image_url parts need a vision-language model; this one takes text only", "messages"
+        )
+    image_urls.append(part.image_url.get("url") if isinstance(part.image_url, dict) else None)
+    try:
+        images.check_count(len(image_urls))
+    except ValueError as error:
+        raise BadRequestError(str(error), "messages") from None
+    return images.placeholder
 
 
 def _template_tool_call(call) -> dict[str, Any]:

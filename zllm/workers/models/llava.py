@@ -7,8 +7,8 @@ Llama-family decoder whose image placeholder tokens take the projected patch fea
  ("default")--> projector --> [patches, hidden]: one token per patch
 ```
 
-Positions are the plain 1-D ones. The tower is replicated on every tensor-parallel rank, as
-Qwen2-VL's is (zllm/workers/models/qwen2_vl.py).
+Positions are the plain 1-D ones. The tower's attention and MLP are tensor-parallel as Qwen2-VL's
+are (zllm/workers/models/qwen2_vl.py); embeddings, norms and the projector are replicated.
 """
 
 from __future__ import annotations
@@ -19,18 +19,19 @@ from torch import nn
 
 from zllm.model_spec import VisionSpec
 from zllm.workers.attention import AttentionMetadata
+from zllm.workers.distributed import TensorParallel
 from zllm.workers.models.llama import LlamaForCausalLM
-from zllm.workers.models.qwen2_vl import _activation
+from zllm.workers.models.qwen2_vl import _activation, column, row, tower_parallel, vision_targets
 
 
 class CLIPAttention(nn.Module):
-    def __init__(self, v: VisionSpec) -> None:
+    def __init__(self, v: VisionSpec, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = v.num_heads
-        self.q_proj = nn.Linear(v.hidden_size, v.hidden_size)
-        self.k_proj = nn.Linear(v.hidden_size, v.hidden_size)
-        self.v_proj = nn.Linear(v.hidden_size, v.hidden_size)
-        self.out_proj = nn.Linear(v.hidden_size, v.hidden_size)
+        self.num_heads = v.num_heads // tp.size  # this rank's
+        self.q_proj = column(v.hidden_size, v.hidden_size, tp)
+        self.k_proj = column(v.hidden_size, v.hidden_size, tp)
+        self.v_proj = column(v.hidden_size, v.hidden_size, tp)
+        self.out_proj = row(v.hidden_size, v.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
@@ -42,23 +43,23 @@ class CLIPAttention(nn.Module):
 
 
 class CLIPMLP(nn.Module):
-    def __init__(self, v: VisionSpec) -> None:
+    def __init__(self, v: VisionSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.act = _activation(v.hidden_act)
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
+        self.fc1 = column(v.hidden_size, v.intermediate_size, tp)
+        self.fc2 = row(v.intermediate_size, v.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
 
 class CLIPLayer(nn.Module):
-    def __init__(self, v: VisionSpec) -> None:
+    def __init__(self, v: VisionSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
-        self.self_attn = CLIPAttention(v)
+        self.self_attn = CLIPAttention(v, tp)
         self.layer_norm2 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
-        self.mlp = CLIPMLP(v)
+        self.mlp = CLIPMLP(v, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
@@ -85,18 +86,18 @@ class CLIPEmbeddings(nn.Module):
 
 
 class CLIPEncoder(nn.Module):
-    def __init__(self, v: VisionSpec) -> None:
+    def __init__(self, v: VisionSpec, tp: TensorParallel) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(CLIPLayer(v) for _ in range(v.depth))
+        self.layers = nn.ModuleList(CLIPLayer(v, tp) for _ in range(v.depth))
 
 
 class CLIPVisionTransformer(nn.Module):
-    def __init__(self, v: VisionSpec) -> None:
+    def __init__(self, v: VisionSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.spec = v
         self.embeddings = CLIPEmbeddings(v)
         self.pre_layrnorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)  # sic: HF's name
-        self.encoder = CLIPEncoder(v)
+        self.encoder = CLIPEncoder(v, tower_parallel(v.num_heads, tp))
         self.post_layernorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)  # in checkpoints; LLaVA skips it
 
     def features(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -125,7 +126,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def __init__(self, spec, ops=None, tp=None, quant=None, max_model_len=None) -> None:
         super().__init__(spec, ops, tp, quant, max_model_len)
-        self.vision_tower = CLIPVisionTransformer(spec.vision)
+        self.vision_tower = CLIPVisionTransformer(spec.vision, self.tp)
         self.multi_modal_projector = LlavaProjector(spec.vision)
 
     def forward(
@@ -149,7 +150,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if name.endswith("position_ids"):
             return []  # a buffer older checkpoints saved
         if name.startswith(("vision_tower.", "multi_modal_projector.")):
-            return [(name, None)]
+            return vision_targets(self, name)
         return super().checkpoint_targets(name)
 
 

@@ -10,7 +10,10 @@ placeholder tokens of the prompt, and the Qwen2 decoder rotating by M-RoPE posit
 ```
 
 Images are encoded one at a time (each attends only to itself, so batching changes nothing but
-speed); the vision tower is replicated on every tensor-parallel rank. The rotary frequency pair j
+speed). The vision tower is tensor-parallel like the decoder: each rank holds its heads' q/k/v
+rows and its slice of the MLP, and the attention output and MLP projections end in an all-reduce
+(a tower whose heads do not divide by the ranks is replicated); patch embedding and merger are
+replicated. The rotary frequency pair j
 of the language model rotates by stream `stream[j]` (HF's mrope_section: the first sections[0]
 pairs by t, the next sections[1] by h, the last by w); where the three streams agree (text, and
 every decode) the plain rotary of 1-D positions applies, so decode steps and CUDA graphs are
@@ -19,18 +22,22 @@ those of the text model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from zllm.model_spec import ModelSpec, VisionSpec
+from zllm.partition import even_split
 from zllm.quantization import QuantSpec
 from zllm.workers.attention import UNSCALED, AttentionMetadata, KVScales
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.layers import apply_rotary
 from zllm.workers.models.llama import LlamaForCausalLM, Rotary
 from zllm.workers.ops import TorchOps
+from zllm.workers.parallel_layers import ColumnParallelLinear, FusedPart, RowParallelLinear
 
 
 class MRotary(Rotary):
@@ -107,39 +114,57 @@ class PatchEmbed(nn.Module):
         return self.proj(x).view(x.shape[0], -1)
 
 
-class VisionAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+def tower_parallel(num_heads: int, tp: TensorParallel) -> TensorParallel:
+    """The tensor-parallel group a vision tower shards over: the model's, or none (replicated)
+    when its heads do not divide by the ranks."""
+    return tp if num_heads % tp.size == 0 else TensorParallel()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-        """Bidirectional attention within each segment bounds[i]:bounds[i + 1]."""
+
+def column(in_size: int, out_size: int, tp: TensorParallel, parts: int = 1) -> ColumnParallelLinear:
+    """This rank's rows of a linear layer (of `parts` equal matrices stacked in the checkpoint)."""
+    rows = even_split(out_size, tp.size, tp.rank)
+    return ColumnParallelLinear(in_size, [FusedPart(out_size, rows)] * parts, bias=True, fused_in_checkpoint=parts > 1)
+
+
+def row(in_size: int, out_size: int, tp: TensorParallel) -> RowParallelLinear:
+    """This rank's input columns of a linear layer, the partial products all-reduced."""
+    return RowParallelLinear(in_size, out_size, even_split(in_size, tp.size, tp.rank), True, tp)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.num_heads = num_heads // tp.size  # this rank's
+        self.qkv = column(dim, dim, tp, parts=3)
+        self.proj = row(dim, dim, tp)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segments]) -> torch.Tensor:
+        """Bidirectional attention within each segment (a frame, or a window)."""
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
         q = apply_rotary(q.float(), cos, sin).to(x.dtype)
         k = apply_rotary(k.float(), cos, sin).to(x.dtype)
         out = torch.empty_like(q)
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            seg = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
-            out[start:end] = F.scaled_dot_product_attention(*seg)[0].transpose(0, 1)
+        for group in segments:  # segments of one length in one batched call
+            shape = (group.count, group.length, self.num_heads, q.shape[-1])
+            seg = [t[group.rows].view(shape).transpose(1, 2) for t in (q, k, v)]
+            out[group.rows] = F.scaled_dot_product_attention(*seg).transpose(1, 2).reshape(-1, *q.shape[1:])
         return self.proj(out.reshape(x.shape[0], -1))
 
 
 class VisionMLP(nn.Module):
     """Qwen2-VL: fc1, act, fc2. Qwen2.5-VL: down(act(gate) * up), with biases."""
 
-    def __init__(self, v: VisionSpec) -> None:
+    def __init__(self, v: VisionSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.act = _activation(v.hidden_act)
         self.gated = v.kind == "qwen2_5_vl"
         if self.gated:
-            self.gate_proj = nn.Linear(v.hidden_size, v.intermediate_size)
-            self.up_proj = nn.Linear(v.hidden_size, v.intermediate_size)
-            self.down_proj = nn.Linear(v.intermediate_size, v.hidden_size)
+            self.gate_proj = column(v.hidden_size, v.intermediate_size, tp)
+            self.up_proj = column(v.hidden_size, v.intermediate_size, tp)
+            self.down_proj = row(v.intermediate_size, v.hidden_size, tp)
         else:
-            self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-            self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
+            self.fc1 = column(v.hidden_size, v.intermediate_size, tp)
+            self.fc2 = row(v.intermediate_size, v.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
@@ -148,15 +173,15 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, v: VisionSpec) -> None:
+    def __init__(self, v: VisionSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.norm1 = _norm(v, v.hidden_size)
         self.norm2 = _norm(v, v.hidden_size)
-        self.attn = VisionAttention(v.hidden_size, v.num_heads)
-        self.mlp = VisionMLP(v)
+        self.attn = VisionAttention(v.hidden_size, v.num_heads, tp)
+        self.mlp = VisionMLP(v, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, bounds)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[Segments]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -172,11 +197,12 @@ class PatchMerger(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, v: VisionSpec) -> None:
+    def __init__(self, v: VisionSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.spec = v
         self.patch_embed = PatchEmbed(v)
-        self.blocks = nn.ModuleList(VisionBlock(v) for _ in range(v.depth))
+        tp = tower_parallel(v.num_heads, tp)
+        self.blocks = nn.ModuleList(VisionBlock(v, tp) for _ in range(v.depth))
         self.merger = PatchMerger(v)
         head_dim = v.hidden_size // v.num_heads
         spatial = head_dim // 2
@@ -198,10 +224,11 @@ class VisionTransformer(nn.Module):
             dim=-1,
         )
         cos, sin = angles.cos(), angles.sin()
-        frames = list(range(0, t * h * w + 1, h * w))
+        frames = segments_of(list(range(0, t * h * w + 1, h * w)), device)
         windows, order = frames, None
         if v.kind == "qwen2_5_vl":
-            order, windows = _window_order(t, h, w, v)
+            order, bounds = _window_order(t, h, w, v)
+            windows = segments_of(bounds, device)
             patch_order = torch.as_tensor(
                 (order[:, None] * v.merge_unit + np.arange(v.merge_unit)).ravel(), device=device
             )
@@ -213,6 +240,31 @@ class VisionTransformer(nn.Module):
         if order is not None:
             merged = merged[torch.as_tensor(np.argsort(order), device=device)]
         return merged
+
+
+@dataclass(slots=True)
+class Segments:
+    """Attention segments of one length: `count` of `length` rows each, at `rows` (in order)."""
+
+    rows: torch.Tensor
+    count: int
+    length: int
+
+
+def segments_of(bounds: list[int], device: torch.device) -> list[Segments]:
+    """Segments bounds[i]:bounds[i + 1] grouped by length, so that each length is one batched
+    attention call (Qwen2.5-VL's windows are mostly of one size)."""
+    by_length: dict[int, list[int]] = {}
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        by_length.setdefault(end - start, []).append(start)
+    return [
+        Segments(
+            torch.as_tensor((np.asarray(starts)[:, None] + np.arange(length)).ravel(), device=device),
+            len(starts),
+            length,
+        )
+        for length, starts in by_length.items()
+    ]
 
 
 def _patch_coordinates(t: int, h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -277,7 +329,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         ops = ops or TorchOps()
         super().__init__(spec, ops, tp, quant, max_model_len)
         self.model.rotary = MRotary(spec, ops, max_model_len)
-        self.visual = VisionTransformer(spec.vision)
+        self.visual = VisionTransformer(spec.vision, self.tp)
 
     def forward(
         self,
@@ -302,8 +354,14 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     def checkpoint_targets(self, hf_name: str) -> list[tuple[str, int | None]]:
         name = _our_name(hf_name)
         if name.startswith("visual."):
-            return [(name, None)]
+            return vision_targets(self, name)
         return super().checkpoint_targets(name)
+
+
+def vision_targets(model: LlamaForCausalLM, name: str) -> list[tuple[str, int | None]]:
+    """A vision tower's tensor: one target, or each part of a fused q/k/v."""
+    fused = model._fused_module(name.rsplit(".", 1)[0])
+    return [(name, None)] if fused is None else [(name, shard) for shard in range(len(fused.parts))]
 
 
 def _our_name(hf_name: str) -> str:
