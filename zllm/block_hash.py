@@ -3,8 +3,8 @@
     block 0: H(salt, tokens[0:16])   block 1: H(hash 0, tokens[16:32])   block 2: H(hash 1, ...)
 
 A block's hash covers every token before it (through its parent) and the request's cache salt
-(through block 0), so two requests share a block only when their whole prefixes up to it are
-equal and their salts match. SHA-256 makes a collision, accidental or crafted by one tenant to
+and LoRA adapter (through block 0), so two requests share a block only when their whole prefixes
+up to it are equal and their salts and adapters match. SHA-256 makes a collision, accidental or crafted by one tenant to
 read another's prefix, impractical; the cost is ~1 µs per block of 16 tokens.
 """
 
@@ -17,22 +17,29 @@ BlockHash = bytes
 
 _FIRST = b"\x00"
 _CHAINED = b"\x01"
+_FIRST_ADAPTER = b"\x02"
 
 
-def hash_block(parent: BlockHash | None, token_ids: list[int], salt: str | None = None) -> BlockHash:
+def hash_block(parent: BlockHash | None, token_ids: list[int], salt: str | None = None, lora_id: int = 0) -> BlockHash:
+    """lora_id: the adapter that computed the block's K/V (0: the base model); an adapter's
+    blocks are shared only with requests of the same adapter."""
     digest = hashlib.sha256()
     if parent is None:
-        # Domain-separated and length-prefixed, so no salt can make block 0 alias a chained block.
+        # Domain-separated and length-prefixed, so no salt can make block 0 alias a chained block;
+        # a block 0 of an adapter has its own domain byte and the adapter id.
         salt_bytes = (salt or "").encode()
-        digest.update(_FIRST + len(salt_bytes).to_bytes(8, "little") + salt_bytes)
+        first = _FIRST if lora_id == 0 else _FIRST_ADAPTER + lora_id.to_bytes(8, "little")
+        digest.update(first + len(salt_bytes).to_bytes(8, "little") + salt_bytes)
     else:
         digest.update(_CHAINED + parent)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int, salt: str | None) -> None:
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: list[int], block_size: int, salt: str | None, lora_id: int = 0
+) -> None:
     """Append the hashes of the blocks of `token_ids` that became full since `hashes` was last extended."""
     for index in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[index * block_size : (index + 1) * block_size], salt))
+        hashes.append(hash_block(parent, token_ids[index * block_size : (index + 1) * block_size], salt, lora_id))

@@ -205,7 +205,9 @@ class KVCacheManager:
             group.pool.uncache(b for b in blocks if group.pool.owns(b))
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt, request.lora_id
+        )
         return request.block_hashes
 
     # ---- allocation ----------------------------------------------------------------------------

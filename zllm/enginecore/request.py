@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from zllm.lora import LoRARequest
 from zllm.pooling import PoolingParams
 from zllm.sampling_params import SamplingParams
 
@@ -77,6 +78,12 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_scheduled_drafts: int = 0
     pooling: PoolingParams | None = None  # a pooling request: one step, no sampling, no KV kept
+    lora: LoRARequest | None = None  # its adapter (None: the base model)
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     def __post_init__(self) -> None:
         # Output tokens may be given up front: a request resumed after an engine restart.

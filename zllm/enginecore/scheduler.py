@@ -122,6 +122,9 @@ class Scheduler:
         self.num_lookahead = self.max_drafts if speculative and speculative.method == "draft_model" else 0
         self.drafts_off_at = (speculative.disable_by_batch_size if speculative else None) or None
         self.spec = SpecDecodeCounters()
+        # LoRA: at most this many distinct adapters among the running requests, hence in any step
+        # (each worker holds that many on its device).
+        self.max_loras = config.max_loras if config.enable_lora else 0
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -228,11 +231,15 @@ class Scheduler:
             plan.add(request, num_tokens, new_block_ids)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        compiling: list[Request] = []  # passed over: their grammar is not ready
+        compiling: list[Request] = []  # passed over: their grammar is not ready, or no adapter slot is free
+        adapters = self._running_adapters()
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.grammar is not None and not request.grammar.is_ready:
                 compiling.append(self.waiting.pop())
+                continue
+            if request.lora_id and request.lora_id not in adapters and len(adapters) >= self.max_loras:
+                compiling.append(self.waiting.pop())  # waits until a running adapter's requests finish
                 continue
             cached_prefix = self.kv_cache.find_cached_prefix(request)
             num_cached_tokens = cached_prefix.num_blocks * self.kv_cache.block_size
@@ -244,12 +251,17 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admit(request, num_cached_tokens)
+            if request.lora_id:
+                adapters.add(request.lora_id)
             # Registered now, so that a request admitted next in this same step can share them:
             # every layer writes the whole batch's K/V before any request attends.
             self.kv_cache.cache_full_blocks(request, total)
             plan.add(request, num_tokens, new_block_ids)
         for request in reversed(compiling):
             self.waiting.add_preempted(request)  # back where they were: at the front
+
+    def _running_adapters(self) -> set[int]:
+        return {request.lora_id for request in self.running if request.lora_id}
 
     def _admit(self, request: Request, num_cached_tokens: int) -> None:
         if request.num_preemptions == 0:
@@ -379,6 +391,7 @@ class Scheduler:
             eos_token_ids=sorted(request.eos_token_ids),
             bad_words_token_ids=request.bad_words_token_ids,
             sliding_block_ids=self.kv_cache.take_sliding_block_ids(request.request_id),
+            lora=request.lora,
         )
 
     # ---- results -------------------------------------------------------------------------------

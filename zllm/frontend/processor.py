@@ -10,8 +10,10 @@ from typing import Any, Union
 
 from transformers import PreTrainedTokenizerBase
 
+from zllm.frontend.lora_adapters import LoRAAdapters
 from zllm.grammars import grammar_of
 from zllm.ipc.messages import AddRequest
+from zllm.lora import LoRARequest
 from zllm.pooling import PoolerConfig, PoolingParams, check_pooling
 from zllm.sampling_params import SamplingParams
 
@@ -36,6 +38,7 @@ class InputProcessor:
             max_n=config.max_n,
             scheduling_policy=config.scheduling_policy,
             pooler=config.pooler,
+            adapters=LoRAAdapters(config) if config.enable_lora else None,
         )
 
     def __init__(
@@ -49,6 +52,7 @@ class InputProcessor:
         max_n: int = 128,
         scheduling_policy: str = "fcfs",
         pooler: PoolerConfig | None = None,
+        adapters: LoRAAdapters | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -58,6 +62,7 @@ class InputProcessor:
         self.max_n = max_n
         self.scheduling_policy = scheduling_policy
         self.pooler = pooler  # set: a pooling model, which serves pooling requests only
+        self.adapters = adapters  # set: LoRA adapters are served (enable_lora)
 
     def process(
         self,
@@ -69,17 +74,20 @@ class InputProcessor:
         cache_salt: str | None = None,
         pooling: PoolingParams | None = None,
         tokenized: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[AddRequest, str | None]:
         """Returns the message for the engine core and the prompt text (None for token ids).
         A prompt dict may carry a "cache_salt" (as in vLLM); `cache_salt` here is the same.
         `pooling`: a pooling request (the only kind a pooling model serves); a prompt dict may
         then carry the "token_type_ids" of a text pair. `tokenized`: the prompt dict's ids came
-        from this processor's own tokenizer (LLM's batch call), so they need no checking."""
+        from this processor's own tokenizer (LLM's batch call), so they need no checking.
+        `lora_request`: the adapter that serves it (None: the base model)."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(sampling).__name__}")
         self._check_task(pooling)
         self._check_sampling(sampling)
         self._check_priority(priority)
+        self._check_lora(lora_request)
         text, token_ids = (prompt.get("prompt"), prompt["prompt_token_ids"]) if tokenized else self._tokenize(prompt)
         self._check_length(token_ids)
         if pooling is not None:
@@ -94,8 +102,16 @@ class InputProcessor:
             cache_salt=self._cache_salt(prompt, cache_salt),
             bad_words_token_ids=self._bad_words_token_ids(sampling.bad_words or []),
             pooling=pooling,
+            lora=lora_request,
         )
         return message, text
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if self.adapters is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters; start it with enable_lora")
+        self.adapters.check(lora_request)
 
     def _check_task(self, pooling: PoolingParams | None) -> None:
         """A pooling model serves pooling requests only, a generative model none."""

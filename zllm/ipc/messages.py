@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import msgspec
 
+from zllm.lora import LoRARequest
 from zllm.outputs import Logprob
 from zllm.pooling import PoolingParams
 from zllm.sampling_params import SamplingParams
@@ -47,6 +48,8 @@ class AddRequest(_Message):
     resumed: bool = False
     # Appended: a pooling request (embedding, classification, score): no sampling, one step.
     pooling: PoolingParams | None = None
+    # Appended: the LoRA adapter that serves it (None: the base model).
+    lora: LoRARequest | None = None
 
 
 class AbortRequests(_Message):
@@ -158,6 +161,7 @@ class NewRequestData(_Message):
     pooling: PoolingParams | None = None  # appended: a pooling request (its token types, if any)
     # A hybrid model's sliding-window layers' table (zllm/kv_layout.py); [] for other models.
     sliding_block_ids: list[int] = []
+    lora: LoRARequest | None = None  # appended: its adapter (None: the base model)
 
 
 class CachedRequestData(_Message):
@@ -401,6 +405,9 @@ class ClientGenerate(_ClientMessage, tag="generate"):
     pooling: dict[str, Any] | None = None
     # A text pair (cross-encoder score): tokenized together with `prompt`.
     prompt_pair: str | None = None
+    # The served LoRA adapter that generates (a --lora-modules name, or one loaded at run time);
+    # None: the base model.
+    lora_name: str | None = None
 
 
 class ClientAbort(_ClientMessage, tag="abort"):
