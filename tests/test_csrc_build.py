@@ -36,6 +36,7 @@ def expected_entry_points() -> dict[str, set[str]]:
         names["gemv_kernels"] |= gemv_rows_entry_points(dt)
         names["pos_encoding_kernels"] |= {f"rotary_embedding_{dt}", f"rotary_embedding_and_cache_{dt}"}
         names["moe_kernels"].add(f"moe_topk_softmax_{dt}")
+        names["lora_kernels"] |= {f"lora_shrink_{dt}", f"lora_expand_{dt}"}
         if dt != "f32":  # the grouped GEMMs run on tensor cores: half precision only
             names["moe_kernels"] |= {f"moe_{part}_{dt}_m{m}" for part in ("gate_up", "down") for m in (1, 2, 4)}
             names["moe_kernels"].add(f"moe_sum_{dt}")

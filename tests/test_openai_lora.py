@@ -11,6 +11,8 @@ import pytest
 
 from tests.helpers.lora import MAX_NEW, PROMPTS, tiny_llama_with_adapters
 from tests.helpers.server import ONE_THREAD, start_server
+from zllm import Client, SamplingParams
+from zllm.client import RequestError
 
 TINY_SERVER = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "16MiB")
 
@@ -117,3 +119,13 @@ def test_runtime_updates_are_off_without_the_setting(tmp_path, tiny):
         assert response.status_code == 404
     finally:
         handle.stop()
+
+
+def test_the_zmq_client_names_the_adapter_too(api, tiny):
+    _, _, references = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    with Client(api.endpoint) as client:
+        out = client.generate(prompt_token_ids=PROMPTS[1], sampling_params=params, lora_name="qv-rslora")
+        assert out.outputs[0].token_ids == references["qv-rslora"][1]
+        with pytest.raises(RequestError, match="no LoRA adapter named 'nope'"):
+            client.generate(prompt_token_ids=PROMPTS[1], sampling_params=params, lora_name="nope")

@@ -105,6 +105,12 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting("ZLLM_FP8_GEMV", _text, "", "An FP8 GEMV build variant to use for bf16 per-row layers (A/B switch)."),
         Setting(
+            "ZLLM_LORA_KERNELS",
+            _switch,
+            True,
+            "0: LoRA runs its torch path on the GPU too (rows grouped on the host, CUDA graphs off; A/B switch).",
+        ),
+        Setting(
             "ZLLM_QUANT_VEC", _switch, True, "0: every row goes through the scalar FP8 quantize kernel (A/B switch)."
         ),
         Setting(

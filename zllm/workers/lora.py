@@ -12,10 +12,13 @@ R is max_lora_rank (a smaller adapter is zero-padded). A fused projection keeps 
 its own R rows and its B in the part's output rows. A row-parallel rank adds B (A_rank x_rank) to
 its partial product before the all-reduce: the sum over ranks is B A x, with no extra collective.
 
-A step's rows are grouped by slot (`LoRABatch`): per group, t = x_rows A_slot^T (shrink), then
-out_rows += scale * t_part B_part^T for each part (expand), with PEFT's order of operations. Rows
-of the base model are in no group. The groups' row indices come from the host each step, so this
-path runs eagerly (the model runner turns CUDA graphs off with LoRA).
+Two paths, one per device:
+- torch (CPU, and the reference): a step's rows are grouped by slot (`LoRABatch.groups`); per
+  group t = x_rows A_slot^T (shrink), then out_rows += scale * t_part B_part^T for each part
+  (expand), in PEFT's order of operations. The groups' row indices come from the host each step.
+- CUDA (csrc/lora_kernels.cu): every row reads its slot from `LoRABatch.token_slots`, a device
+  buffer of fixed address filled before each step (-1: the base model; padding rows too), so the
+  decode and piecewise CUDA graphs hold the launches and stay on with LoRA.
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class LoRABatch:
-    """The current step's rows by adapter slot: (slot, row indices; None: every row)."""
+    """The current step's rows by adapter slot: (slot, row indices; None: every row) for the
+    torch path; each row's slot in a device buffer for the kernels (None: the torch path)."""
 
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    token_slots: torch.Tensor | None = None
 
 
 class LoRALayer:
@@ -71,10 +76,14 @@ class LoRALayer:
         )
         self.B = torch.zeros(num_slots, offset, max_rank, dtype=weight.dtype, device=weight.device)
         self.scale = [[0.0] * len(self.part_rows) for _ in range(num_slots)]
+        self.scale_t = torch.zeros(num_slots, len(self.part_rows), dtype=torch.float32, device=weight.device)
+        self.part_ends = [start + count for start, count in self.part_rows]
         self.batch = batch
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out + each row's adapter applied to x (rows of the base model unchanged)."""
+        if self.batch.token_slots is not None:
+            return self._add_with_kernels(out, x)
         for slot, rows in self.batch.groups:
             delta = self.apply_slot(slot, x if rows is None else x.index_select(0, rows))
             if rows is None:
@@ -82,6 +91,14 @@ class LoRALayer:
             else:
                 out = out.index_add(0, rows, delta)
         return out
+
+    def _add_with_kernels(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        from zllm.workers.kernels.lora import lora_expand, lora_shrink
+
+        slots = self.batch.token_slots[: x.shape[0]]
+        shrunk = torch.empty((x.shape[0], self.A.shape[1]), dtype=torch.float32, device=x.device)
+        lora_shrink(shrunk, x, self.A, slots)
+        return lora_expand(out, shrunk, self.B, self.scale_t, slots, self.part_ends)
 
     def apply_slot(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         """The torch reference of the shrink and expand for rows of one adapter."""
@@ -99,6 +116,7 @@ class LoRALayer:
         self.A[slot].zero_()
         self.B[slot].zero_()
         self.scale[slot] = [0.0] * len(self.part_rows)
+        self.scale_t[slot].zero_()
 
     def store(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
         """A part's matrices (already this rank's shard) into a slot."""
@@ -107,6 +125,7 @@ class LoRALayer:
         self.A[slot, part * self.rank : part * self.rank + r].copy_(a)
         self.B[slot, start : start + count, :r].copy_(b)
         self.scale[slot][part] = scale
+        self.scale_t[slot, part] = scale
 
     def shard(self, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of a full (A [r, in], B [out, r]): B's rows of a column-parallel part,
@@ -144,6 +163,12 @@ class LoRAManager:
             ):
                 linear.lora = self.layers[(index, name)] = LoRALayer(linear, self.num_slots, self.max_rank, self.batch)
         self.device = model.model.layers[0].self_attn.qkv_proj.weight.device
+        if self._kernels_apply(config):
+            # Every step's tokens (and a CUDA graph's padding) fit: the budget, or a decode batch
+            # with its drafts.
+            drafts = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+            size = max(config.max_num_batched_tokens, config.max_num_seqs * (1 + drafts))
+            self.batch.token_slots = torch.full((size,), -1, dtype=torch.int32, device=self.device)
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()  # LRU order: least recent first
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU order
         self.users: Counter[int] = Counter()  # live requests per adapter: pinned in host memory
@@ -196,18 +221,50 @@ class LoRAManager:
 
     # ---- steps ---------------------------------------------------------------------------------
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether CUDA graphs may hold the adapted projections (the kernel path)."""
+        return self.batch.token_slots is not None
+
+    def _kernels_apply(self, config: EngineConfig) -> bool:
+        """The CUDA kernels serve every adapted projection (dtype, widths, rank), unless the
+        ZLLM_LORA_KERNELS switch is off."""
+        from zllm import envs
+
+        if self.device.type != "cuda" or not envs.ZLLM_LORA_KERNELS:
+            return False
+        from zllm.workers.kernels.lora import supports
+
+        return all(supports(layer.A.dtype, layer.A.shape[2], layer.rank) for layer in self.layers.values())
+
     def prepare(self, token_lora_ids: np.ndarray) -> None:
-        """Put the step's adapters in device slots and group its rows by slot."""
+        """Put the step's adapters in device slots, and give each row its slot: in the device
+        buffer (kernels) or as groups of rows (torch)."""
         ids = [int(i) for i in np.unique(token_lora_ids) if i]
         for lora_id in ids:
             self._to_slot(lora_id, keep=ids)
-        groups = []
         for lora_id in ids:
             self.slots.move_to_end(lora_id)
+        if self.batch.token_slots is not None:
+            self._fill_token_slots(token_lora_ids)
+            return
+        groups = []
+        for lora_id in ids:
             mask = token_lora_ids == lora_id
             rows = None if mask.all() else torch.from_numpy(np.flatnonzero(mask)).to(self.device)
             groups.append((self.slots[lora_id], rows))
         self.batch.groups = groups
+
+    def _fill_token_slots(self, token_lora_ids: np.ndarray) -> None:
+        """Each token's slot (-1: the base model, and every row past the step's tokens, which a
+        CUDA graph pads with), copied into the fixed buffer on the step's stream."""
+        from zllm.workers.transfer import to_device
+
+        buffer = self.batch.token_slots
+        host = np.full(buffer.shape[0], -1, dtype=np.int32)
+        for lora_id, slot in self.slots.items():
+            host[: len(token_lora_ids)][token_lora_ids == lora_id] = slot
+        buffer.copy_(to_device(host, self.device), non_blocking=True)
 
     def _to_slot(self, lora_id: int, keep: list[int]) -> None:
         if lora_id in self.slots:

@@ -345,7 +345,7 @@ class ModelRunner:
         )
         if self.config.enforce_eager:
             return
-        if self.lora is not None:
+        if self.lora is not None and not self.lora.graph_safe:
             logger.info("decode CUDA graphs off: LoRA's torch path groups each step's rows on the host")
             return
         if self.spec.moe is not None and not self.ops.fuses_moe(self.dtype):
@@ -377,7 +377,7 @@ class ModelRunner:
         from zllm.workers.piecewise_graphs import EagerPieces, PiecewiseGraphs, piecewise_sizes
 
         sizes = piecewise_sizes(self.config.max_num_batched_tokens)
-        if not (self.is_cuda and self.ops.supports_graphs) or self.lora is not None:
+        if not (self.is_cuda and self.ops.supports_graphs) or (self.lora is not None and not self.lora.graph_safe):
             self.pieces = EagerPieces(self.model, self.kv_caches, sizes, self.hybrid)
             return
         self.pieces = PiecewiseGraphs(self.model, self.kv_caches, sizes, self.hybrid)

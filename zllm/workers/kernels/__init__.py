@@ -20,6 +20,8 @@ fp8.quantize_rows, fp8.quantize_groups           quant.quant_fp8_rows, quant.qua
 layers.silu_and_mul(x)                           activation.silu_and_mul(out, x)
 layers.gelu_tanh_and_mul(x)                      activation.gelu_tanh_and_mul(out, x)
 models/moe.py's routing and expert loop          moe.* (its own docstring)
+lora.LoRALayer.apply_slot per row's slot       lora.lora_shrink(t, x, a, slots), lora.lora_expand(out, t, b, scale,
+                                                   slots, part_ends)  (in place)
 
 `checks` holds the argument checks they share; `loader` finds, builds and launches the CUDA
 modules; `cpu` is the C kernel the CPU path decodes with (csrc/cpu/, ctypes).
