@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers.lora import MAX_NEW, PROMPTS, SPECS, AdapterSpec, save_peft_adapters, tiny_llama_with_adapters
 from tests.helpers.models import hf_greedy, save_tiny_llama
-from tests.helpers.scheduler import add, make_request, make_scheduler, run_step
+from tests.helpers.scheduler import add, make_request, make_scheduler, run_step, run_to_completion
 from zllm import LLM, LoRARequest, SamplingParams
 from zllm.config import EngineConfig
 
@@ -96,6 +96,21 @@ def test_scheduler_never_exceeds_max_loras():
         seen_steps += 1
         assert seen_steps < 100
     assert all(r.output_token_ids for r in requests)
+
+
+def test_prefix_cache_blocks_are_keyed_by_adapter():
+    """The same prompt under the base model, adapter 1, adapter 2 and adapter 1 again: only the
+    last finds cached blocks (and all of its full ones)."""
+    scheduler = make_scheduler(max_loras=2, enable_prefix_caching=True, max_num_batched_tokens=256)
+    loras = [None, LoRARequest("a", 1, "/unused"), LoRARequest("b", 2, "/unused"), LoRARequest("a", 1, "/unused")]
+    cached = []
+    for i, lora in enumerate(loras):
+        request = make_request(f"r{i}", prompt_len=13, max_tokens=1)
+        request.lora = lora
+        add(scheduler, request)
+        run_to_completion(scheduler)
+        cached.append(request.num_cached_tokens)
+    assert cached == [0, 0, 0, 12]  # block size 4: three full blocks of the 13 tokens
 
 
 def test_bad_adapters_are_refused_and_the_engine_serves_on(tiny, tmp_path):

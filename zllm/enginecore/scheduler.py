@@ -233,13 +233,19 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         compiling: list[Request] = []  # passed over: their grammar is not ready, or no adapter slot is free
         adapters = self._running_adapters()
+        num_without_slot = 0
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.grammar is not None and not request.grammar.is_ready:
                 compiling.append(self.waiting.pop())
                 continue
             if request.lora_id and request.lora_id not in adapters and len(adapters) >= self.max_loras:
-                compiling.append(self.waiting.pop())  # waits until a running adapter's requests finish
+                # Waits until a running adapter's requests finish. NOTE: a bounded look past such
+                # requests, so a long queue of other adapters' requests costs little per step.
+                num_without_slot += 1
+                if num_without_slot > self.max_num_seqs:
+                    break
+                compiling.append(self.waiting.pop())
                 continue
             cached_prefix = self.kv_cache.find_cached_prefix(request)
             num_cached_tokens = cached_prefix.num_blocks * self.kv_cache.block_size
