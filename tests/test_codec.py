@@ -12,6 +12,7 @@ import pytest
 from zllm.config import EngineConfig, SpeculativeConfig
 from zllm.ipc import messages as m
 from zllm.ipc.codec import Codec, MessageError, convert, decode_json, encode_json
+from zllm.lora import LoRARequest
 from zllm.outputs import Logprob
 from zllm.pooling import PoolerConfig, PoolingParams
 from zllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -69,6 +70,7 @@ TOKEN_DELTA_INT_STOP = m.TokenDelta(
     error="RuntimeError: boom",
     pooled=b"",
 )
+LORA = LoRARequest("sql-adapter", 3, "/adapters/sql")
 POOLING = PoolingParams(task="score", normalize=False, dimensions=8, activation=False, token_type_ids=[0, 0, 1, 1])
 IMAGE = m.ImageInput(
     mm_hash="9f86d081884c7d65",
@@ -89,6 +91,7 @@ NEW_REQUEST = m.NewRequestData(
     pooling=POOLING,
     sliding_block_ids=[0, 5, 6],
     mm_inputs=[IMAGE],
+    lora=LORA,
 )
 CACHED_REQUEST = m.CachedRequestData(
     request_id="ab12/req-3", new_block_ids=[4], num_computed_tokens=17, new_sliding_block_ids=[8]
@@ -111,6 +114,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             resumed=True,
             pooling=POOLING,
             mm_inputs=[IMAGE],
+            lora=LORA,
         ),
         m.AbortRequests(request_ids=["ab12/req-1", "ab12/req-2"]),
         m.UtilityCall(call_id=7, method="stats", args=[1, "two", [3.5, None], {"k": False}, b"\x00\xff"]),
@@ -199,6 +203,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             api_key="key",
             pooling={"task": "embed", "dimensions": 8},
             prompt_pair="a second text",
+            lora_name="sql-adapter",
         ),
         m.ClientAbort(request_id="req-1"),
         m.ClientPing(),
@@ -656,6 +661,11 @@ CONFIG = EngineConfig(
         matryoshka=True,
         labels=["a", "b"],
     ),
+    enable_lora=True,
+    lora_modules={"sql": "/adapters/sql", "chat": "/adapters/chat"},
+    max_loras=4,
+    max_lora_rank=64,
+    max_cpu_loras=8,
 )
 
 

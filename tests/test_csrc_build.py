@@ -38,6 +38,7 @@ def expected_entry_points() -> dict[str, set[str]]:
         names["moe_kernels"].add(f"moe_topk_softmax_{dt}")
         names["mla_kernels"] |= {f"mla_decode_{dt}_d576_v512"}
         names["mla_kernels"] |= {f"paged_attention_decode_sinks_{dt}_d{d}" for d in (64, 128)}
+        names["lora_kernels"] |= {f"lora_shrink_{dt}", f"lora_expand_{dt}"}
         if dt != "f32":  # the grouped GEMMs run on tensor cores: half precision only
             names["moe_kernels"] |= {f"moe_{part}_{dt}_m{m}" for part in ("gate_up", "down") for m in (1, 2, 4)}
             names["moe_kernels"].add(f"moe_sum_{dt}")

@@ -26,6 +26,7 @@ _LAZY_NAMES = {
     "ClassificationRequestOutput": "zllm.outputs",
     "ScoringRequestOutput": "zllm.outputs",
     "EngineConfig": "zllm.config",
+    "LoRARequest": "zllm.lora",
     "Client": "zllm.client",
     "AsyncClient": "zllm.client",
 }
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from zllm.config import EngineConfig
     from zllm.launch.llm import LLM
     from zllm.launch.llm_engine import LLMEngine
+    from zllm.lora import LoRARequest
     from zllm.outputs import (
         ClassificationRequestOutput,
         CompletionOutput,

@@ -252,9 +252,11 @@ class AsyncClient:
         timeout: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> RequestOutput:
         """The whole request: all n completions (`outputs[i]`), with logprobs if asked for.
-        `timeout` bounds the total time (the request is aborted then)."""
+        `timeout` bounds the total time (the request is aborted then). `lora_name`: a LoRA
+        adapter the server serves (--lora-modules); None: the base model."""
         stream = self.stream(
             prompt,
             sampling_params,
@@ -262,6 +264,7 @@ class AsyncClient:
             request_id=request_id,
             priority=priority,
             cache_salt=cache_salt,
+            lora_name=lora_name,
         )
         return await asyncio.wait_for(_collect(stream), timeout)
 
@@ -274,9 +277,15 @@ class AsyncClient:
         timeout: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> RequestOutput:
         stream = self.chat_stream(
-            messages, sampling_params, request_id=request_id, priority=priority, cache_salt=cache_salt
+            messages,
+            sampling_params,
+            request_id=request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
         )
         return await asyncio.wait_for(_collect(stream), timeout)
 
@@ -289,6 +298,7 @@ class AsyncClient:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Deltas as they come: each RequestOutput holds one completion (`outputs[0].index` says
         which, for n > 1) with its new text, token ids and logprobs only."""
@@ -299,6 +309,7 @@ class AsyncClient:
             sampling=_fields(sampling_params),
             priority=priority,
             cache_salt=cache_salt,
+            lora_name=lora_name,
         )
         return self._stream(message)
 
@@ -310,6 +321,7 @@ class AsyncClient:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         message = ClientGenerate(
             request_id or _new_id(),
@@ -317,6 +329,7 @@ class AsyncClient:
             sampling=_fields(sampling_params),
             priority=priority,
             cache_salt=cache_salt,
+            lora_name=lora_name,
         )
         return self._stream(message)
 

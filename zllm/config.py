@@ -269,6 +269,13 @@ class EngineConfig:
     runner: str = "auto"
     convert: str = "auto"
     pooler: PoolerConfig | None = None
+    # Multi-LoRA serving (vLLM's flags; zllm/lora.py, zllm/workers/lora.py): PEFT adapters on the
+    # base model, a step mixing requests of several adapters and of the base model.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT directory, served from the start
+    max_loras: int = 1  # distinct adapters in one step: the device slots each worker keeps
+    max_lora_rank: int = 16  # the largest rank an adapter may have (slots are sized for it)
+    max_cpu_loras: int | None = None  # adapters each worker keeps in host memory (LRU); None: max_loras
 
     @classmethod
     def create(cls, model: str | None = None, usage: str = "serving", **kwargs) -> EngineConfig:
@@ -321,6 +328,8 @@ class EngineConfig:
             config.async_scheduling = _runs_on_cuda(config)
         if config.piecewise_cuda_graphs is None:
             config.piecewise_cuda_graphs = _runs_on_cuda(config) and not config.enforce_eager and spec.moe is None
+        if config.enable_lora:
+            _check_lora(config, spec)
         return config
 
     @property
@@ -408,6 +417,7 @@ class EngineConfig:
             "distributed_init_method",
             "cannot be shared by several data-parallel engines; leave it empty (a file in each engine's runtime dir)",
         )
+        _require(self.enable_lora or not self.lora_modules, "lora_modules", "needs enable_lora (--enable-lora)")
         _require(
             self.custom_all_reduce_max_bytes >= 0,
             "custom_all_reduce_max_bytes",
@@ -654,6 +664,32 @@ def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
         raise ValueError(
             f"speculative_config.model: the draft cannot be split over the target's ranks: {error}"
         ) from None
+
+
+def _check_lora(config: EngineConfig, spec: ModelSpec) -> None:
+    """LoRA limits, the model it applies to, and every --lora-modules adapter (refused at start
+    when broken: a clear error beats one per request)."""
+    from zllm.lora import check_adapter
+
+    _require(config.max_loras >= 1, "max_loras", f"must be >= 1, got {config.max_loras}")
+    _require(config.max_lora_rank >= 1, "max_lora_rank", f"must be >= 1, got {config.max_lora_rank}")
+    if config.max_cpu_loras is None:
+        config.max_cpu_loras = config.max_loras
+    _require(
+        config.max_cpu_loras >= config.max_loras,
+        "max_cpu_loras",
+        f"must be >= max_loras ({config.max_loras}), got {config.max_cpu_loras}",
+    )
+    _require(config.runner == "generate", "enable_lora", "applies to generative models only")
+    _require(spec.moe is None, "enable_lora", "Mixture-of-Experts models take no LoRA adapters yet")
+    _require(not spec.fused_checkpoint, "enable_lora", f"{spec.architecture} (fused q/k/v) takes no LoRA adapters yet")
+    _require(config.quantization is None and spec.quantization is None, "enable_lora", "needs an unquantized model")
+    for name, path in config.lora_modules.items():
+        _require(bool(name) and name != config.model_name, "lora_modules", f"bad adapter name {name!r}")
+        try:
+            check_adapter(path, spec, config.max_lora_rank)
+        except ValueError as error:
+            raise ValueError(f"lora_modules: {name}: {error}") from None
 
 
 def _runs_on_cuda(config: EngineConfig) -> bool:

@@ -30,6 +30,11 @@ def _switch(raw: str) -> bool:
     return raw.strip() != "0"
 
 
+def _on(raw: str) -> bool:
+    """An opt-in setting: off unless set to 1, true, yes or on."""
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
 def _text(raw: str) -> str:
     return raw.strip()
 
@@ -61,6 +66,12 @@ SETTINGS: dict[str, Setting] = {
         ),
         # -- frontend
         Setting("ZLLM_API_KEY", _verbatim, None, "The API key --api-key defaults to.", empty_is_a_value=True),
+        Setting(
+            "ZLLM_ALLOW_RUNTIME_LORA_UPDATING",
+            _on,
+            False,
+            "1/true: /v1/load_lora_adapter and /v1/unload_lora_adapter are served (with --enable-lora).",
+        ),
         # -- worker: kernels and their A/B switches
         Setting("ZLLM_KERNELS", _text, "auto", "CUDA kernels: auto (prebuilt, else NVRTC), prebuilt, or nvrtc."),
         Setting("ZLLM_CSRC_DIR", _text, None, "Where the CUDA sources are (default: found beside the package)."),
@@ -93,6 +104,12 @@ SETTINGS: dict[str, Setting] = {
             "A build of the 2-8-row GEMV to run for every such product (mma_g2_s4, fma_s2, ...; A/B switch).",
         ),
         Setting("ZLLM_FP8_GEMV", _text, "", "An FP8 GEMV build variant to use for bf16 per-row layers (A/B switch)."),
+        Setting(
+            "ZLLM_LORA_KERNELS",
+            _switch,
+            True,
+            "0: LoRA runs its torch path on the GPU too (rows grouped on the host, CUDA graphs off; A/B switch).",
+        ),
         Setting(
             "ZLLM_QUANT_VEC", _switch, True, "0: every row goes through the scalar FP8 quantize kernel (A/B switch)."
         ),

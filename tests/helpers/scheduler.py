@@ -24,8 +24,10 @@ def make_scheduler(
     enable_prefix_caching: bool = False,
     scheduling_policy: str = "fcfs",
     async_scheduling: bool = False,
+    max_loras: int | None = None,
 ) -> Scheduler:
-    """Prefix caching is off unless asked for: most tests pin other rules with block ids."""
+    """Prefix caching is off unless asked for: most tests pin other rules with block ids.
+    max_loras: LoRA on, with that many adapters a step."""
     config = EngineConfig(
         model="unused",
         max_model_len=max_model_len,
@@ -34,6 +36,8 @@ def make_scheduler(
         block_size=block_size,
         scheduling_policy=scheduling_policy,
         async_scheduling=async_scheduling,
+        enable_lora=max_loras is not None,
+        max_loras=max_loras or 1,
     )
     return Scheduler(config, KVCacheManager(BlockPool(num_blocks), block_size, enable_prefix_caching))
 

@@ -104,6 +104,8 @@ class EngineCore:
                 f"prompt: {len(message.prompt_token_ids)} tokens; must be between 1 and "
                 f"{'max_model_len' if self.pooling else 'max_model_len - 1'} ({longest})"
             )
+        if message.lora is not None and not self.config.enable_lora:
+            raise ValueError("lora_request: LoRA adapters need enable_lora (--enable-lora)")
         if message.pooling is not None and not self.pooling:
             raise ValueError("task: this model generates text; it serves no pooling requests (embeddings, scores)")
         num_waiting = len(self.scheduler.waiting)
@@ -124,6 +126,7 @@ class EngineCore:
             output_token_ids=list(message.output_token_ids),
             pooling=message.pooling,
             mm_inputs=message.mm_inputs,
+            lora=message.lora,
         )
         self.scheduler.add_request(request)
         if message.sampling.structured_outputs is not None:

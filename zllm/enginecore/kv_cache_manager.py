@@ -206,7 +206,12 @@ class KVCacheManager:
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt, request.image_spans
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            request.cache_salt,
+            request.image_spans,
+            request.lora_id,
         )
         return request.block_hashes
 

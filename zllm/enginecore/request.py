@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from zllm.block_hash import ImageSpan
 from zllm.ipc.messages import ImageInput
+from zllm.lora import LoRARequest
 from zllm.pooling import PoolingParams
 from zllm.sampling_params import SamplingParams
 
@@ -83,6 +84,12 @@ class Request:
     # spans, and the ones whose encoder-cache entry it holds (zllm/enginecore/encoder_cache.py).
     mm_inputs: list[ImageInput] = field(default_factory=list)
     image_spans: list[ImageSpan] = field(default_factory=list)
+    lora: LoRARequest | None = None  # its adapter (None: the base model)
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     def __post_init__(self) -> None:
         # Output tokens may be given up front: a request resumed after an engine restart.

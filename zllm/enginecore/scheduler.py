@@ -134,6 +134,9 @@ class Scheduler:
         self.drafts_off_at = (speculative.disable_by_batch_size if speculative else None) or None
         self.spec = SpecDecodeCounters()
         self.encoder_cache = EncoderCache(max(MIN_ENCODER_CACHE_TOKENS, config.max_num_batched_tokens))
+        # LoRA: at most this many distinct adapters among the running requests, hence in any step
+        # (each worker holds that many on its device).
+        self.max_loras = config.max_loras if config.enable_lora else 0
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -253,10 +256,20 @@ class Scheduler:
             self._take_images(request, request.num_computed_tokens, num_tokens, encode, plan)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        compiling: list[Request] = []  # passed over: their grammar is not ready
+        compiling: list[Request] = []  # passed over: their grammar is not ready, or no adapter slot is free
+        adapters = self._running_adapters()
+        num_without_slot = 0
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.grammar is not None and not request.grammar.is_ready:
+                compiling.append(self.waiting.pop())
+                continue
+            if request.lora_id and request.lora_id not in adapters and len(adapters) >= self.max_loras:
+                # Waits until a running adapter's requests finish. NOTE: a bounded look past such
+                # requests, so a long queue of other adapters' requests costs little per step.
+                num_without_slot += 1
+                if num_without_slot > self.max_num_seqs:
+                    break
                 compiling.append(self.waiting.pop())
                 continue
             cached_prefix = self.kv_cache.find_cached_prefix(request)
@@ -272,6 +285,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admit(request, num_cached_tokens)
+            if request.lora_id:
+                adapters.add(request.lora_id)
             # Registered now, so that a request admitted next in this same step can share them:
             # every layer writes the whole batch's K/V before any request attends.
             self.kv_cache.cache_full_blocks(request, total)
@@ -279,6 +294,9 @@ class Scheduler:
             self._take_images(request, num_cached_tokens, num_tokens, encode, plan)
         for request in reversed(compiling):
             self.waiting.add_preempted(request)  # back where they were: at the front
+
+    def _running_adapters(self) -> set[int]:
+        return {request.lora_id for request in self.running if request.lora_id}
 
     def _admit(self, request: Request, num_cached_tokens: int) -> None:
         if request.num_preemptions == 0:
@@ -472,6 +490,7 @@ class Scheduler:
             bad_words_token_ids=request.bad_words_token_ids,
             sliding_block_ids=self.kv_cache.take_sliding_block_ids(request.request_id),
             mm_inputs=request.mm_inputs,
+            lora=request.lora,
         )
 
     # ---- results -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from zllm.frontend.output_processor import OutputProcessor
 from zllm.frontend.processor import InputProcessor, PromptType
 from zllm.frontend.tokenizer import load_tokenizer
 from zllm.ipc.messages import AddRequest, TokenDelta
+from zllm.lora import LoRARequest
 from zllm.outputs import RequestOutput
 from zllm.sampling_params import SamplingParams
 
@@ -46,10 +47,13 @@ class LLMEngine:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and enqueue; raises ValueError (naming the field) and changes nothing on bad input.
         A prompt dict may carry a "cache_salt" (as in vLLM)."""
-        message, text = self.processor.process(request_id, prompt, sampling_params, arrival_time, priority)
+        message, text = self.processor.process(
+            request_id, prompt, sampling_params, arrival_time, priority, lora_request=lora_request
+        )
         self.submit(message, text)
 
     def submit(self, message: AddRequest, prompt_text: str | None) -> None:

@@ -10,9 +10,11 @@ from typing import Any, Union
 
 from transformers import PreTrainedTokenizerBase
 
+from zllm.frontend.lora_adapters import LoRAAdapters
 from zllm.frontend.multimodal import ImageProcessor
 from zllm.grammars import grammar_of
 from zllm.ipc.messages import AddRequest, ImageInput
+from zllm.lora import LoRARequest
 from zllm.pooling import PoolerConfig, PoolingParams, check_pooling
 from zllm.sampling_params import SamplingParams
 
@@ -39,6 +41,7 @@ class InputProcessor:
             scheduling_policy=config.scheduling_policy,
             pooler=config.pooler,
             images=_image_processor(config, hf_config),
+            adapters=LoRAAdapters(config) if config.enable_lora else None,
         )
 
     def __init__(
@@ -53,6 +56,7 @@ class InputProcessor:
         scheduling_policy: str = "fcfs",
         pooler: PoolerConfig | None = None,
         images: ImageProcessor | None = None,
+        adapters: LoRAAdapters | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -63,6 +67,7 @@ class InputProcessor:
         self.scheduling_policy = scheduling_policy
         self.pooler = pooler  # set: a pooling model, which serves pooling requests only
         self.images = images  # set: a vision-language model, which takes images
+        self.adapters = adapters  # set: LoRA adapters are served (enable_lora)
 
     def process(
         self,
@@ -74,17 +79,20 @@ class InputProcessor:
         cache_salt: str | None = None,
         pooling: PoolingParams | None = None,
         tokenized: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[AddRequest, str | None]:
         """Returns the message for the engine core and the prompt text (None for token ids).
         A prompt dict may carry a "cache_salt" (as in vLLM); `cache_salt` here is the same.
         `pooling`: a pooling request (the only kind a pooling model serves); a prompt dict may
         then carry the "token_type_ids" of a text pair. `tokenized`: the prompt dict's ids came
-        from this processor's own tokenizer (LLM's batch call), so they need no checking."""
+        from this processor's own tokenizer (LLM's batch call), so they need no checking.
+        `lora_request`: the adapter that serves it (None: the base model)."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(sampling).__name__}")
         self._check_task(pooling)
         self._check_sampling(sampling)
         self._check_priority(priority)
+        self._check_lora(lora_request)
         text, token_ids = (prompt.get("prompt"), prompt["prompt_token_ids"]) if tokenized else self._tokenize(prompt)
         token_ids, mm_inputs = self._with_images(prompt, token_ids)
         self._check_length(token_ids)
@@ -101,6 +109,7 @@ class InputProcessor:
             bad_words_token_ids=self._bad_words_token_ids(sampling.bad_words or []),
             pooling=pooling,
             mm_inputs=mm_inputs,
+            lora=lora_request,
         )
         return message, text
 
@@ -130,6 +139,13 @@ class InputProcessor:
             if image.length < 1 or len(span) != image.length or any(t != placeholder for t in span):
                 raise ValueError("multi_modal_data: an image's tokens are not its placeholders in the prompt")
         return list(inputs)
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if self.adapters is None:
+            raise ValueError("lora_request: this engine serves no LoRA adapters; start it with enable_lora")
+        self.adapters.check(lora_request)
 
     def _check_task(self, pooling: PoolingParams | None) -> None:
         """A pooling model serves pooling requests only, a generative model none."""

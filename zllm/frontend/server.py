@@ -68,6 +68,7 @@ from zllm.ipc.messages import (
     UtilityResult,
 )
 from zllm.ipc.sockets import make_socket
+from zllm.lora import LoRARequest
 from zllm.outputs import CompletionOutput, RequestOutput
 from zllm.pooling import POOLING_SAMPLING, PoolingParams
 from zllm.procs.racing import race
@@ -421,6 +422,7 @@ class FrontendServer:
                 priority=message.priority,
                 cache_salt=message.cache_salt,
                 pooling=pooling,
+                lora_request=self._lora_request(message.lora_name),
             )
             core_messages = self.outputs.add_request(add, text)  # n > 1: n children
         except ValueError as error:
@@ -438,6 +440,16 @@ class FrontendServer:
             return
         for core_message in core_messages:
             await self._submit(engine, core_message)
+
+    def _lora_request(self, name: str | None) -> LoRARequest | None:
+        """The served adapter of that name (None: the base model); ValueError for an unknown one."""
+        if name is None:
+            return None
+        adapters = self.processor.adapters
+        lora = adapters.resolve(name) if adapters is not None else None
+        if lora is None:
+            raise ValueError(f"model: no LoRA adapter named {name!r} is served")
+        return lora
 
     def _choose_engine(self, add: AddRequest, count: int) -> EngineLink:
         """The least loaded engine that is up (all being restarted: the least loaded one)."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import msgspec
 
+from zllm.lora import LoRARequest
 from zllm.outputs import Logprob
 from zllm.pooling import PoolingParams
 from zllm.sampling_params import SamplingParams
@@ -94,6 +95,8 @@ class AddRequest(_Message):
     pooling: PoolingParams | None = None
     # Appended: a vision-language model's images, in prompt order.
     mm_inputs: list[ImageInput] = []
+    # Appended: the LoRA adapter that serves it (None: the base model).
+    lora: LoRARequest | None = None
 
 
 class AbortRequests(_Message):
@@ -206,6 +209,7 @@ class NewRequestData(_Message):
     # A hybrid model's sliding-window layers' table (zllm/kv_layout.py); [] for other models.
     sliding_block_ids: list[int] = []
     mm_inputs: list[ImageInput] = []  # appended: its images (encoded when StepInput.encode says)
+    lora: LoRARequest | None = None  # appended: its adapter (None: the base model)
 
 
 class CachedRequestData(_Message):
@@ -454,6 +458,9 @@ class ClientGenerate(_ClientMessage, tag="generate"):
     pooling: dict[str, Any] | None = None
     # A text pair (cross-encoder score): tokenized together with `prompt`.
     prompt_pair: str | None = None
+    # The served LoRA adapter that generates (a --lora-modules name, or one loaded at run time);
+    # None: the base model.
+    lora_name: str | None = None
 
 
 class ClientAbort(_ClientMessage, tag="abort"):

@@ -56,6 +56,48 @@ def parse_json_object(text: str) -> dict:
     return value
 
 
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules NAME=PATH (vLLM's form) -> (name, path)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """Multi-LoRA serving, as vLLM's flags."""
+    defaults = EngineConfig(model="")
+    group = parser.add_argument_group("lora")
+    group.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters on the base model")
+    group.add_argument(
+        "--lora-modules",
+        type=parse_lora_module,
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters served from the start; a request's `model` names one",
+    )
+    group.add_argument(
+        "--max-loras", type=int, default=defaults.max_loras, help="distinct adapters in one step (device slots)"
+    )
+    group.add_argument(
+        "--max-lora-rank", type=int, default=defaults.max_lora_rank, help="the largest adapter rank accepted"
+    )
+    group.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default: --max-loras)"
+    )
+
+
+def lora_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        enable_lora=args.enable_lora,
+        lora_modules=dict(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+    )
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig(model="")
     group = parser.add_argument_group("engine")
@@ -211,6 +253,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the folder under which image URLs may name local files (file:// or a path); none by default",
     )
+    add_lora_args(parser)
 
 
 def add_http_args(group) -> None:
@@ -307,6 +350,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         limit_mm_per_prompt=args.limit_mm_per_prompt or {},
         mm_processor_kwargs=args.mm_processor_kwargs or {},
         allowed_local_media_path=args.allowed_local_media_path,
+        **lora_kwargs(args),
     )
 
 

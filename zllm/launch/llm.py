@@ -22,6 +22,7 @@ from zllm.frontend.processor import PromptType
 from zllm.frontend.tokenizer import Messages, batch_token_ids, chat_prompt
 from zllm.ipc.messages import AddRequest
 from zllm.launch.llm_engine import LLMEngine
+from zllm.lora import LoRARequest
 from zllm.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -107,14 +108,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the prompts' order. `priority` (one per
         prompt, lower first) needs scheduling_policy="priority"; a prompt dict may carry a
-        "cache_salt" that keeps its prefix-cache entries apart from other salts."""
+        "cache_salt" that keeps its prefix-cache entries apart from other salts. `lora_request`:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model; needs
+        enable_lora=True)."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
         priorities = self._priorities(priority, len(prompt_list))
-        request_ids = self._add_all(prompt_list, params, priorities)
+        loras = self._loras(lora_request, len(prompt_list))
+        request_ids = self._add_all(prompt_list, params, priorities, loras)
         return self._run(request_ids, use_tqdm)
 
     # ---- pooling models (embeddings, classifiers, cross-encoders) ----------------------------------
@@ -318,11 +323,27 @@ class LLM:
             raise ValueError(f"priority: got {len(priorities)} for {count} prompts; pass one per prompt")
         return priorities
 
-    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams], priorities: list[int]) -> list[str]:
+    @staticmethod
+    def _loras(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int) -> list:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * count
+        loras = list(lora_request)
+        if len(loras) != count:
+            raise ValueError(f"lora_request: got {len(loras)} for {count} prompts; pass one, or one per prompt")
+        return loras
+
+    def _add_all(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priorities: list[int],
+        loras: list[LoRARequest | None] | None = None,
+    ) -> list[str]:
         # Validate everything first: a bad prompt must not leave half the batch queued.
+        loras = loras or [None] * len(prompts)
         processed = [
-            self.engine.processor.process(str(next(self._ids)), prompt, sampling, priority=priority)
-            for prompt, sampling, priority in zip(prompts, params, priorities)
+            self.engine.processor.process(str(next(self._ids)), prompt, sampling, priority=priority, lora_request=lora)
+            for prompt, sampling, priority, lora in zip(prompts, params, priorities, loras)
         ]
         submitted = []
         try:

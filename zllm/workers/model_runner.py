@@ -66,6 +66,7 @@ class RequestState:
     prompt_logprobs: list[LogprobsTensors] | None = None
     mm_inputs: list[ImageInput] = field(default_factory=list)  # a vision-language model's images
     mrope: MRopeState | None = None  # their M-RoPE positions
+    lora_id: int = 0  # its LoRA adapter; 0: the base model
 
 
 @dataclass(slots=True)
@@ -91,6 +92,7 @@ class BatchInputs:
     layout: DraftLayout | None = None
     # A vision-language model's image tokens: (rows of the step, their embeddings).
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    token_lora_ids: np.ndarray | None = None  # with LoRA: each token's adapter id (0: the base model)
 
 
 @dataclass(slots=True, eq=False)
@@ -156,6 +158,7 @@ class ModelRunner:
         self.pieces = None  # EagerPieces / PiecewiseGraphs: steps with prefill (piecewise_cuda_graphs)
         self.proposer = None  # speculative decoding: drafts for the requests that sampled (load_model)
         self.mm: MultimodalRunner | None = None  # a vision-language model's images (load_model)
+        self.lora = None  # LoRAManager with enable_lora (load_model)
 
     # ---- set-up --------------------------------------------------------------------------------
 
@@ -171,6 +174,10 @@ class ModelRunner:
         except torch.cuda.OutOfMemoryError:
             raise OutOfDeviceMemoryError(self._weights_do_not_fit()) from None
         self.model = model.eval()
+        if self.config.enable_lora:
+            from zllm.workers.lora import LoRAManager
+
+            self.lora = LoRAManager(self.model, self.config, self.spec, self.tp)
         self.proposer = make_proposer(self)
         if self.spec.vision is not None:
             self.mm = MultimodalRunner(self.model, self.spec.vision, self.device, self.dtype)
@@ -342,6 +349,7 @@ class ModelRunner:
         self.model = None
         self.proposer = None
         self.mm = None
+        self.lora = None
         self._in_flight, self._in_flight_tokens = {}, None
 
     def capture_graphs(self) -> None:
@@ -359,6 +367,9 @@ class ModelRunner:
             # Around their decode kernels (csrc/mla_kernels.cu), MLA's and the sinks' attention
             # pick kernels and pad work by values read on the host: not yet graph-safe.
             logger.info("decode CUDA graphs off: not yet for %s's attention", self.spec.architecture)
+            return
+        if self.lora is not None and not self.lora.graph_safe:
+            logger.info("decode CUDA graphs off: LoRA's torch path groups each step's rows on the host")
             return
         if self.spec.moe is not None and not self.ops.fuses_moe(self.dtype):
             # The torch expert loop picks the experts on the host (a sync): no graph can hold it.
@@ -389,7 +400,7 @@ class ModelRunner:
         from zllm.workers.piecewise_graphs import EagerPieces, PiecewiseGraphs, piecewise_sizes
 
         sizes = piecewise_sizes(self.config.max_num_batched_tokens)
-        if not (self.is_cuda and self.ops.supports_graphs):
+        if not (self.is_cuda and self.ops.supports_graphs) or (self.lora is not None and not self.lora.graph_safe):
             self.pieces = EagerPieces(self.model, self.kv_caches, sizes, self.hybrid)
             return
         self.pieces = PiecewiseGraphs(self.model, self.kv_caches, sizes, self.hybrid)
@@ -419,6 +430,8 @@ class ModelRunner:
         if step.is_empty:
             return launched
         batch = self._prepare_inputs(step)
+        if self.lora is not None:
+            self.lora.prepare(batch.token_lora_ids)
         hidden = self._forward(batch)
         if batch.prompt_spans:
             self._compute_prompt_logprobs(hidden, batch.prompt_spans)
@@ -630,6 +643,11 @@ class ModelRunner:
         state.row = self.sampling.add(
             new.request_id, new.sampling, state.token_ids, new.prompt_len, new.eos_token_ids, new.bad_words_token_ids
         )
+        if new.lora is not None:
+            if self.lora is None:
+                raise ValueError("lora_request: this engine serves no LoRA adapters")
+            self.lora.add_request(new.lora)  # last: a failure before it holds no adapter
+            state.lora_id = new.lora.lora_int_id
         self.requests[new.request_id] = state
         if self.proposer is not None:
             self.proposer.track(new.request_id, new.num_computed_tokens)
@@ -637,7 +655,9 @@ class ModelRunner:
             self.awaiting_prompt_logprobs[new.request_id] = state
 
     def _discard_request(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        state = self.requests.pop(request_id, None)
+        if state is not None and state.lora_id:
+            self.lora.release(state.lora_id)
         if self.proposer is not None:
             self.proposer.forget(request_id)
         self.sampling.remove(request_id)
@@ -796,6 +816,7 @@ class ModelRunner:
             scheduled_states=scheduled_states,
             layout=DraftLayout.of(sampling_drafts) if step.spec_token_ids else None,
             mm_embeds=self.mm.embeddings(chunks) if self.mm is not None else None,
+            token_lora_ids=np.asarray([s.lora_id for s in states])[rows] if self.lora is not None else None,
         )
 
     @staticmethod

@@ -38,6 +38,8 @@ class _Linear(nn.Module):
     """What both parallel linear layers share: the weights object and switching it off for a
     module the checkpoint leaves unquantized."""
 
+    lora = None  # the adapter slots of this projection (zllm/workers/lora.py), with enable_lora
+
     def _build(self, rows: int, cols: int, num_parts: int, quant: QuantSpec | None) -> None:
         self.rows, self.cols, self.num_parts = rows, cols, num_parts
         self.weights = weights_for(quant)
@@ -86,7 +88,8 @@ class ColumnParallelLinear(_Linear):
         self.bias = nn.Parameter(torch.empty(rows)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weights.apply(self, x, self.bias)
+        out = self.weights.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora.add_to(out, x)
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if shard is None:
@@ -134,10 +137,14 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1 or not self.reduce:
-            return self.weights.apply(self, x, self.bias)
-        out = self.tp.all_reduce(self.weights.apply(self, x, None))
+            return self._with_lora(self.weights.apply(self, x, self.bias), x)
+        # LoRA's share of this rank's columns joins the partial product: one all-reduce sums both.
+        out = self.tp.all_reduce(self._with_lora(self.weights.apply(self, x, None), x))
         # The bias is added once, after the partial sums are combined.
         return out if self.bias is None else out + self.bias
+
+    def _with_lora(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return out if self.lora is None else self.lora.add_to(out, x)
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if param_name == "bias":

@@ -5,6 +5,7 @@
     POST /v1/messages           (messages_api.py: Anthropic's Messages API, with Anthropic's error shape)
     POST /tokenize              POST /detokenize
     POST /v1/embeddings  /score  /rerank  /classify   (pooling models: pooling.py)
+    POST /v1/load_lora_adapter  /v1/unload_lora_adapter   (lora_routes.py, when allowed)
     GET  /health                GET  /version                    GET /metrics     GET /openapi.json
 
 Built on aiohttp: its AppRunner runs inside an event loop someone else owns (the frontend's, which
@@ -39,6 +40,7 @@ from aiohttp import web
 
 import zllm
 from zllm.frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from zllm.frontend.openai.lora_routes import LoRARoutes
 from zllm.frontend.openai.messages_api import MessagesCall, error_type
 from zllm.frontend.openai.messages_protocol import ErrorBody, ErrorDetail, MessagesRequest
 from zllm.frontend.openai.pooling import PoolingRoutes
@@ -144,6 +146,7 @@ class ApiServer:
         self._runner: web.AppRunner | None = None
         self._openapi = msgspec.json.encode(openapi_document(zllm.__version__))
         self.responses = ResponseStore() if self.config.enable_responses_store else None
+        self.lora = LoRARoutes(self)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -164,6 +167,7 @@ class ApiServer:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/openapi.json", self.openapi)
         PoolingRoutes(self).register(app)  # /v1/embeddings, /score, /rerank, /classify
+        self.lora.register(app)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         return app
 
     async def start(self) -> str:
@@ -303,8 +307,10 @@ class ApiServer:
         return response
 
     def _model(self, requested: str | None) -> str:
+        """The served name a request asked for: the base model's (also when it names none) or a
+        LoRA adapter's; 404 for any other."""
         served = self.config.model_name
-        if requested is not None and requested != served:
+        if requested is not None and requested != served and not self.lora.serves(requested):
             raise ApiError(
                 404,
                 f"The model `{requested}` does not exist (this server serves `{served}`).",
@@ -312,7 +318,7 @@ class ApiServer:
                 "model",
                 "model_not_found",
             )
-        return served
+        return requested or served
 
     def _check_tokenizer(self, field: str) -> None:
         if self.frontend.tokenizer is None:
@@ -330,7 +336,7 @@ class ApiServer:
         card = ModelCard(
             id=self.config.model_name, created=now_s(), root=self.config.model, max_model_len=self.config.max_model_len
         )
-        return json_response(ModelList(data=[card]))
+        return json_response(ModelList(data=[card, *self.lora.cards()]))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt (with the tokenizer's special tokens by default) or chat

@@ -305,7 +305,22 @@ class ModelCard(_Response, kw_only=True):
     created: int
     owned_by: str = "zllm"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (None: a base model)
     max_model_len: int
+
+
+class LoadLoRAAdapterRequest(_Request, kw_only=True):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Request, kw_only=True):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is accepted and unused)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(_Response, kw_only=True):

@@ -108,9 +108,16 @@ class EngineCall:
     `keep_n` with the highest cumulative logprob (the usage still counts every generated token)."""
 
     def __init__(
-        self, server: FrontendServer, prompts: list[Prompt], sampling: SamplingParams, keep_n: int | None = None
+        self,
+        server: FrontendServer,
+        prompts: list[Prompt],
+        sampling: SamplingParams,
+        keep_n: int | None = None,
+        model: str | None = None,
     ) -> None:
+        """model: the served name the request asked for: the base model's, or a LoRA adapter's."""
         self.server = server
+        self.lora_name = model if model is not None and model != server.config.model_name else None
         self.prompts = prompts
         self.sampling = msgspec.to_builtins(sampling)  # non-default fields, as a client sends them
         self.n = sampling.n
@@ -126,7 +133,9 @@ class EngineCall:
         self._identity, self._inbox = self.server.open_local_client()
         try:
             for index, prompt in enumerate(self.prompts):
-                message = ClientGenerate(str(index), prompt_token_ids=prompt.token_ids, sampling=self.sampling)
+                message = ClientGenerate(
+                    str(index), prompt_token_ids=prompt.token_ids, sampling=self.sampling, lora_name=self.lora_name
+                )
                 await self.server.submit(self._identity, message, mm_inputs=prompt.mm_inputs)
             self._raise_early_refusal()
         except BaseException:
@@ -490,7 +499,7 @@ class CompletionCall:
         return cls(request, model, prompts, sampling)
 
     def engine_call(self, server: FrontendServer) -> EngineCall:
-        return EngineCall(server, self.prompts, self.sampling, keep_n=self.request.n)
+        return EngineCall(server, self.prompts, self.sampling, keep_n=self.request.n, model=self.model)
 
     def _prompt_of(self, server: FrontendServer, index: int) -> Prompt:
         prompt = self.prompts[index // self.request.n]
@@ -651,7 +660,7 @@ class ChatCall:
         return reasoning_parser(self.reasoning_parser, self.prompt.text or "") if self.reasoning_parser else None
 
     def engine_call(self, server: FrontendServer) -> EngineCall:
-        return EngineCall(server, [self.prompt], self.sampling, keep_n=self.request.n)
+        return EngineCall(server, [self.prompt], self.sampling, keep_n=self.request.n, model=self.model)
 
     def _logprobs(self, server: FrontendServer, positions: SampleLogprobs | None) -> ChatLogprobs | None:
         if not self.request.logprobs:

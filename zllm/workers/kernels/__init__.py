@@ -23,6 +23,8 @@ models/moe.py's routing and expert loop          moe.* (its own docstring)
 attention.mla_decode(q_latent, cache, ...)       mla.mla_decode(out, q_latent, cache, tables, lens, scale)
 attention.decode_attention(..., sinks=)          mla.paged_attention_decode_sinks(out, q, kv, tables, lens, sinks, scale,
                                                    window)
+lora.LoRALayer.apply_slot per row's slot       lora.lora_shrink(t, x, a, slots), lora.lora_expand(out, t, b, scale,
+                                                   slots, part_ends)  (in place)
 
 `checks` holds the argument checks they share; `loader` finds, builds and launches the CUDA
 modules; `cpu` is the C kernel the CPU path decodes with (csrc/cpu/, ctypes).

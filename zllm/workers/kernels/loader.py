@@ -39,6 +39,7 @@ KERNEL_FILES: dict[str, str] = {
     "gemv_kernels": "gemv_f32",
     "layernorm_kernels": "rms_norm_f32",
     "mla_kernels": "mla_decode_f32_d576_v512",
+    "lora_kernels": "lora_shrink_f32",
     "moe_kernels": "moe_align",
     "pos_encoding_kernels": "rotary_embedding_f32",
     "quant_kernels": "quant_fp8_rows_f32",

@@ -1,0 +1,75 @@
+"""LoRA adapters made by the real `peft` package on a transformers model, with random non-zero
+A and B (peft starts B at zero, which would make every adapter the base model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.helpers.models import hf_greedy
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    r: int
+    alpha: float
+    targets: list[str] = field(default_factory=lambda: list(ALL_TARGETS))
+    rslora: bool = False
+    std: float = 0.1  # of A's and B's entries
+
+
+def save_peft_adapters(
+    model, directory: Path, specs: dict[str, AdapterSpec], prompts: list[list[int]], max_new_tokens: int
+) -> dict[str, list[list[int]]]:
+    """Save each adapter (a PEFT directory under `directory`/name) and return transformers+PEFT's
+    greedy tokens per adapter for `prompts`. `model` is left as it was (each adapter is unloaded)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    references = {}
+    for seed, (name, spec) in enumerate(specs.items()):
+        config = LoraConfig(
+            r=spec.r, lora_alpha=spec.alpha, target_modules=spec.targets, use_rslora=spec.rslora, lora_dropout=0.0
+        )
+        peft_model = get_peft_model(model, config)
+        generator = torch.Generator().manual_seed(1000 + seed)
+        with torch.no_grad():
+            for param_name, param in peft_model.named_parameters():
+                if "lora_A" in param_name or "lora_B" in param_name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * spec.std)
+        peft_model.save_pretrained(directory / name)
+        peft_model.eval()
+        references[name] = [hf_greedy(peft_model.get_base_model(), ids, max_new_tokens, None) for ids in prompts]
+        model = peft_model.unload()
+    return references
+
+
+MAX_NEW = 8
+# One prompt shorter than a 16-token block, two longer: the prefix cache holds their first blocks.
+PROMPTS = [[5, 9, 13], list(range(3, 40)), [7] * 5 + list(range(100, 130))]
+# alpha != r everywhere; rsLoRA; ranks 2..16; each kind of target module.
+SPECS = {
+    "all-r8": AdapterSpec(r=8, alpha=16),
+    "qv-rslora": AdapterSpec(r=4, alpha=3, targets=["q_proj", "v_proj"], rslora=True),
+    "mlp-r16": AdapterSpec(r=16, alpha=7, targets=["gate_proj", "up_proj", "down_proj"]),
+    "ko-r2": AdapterSpec(r=2, alpha=5, targets=["k_proj", "o_proj"], std=0.3),
+}
+
+
+def tiny_llama_with_adapters(root: Path) -> tuple[Path, Path, dict[str, list[list[int]]]]:
+    """A tiny random Llama, SPECS' adapters for it, and transformers(+PEFT)'s greedy tokens for
+    PROMPTS per adapter name and for "base"."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.models import save_tiny_llama
+
+    model_dir = save_tiny_llama(root / "base")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    references = {"base": [hf_greedy(model, ids, MAX_NEW, None) for ids in PROMPTS]}
+    references |= save_peft_adapters(model, root / "adapters", SPECS, PROMPTS, MAX_NEW)
+    for name in SPECS:
+        assert references[name] != references["base"], f"adapter {name} changes nothing: a test would be vacuous"
+    return model_dir, root / "adapters", references

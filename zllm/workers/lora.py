@@ -1,0 +1,287 @@
+"""LoRA on a worker: adapters in host memory (LRU, `max_cpu_loras`), `max_loras` device slots
+(LRU), and the batched shrink/expand that adds each row's adapter to a projection's output.
+
+Every adapted projection holds one stack of slots, sharded like the projection itself:
+
+    column-parallel (q/k/v, gate/up: output rows split):  A [slots, parts * R, in]   whole
+                                                          B [slots, out_rank, R]      this rank's rows
+    row-parallel (o, down: input columns split):          A [slots, R, in_rank]       this rank's columns
+                                                          B [slots, out, R]           whole
+
+R is max_lora_rank (a smaller adapter is zero-padded). A fused projection keeps each part's A in
+its own R rows and its B in the part's output rows. A row-parallel rank adds B (A_rank x_rank) to
+its partial product before the all-reduce: the sum over ranks is B A x, with no extra collective.
+
+Two paths, one per device:
+- torch (CPU, and the reference): a step's rows are grouped by slot (`LoRABatch.groups`); per
+  group t = x_rows A_slot^T (shrink), then out_rows += scale * t_part B_part^T for each part
+  (expand), in PEFT's order of operations. The groups' row indices come from the host each step.
+- CUDA (csrc/lora_kernels.cu): every row reads its slot from `LoRABatch.token_slots`, a device
+  buffer of fixed address filled before each step (-1: the base model; padding rows too), so the
+  decode and piecewise CUDA graphs hold the launches and stay on with LoRA.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from zllm.config import EngineConfig
+from zllm.lora import TARGET_MODULES, WEIGHTS_FILE, LoRARequest, check_adapter
+from zllm.model_spec import ModelSpec
+from zllm.workers.distributed import TensorParallel
+from zllm.workers.parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """The current step's rows by adapter slot: (slot, row indices; None: every row) for the
+    torch path; each row's slot in a device buffer for the kernels (None: the torch path)."""
+
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    token_slots: torch.Tensor | None = None
+
+
+class LoRALayer:
+    """One projection's adapter slots on this rank (see the module docstring for the layout)."""
+
+    def __init__(
+        self,
+        linear: ColumnParallelLinear | RowParallelLinear,
+        num_slots: int,
+        max_rank: int,
+        batch: LoRABatch,
+    ) -> None:
+        self.column = isinstance(linear, ColumnParallelLinear)
+        parts = linear.parts if self.column else None
+        self.part_rows: list[tuple[int, int]] = []  # (first output row on this rank, rows), per part
+        offset = 0
+        for count in [p.span.count for p in parts] if parts else [linear.weight.shape[0]]:
+            self.part_rows.append((offset, count))
+            offset += count
+        self.linear = linear
+        self.rank = max_rank
+        in_features = linear.weight.shape[1]
+        weight = linear.weight
+        self.A = torch.zeros(
+            num_slots, len(self.part_rows) * max_rank, in_features, dtype=weight.dtype, device=weight.device
+        )
+        self.B = torch.zeros(num_slots, offset, max_rank, dtype=weight.dtype, device=weight.device)
+        self.scale = [[0.0] * len(self.part_rows) for _ in range(num_slots)]
+        self.scale_t = torch.zeros(num_slots, len(self.part_rows), dtype=torch.float32, device=weight.device)
+        self.part_ends = [start + count for start, count in self.part_rows]
+        self.batch = batch
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out + each row's adapter applied to x (rows of the base model unchanged)."""
+        if self.batch.token_slots is not None:
+            return self._add_with_kernels(out, x)
+        for slot, rows in self.batch.groups:
+            delta = self.apply_slot(slot, x if rows is None else x.index_select(0, rows))
+            if rows is None:
+                out = out + delta
+            else:
+                out = out.index_add(0, rows, delta)
+        return out
+
+    def _add_with_kernels(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        from zllm.workers.kernels.lora import lora_expand, lora_shrink
+
+        slots = self.batch.token_slots[: x.shape[0]]
+        shrunk = torch.empty((x.shape[0], self.A.shape[1]), dtype=torch.float32, device=x.device)
+        lora_shrink(shrunk, x, self.A, slots)
+        return lora_expand(out, shrunk, self.B, self.scale_t, slots, self.part_ends)
+
+    def apply_slot(self, slot: int, x: torch.Tensor) -> torch.Tensor:
+        """The torch reference of the shrink and expand for rows of one adapter."""
+        shrunk = F.linear(x, self.A[slot])
+        R = self.rank
+        return torch.cat(
+            [
+                F.linear(shrunk[:, p * R : (p + 1) * R], self.B[slot, start : start + count]) * self.scale[slot][p]
+                for p, (start, count) in enumerate(self.part_rows)
+            ],
+            dim=-1,
+        )
+
+    def clear(self, slot: int) -> None:
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+        self.scale[slot] = [0.0] * len(self.part_rows)
+        self.scale_t[slot].zero_()
+
+    def store(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """A part's matrices (already this rank's shard) into a slot."""
+        r = a.shape[0]
+        start, count = self.part_rows[part]
+        self.A[slot, part * self.rank : part * self.rank + r].copy_(a)
+        self.B[slot, start : start + count, :r].copy_(b)
+        self.scale[slot][part] = scale
+        self.scale_t[slot, part] = scale
+
+    def shard(self, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of a full (A [r, in], B [out, r]): B's rows of a column-parallel part,
+        A's columns of a row-parallel projection."""
+        if self.column:
+            span = self.linear.parts[part].span
+            return a, b[span.start : span.stop]
+        span = self.linear.span
+        return a[:, span.start : span.stop], b
+
+
+# (layer, zllm module) -> per part: (A, B, scale) this rank's shards on the host, or None
+HostAdapter = dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor, float] | None]]
+
+
+class LoRAManager:
+    """The adapters of one worker: loaded into host memory when a request first names one, moved
+    into a device slot when a step needs it. The engine core never schedules more than
+    max_loras distinct adapters in one step, so a step's adapters always fit in the slots."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, spec: ModelSpec, tp: TensorParallel) -> None:
+        self.spec = spec
+        self.max_rank = config.max_lora_rank
+        self.num_slots = config.max_loras
+        self.max_host = config.max_cpu_loras or config.max_loras
+        self.tp = tp
+        self.batch = LoRABatch()
+        self.layers: dict[tuple[int, str], LoRALayer] = {}
+        for index, layer in enumerate(model.model.layers):
+            for name, linear in (
+                ("qkv_proj", layer.self_attn.qkv_proj),
+                ("o_proj", layer.self_attn.o_proj),
+                ("gate_up_proj", layer.mlp.gate_up_proj),
+                ("down_proj", layer.mlp.down_proj),
+            ):
+                linear.lora = self.layers[(index, name)] = LoRALayer(linear, self.num_slots, self.max_rank, self.batch)
+        self.device = model.model.layers[0].self_attn.qkv_proj.weight.device
+        if self._kernels_apply(config):
+            # Every step's tokens (and a CUDA graph's padding) fit: the budget, or a decode batch
+            # with its drafts.
+            drafts = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+            size = max(config.max_num_batched_tokens, config.max_num_seqs * (1 + drafts))
+            self.batch.token_slots = torch.full((size,), -1, dtype=torch.int32, device=self.device)
+        self.host: OrderedDict[int, HostAdapter] = OrderedDict()  # LRU order: least recent first
+        self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU order
+        self.users: Counter[int] = Counter()  # live requests per adapter: pinned in host memory
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, lora: LoRARequest) -> None:
+        """Hold the request's adapter in host memory (loading it now if needed); ValueError if it
+        cannot be loaded (the request fails alone)."""
+        if lora.lora_int_id not in self.host:
+            adapter = self._load(lora)
+            self._make_host_room()
+            self.host[lora.lora_int_id] = adapter
+        self.host.move_to_end(lora.lora_int_id)
+        self.users[lora.lora_int_id] += 1
+
+    def release(self, lora_id: int) -> None:
+        self.users[lora_id] -= 1
+        if self.users[lora_id] <= 0:
+            del self.users[lora_id]
+
+    def _make_host_room(self) -> None:
+        """Drop least recently used adapters no live request uses until one more fits."""
+        for lora_id in list(self.host):
+            if len(self.host) < self.max_host:
+                return
+            if not self.users[lora_id]:
+                del self.host[lora_id]
+                self.users.pop(lora_id, None)
+        if len(self.host) >= self.max_host:
+            logger.warning("lora: %d adapters in use exceed max_cpu_loras (%d)", len(self.host) + 1, self.max_host)
+
+    def _load(self, lora: LoRARequest) -> HostAdapter:
+        info = check_adapter(lora.lora_path, self.spec, self.max_rank)
+        try:
+            tensors = load_file(f"{lora.lora_path}/{WEIGHTS_FILE}", device="cpu")
+        except Exception as error:  # noqa: BLE001 - any unreadable file is the adapter's fault
+            raise ValueError(f"lora adapter {lora.lora_path}: cannot read {WEIGHTS_FILE}: {error}") from None
+        adapter: HostAdapter = {}
+        by_projection = {(t.layer, t.module, t.matrix): tensors[t.name] for t in info.tensors}
+        for (layer, module), scale in info.scaling.items():
+            name, part = TARGET_MODULES[module]
+            lora_layer = self.layers[(layer, name)]
+            a, b = lora_layer.shard(part or 0, by_projection[(layer, module, "A")], by_projection[(layer, module, "B")])
+            dtype = lora_layer.A.dtype
+            parts = adapter.setdefault((layer, name), [None] * len(lora_layer.part_rows))
+            parts[part or 0] = (a.to(dtype).contiguous(), b.to(dtype).contiguous(), scale)
+        logger.info("lora: loaded adapter %r (id %d, rank %d)", lora.lora_name, lora.lora_int_id, info.rank)
+        return adapter
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether CUDA graphs may hold the adapted projections (the kernel path)."""
+        return self.batch.token_slots is not None
+
+    def _kernels_apply(self, config: EngineConfig) -> bool:
+        """The CUDA kernels serve every adapted projection (dtype, widths, rank), unless the
+        ZLLM_LORA_KERNELS switch is off."""
+        from zllm import envs
+
+        if self.device.type != "cuda" or not envs.ZLLM_LORA_KERNELS:
+            return False
+        from zllm.workers.kernels.lora import supports
+
+        return all(supports(layer.A.dtype, layer.A.shape[2], layer.rank) for layer in self.layers.values())
+
+    def prepare(self, token_lora_ids: np.ndarray) -> None:
+        """Put the step's adapters in device slots, and give each row its slot: in the device
+        buffer (kernels) or as groups of rows (torch)."""
+        ids = [int(i) for i in np.unique(token_lora_ids) if i]
+        for lora_id in ids:
+            self._to_slot(lora_id, keep=ids)
+        for lora_id in ids:
+            self.slots.move_to_end(lora_id)
+        if self.batch.token_slots is not None:
+            self._fill_token_slots(token_lora_ids)
+            return
+        groups = []
+        for lora_id in ids:
+            mask = token_lora_ids == lora_id
+            rows = None if mask.all() else torch.from_numpy(np.flatnonzero(mask)).to(self.device)
+            groups.append((self.slots[lora_id], rows))
+        self.batch.groups = groups
+
+    def _fill_token_slots(self, token_lora_ids: np.ndarray) -> None:
+        """Each token's slot (-1: the base model, and every row past the step's tokens, which a
+        CUDA graph pads with), copied into the fixed buffer on the step's stream."""
+        from zllm.workers.transfer import to_device
+
+        buffer = self.batch.token_slots
+        host = np.full(buffer.shape[0], -1, dtype=np.int32)
+        for lora_id, slot in self.slots.items():
+            host[: len(token_lora_ids)][token_lora_ids == lora_id] = slot
+        buffer.copy_(to_device(host, self.device), non_blocking=True)
+
+    def _to_slot(self, lora_id: int, keep: list[int]) -> None:
+        if lora_id in self.slots:
+            return
+        if len(self.slots) < self.num_slots:
+            taken = set(self.slots.values())
+            slot = next(s for s in range(self.num_slots) if s not in taken)
+        else:
+            victim = next(i for i in self.slots if i not in keep)  # the least recently used one
+            slot = self.slots.pop(victim)
+        self._copy_to_slot(self.host[lora_id], slot)
+        self.slots[lora_id] = slot
+
+    def _copy_to_slot(self, adapter: HostAdapter, slot: int) -> None:
+        for key, layer in self.layers.items():
+            layer.clear(slot)
+            for part, entry in enumerate(adapter.get(key, ())):
+                if entry is not None:
+                    a, b, scale = entry
+                    layer.store(slot, part, a, b, scale)
