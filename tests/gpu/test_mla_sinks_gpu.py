@@ -6,6 +6,8 @@ checkpoints through the CUDA engine in fp32 (the kernels on the decode path) aga
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -98,7 +100,13 @@ def _engine_vs_hf(model_dir, prompts, max_tokens=12, **engine_args):
 
     from zllm import LLM, SamplingParams
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager").eval()
+    # The reference runs on the CPU in fp32. transformers' MXFP4 reader, seeing a GPU without its
+    # `kernels` package, would dequantize the experts to bf16 beside fp32 layers (and fail); told
+    # there is no GPU, it dequantizes as on the CPU machines, where tests/test_gpt_oss_model.py uses it.
+    with mock.patch("torch.cuda.is_available", return_value=False):
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager")
+    hf = hf.eval()
+    assert all(p.dtype == torch.float32 for p in hf.parameters())
     expected = [hf_greedy(hf, p, max_tokens, eos_token_id=None) for p in prompts]
     del hf
     llm = LLM(
