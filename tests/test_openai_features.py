@@ -356,6 +356,7 @@ def test_tokenize_detokenize_version_and_models(api, client, smollm2_tokenizer):
     ("path", "body", "param"),
     [
         ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
+        ("/tokenize", {"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}, "prompt"),
         ("/v1/completions", {"prompt": "Hi", "best_of": 1, "n": 2}, "best_of"),
         ("/v1/completions", {"prompt": "Hi", "best_of": 2, "stream": True}, "best_of"),
         ("/v1/completions", {"prompt": "Hi", "best_of": "two"}, "best_of"),

@@ -414,10 +414,14 @@ def ignored_fields_header(paths: list[str]) -> str:
 
 
 def _has_messages(raw: bytes) -> bool:
+    """A /tokenize body of chat messages (else a prompt). The schema offers one or the other
+    (oneOf): a body with both is refused rather than read as one of them."""
     try:
         value = msgspec.json.decode(raw)
     except msgspec.DecodeError:
         return False  # decode_request reports it
+    if isinstance(value, dict) and "messages" in value and "prompt" in value:
+        raise BadRequestError("prompt: give either prompt or messages, not both", "prompt")
     return isinstance(value, dict) and "messages" in value
 
 
