@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.models import hf_greedy, save_tiny_model, write_mxfp4_experts
-from zllm import LLM, SamplingParams
+from tests.helpers.models import greedy_engine_tokens, hf_greedy, save_tiny_model, write_mxfp4_experts
 
 MAX_TOKENS = 12
 WINDOW = 8
@@ -78,17 +77,8 @@ def _hf_tokens(model_dir: Path, prompts: list[list[int]], **config_changes) -> l
     return [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=None) for p in prompts]
 
 
-def _engine_tokens(model_dir: Path, prompts: list[list[int]], **engine_args) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(model_dir), dtype="float32", **engine_args)
-    try:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-            use_tqdm=False,
-        )
-    finally:
-        llm.shutdown()
-    return [o.outputs[0].token_ids for o in outs], llm
+def _engine_tokens(model_dir: Path, prompts: list[list[int]], **engine_args):
+    return greedy_engine_tokens(model_dir, prompts, MAX_TOKENS, **engine_args)
 
 
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["dense", "mxfp4"])

@@ -43,6 +43,23 @@ TINY_ARCHITECTURES = {  # architecture: (transformers config class, model class)
 }
 
 
+def greedy_engine_tokens(model_dir: Path, prompts: list[list[int]], max_tokens: int, **engine_args):
+    """zllm's fp32 greedy tokens for `prompts` (EOS ignored), and the shut-down LLM, whose stats
+    (preemptions, blocks) a test may still read."""
+    from zllm import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", **engine_args)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
 def save_tiny_model(directory: Path, architecture: str = "llama", shards: int = 1, **overrides) -> Path:
     """A small random model built with transformers' own classes, saved as safetensors beside a
     placeholder word-level tokenizer over its vocabulary (the engine's frontend needs one).
