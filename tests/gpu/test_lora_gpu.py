@@ -64,7 +64,8 @@ def test_rows_of_the_base_model_are_left_untouched(gen):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return tiny_llama_with_adapters(tmp_path_factory.mktemp("lora-gpu"))
+    # head_dim 64: the smallest the CUDA attention kernels take (the CPU tests' tiny Llama has 16).
+    return tiny_llama_with_adapters(tmp_path_factory.mktemp("lora-gpu"), head_dim=64)
 
 
 def _mixed(llm: LLM, adapters) -> tuple[list, list[list[int]]]:

@@ -95,6 +95,26 @@ def test_sinks_decode_matches_reference(dtype, head_dim, window, gen):
 # ---- the tiny models through the CUDA engine -----------------------------------------------------------
 
 
+def _restore_fp32(hf, model_dir):
+    """transformers 5.17 dequantizes MXFP4 experts to bf16 when its `kernels` package is absent,
+    GPU or not, and may cast the layers beside them too. MXFP4's values (e2m1 times a power of
+    two) are exact in bf16, so the experts widen back to fp32 without loss; every other weight is
+    read again from the checkpoint, where it is stored in fp32."""
+    from safetensors.torch import load_file
+
+    if all(p.dtype == torch.float32 for p in hf.parameters()):
+        return hf
+    hf = hf.float()
+    own = hf.state_dict()
+    stored = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        stored |= load_file(path)
+    fp32 = {k: v for k, v in stored.items() if k in own and v.dtype == torch.float32 and own[k].shape == v.shape}
+    assert fp32, "no fp32 tensor of the checkpoint matched the model's names"
+    hf.load_state_dict(fp32, strict=False)
+    return hf
+
+
 def _engine_vs_hf(model_dir, prompts, max_tokens=12, **engine_args):
     from transformers import AutoModelForCausalLM
 
@@ -105,8 +125,7 @@ def _engine_vs_hf(model_dir, prompts, max_tokens=12, **engine_args):
     # there is no GPU, it dequantizes as on the CPU machines, where tests/test_gpt_oss_model.py uses it.
     with mock.patch("torch.cuda.is_available", return_value=False):
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager")
-    hf = hf.eval()
-    assert all(p.dtype == torch.float32 for p in hf.parameters())
+    hf = _restore_fp32(hf.eval(), model_dir)
     expected = [hf_greedy(hf, p, max_tokens, eos_token_id=None) for p in prompts]
     del hf
     llm = LLM(

@@ -58,15 +58,15 @@ SPECS = {
 }
 
 
-def tiny_llama_with_adapters(root: Path) -> tuple[Path, Path, dict[str, list[list[int]]]]:
-    """A tiny random Llama, SPECS' adapters for it, and transformers(+PEFT)'s greedy tokens for
-    PROMPTS per adapter name and for "base"."""
+def tiny_llama_with_adapters(root: Path, **config) -> tuple[Path, Path, dict[str, list[list[int]]]]:
+    """A tiny random Llama (`config` overrides save_tiny_llama's), SPECS' adapters for it, and
+    transformers(+PEFT)'s greedy tokens for PROMPTS per adapter name and for "base"."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from tests.helpers.models import save_tiny_llama
 
-    model_dir = save_tiny_llama(root / "base")
+    model_dir = save_tiny_llama(root / "base", **config)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     references = {"base": [hf_greedy(model, ids, MAX_NEW, None) for ids in PROMPTS]}
     references |= save_peft_adapters(model, root / "adapters", SPECS, PROMPTS, MAX_NEW)
