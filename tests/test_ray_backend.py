@@ -6,13 +6,16 @@ stream completes exactly; SIGTERM of the launcher leaves no actor and no process
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 
+import psutil
 import pytest
 
 from tests.helpers.models import save_tiny_llama
-from tests.helpers.server import wait_until
-from zllm import LLM, SamplingParams
+from tests.helpers.server import processes_gone, start_server, wait_until
+from zllm import LLM, AsyncClient, SamplingParams
 from zllm.config import EngineConfig
 
 ray = pytest.importorskip("ray")
@@ -101,3 +104,101 @@ def test_tp2_with_a_rank_on_each_node_equals_tp1(cluster, smollm2_dir, monkeypat
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert [len(nodes) for nodes in placed.values()] == [2], placed  # one engine, its two ranks on two nodes
     assert wait_until(lambda: not zllm_actors(), timeout=30), zllm_actors()  # shutdown killed them
+
+
+def test_dp2_places_each_engines_ranks_together(cluster, tiny_model, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    prompts = [f"t{3 + i} t{40 + i} t{90 + i}" for i in range(6)]
+    with LLM(tiny_model, max_model_len=256) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    monkeypatch.setenv("ZLLM_RAY_RANK_RESOURCES", TWO_RANKS_PER_NODE)
+    with LLM(
+        tiny_model,
+        max_model_len=256,
+        tensor_parallel_size=2,
+        data_parallel_size=2,
+        distributed_executor_backend="ray",
+        ray_address=cluster.address,
+    ) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        placed = actor_nodes_by_engine()
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    # Two engines (dp ranks 0 and 1), each with both ranks on one node: STRICT_PACK; a node holds
+    # one engine's two ranks and no more, so the engines took a node each.
+    assert sorted(tag.split("-")[1] for tag in placed) == ["engine0", "engine1"], placed
+    assert [len(nodes) for nodes in placed.values()] == [1, 1], placed
+    assert len(set.union(*placed.values())) == 2, placed
+    assert wait_until(lambda: not zllm_actors(), timeout=30), zllm_actors()
+
+
+# ---- served: an actor killed under 8 streams; SIGTERM ---------------------------------------------
+
+
+async def _stream_all(endpoint: str, prompts: list[str], params: SamplingParams, on_progress=None):
+    async with AsyncClient(endpoint, timeout=120) as client:
+
+        async def consume(i: int):
+            tokens, text = [], ""
+            async for delta in client.stream(prompts[i], params):
+                tokens += delta.outputs[0].token_ids
+                text += delta.outputs[0].text
+                if on_progress is not None:
+                    on_progress(i, len(tokens))
+            return tokens, text
+
+        return await asyncio.gather(*[consume(i) for i in range(len(prompts))])
+
+
+@pytest.fixture(scope="module")
+def ray_server(cluster, tiny_model, tmp_path_factory):
+    handle = start_server(
+        tmp_path_factory.mktemp("ray-server"),
+        tiny_model,
+        "--tp",
+        "2",
+        "--distributed-executor-backend",
+        "ray",
+        "--ray-address",
+        cluster.address,
+        env={**ONE_THREAD, "ZLLM_RAY_RANK_RESOURCES": ONE_RANK_PER_NODE},
+    )
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_a_killed_rank_actor_restarts_the_engine_and_every_stream_completes(ray_server):
+    prompts = [f"t{3 + i} t{40 + i} t{90 + i}" for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    reference = asyncio.run(_stream_all(ray_server.endpoint, prompts, params))
+    (victim,) = [a for a in zllm_actors() if a["Name"].endswith("-1")]
+    counts = [0] * len(prompts)
+    killed: list[float] = []
+
+    def kill_once_all_are_streaming(i: int, count: int) -> None:
+        counts[i] = count
+        if not killed and min(counts) >= 20:
+            killed.append(time.monotonic())
+            ray.kill(ray.get_actor(victim["Name"], namespace="zllm"), no_restart=True)
+
+    results = asyncio.run(_stream_all(ray_server.endpoint, prompts, params, kill_once_all_are_streaming))
+    assert killed
+    assert results == reference  # every stream, token for token
+    log = ray_server.log()
+    recovered = re.search(r"engine recovered in ([0-9.]+) s: (\d+) request\(s\) replayed", log)
+    assert recovered and int(recovered.group(2)) > 0, log[-4000:]
+    assert re.search(r"engine failure: .*rank \d \(Ray actor, pid \d+ on node \w+\) died", log), log[-4000:]
+    assert processes_gone([victim["Pid"]])
+    assert len(zllm_actors()) == 2  # the restarted engine's ranks
+
+
+def test_sigterm_leaves_no_actor_and_no_process(ray_server):
+    actors = zllm_actors()
+    assert len(actors) == 2
+    pids = [ray_server.process.pid] + [p.pid for p in ray_server.children()] + [a["Pid"] for a in actors]
+    assert ray_server.stop() == 0
+    assert wait_until(lambda: not zllm_actors(), timeout=30), zllm_actors()
+    assert wait_until(lambda: processes_gone(pids), timeout=30), [p for p in pids if psutil.pid_exists(p)]
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if "ray::ModuleActor" in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers, leftovers
