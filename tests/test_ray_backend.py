@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+import zmq
 
 from tests.helpers.models import save_tiny_llama
 from tests.helpers.server import processes_gone, start_server, wait_until
@@ -93,16 +94,48 @@ def test_without_ray_the_flag_says_how_to_install_it(monkeypatch):
         EngineConfig(model="", max_model_len=16, distributed_executor_backend="ray").validate()
 
 
+def test_a_group_is_packed_on_one_node_where_one_holds_it():
+    from zllm.enginecore.ray_executor import pack_strategy
+
+    nodes = [{"Alive": True, "Resources": {"GPU": 4.0}}, {"Alive": True, "Resources": {"GPU": 8.0}}]
+    assert pack_strategy(nodes, {"GPU": 1.0}, 8) == "STRICT_PACK"
+    assert pack_strategy(nodes, {"GPU": 1.0}, 16) == "PACK"  # 16 ranks: over both nodes
+    nodes[1]["Alive"] = False  # a lost node holds nothing
+    assert pack_strategy(nodes, {"GPU": 1.0}, 8) == "PACK"
+
+
+def test_ranks_are_numbered_from_the_cores_machine_and_see_their_nodes_gpus():
+    from zllm.enginecore.ray_executor import rank_order, visible_gpus
+
+    places = [
+        {"ip": "10.0.0.2", "node_id": "b", "gpu_ids": ["1"]},
+        {"ip": "10.0.0.1", "node_id": "a", "gpu_ids": ["3"]},
+        {"ip": "10.0.0.2", "node_id": "b", "gpu_ids": ["0"]},
+        {"ip": "10.0.0.1", "node_id": "a", "gpu_ids": ["2"]},
+    ]
+    assert rank_order(places, core_ip="10.0.0.1") == [3, 1, 2, 0]
+    assert [visible_gpus(places, i) for i in range(4)] == [("0,1", 1), ("2,3", 1), ("0,1", 0), ("2,3", 0)]
+    assert visible_gpus([{"ip": "x", "node_id": "a", "gpu_ids": []}], 0) == (None, None)
+
+
 def test_tp2_with_a_rank_on_each_node_equals_tp1(cluster, smollm2_dir, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with LLM(smollm2_dir, max_model_len=512) as llm:
         reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     monkeypatch.setenv("ZLLM_RAY_RANK_RESOURCES", ONE_RANK_PER_NODE)
+    # Both nodes are this machine: count every rank as another machine's, so that the steps take
+    # the tcp + CURVE path that real clusters do (the engine core runs in this process).
+    from zllm.enginecore import ray_executor
+
+    monkeypatch.setattr(ray_executor, "crosses_machines", lambda place, core_ip: True)
     with LLM(smollm2_dir, max_model_len=512, tensor_parallel_size=2, distributed_executor_backend="ray") as llm:
+        executor = llm.engine.core.executor.executor
+        links = [socket.getsockopt_string(zmq.LAST_ENDPOINT) for socket in executor.inputs + executor.outputs]
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         placed = actor_nodes_by_engine()
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert [len(nodes) for nodes in placed.values()] == [2], placed  # one engine, its two ranks on two nodes
+    assert [link.split(":")[0] for link in links] == ["tcp"] * 2 + ["ipc", "tcp"], links
     assert wait_until(lambda: not zllm_actors(), timeout=30), zllm_actors()  # shutdown killed them
 
 

@@ -92,6 +92,12 @@ def visible_gpus(places: list[dict], i: int) -> tuple[str | None, int | None]:
     return ",".join(ids), ids.index(own[0])
 
 
+def crosses_machines(place: dict, core_ip: str) -> bool:
+    """Whether a rank's link to the core leaves the machine (tcp + CURVE) or not (ipc): Ray nodes
+    started on one machine share its address."""
+    return place["ip"] != core_ip
+
+
 class _OneClientKey:
     """ZAP: only the key pair handed to this engine's ranks gets through the handshake."""
 
@@ -194,7 +200,7 @@ class RayExecutor(MultiprocExecutor):
         core_ip = self.ray.util.get_node_ip_address()
         endpoints = InternalEndpoints(config.runtime_dir)
         hwm, limit = config.socket_hwm, config.internal_max_message_bytes
-        remote = [place["ip"] != core_ip for place in self._places]
+        remote = [crosses_machines(place, core_ip) for place in self._places]
         sockets: list[zmq.Socket] = []
         try:
             outputs = [
