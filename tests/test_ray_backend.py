@@ -221,6 +221,7 @@ def test_a_killed_rank_actor_restarts_the_engine_and_every_stream_completes(ray_
     log = ray_server.log()
     recovered = re.search(r"engine recovered in ([0-9.]+) s: (\d+) request\(s\) replayed", log)
     assert recovered and int(recovered.group(2)) > 0, log[-4000:]
+    print(f"Ray backend: recovered in {recovered.group(1)} s, {recovered.group(2)} request(s) replayed")
     assert re.search(r"engine failure: .*rank \d \(Ray actor, pid \d+ on node \w+\) died", log), log[-4000:]
     assert processes_gone([victim["Pid"]])
     assert len(zllm_actors()) == 2  # the restarted engine's ranks

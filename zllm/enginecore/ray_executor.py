@@ -76,7 +76,7 @@ def rank_order(places: list[dict], core_ip: str) -> list[int]:
 
     def key(i: int):
         gpus = places[i]["gpu_ids"]
-        return (places[i]["ip"] != core_ip, places[i]["node_id"], int(gpus[0]) if gpus else 0, i)
+        return (places[i]["ip"] != core_ip, places[i]["node_id"], _gpu_key(gpus[0]) if gpus else (0, ""), i)
 
     return sorted(range(len(places)), key=key)
 
@@ -88,7 +88,7 @@ def visible_gpus(places: list[dict], i: int) -> tuple[str | None, int | None]:
     if not own:
         return None, None
     node = places[i]["node_id"]
-    ids = sorted({g for p in places if p["node_id"] == node for g in p["gpu_ids"]}, key=int)
+    ids = sorted({g for p in places if p["node_id"] == node for g in p["gpu_ids"]}, key=_gpu_key)
     return ",".join(ids), ids.index(own[0])
 
 
@@ -339,6 +339,11 @@ def _actor_class() -> type:
     from zllm.procs.ray_actor import ModuleActor
 
     return ModuleActor
+
+
+def _gpu_key(gpu_id: str) -> tuple[int, str]:
+    """Numeric order for indices ("2" < "10"), a stable one for GPU UUIDs."""
+    return (len(gpu_id), gpu_id)
 
 
 def _host(ip: str) -> str:
