@@ -666,6 +666,8 @@ CONFIG = EngineConfig(
     max_loras=4,
     max_lora_rank=64,
     max_cpu_loras=8,
+    distributed_executor_backend="ray",
+    ray_address="ray://head:10001",
 )
 
 

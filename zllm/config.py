@@ -7,6 +7,7 @@ length) so that each process receives plain values and never re-derives them dif
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,9 @@ ON_FAILURE_POLICIES = ("restart", "fail")
 # names the pooling task of a checkpoint (only encoder architectures are served as pooling models yet).
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
+# Who starts and supervises the tp workers (vLLM's --distributed-executor-backend): "mp", child
+# processes of the engine core on its node; "ray", actors of a Ray cluster (docs/deployment.md).
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # The tool-call parsers' names (--tool-call-parser; None: none). zllm/frontend/openai/tool_parsers.py
 # maps each to its parser class (tests/test_tool_parsers.py keeps the two equal).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
@@ -51,6 +55,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "on_failure": ON_FAILURE_POLICIES,
     "runner": RUNNERS,
     "convert": CONVERTS,
+    "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
 }
 USAGES = ("serving", "offline")
 # An offline batch (LLM) on a GPU gains from larger decode batches and prefill chunks than a
@@ -171,6 +176,12 @@ class EngineConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
+    # "ray": each tp rank is an actor of a Ray cluster (zllm/enginecore/ray_executor.py), which
+    # places it (one placement-group bundle per rank) and watches it; the steps still go over
+    # ZeroMQ. ray_address: the cluster to join ("auto", "ray://...", host:port); empty: Ray's own
+    # choice (RAY_ADDRESS, a cluster started on this machine, else a new local one).
+    distributed_executor_backend: str = "mp"
+    ray_address: str = ""
     # GPU tp: all-reduces of at most this many bytes (in the model's bf16/fp32 dtype) go through
     # PyTorch's symmetric-memory one-shot kernel instead of NCCL; 0: NCCL only (the default until
     # engine runs on the H200 pair show it safe; zllm/workers/symmetric_all_reduce.py).
@@ -438,6 +449,7 @@ class EngineConfig:
             f"{self.node_rank} is not the head (0): the other nodes run `vllm-launch --headless`",
         )
         _require(self.node_join_timeout_s > 0, "node_join_timeout_s", "must be > 0")
+        self._validate_executor_backend()
         _require(self.data_parallel_size_local >= 0, "data_parallel_size_local", "must be >= 0")
         if self.nnodes == 1:
             _require(
@@ -533,6 +545,22 @@ class EngineConfig:
             return range(self.tensor_parallel_size)
         node = self.node_rank if node_rank is None else node_rank
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    def _validate_executor_backend(self) -> None:
+        _require_choice(self, "distributed_executor_backend")
+        if self.distributed_executor_backend != "ray":
+            _require(not self.ray_address, "ray_address", "is for --distributed-executor-backend ray")
+            return
+        _require(
+            importlib.util.find_spec("ray") is not None,
+            "distributed_executor_backend",
+            "ray needs the ray package: pip install zllm[ray]",
+        )
+        _require(
+            self.nnodes == 1,
+            "distributed_executor_backend",
+            "ray places the ranks itself: leave --nnodes (zllm's own node agents) at 1",
+        )
 
     @property
     def first_gpu(self) -> int:

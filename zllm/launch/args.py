@@ -10,6 +10,7 @@ from zllm import envs
 from zllm.config import (
     CONVERTS,
     DEVICES,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -474,6 +475,19 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         help="engines per node: the -dp engines spread over the --nnodes nodes (each engine's "
         "--tp ranks stay on one node) instead of one engine's ranks",
     )
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+        default=defaults.distributed_executor_backend,
+        help="who starts and watches the --tp workers: mp, child processes on this node (with "
+        "--nnodes, zllm's node agents); ray, actors of a Ray cluster (pip install zllm[ray])",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=defaults.ray_address,
+        help="the Ray cluster to join (auto, host:port, ray://...); default: RAY_ADDRESS, a cluster "
+        "started on this machine, else a new local one",
+    )
 
 
 def node_kwargs(args: argparse.Namespace) -> dict:
@@ -484,4 +498,6 @@ def node_kwargs(args: argparse.Namespace) -> dict:
         master_port=args.master_port,
         node_join_timeout_s=args.node_join_timeout,
         data_parallel_size_local=args.data_parallel_size_local,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_address=args.ray_address,
     )

@@ -23,16 +23,16 @@ from zllm.workers.symmetric_all_reduce import attach_symmetric_all_reduce
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(name: str, rank: int = 0, first_gpu: int = 0) -> torch.device:
+def resolve_device(name: str, rank: int = 0, first_gpu: int = 0, gpu_index: int | None = None) -> torch.device:
     """Rank R of a tensor-parallel group uses GPU first_gpu + R (first_gpu: the data-parallel
-    engine's first GPU)."""
+    engine's first GPU), unless its placement names the GPU (`gpu_index`, the Ray backend)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but no CUDA device is available")
-    index = first_gpu + rank
+    index = first_gpu + rank if gpu_index is None else gpu_index
     if index >= torch.cuda.device_count():
         raise ValueError(f"device: rank {rank} needs GPU {index}, but only {torch.cuda.device_count()} are visible")
     torch.cuda.set_device(index)
@@ -48,10 +48,14 @@ class Worker:
     it and samples step N+1 (whose inputs take step N's tokens straight from the device).
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, gpu_index: int | None = None, init_method: str | None = None
+    ) -> None:
+        """gpu_index, init_method: where a cluster manager placed this rank (the Ray backend);
+        None: derived from the config and the rank."""
         self.config = config
-        self.device = resolve_device(config.device, rank, config.first_gpu)
-        self.tp = init_tensor_parallel(config, rank, self.device)
+        self.device = resolve_device(config.device, rank, config.first_gpu, gpu_index)
+        self.tp = init_tensor_parallel(config, rank, self.device, init_method)
         sharers = config.ranks_per_node * config.local_engines
         if self.device.type == "cpu" and sharers > 1:
             # Ranks (of every engine) share the machine's cores; without a cap each would start
