@@ -3,7 +3,8 @@
 # Ray backend on one node. Usage: bash benchmarks/gpu/run_ray.sh stage|check|w2, three calls made
 # back to back on one warm machine (files under /tmp survive while it is warm).
 #
-#   stage: carry .rw1: keeps the first half of the ray wheel in /tmp. Nothing else.
+#   stage: carry .rw1: keeps the first half of the ray wheel in /tmp; with .cbr (sm_90 cubins built
+#          here, attention_window_kernels left out for room) carried too, no csrc build later.
 #   check: carry .rw2 and .whl: joins the wheel, installs it with ray's missing dependencies into
 #          /tmp/ray-site, builds csrc, then correctness: tests/gpu/test_ray_backend_gpu.py on the
 #          gqa-d128 shape (Ray tp 2 = mp tp 2 = HF in fp32; = mp with the symmetric all-reduce in
@@ -51,6 +52,9 @@ jsonl="$OUT/ray.jsonl"
 status=0
 
 if [[ $part == stage ]]; then
+  if [[ -d .cbr/sm_90 ]]; then  # optional: cubins built on the CPU machine (scripts/build_csrc.sh), no build here
+    mkdir -p /tmp/zllm-csrc-build && cp -r .cbr/sm_90 /tmp/zllm-csrc-build/ && touch /tmp/zllm-csrc-build/sm_90/*
+  fi
   cp .rw1/part /tmp/rw1.part && ls -la /tmp/rw1.part && exit 0
   echo "FAIL stage: carry .rw1 (this script's header)"; exit 1
 fi
@@ -74,6 +78,7 @@ export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has th
 [[ -n "${SKIP_CSRC_BUILD:-}" || -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ]] \
   || timeout 300 bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" -DZLLM_CUBIN_ARCHS=90 > "$OUT/build.log" 2>&1 \
   || { echo "csrc build failed (the loader falls back to what was built, or NVRTC):"; tail -15 "$OUT/build.log"; }
+[[ -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ]] && export ZLLM_KERNELS=prebuilt
 echo "csrc build: done $(( $(date +%s) - t0 )) s after the start"
 
 step() {  # step NAME LIMIT_S COMMAND...: PASS/FAIL/TIMEOUT, JSON lines to ray.jsonl
