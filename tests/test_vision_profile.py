@@ -18,7 +18,7 @@ from zllm.workers.multimodal import ProfileImages
 
 # Aspect ratios and sizes from tiny to far past any limit, up to 200:1 (Qwen's processor refuses
 # more): a thin image keeps its short side at 28 pixels however much it is scaled down.
-SIZES = [(40, 40), (90, 90), (300, 70), (60, 200), (1000, 1000), (4000, 3000), (3000, 4000), (5000, 200), (5600, 28)]
+SIZES = [(40, 40), (90, 90), (300, 70), (60, 200), (1000, 1000), (1600, 1200), (1200, 1600), (5000, 200), (5600, 28)]
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +90,17 @@ def test_llava_siglip_largest_image_is_the_towers(checkpoints):
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "llava_siglip"])
 def test_profile_forward_encodes_and_holds_the_images(checkpoints, kind):
-    """The tower encodes one dummy image of the plan's shape; the text forward runs while the
-    cache holds all of them; afterwards the cache and the runner's requests are empty."""
+    """The tower encodes one dummy image of the plan's shape; the forward runs while the cache
+    holds all of them, its tokens taking their embeddings where whole images fit; afterwards the
+    cache and the runner's requests are empty."""
     from zllm.workers.model_runner import ModelRunner
 
-    config = _config(checkpoints[kind], limit_mm_per_prompt={"image": 2}, max_num_seqs=3, max_num_batched_tokens=64)
+    config = _config(checkpoints[kind], limit_mm_per_prompt={"image": 2}, max_num_seqs=3, max_num_batched_tokens=256)
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     plan = ProfileImages.plan(runner.spec.vision, config)
     model = runner.model
-    encoded, held = [], []
+    encoded, held, placed = [], [], []
     encode, forward = model.encode_image, model.forward
 
     def spy_encode(pixels, grid):
@@ -108,6 +109,8 @@ def test_profile_forward_encodes_and_holds_the_images(checkpoints, kind):
 
     def spy_forward(*args, **kwargs):
         held.append(sorted(tuple(out.shape) for out in runner.mm.cache.values()))
+        mm_embeds = kwargs.get("mm_embeds")
+        placed.append(None if mm_embeds is None else mm_embeds[0].tolist())
         return forward(*args, **kwargs)
 
     model.encode_image, model.forward = spy_encode, spy_forward
@@ -116,4 +119,6 @@ def test_profile_forward_encodes_and_holds_the_images(checkpoints, kind):
     assert encoded == [(plan.pixel_shape, plan.grid)]
     assert held == [[(plan.tokens, runner.spec.hidden_size)] * plan.count]
     assert plan.count == 6
+    # Whole images over the 256 profile tokens take the image-embedding path (2 of 97, 16 of 16).
+    assert placed == [list(range(256 // plan.tokens * plan.tokens))]
     assert runner.mm.cache == {} and runner.requests == {} and runner.mm.num_encoded == 0

@@ -284,6 +284,7 @@ class ModelRunner:
         self.initialize_kv_cache(blocks_per_request * num_requests, split=False)
         step = StepInput(step_id=0, new_requests=[], cached_requests=[], scheduled_ids=[], num_scheduled_tokens=[])
         sampling = SamplingParams(temperature=0.0)
+        images = ProfileImages.plan(self.spec.vision, self.config) if self.mm is not None else None
         for r in range(num_requests):
             count = min(per_request, tokens - r * per_request)
             blocks = list(range(r * blocks_per_request, (r + 1) * blocks_per_request))
@@ -296,11 +297,11 @@ class ModelRunner:
                     blocks,
                     0,
                     sliding_block_ids=blocks if self.hybrid else [],
+                    mm_inputs=self.mm.profile_spans(images, count) if images is not None else [],
                 )
             )
             step.scheduled_ids.append(f"profile-{r}")
             step.num_scheduled_tokens.append(count)
-        images = ProfileImages.plan(self.spec.vision, self.config) if self.mm is not None else None
         if images is not None:
             logger.info(
                 "memory profile: %d image(s) of %d tokens (grid %s) in the encoder cache, one encoded",

@@ -10,8 +10,8 @@ The memory profile (ModelRunner._profile_forward, on a GPU) runs with this side 
 as vLLM's dummy multimodal profile run does: the cache full of the largest images a step may
 encode (`ProfileImages`: the processor's largest image, as many as the cache and
 --limit-mm-per-prompt allow), one of them encoded through the tower while the rest are held, then
-the text forward at the token budget with all of them held. So the KV cache sized after it leaves
-room for real images.
+the forward at the token budget with all of them held, its prompt tokens taking those images'
+embeddings where whole images fit. So the KV cache sized after it leaves room for real images.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from zllm.config import EngineConfig
-from zllm.ipc.messages import ImageInput, StepInput
+from zllm.ipc.messages import ArrayData, ImageInput, StepInput
 from zllm.model_spec import VisionSpec
 
 logger = logging.getLogger(__name__)
@@ -180,6 +180,17 @@ class MultimodalRunner:
         if tuple(out.shape) != rows:
             raise RuntimeError(f"memory profile: the dummy image encoded to {tuple(out.shape)}, not {rows}")
         self.cache[f"{_PROFILE}0"] = out
+
+    @staticmethod
+    def profile_spans(plan: ProfileImages, num_tokens: int) -> list[ImageInput]:
+        """The profile's images placed whole, one after another, over a profile request's
+        num_tokens prompt tokens, so its forward takes the image-embedding path (and M-RoPE's
+        three streams) as a real one does. Read from the cache: no pixels travel."""
+        empty = ArrayData.of(np.zeros(0, np.float32))
+        return [
+            ImageInput(f"{_PROFILE}{index % plan.count}", index * plan.tokens, plan.tokens, empty, list(plan.grid))
+            for index in range(num_tokens // plan.tokens)
+        ]
 
     def drop_profile_images(self) -> None:
         for key in [k for k in self.cache if k.startswith(_PROFILE)]:
