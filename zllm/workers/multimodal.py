@@ -160,7 +160,7 @@ class MultimodalRunner:
                     self.cache[image.mm_hash] = self._encode(image)
 
     def _encode(self, image: ImageInput) -> torch.Tensor:
-        pixels = torch.from_numpy(image.pixel_values.to_numpy().copy()).to(self.device, self.dtype)
+        pixels = self._pixels(image.pixel_values.to_numpy().copy())
         out = self.model.encode_image(pixels, tuple(image.grid_thw))
         if out.shape[0] != image.length:
             raise ValueError(
@@ -175,7 +175,9 @@ class MultimodalRunner:
         rows = (plan.tokens, self.vision.out_hidden_size)
         for index in range(1, plan.count):
             self.cache[f"{_PROFILE}{index}"] = torch.zeros(rows, dtype=self.dtype, device=self.device)
-        pixels = torch.randn(plan.pixel_shape, device=self.device).to(self.dtype)
+        pixels = self._pixels(
+            np.zeros(plan.pixel_shape, np.float32)
+        )  # the processor's dtype, moved as _encode moves it
         out = self.model.encode_image(pixels, plan.grid)
         if tuple(out.shape) != rows:
             raise RuntimeError(f"memory profile: the dummy image encoded to {tuple(out.shape)}, not {rows}")
@@ -195,6 +197,9 @@ class MultimodalRunner:
     def drop_profile_images(self) -> None:
         for key in [k for k in self.cache if k.startswith(_PROFILE)]:
             del self.cache[key]
+
+    def _pixels(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values).to(self.device, self.dtype)
 
     def embeddings(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of the step's tokens, their image embeddings) for every image token in the step."""
