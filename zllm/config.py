@@ -58,6 +58,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
 }
 USAGES = ("serving", "offline")
+# Vision-language models: the encoder cache's least tokens (EngineConfig.encoder_cache_tokens);
+# vLLM's default is the step's token budget or the largest image, whichever is larger.
+MIN_ENCODER_CACHE_TOKENS = 16384
 # An offline batch (LLM) on a GPU gains from larger decode batches and prefill chunks than a
 # server: nobody waits on a single token, and a decode step of an 8B model at batch 256 is bound
 # by its weight reads, so more rows per step cost less than their share of time. Measured W1 on
@@ -573,6 +576,13 @@ class EngineConfig:
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    @property
+    def encoder_cache_tokens(self) -> int:
+        """Tokens of encoder output the workers keep at most (zllm/enginecore/encoder_cache.py), and
+        the most image tokens a step may encode: the engine core's account, and what the workers'
+        memory profile holds (zllm/workers/multimodal.py)."""
+        return max(MIN_ENCODER_CACHE_TOKENS, self.max_num_batched_tokens)
 
 
 def _insecure_tcp(endpoint: str, what: str = "") -> str:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from zllm.config import EngineConfig
 from zllm.enginecore.block_pool import KVBlock
-from zllm.enginecore.encoder_cache import MIN_ENCODER_CACHE_TOKENS, EncoderCache
+from zllm.enginecore.encoder_cache import EncoderCache
 from zllm.enginecore.kv_cache_manager import KVCacheManager
 from zllm.enginecore.request import Request, RequestStatus
 from zllm.enginecore.request_queue import make_waiting_queue, priority_key
@@ -133,7 +133,7 @@ class Scheduler:
         self.num_lookahead = self.max_drafts if speculative and speculative.method == "draft_model" else 0
         self.drafts_off_at = (speculative.disable_by_batch_size if speculative else None) or None
         self.spec = SpecDecodeCounters()
-        self.encoder_cache = EncoderCache(max(MIN_ENCODER_CACHE_TOKENS, config.max_num_batched_tokens))
+        self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         # LoRA: at most this many distinct adapters among the running requests, hence in any step
         # (each worker holds that many on its device).
         self.max_loras = config.max_loras if config.enable_lora else 0

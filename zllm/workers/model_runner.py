@@ -32,7 +32,7 @@ from zllm.sampling_params import SamplingParams
 from zllm.workers.attention import KV_FP8, AttentionMetadata, pack_prefill, packed_prefill_of
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.models import build_model
-from zllm.workers.multimodal import Chunk, MRopeState, MultimodalRunner
+from zllm.workers.multimodal import Chunk, MRopeState, MultimodalRunner, ProfileImages
 from zllm.workers.ops import ops_for
 from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
@@ -274,8 +274,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_forward(self) -> int:
-        """Run one forward over max_num_batched_tokens prompt tokens; returns the bytes of the
-        scratch KV cache it used (not an activation)."""
+        """Run one forward over max_num_batched_tokens prompt tokens (a vision-language model's
+        largest images encoded first and held in its encoder cache meanwhile: ProfileImages);
+        returns the bytes of the scratch KV cache it used (not an activation)."""
         tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len * self.config.max_num_seqs)
         per_request = min(tokens, self.config.max_model_len)
         blocks_per_request = -(-per_request // self.block_size)
@@ -283,6 +284,7 @@ class ModelRunner:
         self.initialize_kv_cache(blocks_per_request * num_requests, split=False)
         step = StepInput(step_id=0, new_requests=[], cached_requests=[], scheduled_ids=[], num_scheduled_tokens=[])
         sampling = SamplingParams(temperature=0.0)
+        images = ProfileImages.plan(self.spec.vision, self.config) if self.mm is not None else None
         for r in range(num_requests):
             count = min(per_request, tokens - r * per_request)
             blocks = list(range(r * blocks_per_request, (r + 1) * blocks_per_request))
@@ -295,11 +297,22 @@ class ModelRunner:
                     blocks,
                     0,
                     sliding_block_ids=blocks if self.hybrid else [],
+                    mm_inputs=self.mm.profile_spans(images, count) if images is not None else [],
                 )
             )
             step.scheduled_ids.append(f"profile-{r}")
             step.num_scheduled_tokens.append(count)
+        if images is not None:
+            logger.info(
+                "memory profile: %d image(s) of %d tokens (grid %s) in the encoder cache, one encoded",
+                images.count,
+                images.tokens,
+                images.grid,
+            )
+            self.mm.hold_profile_images(images)
         self.execute_step(step)
+        if images is not None:
+            self.mm.drop_profile_images()
         if self.proposer is not None:
             for request_id in self.requests:
                 self.proposer.forget(request_id)
