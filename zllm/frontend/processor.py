@@ -5,15 +5,17 @@ Every check raises ValueError naming the offending field, before anything reache
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Union
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from zllm.frontend.lora_adapters import LoRAAdapters
 from zllm.frontend.multimodal import ImageProcessor
 from zllm.grammars import grammar_of
-from zllm.ipc.messages import AddRequest, ImageInput
+from zllm.ipc.messages import AddPoolingBatch, AddRequest, ImageInput
 from zllm.lora import LoRARequest
 from zllm.pooling import PoolerConfig, PoolingParams, check_pooling
 from zllm.sampling_params import SamplingParams
@@ -112,6 +114,25 @@ class InputProcessor:
             lora=lora_request,
         )
         return message, text
+
+    def process_pooling_batch(
+        self, batch_id: str, prompts: list[PromptType], tokenized: list[bool], pooling: PoolingParams
+    ) -> tuple[AddPoolingBatch, list[list[int]]]:
+        """Many pooling inputs under one PoolingParams as one message (LLM.embed's batch path):
+        the shared parameters checked once, each input's ids as `process` takes them (a
+        `tokenized[i]` prompt's from this processor's tokenizer: trusted), every length at once.
+        Only plain inputs (text or token ids: no images, no token types) go this way. Returns
+        the message and each input's token ids (the outputs' prompt_token_ids)."""
+        self._check_task(pooling)
+        token_ids = [
+            prompt["prompt_token_ids"] if trusted else self._tokenize(prompt)[1]
+            for prompt, trusted in zip(prompts, tokenized)
+        ]
+        lengths = np.fromiter(map(len, token_ids), np.int32, count=len(token_ids))
+        if len(lengths) and int(lengths.max()) > self.max_model_len:
+            self._check_length(token_ids[int((lengths > self.max_model_len).argmax())])  # the first too long
+        flat = np.fromiter(itertools.chain.from_iterable(token_ids), np.int32, count=int(lengths.sum()))
+        return AddPoolingBatch.of(batch_id, flat, lengths, pooling, time.time()), token_ids
 
     def _with_images(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], list[ImageInput]]:
         """A prompt dict's "multi_modal_data" {"image": image or list}: the placeholders expanded;
