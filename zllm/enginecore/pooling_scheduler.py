@@ -134,6 +134,8 @@ class PoolingScheduler(Scheduler):
                 )
             )
             batch.next, budget, seats = last, budget - (end - start), seats - fit
+            if last < batch.size:
+                break  # the rest of this batch goes first next step
         return slices
 
     def _check_fits(self, request: Request) -> None:
