@@ -113,8 +113,8 @@ def test_a_batch_beside_single_requests_in_one_core(minilm, monkeypatch):
     core, processor = minilm.engine.core, minilm.engine.processor
     scheduled = _Calls(monkeypatch, core.scheduler, "schedule")
     sentences = mixed_sentences(30)
-    tokenized = [{"prompt_token_ids": ids} for ids in minilm.get_tokenizer()(sentences)["input_ids"]]
-    batch, _ = processor.process_pooling_batch("mixed-batch", tokenized, [True] * 30, PoolingParams(task="encode"))
+    token_ids = minilm.get_tokenizer()(sentences)["input_ids"]
+    batch, _ = processor.process_pooling_batch("mixed-batch", sentences, token_ids, PoolingParams(task="encode"))
     core.add_pooling_batch(batch)
     for index in (0, 7, 29):
         single = processor.process(f"single-{index}", sentences[index], POOLING_SAMPLING, pooling=PoolingParams())

@@ -116,18 +116,20 @@ class InputProcessor:
         return message, text
 
     def process_pooling_batch(
-        self, batch_id: str, prompts: list[PromptType], tokenized: list[bool], pooling: PoolingParams
+        self,
+        batch_id: str,
+        prompts: list[PromptType],
+        token_ids: list[list[int] | None],
+        pooling: PoolingParams,
     ) -> tuple[AddPoolingBatch, list[list[int]]]:
         """Many pooling inputs under one PoolingParams as one message (LLM.embed's batch path):
-        the shared parameters checked once, each input's ids as `process` takes them (a
-        `tokenized[i]` prompt's from this processor's tokenizer: trusted), every length at once.
-        Only plain inputs (text or token ids: no images, no token types) go this way. Returns
-        the message and each input's token ids (the outputs' prompt_token_ids)."""
+        the shared parameters checked once, every length at once. `token_ids[i]`: prompt i's ids
+        from this processor's own tokenizer (trusted, as `process`'s `tokenized`), or None: the
+        prompt is read and checked as `process` reads it. Only plain inputs (text or token ids:
+        no images, no token types) go this way. Returns the message and each input's token ids
+        (the outputs' prompt_token_ids)."""
         self._check_task(pooling)
-        token_ids = [
-            prompt["prompt_token_ids"] if trusted else self._tokenize(prompt)[1]
-            for prompt, trusted in zip(prompts, tokenized)
-        ]
+        token_ids = [self._tokenize(prompt)[1] if ids is None else ids for prompt, ids in zip(prompts, token_ids)]
         lengths = np.fromiter(map(len, token_ids), np.int32, count=len(token_ids))
         if len(lengths) and int(lengths.max()) > self.max_model_len:
             self._check_length(token_ids[int((lengths > self.max_model_len).argmax())])  # the first too long
@@ -267,9 +269,9 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
-            # NOTE: `type(t) is int` (not isinstance) also refuses bools, at half the cost: an
-            # offline batch of pooling inputs checks every token of every input here.
-            if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
+            # NOTE: the types of the ids as a set (`type(t) is int`, not isinstance: bools are
+            # refused), built in C: an offline batch of pooling inputs checks every token here.
+            if not isinstance(token_ids, list) or not set(map(type, token_ids)) <= _INT:
                 raise ValueError("prompt_token_ids: must be a list of integers")
             if not token_ids:
                 raise ValueError("prompt_token_ids: must not be empty")
@@ -297,6 +299,9 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{field}: token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+
+
+_INT = {int}
 
 
 def _check_without_tokenizer(sampling: SamplingParams) -> None:

@@ -178,19 +178,25 @@ class LLM:
         ]
 
     def _tokenized_together(self, prompts: list[PromptType]) -> list[PromptType]:
-        """The text prompts tokenized in one call (the tokenizer's batch path runs in parallel):
-        many short inputs are a pooling model's usual load. Every text is tokenized here, on the
+        """The text prompts as {"prompt", "prompt_token_ids"} dicts, tokenized in one call."""
+        ids = self._token_ids_of(prompts)
+        return [
+            p if t is None else ({**p} if isinstance(p, dict) else {"prompt": p}) | {"prompt_token_ids": t}
+            for p, t in zip(prompts, ids)
+        ]
+
+    def _token_ids_of(self, prompts: list[PromptType]) -> list[list[int] | None]:
+        """Each text prompt's token ids, tokenized in one call (the tokenizer's batch path runs in
+        parallel): many short inputs are a pooling model's usual load; None for the others (token
+        ids, an empty text: the processor checks them). Every text is tokenized here, on the
         tokenizer thread: the engine's thread must not use the tokenizer at the same time."""
         tokenizer = self.get_tokenizer()
         texts = [_text_of(p) for p in prompts]
         wanted = [t for t in texts if t]
         if tokenizer is None or not wanted:
-            return prompts  # the processor explains what is wrong with them
+            return [None] * len(prompts)
         ids = iter(batch_token_ids(tokenizer, wanted))
-        return [
-            ({**p} if isinstance(p, dict) else {}) | {"prompt": t, "prompt_token_ids": next(ids)} if t else p
-            for p, t in zip(prompts, texts)
-        ]
+        return [next(ids) if t else None for t in texts]
 
     @staticmethod
     def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -217,10 +223,11 @@ class LLM:
             return False
         return all(isinstance(p, str) or (isinstance(p, dict) and p.keys() <= _PLAIN_KEYS) for p in prompts)
 
-    def _tokenizing(self, prompts: list[PromptType], executor: ThreadPoolExecutor) -> deque:
+    @staticmethod
+    def _tokenizing(prompts: list[PromptType], executor: ThreadPoolExecutor, tokenize: Callable) -> deque:
         """Each chunk of the prompts, tokenized on the helper thread: (first index, future)."""
         return deque(
-            (start, executor.submit(self._tokenized_together, prompts[start : start + _TOKENIZE_CHUNK]))
+            (start, executor.submit(tokenize, prompts[start : start + _TOKENIZE_CHUNK]))
             for start in range(0, len(prompts), _TOKENIZE_CHUNK)
         )
 
@@ -230,7 +237,7 @@ class LLM:
         processor = self.engine.processor
         batches: list[tuple[AddPoolingBatch, list[list[int]]]] = []
         with ThreadPoolExecutor(1, thread_name_prefix="zllm-tokenize") as tokenizer_thread:
-            tokenizing = self._tokenizing(prompts, tokenizer_thread)
+            tokenizing = self._tokenizing(prompts, tokenizer_thread, self._token_ids_of)
 
             def next_batch(wait: bool) -> AddPoolingBatch | None:
                 """The next tokenized chunk as a pooling batch; None if none is ready (or left)."""
@@ -238,8 +245,7 @@ class LLM:
                     return None
                 start, future = tokenizing.popleft()
                 given = prompts[start : start + _TOKENIZE_CHUNK]
-                tokenized = [p is not g for p, g in zip(future.result(), given)]
-                batch = processor.process_pooling_batch(f"batch-{next(self._ids)}", future.result(), tokenized, params)
+                batch = processor.process_pooling_batch(f"batch-{next(self._ids)}", given, future.result(), params)
                 batches.append(batch)
                 return batch[0]
 
@@ -310,7 +316,7 @@ class LLM:
         Rust tokenizer lets go of the GIL), so the engine embeds one chunk while the next is tokenized."""
         messages: list[AddRequest] = []
         with ThreadPoolExecutor(1, thread_name_prefix="zllm-tokenize") as tokenizer_thread:
-            tokenizing = self._tokenizing(prompts, tokenizer_thread)
+            tokenizing = self._tokenizing(prompts, tokenizer_thread, self._tokenized_together)
 
             def next_messages(wait: bool) -> list[AddRequest]:
                 """The next tokenized chunk as engine messages; [] if none is ready (or left)."""

@@ -162,7 +162,7 @@ class PoolingRunner:
         pooled = self._pooled(hidden, lengths).float()
         if (inputs.rank == np.arange(len(lengths))).all():
             return pooled
-        return pooled[to_device(inputs.rank, self.device)]
+        return pooled.index_select(0, to_device(inputs.rank, self.device))
 
     def _packed(self, lengths: list[int]) -> PackedInputs:
         offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
