@@ -33,6 +33,8 @@ class _Timers:
         self.seconds: dict[str, float] = defaultdict(float)
 
     def wrap(self, owner, name: str, stage: str) -> None:
+        if not hasattr(owner, name):
+            return  # an older zllm (no pooling batches): the script times its per-request path
         inner = getattr(owner, name)
         seconds = self.seconds
 
