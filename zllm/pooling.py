@@ -151,12 +151,20 @@ def finish_pooled(rows: bytes, params: PoolingParams, pooler: PoolerConfig) -> l
     import numpy as np
 
     width = pooler.num_labels if pooler.kind == "classify" else pooler.hidden_size
-    matrix = np.frombuffer(rows, dtype="<f4").reshape(-1, width).astype(np.float64)
+    return finished_rows(np.frombuffer(rows, dtype="<f4").reshape(-1, width), params, pooler).tolist()
+
+
+def finished_rows(vectors, params: PoolingParams, pooler: PoolerConfig):
+    """`finish_pooled` over a float32 array [inputs, width] (a pooling batch's vectors): the
+    finished rows as a float64 array."""
+    import numpy as np
+
+    matrix = vectors.astype(np.float64)
     if params.task == "embed":
         matrix = _embedding_rows(matrix, params, pooler)
     elif params.task in ("classify", "score") and params.activation is not False:
         matrix = _probabilities(matrix)
-    return matrix.tolist()
+    return matrix
 
 
 def _embedding_rows(matrix, params: PoolingParams, pooler: PoolerConfig):

@@ -5,15 +5,17 @@ Every check raises ValueError naming the offending field, before anything reache
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Union
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from zllm.frontend.lora_adapters import LoRAAdapters
 from zllm.frontend.multimodal import ImageProcessor
 from zllm.grammars import grammar_of
-from zllm.ipc.messages import AddRequest, ImageInput
+from zllm.ipc.messages import AddPoolingBatch, AddRequest, ImageInput
 from zllm.lora import LoRARequest
 from zllm.pooling import PoolerConfig, PoolingParams, check_pooling
 from zllm.sampling_params import SamplingParams
@@ -112,6 +114,27 @@ class InputProcessor:
             lora=lora_request,
         )
         return message, text
+
+    def process_pooling_batch(
+        self,
+        batch_id: str,
+        prompts: list[PromptType],
+        token_ids: list[list[int] | None],
+        pooling: PoolingParams,
+    ) -> tuple[AddPoolingBatch, list[list[int]]]:
+        """Many pooling inputs under one PoolingParams as one message (LLM.embed's batch path):
+        the shared parameters checked once, every length at once. `token_ids[i]`: prompt i's ids
+        from this processor's own tokenizer (trusted, as `process`'s `tokenized`), or None: the
+        prompt is read and checked as `process` reads it. Only plain inputs (text or token ids:
+        no images, no token types) go this way. Returns the message and each input's token ids
+        (the outputs' prompt_token_ids)."""
+        self._check_task(pooling)
+        token_ids = [self._tokenize(prompt)[1] if ids is None else ids for prompt, ids in zip(prompts, token_ids)]
+        lengths = np.fromiter(map(len, token_ids), np.int32, count=len(token_ids))
+        if len(lengths) and int(lengths.max()) > self.max_model_len:
+            self._check_length(token_ids[int((lengths > self.max_model_len).argmax())])  # the first too long
+        flat = np.fromiter(itertools.chain.from_iterable(token_ids), np.int32, count=int(lengths.sum()))
+        return AddPoolingBatch.of(batch_id, flat, lengths, pooling, time.time()), token_ids
 
     def _with_images(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], list[ImageInput]]:
         """A prompt dict's "multi_modal_data" {"image": image or list}: the placeholders expanded;
@@ -246,9 +269,9 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
-            # NOTE: `type(t) is int` (not isinstance) also refuses bools, at half the cost: an
-            # offline batch of pooling inputs checks every token of every input here.
-            if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
+            # NOTE: the types of the ids as a set (`type(t) is int`, not isinstance: bools are
+            # refused), built in C: an offline batch of pooling inputs checks every token here.
+            if not isinstance(token_ids, list) or not set(map(type, token_ids)) <= _INT:
                 raise ValueError("prompt_token_ids: must be a list of integers")
             if not token_ids:
                 raise ValueError("prompt_token_ids: must not be empty")
@@ -276,6 +299,9 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{field}: token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+
+
+_INT = {int}
 
 
 def _check_without_tokenizer(sampling: SamplingParams) -> None:
