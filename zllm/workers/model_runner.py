@@ -93,6 +93,8 @@ class BatchInputs:
     # A vision-language model's image tokens: (rows of the step, their embeddings).
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     token_lora_ids: np.ndarray | None = None  # with LoRA: each token's adapter id (0: the base model)
+    # Request id -> (its first position computed this step, that token's row): an EAGLE head's features.
+    feature_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -363,6 +365,9 @@ class ModelRunner:
         )
         if self.config.enforce_eager:
             return
+        if getattr(self.model, "aux_hidden_layers", ()):
+            logger.info("decode CUDA graphs off: EAGLE-3 reads the target's inner layers, which the graphs do not keep")
+            return
         if self.spec.mla is not None or self.spec.attention_sinks:
             # Around their decode kernels (csrc/mla_kernels.cu), MLA's and the sinks' attention
             # pick kernels and pad work by values read on the host: not yet graph-safe.
@@ -396,6 +401,9 @@ class ModelRunner:
             return
         if self.spec.moe is not None:
             logger.info("piecewise CUDA graphs off: not yet for Mixture-of-Experts models")
+            return
+        if getattr(self.model, "aux_hidden_layers", ()):
+            logger.info("piecewise CUDA graphs off: EAGLE-3 reads the target's inner layers")
             return
         from zllm.workers.piecewise_graphs import EagerPieces, PiecewiseGraphs, piecewise_sizes
 
@@ -433,6 +441,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare(batch.token_lora_ids)
         hidden = self._forward(batch)
+        if self.proposer is not None and self.proposer.needs_features:
+            self.proposer.keep_features(hidden, batch.feature_rows)
         if batch.prompt_spans:
             self._compute_prompt_logprobs(hidden, batch.prompt_spans)
         launched.prompt_logprobs = self._finished_prompt_logprobs()
@@ -614,6 +624,8 @@ class ModelRunner:
         meta = batch.attention
         if batch.mm_embeds is not None or batch.positions.dim() == 2:  # images or M-RoPE: eager
             return self.model(batch.input_ids, batch.positions, self.kv_caches, meta, mm_embeds=batch.mm_embeds)
+        if getattr(self.model, "aux_hidden_layers", ()):  # EAGLE-3 reads inner layers: eager (the graphs keep no aux)
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
         num_tokens = batch.input_ids.shape[0]
         if self.graphs is not None and meta.num_decodes == num_tokens and self.graphs.bucket(num_tokens):
             return self.graphs.run(
@@ -687,6 +699,7 @@ class ModelRunner:
         states = []  # per attention row: a request with drafts has one per scored token
         scheduled_states = []  # per request
         chunks: list[Chunk] = []  # a vision-language model's: each request's rows
+        feature_rows: dict[str, tuple[int, int]] = {}
         for i in order:
             state = self.requests[step.scheduled_ids[i]]
             drafts = step.spec_token_ids.get(state.request_id, []) if step.spec_token_ids else []
@@ -694,6 +707,7 @@ class ModelRunner:
             end, known = start + count, len(state.token_ids)
             end_of_known = end - len(drafts)
             in_flight = self._in_flight.get(state.request_id)
+            feature_rows[state.request_id] = (start, query_start_loc[-1])
             if state.prompt_logprobs is not None and start < state.prompt_len - 1:
                 # Position p predicts prompt token p + 1; the last prompt position predicts the output.
                 span_count = min(end, state.prompt_len - 1) - start
@@ -817,6 +831,7 @@ class ModelRunner:
             layout=DraftLayout.of(sampling_drafts) if step.spec_token_ids else None,
             mm_embeds=self.mm.embeddings(chunks) if self.mm is not None else None,
             token_lora_ids=np.asarray([s.lora_id for s in states])[rows] if self.lora is not None else None,
+            feature_rows=feature_rows,
         )
 
     @staticmethod

@@ -177,3 +177,21 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 def _stable_seed(seed: int, name: str, shard: int | None) -> int:
     digest = hashlib.blake2b(f"{seed}/{name}/{shard}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def checkpoint_tensor_names(model_dir: str) -> list[str]:
+    """The names of every tensor a checkpoint holds (headers only)."""
+    names = []
+    for path in checkpoint_files(model_dir):
+        with _open_safetensors(path) as f:
+            names.extend(f.keys())
+    return names
+
+
+def read_whole_tensor(model_dir: str, name: str) -> torch.Tensor:
+    """One checkpoint tensor, whole (a small one: EAGLE-3's d2t)."""
+    for path in checkpoint_files(model_dir):
+        with _open_safetensors(path) as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise ValueError(f"model: checkpoint in {model_dir} lacks tensor {name}")
