@@ -36,6 +36,7 @@ def save_eagle_head(
     aux_layer_ids: list[int] | None = None,
     hidden_size: int | None = None,
     vocab_size: int | None = None,
+    head_dim: int = 32,
     seed: int = 0,
 ) -> Path:
     """A random head as SafeAILab publishes them: EAGLE-1 (yuhuili/EAGLE-LLaMA3-Instruct-8B):
@@ -47,7 +48,7 @@ def save_eagle_head(
 
     h = hidden_size or target_config["hidden_size"]
     vocab = vocab_size or target_config["vocab_size"]
-    heads, kv_heads, head_dim, inter = 4, 2, 32, 96
+    heads, kv_heads, inter = 4, 2, 96
     config = {
         "architectures": ["LlamaForCausalLMEagle3" if method == "eagle3" else "LlamaForCausalLM"],
         "model_type": "llama",
@@ -197,20 +198,22 @@ class _ConcatEmbeds(torch.nn.Module):
         return torch.cat([head.input_norm(head.embeds[None]), head.hidden_norm(feature)], dim=-1)
 
 
-def _runner_steps(target_dir: Path, head_dir: Path, method: str, prompt: list[int], k: int, scored: list[list[int]]):
-    """The workers' answers (a ModelRunner on the CPU) to a prefill step, then one step per entry
+def _runner_steps(
+    target_dir: Path, head_dir: Path, method: str, prompt: list[int], k: int, scored: list[list[int]], device: str
+):
+    """The workers' answers (a ModelRunner on `device`) to a prefill step, then one step per entry
     of `scored`: the request's last token and those drafts. [(tokens gained, drafts proposed)]."""
     from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput
     from zllm.workers.model_runner import ModelRunner
 
     config = EngineConfig.create(
         str(target_dir),
-        device="cpu",
+        device=device,
         dtype="float32",
         num_kv_blocks=16,
         speculative_config={"method": method, "model": str(head_dir), "num_speculative_tokens": k},
     )
-    runner = ModelRunner(config, torch.device("cpu"))
+    runner = ModelRunner(config, torch.device(device))
     runner.load_model()
     runner.initialize_kv_cache(16)
     blocks = [3, 7, 1, 5]  # not in order: the head's cache must follow the table
@@ -238,16 +241,27 @@ def _runner_steps(target_dir: Path, head_dir: Path, method: str, prompt: list[in
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_drafts_equal_a_transformers_reference_head(tmp_path, method):
+    check_drafts_against_reference(tmp_path, method, "cpu")
+
+
+def check_drafts_against_reference(
+    tmp_path: Path, method: str, device: str, shape: dict | None = None, head_dim: int = 32
+) -> None:
     """Tiny target of 8 layers (EAGLE-3 reads the input of layers 1, 4 and 6, as the head's config
     names), EAGLE-3's head over a reduced vocabulary mapped by d2t. After the prefill, after a
     step that accepts both drafts (the head catches up on three verified positions), after one
-    that rejects the second, and after a plain decode, the drafts equal the reference's."""
+    that rejects the second, and after a plain decode, the drafts equal the reference's (run in
+    fp32 on the CPU; the workers on `device`)."""
     import transformers
 
-    target_dir = save_tiny_llama(tmp_path / "target", num_hidden_layers=8, hidden_size=64, vocab_size=256)
+    target_dir = save_tiny_llama(
+        tmp_path / "target", **{"hidden_size": 64, **(shape or {}), "num_hidden_layers": 8, "vocab_size": 256}
+    )
     target_config = json.loads((target_dir / "config.json").read_text())
     aux = [1, 4, 6] if method == "eagle3" else None
-    head_dir = save_eagle_head(tmp_path / "head", method, target_config, draft_vocab_size=96, aux_layer_ids=aux)
+    head_dir = save_eagle_head(
+        tmp_path / "head", method, target_config, draft_vocab_size=96, aux_layer_ids=aux, head_dim=head_dim
+    )
     target = transformers.LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     reference = ReferenceHead(head_dir, method, target)
     prompt = [5, 17, 200, 33, 9, 250, 71, 4, 120, 18, 3, 99, 41]
@@ -258,7 +272,7 @@ def test_drafts_equal_a_transformers_reference_head(tmp_path, method):
     wrong = (greedy[4] + 1) % 256
     scored = [greedy[1:3], [greedy[4], wrong], []]  # accepted twice; once then rejected; none
     k = 3
-    answers = _runner_steps(target_dir, head_dir, method, prompt, k, scored)
+    answers = _runner_steps(target_dir, head_dir, method, prompt, k, scored, device)
     assert [t for gained, _ in answers for t in gained] == greedy[:7]  # 1 + 3 + 2 + 1: the target's own
     tokens = list(prompt)
     for gained, drafts in answers:
