@@ -388,3 +388,18 @@ def test_an_eagle3_head_with_a_reduced_vocabulary_needs_d2t(tmp_path):
         EngineConfig.create(
             str(target_dir), device="cpu", speculative_config={"method": "eagle3", "model": str(head_dir)}
         )
+
+
+def test_a_head_published_as_pytorch_model_bin_drafts_the_same(tmp_path):
+    """The EAGLE authors publish pytorch_model.bin: read (weights only) as the safetensors are."""
+    from safetensors.torch import load_file
+
+    target_dir = save_tiny_llama(tmp_path / "target", num_hidden_layers=8)
+    config = json.loads((target_dir / "config.json").read_text())
+    head_dir = save_eagle_head(tmp_path / "head", "eagle3", config, draft_vocab_size=96)
+    prompt = [5, 17, 200, 33, 9, 250, 71]
+    expected = _runner_steps(target_dir, head_dir, "eagle3", prompt, 2, [[]], "cpu")
+    tensors = load_file(str(head_dir / "model.safetensors"))
+    torch.save(tensors, head_dir / "pytorch_model.bin")
+    (head_dir / "model.safetensors").unlink()
+    assert _runner_steps(target_dir, head_dir, "eagle3", prompt, 2, [[]], "cpu") == expected

@@ -87,7 +87,7 @@ class EagleSpec:
         if method == "eagle3" and not 1 <= draft_vocab <= layer.vocab_size:
             raise ValueError(f"{where}: draft_vocab_size {draft_vocab} must be 1..{layer.vocab_size}")
         aux = aux_layer_ids(hf, target.num_layers) if method == "eagle3" else ()
-        names = frozenset(checkpoint_tensor_names(head_dir) if with_weights else ())
+        names = frozenset(checkpoint_tensor_names(head_dir, torch_file=True) if with_weights else ())
         if with_weights and method == "eagle3" and draft_vocab < layer.vocab_size and "d2t" not in names:
             raise ValueError(f"{where}: a head with draft_vocab_size {draft_vocab} < vocab_size needs its d2t tensor")
         return cls(method, layer, target_hidden, draft_vocab or layer.vocab_size, aux, names)
@@ -266,7 +266,7 @@ class EagleHead(nn.Module):
             return
         from zllm.workers.weight_loader import read_whole_tensor
 
-        d2t = read_whole_tensor(head_dir, "d2t")
+        d2t = read_whole_tensor(head_dir, "d2t", torch_file=True)
         if tuple(d2t.shape) != (self.spec.draft_vocab_size,):
             raise ValueError(
                 f"speculative_config.model: d2t has shape {tuple(d2t.shape)}, expected ({self.spec.draft_vocab_size},)"

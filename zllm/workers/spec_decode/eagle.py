@@ -61,7 +61,7 @@ class EagleProposer:
         if dummy:
             init_dummy_weights(head, runner.config.seed + 1)
         else:
-            load_safetensors(head, head_dir)
+            load_safetensors(head, head_dir, torch_file=True)  # the heads are published as pytorch_model.bin
             head.load_d2t(head_dir)
         finish_loading(head)
         self.head = head.eval()
