@@ -199,10 +199,18 @@ class _ConcatEmbeds(torch.nn.Module):
 
 
 def _runner_steps(
-    target_dir: Path, head_dir: Path, method: str, prompt: list[int], k: int, scored: list[list[int]], device: str
+    target_dir: Path,
+    head_dir: Path,
+    method: str,
+    prompt: list[int],
+    k: int,
+    scored: list[list[int]],
+    device: str,
+    pieces: bool = False,
 ):
     """The workers' answers (a ModelRunner on `device`) to a prefill step, then one step per entry
-    of `scored`: the request's last token and those drafts. [(tokens gained, drafts proposed)]."""
+    of `scored`: the request's last token and those drafts. [(tokens gained, drafts proposed)].
+    pieces: the target runs as the piecewise graphs' pieces (eagerly on the CPU)."""
     from zllm.ipc.messages import CachedRequestData, NewRequestData, StepInput
     from zllm.workers.model_runner import ModelRunner
 
@@ -211,11 +219,14 @@ def _runner_steps(
         device=device,
         dtype="float32",
         num_kv_blocks=16,
+        piecewise_cuda_graphs=pieces,
         speculative_config={"method": method, "model": str(head_dir), "num_speculative_tokens": k},
     )
     runner = ModelRunner(config, torch.device(device))
     runner.load_model()
     runner.initialize_kv_cache(16)
+    runner.capture_graphs()
+    assert (runner.pieces is not None) == pieces
     blocks = [3, 7, 1, 5]  # not in order: the head's cache must follow the table
     new = NewRequestData("r", len(prompt), list(prompt), SamplingParams(temperature=0.0), blocks, 0)
     step = StepInput(
@@ -239,13 +250,16 @@ def _runner_steps(
     return answers
 
 
+@pytest.mark.parametrize("pieces", [False, True], ids=["forward", "pieces"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_drafts_equal_a_transformers_reference_head(tmp_path, method):
-    check_drafts_against_reference(tmp_path, method, "cpu")
+def test_drafts_equal_a_transformers_reference_head(tmp_path, method, pieces):
+    """pieces: the target's forward split at attention (what the piecewise CUDA graphs capture),
+    which keeps EAGLE-3's aux layers in a static buffer of its own."""
+    check_drafts_against_reference(tmp_path, method, "cpu", pieces=pieces)
 
 
 def check_drafts_against_reference(
-    tmp_path: Path, method: str, device: str, shape: dict | None = None, head_dim: int = 32
+    tmp_path: Path, method: str, device: str, shape: dict | None = None, head_dim: int = 32, pieces: bool = False
 ) -> None:
     """Tiny target of 8 layers (EAGLE-3 reads the input of layers 1, 4 and 6, as the head's config
     names), EAGLE-3's head over a reduced vocabulary mapped by d2t. After the prefill, after a
@@ -272,7 +286,7 @@ def check_drafts_against_reference(
     wrong = (greedy[4] + 1) % 256
     scored = [greedy[1:3], [greedy[4], wrong], []]  # accepted twice; once then rejected; none
     k = 3
-    answers = _runner_steps(target_dir, head_dir, method, prompt, k, scored, device)
+    answers = _runner_steps(target_dir, head_dir, method, prompt, k, scored, device, pieces)
     assert [t for gained, _ in answers for t in gained] == greedy[:7]  # 1 + 3 + 2 + 1: the target's own
     tokens = list(prompt)
     for gained, drafts in answers:

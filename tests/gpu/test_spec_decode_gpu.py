@@ -2,8 +2,8 @@
 8 layers) with random heads in their published layouts (tests/test_spec_decode_eagle.py).
 
 - fp32 greedy output with each head equals decoding without speculation, token for token, with
-  the engine's CUDA defaults (decode and piecewise graphs for the plain engine and EAGLE-1;
-  EAGLE-3 runs the target eagerly).
+  the engine's CUDA defaults (decode and piecewise graphs; with EAGLE-3 only the piecewise ones,
+  which keep its aux layers).
 - The workers' drafts on CUDA equal the transformers-module reference head's (fp32)."""
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def test_fp32_greedy_with_a_head_equals_decoding_without_speculation(target, tmp
     assert engine_tokens(directory, prompts, dtype="float32", speculative_config=spec) == expected
 
 
+@pytest.mark.parametrize("pieces", [False, True], ids=["eager", "piecewise-graphs"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_drafts_on_cuda_equal_the_reference_head(tmp_path, method):
-    check_drafts_against_reference(tmp_path, method, "cuda", shape=SHAPES["gqa-d64"], head_dim=64)
+def test_drafts_on_cuda_equal_the_reference_head(tmp_path, method, pieces):
+    """pieces: the target's steps replay the piecewise CUDA graphs (EAGLE-3's aux layers copied
+    into the graphs' static buffer)."""
+    check_drafts_against_reference(tmp_path, method, "cuda", shape=SHAPES["gqa-d64"], head_dim=64, pieces=pieces)

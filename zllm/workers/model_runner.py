@@ -366,7 +366,10 @@ class ModelRunner:
         if self.config.enforce_eager:
             return
         if getattr(self.model, "aux_hidden_layers", ()):
-            logger.info("decode CUDA graphs off: EAGLE-3 reads the target's inner layers, which the graphs do not keep")
+            logger.info(
+                "decode CUDA graphs off: EAGLE-3 reads the target's inner layers, which they do not keep "
+                "(the piecewise graphs do)"
+            )
             return
         if self.spec.mla is not None or self.spec.attention_sinks:
             # Around their decode kernels (csrc/mla_kernels.cu), MLA's and the sinks' attention
@@ -401,9 +404,6 @@ class ModelRunner:
             return
         if self.spec.moe is not None:
             logger.info("piecewise CUDA graphs off: not yet for Mixture-of-Experts models")
-            return
-        if getattr(self.model, "aux_hidden_layers", ()):
-            logger.info("piecewise CUDA graphs off: EAGLE-3 reads the target's inner layers")
             return
         from zllm.workers.piecewise_graphs import EagerPieces, PiecewiseGraphs, piecewise_sizes
 
@@ -624,9 +624,9 @@ class ModelRunner:
         meta = batch.attention
         if batch.mm_embeds is not None or batch.positions.dim() == 2:  # images or M-RoPE: eager
             return self.model(batch.input_ids, batch.positions, self.kv_caches, meta, mm_embeds=batch.mm_embeds)
-        if getattr(self.model, "aux_hidden_layers", ()):  # EAGLE-3 reads inner layers: eager (the graphs keep no aux)
-            return self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
         num_tokens = batch.input_ids.shape[0]
+        # EAGLE-3 reads inner layers: the pieces keep them (aux buffer), the decode graphs do not
+        # (none are captured then).
         if self.graphs is not None and meta.num_decodes == num_tokens and self.graphs.bucket(num_tokens):
             return self.graphs.run(
                 batch.input_ids, batch.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.sliding
