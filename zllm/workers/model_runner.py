@@ -699,7 +699,8 @@ class ModelRunner:
         states = []  # per attention row: a request with drafts has one per scored token
         scheduled_states = []  # per request
         chunks: list[Chunk] = []  # a vision-language model's: each request's rows
-        feature_rows: dict[str, tuple[int, int]] = {}
+        feature_rows: dict[str, tuple[int, int]] = {}  # only for a proposer that reads the target's features
+        keeps_features = self.proposer is not None and self.proposer.needs_features
         for i in order:
             state = self.requests[step.scheduled_ids[i]]
             drafts = step.spec_token_ids.get(state.request_id, []) if step.spec_token_ids else []
@@ -707,7 +708,8 @@ class ModelRunner:
             end, known = start + count, len(state.token_ids)
             end_of_known = end - len(drafts)
             in_flight = self._in_flight.get(state.request_id)
-            feature_rows[state.request_id] = (start, query_start_loc[-1])
+            if keeps_features:
+                feature_rows[state.request_id] = (start, query_start_loc[-1])
             if state.prompt_logprobs is not None and start < state.prompt_len - 1:
                 # Position p predicts prompt token p + 1; the last prompt position predicts the output.
                 span_count = min(end, state.prompt_len - 1) - start
