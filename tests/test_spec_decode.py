@@ -121,7 +121,7 @@ def test_the_token_after_an_accepted_draft_follows_the_targets_next_distribution
     "config, message",
     [
         ({"method": "medusa"}, "speculative_config.method: must be one of"),
-        ({"method": "eagle3", "model": "/x"}, "is not served yet"),
+        ({"method": "eagle3"}, "speculative_config.model: is required with method 'eagle3'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens: must be 1..16"),
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"method": "draft_model"}, "speculative_config.model: is required"),

@@ -39,10 +39,12 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 # The reasoning parsers' names (--reasoning-parser; None: none), mapped to their classes by
 # zllm/frontend/openai/reasoning_parsers.py (tests/test_reasoning.py keeps the two equal).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
-# Speculative decoding proposers (vLLM's `method` names). EAGLE heads are not served yet: they are
-# refused at start with a clear message.
+# Speculative decoding proposers (vLLM's `method` names).
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-SERVED_SPECULATIVE_METHODS = ("ngram", "draft_model")
+SERVED_SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# Those with a model of their own (`model`: a directory), run in the target's workers with a KV
+# cache that shares its block tables: each step allocates k slots ahead for their drafts' entries.
+MODEL_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3")
 # Field -> its values. quantization (None or one of QUANTIZATION_METHODS) is checked by
 # zllm.quantization.resolve_quantization, which also weighs the checkpoint's own scheme.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -78,7 +80,8 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
-    model: str | None = None  # draft_model: a checkpoint with the target's vocabulary
+    # draft_model: a checkpoint with the target's vocabulary; eagle / eagle3: the head's directory
+    model: str | None = None
     prompt_lookup_min: int = 1  # ngram: the shortest suffix matched against the request's tokens
     prompt_lookup_max: int = 4  # ngram: the longest (tried first)
     draft_tensor_parallel_size: int | None = None  # draft_model: None or the target's tp
@@ -127,8 +130,8 @@ class SpeculativeConfig:
                 f"needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})",
             )
-        if self.method == "draft_model":
-            _require(bool(self.model), "speculative_config.model", "is required with method 'draft_model'")
+        if self.method in MODEL_SPECULATIVE_METHODS:
+            _require(bool(self.model), "speculative_config.model", f"is required with method {self.method!r}")
             _require(
                 self.draft_tensor_parallel_size in (None, tensor_parallel_size),
                 "speculative_config.draft_tensor_parallel_size",
@@ -676,7 +679,7 @@ def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
 
     speculative = config.speculative_config
     speculative.validate(config.tensor_parallel_size)
-    if speculative.method != "draft_model":
+    if speculative.method not in MODEL_SPECULATIVE_METHODS:
         return
     speculative.model = str(resolve_model_dir(speculative.model))
     # NOTE: the draft's cache shares group 0's block tables, sized for one group of every layer;
@@ -684,9 +687,12 @@ def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
     _require(
         not target.sliding_layers or config.disable_hybrid_kv_cache_manager,
         "speculative_config",
-        "a draft model with a sliding-window target needs --disable-hybrid-kv-cache-manager "
+        f"a {speculative.method} proposer with a sliding-window target needs --disable-hybrid-kv-cache-manager "
         "(every block kept); the ngram method needs nothing",
     )
+    if speculative.method != "draft_model":
+        _check_eagle_head(config, target)
+        return
     draft = ModelSpec.from_pretrained(speculative.model)
     _require(
         draft.vocab_size == target.vocab_size,
@@ -702,6 +708,26 @@ def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
         raise ValueError(
             f"speculative_config.model: the draft cannot be split over the target's ranks: {error}"
         ) from None
+
+
+def _check_eagle_head(config: EngineConfig, target: ModelSpec) -> None:
+    """Refuse an EAGLE head that cannot feed on the target (hidden size, vocabulary, aux layers,
+    its heads over the ranks) before any process starts."""
+    from zllm.partition import head_shards
+    from zllm.workers.models.llama_eagle import EagleSpec
+
+    speculative = config.speculative_config
+    where = "speculative_config.model"
+    _require(
+        target.vision is None and target.mla is None,
+        "speculative_config.method",
+        f"{speculative.method} heads are not served for {target.architecture} yet",
+    )
+    head = EagleSpec.read(speculative.model, speculative.method, target, with_weights=config.load_format != "dummy")
+    try:
+        head_shards(head.layer.num_heads, head.layer.num_kv_heads, config.tensor_parallel_size)
+    except ValueError as error:
+        raise ValueError(f"{where}: the head cannot be split over the target's ranks: {error}") from None
 
 
 def _check_lora(config: EngineConfig, spec: ModelSpec) -> None:

@@ -19,8 +19,8 @@ tokens for each request that sampled; its next step computes its last token and 
 (1 + k tokens, in the token budget) and answers with the drafts accepted plus one token of the
 target's own. The computed count is then rolled back past the rejected drafts: their KV slots are
 simply overwritten by the next step, and no block hash ever covers a draft (hashes are made of
-known tokens only). With a draft model, each step also allocates k slots past its end, where the
-draft writes its own KV entries while it proposes.
+known tokens only). With a draft model or an EAGLE head, each step also allocates k slots past its
+end, where the proposer writes its own KV entries while it proposes.
 
 Images (vision-language models): a chunk that reaches an image's tokens needs the image's encoder
 output; one the workers do not hold yet (zllm/enginecore/encoder_cache.py) is encoded in that step
@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from zllm.config import EngineConfig
+from zllm.config import MODEL_SPECULATIVE_METHODS, EngineConfig
 from zllm.enginecore.block_pool import KVBlock
 from zllm.enginecore.encoder_cache import EncoderCache
 from zllm.enginecore.kv_cache_manager import KVCacheManager
@@ -130,7 +130,7 @@ class Scheduler:
         speculative = config.speculative_config
         self.max_drafts = speculative.num_speculative_tokens if speculative else 0
         # Slots past a step's end where a draft model writes while it proposes.
-        self.num_lookahead = self.max_drafts if speculative and speculative.method == "draft_model" else 0
+        self.num_lookahead = self.max_drafts if speculative and speculative.method in MODEL_SPECULATIVE_METHODS else 0
         self.drafts_off_at = (speculative.disable_by_batch_size if speculative else None) or None
         self.spec = SpecDecodeCounters()
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)

@@ -165,7 +165,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
-        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\' (default: off)',
+        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'; method "eagle" / "eagle3" with '
+        "an EAGLE head's directory as model (default: off)",
     )
     group.add_argument("--served-model-name", default=None)
     group.add_argument(

@@ -93,6 +93,8 @@ class BatchInputs:
     # A vision-language model's image tokens: (rows of the step, their embeddings).
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     token_lora_ids: np.ndarray | None = None  # with LoRA: each token's adapter id (0: the base model)
+    # Request id -> (its first position computed this step, that token's row): an EAGLE head's features.
+    feature_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -376,6 +378,12 @@ class ModelRunner:
         )
         if self.config.enforce_eager:
             return
+        if getattr(self.model, "aux_hidden_layers", ()):
+            logger.info(
+                "decode CUDA graphs off: EAGLE-3 reads the target's inner layers, which they do not keep "
+                "(the piecewise graphs do)"
+            )
+            return
         if self.spec.mla is not None or self.spec.attention_sinks:
             # Around their decode kernels (csrc/mla_kernels.cu), MLA's and the sinks' attention
             # pick kernels and pad work by values read on the host: not yet graph-safe.
@@ -446,6 +454,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare(batch.token_lora_ids)
         hidden = self._forward(batch)
+        if self.proposer is not None and self.proposer.needs_features:
+            self.proposer.keep_features(hidden, batch.feature_rows)
         if batch.prompt_spans:
             self._compute_prompt_logprobs(hidden, batch.prompt_spans)
         launched.prompt_logprobs = self._finished_prompt_logprobs()
@@ -628,6 +638,8 @@ class ModelRunner:
         if batch.mm_embeds is not None or batch.positions.dim() == 2:  # images or M-RoPE: eager
             return self.model(batch.input_ids, batch.positions, self.kv_caches, meta, mm_embeds=batch.mm_embeds)
         num_tokens = batch.input_ids.shape[0]
+        # EAGLE-3 reads inner layers: the pieces keep them (aux buffer), the decode graphs do not
+        # (none are captured then).
         if self.graphs is not None and meta.num_decodes == num_tokens and self.graphs.bucket(num_tokens):
             return self.graphs.run(
                 batch.input_ids, batch.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.sliding
@@ -700,6 +712,8 @@ class ModelRunner:
         states = []  # per attention row: a request with drafts has one per scored token
         scheduled_states = []  # per request
         chunks: list[Chunk] = []  # a vision-language model's: each request's rows
+        feature_rows: dict[str, tuple[int, int]] = {}  # only for a proposer that reads the target's features
+        keeps_features = self.proposer is not None and self.proposer.needs_features
         for i in order:
             state = self.requests[step.scheduled_ids[i]]
             drafts = step.spec_token_ids.get(state.request_id, []) if step.spec_token_ids else []
@@ -707,6 +721,8 @@ class ModelRunner:
             end, known = start + count, len(state.token_ids)
             end_of_known = end - len(drafts)
             in_flight = self._in_flight.get(state.request_id)
+            if keeps_features:
+                feature_rows[state.request_id] = (start, query_start_loc[-1])
             if state.prompt_logprobs is not None and start < state.prompt_len - 1:
                 # Position p predicts prompt token p + 1; the last prompt position predicts the output.
                 span_count = min(end, state.prompt_len - 1) - start
@@ -830,6 +846,7 @@ class ModelRunner:
             layout=DraftLayout.of(sampling_drafts) if step.spec_token_ids else None,
             mm_embeds=self.mm.embeddings(chunks) if self.mm is not None else None,
             token_lora_ids=np.asarray([s.lora_id for s in states])[rows] if self.lora is not None else None,
+            feature_rows=feature_rows,
         )
 
     @staticmethod
