@@ -713,8 +713,8 @@ def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
 def _check_eagle_head(config: EngineConfig, target: ModelSpec) -> None:
     """Refuse an EAGLE head that cannot feed on the target (hidden size, vocabulary, aux layers,
     its heads over the ranks) before any process starts."""
+    from zllm.eagle_spec import EagleSpec
     from zllm.partition import head_shards
-    from zllm.workers.models.llama_eagle import EagleSpec
 
     speculative = config.speculative_config
     where = "speculative_config.model"

@@ -3,38 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from pathlib import Path
 
 import torch
 
+from zllm.model_files import TORCH_CHECKPOINT_FILE, checkpoint_files
 from zllm.workers.models.llama import LlamaForCausalLM
 from zllm.workers.parallel_layers import LoadTarget
-
-_INDEX_FILE = "model.safetensors.index.json"
-# A single-file PyTorch checkpoint: how the EAGLE authors publish their heads.
-_TORCH_FILE = "pytorch_model.bin"
-
-
-def checkpoint_files(model_dir: str, torch_file: bool = False) -> list[Path]:
-    """The safetensors files of a checkpoint: those the index names, else every *.safetensors;
-    torch_file: else a pytorch_model.bin (an EAGLE head's published file)."""
-    root = Path(model_dir)
-    index = root / _INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = [root / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"model: {index} names shard(s) that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(root.glob("*.safetensors"))
-    if not files and torch_file and (root / _TORCH_FILE).is_file():
-        return [root / _TORCH_FILE]
-    if not files:
-        raise ValueError(f"model: no *.safetensors files in {root} (use load_format='dummy' for random weights)")
-    return files
 
 
 def load_safetensors(model: LlamaForCausalLM, model_dir: str, torch_file: bool = False) -> None:
@@ -85,7 +61,7 @@ def finish_loading(model: LlamaForCausalLM) -> None:
 
 
 def _open_safetensors(path: Path):
-    if path.name == _TORCH_FILE:
+    if path.name == TORCH_CHECKPOINT_FILE:
         return _TorchFile(path)
     from safetensors import safe_open
 
@@ -185,15 +161,6 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 def _stable_seed(seed: int, name: str, shard: int | None) -> int:
     digest = hashlib.blake2b(f"{seed}/{name}/{shard}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def checkpoint_tensor_names(model_dir: str, torch_file: bool = False) -> list[str]:
-    """The names of every tensor a checkpoint holds (headers only, for safetensors)."""
-    names = []
-    for path in checkpoint_files(model_dir, torch_file):
-        with _open_safetensors(path) as f:
-            names.extend(f.keys())
-    return names
 
 
 def read_whole_tensor(model_dir: str, name: str, torch_file: bool = False) -> torch.Tensor:

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from zllm.eagle_spec import EagleSpec
 from zllm.partition import head_shards
-from zllm.workers.models.llama_eagle import EagleHead, EagleSpec
+from zllm.workers.models.llama_eagle import EagleHead
 from zllm.workers.spec_decode.draft_model import DraftRun, draft_batch
 from zllm.workers.transfer import to_device
 from zllm.workers.weight_loader import finish_loading, init_dummy_weights, load_safetensors
