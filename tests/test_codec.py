@@ -167,6 +167,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             failed_requests={"ab12/req-3": "InjectedFaultError: the prompt holds token 77"},
             draft_token_ids={"ab12/req-1": [5, 6]},
             pooled={"ab12/req-2": b"\x00\x00\x80?"},
+            num_drafts_scored={"ab12/req-1": 3},
         ),
         m.WorkerReady(rank=1, num_kv_blocks=100, pid=4242),
         m.WorkerCallResult(rank=1, call_id=2, result=[1, "x", {"y": 2}], error="unknown worker method 'x'"),
