@@ -411,6 +411,19 @@ def test_async_scheduling_with_drafts_keeps_greedy_output_chunked_and_preempted(
         llm.shutdown()
 
 
+def test_async_drafts_at_tensor_parallel_2(tiny, tiny_expected):
+    """Two worker processes (gloo): each rank proposes the same n-gram drafts from the tokens it
+    holds, and the core's async steps come back in order (FlushStep when none follows)."""
+    config = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(str(tiny[0]), **TINY_ENGINE, tensor_parallel_size=2, async_scheduling=True, speculative_config=config)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], TINY_GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == tiny_expected
+        assert llm.engine.core.stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_drafts_turn_off_per_step_at_disable_by_batch_size(tiny, tiny_expected, async_scheduling):
     """disable_by_batch_size 2: steps while two or more requests run go without drafts, and
