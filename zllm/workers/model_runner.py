@@ -535,8 +535,9 @@ class ModelRunner:
         if self._in_flight_tokens is launched.tokens:
             self._in_flight, self._in_flight_tokens = {}, None
         drafts = self._propose(launched) if self.proposer is not None else {}
-        for state in states:
-            self.drafts.pop(state.request_id, None)
+        if self.drafts:  # what these requests drafted before is stale now
+            for state in states:
+                self.drafts.pop(state.request_id, None)
         self.drafts.update(drafts)
         scored = {}
         if launched.layout is not None:
