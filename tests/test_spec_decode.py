@@ -314,6 +314,22 @@ def test_structured_outputs_with_drafts_checked_and_masked_per_position(baseline
 
 
 @pytest.mark.slow
+def test_async_drafts_beside_a_constrained_request(baseline):
+    """Async scheduling with n-gram drafts: the constrained request goes without drafts (its
+    grammar could not check worker-proposed ones), the others draft; greedy output is unchanged."""
+    from zllm.sampling_params import StructuredOutputsParams
+
+    prompts = COPY_HEAVY[:2] + ["Is the sea blue?"]
+    choice = StructuredOutputsParams(choice=["yes", "no", "maybe"])
+    params = [SamplingParams(temperature=0.0, max_tokens=24)] * 2
+    params.append(SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=choice))
+    expected = [o.outputs[0].token_ids for o in baseline.generate(prompts, params)]
+    with LLM(**ENGINE, async_scheduling=True, speculative_config={"num_speculative_tokens": 3}) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        assert llm.engine.core.stats().spec_decode_num_accepted_tokens > 0
+
+
+@pytest.mark.slow
 def test_ngram_at_tensor_parallel_2_equals_tp_1(baseline):
     expected = baseline.tokens(COPY_HEAVY, GREEDY)
     with LLM(**ENGINE, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3}) as llm:
