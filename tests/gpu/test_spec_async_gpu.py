@@ -1,6 +1,6 @@
 """Speculative decoding with async scheduling on a GPU: a step with drafts is launched and
 sampled without a host synchronisation (the rejection sampler's indices travel in one pinned
-copy), and greedy requests keep their tokens with drafts, async or not."""
+copy), and greedy requests get the same tokens from async and synchronous steps with drafts."""
 
 from __future__ import annotations
 
@@ -24,12 +24,14 @@ def _greedy_only(results: dict[str, tuple]) -> dict[str, tuple]:
     }
 
 
-def test_greedy_tokens_with_async_drafts_equal_sync_drafts_and_no_drafts(model_dir):  # noqa: F811
-    plain = _run(model_dir, async_scheduling=True)
+def test_greedy_tokens_with_async_drafts_equal_sync_drafts(model_dir):  # noqa: F811
+    """Not against decoding without drafts: in bf16 a 1-row step (GEMV) and a verifying step
+    (gemv_rows) may round a near-tie apart (architecture.md, "Which outputs are bit-stable");
+    the CPU tests check that equality in fp32."""
     sync = _run(model_dir, async_scheduling=False, speculative_config=NGRAM)
     pipelined = _run(model_dir, async_scheduling=True, speculative_config=NGRAM)
-    assert len(pipelined) == len(plain)
-    assert _greedy_only(pipelined) == _greedy_only(sync) == _greedy_only(plain)
+    assert len(pipelined) == len(sync) == 2 * 8
+    assert _greedy_only(pipelined) == _greedy_only(sync)
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
