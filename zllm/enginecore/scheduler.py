@@ -26,6 +26,8 @@ async scheduling the next step is scheduled before that answer, so it asks for u
 (-1 placeholders) that the workers propose themselves once they know the step's tokens, and it is
 scheduled as if every draft in flight were accepted (the placeholders count 1 + k tokens): blocks
 cover the longest outcome, and the answer rolls the computed count back as it does synchronously.
+It asks only for requests whose latest answer came with drafts: one that finds none (chat, where
+n-gram rarely matches) keeps the plain pipeline, whose steps never wait on the workers.
 
 Images (vision-language models): a chunk that reaches an image's tokens needs the image's encoder
 output; one the workers do not hold yet (zllm/enginecore/encoder_cache.py) is encoded in that step
@@ -383,9 +385,16 @@ class Scheduler:
         the budget holds beside its own token."""
         if self.worker_drafts:
             # The workers propose up to k (unknown here): counted as if every token in flight
-            # came (placeholders), so the room is never overstated. A grammar's drafts must be
-            # checked here before they are scored: constrained requests go without.
-            if request.grammar is not None or request.num_tokens_with_placeholders - request.num_computed_tokens != 1:
+            # came (placeholders), so the room is never overstated. Asked only while the latest
+            # answer had drafts for it (a hint: a request without is not held back behind the
+            # previous step's answer on the workers, so its steps pipeline as without drafts).
+            # A grammar's drafts must be checked here before they are scored: constrained
+            # requests go without.
+            if (
+                not request.spec_token_ids
+                or request.grammar is not None
+                or request.num_tokens_with_placeholders - request.num_computed_tokens != 1
+            ):
                 return 0
             proposed, num_tokens = self.max_drafts, request.num_tokens_with_placeholders
             num_output = request.num_output_tokens + request.num_output_placeholders
@@ -541,7 +550,7 @@ class Scheduler:
             if output.num_drafts_scored.get(request_id):
                 self.spec.record(output.num_drafts_scored[request_id], len(tokens) - 1)
             kept = self._append_tokens(request, tokens)  # the workers appended them on their side already
-            if not request.status.is_finished and not self.worker_drafts:
+            if not request.status.is_finished:  # async: the drafts are a hint (see _num_drafts_to_score)
                 drafts = output.draft_token_ids.get(request_id, [])[: self.max_drafts]
                 request.spec_token_ids = self._drafts_to_keep(request, drafts)
             deltas.append(

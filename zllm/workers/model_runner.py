@@ -552,8 +552,9 @@ class ModelRunner:
             logprobs=None if logprobs is None else _to_message(logprobs),
             prompt_logprobs={rid: _concat_to_message(parts) for rid, parts in launched.prompt_logprobs.items()},
             failed_requests=self.failures.take(),  # new requests it could not take, since the last answer
-            # Under async scheduling the next step is on its way already: it asks for these drafts.
-            draft_token_ids=drafts if self.tp.is_first and not self.config.async_scheduling else {},
+            # Under async scheduling the next step is on its way already: these tell the core which
+            # requests to ask drafts for in the step after it.
+            draft_token_ids=drafts if self.tp.is_first else {},
             num_drafts_scored=scored if self.tp.is_first else {},
         )
 
