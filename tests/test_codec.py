@@ -184,6 +184,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
                     error="partial",
                 )
             ],
+            num_drafts_scored={"ab12/req-1": 3},
         ),
         m.WorkerReady(rank=1, num_kv_blocks=100, pid=4242),
         m.WorkerCallResult(rank=1, call_id=2, result=[1, "x", {"y": 2}], error="unknown worker method 'x'"),

@@ -201,7 +201,7 @@ class EngineConfig:
     # Schedule step N+1 while step N runs on the device, so host work hides behind GPU work.
     # None: on when the workers run on CUDA (on CPU the compute is synchronous: nothing to hide).
     async_scheduling: bool | None = None
-    # Speculative decoding (None: off). Steps are scheduled synchronously while it is on.
+    # Speculative decoding (None: off).
     speculative_config: SpeculativeConfig | None = None
     served_model_name: str | None = None
     enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
@@ -332,15 +332,9 @@ class EngineConfig:
             f"{config.kv_cache_dtype}: {spec.architecture}'s latent (MLA) cache is kept in the model dtype",
         )
         if config.speculative_config is not None:
+            # Async scheduling works with drafts too: the workers propose them for the steps the
+            # core schedules ahead (zllm/enginecore/scheduler.py).
             _resolve_draft_model(config, spec)
-            # NOTE: how many tokens a step accepts is known only from its answer, so the next step
-            # cannot be scheduled before it: speculation runs with synchronous steps.
-            _require(
-                not config.async_scheduling,
-                "async_scheduling",
-                "cannot be combined with speculative_config yet; leave it unset",
-            )
-            config.async_scheduling = False
         if config.async_scheduling is None:
             config.async_scheduling = _runs_on_cuda(config)
         if config.piecewise_cuda_graphs is None:

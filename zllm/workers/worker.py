@@ -86,9 +86,18 @@ class Worker:
 
         A step with structured requests is sampled on rank 0 only once its GrammarBitmask arrives
         (`apply_grammar_bitmask`): the core computes it after it has the answer given here. The
-        other ranks sample at once: they only receive rank 0's tokens."""
-        launched = self.runner.launch_step(step)
-        answers = self.finish_pending()
+        other ranks sample at once: they only receive rank 0's tokens.
+
+        Speculative decoding: a step that scores drafts, or follows one that did, is launched only
+        after the step before it is answered. Its drafts are proposed here from that step's
+        tokens, and how many drafts that step accepted sets where its requests stand (each
+        request's tokens, positions and slots); the core's own steps still overlap the device."""
+        if self._pending is not None and (step.spec_token_ids or self._pending.layout is not None):
+            answers = self.finish_pending()
+            launched = self.runner.launch_step(step)
+        else:
+            launched = self.runner.launch_step(step)
+            answers = self.finish_pending()
         self._pending = launched
         if step.structured_ids and self.tp.is_first:
             self.awaiting_bitmask = True
