@@ -91,8 +91,12 @@ class Worker:
         Speculative decoding: a step that scores drafts, or follows one that did, is launched only
         after the step before it is answered. Its drafts are proposed here from that step's
         tokens, and how many drafts that step accepted sets where its requests stand (each
-        request's tokens, positions and slots); the core's own steps still overlap the device."""
-        if self._pending is not None and (step.spec_token_ids or self._pending.layout is not None):
+        request's tokens, positions and slots); the core's own steps still overlap the device.
+        An EAGLE head reads the target's hidden states of the step it drafts after, which the next
+        launch overwrites (the graphs' fixed buffers): with one, every step is answered first."""
+        if self._pending is not None and (
+            step.spec_token_ids or self._pending.layout is not None or self._proposer_reads_features
+        ):
             answers = self.finish_pending()
             launched = self.runner.launch_step(step)
         else:
@@ -104,6 +108,11 @@ class Worker:
         else:
             self.runner.sample_step(launched)
         return answers
+
+    @property
+    def _proposer_reads_features(self) -> bool:
+        proposer = getattr(self.runner, "proposer", None)
+        return proposer is not None and proposer.needs_features
 
     def apply_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
         """Sample the pending step under its grammars' bitmask."""
