@@ -697,6 +697,7 @@ CONFIG = EngineConfig(
     max_request_body_bytes=1 << 20,
     runner="pooling",
     convert="embed",
+    hf_overrides={"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True},
     pooler=PoolerConfig(
         kind="embed",
         pooling_type="mean",
@@ -706,6 +707,8 @@ CONFIG = EngineConfig(
         hidden_size=384,
         matryoshka=True,
         labels=["a", "b"],
+        classifier_token_ids=[2152, 9693],
+        classifier_method="from_2_way_softmax",
     ),
     enable_lora=True,
     lora_modules={"sql": "/adapters/sql", "chat": "/adapters/chat"},
