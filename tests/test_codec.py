@@ -42,6 +42,7 @@ SAMPLING = SamplingParams(
     logit_bias={17: -100.0, 3: 2.5},
     bad_words=["darn", "heck"],
     structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    truncate_prompt_tokens=100,
 )
 
 LOGPROBS = m.TokenLogprobs(
@@ -71,7 +72,14 @@ TOKEN_DELTA_INT_STOP = m.TokenDelta(
     pooled=b"",
 )
 LORA = LoRARequest("sql-adapter", 3, "/adapters/sql")
-POOLING = PoolingParams(task="score", normalize=False, dimensions=8, activation=False, token_type_ids=[0, 0, 1, 1])
+POOLING = PoolingParams(
+    task="score",
+    normalize=False,
+    dimensions=8,
+    activation=False,
+    token_type_ids=[0, 0, 1, 1],
+    truncate_prompt_tokens=-1,
+)
 IMAGE = m.ImageInput(
     mm_hash="9f86d081884c7d65",
     offset=2,

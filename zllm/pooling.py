@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from zllm.sampling_params import SamplingParams
+from zllm.sampling_params import SamplingParams, check_truncate_prompt_tokens
 
 POOLING_TASKS = ("embed", "classify", "score", "encode")
 POOLING_TYPES = ("mean", "cls", "last")
@@ -35,15 +35,18 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unk
     relevance of a pair), "encode" (the raw pooled vector). normalize: None follows the model
     (sentence-transformers' Normalize module); dimensions: keep the first n (Matryoshka models),
     then normalize. token_type_ids: a text pair's segment ids (BERT cross-encoders), set by the
-    frontend from the tokenizer."""
+    frontend from the tokenizer. truncate_prompt_tokens: as SamplingParams' (vLLM's), the last k
+    tokens of the input (of a pair's joined tokens, and their token types)."""
 
     task: str = "embed"
     normalize: bool | None = None
     dimensions: int | None = None
     activation: bool | None = None  # classify/score: softmax / sigmoid over the logits (default on)
     token_type_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the input's last k tokens; -1: max_model_len
 
     def __post_init__(self) -> None:
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.task not in POOLING_TASKS:
             raise ValueError(f"task: must be one of {POOLING_TASKS}, got {self.task!r}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or self.dimensions < 1):
