@@ -108,6 +108,8 @@ def test_conversions_the_config_refuses(tmp_path):
         EngineConfig.create(model_dir, hf_overrides={"architectures": ["LlamaForSequenceClassification"]})
     with pytest.raises(ValueError, match=r"hf_overrides: \['rope_theta'\] not supported"):
         EngineConfig.create(model_dir, hf_overrides={"rope_theta": 1.0})
+    with pytest.raises(ValueError, match="hf_overrides: must be a JSON object"):
+        EngineConfig.create(model_dir, hf_overrides="x")
     with pytest.raises(ValueError, match="convert: embed contradicts"):
         EngineConfig.create(model_dir, convert="embed", hf_overrides=reranker)
     config = EngineConfig.create(model_dir, hf_overrides={**reranker, "classifier_from_token": ["t7", "t42"]})

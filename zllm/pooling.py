@@ -126,6 +126,8 @@ CLASSIFIER_KEYS = ("architectures", "classifier_from_token", "method", "is_origi
 
 def classifier_settings(model_dir: str, overrides: dict) -> dict:
     """The classifier keys of config.json, under those of hf_overrides (which win)."""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides: must be a JSON object (a dict), got {type(overrides).__name__}")
     unknown = sorted(set(overrides) - set(CLASSIFIER_KEYS))
     if unknown:
         raise ValueError(f"hf_overrides: {unknown} not supported; zllm honours {CLASSIFIER_KEYS}")

@@ -100,6 +100,9 @@ class DecoderForPooling(LlamaForCausalLM):
         full_shape = (self.spec.vocab_size, self.spec.hidden_size)
 
         def store(values: torch.Tensor) -> None:
+            if values.shape[0] != high - low:  # dummy weights (load_format dummy): the head's own shape
+                self.head.weight.data.copy_(values)
+                return
             picked = values[rows].float()  # [tokens, hidden]; the difference in fp32, as vLLM takes it
             head = picked[1:2] - picked[0:1] if self.head_method == "from_2_way_softmax" else picked
             self.head.weight.data.copy_(head)
