@@ -130,7 +130,7 @@ def servers(tmp_path_factory, encoder_dir, cross_encoder_dir, llama_dir):
     try:
         for name, model_dir in (("embed", encoder_dir), ("cross", cross_encoder_dir), ("llama", llama_dir)):
             handles[name] = _server(tmp_path_factory, name, model_dir)
-        yield {name: handle.http_url for name, handle in handles.items()}
+        yield handles
     finally:
         for handle in handles.values():
             handle.stop()
@@ -150,7 +150,7 @@ def _refused(url: str, path: str, body: dict) -> None:
 
 
 def test_http_embeddings_of_truncated_inputs(servers, encoder_dir):
-    url, tokenizer = servers["embed"], _left_truncating_tokenizer(encoder_dir)
+    url, tokenizer = servers["embed"].http_url, _left_truncating_tokenizer(encoder_dir)
     expected = [tokenizer(t, truncation=True, max_length=12)["input_ids"] for t in TEXTS]
     truncated = _post(url, "/v1/embeddings", {"input": TEXTS, "truncate_prompt_tokens": 12})
     direct = _post(url, "/v1/embeddings", {"input": expected})
@@ -164,7 +164,7 @@ def test_http_embeddings_of_truncated_inputs(servers, encoder_dir):
 
 
 def test_http_scores_reranks_and_classes_of_truncated_inputs(servers, cross_encoder_dir):
-    url, tokenizer = servers["cross"], _left_truncating_tokenizer(cross_encoder_dir)
+    url, tokenizer = servers["cross"].http_url, _left_truncating_tokenizer(cross_encoder_dir)
     # The truncated pairs as texts: every word is one token, so decoding the kept ids gives a text
     # that tokenizes back to exactly them.
     pairs = [tokenizer(QUERY, t, truncation=True, max_length=16) for t in TEXTS]
@@ -181,6 +181,15 @@ def test_http_scores_reranks_and_classes_of_truncated_inputs(servers, cross_enco
     short = [tokenizer.decode(tokenizer(t, truncation=True, max_length=10)["input_ids"][1:-1]) for t in TEXTS]
     direct_classes = _post(url, "/classify", {"input": short})
     assert np.allclose([d["probs"] for d in classes["data"]], [d["probs"] for d in direct_classes["data"]], atol=1e-6)
+    from zllm import Client
+
+    with Client(servers["cross"].endpoint) as client:  # the Python ZMQ client: the same truncation
+        assert client.score(QUERY, TEXTS[0], truncate_prompt_tokens=16).outputs.score == pytest.approx(
+            direct["data"][0]["score"], abs=1e-6
+        )
+        assert client.classify(TEXTS[0], truncate_prompt_tokens=10).outputs.probs == pytest.approx(
+            direct_classes["data"][0]["probs"], abs=1e-6
+        )
     _refused(url, "/score", {"text_1": QUERY, "text_2": TEXTS})
     _refused(url, "/rerank", {"query": QUERY, "documents": TEXTS})
     _refused(url, "/classify", {"input": TEXTS})
@@ -194,7 +203,7 @@ def _pair_texts(tokenizer, encoded) -> tuple[str, str]:
 
 
 def test_http_completions_and_chat_of_truncated_prompts(servers):
-    url = servers["llama"]
+    url = servers["llama"].http_url
     greedy = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
     truncated = _post(url, "/v1/completions", {"prompt": PROMPT_IDS, "truncate_prompt_tokens": 9, **greedy})
     direct = _post(url, "/v1/completions", {"prompt": PROMPT_IDS[-9:], **greedy})
