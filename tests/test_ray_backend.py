@@ -182,11 +182,11 @@ async def _stream_all(endpoint: str, prompts: list[str], params: SamplingParams,
         return await asyncio.gather(*[consume(i) for i in range(len(prompts))])
 
 
-@pytest.fixture(scope="module")
-def ray_server(cluster, tiny_model, tmp_path_factory):
-    handle = start_server(
-        tmp_path_factory.mktemp("ray-server"),
-        tiny_model,
+def _start_tp2_server(directory, model_dir: str, cluster):
+    """vllm-launch --tp 2 on the Ray backend, one rank per node of the test cluster."""
+    return start_server(
+        directory,
+        model_dir,
         "--tp",
         "2",
         "--distributed-executor-backend",
@@ -195,6 +195,11 @@ def ray_server(cluster, tiny_model, tmp_path_factory):
         cluster.address,
         env={**ONE_THREAD, "ZLLM_RAY_RANK_RESOURCES": ONE_RANK_PER_NODE},
     )
+
+
+@pytest.fixture(scope="module")
+def ray_server(cluster, tiny_model, tmp_path_factory):
+    handle = _start_tp2_server(tmp_path_factory.mktemp("ray-server"), tiny_model, cluster)
     try:
         yield handle
     finally:
@@ -242,17 +247,7 @@ def test_a_lost_node_restarts_the_engine_and_every_stream_completes(cluster, tin
     """The worker node holding one of the ranks is taken out of the cluster under 8 streams (its raylet and every
     process it started killed, as when a machine goes away): Ray fails the rank's call, the engine
     restarts on the node that joins in its place, and every stream completes exactly."""
-    handle = start_server(
-        tmp_path,
-        tiny_model,
-        "--tp",
-        "2",
-        "--distributed-executor-backend",
-        "ray",
-        "--ray-address",
-        cluster.address,
-        env={**ONE_THREAD, "ZLLM_RAY_RANK_RESOURCES": ONE_RANK_PER_NODE},
-    )
+    handle = _start_tp2_server(tmp_path, tiny_model, cluster)
     try:
         prompts = [f"t{5 + i} t{50 + i} t{95 + i}" for i in range(8)]
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.gpu import forbid_host_syncs
 from tests.helpers.models import save_tiny_model
 from zllm import LLMEngine, SamplingParams
 
@@ -82,21 +83,10 @@ def test_async_scheduling_gives_the_same_tokens_as_sync(model_dir):
 
 
 def test_launch_and_sample_never_wait_for_the_device(model_dir):
-    import torch
 
     def forbid_syncs(engine):
         runner = engine.core.executor.runner
-        for name in ("launch_step", "sample_step"):
-            original = getattr(runner, name)
-
-            def strict(*args, _original=original, **kwargs):
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-
-            setattr(runner, name, strict)
+        forbid_host_syncs(runner)
 
     # Eager (prefill, mixed batches) and graphs (decode) both; every sampling feature.
     assert len(_run(model_dir, spy=forbid_syncs, async_scheduling=True)) == 2 * len(PROMPT_LENGTHS)

@@ -8,6 +8,7 @@ import pytest
 
 from tests.gpu.test_async_scheduling_gpu import PARAMS, _run
 from tests.gpu.test_async_scheduling_gpu import model_dir as model_dir  # noqa: F401 (the fixture)
+from tests.helpers.gpu import forbid_host_syncs
 
 pytestmark = pytest.mark.gpu
 
@@ -36,23 +37,11 @@ def test_greedy_tokens_with_async_drafts_equal_sync_drafts(model_dir):  # noqa: 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_launch_and_sample_of_draft_steps_never_wait_for_the_device(model_dir, enforce_eager):  # noqa: F811
-    import torch
-
     drafted_steps = []
 
     def forbid_syncs(engine):
         runner = engine.core.executor.runner
-        for name in ("launch_step", "sample_step"):
-            original = getattr(runner, name)
-
-            def strict(*args, _original=original, **kwargs):
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-
-            setattr(runner, name, strict)
+        forbid_host_syncs(runner)
         verify = runner._verify_drafts
 
         def counting(launched, grammar):

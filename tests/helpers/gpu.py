@@ -115,3 +115,21 @@ def record(name: str, value) -> None:
         with open(os.path.join(out, "gpu_results.jsonl"), "a") as f:
             f.write(json.dumps({name: value}) + "\n")
     print(f"{name}: {value}")
+
+
+def forbid_host_syncs(runner, names: tuple[str, ...] = ("launch_step", "sample_step")) -> None:
+    """Wrap these methods of a model runner so that any host-device sync inside them raises
+    (torch's sync debug mode "error" while they run)."""
+    import torch
+
+    for name in names:
+        original = getattr(runner, name)
+
+        def strict(*args, _original=original, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+        setattr(runner, name, strict)

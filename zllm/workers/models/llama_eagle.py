@@ -27,10 +27,10 @@ from zllm.model_spec import ModelSpec
 from zllm.partition import Span
 from zllm.workers.attention import AttentionMetadata
 from zllm.workers.distributed import TensorParallel
-from zllm.workers.linear_weights import FusedPart, whole_tensor_target
+from zllm.workers.linear_weights import FusedPart
 from zllm.workers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, Rotary
 from zllm.workers.ops import TorchOps
-from zllm.workers.parallel_layers import ColumnParallelLinear, LoadTarget, ParallelLMHead, VocabParallelEmbedding
+from zllm.workers.parallel_layers import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
 
 
 class EagleLayer(nn.Module):
@@ -174,12 +174,7 @@ class EagleHead(nn.Module):
             else:
                 yield name, None
 
-    def load_target(self, name: str, shard: int | None) -> LoadTarget:
-        module_name, param_name = name.rsplit(".", 1)
-        module = self.get_submodule(module_name)
-        if hasattr(module, "load_target"):
-            return module.load_target(param_name, shard)
-        return whole_tensor_target(getattr(module, param_name))
+    load_target = LlamaForCausalLM.load_target  # by the parameter's module, as the target's
 
     def load_d2t(self, head_dir: str) -> None:
         """EAGLE-3's draft-to-target offsets (target id = draft id + d2t[draft id]); zeros (the
