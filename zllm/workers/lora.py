@@ -4,26 +4,37 @@
 Every adapted projection holds one stack of slots, sharded like the projection itself:
 
     column-parallel (q/k/v, gate/up: output rows split):  A [slots, parts * R, in]   whole
-                                                          B [slots, out_rank, R]      this rank's rows
+                                                          B [out_rank, slots, R]      this rank's rows
     row-parallel (o, down: input columns split):          A [slots, R, in_rank]       this rank's columns
-                                                          B [slots, out, R]           whole
+                                                          B [out, slots, R]           whole
 
-R is max_lora_rank (a smaller adapter is zero-padded). A fused projection keeps each part's A in
+B keeps the slots in the middle so that a part's rows over every slot are one [rows, slots * R]
+matrix (the dense path's expand GEMM). R is max_lora_rank (a smaller adapter is zero-padded). A fused projection keeps each part's A in
 its own R rows and its B in the part's output rows. A row-parallel rank adds B (A_rank x_rank) to
 its partial product before the all-reduce: the sum over ranks is B A x, with no extra collective.
 
-Two paths, one per device:
+Three paths:
 - torch (CPU, and the reference): a step's rows are grouped by slot (`LoRABatch.groups`); per
   group t = x_rows A_slot^T (shrink), then out_rows += scale * t_part B_part^T for each part
   (expand), in PEFT's order of operations. The groups' row indices come from the host each step.
 - CUDA (csrc/lora_kernels.cu): every row reads its slot from `LoRABatch.token_slots`, a device
   buffer of fixed address filled before each step (-1: the base model; padding rows too), so the
-  decode and piecewise CUDA graphs hold the launches and stay on with LoRA.
+  decode and piecewise CUDA graphs hold the launches and stay on with LoRA. Steps of few tokens.
+- dense (CUDA, steps of many tokens: `LoRABatch.dense_from` rows and more, decided by the launch's
+  padded row count so a CUDA graph holds one path): the shrink is one GEMM over every slot at
+  once, x [T, in] @ A.view(S * P * R, in)^T; each row keeps only its own slot's columns, scaled
+  (`LoRABatch.slot_mask`, a one-hot [rows, S] of the row's slot filled before each step, times
+  the slot's scales); then per part one GEMM out_p += t_p [T, S * R] @ B_p [rows, S * R]^T. It
+  reads A and B once a step instead of once a token (the kernels re-read B[slot]'s rows, 917 KB
+  for Llama-3-8B's rank-16 gate_up, for every token), at S times the FLOPs on the tensor cores.
+  All torch ops: tested on the CPU against `apply_slot`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import sys
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -44,10 +55,20 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class LoRABatch:
     """The current step's rows by adapter slot: (slot, row indices; None: every row) for the
-    torch path; each row's slot in a device buffer for the kernels (None: the torch path)."""
+    torch path; each row's slot in a device buffer for the kernels (None: the torch path), and
+    the same as a one-hot [rows, slots] (1.0 in the row's slot's column; a zero row for -1) for
+    the dense path, which launches of `dense_from` rows or more take."""
 
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
     token_slots: torch.Tensor | None = None
+    slot_mask: torch.Tensor | None = None
+    dense_from: int = 0
+
+    def fill_slot_mask(self) -> None:
+        """The one-hot of token_slots (on the device, once a step: every layer reads it)."""
+        assert self.token_slots is not None and self.slot_mask is not None
+        slots = torch.arange(self.slot_mask.shape[1], dtype=self.token_slots.dtype, device=self.token_slots.device)
+        self.slot_mask.copy_(self.token_slots.unsqueeze(1) == slots)
 
 
 class LoRALayer:
@@ -74,7 +95,7 @@ class LoRALayer:
         self.A = torch.zeros(
             num_slots, len(self.part_rows) * max_rank, in_features, dtype=weight.dtype, device=weight.device
         )
-        self.B = torch.zeros(num_slots, offset, max_rank, dtype=weight.dtype, device=weight.device)
+        self.B = torch.zeros(offset, num_slots, max_rank, dtype=weight.dtype, device=weight.device)
         self.scale = [[0.0] * len(self.part_rows) for _ in range(num_slots)]
         self.scale_t = torch.zeros(num_slots, len(self.part_rows), dtype=torch.float32, device=weight.device)
         self.part_ends = [start + count for start, count in self.part_rows]
@@ -83,6 +104,8 @@ class LoRALayer:
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out + each row's adapter applied to x (rows of the base model unchanged)."""
         if self.batch.token_slots is not None:
+            if self.batch.slot_mask is not None and x.shape[0] >= self.batch.dense_from:
+                return self.add_dense(out, x)
             return self._add_with_kernels(out, x)
         for slot, rows in self.batch.groups:
             delta = self.apply_slot(slot, x if rows is None else x.index_select(0, rows))
@@ -100,13 +123,18 @@ class LoRALayer:
         lora_shrink(shrunk, x, self.A, slots)
         return lora_expand(out, shrunk, self.B, self.scale_t, slots, self.part_ends)
 
+    def add_dense(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """In place: out + each row's adapter, for every slot at once (the module docstring's
+        dense path); rows whose slot_mask row is zero (the base model, padding) are unchanged."""
+        return dense_add(out, x, self.A, self.B, self.scale_t, self.batch.slot_mask, self.part_rows)
+
     def apply_slot(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         """The torch reference of the shrink and expand for rows of one adapter."""
         shrunk = F.linear(x, self.A[slot])
         R = self.rank
         return torch.cat(
             [
-                F.linear(shrunk[:, p * R : (p + 1) * R], self.B[slot, start : start + count]) * self.scale[slot][p]
+                F.linear(shrunk[:, p * R : (p + 1) * R], self.B[start : start + count, slot]) * self.scale[slot][p]
                 for p, (start, count) in enumerate(self.part_rows)
             ],
             dim=-1,
@@ -114,7 +142,7 @@ class LoRALayer:
 
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
-        self.B[slot].zero_()
+        self.B[:, slot].zero_()
         self.scale[slot] = [0.0] * len(self.part_rows)
         self.scale_t[slot].zero_()
 
@@ -123,7 +151,7 @@ class LoRALayer:
         r = a.shape[0]
         start, count = self.part_rows[part]
         self.A[slot, part * self.rank : part * self.rank + r].copy_(a)
-        self.B[slot, start : start + count, :r].copy_(b)
+        self.B[start : start + count, slot, :r].copy_(b)
         self.scale[slot][part] = scale
         self.scale_t[slot, part] = scale
 
@@ -135,6 +163,50 @@ class LoRALayer:
             return a, b[span.start : span.stop]
         span = self.linear.span
         return a[:, span.start : span.stop], b
+
+
+def dense_add(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+    slot_mask: torch.Tensor,
+    part_rows: list[tuple[int, int]],
+) -> torch.Tensor:
+    """In place: out[:, rows of part p] += scale[slot, p] * (x a[slot]^T)_p b[rows of p, slot]^T for
+    each row's slot, as GEMMs over every slot. a [S, P * R, in], b [out, S, R], scale [S, P] and
+    slot_mask [>= T, S] (one-hot of the row's slot; zero rows add nothing) float32."""
+    rows = x.shape[0]
+    slots, parts = a.shape[0], len(part_rows)
+    rank = a.shape[1] // parts
+    shrunk = F.linear(x, a.view(slots * parts * rank, -1)).view(rows, slots, parts, rank)
+    # Each row's own slot's scale, 0 for every other slot: [T, S, P].
+    weights = slot_mask[:rows].unsqueeze(2) * scale
+    t = torch.empty((rows, parts, slots, rank), dtype=x.dtype, device=x.device)
+    torch.mul(shrunk.transpose(1, 2), weights.transpose(1, 2).unsqueeze(3), out=t)
+    for p, (start, count) in enumerate(part_rows):
+        b_part = b[start : start + count].view(count, slots * rank)
+        out[:, start : start + count].addmm_(t[:, p].reshape(rows, slots * rank), b_part.t())
+    return out
+
+
+def dense_from(num_slots: int) -> int:
+    """The launch size (rows) from which LoRA on CUDA runs the dense path: ZLLM_LORA_DENSE_ROWS_PER_SLOT
+    rows per device slot.
+
+    Per row, the kernels read the slot's A and B rows, c = R (P in + out) 2 bytes, mostly from L2
+    (~4-5 TB/s on an H100); the dense path reads every slot's once a step from HBM (S c bytes at
+    ~3.3 TB/s) and spends 2 S c FLOPs a row (~0.5 PFLOP/s): the two cost the same at
+    T = S (L2 / HBM) / (1 - 2 S L2 / FLOPs), about 1.5-2 S for S = 8-16, and the kernels' decode
+    launches are latency-bound below that, the dense path's 3 + P launches costing more at small
+    T: hence 4 rows a slot (32 rows for 8 slots, 64 for 16)."""
+    from zllm import envs
+
+    per_slot = envs.ZLLM_LORA_DENSE_ROWS_PER_SLOT
+    if not math.isfinite(per_slot):  # inf: never
+        return sys.maxsize
+    return max(0, math.ceil(per_slot * num_slots))
 
 
 # (layer, zllm module) -> per part: (A, B, scale) this rank's shards on the host, or None
@@ -169,6 +241,8 @@ class LoRAManager:
             drafts = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
             size = max(config.max_num_batched_tokens, config.max_num_seqs * (1 + drafts))
             self.batch.token_slots = torch.full((size,), -1, dtype=torch.int32, device=self.device)
+            self.batch.slot_mask = torch.zeros((size, self.num_slots), dtype=torch.float32, device=self.device)
+            self.batch.dense_from = dense_from(self.num_slots)
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()  # LRU order: least recent first
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU order
         self.users: Counter[int] = Counter()  # live requests per adapter: pinned in host memory
@@ -265,6 +339,7 @@ class LoRAManager:
         for lora_id, slot in self.slots.items():
             host[: len(token_lora_ids)][token_lora_ids == lora_id] = slot
         buffer.copy_(to_device(host, self.device), non_blocking=True)
+        self.batch.fill_slot_mask()
 
     def _to_slot(self, lora_id: int, keep: list[int]) -> None:
         if lora_id in self.slots:
