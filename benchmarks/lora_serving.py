@@ -154,20 +154,19 @@ def run_kernels(args) -> list[dict]:
             slots, dtype, device = args.max_loras, torch.bfloat16, "cuda"
             a = torch.randn(slots, len(ends) * r, in_features, device=device, dtype=dtype)
             b = torch.randn(ends[-1], slots, r, device=device, dtype=dtype)  # [out, S, R]
-            scale = torch.ones(slots, len(ends), device=device)
             x = torch.randn(tokens, in_features, device=device, dtype=dtype)
             out = torch.randn(tokens, ends[-1], device=device, dtype=dtype)
             token_slots = (torch.arange(tokens, device=device, dtype=torch.int32) % slots).contiguous()
             t = torch.empty(tokens, len(ends) * r, device=device)
-            mask = torch.nn.functional.one_hot(token_slots.long(), slots).float()
+            mask = torch.nn.functional.one_hot(token_slots.long(), slots).to(dtype)
             starts = [0, *ends[:-1]]
             part_rows = [(start, end - start) for start, end in zip(starts, ends)]
 
             def kernels(_: int) -> None:
-                lora_expand(out, lora_shrink(t, x, a, token_slots), b, scale, token_slots, ends)
+                lora_expand(out, lora_shrink(t, x, a, token_slots), b, token_slots, ends)
 
             def dense(_: int) -> None:
-                dense_add(out, x, a, b, scale, mask, part_rows)
+                dense_add(out, x, a, b, mask, part_rows)
 
             groups = [(s, torch.nonzero(token_slots == s).flatten()) for s in range(slots)]
 

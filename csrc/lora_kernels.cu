@@ -2,7 +2,8 @@
 // CUDA-graph compatible: every shape is fixed by the launch (a padded token count), and which
 // adapter a row uses is read from a device buffer (token_slots, -1: the base model), never from
 // the host. zllm/workers/lora.py holds the torch reference and the slot layout:
-//   A [slots, P * R, in]   (P fused parts: q/k/v or gate/up, each part's A in its own R rows)
+//   A [slots, P * R, in]   (P fused parts: q/k/v or gate/up, each part's A in its own R rows,
+//                           times the part's scale: lora_alpha / r is folded in at load)
 //   B [out, slots, R]      (part p owns output rows part_start[p] .. part_start[p + 1]; slots in
 //                           the middle so a part's rows over every slot are one [rows, S * R]
 //                           matrix for the dense path's GEMM)
@@ -15,7 +16,7 @@
 //   by 256 threads at once (the decode step is latency-bound: the old one-warp-a-column kernel
 //   walked in=14336 in 56 dependent steps); 4 columns a block keep 4 blocks on the 16 columns of
 //   a rank-16 o/down projection.
-// lora_expand: out [T, out] += scale[slot, p] * t[:, p R .. p R + R] @ B[rows of p, slot]^T
+// lora_expand: out [T, out] += t[:, p R .. p R + R] @ B[rows of p, slot]^T
 //   Grid (T, ceil(out / 256)); one output element a thread, its R weights in 16-byte loads; the
 //   token's P * R t-values are staged in shared memory once per block.
 #include "common.cuh"
@@ -78,8 +79,8 @@ __device__ __forceinline__ void lora_shrink_impl(float* __restrict__ t, const T*
 // R % kVec == 0 (R = max_lora_rank, checked by the host). Dynamic shared memory: parts * rank floats.
 template <typename T, int kVec>
 __device__ __forceinline__ void lora_expand_impl(T* __restrict__ out, const float* __restrict__ t,
-                                                 const T* __restrict__ b, const float* __restrict__ scale,
-                                                 const int* __restrict__ token_slots, int out_cols, int slots,
+                                                 const T* __restrict__ b, const int* __restrict__ token_slots,
+                                                 int out_cols, int slots,
                                                  int rank, int parts, int end0, int end1, i64 out_stride) {
   extern __shared__ float t_shared[];
   const int token = blockIdx.x;
@@ -101,7 +102,7 @@ __device__ __forceinline__ void lora_expand_impl(T* __restrict__ out, const floa
     for (int e = 0; e < kVec; ++e) acc = fmaf(tp[r + e], bv[e], acc);
   }
   T* dst = out + static_cast<i64>(token) * out_stride + o;
-  *dst = from_float<T>(to_float<T>(*dst) + scale[slot * parts + p] * acc);
+  *dst = from_float<T>(to_float<T>(*dst) + acc);
 }
 
 }  // namespace zllm
@@ -114,10 +115,9 @@ __device__ __forceinline__ void lora_expand_impl(T* __restrict__ out, const floa
   }                                                                                                           \
   extern "C" __global__ void __launch_bounds__(zllm::kExpandThreads)                                          \
       lora_expand_##SUFFIX(T* __restrict__ out, const float* __restrict__ t, const T* __restrict__ b,         \
-                           const float* __restrict__ scale, const int* __restrict__ slots, int out_cols,      \
-                           int num_slots, int rank, int parts, int end0, int end1, long long out_stride) {    \
-    zllm::lora_expand_impl<T, VEC>(out, t, b, scale, slots, out_cols, num_slots, rank, parts, end0, end1,     \
-                                   out_stride);                                                               \
+                           const int* __restrict__ slots, int out_cols, int num_slots, int rank, int parts,   \
+                           int end0, int end1, long long out_stride) {                                        \
+    zllm::lora_expand_impl<T, VEC>(out, t, b, slots, out_cols, num_slots, rank, parts, end0, end1, out_stride); \
   }
 
 ZLLM_LORA(f32, float, 4)

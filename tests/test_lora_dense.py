@@ -1,9 +1,9 @@
 """LoRA's dense path (zllm/workers/lora.py's `LoRALayer.add_dense`: one GEMM over every slot's A,
 each row masked to its own slot, one GEMM a part over every slot's B) against the per-slot torch
-reference (`apply_slot`, PEFT's order of operations) on the CPU: rows of mixed slots, of the base
-model and of padding; fp32 and bf16; 1 to 3 fused parts; adapters of ranks below max_lora_rank
-and of different scales per part; a column-parallel and a row-parallel projection. The same torch
-ops run on CUDA (tests/gpu/test_lora_gpu.py)."""
+reference (`apply_slot`) on the CPU: rows of mixed slots, of the base model and of padding; fp32
+and bf16; 1 to 3 fused parts; adapters of ranks below max_lora_rank and of different scales per
+part (folded into A, as LoRAManager stores them); a column-parallel and a row-parallel
+projection. The same torch ops run on CUDA (tests/gpu/test_lora_gpu.py)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def fill_slots(layer: LoRALayer, gen: torch.Generator) -> None:
                 continue  # an adapter that does not target this fused part
             a = torch.randn(rank, IN, generator=gen).to(dtype)
             b = torch.randn(rows, rank, generator=gen).to(dtype)
-            layer.store(slot, part, a, b, scale=0.5 + slot + 0.25 * part)
+            scale = 0.5 + slot + 0.25 * part
+            layer.store(slot, part, (a.float() * scale).to(dtype), b)
 
 
 def reference(layer: LoRALayer, out: torch.Tensor, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
@@ -55,11 +56,11 @@ def reference(layer: LoRALayer, out: torch.Tensor, x: torch.Tensor, slots: list[
     return expected
 
 
-def batch_of(slots: list[int], padding: int) -> LoRABatch:
+def batch_of(slots: list[int], padding: int, dtype: torch.dtype = torch.float32) -> LoRABatch:
     """The kernels' buffers as LoRAManager fills them: every row's slot, padding rows -1."""
     batch = LoRABatch(
         token_slots=torch.tensor(slots + [-1] * padding, dtype=torch.int32),
-        slot_mask=torch.zeros(len(slots) + padding, SLOTS),
+        slot_mask=torch.full((len(slots) + padding, SLOTS), float("nan"), dtype=dtype),
     )
     batch.fill_slot_mask()
     return batch
@@ -75,7 +76,7 @@ def test_dense_matches_each_slot_alone(dtype, parts):
     gen = torch.Generator().manual_seed(len(parts))
     slots = [0, 2, -1, 1, 0, 3, 2, -1, 1, 1]  # mixed, base rows, an empty slot (3)
     padding = 3
-    batch = batch_of(slots, padding)
+    batch = batch_of(slots, padding, dtype)
     layer = column_layer(parts, dtype, batch)
     fill_slots(layer, gen)
     rows = len(slots) + padding

@@ -21,8 +21,8 @@ from zllm.workers.lora import LoRABatch, dense_add  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def reference(x, a, b, scale, slots, part_ends, rank, out):
-    """out + scale * (x A^T)_p B_p^T per row's slot, in float64; b [out, S, R]."""
+def reference(x, a, b, slots, part_ends, rank, out):
+    """out + (x A^T)_p B_p^T per row's slot (the scale is folded into A), in float64; b [out, S, R]."""
     expected = out.double().clone()
     starts = [0, *part_ends[:-1]]
     for row, slot in enumerate(slots.tolist()):
@@ -30,21 +30,20 @@ def reference(x, a, b, scale, slots, part_ends, rank, out):
             continue
         t = x[row].double() @ a[slot].double().T
         for p, (start, end) in enumerate(zip(starts, part_ends)):
-            expected[row, start:end] += scale[slot, p].double() * (
-                t[p * rank : (p + 1) * rank] @ b[start:end, slot].double().T
-            )
+            expected[row, start:end] += t[p * rank : (p + 1) * rank] @ b[start:end, slot].double().T
     return expected
 
 
 def case(dtype, parts, tokens, in_features, gen, slots=4, rank=16):
-    """Random slots (A, B [out, S, R], per-part scales), rows of slots -1..S-1, their x and out."""
-    a = randn(slots, len(parts) * rank, in_features, gen=gen, dtype=dtype) * (1.6 / in_features**0.5)
+    """Random slots (A times a per-part scale, B [out, S, R]), rows of slots -1..S-1, x and out."""
+    scale = torch.rand(slots, len(parts), 1, 1, generator=gen, device="cuda") * 2
+    a = randn(slots, len(parts), rank, in_features, gen=gen) * (1.6 / in_features**0.5) * scale
+    a = a.view(slots, len(parts) * rank, in_features).to(dtype)
     b = randn(parts[-1], slots, rank, gen=gen, dtype=dtype) * 0.1
-    scale = torch.rand(slots, len(parts), generator=gen, device="cuda") * 2
     x = randn(tokens, in_features, gen=gen, dtype=dtype)
     token_slots = torch.randint(-1, slots, (tokens,), generator=gen, device="cuda", dtype=torch.int32)
     out = randn(tokens, parts[-1], gen=gen, dtype=dtype)
-    return a, b, scale, x, token_slots, out
+    return a, b, x, token_slots, out
 
 
 TOKENS = [1, 7, 33, 300]
@@ -56,11 +55,11 @@ TOKENS = [1, 7, 33, 300]
 @pytest.mark.parametrize("in_features", [256, 4096])
 def test_shrink_expand_match_the_reference(dtype, parts, tokens, in_features, gen):
     rank = 16
-    a, b, scale, x, token_slots, out = case(dtype, parts, tokens, in_features, gen)
-    expected = reference(x, a, b, scale, token_slots, parts, rank, out)
+    a, b, x, token_slots, out = case(dtype, parts, tokens, in_features, gen)
+    expected = reference(x, a, b, token_slots, parts, rank, out)
     t = nan_like(torch.empty(tokens, len(parts) * rank, device="cuda"))
     lora_shrink(t, x, a, token_slots)
-    lora_expand(out, t, b, scale, token_slots, parts)
+    lora_expand(out, t, b, token_slots, parts)
     assert_close(out, expected, dtype, scale=2.0)
 
 
@@ -69,12 +68,12 @@ def test_kernels_at_the_down_projection_width(tokens, gen):
     """Llama-3-8B's down projection (in 14336, out 4096), 8 slots, rank 16, bf16: a shrink thread
     walks 7 steps of the input, and x's rows are a strided view (stride of a wider buffer)."""
     dtype, rank, parts = torch.bfloat16, 16, [4096]
-    a, b, scale, _, token_slots, out = case(dtype, parts, tokens, 14336, gen, slots=8)
+    a, b, _, token_slots, out = case(dtype, parts, tokens, 14336, gen, slots=8)
     x = randn(tokens, 14336 + 64, gen=gen, dtype=dtype)[:, :14336]
-    expected = reference(x, a, b, scale, token_slots, parts, rank, out)
+    expected = reference(x, a, b, token_slots, parts, rank, out)
     t = nan_like(torch.empty(tokens, rank, device="cuda"))
     lora_shrink(t, x, a, token_slots)
-    lora_expand(out, t, b, scale, token_slots, parts)
+    lora_expand(out, t, b, token_slots, parts)
     assert_close(out, expected, dtype, scale=2.0)
 
 
@@ -84,12 +83,13 @@ def test_kernels_at_the_down_projection_width(tokens, gen):
 def test_dense_path_matches_the_reference(dtype, parts, tokens, gen):
     """cuBLAS over every slot, masked per row (t rounded to the dtype, where the kernels keep fp32)."""
     rank = 16
-    a, b, scale, x, token_slots, out = case(dtype, parts, tokens, 4096, gen)
-    expected = reference(x, a, b, scale, token_slots, parts, rank, out)
-    batch = LoRABatch(token_slots=token_slots, slot_mask=nan_like(torch.empty(tokens, a.shape[0], device="cuda")))
+    a, b, x, token_slots, out = case(dtype, parts, tokens, 4096, gen)
+    expected = reference(x, a, b, token_slots, parts, rank, out)
+    mask = nan_like(torch.empty(tokens, a.shape[0], device="cuda", dtype=dtype))
+    batch = LoRABatch(token_slots=token_slots, slot_mask=mask)
     batch.fill_slot_mask()  # as LoRAManager does each step
     part_rows = [(start, end - start) for start, end in zip([0, *parts[:-1]], parts)]
-    dense_add(out, x, a, b, scale, batch.slot_mask, part_rows)
+    dense_add(out, x, a, b, batch.slot_mask, part_rows)
     assert_close(out, expected, dtype, scale=2.0)
 
 
@@ -100,7 +100,7 @@ def test_rows_of_the_base_model_are_left_untouched(gen):
     before = out.clone()
     t = torch.empty(5, 16, device="cuda")
     slots = torch.full((5,), -1, dtype=torch.int32, device="cuda")
-    lora_expand(out, lora_shrink(t, randn(5, 64, gen=gen), a, slots), b, torch.ones(2, 1, device="cuda"), slots, [32])
+    lora_expand(out, lora_shrink(t, randn(5, 64, gen=gen), a, slots), b, slots, [32])
     assert torch.equal(out, before) and torch.equal(t, torch.zeros_like(t))
 
 

@@ -66,27 +66,26 @@ def lora_expand(
     out: torch.Tensor,
     t: torch.Tensor,
     b: torch.Tensor,
-    scale: torch.Tensor,
     token_slots: torch.Tensor,
     part_ends: list[int],
 ) -> torch.Tensor:
-    """In place: out[:, cols of part p] += scale[slot, p] * t[:, p R .. p R + R] @ b[cols of p, slot]^T
-    for each row's slot (rows of slot -1 unchanged). b [out, S, R], scale [S, P] float32,
+    """In place: out[:, cols of part p] += t[:, p R .. p R + R] @ b[cols of p, slot]^T for each row's
+    slot (rows of slot -1 unchanged; the scale is folded into A). b [out, S, R],
     part_ends: the end column of each of the P <= 3 parts (the last is out)."""
     op = "lora_expand"
-    device = check_cuda(op, out=out, t=t, b=b, scale=scale, token_slots=token_slots)
+    device = check_cuda(op, out=out, t=t, b=b, token_slots=token_slots)
     suffix = dtype_suffix(op, out, "out")
     check_dtype(op, out.dtype, b=b)
-    check_dtype(op, torch.float32, t=t, scale=scale)
+    check_dtype(op, torch.float32, t=t)
     check_dtype(op, torch.int32, token_slots=token_slots)
-    check_contiguous(op, t=t, b=b, scale=scale, token_slots=token_slots)
+    check_contiguous(op, t=t, b=b, token_slots=token_slots)
     rows, out_stride = check_rows(op, out, "out")
     out_cols, slots, rank = b.shape
     parts = len(part_ends)
     if not 1 <= parts <= 3 or part_ends[-1] != out_cols or list(part_ends) != sorted(part_ends):
         fail(op, f"part_ends {part_ends} must be 1 to 3 increasing ends, the last {out_cols}")
-    if out.shape[-1] != out_cols or tuple(t.shape) != (rows, parts * rank) or tuple(scale.shape) != (slots, parts):
-        fail(op, f"out {tuple(out.shape)}, t {tuple(t.shape)}, b {tuple(b.shape)}, scale {tuple(scale.shape)}")
+    if out.shape[-1] != out_cols or tuple(t.shape) != (rows, parts * rank):
+        fail(op, f"out {tuple(out.shape)}, t {tuple(t.shape)}, b {tuple(b.shape)}")
     if token_slots.shape != (rows,):
         fail(op, f"token_slots {tuple(token_slots.shape)} must be ({rows},)")
     width = vector_width(out.dtype)
@@ -100,7 +99,6 @@ def lora_expand(
         ptr(out),
         ptr(t),
         ptr(b),
-        ptr(scale),
         ptr(token_slots),
         np.int32(out_cols),
         np.int32(slots),
