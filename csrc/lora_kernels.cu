@@ -27,7 +27,9 @@ constexpr int kShrinkThreads = 256;
 constexpr int kShrinkCols = 4;
 constexpr int kExpandThreads = 256;
 
-// kVec elements per 16-byte load; in % kVec == 0 and 16-byte aligned rows (checked by the host).
+// kVec elements per 16-byte load; in % kVec == 0, 16-byte aligned rows, and cols % kShrinkCols == 0
+// (the rank is a multiple of kVec >= 4; all checked by the host), so every load is unconditional
+// and the compiler can issue a step's five at once.
 template <typename T, int kVec>
 __device__ __forceinline__ void lora_shrink_impl(float* __restrict__ t, const T* __restrict__ x,
                                                  const T* __restrict__ a, const int* __restrict__ token_slots,
@@ -36,11 +38,10 @@ __device__ __forceinline__ void lora_shrink_impl(float* __restrict__ t, const T*
   __shared__ float partial[kWarps][kShrinkCols];
   const int token = blockIdx.x;
   const int col0 = blockIdx.y * kShrinkCols;
-  const int ncols = min(kShrinkCols, cols - col0);
   const int slot = token_slots[token];  // the same for the whole block: its early return is uniform
   float* tr = t + static_cast<i64>(token) * cols + col0;
   if (slot < 0) {
-    if (threadIdx.x < ncols) tr[threadIdx.x] = 0.f;
+    if (threadIdx.x < kShrinkCols) tr[threadIdx.x] = 0.f;
     return;
   }
   const T* xr = x + static_cast<i64>(token) * x_stride;
@@ -48,17 +49,17 @@ __device__ __forceinline__ void lora_shrink_impl(float* __restrict__ t, const T*
   float acc[kShrinkCols];
 #pragma unroll
   for (int c = 0; c < kShrinkCols; ++c) acc[c] = 0.f;
+  // Unrolled so that a thread has several steps' loads in flight (in = 14336: 7 steps a thread).
+#pragma unroll 4
   for (int k = threadIdx.x * kVec; k < in; k += kShrinkThreads * kVec) {
     float xv[kVec];
     load_floats<T, kVec>(xr + k, xv);
 #pragma unroll
     for (int c = 0; c < kShrinkCols; ++c) {
-      if (c < ncols) {
-        float av[kVec];
-        load_floats<T, kVec>(ar + static_cast<i64>(c) * in + k, av);
+      float av[kVec];
+      load_floats<T, kVec>(ar + static_cast<i64>(c) * in + k, av);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[c] = fmaf(xv[e], av[e], acc[c]);
-      }
+      for (int e = 0; e < kVec; ++e) acc[c] = fmaf(xv[e], av[e], acc[c]);
     }
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -68,7 +69,7 @@ __device__ __forceinline__ void lora_shrink_impl(float* __restrict__ t, const T*
     if (lane == 0) partial[warp][c] = s;
   }
   __syncthreads();
-  if (threadIdx.x < ncols) {
+  if (threadIdx.x < kShrinkCols) {
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) s += partial[w][threadIdx.x];

@@ -52,6 +52,8 @@ def lora_shrink(t: torch.Tensor, x: torch.Tensor, a: torch.Tensor, token_slots: 
     width = vector_width(x.dtype)
     if in_features % width or x_stride % width or not aligned16(x, a):
         fail(op, f"in ({in_features}) and x's row stride must be multiples of {width}, x and a 16-byte aligned")
+    if cols % SHRINK_COLS:  # a block's columns are all real (parts * rank, the rank a multiple of 4 or 8)
+        fail(op, f"a's rows ({cols}) must be a multiple of {SHRINK_COLS}")
     blocks_y = -(-cols // SHRINK_COLS)
     if rows == 0:
         return t
