@@ -19,7 +19,8 @@ B A x, with no extra collective.
 
 Three paths:
 - torch (CPU, and the reference): a step's rows are grouped by slot (`LoRABatch.groups`); per
-  group t = x_rows A_slot^T (shrink), then out_rows += t_part B_part^T for each part (expand). The groups' row indices come from the host each step.
+  group t = x_rows A_slot^T (shrink), then out_rows += t_part B_part^T for each part (expand).
+  The groups' row indices come from the host each step.
 - CUDA (csrc/lora_kernels.cu): every row reads its slot from `LoRABatch.token_slots`, a device
   buffer of fixed address filled before each step (-1: the base model; padding rows too), so the
   decode and piecewise CUDA graphs hold the launches and stay on with LoRA. Steps of few tokens.
@@ -27,8 +28,9 @@ Three paths:
   padded row count so a CUDA graph holds one path): the shrink is one GEMM over every slot at
   once, x [T, in] @ A.view(S * P * R, in)^T; each row keeps only its own slot's columns
   (times `LoRABatch.slot_mask`, a one-hot [rows, S] of the row's slot filled on the device before
-  each step; written in [T, P, S, R] order); then per part one GEMM out_p += t_p [T, S * R] @ B_p [rows, S * R]^T. It
-  reads A and B once a step instead of once a token (the kernels re-read B[slot]'s rows, 917 KB
+  each step; written in [T, P, S, R] order); then per part one GEMM
+  out_p += t_p [T, S * R] @ B_p [rows, S * R]^T. It reads A and B once a step instead of once a
+  token (the kernels re-read B[slot]'s rows, 917 KB
   for Llama-3-8B's rank-16 gate_up, for every token), at S times the FLOPs on the tensor cores.
   All torch ops: tested on the CPU against `apply_slot`.
 """
