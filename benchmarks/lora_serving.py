@@ -125,12 +125,14 @@ def run_w2(args) -> dict:
 
 
 def run_kernels(args) -> list[dict]:
-    """Per Llama projection shape and token count: the kernels and the torch path, graph-timed."""
+    """Per Llama projection shape and token count: the kernels, the dense path (GEMMs over every
+    slot) and the torch path, graph-timed; `default` says which of the first two the engine runs."""
     import torch
 
     from benchmarks.gpu_timing import graph_time_us
     from zllm.model_spec import ModelSpec
     from zllm.workers.kernels.lora import lora_expand, lora_shrink
+    from zllm.workers.lora import dense_add, dense_from
 
     spec = ModelSpec.from_pretrained(args.model)
     q, kv, h, inter, r = (
@@ -148,28 +150,32 @@ def run_kernels(args) -> list[dict]:
     }
     results = []
     for name, (in_features, ends) in shapes.items():
-        for tokens in (1, 16, 256, 2048):
+        for tokens in (1, 16, 64, 256, 2048):
             slots, dtype, device = args.max_loras, torch.bfloat16, "cuda"
             a = torch.randn(slots, len(ends) * r, in_features, device=device, dtype=dtype)
-            b = torch.randn(slots, ends[-1], r, device=device, dtype=dtype)
-            scale = torch.ones(slots, len(ends), device=device)
+            b = torch.randn(ends[-1], slots, r, device=device, dtype=dtype)  # [out, S, R]
             x = torch.randn(tokens, in_features, device=device, dtype=dtype)
             out = torch.randn(tokens, ends[-1], device=device, dtype=dtype)
             token_slots = (torch.arange(tokens, device=device, dtype=torch.int32) % slots).contiguous()
             t = torch.empty(tokens, len(ends) * r, device=device)
+            mask = torch.nn.functional.one_hot(token_slots.long(), slots).to(dtype)
+            starts = [0, *ends[:-1]]
+            part_rows = [(start, end - start) for start, end in zip(starts, ends)]
 
             def kernels(_: int) -> None:
-                lora_expand(out, lora_shrink(t, x, a, token_slots), b, scale, token_slots, ends)
+                lora_expand(out, lora_shrink(t, x, a, token_slots), b, token_slots, ends)
+
+            def dense(_: int) -> None:
+                dense_add(out, x, a, b, mask, part_rows)
 
             groups = [(s, torch.nonzero(token_slots == s).flatten()) for s in range(slots)]
-            starts = [0, *ends[:-1]]
 
             def torch_path(_: int) -> None:  # zllm/workers/lora.py's LoRALayer.apply_slot, per group
                 for s, rows in groups:
                     shrunk = torch.nn.functional.linear(x.index_select(0, rows), a[s])
                     delta = torch.cat(
                         [
-                            torch.nn.functional.linear(shrunk[:, p * r : (p + 1) * r], b[s, start:end])
+                            torch.nn.functional.linear(shrunk[:, p * r : (p + 1) * r], b[start:end, s])
                             for p, (start, end) in enumerate(zip(starts, ends))
                         ],
                         dim=-1,
@@ -178,9 +184,11 @@ def run_kernels(args) -> list[dict]:
 
             used = min(tokens, slots)
             nbytes = (used * (a[0].numel() + b[0].numel()) + x.numel() + 2 * out.numel()) * 2
-            for path, fn in (("kernels", kernels), ("torch", torch_path)):
+            default = "dense" if tokens >= dense_from(slots) else "kernels"
+            for path, fn in (("kernels", kernels), ("dense", dense), ("torch", torch_path)):
                 us = graph_time_us(fn, calls=20, replays=20)
                 row = dict(benchmark="lora_kernels", shape=name, tokens=tokens, slots=slots, rank=r, path=path)
+                row |= dict(default=path == default)
                 row |= dict(us=round(us, 2), gb_per_s=round(nbytes / us / 1e3, 1))
                 print(json.dumps(row), flush=True)
                 results.append(row)

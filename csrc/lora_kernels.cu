@@ -2,83 +2,123 @@
 // CUDA-graph compatible: every shape is fixed by the launch (a padded token count), and which
 // adapter a row uses is read from a device buffer (token_slots, -1: the base model), never from
 // the host. zllm/workers/lora.py holds the torch reference and the slot layout:
-//   A [slots, P * R, in]   (P fused parts: q/k/v or gate/up, each part's A in its own R rows)
-//   B [slots, out, R]      (part p owns output rows part_start[p] .. part_start[p + 1])
+//   A [slots, P * R, in]   (P fused parts: q/k/v or gate/up, each part's A in its own R rows,
+//                           times the part's scale: lora_alpha / r is folded in at load)
+//   B [out, slots, R]      (part p owns output rows part_start[p] .. part_start[p + 1]; slots in
+//                           the middle so a part's rows over every slot are one [rows, S * R]
+//                           matrix for the dense path's GEMM)
+// These kernels serve steps of few tokens (decode); a step of many runs lora.py's dense path.
 //
 // lora_shrink: t [T, P * R] (fp32) = x [T, in] @ A[slot]^T     (0 for rows of the base model)
-//   Grid (T, ceil(P * R / 8)); 8 warps a block, one output column a warp, 16-byte loads.
-// lora_expand: out [T, out] += scale[slot, p] * t[:, p R .. p R + R] @ B[slot, rows of p]^T
-//   Grid (T, ceil(out / 256)); one output element a thread, its R weights in 16-byte loads.
+//   Grid (T, ceil(P * R / kShrinkCols)); a block of 256 threads splits `in` between its threads,
+//   each loads its x chunk once (16 bytes) and reuses it for the block's kShrinkCols columns, then
+//   a warp sum and a sum over the 8 warps in shared memory. At batch 1 a column's `in` is walked
+//   by 256 threads at once (the decode step is latency-bound: the old one-warp-a-column kernel
+//   walked in=14336 in 56 dependent steps); 4 columns a block keep 4 blocks on the 16 columns of
+//   a rank-16 o/down projection.
+// lora_expand: out [T, out] += t[:, p R .. p R + R] @ B[rows of p, slot]^T
+//   Grid (T, ceil(out / 256)); one output element a thread, its R weights in 16-byte loads; the
+//   token's P * R t-values are staged in shared memory once per block.
 #include "common.cuh"
 
 namespace zllm {
 
-constexpr int kShrinkWarps = 8;
+constexpr int kShrinkThreads = 256;
+constexpr int kShrinkCols = 4;
 constexpr int kExpandThreads = 256;
 
-// kVec elements per 16-byte load; in % kVec == 0 and 16-byte aligned rows (checked by the host).
+// kVec elements per 16-byte load; in % kVec == 0, 16-byte aligned rows, and cols % kShrinkCols == 0
+// (the rank is a multiple of kVec >= 4; all checked by the host), so every load is unconditional
+// and the compiler can issue a step's five at once.
 template <typename T, int kVec>
 __device__ __forceinline__ void lora_shrink_impl(float* __restrict__ t, const T* __restrict__ x,
                                                  const T* __restrict__ a, const int* __restrict__ token_slots,
                                                  int in, int cols, i64 x_stride) {
+  constexpr int kWarps = kShrinkThreads / 32;
+  __shared__ float partial[kWarps][kShrinkCols];
   const int token = blockIdx.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int col = blockIdx.y * kShrinkWarps + warp;
-  if (col >= cols) return;
-  const int slot = token_slots[token];
-  float acc = 0.f;
-  if (slot >= 0) {
-    const T* xr = x + static_cast<i64>(token) * x_stride;
-    const T* ar = a + (static_cast<i64>(slot) * cols + col) * in;
-    for (int k = lane * kVec; k < in; k += 32 * kVec) {
-      float xv[kVec], av[kVec];
-      load_floats<T, kVec>(xr + k, xv);
-      load_floats<T, kVec>(ar + k, av);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) acc += xv[e] * av[e];
-    }
-    acc = warp_sum(acc);
+  const int col0 = blockIdx.y * kShrinkCols;
+  const int slot = token_slots[token];  // the same for the whole block: its early return is uniform
+  float* tr = t + static_cast<i64>(token) * cols + col0;
+  if (slot < 0) {
+    if (threadIdx.x < kShrinkCols) tr[threadIdx.x] = 0.f;
+    return;
   }
-  if (lane == 0) t[static_cast<i64>(token) * cols + col] = acc;
+  const T* xr = x + static_cast<i64>(token) * x_stride;
+  const T* ar = a + (static_cast<i64>(slot) * cols + col0) * in;
+  float acc[kShrinkCols];
+#pragma unroll
+  for (int c = 0; c < kShrinkCols; ++c) acc[c] = 0.f;
+  // Unrolled so that a thread has several steps' loads in flight (in = 14336: 7 steps a thread).
+#pragma unroll 4
+  for (int k = threadIdx.x * kVec; k < in; k += kShrinkThreads * kVec) {
+    float xv[kVec];
+    load_floats<T, kVec>(xr + k, xv);
+#pragma unroll
+    for (int c = 0; c < kShrinkCols; ++c) {
+      float av[kVec];
+      load_floats<T, kVec>(ar + static_cast<i64>(c) * in + k, av);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[c] = fmaf(xv[e], av[e], acc[c]);
+    }
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c = 0; c < kShrinkCols; ++c) {
+    const float s = warp_sum(acc[c]);
+    if (lane == 0) partial[warp][c] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < kShrinkCols) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += partial[w][threadIdx.x];
+    tr[threadIdx.x] = s;
+  }
 }
 
-// R % kVec == 0 (R = max_lora_rank, checked by the host).
+// R % kVec == 0 (R = max_lora_rank, checked by the host). Dynamic shared memory: parts * rank floats.
 template <typename T, int kVec>
 __device__ __forceinline__ void lora_expand_impl(T* __restrict__ out, const float* __restrict__ t,
-                                                 const T* __restrict__ b, const float* __restrict__ scale,
-                                                 const int* __restrict__ token_slots, int out_cols, int rank,
-                                                 int parts, int end0, int end1, i64 out_stride) {
+                                                 const T* __restrict__ b, const int* __restrict__ token_slots,
+                                                 int out_cols, int slots,
+                                                 int rank, int parts, int end0, int end1, i64 out_stride) {
+  extern __shared__ float t_shared[];
   const int token = blockIdx.x;
+  const int slot = token_slots[token];  // uniform over the block
+  if (slot < 0) return;
+  const float* tr = t + static_cast<i64>(token) * parts * rank;
+  for (int i = threadIdx.x; i < parts * rank; i += kExpandThreads) t_shared[i] = tr[i];
+  __syncthreads();
   const int o = blockIdx.y * kExpandThreads + threadIdx.x;
-  const int slot = token_slots[token];
-  if (o >= out_cols || slot < 0) return;
+  if (o >= out_cols) return;
   const int p = o < end0 ? 0 : (o < end1 ? 1 : 2);
-  const float* tr = t + static_cast<i64>(token) * parts * rank + p * rank;
-  const T* br = b + (static_cast<i64>(slot) * out_cols + o) * rank;
+  const float* tp = t_shared + p * rank;
+  const T* br = b + (static_cast<i64>(o) * slots + slot) * rank;
   float acc = 0.f;
   for (int r = 0; r < rank; r += kVec) {
     float bv[kVec];
     load_floats<T, kVec>(br + r, bv);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) acc += tr[r + e] * bv[e];
+    for (int e = 0; e < kVec; ++e) acc = fmaf(tp[r + e], bv[e], acc);
   }
   T* dst = out + static_cast<i64>(token) * out_stride + o;
-  *dst = from_float<T>(to_float<T>(*dst) + scale[slot * parts + p] * acc);
+  *dst = from_float<T>(to_float<T>(*dst) + acc);
 }
 
 }  // namespace zllm
 
-#define ZLLM_LORA(SUFFIX, T, VEC)                                                                          \
-  extern "C" __global__ void lora_shrink_##SUFFIX(float* __restrict__ t, const T* __restrict__ x,         \
-                                                  const T* __restrict__ a, const int* __restrict__ slots, \
-                                                  int in, int cols, long long x_stride) {                 \
-    zllm::lora_shrink_impl<T, VEC>(t, x, a, slots, in, cols, x_stride);                                   \
-  }                                                                                                       \
-  extern "C" __global__ void lora_expand_##SUFFIX(T* __restrict__ out, const float* __restrict__ t,       \
-                                                  const T* __restrict__ b, const float* __restrict__ scale, \
-                                                  const int* __restrict__ slots, int out_cols, int rank,  \
-                                                  int parts, int end0, int end1, long long out_stride) {  \
-    zllm::lora_expand_impl<T, VEC>(out, t, b, scale, slots, out_cols, rank, parts, end0, end1, out_stride); \
+#define ZLLM_LORA(SUFFIX, T, VEC)                                                                              \
+  extern "C" __global__ void __launch_bounds__(zllm::kShrinkThreads)                                          \
+      lora_shrink_##SUFFIX(float* __restrict__ t, const T* __restrict__ x, const T* __restrict__ a,           \
+                           const int* __restrict__ slots, int in, int cols, long long x_stride) {             \
+    zllm::lora_shrink_impl<T, VEC>(t, x, a, slots, in, cols, x_stride);                                       \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(zllm::kExpandThreads)                                          \
+      lora_expand_##SUFFIX(T* __restrict__ out, const float* __restrict__ t, const T* __restrict__ b,         \
+                           const int* __restrict__ slots, int out_cols, int num_slots, int rank, int parts,   \
+                           int end0, int end1, long long out_stride) {                                        \
+    zllm::lora_expand_impl<T, VEC>(out, t, b, slots, out_cols, num_slots, rank, parts, end0, end1, out_stride); \
   }
 
 ZLLM_LORA(f32, float, 4)

@@ -127,6 +127,13 @@ SETTINGS: dict[str, Setting] = {
             "0: LoRA runs its torch path on the GPU too (rows grouped on the host, CUDA graphs off; A/B switch).",
         ),
         Setting(
+            "ZLLM_LORA_DENSE_ROWS_PER_SLOT",
+            float,
+            4.0,
+            "LoRA on CUDA: launches of this many rows per slot (max_loras) or more run the dense GEMM path "
+            "(0: always; inf: never, the kernels only).",
+        ),
+        Setting(
             "ZLLM_QUANT_VEC", _switch, True, "0: every row goes through the scalar FP8 quantize kernel (A/B switch)."
         ),
         Setting(

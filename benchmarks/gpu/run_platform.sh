@@ -3,6 +3,7 @@
 # limit; a machine stays warm 30 s after a call, and /tmp survives while it does):
 #   tests   the GPU tests of DeepSeek MLA / GPT-OSS sinks (issue 32), LoRA (issue 34), vision (issue 35)
 #   lora    benchmarks/lora_serving.py: kernels, W1 over 0 / 8 / 64 adapters, W2 with 0 / 1 adapter
+#   lora-ab the LoRA paths alone (ZLLM_LORA_DENSE_ROWS_PER_SLOT=inf: kernels; 0: dense) on W1 and W2
 #   vision  benchmarks/vision.py on the Qwen2.5-VL-7B shape (dummy weights)
 #   i32     benchmarks/gpu/run_issue32.sh w2 and kv
 # Carry .whl (pyzmq, msgspec, xgrammar, peft, accelerate and their needs) and .csrc90/sm_90 (the
@@ -25,18 +26,26 @@ case ${1:-} in
     done ;;
   lora)
     [ -d /tmp/llama3-8b ] || python3 benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b > /dev/null
-    run() { echo "== lora $*"; timeout 200 python3 benchmarks/lora_serving.py "$@" --model /tmp/llama3-8b 2>&1 | grep -E '^\{|Error|error' | tail -4; }
+    # Every line goes to $out/lora.log too (the kernels table has 60 rows; the tail shows 4).
+    run() { echo "== lora $*"; timeout 200 python3 benchmarks/lora_serving.py "$@" --model /tmp/llama3-8b 2>&1 | tee -a "$out/lora.log" | grep -E '^\{|Error|error' | tail -4; }
     run kernels
     run w2 --adapters 0 --iters 3
     run w2 --adapters 1 --iters 3
     run w1 --adapters 0 --iters 1
     run w1 --adapters 8 --max-loras 8 --iters 1
     run w1 --adapters 64 --max-loras 16 --iters 1 ;;
+  lora-ab)
+    # The LoRA paths' A/B on W1 (8 adapters) and W2: the kernels only, then the dense path only.
+    [ -d /tmp/llama3-8b ] || python3 benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b > /dev/null
+    run() { echo "== lora $*"; timeout 200 python3 benchmarks/lora_serving.py "$@" --model /tmp/llama3-8b 2>&1 | tee -a "$out/lora.log" | grep -E '^\{|Error|error' | tail -4; }
+    ZLLM_LORA_DENSE_ROWS_PER_SLOT=inf run w1 --adapters 8 --max-loras 8 --iters 1
+    ZLLM_LORA_DENSE_ROWS_PER_SLOT=0 run w1 --adapters 8 --max-loras 8 --iters 1
+    ZLLM_LORA_DENSE_ROWS_PER_SLOT=0 run w2 --adapters 1 --iters 3 ;;
   vision)
     [ -d /tmp/qwen2.5-vl-7b ] || python3 benchmarks/dummy_model.py qwen2.5-vl-7b /tmp/qwen2.5-vl-7b > /dev/null
     timeout 520 python3 benchmarks/vision.py --model /tmp/qwen2.5-vl-7b --load-format dummy --requests 500 --output-len 128 2>&1 | grep -E '^\{|Error|error|image processor' | tail -8 ;;
   i32)
     bash benchmarks/gpu/run_issue32.sh w2
     bash benchmarks/gpu/run_issue32.sh kv ;;
-  *) echo "usage: $0 tests|lora|vision|i32" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|lora|lora-ab|vision|i32" >&2; exit 2 ;;
 esac

@@ -4,26 +4,42 @@
 Every adapted projection holds one stack of slots, sharded like the projection itself:
 
     column-parallel (q/k/v, gate/up: output rows split):  A [slots, parts * R, in]   whole
-                                                          B [slots, out_rank, R]      this rank's rows
+                                                          B [out_rank, slots, R]      this rank's rows
     row-parallel (o, down: input columns split):          A [slots, R, in_rank]       this rank's columns
-                                                          B [slots, out, R]           whole
+                                                          B [out, slots, R]           whole
 
-R is max_lora_rank (a smaller adapter is zero-padded). A fused projection keeps each part's A in
-its own R rows and its B in the part's output rows. A row-parallel rank adds B (A_rank x_rank) to
-its partial product before the all-reduce: the sum over ranks is B A x, with no extra collective.
+B keeps the slots in the middle so that a part's rows over every slot are one [rows, slots * R]
+matrix (the dense path's expand GEMM). R is max_lora_rank (a smaller adapter is zero-padded). A
+fused projection keeps each part's A in its own R rows and its B in the part's output rows. A slot's
+A holds the adapter's A times its scale (lora_alpha / r, per part), folded in once at load (in
+float32, before the cast to the model dtype; exact for the usual power-of-two scales), so no path
+multiplies by a scale per step: that saves the dense path a launch per projection. A row-parallel
+rank adds B (A_rank x_rank) to its partial product before the all-reduce: the sum over ranks is
+B A x, with no extra collective.
 
-Two paths, one per device:
+Three paths:
 - torch (CPU, and the reference): a step's rows are grouped by slot (`LoRABatch.groups`); per
-  group t = x_rows A_slot^T (shrink), then out_rows += scale * t_part B_part^T for each part
-  (expand), in PEFT's order of operations. The groups' row indices come from the host each step.
+  group t = x_rows A_slot^T (shrink), then out_rows += t_part B_part^T for each part (expand).
+  The groups' row indices come from the host each step.
 - CUDA (csrc/lora_kernels.cu): every row reads its slot from `LoRABatch.token_slots`, a device
   buffer of fixed address filled before each step (-1: the base model; padding rows too), so the
-  decode and piecewise CUDA graphs hold the launches and stay on with LoRA.
+  decode and piecewise CUDA graphs hold the launches and stay on with LoRA. Steps of few tokens.
+- dense (CUDA, steps of many tokens: `LoRABatch.dense_from` rows and more, decided by the launch's
+  padded row count so a CUDA graph holds one path): the shrink is one GEMM over every slot at
+  once, x [T, in] @ A.view(S * P * R, in)^T; each row keeps only its own slot's columns
+  (times `LoRABatch.slot_mask`, a one-hot [rows, S] of the row's slot filled on the device before
+  each step; written in [T, P, S, R] order); then per part one GEMM
+  out_p += t_p [T, S * R] @ B_p [rows, S * R]^T. It reads A and B once a step instead of once a
+  token (the kernels re-read B[slot]'s rows, 917 KB
+  for Llama-3-8B's rank-16 gate_up, for every token), at S times the FLOPs on the tensor cores.
+  All torch ops: tested on the CPU against `apply_slot`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import sys
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
@@ -44,10 +60,20 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class LoRABatch:
     """The current step's rows by adapter slot: (slot, row indices; None: every row) for the
-    torch path; each row's slot in a device buffer for the kernels (None: the torch path)."""
+    torch path; each row's slot in a device buffer for the kernels (None: the torch path), and
+    the same as a one-hot [rows, slots] (1.0 in the row's slot's column; a zero row for -1) for
+    the dense path, which launches of `dense_from` rows or more take."""
 
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
     token_slots: torch.Tensor | None = None
+    slot_mask: torch.Tensor | None = None
+    dense_from: int = 0
+
+    def fill_slot_mask(self) -> None:
+        """The one-hot of token_slots (on the device, once a step: every layer reads it)."""
+        assert self.token_slots is not None and self.slot_mask is not None
+        slots = torch.arange(self.slot_mask.shape[1], dtype=self.token_slots.dtype, device=self.token_slots.device)
+        torch.eq(self.token_slots.unsqueeze(1), slots, out=self.slot_mask)
 
 
 class LoRALayer:
@@ -74,15 +100,15 @@ class LoRALayer:
         self.A = torch.zeros(
             num_slots, len(self.part_rows) * max_rank, in_features, dtype=weight.dtype, device=weight.device
         )
-        self.B = torch.zeros(num_slots, offset, max_rank, dtype=weight.dtype, device=weight.device)
-        self.scale = [[0.0] * len(self.part_rows) for _ in range(num_slots)]
-        self.scale_t = torch.zeros(num_slots, len(self.part_rows), dtype=torch.float32, device=weight.device)
+        self.B = torch.zeros(offset, num_slots, max_rank, dtype=weight.dtype, device=weight.device)
         self.part_ends = [start + count for start, count in self.part_rows]
         self.batch = batch
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out + each row's adapter applied to x (rows of the base model unchanged)."""
         if self.batch.token_slots is not None:
+            if self.batch.slot_mask is not None and x.shape[0] >= self.batch.dense_from:
+                return self.add_dense(out, x)
             return self._add_with_kernels(out, x)
         for slot, rows in self.batch.groups:
             delta = self.apply_slot(slot, x if rows is None else x.index_select(0, rows))
@@ -98,15 +124,21 @@ class LoRALayer:
         slots = self.batch.token_slots[: x.shape[0]]
         shrunk = torch.empty((x.shape[0], self.A.shape[1]), dtype=torch.float32, device=x.device)
         lora_shrink(shrunk, x, self.A, slots)
-        return lora_expand(out, shrunk, self.B, self.scale_t, slots, self.part_ends)
+        return lora_expand(out, shrunk, self.B, slots, self.part_ends)
+
+    def add_dense(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """In place: out + each row's adapter, for every slot at once (the module docstring's
+        dense path); rows whose slot_mask row is zero (the base model, padding) are unchanged."""
+        return dense_add(out, x, self.A, self.B, self.batch.slot_mask, self.part_rows)
 
     def apply_slot(self, slot: int, x: torch.Tensor) -> torch.Tensor:
-        """The torch reference of the shrink and expand for rows of one adapter."""
+        """The torch reference of the shrink and expand for rows of one adapter (PEFT's order of
+        operations but for the scale, folded into A)."""
         shrunk = F.linear(x, self.A[slot])
         R = self.rank
         return torch.cat(
             [
-                F.linear(shrunk[:, p * R : (p + 1) * R], self.B[slot, start : start + count]) * self.scale[slot][p]
+                F.linear(shrunk[:, p * R : (p + 1) * R], self.B[start : start + count, slot])
                 for p, (start, count) in enumerate(self.part_rows)
             ],
             dim=-1,
@@ -114,18 +146,14 @@ class LoRALayer:
 
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
-        self.B[slot].zero_()
-        self.scale[slot] = [0.0] * len(self.part_rows)
-        self.scale_t[slot].zero_()
+        self.B[:, slot].zero_()
 
-    def store(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-        """A part's matrices (already this rank's shard) into a slot."""
+    def store(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """A part's matrices (already this rank's shard, A times the part's scale) into a slot."""
         r = a.shape[0]
         start, count = self.part_rows[part]
         self.A[slot, part * self.rank : part * self.rank + r].copy_(a)
-        self.B[slot, start : start + count, :r].copy_(b)
-        self.scale[slot][part] = scale
-        self.scale_t[slot, part] = scale
+        self.B[start : start + count, slot, :r].copy_(b)
 
     def shard(self, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of a full (A [r, in], B [out, r]): B's rows of a column-parallel part,
@@ -137,8 +165,50 @@ class LoRALayer:
         return a[:, span.start : span.stop], b
 
 
-# (layer, zllm module) -> per part: (A, B, scale) this rank's shards on the host, or None
-HostAdapter = dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor, float] | None]]
+def dense_add(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slot_mask: torch.Tensor,
+    part_rows: list[tuple[int, int]],
+) -> torch.Tensor:
+    """In place: out[:, rows of part p] += (x a[slot]^T)_p b[rows of p, slot]^T for each row's
+    slot, as GEMMs over every slot. a [S, P * R, in], b [out, S, R], slot_mask [>= T, S] in x's
+    dtype (one-hot of the row's slot; a zero row adds nothing)."""
+    rows = x.shape[0]
+    slots, parts = a.shape[0], len(part_rows)
+    rank = a.shape[1] // parts
+    shrunk = F.linear(x, a.view(slots * parts * rank, -1)).view(rows, slots, parts, rank)
+    # Only the row's own slot's columns, in [T, P, S, R] order: part p's are one [T, S * R] matrix.
+    t = torch.empty((rows, parts, slots, rank), dtype=x.dtype, device=x.device)
+    torch.mul(shrunk.transpose(1, 2), slot_mask[:rows, None, :, None], out=t)
+    for p, (start, count) in enumerate(part_rows):
+        b_part = b[start : start + count].view(count, slots * rank)
+        out[:, start : start + count].addmm_(t[:, p].reshape(rows, slots * rank), b_part.t())
+    return out
+
+
+def dense_from(num_slots: int) -> int:
+    """The launch size (rows) from which LoRA on CUDA runs the dense path: ZLLM_LORA_DENSE_ROWS_PER_SLOT
+    rows per device slot.
+
+    Per row, the kernels read the slot's A and B rows, c = R (P in + out) 2 bytes, mostly from L2
+    (~4-5 TB/s on an H100); the dense path reads every slot's once a step from HBM (S c bytes at
+    ~3.3 TB/s) and spends 2 S c FLOPs a row (~0.5 PFLOP/s): the two cost the same at
+    T = S (L2 / HBM) / (1 - 2 S L2 / FLOPs), about 1.5-2 S for S = 8-16, and the kernels' decode
+    launches are latency-bound below that, the dense path's 2 + P launches costing more at small
+    T: hence 4 rows a slot (32 rows for 8 slots, 64 for 16)."""
+    from zllm import envs
+
+    per_slot = envs.ZLLM_LORA_DENSE_ROWS_PER_SLOT
+    if not math.isfinite(per_slot):  # inf: never
+        return sys.maxsize
+    return max(0, math.ceil(per_slot * num_slots))
+
+
+# (layer, zllm module) -> per part: (A times the part's scale, B) this rank's shards on the host, or None
+HostAdapter = dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]]
 
 
 class LoRAManager:
@@ -169,6 +239,9 @@ class LoRAManager:
             drafts = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
             size = max(config.max_num_batched_tokens, config.max_num_seqs * (1 + drafts))
             self.batch.token_slots = torch.full((size,), -1, dtype=torch.int32, device=self.device)
+            dtype = self.layers[(0, "qkv_proj")].A.dtype
+            self.batch.slot_mask = torch.zeros((size, self.num_slots), dtype=dtype, device=self.device)
+            self.batch.dense_from = dense_from(self.num_slots)
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()  # LRU order: least recent first
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU order
         self.users: Counter[int] = Counter()  # live requests per adapter: pinned in host memory
@@ -215,7 +288,8 @@ class LoRAManager:
             a, b = lora_layer.shard(part or 0, by_projection[(layer, module, "A")], by_projection[(layer, module, "B")])
             dtype = lora_layer.A.dtype
             parts = adapter.setdefault((layer, name), [None] * len(lora_layer.part_rows))
-            parts[part or 0] = (a.to(dtype).contiguous(), b.to(dtype).contiguous(), scale)
+            scaled = (a.to(torch.float32) * scale).to(dtype)  # the scale folded in before rounding
+            parts[part or 0] = (scaled.contiguous(), b.to(dtype).contiguous())
         logger.info("lora: loaded adapter %r (id %d, rank %d)", lora.lora_name, lora.lora_int_id, info.rank)
         return adapter
 
@@ -265,6 +339,7 @@ class LoRAManager:
         for lora_id, slot in self.slots.items():
             host[: len(token_lora_ids)][token_lora_ids == lora_id] = slot
         buffer.copy_(to_device(host, self.device), non_blocking=True)
+        self.batch.fill_slot_mask()
 
     def _to_slot(self, lora_id: int, keep: list[int]) -> None:
         if lora_id in self.slots:
@@ -283,5 +358,4 @@ class LoRAManager:
             layer.clear(slot)
             for part, entry in enumerate(adapter.get(key, ())):
                 if entry is not None:
-                    a, b, scale = entry
-                    layer.store(slot, part, a, b, scale)
+                    layer.store(slot, part, *entry)

@@ -20,7 +20,8 @@ from zllm.workers.kernels.checks import (
 )
 from zllm.workers.kernels.loader import launch
 
-SHRINK_WARPS = 8  # csrc/lora_kernels.cu's kShrinkWarps
+SHRINK_THREADS = 256  # csrc/lora_kernels.cu's kShrinkThreads
+SHRINK_COLS = 4  # kShrinkCols: output columns a shrink block computes
 EXPAND_THREADS = 256  # and kExpandThreads
 
 
@@ -51,13 +52,15 @@ def lora_shrink(t: torch.Tensor, x: torch.Tensor, a: torch.Tensor, token_slots: 
     width = vector_width(x.dtype)
     if in_features % width or x_stride % width or not aligned16(x, a):
         fail(op, f"in ({in_features}) and x's row stride must be multiples of {width}, x and a 16-byte aligned")
-    blocks_y = -(-cols // SHRINK_WARPS)
+    if cols % SHRINK_COLS:  # a block's columns are all real (parts * rank, the rank a multiple of 4 or 8)
+        fail(op, f"a's rows ({cols}) must be a multiple of {SHRINK_COLS}")
+    blocks_y = -(-cols // SHRINK_COLS)
     if rows == 0:
         return t
     if blocks_y > MAX_GRID_YZ:
         fail(op, f"{cols} columns are too many")
     args = (ptr(t), ptr(x), ptr(a), ptr(token_slots), np.int32(in_features), np.int32(cols), np.int64(x_stride))
-    launch("lora_kernels", f"{op}_{suffix}", device, (rows, blocks_y), (32 * SHRINK_WARPS,), args)
+    launch("lora_kernels", f"{op}_{suffix}", device, (rows, blocks_y), (SHRINK_THREADS,), args)
     return t
 
 
@@ -65,27 +68,26 @@ def lora_expand(
     out: torch.Tensor,
     t: torch.Tensor,
     b: torch.Tensor,
-    scale: torch.Tensor,
     token_slots: torch.Tensor,
     part_ends: list[int],
 ) -> torch.Tensor:
-    """In place: out[:, cols of part p] += scale[slot, p] * t[:, p R .. p R + R] @ b[slot, cols of p]^T
-    for each row's slot (rows of slot -1 unchanged). b [S, out, R], scale [S, P] float32,
+    """In place: out[:, cols of part p] += t[:, p R .. p R + R] @ b[cols of p, slot]^T for each row's
+    slot (rows of slot -1 unchanged; the scale is folded into A). b [out, S, R],
     part_ends: the end column of each of the P <= 3 parts (the last is out)."""
     op = "lora_expand"
-    device = check_cuda(op, out=out, t=t, b=b, scale=scale, token_slots=token_slots)
+    device = check_cuda(op, out=out, t=t, b=b, token_slots=token_slots)
     suffix = dtype_suffix(op, out, "out")
     check_dtype(op, out.dtype, b=b)
-    check_dtype(op, torch.float32, t=t, scale=scale)
+    check_dtype(op, torch.float32, t=t)
     check_dtype(op, torch.int32, token_slots=token_slots)
-    check_contiguous(op, t=t, b=b, scale=scale, token_slots=token_slots)
+    check_contiguous(op, t=t, b=b, token_slots=token_slots)
     rows, out_stride = check_rows(op, out, "out")
-    slots, out_cols, rank = b.shape
+    out_cols, slots, rank = b.shape
     parts = len(part_ends)
     if not 1 <= parts <= 3 or part_ends[-1] != out_cols or list(part_ends) != sorted(part_ends):
         fail(op, f"part_ends {part_ends} must be 1 to 3 increasing ends, the last {out_cols}")
-    if out.shape[-1] != out_cols or tuple(t.shape) != (rows, parts * rank) or tuple(scale.shape) != (slots, parts):
-        fail(op, f"out {tuple(out.shape)}, t {tuple(t.shape)}, b {tuple(b.shape)}, scale {tuple(scale.shape)}")
+    if out.shape[-1] != out_cols or tuple(t.shape) != (rows, parts * rank):
+        fail(op, f"out {tuple(out.shape)}, t {tuple(t.shape)}, b {tuple(b.shape)}")
     if token_slots.shape != (rows,):
         fail(op, f"token_slots {tuple(token_slots.shape)} must be ({rows},)")
     width = vector_width(out.dtype)
@@ -99,14 +101,15 @@ def lora_expand(
         ptr(out),
         ptr(t),
         ptr(b),
-        ptr(scale),
         ptr(token_slots),
         np.int32(out_cols),
+        np.int32(slots),
         np.int32(rank),
         np.int32(parts),
         np.int32(ends[0]),
         np.int32(ends[1]),
         np.int64(out_stride),
     )
-    launch("lora_kernels", f"{op}_{suffix}", device, (rows, blocks_y), (EXPAND_THREADS,), args)
+    shared = parts * rank * 4  # the token's t-values, staged once per block
+    launch("lora_kernels", f"{op}_{suffix}", device, (rows, blocks_y), (EXPAND_THREADS,), args, shared_mem=shared)
     return out
