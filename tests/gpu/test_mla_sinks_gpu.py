@@ -5,7 +5,7 @@ hold NaN (a slot read by mistake fails the comparison); then the tiny DeepSeek-V
 checkpoints through the CUDA engine in fp32 (the kernels on the decode path) against HF's tokens,
 eagerly and inside the decode CUDA graphs; in bf16 the graphs (MLA's latent writes and kernel,
 the sinks kernel, DeepSeek's grouped routing into the fused experts, GPT-OSS's grouped-GEMM
-experts) give the eager run's tokens at several batch sizes (graph buckets 1, 4 and 16) and
+experts) give the eager run's tokens at batch sizes 1 to 9 (graph buckets 1 to 16) and
 contexts across a block, GPT-OSS's 128-token window and the MLA kernel's tiles."""
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ def _engine_vs_hf(model_dir, prompts, max_tokens=12, enforce_eager=True, **engin
         dtype="float32",
         gpu_memory_utilization=0.3,
         enforce_eager=enforce_eager,
+        max_num_seqs=8,  # graphs for batches 1 to 8: quick to capture
         **engine_args,
     )
     try:
@@ -225,7 +226,13 @@ def _bf16_tokens(model_dir, prompts, max_tokens, **engine_args):
     from zllm import LLMEngine, SamplingParams
 
     engine = LLMEngine.from_engine_args(
-        str(model_dir), device="cuda", dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.3, **engine_args
+        str(model_dir),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_seqs=16,  # graph buckets 1, 2, 4, 8, 16
+        gpu_memory_utilization=0.3,
+        **engine_args,
     )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -248,11 +255,13 @@ def _graph_prompts(count):
     return [[rng.randrange(3, 256) for _ in range(n)] for n in GRAPH_PROMPT_LENS[:count]]
 
 
-@pytest.mark.parametrize("count", [1, 3, 9])
+@pytest.mark.parametrize("count", [2, 9])
 @pytest.mark.parametrize("model", ["deepseek_v2", "deepseek_v3", "gpt_oss"])
 def test_bf16_graphs_equal_eager(tmp_path, model, count):
-    """1, 3 and 9 requests (graph buckets 1, 4 and 16, padded rows writing nowhere), 40 tokens
-    each: the graphed decodes give the eager run's tokens exactly (the same kernels, replayed)."""
+    """2 and 9 requests, 40 tokens each, arriving a step apart and so finishing a step apart: the
+    decode batch walks 1 to 9 rows (graph buckets 1, 2, 4, 8 and 16, padded rows writing
+    nowhere), contexts from 5 to 340 tokens. The graphed decodes give the eager run's tokens
+    exactly (the same kernels, replayed)."""
     if model == "gpt_oss":
         model_dir = write_mxfp4_experts(
             save_tiny_model(
