@@ -151,7 +151,9 @@ def test_which_moe_models_decode_graphs_hold():
             first_k_dense_replace=1,
         )
     )
+    all_dense = dataclasses.replace(deepseek, moe=dataclasses.replace(deepseek.moe, layers=()))
     cuda = CudaOps(torch.device("cpu"))
+    assert moe_graph_safe(all_dense, cuda, torch.float32)  # first_k_dense_replace = every layer
     # GPT-OSS's experts are graph-safe in every dtype on CUDA; DeepSeek's through the fused kernels.
     assert moe_graph_safe(gpt_oss, cuda, torch.float32) and moe_graph_safe(gpt_oss, cuda, torch.bfloat16)
     assert moe_graph_safe(deepseek, cuda, torch.bfloat16) and not moe_graph_safe(deepseek, cuda, torch.float32)

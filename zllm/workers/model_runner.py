@@ -53,7 +53,7 @@ def moe_graph_safe(spec: ModelSpec, ops: TorchOps, dtype: torch.dtype) -> bool:
     experts run graph-safe on CUDA in every dtype (ops.gpt_oss_experts: grouped GEMMs or every
     expert); the others through the fused MoE kernels, which take fp16 and bf16 (DeepSeek's
     grouped / noaux_tc routing is torch arithmetic on the device, no sync)."""
-    if spec.moe is None:
+    if spec.moe is None or not spec.moe.layers:  # no MoE layer (DeepSeek's first_k_dense_replace = all)
         return True
     if spec.moe.format.gpt_oss:
         return ops.supports_graphs
