@@ -158,3 +158,86 @@ def test_which_moe_models_decode_graphs_hold():
     assert moe_graph_safe(gpt_oss, cuda, torch.float32) and moe_graph_safe(gpt_oss, cuda, torch.bfloat16)
     assert moe_graph_safe(deepseek, cuda, torch.bfloat16) and not moe_graph_safe(deepseek, cuda, torch.float32)
     assert not moe_graph_safe(gpt_oss, TorchOps(), torch.float32)
+
+
+# ---- a decode graph's forward, run eagerly on CPU ----------------------------------------------
+
+GRAPH_BLOCK = 8
+GRAPH_WIDTH = 4  # blocks per sequence
+GRAPH_LENS = [5, 9, 20]  # contexts across blocks and past GPT-OSS's 8-token window
+
+
+def _tiny_model(tmp_path, kind: str):
+    from tests.helpers.models import save_tiny_model, write_mxfp4_experts
+    from tests.test_deepseek_models import CASES, COMMON, _randomize_correction_bias
+    from tests.test_gpt_oss_model import CONFIG
+
+    if kind == "gpt_oss":
+        return write_mxfp4_experts(save_tiny_model(tmp_path / kind, "gpt_oss", **CONFIG))
+    architecture, overrides = CASES["v3"]
+    model_dir = save_tiny_model(tmp_path / kind, architecture, **{**COMMON, **overrides})
+    _randomize_correction_bias(model_dir)
+    return model_dir
+
+
+def _step_meta(tables: torch.Tensor, starts: list[int], counts: list[int], hybrid: bool) -> AttentionMetadata:
+    """Each sequence's tokens [start, start + count) as one step (prefill or decode)."""
+    positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)])
+    rows = torch.cat([torch.full((c,), i) for i, c in enumerate(counts)])
+    slots = tables[rows, positions // GRAPH_BLOCK].long() * GRAPH_BLOCK + positions % GRAPH_BLOCK
+    lens = [s + c for s, c in zip(starts, counts)]
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=tables,
+        seq_lens=torch.tensor(lens),
+        seq_lens_list=lens,
+        query_start_loc=[0, *torch.tensor(counts).cumsum(0).tolist()],
+        num_decodes=len(counts) if all(c == 1 for c in counts) else 0,
+        block_size=GRAPH_BLOCK,
+    )
+    if hybrid:  # the sliding layers' tables: the same blocks here
+        meta.sliding = dataclasses.replace(meta)
+    return meta, positions
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "gpt_oss"])
+def test_decode_graph_forward_equals_the_eager_step(tmp_path, kind):
+    """DecodeGraphs' own buffers and metadata (no host lengths, the batch padded from 3 to 4
+    rows with slot -1), its forward run eagerly: the eager step's hidden states, and the cache
+    as the eager step left it (the padded row wrote nowhere). (The CUDA kernels' side of the
+    same is tests/gpu/test_mla_sinks_gpu.py.) MLA's latent write and reference
+    decode, the sinks' reference decode with windows, GPT-OSS's experts, all on the graph's
+    metadata."""
+    from zllm.config import EngineConfig
+    from zllm.workers.cuda_graphs import DecodeGraphs
+    from zllm.workers.model_runner import ModelRunner
+
+    config = EngineConfig.create(
+        str(_tiny_model(tmp_path, kind)), dtype="float32", device="cpu", block_size=GRAPH_BLOCK
+    )
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.load_model()
+    runner.initialize_kv_cache(1 + len(GRAPH_LENS) * GRAPH_WIDTH, split=False)
+    model, caches = runner.model, runner.kv_caches
+    gen = torch.Generator().manual_seed(3)
+    tables = (torch.randperm(len(GRAPH_LENS) * GRAPH_WIDTH, generator=gen) + 1).view(len(GRAPH_LENS), GRAPH_WIDTH)
+    with torch.inference_mode():
+        prefill, positions = _step_meta(tables, [0] * len(GRAPH_LENS), GRAPH_LENS, runner.hybrid)
+        model(torch.randint(3, 200, (len(positions),), generator=gen), positions, caches, prefill)
+        decode, positions = _step_meta(tables, GRAPH_LENS, [1] * len(GRAPH_LENS), runner.hybrid)
+        input_ids = torch.randint(3, 200, (len(GRAPH_LENS),), generator=gen)
+        eager = model(input_ids, positions, caches, decode)
+        after_eager = [c.clone() for c in caches]
+
+        graphs = DecodeGraphs(model, caches, 4, GRAPH_WIDTH, GRAPH_BLOCK, runner.hybrid)
+        size = graphs.load(
+            input_ids, positions, decode.slot_mapping, tables.to(torch.int32), decode.seq_lens, decode.sliding
+        )
+        assert size == 4
+        graphed = graphs._forward(size, graphs._meta(size))[: len(GRAPH_LENS)]
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+    for cache, expected in zip(caches, after_eager):
+        # The real rows rewrote their slots (values from hidden states equal to rounding); the
+        # padded row, whose table points at block 0, wrote nowhere: block 0 stays zero.
+        torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5)
+        assert not cache[:, 0].any()
