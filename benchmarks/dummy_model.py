@@ -2,6 +2,7 @@
 
     python benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b
     python benchmarks/dummy_model.py llama3-70b /tmp/llama3-70b
+    python benchmarks/dummy_model.py eagle3-llama3.1-8b /tmp/eagle3-8b    (an EAGLE-3 head for llama3-8b; also eagle-llama3-8b)
     python benchmarks/dummy_model.py llama3.2-1b /tmp/llama3.2-1b           (small and quick to start: tied embeddings)
     python benchmarks/dummy_model.py qwen3-30b-a3b /tmp/qwen3-30b-a3b     (MoE: 128 experts, top 8)
     python benchmarks/dummy_model.py mixtral-8x7b /tmp/mixtral-8x7b       (MoE: 8 experts, top 2)
@@ -38,6 +39,28 @@ SHAPES = {
         num_key_value_heads=8,
         intermediate_size=14336,
         vocab_size=128256,
+    ),
+    # EAGLE heads for llama3-8b (speculative_config {"method": "eagle" | "eagle3", "model": DIR}
+    # with --load-format dummy: random heads, so every draft is rejected; what they time is the
+    # proposing). The published heads' configs: yuhuili/EAGLE-LLaMA3-Instruct-8B and
+    # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (one layer; EAGLE-3 drafts over 32000 tokens).
+    "eagle-llama3-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=1,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+    ),
+    "eagle3-llama3.1-8b": dict(
+        architectures=["LlamaForCausalLMEagle3"],
+        hidden_size=4096,
+        num_hidden_layers=1,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        draft_vocab_size=32000,
     ),
     "llama3-70b": dict(
         hidden_size=8192,

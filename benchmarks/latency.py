@@ -39,6 +39,12 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     parser.add_argument(
+        "--distributed-executor-backend",
+        choices=("mp", "ray"),
+        default="mp",
+        help="tp ranks as worker processes (mp) or Ray actors (ray)",
+    )
+    parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -72,6 +78,7 @@ def main() -> None:
         piecewise_cuda_graphs=args.piecewise_cuda_graphs,
         max_num_seqs=max(args.batch_size, 8),
         tensor_parallel_size=args.tp,
+        distributed_executor_backend=args.distributed_executor_backend,
         async_scheduling=args.async_scheduling,
         custom_all_reduce_max_bytes=args.custom_all_reduce_max_bytes,
         speculative_config=args.speculative_config,
@@ -105,6 +112,7 @@ def main() -> None:
                 "piecewise_cuda_graphs": llm.engine.config.piecewise_cuda_graphs,
                 "async_scheduling": llm.engine.config.async_scheduling,
                 "tp": args.tp,
+                "distributed_executor_backend": args.distributed_executor_backend,
                 "quantization": args.quantization,
                 "kv_cache_dtype": args.kv_cache_dtype,
                 "custom_all_reduce_max_bytes": args.custom_all_reduce_max_bytes,

@@ -2,6 +2,8 @@
 
     python benchmarks/tp_agreement.py --model DIR --load-format dummy --tp 2 --dtype bfloat16
     python benchmarks/tp_agreement.py --model DIR --load-format dummy --tp 2 --dp 2 --dtype float32 --require-equal
+    python benchmarks/tp_agreement.py --model DIR --load-format dummy --tp 2 --reference-tp 2 \
+        --distributed-executor-backend ray --dtype float32 --require-equal   # Ray's ranks against mp's
 
 Runs the same random prompts greedily at tp 1 and at tp N (one after the other, in this process
 and its worker processes; with --dp M, as M data-parallel engines of tp N each, the requests
@@ -21,7 +23,7 @@ import json
 import random
 
 
-def greedy_tokens(args, tp: int, prompts: list[list[int]], dp: int = 1) -> list[list[int]]:
+def greedy_tokens(args, tp: int, prompts: list[list[int]], dp: int = 1, backend: str = "mp") -> list[list[int]]:
     from zllm import LLM, SamplingParams
 
     llm = LLM(
@@ -30,6 +32,7 @@ def greedy_tokens(args, tp: int, prompts: list[list[int]], dp: int = 1) -> list[
         dtype=args.dtype,
         tensor_parallel_size=tp,
         data_parallel_size=dp,
+        distributed_executor_backend=backend,
         max_model_len=args.max_model_len,
         max_num_seqs=max(len(prompts), 8),
     )
@@ -67,6 +70,15 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument(
+        "--distributed-executor-backend",
+        choices=("mp", "ray"),
+        default="mp",
+        help="how the --tp ranks run: worker processes (mp) or Ray actors (ray); the reference is always mp",
+    )
+    parser.add_argument(
+        "--reference-tp", type=int, default=1, help="the reference's tp (e.g. 2: Ray's tp 2 against mp's)"
+    )
     args = parser.parse_args()
 
     from transformers import AutoConfig
@@ -74,12 +86,14 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
-    reference = greedy_tokens(args, 1, prompts)
-    other = greedy_tokens(args, args.tp, prompts, dp=args.dp)
+    reference = greedy_tokens(args, args.reference_tp, prompts)
+    other = greedy_tokens(args, args.tp, prompts, dp=args.dp, backend=args.distributed_executor_backend)
     result = {
         "benchmark": "tp_agreement",
         "tp": args.tp,
         "dp": args.dp,
+        "distributed_executor_backend": args.distributed_executor_backend,
+        "reference_tp": args.reference_tp,
         "dtype": args.dtype,
         "num_prompts": args.num_prompts,
         "output_len": args.output_len,
@@ -87,7 +101,10 @@ def main() -> None:
     }
     print(json.dumps(result), flush=True)
     if args.require_equal and result["identical_request_share"] != 1.0:
-        raise SystemExit(f"tp {args.tp} x dp {args.dp}: not every request equals tp 1's")
+        raise SystemExit(
+            f"tp {args.tp} x dp {args.dp} ({args.distributed_executor_backend}): not every request equals "
+            f"tp {args.reference_tp}'s"
+        )
 
 
 if __name__ == "__main__":

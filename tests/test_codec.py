@@ -42,6 +42,7 @@ SAMPLING = SamplingParams(
     logit_bias={17: -100.0, 3: 2.5},
     bad_words=["darn", "heck"],
     structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    truncate_prompt_tokens=100,
 )
 
 LOGPROBS = m.TokenLogprobs(
@@ -71,7 +72,14 @@ TOKEN_DELTA_INT_STOP = m.TokenDelta(
     pooled=b"",
 )
 LORA = LoRARequest("sql-adapter", 3, "/adapters/sql")
-POOLING = PoolingParams(task="score", normalize=False, dimensions=8, activation=False, token_type_ids=[0, 0, 1, 1])
+POOLING = PoolingParams(
+    task="score",
+    normalize=False,
+    dimensions=8,
+    activation=False,
+    token_type_ids=[0, 0, 1, 1],
+    truncate_prompt_tokens=-1,
+)
 IMAGE = m.ImageInput(
     mm_hash="9f86d081884c7d65",
     offset=2,
@@ -152,6 +160,15 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             spec_token_ids={"ab12/req-2": [17, 4, 99]},
             encode={"ab12/req-1": [0]},
             freed_mm_hashes=["e3b0c44298fc1c14"],
+            pooling_slices=[
+                m.PoolingSlice(
+                    batch_id="batch-7",
+                    first=3,
+                    token_ids=m.ArrayData(dtype="int32", shape=[3], data=bytes(12)),
+                    lengths=m.ArrayData(dtype="int32", shape=[1], data=b"\x03\x00\x00\x00"),
+                    pooling=POOLING,
+                )
+            ],
         ),
         m.FlushStep(step_id=7),
         m.GrammarBitmask(step_id=42, request_ids=["ab12/req-1", "ab12/req-3"], words=2, bitmask=bytes(range(16))),
@@ -167,6 +184,15 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
             failed_requests={"ab12/req-3": "InjectedFaultError: the prompt holds token 77"},
             draft_token_ids={"ab12/req-1": [5, 6]},
             pooled={"ab12/req-2": b"\x00\x00\x80?"},
+            pooled_slices=[
+                m.PooledSlice(
+                    batch_id="batch-7",
+                    first=3,
+                    vectors=m.ArrayData(dtype="float32", shape=[1, 2], data=bytes(8)),
+                    error="partial",
+                )
+            ],
+            num_drafts_scored={"ab12/req-1": 3},
         ),
         m.WorkerReady(rank=1, num_kv_blocks=100, pid=4242),
         m.WorkerCallResult(rank=1, call_id=2, result=[1, "x", {"y": 2}], error="unknown worker method 'x'"),
@@ -233,8 +259,37 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
     ],
 }
 
+# A pooling batch (LLM's offline path hands it to an in-process core) and its slices.
+POOLING_BATCH = m.AddPoolingBatch(
+    batch_id="batch-7",
+    token_ids=m.ArrayData(dtype="int32", shape=[5], data=bytes(20)),
+    lengths=m.ArrayData(dtype="int32", shape=[2], data=b"\x02\x00\x00\x00\x03\x00\x00\x00"),
+    pooling=POOLING,
+    arrival_time=1712345678.5,
+)
+POOLED_SLICE_ERROR = m.PooledSlice(
+    batch_id="batch-7",
+    first=2,
+    vectors=m.ArrayData(dtype="float32", shape=[1, 1], data=bytes(4)),
+    error="RuntimeError: out of memory",
+)
+
 # Messages that only travel inside another one.
-NESTED = [SAMPLING, TOKEN_DELTA, TOKEN_DELTA_INT_STOP, NEW_REQUEST, CACHED_REQUEST, LOGPROBS, IMAGE, IMAGE.pixel_values]
+NESTED = [
+    SAMPLING,
+    TOKEN_DELTA,
+    TOKEN_DELTA_INT_STOP,
+    NEW_REQUEST,
+    CACHED_REQUEST,
+    LOGPROBS,
+    IMAGE,
+    IMAGE.pixel_values,
+    POOLING_BATCH,
+    POOLED_SLICE_ERROR,
+    m.PoolingSlice(
+        batch_id="batch-7", first=1, token_ids=POOLING_BATCH.token_ids, lengths=POOLING_BATCH.lengths, pooling=POOLING
+    ),
+]
 
 ALL = [(channel, message) for channel, examples in EXAMPLES.items() for message in examples]
 CLIENT_FACING = [(c, msg) for c, msg in ALL if c in ("ClientToServer", "ServerToClient")]
@@ -651,6 +706,7 @@ CONFIG = EngineConfig(
     max_request_body_bytes=1 << 20,
     runner="pooling",
     convert="embed",
+    hf_overrides={"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True},
     pooler=PoolerConfig(
         kind="embed",
         pooling_type="mean",
@@ -660,12 +716,16 @@ CONFIG = EngineConfig(
         hidden_size=384,
         matryoshka=True,
         labels=["a", "b"],
+        classifier_token_ids=[2152, 9693],
+        classifier_method="from_2_way_softmax",
     ),
     enable_lora=True,
     lora_modules={"sql": "/adapters/sql", "chat": "/adapters/chat"},
     max_loras=4,
     max_lora_rank=64,
     max_cpu_loras=8,
+    distributed_executor_backend="ray",
+    ray_address="ray://head:10001",
 )
 
 

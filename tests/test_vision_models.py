@@ -1,4 +1,4 @@
-"""Vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA): tiny random checkpoints made by transformers,
+"""Vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA with a CLIP or a SigLIP tower): tiny random checkpoints made by transformers,
 generated pictures of different sizes and aspect ratios through the model's own image processor;
 the engine's greedy tokens equal transformers' generate on the same processor output (fp32) at
 tp 1 and 2, with several images in a prompt and prefill chunks that cut through image tokens; the
@@ -21,7 +21,7 @@ PICTURES = {"landscape": (120, 90, 0), "portrait": (60, 200, 1), "square": (90, 
 def models(tmp_path_factory):
     """kind -> (checkpoint directory, its transformers reference)."""
     made = {}
-    for kind in ("qwen2_vl", "qwen2_5_vl", "llava"):
+    for kind in ("qwen2_vl", "qwen2_5_vl", "llava", "llava_siglip"):
         directory = save_tiny_vlm(tmp_path_factory.mktemp(kind), kind)
         made[kind] = (directory, HFReference(directory))
     return made
@@ -39,7 +39,7 @@ def expected(models):
 def _cases(kind: str = "qwen2_vl") -> list[tuple[str, list]]:
     """(prompt text, its pictures): one image each, then two in one prompt."""
     images = {name: picture(*args) for name, args in PICTURES.items()}
-    image = LLAVA_PLACEHOLDER if kind == "llava" else PLACEHOLDER
+    image = LLAVA_PLACEHOLDER if kind.startswith("llava") else PLACEHOLDER
     return [
         (f"t5 t6 {image} t7 t8", [images["landscape"]]),
         (f"t9 {image} t10 t11 t12", [images["portrait"]]),
@@ -61,6 +61,8 @@ def _generate(llm: LLM, cases) -> list[tuple[list[int], list[int]]]:
         ("qwen2_5_vl", 2, None),
         ("llava", 1, 7),
         ("llava", 2, None),
+        ("llava_siglip", 1, 7),
+        ("llava_siglip", 2, None),
     ],
 )
 def test_greedy_tokens_equal_transformers(models, expected, kind, tp, max_num_batched_tokens):
@@ -72,7 +74,7 @@ def test_greedy_tokens_equal_transformers(models, expected, kind, tp, max_num_ba
 def test_every_vision_architecture_is_tested(models):
     from zllm.model_spec import VISION_ARCHITECTURES
 
-    assert set(VISION_ARCHITECTURES.values()) == set(models)
+    assert set(VISION_ARCHITECTURES.values()) == {kind.removesuffix("_siglip") for kind in models}
 
 
 def test_different_images_differ_and_never_share_prefix_blocks(models):
@@ -152,3 +154,37 @@ def test_processor_kwargs_limits_and_refusals(models):
         # The engine goes on.
         again = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
         assert again[0].outputs[0].token_ids == small[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+@pytest.mark.parametrize("select", ["default", "full"])
+def test_llava_image_tokens_equal_transformers_features(tower, select):
+    """Each placeholder becomes as many tokens as transformers' LLaVA makes features of the image:
+    CLIP's class token counts, SigLIP has none, and "default" drops the first position of either."""
+    import torch
+    import transformers
+
+    from zllm.model_spec import ModelSpec
+
+    shape = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56, patch_size=14
+    )
+    vision = transformers.SiglipVisionConfig(**shape) if tower == "siglip" else transformers.CLIPVisionConfig(**shape)
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+        ),
+        vision_feature_select_strategy=select,
+        architectures=["LlavaForConditionalGeneration"],
+    )
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.inference_mode():
+        features = model.get_image_features(
+            pixel_values=torch.zeros(1, 3, 56, 56),
+            vision_feature_layer=config.vision_feature_layer,
+            vision_feature_select_strategy=select,
+        ).pooler_output[0]
+    spec = ModelSpec.from_hf_config(config).vision
+    assert spec.tower == tower
+    assert spec.tokens_of([1, 4, 4]) == features.shape[0]

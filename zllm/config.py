@@ -7,13 +7,20 @@ length) so that each process receives plain values and never re-derives them dif
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from zllm.ipc.addresses import is_loopback_tcp
 from zllm.model_spec import ModelSpec
-from zllm.pooling import PoolerConfig, declares_pooling, read_pooler_config
+from zllm.pooling import (
+    PoolerConfig,
+    classifier_settings,
+    converted_classifier,
+    declares_pooling,
+    read_pooler_config,
+)
 from zllm.quantization import QUANTIZATION_METHODS, resolve_quantization
 
 # The values of each field with a fixed set of them, defined once: validate() checks them, the
@@ -29,16 +36,21 @@ ON_FAILURE_POLICIES = ("restart", "fail")
 # names the pooling task of a checkpoint (only encoder architectures are served as pooling models yet).
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
+# Who starts and supervises the tp workers (vLLM's --distributed-executor-backend): "mp", child
+# processes of the engine core on its node; "ray", actors of a Ray cluster (docs/deployment.md).
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # The tool-call parsers' names (--tool-call-parser; None: none). zllm/frontend/openai/tool_parsers.py
 # maps each to its parser class (tests/test_tool_parsers.py keeps the two equal).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 # The reasoning parsers' names (--reasoning-parser; None: none), mapped to their classes by
 # zllm/frontend/openai/reasoning_parsers.py (tests/test_reasoning.py keeps the two equal).
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
-# Speculative decoding proposers (vLLM's `method` names). EAGLE heads are not served yet: they are
-# refused at start with a clear message.
+# Speculative decoding proposers (vLLM's `method` names).
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-SERVED_SPECULATIVE_METHODS = ("ngram", "draft_model")
+SERVED_SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# Those with a model of their own (`model`: a directory), run in the target's workers with a KV
+# cache that shares its block tables: each step allocates k slots ahead for their drafts' entries.
+MODEL_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3")
 # Field -> its values. quantization (None or one of QUANTIZATION_METHODS) is checked by
 # zllm.quantization.resolve_quantization, which also weighs the checkpoint's own scheme.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -51,8 +63,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "on_failure": ON_FAILURE_POLICIES,
     "runner": RUNNERS,
     "convert": CONVERTS,
+    "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
 }
 USAGES = ("serving", "offline")
+# Vision-language models: the encoder cache's least tokens (EngineConfig.encoder_cache_tokens);
+# vLLM's default is the step's token budget or the largest image, whichever is larger.
+MIN_ENCODER_CACHE_TOKENS = 16384
 # An offline batch (LLM) on a GPU gains from larger decode batches and prefill chunks than a
 # server: nobody waits on a single token, and a decode step of an 8B model at batch 256 is bound
 # by its weight reads, so more rows per step cost less than their share of time. Measured W1 on
@@ -70,7 +86,8 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
-    model: str | None = None  # draft_model: a checkpoint with the target's vocabulary
+    # draft_model: a checkpoint with the target's vocabulary; eagle / eagle3: the head's directory
+    model: str | None = None
     prompt_lookup_min: int = 1  # ngram: the shortest suffix matched against the request's tokens
     prompt_lookup_max: int = 4  # ngram: the longest (tried first)
     draft_tensor_parallel_size: int | None = None  # draft_model: None or the target's tp
@@ -119,8 +136,8 @@ class SpeculativeConfig:
                 f"needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
                 f"({self.prompt_lookup_max})",
             )
-        if self.method == "draft_model":
-            _require(bool(self.model), "speculative_config.model", "is required with method 'draft_model'")
+        if self.method in MODEL_SPECULATIVE_METHODS:
+            _require(bool(self.model), "speculative_config.model", f"is required with method {self.method!r}")
             _require(
                 self.draft_tensor_parallel_size in (None, tensor_parallel_size),
                 "speculative_config.draft_tensor_parallel_size",
@@ -171,6 +188,12 @@ class EngineConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     distributed_init_method: str = ""  # torch.distributed rendezvous; empty: a file in runtime_dir
+    # "ray": each tp rank is an actor of a Ray cluster (zllm/enginecore/ray_executor.py), which
+    # places it (one placement-group bundle per rank) and watches it; the steps still go over
+    # ZeroMQ. ray_address: the cluster to join ("auto", "ray://...", host:port); empty: Ray's own
+    # choice (RAY_ADDRESS, a cluster started on this machine, else a new local one).
+    distributed_executor_backend: str = "mp"
+    ray_address: str = ""
     # GPU tp: all-reduces of at most this many bytes (in the model's bf16/fp32 dtype) go through
     # PyTorch's symmetric-memory one-shot kernel instead of NCCL; 0: NCCL only (the default until
     # engine runs on the H200 pair show it safe; zllm/workers/symmetric_all_reduce.py).
@@ -184,7 +207,7 @@ class EngineConfig:
     # Schedule step N+1 while step N runs on the device, so host work hides behind GPU work.
     # None: on when the workers run on CUDA (on CPU the compute is synchronous: nothing to hide).
     async_scheduling: bool | None = None
-    # Speculative decoding (None: off). Steps are scheduled synchronously while it is on.
+    # Speculative decoding (None: off).
     speculative_config: SpeculativeConfig | None = None
     served_model_name: str | None = None
     enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
@@ -268,6 +291,11 @@ class EngineConfig:
     # architecture; the pooler is what the checkpoint declares (resolved by create()).
     runner: str = "auto"
     convert: str = "auto"
+    # vLLM's --hf-overrides, for what turns a generative decoder into a classifier only
+    # (zllm/pooling.py CLASSIFIER_KEYS): e.g. Qwen3-Reranker's {"architectures":
+    # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    # "is_original_qwen3_reranker": true}.
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
     pooler: PoolerConfig | None = None
     # Multi-LoRA serving (vLLM's flags; zllm/lora.py, zllm/workers/lora.py): PEFT adapters on the
     # base model, a step mixing requests of several adapters and of the base model.
@@ -315,15 +343,9 @@ class EngineConfig:
             f"{config.kv_cache_dtype}: {spec.architecture}'s latent (MLA) cache is kept in the model dtype",
         )
         if config.speculative_config is not None:
+            # Async scheduling works with drafts too: the workers propose them for the steps the
+            # core schedules ahead (zllm/enginecore/scheduler.py).
             _resolve_draft_model(config, spec)
-            # NOTE: how many tokens a step accepts is known only from its answer, so the next step
-            # cannot be scheduled before it: speculation runs with synchronous steps.
-            _require(
-                not config.async_scheduling,
-                "async_scheduling",
-                "cannot be combined with speculative_config yet; leave it unset",
-            )
-            config.async_scheduling = False
         if config.async_scheduling is None:
             config.async_scheduling = _runs_on_cuda(config)
         if config.piecewise_cuda_graphs is None:
@@ -438,6 +460,7 @@ class EngineConfig:
             f"{self.node_rank} is not the head (0): the other nodes run `vllm-launch --headless`",
         )
         _require(self.node_join_timeout_s > 0, "node_join_timeout_s", "must be > 0")
+        self._validate_executor_backend()
         _require(self.data_parallel_size_local >= 0, "data_parallel_size_local", "must be >= 0")
         if self.nnodes == 1:
             _require(
@@ -534,6 +557,22 @@ class EngineConfig:
         node = self.node_rank if node_rank is None else node_rank
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
+    def _validate_executor_backend(self) -> None:
+        _require_choice(self, "distributed_executor_backend")
+        if self.distributed_executor_backend != "ray":
+            _require(not self.ray_address, "ray_address", "is for --distributed-executor-backend ray")
+            return
+        _require(
+            importlib.util.find_spec("ray") is not None,
+            "distributed_executor_backend",
+            "ray needs the ray package: pip install zllm[ray]",
+        )
+        _require(
+            self.nnodes == 1,
+            "distributed_executor_backend",
+            "ray places the ranks itself: leave --nnodes (zllm's own node agents) at 1",
+        )
+
     @property
     def first_gpu(self) -> int:
         """The GPU index that tp rank 0 would have on this node: each data-parallel engine has its
@@ -545,6 +584,13 @@ class EngineConfig:
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    @property
+    def encoder_cache_tokens(self) -> int:
+        """Tokens of encoder output the workers keep at most (zllm/enginecore/encoder_cache.py), and
+        the most image tokens a step may encode: the engine core's account, and what the workers'
+        memory profile holds (zllm/workers/multimodal.py)."""
+        return max(MIN_ENCODER_CACHE_TOKENS, self.max_num_batched_tokens)
 
 
 def _insecure_tcp(endpoint: str, what: str = "") -> str:
@@ -579,6 +625,8 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
     without prefix caching (nothing is cached) and without the decoder's piecewise graphs."""
     _require_choice(config, "runner")
     _require_choice(config, "convert")
+    settings = classifier_settings(config.model, config.hf_overrides)
+    _convert_by_architectures(config, spec, settings.get("architectures"))
     pooling = spec.pooling
     if config.runner == "auto":
         converting = config.convert in ("embed", "classify") or declares_pooling(config.model) or spec.bidirectional
@@ -611,6 +659,17 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
     )
     _require(config.speculative_config is None, "speculative_config", "does not apply to a pooling model")
     config.pooler = read_pooler_config(config.model, pooling.kind, pooling.default_pooling, spec.num_labels)
+    if pooling.kind == "classify" and spec.pooling is None:  # a generative decoder made a classifier
+        num_labels, token_ids, method = converted_classifier(config.model, config.tokenizer or config.model, settings)
+        _require(num_labels >= 1, "hf_overrides", f"num_labels must be >= 1, got {num_labels}")
+        _require(
+            bool(token_ids) or _has_tensor(config.model, "score.weight"),
+            "convert",
+            f"classify: the {spec.architecture} checkpoint has no score.weight (a classification head); "
+            "name the tokens whose LM-head rows make one with hf_overrides' classifier_from_token and method",
+        )
+        config.pooler = read_pooler_config(config.model, "classify", pooling.default_pooling, num_labels)
+        config.pooler.classifier_token_ids, config.pooler.classifier_method = token_ids, method
     # NOTE: async scheduling stays as resolved (on with CUDA): pooling steps never depend on each
     # other's answers, so the core schedules step N+1 while N runs and the device never waits on
     # the host's bookkeeping between steps.
@@ -619,16 +678,51 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
 
 
 def _converted_decoder(config: EngineConfig, spec: ModelSpec):
-    """A generative decoder served as an embedding model (--runner pooling): its final hidden
-    state at the last token (vLLM's --convert embed)."""
+    """A generative decoder served with --runner pooling: its final hidden state at the last
+    token (vLLM's --convert embed), or a classifier over it (--convert classify: vLLM's
+    as_seq_cls_model, the checkpoint's `score` head or one made from LM-head rows)."""
     from zllm.model_spec import PoolingArchitecture
 
+    kind = "classify" if config.convert == "classify" else "embed"
+    return PoolingArchitecture("decoder", kind, "last", spec.architecture)
+
+
+def _convert_by_architectures(config: EngineConfig, spec: ModelSpec, architectures) -> None:
+    """hf_overrides' architectures naming a pooling class of the checkpoint's own decoder
+    (Qwen3ForCausalLM -> Qwen3ForSequenceClassification) is --convert of its kind."""
+    from zllm.model_spec import POOLING_REGISTRY
+
+    if architectures is None:
+        return
+    name = architectures[0] if isinstance(architectures, list) and len(architectures) == 1 else None
+    target = POOLING_REGISTRY.get(name)
     _require(
-        config.convert in ("auto", "none", "embed"),
-        "convert",
-        f"{config.convert}: a {spec.architecture} checkpoint has no classification head; use --convert embed",
+        target is not None and target.decoder == spec.architecture and spec.pooling is None,
+        "hf_overrides",
+        f"architectures {architectures!r}: only a pooling class of the checkpoint's own decoder "
+        f"({spec.architecture}) is supported",
     )
-    return PoolingArchitecture("decoder", "embed", "last", spec.architecture)
+    _require(
+        config.convert in ("auto", "none", target.kind),
+        "convert",
+        f"{config.convert} contradicts hf_overrides' {name} (a {target.kind} model)",
+    )
+    config.convert = target.kind
+    if config.runner == "auto":
+        config.runner = "pooling"
+
+
+def _has_tensor(model_dir: str, name: str) -> bool:
+    """Whether the checkpoint holds a tensor of that name (its safetensors headers only)."""
+    from safetensors import safe_open
+
+    from zllm.model_files import checkpoint_files
+
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            if name in f.keys():
+                return True
+    return False
 
 
 def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
@@ -638,7 +732,7 @@ def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
 
     speculative = config.speculative_config
     speculative.validate(config.tensor_parallel_size)
-    if speculative.method != "draft_model":
+    if speculative.method not in MODEL_SPECULATIVE_METHODS:
         return
     speculative.model = str(resolve_model_dir(speculative.model))
     # NOTE: the draft's cache shares group 0's block tables, sized for one group of every layer;
@@ -646,9 +740,12 @@ def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
     _require(
         not target.sliding_layers or config.disable_hybrid_kv_cache_manager,
         "speculative_config",
-        "a draft model with a sliding-window target needs --disable-hybrid-kv-cache-manager "
+        f"a {speculative.method} proposer with a sliding-window target needs --disable-hybrid-kv-cache-manager "
         "(every block kept); the ngram method needs nothing",
     )
+    if speculative.method != "draft_model":
+        _check_eagle_head(config, target)
+        return
     draft = ModelSpec.from_pretrained(speculative.model)
     _require(
         draft.vocab_size == target.vocab_size,
@@ -664,6 +761,26 @@ def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:
         raise ValueError(
             f"speculative_config.model: the draft cannot be split over the target's ranks: {error}"
         ) from None
+
+
+def _check_eagle_head(config: EngineConfig, target: ModelSpec) -> None:
+    """Refuse an EAGLE head that cannot feed on the target (hidden size, vocabulary, aux layers,
+    its heads over the ranks) before any process starts."""
+    from zllm.eagle_spec import EagleSpec
+    from zllm.partition import head_shards
+
+    speculative = config.speculative_config
+    where = "speculative_config.model"
+    _require(
+        target.vision is None and target.mla is None,
+        "speculative_config.method",
+        f"{speculative.method} heads are not served for {target.architecture} yet",
+    )
+    head = EagleSpec.read(speculative.model, speculative.method, target, with_weights=config.load_format != "dummy")
+    try:
+        head_shards(head.layer.num_heads, head.layer.num_kv_heads, config.tensor_parallel_size)
+    except ValueError as error:
+        raise ValueError(f"{where}: the head cannot be split over the target's ranks: {error}") from None
 
 
 def _check_lora(config: EngineConfig, spec: ModelSpec) -> None:

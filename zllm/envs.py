@@ -8,6 +8,7 @@ checks that the two agree and that no other module reads a ZLLM_* variable itsel
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,14 @@ def _verbatim(raw: str) -> str | None:
     return raw or None
 
 
+def _json_object(raw: str) -> dict[str, float]:
+    """A JSON object of numbers (Ray resources: {"GPU": 1, "accelerator_type:H100": 0.001})."""
+    value = json.loads(raw)
+    if not isinstance(value, dict) or not all(isinstance(v, int | float) for v in value.values()):
+        raise ValueError(f"not a JSON object of numbers: {raw!r}")
+    return {str(k): float(v) for k, v in value.items()}
+
+
 SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
@@ -71,6 +80,13 @@ SETTINGS: dict[str, Setting] = {
             _on,
             False,
             "1/true: /v1/load_lora_adapter and /v1/unload_lora_adapter are served (with --enable-lora).",
+        ),
+        # -- engine core
+        Setting(
+            "ZLLM_RAY_RANK_RESOURCES",
+            _json_object,
+            None,
+            'With the Ray backend: the Ray resources of one rank (its placement-group bundle), JSON, e.g. {"GPU": 1}.',
         ),
         # -- worker: kernels and their A/B switches
         Setting("ZLLM_KERNELS", _text, "auto", "CUDA kernels: auto (prebuilt, else NVRTC), prebuilt, or nvrtc."),

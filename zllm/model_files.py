@@ -144,3 +144,45 @@ def _save_config_without_quantization(config, directory: Path, name: str) -> Non
     data.pop("quantization_config", None)  # the saved weights are plain float32
     data["_name_or_path"] = name
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+# A single-file PyTorch checkpoint: how the EAGLE authors publish their heads.
+TORCH_CHECKPOINT_FILE = "pytorch_model.bin"
+
+
+def checkpoint_files(model_dir: str, torch_file: bool = False) -> list[Path]:
+    """The safetensors files of a checkpoint: those the index names, else every *.safetensors;
+    torch_file: else a pytorch_model.bin (an EAGLE head's published file)."""
+    root = Path(model_dir)
+    index = root / SAFETENSORS_INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"model: {index} names shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files and torch_file and (root / TORCH_CHECKPOINT_FILE).is_file():
+        return [root / TORCH_CHECKPOINT_FILE]
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {root} (use load_format='dummy' for random weights)")
+    return files
+
+
+def checkpoint_tensor_names(model_dir: str, torch_file: bool = False) -> list[str]:
+    """The names of every tensor a checkpoint holds (headers only, for safetensors; a
+    pytorch_model.bin is memory-mapped with weights_only, so no code from the file runs)."""
+    from safetensors import safe_open
+
+    names = []
+    for path in checkpoint_files(model_dir, torch_file):
+        if path.name == TORCH_CHECKPOINT_FILE:
+            import torch
+
+            names.extend(torch.load(path, map_location="cpu", weights_only=True, mmap=True).keys())
+        else:
+            with safe_open(path, "pt") as f:
+                names.extend(f.keys())
+    return names

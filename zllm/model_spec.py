@@ -103,9 +103,11 @@ MODEL_REGISTRY: dict[str, Architecture] = {
     # (zllm/workers/models/qwen2_vl.py); the spec's `vision` says which tower.
     "Qwen2VLForConditionalGeneration": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False),
     "Qwen2_5_VLForConditionalGeneration": Architecture(qkv_bias=True, o_proj_bias=False, mlp_bias=False),
-    # LLaVA: a CLIP vision tower and a projector before a Llama-family decoder (its text_config's).
+    # LLaVA: a CLIP or SigLIP vision tower and a projector before a Llama-family decoder (its text_config's).
     "LlavaForConditionalGeneration": Architecture(),
 }
+# LLaVA's vision towers: the vision_config's model_type -> VisionSpec.tower.
+_LLAVA_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 # The vision-language architectures: their tower's kind (VisionSpec.kind).
 VISION_ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
@@ -176,7 +178,9 @@ class VisionSpec:
     merge spatial_merge_size^2 neighbouring patches into one language-model token.
 
     LLaVA: a CLIP vision transformer (class token, learned positions, pre-norm, quick-GELU MLP)
-    whose `feature_layer`'s hidden states (without the class token for feature_select "default")
+    or a SigLIP one (`tower` "siglip": no class token, no pre-norm, a patch convolution with a
+    bias, tanh-GELU) whose `feature_layer`'s hidden states (without the first position for
+    feature_select "default": CLIP's class token, SigLIP's first patch, as transformers drops it)
     go through the projector (linear, act, linear): one token per patch."""
 
     kind: str  # "qwen2_vl", "qwen2_5_vl" or "llava"
@@ -199,7 +203,8 @@ class VisionSpec:
     image_size: int = 0
     layer_norm_eps: float = 1e-6
     feature_layer: int = -2
-    feature_select: str = "default"  # "default": without the class token; "full": with it
+    feature_select: str = "default"  # "default": without the first position (CLIP's class token); "full": with it
+    tower: str = "clip"  # LLaVA's vision transformer: "clip" or "siglip"
     projector_act: str = "gelu"
     projector_bias: bool = True
 
@@ -232,8 +237,11 @@ class VisionSpec:
     @classmethod
     def _llava(cls, hf_config) -> VisionSpec:
         v = hf_config.vision_config
-        if getattr(v, "model_type", "clip_vision_model") != "clip_vision_model":
-            raise ValueError(f"model: LLaVA's vision tower {v.model_type!r} is not supported (CLIP is)")
+        tower = _LLAVA_TOWERS.get(getattr(v, "model_type", "clip_vision_model"))
+        if tower is None:
+            raise ValueError(
+                f"model: LLaVA's vision tower {v.model_type!r} is not supported ({', '.join(_LLAVA_TOWERS)})"
+            )
         layer = hf_config.vision_feature_layer
         if not isinstance(layer, int):
             raise ValueError("model: LLaVA with several vision_feature_layer values is not supported")
@@ -257,6 +265,7 @@ class VisionSpec:
             feature_select=hf_config.vision_feature_select_strategy,
             projector_act=hf_config.projector_hidden_act,
             projector_bias=bool(getattr(hf_config, "multimodal_projector_bias", True)),
+            tower=tower,
         )
 
     @property
@@ -264,9 +273,12 @@ class VisionSpec:
         return self.kind != "llava"
 
     def tokens_of(self, grid: list[int]) -> int:
-        """Language-model tokens of an image of grid (t, h, w) patches."""
+        """Language-model tokens of an image of grid (t, h, w) patches (LLaVA: its patches, CLIP's
+        class token, less the first position that "default" drops, as LlavaProcessor counts)."""
         tokens = grid[0] * grid[1] * grid[2] // self.merge_unit
-        return tokens + (self.kind == "llava" and self.feature_select == "full")
+        if self.kind != "llava":
+            return tokens
+        return tokens + (self.tower == "clip") - (self.feature_select == "default")
 
     @property
     def merge_unit(self) -> int:

@@ -60,29 +60,77 @@ class RequestOutput:
 # ---- pooling models (LLM.embed / classify / score / encode): vLLM's output types ------------------
 
 
-@dataclass(slots=True)
-class PoolingOutput:
+class _Vector:
+    """A result vector, given as a list or as a row of a batch's array (anything with `tolist`:
+    LLM's pooling batches finish all their vectors in one array). A row becomes its list of
+    floats the first time it is read, so a batch of 10,000 embeddings does not build 3.8 million
+    Python floats before returning, and one that is read gets them once."""
+
+    __slots__ = ("_values",)
+    _name = "values"
+
+    def __init__(self, values) -> None:
+        self._values = values
+
+    def _list(self) -> list[float]:
+        if not isinstance(self._values, list):
+            self._values = self._values.tolist()
+        return self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and self._list() == other._list()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._name}={self._list()!r})"
+
+
+class PoolingOutput(_Vector):
     """The raw pooled vector (LLM.encode). vLLM holds a tensor here; zllm a list (torch-free)."""
 
-    data: list[float]
+    __slots__ = ()
+    _name = "data"
+
+    def __init__(self, data) -> None:
+        self._values = data
+
+    @property
+    def data(self) -> list[float]:
+        return self._list()
 
 
-@dataclass(slots=True)
-class EmbeddingOutput:
-    embedding: list[float]
+class EmbeddingOutput(_Vector):
+    __slots__ = ()
+    _name = "embedding"
+
+    def __init__(self, embedding) -> None:
+        self._values = embedding
+
+    @property
+    def embedding(self) -> list[float]:
+        return self._list()
 
     @property
     def hidden_size(self) -> int:
-        return len(self.embedding)
+        return len(self)
 
 
-@dataclass(slots=True)
-class ClassificationOutput:
-    probs: list[float]
+class ClassificationOutput(_Vector):
+    __slots__ = ()
+    _name = "probs"
+
+    def __init__(self, probs) -> None:
+        self._values = probs
+
+    @property
+    def probs(self) -> list[float]:
+        return self._list()
 
     @property
     def num_classes(self) -> int:
-        return len(self.probs)
+        return len(self)
 
 
 @dataclass(slots=True)

@@ -80,10 +80,26 @@ def test_decoder_classifier_bf16_on_the_gpu(tmp_path):
     assert np.abs(our_probs("bfloat16") - reference).max() <= max(1.5 * hf_bf16_error, 1e-3)
 
 
+def test_minilm_batches_on_the_gpu_equal_one_request_each():
+    """The offline pooling batches (slices of arrays) against the per-request path, fp16."""
+    sentences = mixed_sentences(300)
+    llm = LLM(minilm_dir(), dtype="float16", max_num_batched_tokens=2048, max_num_seqs=64)
+    try:
+        batched = llm.embed(sentences, use_tqdm=False)
+        llm._batchable = lambda prompts: False
+        one_by_one = llm.embed(sentences, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.prompt_token_ids for o in batched] == [o.prompt_token_ids for o in one_by_one]
+    assert _cosines([o.outputs.embedding for o in batched], [o.outputs.embedding for o in one_by_one]).min() >= 0.9999
+
+
 def test_a_pooling_step_never_waits_for_the_device():
+    import msgspec
+
     from zllm.config import EngineConfig
-    from zllm.ipc.messages import NewRequestData, StepInput
-    from zllm.pooling import POOLING_SAMPLING
+    from zllm.ipc.messages import ArrayData, NewRequestData, PoolingSlice, StepInput
+    from zllm.pooling import POOLING_SAMPLING, PoolingParams
     from zllm.workers.pooling_runner import PoolingRunner
 
     config = EngineConfig.create(minilm_dir(), dtype="float16")
@@ -101,3 +117,18 @@ def test_a_pooling_step_never_waits_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(runner.finish_step(launched).pooled) == 4
+    # With a slice of a pooling batch beside the requests (its inputs sorted in among theirs).
+    lengths = np.array([40, 2, 77], dtype=np.int32)
+    ids = ArrayData.of(np.full(int(lengths.sum()), 2001, dtype=np.int32))
+    step = msgspec.structs.replace(
+        step, pooling_slices=[PoolingSlice("b", 5, ids, ArrayData.of(lengths), PoolingParams())]
+    )
+    runner.finish_step(runner.launch_step(step))  # warm-up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = runner.launch_step(step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    output = runner.finish_step(launched)
+    (answer,) = output.pooled_slices
+    assert len(output.pooled) == 4 and (answer.batch_id, answer.first, answer.vectors.shape) == ("b", 5, [3, 384])

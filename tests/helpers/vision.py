@@ -1,4 +1,4 @@
-"""Tiny random Qwen2-VL / Qwen2.5-VL checkpoints made by transformers, beside a word-level
+"""Tiny random Qwen2-VL / Qwen2.5-VL / LLaVA (CLIP or SigLIP tower) checkpoints made by transformers, beside a word-level
 tokenizer with the vision special tokens and the model's own image processor; generated test
 pictures; transformers' greedy reference on the same processor output."""
 
@@ -17,12 +17,14 @@ SPECIAL_TOKENS = {  # kind -> the tokens at ids 253, 254, 255
     "qwen2_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
     "qwen2_5_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
     "llava": ["<unused_0>", "<image>", "<unused_1>"],
+    "llava_siglip": ["<unused_0>", "<image>", "<unused_1>"],
 }
 
 
 def save_tiny_vlm(directory: Path, kind: str = "qwen2_vl", **text_overrides) -> Path:
-    """A random model of `kind` ("qwen2_vl", "qwen2_5_vl" or "llava"), biases and norms
-    randomised too, with a processor that makes 4..48 tokens an image (LLaVA: 56 x 56 pixels, 16).
+    """A random model of `kind` ("qwen2_vl", "qwen2_5_vl", "llava" or "llava_siglip"), biases and
+    norms randomised too, with a processor that makes 4..48 tokens an image (LLaVA: 56 x 56 pixels,
+    16 patches; llava_siglip: a SigLIP tower, its last layer's states of every patch, "full").
     text_overrides: the language model's config (wider heads for the GPU kernels); M-RoPE's
     sections follow its head_dim in Qwen's 2:3:3."""
     import torch
@@ -44,8 +46,8 @@ def save_tiny_vlm(directory: Path, kind: str = "qwen2_vl", **text_overrides) -> 
     pairs = text["hidden_size"] // text["num_attention_heads"] // 2
     sections = [pairs // 4, pairs * 3 // 8]
     text["rope_scaling"] = {"type": "mrope", "mrope_section": [*sections, pairs - sum(sections)]}
-    if kind == "llava":
-        return _save_tiny_llava(directory, text)
+    if kind.startswith("llava"):
+        return _save_tiny_llava(directory, text, kind)
     if kind == "qwen2_vl":
         config_class, model_class, processor_class = (
             transformers.Qwen2VLConfig,
@@ -93,28 +95,41 @@ def save_tiny_vlm(directory: Path, kind: str = "qwen2_vl", **text_overrides) -> 
     return directory
 
 
-def _save_tiny_llava(directory: Path, text: dict) -> Path:
+def _save_tiny_llava(directory: Path, text: dict, kind: str) -> Path:
     import torch
     import transformers
 
     text = {k: v for k, v in text.items() if k != "rope_scaling"}
-    vision = transformers.CLIPVisionConfig(
+    tower = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=56, patch_size=14
     )
+    if kind == "llava_siglip":
+        # SigLIP: no class token, no pre-norm, gelu_pytorch_tanh; its pooling head stays in the
+        # checkpoint (vision_use_head) and unused. LLaVA takes the last layer's states, every patch.
+        vision = transformers.SiglipVisionConfig(**tower)
+        select = dict(vision_feature_layer=-1, vision_feature_select_strategy="full")
+    else:
+        vision = transformers.CLIPVisionConfig(**tower)
+        select = {}
     config = transformers.LlavaConfig(
         vision_config=vision,
         text_config=transformers.LlamaConfig(**text, pad_token_id=0),
         image_token_id=IMAGE_PAD,
         tie_word_embeddings=False,
+        **select,
     )
-    torch.manual_seed(0)
+    # Seed 1 for SigLIP: with seed 0 its greedy tokens repeat one token whatever the picture.
+    torch.manual_seed(1 if kind == "llava_siglip" else 0)
     model = transformers.LlavaForConditionalGeneration(config).eval()
     _randomise(model)
     model.save_pretrained(directory, safe_serialization=True)
-    _save_tokenizer(directory, "llava")
-    transformers.CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}).save_pretrained(
-        directory
-    )
+    _save_tokenizer(directory, kind)
+    if kind == "llava_siglip":  # resized to the square, no crop
+        transformers.SiglipImageProcessor(size={"height": 56, "width": 56}).save_pretrained(directory)
+    else:
+        transformers.CLIPImageProcessor(
+            size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
+        ).save_pretrained(directory)
     return directory
 
 
@@ -167,6 +182,14 @@ class HFReference:
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
 
+    def _llava_tokens(self, size) -> int:
+        """LlavaProcessor's count: the patches, the class token (CLIP has one, SigLIP none) and one
+        fewer for vision_feature_select_strategy "default" (which drops the first position)."""
+        config = self.model.config
+        tokens = size[0] * size[1] // config.vision_config.patch_size**2
+        tokens += config.vision_config.model_type == "clip_vision_model"
+        return tokens - (config.vision_feature_select_strategy == "default")
+
     def greedy(self, prompt: str, images: list, max_new_tokens: int) -> tuple[list[int], list[int]]:
         """The processor's output (placeholders expanded) and the model's greedy tokens:
         (prompt token ids, generated ids)."""
@@ -178,8 +201,8 @@ class HFReference:
             out = self.processor(images=images, return_tensors="pt")
             if "image_grid_thw" in out:
                 counts = (out["image_grid_thw"].prod(-1) // 4).tolist()
-            else:  # LLaVA: a token per 14 x 14 patch
-                counts = [out["pixel_values"].shape[-1] * out["pixel_values"].shape[-2] // 14**2] * len(images)
+            else:  # LLaVA: a token per 14 x 14 patch, as LlavaProcessor counts them
+                counts = [self._llava_tokens(out["pixel_values"].shape[-2:])] * len(images)
             expanded = []
             for token in ids:
                 expanded.extend([IMAGE_PAD] * counts.pop(0) if token == IMAGE_PAD else [token])

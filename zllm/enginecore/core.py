@@ -19,7 +19,15 @@ from zllm.enginecore.pooling_scheduler import PoolingScheduler
 from zllm.enginecore.request import Request
 from zllm.enginecore.scheduler import Scheduler, SchedulerStats
 from zllm.enginecore.structured_outputs import StructuredOutputs
-from zllm.ipc.messages import AddRequest, GrammarBitmask, StepInput, StepOutput, TokenDelta
+from zllm.ipc.messages import (
+    AddPoolingBatch,
+    AddRequest,
+    GrammarBitmask,
+    PooledSlice,
+    StepInput,
+    StepOutput,
+    TokenDelta,
+)
 from zllm.kv_layout import KVGroup, KVLayout
 from zllm.model_spec import ModelSpec
 
@@ -131,6 +139,32 @@ class EngineCore:
         self.scheduler.add_request(request)
         if message.sampling.structured_outputs is not None:
             request.grammar = self.structured.start(request, message.sampling.structured_outputs)
+
+    def add_pooling_batch(self, message: AddPoolingBatch) -> None:
+        """Queue many pooling inputs under one PoolingParams as one unit (their vectors come back
+        through `take_pooled_slices`). ValueError: an input can never run; QueueFullError: not now."""
+        if not self.pooling:
+            raise ValueError("task: this model generates text; it serves no pooling requests (embeddings, scores)")
+        lengths = message.lengths.to_numpy()
+        if len(lengths) and (int(lengths.min()) < 1 or int(lengths.max()) > self.config.max_model_len):
+            bad = int(((lengths < 1) | (lengths > self.config.max_model_len)).argmax())
+            raise ValueError(
+                f"prompt: {int(lengths[bad])} tokens; must be between 1 and max_model_len ({self.config.max_model_len})"
+            )
+        num_waiting = len(self.scheduler.waiting) + self.scheduler.num_batched_waiting
+        if num_waiting + len(lengths) > self.config.max_waiting and num_waiting:
+            raise QueueFullError(
+                f"overloaded: {num_waiting} requests are already waiting (max_waiting={self.config.max_waiting}); "
+                "retry later"
+            )
+        self.scheduler.add_batch(message)
+
+    def abort_pooling_batches(self, batch_ids: list[str]) -> list[str]:
+        return self.scheduler.abort_batches(batch_ids) if self.pooling else []
+
+    def take_pooled_slices(self) -> list[PooledSlice]:
+        """The pooling batches' vectors that came back since the last call (slices, in order)."""
+        return self.scheduler.take_pooled_slices() if self.pooling else []
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         for request_id in request_ids:

@@ -20,11 +20,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-# Tokens of encoder output the workers keep at most (at least the step's token budget); vLLM's
-# default is the budget or the largest image, whichever is larger. Also the most image tokens a
-# step may encode.
-MIN_ENCODER_CACHE_TOKENS = 16384
-
 
 @dataclass(slots=True)
 class _Entry:
@@ -34,6 +29,7 @@ class _Entry:
 
 class EncoderCache:
     def __init__(self, capacity: int) -> None:
+        """capacity: EngineConfig.encoder_cache_tokens (the workers' memory profile holds as much)."""
         self.capacity = capacity
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._used = 0

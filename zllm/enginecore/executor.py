@@ -51,6 +51,15 @@ class WorkerDiedError(RuntimeError):
     """A worker process exited or reported a failure."""
 
 
+def make_executor(config: EngineConfig, context: zmq.Context) -> MultiprocExecutor:
+    """The executor of config.distributed_executor_backend: worker processes (mp), or Ray actors."""
+    if config.distributed_executor_backend == "ray":
+        from zllm.enginecore.ray_executor import RayExecutor
+
+        return RayExecutor(config, context)
+    return MultiprocExecutor(config, context)
+
+
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, context: zmq.Context) -> None:
         self.config = config
@@ -60,10 +69,9 @@ class MultiprocExecutor:
         self.inbound: Codec = Codec(WorkerToCore)
         self._call_ids = itertools.count()
         self._submitted: deque[int] = deque()  # step ids sent and not yet answered
-        self.processes: dict[int, subprocess.Popen] = {
-            r: spawn_child("zllm.workers.process", config, "--rank", str(r)) for r in config.local_ranks(0)
-        }
+        self.processes: dict[int, subprocess.Popen] = {}
         try:
+            self._start_ranks()
             ready = self._gather(WorkerReady, config.tensor_parallel_size, config.startup_timeout_s)
         except BaseException:
             # One rank failed to start: the others may be blocked in a collective waiting for it.
@@ -72,6 +80,12 @@ class MultiprocExecutor:
         # Every rank must hold the same blocks, so the smallest capacity is the capacity.
         self._num_kv_blocks = min(r.num_kv_blocks for r in ready)
         logger.info("%d worker(s) ready: pids %s", len(ready), [r.pid for r in ready])
+
+    def _start_ranks(self) -> None:
+        """This node's ranks as child processes (another node's agent starts that node's own)."""
+        self.processes = {
+            r: spawn_child("zllm.workers.process", self.config, "--rank", str(r)) for r in self.config.local_ranks(0)
+        }
 
     def _bind_sockets(self, config: EngineConfig, context: zmq.Context) -> tuple[list[zmq.Socket], list[zmq.Socket]]:
         """A PUSH per rank and the PULL(s) the ranks answer on: ipc for this node's ranks, tcp
@@ -169,7 +183,7 @@ class MultiprocExecutor:
         # Ranks told to stop release their model and leave the process group before they exit
         # (a SIGTERM at once would race that); once one rank is gone, the others may be stuck in a
         # collective with it, so they get no grace.
-        everyone_alive = all(process.poll() is None for process in self.processes.values())
+        everyone_alive = not self._dead_ranks()
         self._stop_local(grace_s=_WORKER_EXIT_GRACE_S if told and everyone_alive else 0.0)
 
     def _stop_local(self, grace_s: float = 0.0) -> None:

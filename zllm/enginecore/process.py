@@ -24,7 +24,7 @@ import zmq
 
 from zllm.config import EngineConfig
 from zllm.enginecore.core import EngineCore, QueueFullError
-from zllm.enginecore.executor import MultiprocExecutor
+from zllm.enginecore.executor import make_executor
 from zllm.ipc.addresses import InternalEndpoints, NodeEndpoints
 from zllm.ipc.codec import Codec, MessageError
 from zllm.ipc.messages import (
@@ -67,7 +67,7 @@ class EngineCoreProcess:
         executor = None
         code = 0
         try:
-            executor = MultiprocExecutor(self.config, self.context)
+            executor = make_executor(self.config, self.context)
             self.core = EngineCore(self.config, executor)
             self.outputs.put(self._ready_message())
             self._busy_loop()

@@ -5,15 +5,18 @@ Every check raises ValueError naming the offending field, before anything reache
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Union
 
+import msgspec
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from zllm.frontend.lora_adapters import LoRAAdapters
 from zllm.frontend.multimodal import ImageProcessor
 from zllm.grammars import grammar_of
-from zllm.ipc.messages import AddRequest, ImageInput
+from zllm.ipc.messages import AddPoolingBatch, AddRequest, ImageInput
 from zllm.lora import LoRARequest
 from zllm.pooling import PoolerConfig, PoolingParams, check_pooling
 from zllm.sampling_params import SamplingParams
@@ -94,10 +97,14 @@ class InputProcessor:
         self._check_priority(priority)
         self._check_lora(lora_request)
         text, token_ids = (prompt.get("prompt"), prompt["prompt_token_ids"]) if tokenized else self._tokenize(prompt)
+        keep = self.kept_tokens(
+            pooling.truncate_prompt_tokens if pooling is not None else sampling.truncate_prompt_tokens
+        )
+        token_ids = self.truncated(token_ids, keep, text)
         token_ids, mm_inputs = self._with_images(prompt, token_ids)
         self._check_length(token_ids)
         if pooling is not None:
-            pooling = self._with_token_types(pooling, prompt, len(token_ids))
+            pooling = self._with_token_types(pooling, prompt, len(token_ids), keep)
         message = AddRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -112,6 +119,30 @@ class InputProcessor:
             lora=lora_request,
         )
         return message, text
+
+    def process_pooling_batch(
+        self,
+        batch_id: str,
+        prompts: list[PromptType],
+        token_ids: list[list[int] | None],
+        pooling: PoolingParams,
+    ) -> tuple[AddPoolingBatch, list[list[int]]]:
+        """Many pooling inputs under one PoolingParams as one message (LLM.embed's batch path):
+        the shared parameters checked once, every length at once. `token_ids[i]`: prompt i's ids
+        from this processor's own tokenizer (trusted, as `process`'s `tokenized`), or None: the
+        prompt is read and checked as `process` reads it. Only plain inputs (text or token ids:
+        no images, no token types) go this way. Returns the message and each input's token ids
+        (the outputs' prompt_token_ids)."""
+        self._check_task(pooling)
+        token_ids = [self._tokenize(prompt)[1] if ids is None else ids for prompt, ids in zip(prompts, token_ids)]
+        keep = self.kept_tokens(pooling.truncate_prompt_tokens)
+        if keep is not None:
+            token_ids = [self.truncated(ids, keep, _text_of(prompt)) for prompt, ids in zip(prompts, token_ids)]
+        lengths = np.fromiter(map(len, token_ids), np.int32, count=len(token_ids))
+        if len(lengths) and int(lengths.max()) > self.max_model_len:
+            self._check_length(token_ids[int((lengths > self.max_model_len).argmax())])  # the first too long
+        flat = np.fromiter(itertools.chain.from_iterable(token_ids), np.int32, count=int(lengths.sum()))
+        return AddPoolingBatch.of(batch_id, flat, lengths, pooling, time.time()), token_ids
 
     def _with_images(self, prompt: PromptType, token_ids: list[int]) -> tuple[list[int], list[ImageInput]]:
         """A prompt dict's "multi_modal_data" {"image": image or list}: the placeholders expanded;
@@ -160,37 +191,72 @@ class InputProcessor:
             )
         check_pooling(pooling, self.pooler)
 
-    def tokenize_pair(self, first: str, second: str) -> dict:
+    def tokenize_pair(self, first: str, second: str, truncate_prompt_tokens: int | None = None) -> dict:
         """A text pair as one input (a cross-encoder's query and document), with its token types."""
-        return self.tokenize_pairs([first], [second])[0]
+        return self.tokenize_pairs([first], [second], truncate_prompt_tokens)[0]
 
-    def tokenize_pairs(self, firsts: list[str], seconds: list[str]) -> list[dict]:
+    def tokenize_pairs(
+        self, firsts: list[str], seconds: list[str], truncate_prompt_tokens: int | None = None
+    ) -> list[dict]:
         """Text pairs as inputs, tokenized in one call; each with its token types where the
-        tokenizer makes them (BERT's segments)."""
+        tokenizer makes them (BERT's segments). truncate_prompt_tokens: at most that many tokens
+        a pair, by the tokenizer's left truncation (the longer text loses its first tokens)."""
         for name, texts in (("text_1", firsts), ("text_2", seconds)):
             if not all(isinstance(text, str) and text for text in texts):
                 raise ValueError(f"{name}: must be non-empty strings")
-        encoded = self.tokenizer(list(firsts), list(seconds))
+        keep = self.kept_tokens(truncate_prompt_tokens)
+        if keep is None:
+            encoded = self.tokenizer(list(firsts), list(seconds))
+        else:
+            encoded = self._left_truncating(list(firsts), list(seconds), keep)
         types = encoded.get("token_type_ids")
         return [
             {"prompt_token_ids": list(ids)} | ({} if types is None else {"token_type_ids": list(types[i])})
             for i, ids in enumerate(encoded["input_ids"])
         ]
 
+    def kept_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many of a prompt's last tokens truncate_prompt_tokens keeps (-1: max_model_len);
+        None: all of them. More than max_model_len is refused, as vLLM does."""
+        if truncate_prompt_tokens is None:
+            return None
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: {keep} exceeds the model's max_model_len ({self.max_model_len})")
+        return keep
+
+    def truncated(self, token_ids: list[int], keep: int | None, text: str | None = None) -> list[int]:
+        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens). Token ids the caller
+        gave are sliced; a text is tokenized again with the tokenizer's own left truncation
+        (as vLLM's tokenizer call does), which keeps the special tokens it adds (BERT's [CLS] and
+        [SEP], a BOS) and drops the text's first tokens. Only an input over `keep` costs anything."""
+        if keep is None or len(token_ids) <= keep:
+            return token_ids
+        if text is None or self.tokenizer is None:
+            return token_ids[-keep:]
+        return self._left_truncating(text, None, keep)["input_ids"]
+
+    def _left_truncating(self, text, pair, keep: int) -> dict:
+        """The tokenizer's call with truncation from the left (its longest_first strategy for
+        pairs: the longer text loses tokens first), the tokenizer's setting restored after."""
+        side, self.tokenizer.truncation_side = self.tokenizer.truncation_side, "left"
+        try:
+            return self.tokenizer(text, pair, truncation=True, max_length=keep)
+        finally:
+            self.tokenizer.truncation_side = side
+
     @staticmethod
-    def _with_token_types(pooling: PoolingParams, prompt: PromptType, num_tokens: int) -> PoolingParams:
+    def _with_token_types(
+        pooling: PoolingParams, prompt: PromptType, num_tokens: int, keep: int | None = None
+    ) -> PoolingParams:
+        """The prompt dict's token types (a text pair's), truncated as its tokens were."""
         token_types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
         if token_types is None:
             return pooling
+        token_types = token_types[-keep:] if keep else token_types
         if len(token_types) != num_tokens or not all(t in (0, 1) for t in token_types):
             raise ValueError(f"token_type_ids: must be {num_tokens} values of 0 or 1, one per token")
-        return PoolingParams(
-            task=pooling.task,
-            normalize=pooling.normalize,
-            dimensions=pooling.dimensions,
-            activation=pooling.activation,
-            token_type_ids=list(token_types),
-        )
+        return msgspec.structs.replace(pooling, token_type_ids=list(token_types))
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         """The limits that depend on this engine: its config and its vocabulary."""
@@ -246,9 +312,9 @@ class InputProcessor:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
-            # NOTE: `type(t) is int` (not isinstance) also refuses bools, at half the cost: an
-            # offline batch of pooling inputs checks every token of every input here.
-            if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
+            # NOTE: the types of the ids as a set (`type(t) is int`, not isinstance: bools are
+            # refused), built in C: an offline batch of pooling inputs checks every token here.
+            if not isinstance(token_ids, list) or not set(map(type, token_ids)) <= _INT:
                 raise ValueError("prompt_token_ids: must be a list of integers")
             if not token_ids:
                 raise ValueError("prompt_token_ids: must not be empty")
@@ -276,6 +342,16 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{field}: token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+
+
+_INT = {int}
+
+
+def _text_of(prompt: PromptType) -> str | None:
+    """A prompt's text (a string, or a dict's "prompt"), None for token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    return prompt.get("prompt") if isinstance(prompt, dict) else None
 
 
 def _check_without_tokenizer(sampling: SamplingParams) -> None:

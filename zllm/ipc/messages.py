@@ -99,6 +99,24 @@ class AddRequest(_Message):
     lora: LoRARequest | None = None
 
 
+class AddPoolingBatch(_Message):
+    """Many pooling inputs that share one PoolingParams, as one unit (LLM.embed's offline batch):
+    their token ids concatenated (int32 [total]) and their lengths (int32 [inputs]); input i of
+    the batch is its i-th. The frontend checked the shared parameters once and every length."""
+
+    batch_id: str
+    token_ids: ArrayData
+    lengths: ArrayData
+    pooling: PoolingParams
+    arrival_time: float
+
+    @classmethod
+    def of(
+        cls, batch_id: str, token_ids: np.ndarray, lengths: np.ndarray, pooling: PoolingParams, arrival_time: float
+    ) -> AddPoolingBatch:
+        return cls(batch_id, ArrayData.of(token_ids), ArrayData.of(lengths), pooling, arrival_time)
+
+
 class AbortRequests(_Message):
     request_ids: list[str]
 
@@ -212,6 +230,27 @@ class NewRequestData(_Message):
     lora: LoRARequest | None = None  # appended: its adapter (None: the base model)
 
 
+class PoolingSlice(_Message):
+    """Inputs first .. first + len(lengths) - 1 of a pooling batch (AddPoolingBatch), scheduled
+    together: their token ids concatenated (int32) and their lengths (int32)."""
+
+    batch_id: str
+    first: int
+    token_ids: ArrayData
+    lengths: ArrayData
+    pooling: PoolingParams
+
+
+class PooledSlice(_Message):
+    """A PoolingSlice's answer: its inputs' pooled vectors (float32 [inputs, width]), in order,
+    or why the workers could not pool them."""
+
+    batch_id: str
+    first: int
+    vectors: ArrayData | None = None
+    error: str | None = None
+
+
 class CachedRequestData(_Message):
     """A request the workers already hold: only what changed since the last step. No token ids:
     the only tokens a held request gains are the ones the workers sampled and appended themselves."""
@@ -241,12 +280,16 @@ class StepInput(_Message):
     structured_ids: list[str] = []
     # Appended: speculative decoding. Request id -> the draft tokens this step scores after the
     # request's last known token; they are part of its num_scheduled_tokens (1 + len(drafts)).
+    # Under async scheduling they are -1 placeholders: the workers score up to that many drafts of
+    # their own proposing (fewer when they have fewer, the request's count shrinking to match).
     spec_token_ids: dict[str, list[int]] = {}
     # Appended: the encoder cache (zllm/enginecore/encoder_cache.py). Request id -> indices of its
     # images to encode this step (before the forward); hashes to drop first, the core having
     # evicted them.
     encode: dict[str, list[int]] = {}
     freed_mm_hashes: list[str] = []
+    # Appended: slices of pooling batches (a pooling engine), pooled beside new_requests.
+    pooling_slices: list[PoolingSlice] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -254,7 +297,7 @@ class StepInput(_Message):
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled_ids
+        return not self.scheduled_ids and not self.pooling_slices
 
 
 class FlushStep(_Message):
@@ -326,6 +369,11 @@ class StepOutput(_Message):
     draft_token_ids: dict[str, list[int]] = {}
     # Appended: pooling requests. Request id -> its pooled vector (float32, little-endian bytes).
     pooled: dict[str, bytes] = {}
+    # Appended: the step's pooling slices, answered in the step's order.
+    pooled_slices: list[PooledSlice] = []
+    # Appended: speculative decoding. Request id -> how many drafts this step scored for it (its
+    # acceptance counts; under async scheduling the workers choose them, up to what was asked).
+    num_drafts_scored: dict[str, int] = {}
 
 
 class WorkerReady(_Message):

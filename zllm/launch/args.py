@@ -10,6 +10,7 @@ from zllm import envs
 from zllm.config import (
     CONVERTS,
     DEVICES,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -164,7 +165,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
-        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\' (default: off)',
+        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'; method "eagle" / "eagle3" with '
+        "an EAGLE head's directory as model (default: off)",
     )
     group.add_argument("--served-model-name", default=None)
     group.add_argument(
@@ -184,6 +186,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=CONVERTS,
         default=defaults.convert,
         help="the pooling task of the checkpoint, embed or classify (default auto: its head decides)",
+    )
+    group.add_argument(
+        "--hf-overrides",
+        type=parse_json_object,
+        default={},
+        metavar="JSON",
+        help="vLLM's keys that make a generative decoder a classifier, e.g. Qwen3-Reranker's "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true}\' (default: none)',
     )
     group.add_argument(
         "--disable-hybrid-kv-cache-manager",
@@ -341,6 +352,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         scheduling_policy=args.scheduling_policy,
         runner=args.runner,
         convert=args.convert,
+        hf_overrides=args.hf_overrides,
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,
         distributed_init_method=args.distributed_init_method,
@@ -474,6 +486,19 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
         help="engines per node: the -dp engines spread over the --nnodes nodes (each engine's "
         "--tp ranks stay on one node) instead of one engine's ranks",
     )
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+        default=defaults.distributed_executor_backend,
+        help="who starts and watches the --tp workers: mp, child processes on this node (with "
+        "--nnodes, zllm's node agents); ray, actors of a Ray cluster (pip install zllm[ray])",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=defaults.ray_address,
+        help="the Ray cluster to join (auto, host:port, ray://...); default: RAY_ADDRESS, a cluster "
+        "started on this machine, else a new local one",
+    )
 
 
 def node_kwargs(args: argparse.Namespace) -> dict:
@@ -484,4 +509,6 @@ def node_kwargs(args: argparse.Namespace) -> dict:
         master_port=args.master_port,
         node_join_timeout_s=args.node_join_timeout,
         data_parallel_size_local=args.data_parallel_size_local,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_address=args.ray_address,
     )

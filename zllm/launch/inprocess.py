@@ -1,8 +1,8 @@
 """Assemble an engine core and its workers in the calling process (offline use and tests).
 
 At tp 1 the single worker runs right here. At tp > 1 every rank is a worker process (each GPU
-needs its own process), driven from here by the same MultiprocExecutor the engine-core process
-uses, over sockets in a private runtime directory that lives as long as the engine.
+needs its own process; with the Ray backend a Ray actor, at any tp), driven from here by the same
+executor the engine-core process uses, over sockets in a private runtime directory that lives as long as the engine.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import zmq
 
 from zllm.config import EngineConfig
 from zllm.enginecore.core import EngineCore
-from zllm.enginecore.executor import MultiprocExecutor
+from zllm.enginecore.executor import make_executor
 from zllm.ipc.addresses import make_private_runtime_dir
 from zllm.ipc.messages import GrammarBitmask, StepInput, StepOutput
 
 
 def build_inprocess_core(config: EngineConfig) -> EngineCore:
-    if config.tensor_parallel_size == 1:
+    if config.tensor_parallel_size == 1 and config.distributed_executor_backend == "mp":
         from zllm.workers.worker import Worker
 
         return EngineCore(config, Worker(config))
@@ -39,7 +39,7 @@ class WorkerProcessGroup:
         self.runtime_dir = make_private_runtime_dir()
         self.context = zmq.Context()
         try:
-            self.executor = MultiprocExecutor(dataclasses.replace(config, runtime_dir=self.runtime_dir), self.context)
+            self.executor = make_executor(dataclasses.replace(config, runtime_dir=self.runtime_dir), self.context)
         except BaseException:
             self._release()
             raise

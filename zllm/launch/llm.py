@@ -15,12 +15,14 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import msgspec
+import numpy as np
 from tqdm.auto import tqdm
 
 from zllm.frontend.multimodal import chat_images
 from zllm.frontend.processor import PromptType
 from zllm.frontend.tokenizer import Messages, batch_token_ids, chat_prompt
-from zllm.ipc.messages import AddRequest
+from zllm.ipc.messages import AddPoolingBatch, AddRequest
 from zllm.launch.llm_engine import LLMEngine
 from zllm.lora import LoRARequest
 from zllm.outputs import (
@@ -34,7 +36,7 @@ from zllm.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from zllm.pooling import POOLING_SAMPLING, PoolingParams, cosine, finish_pooled
+from zllm.pooling import POOLING_SAMPLING, PoolingParams, cosine, finish_pooled, finished_rows
 from zllm.sampling_params import SamplingParams
 
 # Text inputs per tokenizer call when pooling: the engine embeds one chunk while the next is tokenized.
@@ -129,72 +131,88 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt (normalized as the model declares, unless pooling_params say)."""
-        params = pooling_params or PoolingParams()
-        outputs = self._pool(self._prompt_list(prompts), _with_task(params, "embed"), use_tqdm)
-        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.pooled), o.prompt_token_ids) for o in outputs]
+        """One embedding per prompt (normalized as the model declares, unless pooling_params say).
+        truncate_prompt_tokens (vLLM's): each input's last k tokens; -1: max_model_len."""
+        params = _truncated(pooling_params or PoolingParams(), truncate_prompt_tokens)
+        pooled = self._pool(self._prompt_list(prompts), _with_task(params, "embed"), use_tqdm)
+        return [EmbeddingRequestOutput(i, EmbeddingOutput(row), ids) for i, ids, row in pooled.rows()]
 
     def classify(
-        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (softmax over the labels; sigmoid for one label)."""
-        outputs = self._pool(self._prompt_list(prompts), PoolingParams(task="classify"), use_tqdm)
-        return [
-            ClassificationRequestOutput(o.request_id, ClassificationOutput(o.pooled), o.prompt_token_ids)
-            for o in outputs
-        ]
+        params = PoolingParams(task="classify", truncate_prompt_tokens=truncate_prompt_tokens)
+        pooled = self._pool(self._prompt_list(prompts), params, use_tqdm)
+        return [ClassificationRequestOutput(i, ClassificationOutput(row), ids) for i, ids, row in pooled.rows()]
 
     def encode(
         self,
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[PoolingRequestOutput]:
         """The raw pooled vector per prompt (the pooled hidden state, or the classifier's logits)."""
-        params = pooling_params or PoolingParams(task="encode")
-        outputs = self._pool(self._prompt_list(prompts), params, use_tqdm)
-        return [PoolingRequestOutput(o.request_id, PoolingOutput(o.pooled), o.prompt_token_ids) for o in outputs]
+        params = _truncated(pooling_params or PoolingParams(task="encode"), truncate_prompt_tokens)
+        pooled = self._pool(self._prompt_list(prompts), params, use_tqdm)
+        return [PoolingRequestOutput(i, PoolingOutput(row), ids) for i, ids, row in pooled.rows()]
 
     def score(
-        self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
         """The relevance of each pair (one text against many, or pairwise): a cross-encoder reads
-        the pair as one input; an embedding model scores the cosine of the two embeddings."""
+        the pair as one input (truncate_prompt_tokens: its joined tokens' last k); an embedding
+        model scores the cosine of the two embeddings (each text truncated)."""
         firsts, seconds = score_pairs(data_1, data_2)
         pooler = self.engine.config.pooler
         if pooler is not None and pooler.kind == "classify":
-            pairs = self.engine.processor.tokenize_pairs(firsts, seconds)
-            outputs = self._pool(pairs, PoolingParams(task="score"), use_tqdm)
-            scores = [o.pooled[0] for o in outputs]
-            ids = [o.prompt_token_ids for o in outputs]
+            pairs = self.engine.processor.tokenize_pairs(firsts, seconds, truncate_prompt_tokens)
+            pooled = self._pool(
+                pairs, PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens), use_tqdm
+            )
+            scores = [float(row[0]) for row in pooled.vectors]
+            ids = pooled.prompt_token_ids
         else:
-            embedded = self._pool([*firsts, *seconds], PoolingParams(task="embed"), use_tqdm)
-            vectors = [o.pooled for o in embedded]
-            scores = [cosine(a, b) for a, b in zip(vectors[: len(firsts)], vectors[len(firsts) :])]
-            ids = [
-                a.prompt_token_ids + b.prompt_token_ids
-                for a, b in zip(embedded[: len(firsts)], embedded[len(firsts) :])
-            ]
+            params = PoolingParams(task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+            pooled = self._pool([*firsts, *seconds], params, use_tqdm)
+            count, tokens = len(firsts), pooled.prompt_token_ids
+            vectors = [v if isinstance(v, list) else v.tolist() for v in pooled.vectors]
+            scores = [cosine(a, b) for a, b in zip(vectors[:count], vectors[count:])]
+            ids = [a + b for a, b in zip(tokens[:count], tokens[count:])]
         return [
             ScoringRequestOutput(str(i), ScoringOutput(score), tokens)
             for i, (score, tokens) in enumerate(zip(scores, ids))
         ]
 
     def _tokenized_together(self, prompts: list[PromptType]) -> list[PromptType]:
-        """The text prompts tokenized in one call (the tokenizer's batch path runs in parallel):
-        many short inputs are a pooling model's usual load. Every text is tokenized here, on the
+        """The text prompts as {"prompt", "prompt_token_ids"} dicts, tokenized in one call."""
+        ids = self._token_ids_of(prompts)
+        return [
+            p if t is None else ({**p} if isinstance(p, dict) else {"prompt": p}) | {"prompt_token_ids": t}
+            for p, t in zip(prompts, ids)
+        ]
+
+    def _token_ids_of(self, prompts: list[PromptType]) -> list[list[int] | None]:
+        """Each text prompt's token ids, tokenized in one call (the tokenizer's batch path runs in
+        parallel): many short inputs are a pooling model's usual load; None for the others (token
+        ids, an empty text: the processor checks them). Every text is tokenized here, on the
         tokenizer thread: the engine's thread must not use the tokenizer at the same time."""
         tokenizer = self.get_tokenizer()
         texts = [_text_of(p) for p in prompts]
         wanted = [t for t in texts if t]
         if tokenizer is None or not wanted:
-            return prompts  # the processor explains what is wrong with them
+            return [None] * len(prompts)
         ids = iter(batch_token_ids(tokenizer, wanted))
-        return [
-            ({**p} if isinstance(p, dict) else {}) | {"prompt": t, "prompt_token_ids": next(ids)} if t else p
-            for p, t in zip(prompts, texts)
-        ]
+        return [next(ids) if t else None for t in texts]
 
     @staticmethod
     def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -203,24 +221,118 @@ class LLM:
             raise ValueError("prompts: must not be empty")
         return prompt_list
 
-    def _pool(self, prompts: list[PromptType], params: PoolingParams, use_tqdm: bool) -> list[_Pooled]:
-        """Validate every input, run them through the engine core (at most max_waiting queued at
-        once: an offline batch of 100,000 inputs would overflow its waiting queue), then finish
-        all vectors in one vectorized pass. The output processor (detokenizers, per-token state)
-        has nothing to do for a pooling request, so the core's deltas are read directly."""
+    def _pool(self, prompts: list[PromptType], params: PoolingParams, use_tqdm: bool) -> _PooledBatch:
+        """Validate every input, run them through the engine core, then finish all vectors in
+        one vectorized pass. The output processor (detokenizers, per-token state) has nothing to
+        do for a pooling request, so the core's answers are read directly. Plain inputs (text or
+        token ids) travel as pooling batches (one unit per chunk: no Request per input); others
+        (a text pair's token types, images) one request each."""
         with _collector_paused():
+            if self._batchable(prompts):
+                return self._pool_batches(prompts, params, use_tqdm)
             return self._pool_all(prompts, params, use_tqdm)
 
-    def _pool_all(self, prompts: list[PromptType], params: PoolingParams, use_tqdm: bool) -> list[_Pooled]:
-        """Text prompts are tokenized in chunks on a helper thread (the Rust tokenizer lets go of
-        the GIL), so the engine embeds one chunk while the next is tokenized."""
-        messages: list[AddRequest] = []
-        chunks = range(0, len(prompts), _TOKENIZE_CHUNK)
+    def _batchable(self, prompts: list[PromptType]) -> bool:
+        """Whether the inputs can go as pooling batches: an in-process core (not data-parallel
+        engine processes), and inputs that are text or token ids with nothing else."""
+        if not hasattr(self.engine.core, "add_pooling_batch"):
+            return False
+        return all(isinstance(p, str) or (isinstance(p, dict) and p.keys() <= _PLAIN_KEYS) for p in prompts)
+
+    @staticmethod
+    def _tokenizing(prompts: list[PromptType], executor: ThreadPoolExecutor, tokenize: Callable) -> deque:
+        """Each chunk of the prompts, tokenized on the helper thread: (first index, future)."""
+        return deque(
+            (start, executor.submit(tokenize, prompts[start : start + _TOKENIZE_CHUNK]))
+            for start in range(0, len(prompts), _TOKENIZE_CHUNK)
+        )
+
+    def _pool_batches(self, prompts: list[PromptType], params: PoolingParams, use_tqdm: bool) -> _PooledBatch:
+        """Each tokenized chunk becomes one AddPoolingBatch (checked once, admitted whole); its
+        vectors come back as arrays, finished together at the end."""
+        processor = self.engine.processor
+        batches: list[tuple[AddPoolingBatch, list[list[int]]]] = []
         with ThreadPoolExecutor(1, thread_name_prefix="zllm-tokenize") as tokenizer_thread:
-            tokenizing = deque(
-                (start, tokenizer_thread.submit(self._tokenized_together, prompts[start : start + _TOKENIZE_CHUNK]))
-                for start in chunks
-            )
+            tokenizing = self._tokenizing(prompts, tokenizer_thread, self._token_ids_of)
+
+            def next_batch(wait: bool) -> AddPoolingBatch | None:
+                """The next tokenized chunk as a pooling batch; None if none is ready (or left)."""
+                if not tokenizing or not (wait or tokenizing[0][1].done()):
+                    return None
+                start, future = tokenizing.popleft()
+                given = prompts[start : start + _TOKENIZE_CHUNK]
+                batch = processor.process_pooling_batch(f"batch-{next(self._ids)}", given, future.result(), params)
+                batches.append(batch)
+                return batch[0]
+
+            try:
+                vectors = self._run_pooling_batches(next_batch, len(prompts), use_tqdm)
+            finally:
+                for _, future in tokenizing:
+                    future.cancel()
+        matrix = np.concatenate([vectors[message.batch_id] for message, _ in batches])
+        # Rows of one array: each becomes a list when its output is read (zllm/outputs.py).
+        rows = list(finished_rows(matrix, params, self.engine.config.pooler))
+        request_ids = list(map(str, itertools.islice(self._ids, len(rows))))
+        return _PooledBatch(request_ids, [ids for _, chunk in batches for ids in chunk], rows)
+
+    def _run_pooling_batches(
+        self, next_batch: Callable[[bool], AddPoolingBatch | None], total: int, use_tqdm: bool
+    ) -> dict[str, np.ndarray]:
+        """Feed the core batches (one more whenever its queue has room: the core refuses a batch
+        while max_waiting inputs wait unscheduled) and step it until every input has its vector."""
+        core = self.engine.core
+        pending: deque[AddPoolingBatch] = deque()
+        vectors: dict[str, np.ndarray] = {}
+        sizes: dict[str, int] = {}  # batch id -> its inputs
+        unanswered: dict[str, int] = {}  # batch id -> its inputs still without a vector
+        done = 0
+        with tqdm(total=total, desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                while done < total:
+                    if not pending:
+                        batch = next_batch(not unanswered)
+                        pending.extend([batch] if batch is not None else [])
+                    while pending and self._queued(core, pending[0]):
+                        batch = pending.popleft()
+                        unanswered[batch.batch_id] = sizes[batch.batch_id] = batch.lengths.shape[0]
+                    core.step()
+                    for answer in core.take_pooled_slices():
+                        if answer.batch_id not in unanswered:
+                            continue
+                        if answer.error is not None or answer.vectors is None:
+                            raise RuntimeError(f"the engine failed pooling batch {answer.batch_id}: {answer.error}")
+                        rows = answer.vectors.to_numpy()
+                        if answer.batch_id not in vectors:
+                            vectors[answer.batch_id] = np.empty((sizes[answer.batch_id], rows.shape[1]), np.float32)
+                        vectors[answer.batch_id][answer.first : answer.first + len(rows)] = rows
+                        unanswered[answer.batch_id] -= len(rows)
+                        if not unanswered[answer.batch_id]:
+                            del unanswered[answer.batch_id]
+                        done += len(rows)
+                        bar.update(len(rows))
+            except BaseException:
+                core.abort_pooling_batches(sorted(unanswered))
+                raise
+        return vectors
+
+    @staticmethod
+    def _queued(core, batch: AddPoolingBatch) -> bool:
+        """Whether the core took the batch now (False: its queue is full; the batch waits)."""
+        from zllm.enginecore.core import QueueFullError  # the engine core loads with an engine
+
+        try:
+            core.add_pooling_batch(batch)
+        except QueueFullError:
+            return False
+        return True
+
+    def _pool_all(self, prompts: list[PromptType], params: PoolingParams, use_tqdm: bool) -> _PooledBatch:
+        """One request per input. Text prompts are tokenized in chunks on a helper thread (the
+        Rust tokenizer lets go of the GIL), so the engine embeds one chunk while the next is tokenized."""
+        messages: list[AddRequest] = []
+        with ThreadPoolExecutor(1, thread_name_prefix="zllm-tokenize") as tokenizer_thread:
+            tokenizing = self._tokenizing(prompts, tokenizer_thread, self._tokenized_together)
 
             def next_messages(wait: bool) -> list[AddRequest]:
                 """The next tokenized chunk as engine messages; [] if none is ready (or left)."""
@@ -240,7 +352,7 @@ class LLM:
                 for _, future in tokenizing:
                     future.cancel()
         rows = finish_pooled(b"".join(raw[m.request_id] for m in messages), params, self.engine.config.pooler)
-        return [_Pooled(m.request_id, m.prompt_token_ids, row) for m, row in zip(messages, rows)]
+        return _PooledBatch([m.request_id for m in messages], [m.prompt_token_ids for m in messages], rows)
 
     def _pooling_message(self, prompt: PromptType, params: PoolingParams, tokenized: bool) -> AddRequest:
         return self.engine.processor.process(
@@ -375,16 +487,37 @@ def _text_of(prompt: PromptType) -> str | None:
     return None
 
 
-class _Pooled(NamedTuple):
-    request_id: str
-    prompt_token_ids: list[int]
-    pooled: list[float]
+class _PooledBatch(NamedTuple):
+    """A pooling call's results, in the inputs' order: ids, token ids and finished vectors."""
+
+    request_ids: list[str]
+    prompt_token_ids: list[list[int]]
+    vectors: list  # each a list of floats, or a row of the batch's finished array
+
+    def rows(self) -> Iterator[tuple[str, list[int], Any]]:
+        return zip(self.request_ids, self.prompt_token_ids, self.vectors)
+
+
+# A prompt dict with only these keys is plain text or token ids: it can travel in a pooling batch.
+_PLAIN_KEYS = {"prompt", "prompt_token_ids"}
 
 
 def _with_task(params: PoolingParams, task: str) -> PoolingParams:
     if params.task == task:
         return params
-    return PoolingParams(task=task, normalize=params.normalize, dimensions=params.dimensions)
+    return PoolingParams(
+        task=task,
+        normalize=params.normalize,
+        dimensions=params.dimensions,
+        truncate_prompt_tokens=params.truncate_prompt_tokens,
+    )
+
+
+def _truncated(params: PoolingParams, truncate_prompt_tokens: int | None) -> PoolingParams:
+    """The call's truncate_prompt_tokens (as vLLM's LLM takes it) over the params' own."""
+    if truncate_prompt_tokens is None:
+        return params
+    return msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
 
 
 def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> tuple[list[str], list[str]]:

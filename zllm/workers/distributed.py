@@ -135,15 +135,18 @@ def rendezvous_method(config: EngineConfig) -> str:
     return f"file://{os.path.join(config.runtime_dir, 'tp-rendezvous')}"
 
 
-def init_tensor_parallel(config: EngineConfig, rank: int, device: torch.device) -> TensorParallel:
-    """Join the group of `config.tensor_parallel_size` ranks (returns at once for tp 1)."""
+def init_tensor_parallel(
+    config: EngineConfig, rank: int, device: torch.device, init_method: str | None = None
+) -> TensorParallel:
+    """Join the group of `config.tensor_parallel_size` ranks (returns at once for tp 1) at
+    `init_method`, or where the config says (rendezvous_method)."""
     size = config.tensor_parallel_size
     if size == 1:
         return TensorParallel()
     backend = "nccl" if device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(
         backend=backend,
-        init_method=rendezvous_method(config),
+        init_method=init_method or rendezvous_method(config),
         world_size=size,
         rank=rank,
         timeout=datetime.timedelta(seconds=config.startup_timeout_s),

@@ -7,6 +7,7 @@ the runner keeps every live request's tokens and block table between steps.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from zllm.sampling_params import SamplingParams
 from zllm.workers.attention import KV_FP8, AttentionMetadata, pack_prefill, packed_prefill_of
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.models import build_model
-from zllm.workers.multimodal import Chunk, MRopeState, MultimodalRunner
+from zllm.workers.multimodal import Chunk, MRopeState, MultimodalRunner, ProfileImages
 from zllm.workers.ops import TorchOps, ops_for
 from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
@@ -105,6 +106,8 @@ class BatchInputs:
     # A vision-language model's image tokens: (rows of the step, their embeddings).
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     token_lora_ids: np.ndarray | None = None  # with LoRA: each token's adapter id (0: the base model)
+    # Request id -> (its first position computed this step, that token's row): an EAGLE head's features.
+    feature_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -169,6 +172,8 @@ class ModelRunner:
         self.graphs = None
         self.pieces = None  # EagerPieces / PiecewiseGraphs: steps with prefill (piecewise_cuda_graphs)
         self.proposer = None  # speculative decoding: drafts for the requests that sampled (load_model)
+        # The latest drafts proposed for each request, which async steps ask for (-1 placeholders).
+        self.drafts: dict[str, list[int]] = {}
         self.mm: MultimodalRunner | None = None  # a vision-language model's images (load_model)
         self.lora = None  # LoRAManager with enable_lora (load_model)
 
@@ -286,8 +291,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_forward(self) -> int:
-        """Run one forward over max_num_batched_tokens prompt tokens; returns the bytes of the
-        scratch KV cache it used (not an activation)."""
+        """Run one forward over max_num_batched_tokens prompt tokens (a vision-language model's
+        largest images encoded first and held in its encoder cache meanwhile: ProfileImages);
+        returns the bytes of the scratch KV cache it used (not an activation)."""
         tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len * self.config.max_num_seqs)
         per_request = min(tokens, self.config.max_model_len)
         blocks_per_request = -(-per_request // self.block_size)
@@ -295,6 +301,7 @@ class ModelRunner:
         self.initialize_kv_cache(blocks_per_request * num_requests, split=False)
         step = StepInput(step_id=0, new_requests=[], cached_requests=[], scheduled_ids=[], num_scheduled_tokens=[])
         sampling = SamplingParams(temperature=0.0)
+        images = ProfileImages.plan(self.spec.vision, self.config) if self.mm is not None else None
         for r in range(num_requests):
             count = min(per_request, tokens - r * per_request)
             blocks = list(range(r * blocks_per_request, (r + 1) * blocks_per_request))
@@ -307,15 +314,27 @@ class ModelRunner:
                     blocks,
                     0,
                     sliding_block_ids=blocks if self.hybrid else [],
+                    mm_inputs=self.mm.profile_spans(images, count) if images is not None else [],
                 )
             )
             step.scheduled_ids.append(f"profile-{r}")
             step.num_scheduled_tokens.append(count)
+        if images is not None:
+            logger.info(
+                "memory profile: %d image(s) of %d tokens (grid %s) in the encoder cache, one encoded",
+                images.count,
+                images.tokens,
+                images.grid,
+            )
+            self.mm.hold_profile_images(images)
         self.execute_step(step)
+        if images is not None:
+            self.mm.drop_profile_images()
         if self.proposer is not None:
             for request_id in self.requests:
                 self.proposer.forget(request_id)
         self.requests.clear()
+        self.drafts.clear()
         self.sampling.clear()
         self.awaiting_prompt_logprobs.clear()
         self._in_flight, self._in_flight_tokens = {}, None
@@ -374,6 +393,12 @@ class ModelRunner:
             self.config.max_num_seqs, self.num_heads, self.spec.head_dim, self.config.max_model_len, self.device
         )
         if self.config.enforce_eager:
+            return
+        if getattr(self.model, "aux_hidden_layers", ()):
+            logger.info(
+                "decode CUDA graphs off: EAGLE-3 reads the target's inner layers, which they do not keep "
+                "(the piecewise graphs do)"
+            )
             return
         if self.lora is not None and not self.lora.graph_safe:
             logger.info("decode CUDA graphs off: LoRA's torch path groups each step's rows on the host")
@@ -441,10 +466,14 @@ class ModelRunner:
         launched = LaunchedStep(step_id=step.step_id)
         if step.is_empty:
             return launched
+        if step.spec_token_ids and self.config.async_scheduling:
+            step = self._with_own_drafts(step)
         batch = self._prepare_inputs(step)
         if self.lora is not None:
             self.lora.prepare(batch.token_lora_ids)
         hidden = self._forward(batch)
+        if self.proposer is not None and self.proposer.needs_features:
+            self.proposer.keep_features(hidden, batch.feature_rows)
         if batch.prompt_spans:
             self._compute_prompt_logprobs(hidden, batch.prompt_spans)
         launched.prompt_logprobs = self._finished_prompt_logprobs()
@@ -455,6 +484,21 @@ class ModelRunner:
             # Every rank takes part in the gather; only rank 0 gets logits.
             launched.logits = self.model.compute_logits(hidden[batch.logits_indices])
         return launched
+
+    def _with_own_drafts(self, step: StepInput) -> StepInput:
+        """Async speculative decoding: the step asks for up to n drafts per request (-1
+        placeholders); it scores the drafts proposed here after the request's last step, at most n,
+        and the request computes that many fewer tokens when there are fewer (the core's
+        answer-time roll-back covers the difference)."""
+        resolved = copy.copy(step)  # the message itself stays as sent (in-process, the core's object)
+        resolved.spec_token_ids, resolved.num_scheduled_tokens = {}, list(step.num_scheduled_tokens)
+        index = {request_id: i for i, request_id in enumerate(step.scheduled_ids)}
+        for request_id, wanted in step.spec_token_ids.items():
+            own = self.drafts.get(request_id, [])[: len(wanted)]
+            resolved.num_scheduled_tokens[index[request_id]] -= len(wanted) - len(own)
+            if own:
+                resolved.spec_token_ids[request_id] = own
+        return resolved
 
     @torch.inference_mode()
     def sample_step(self, launched: LaunchedStep, grammar: GrammarBitmask | None = None) -> None:
@@ -526,6 +570,13 @@ class ModelRunner:
         if self._in_flight_tokens is launched.tokens:
             self._in_flight, self._in_flight_tokens = {}, None
         drafts = self._propose(launched) if self.proposer is not None else {}
+        if self.drafts:  # what these requests drafted before is stale now
+            for state in states:
+                self.drafts.pop(state.request_id, None)
+        self.drafts.update(drafts)
+        scored = {}
+        if launched.layout is not None:
+            scored = {s.request_id: len(d) for s, d in zip(states, launched.layout.drafts) if d}
         logprobs = launched.logprobs
         if logprobs is not None and launched.layout is not None:
             logprobs = _select_rows(logprobs, logprob_rows)
@@ -536,7 +587,10 @@ class ModelRunner:
             logprobs=None if logprobs is None else _to_message(logprobs),
             prompt_logprobs={rid: _concat_to_message(parts) for rid, parts in launched.prompt_logprobs.items()},
             failed_requests=self.failures.take(),  # new requests it could not take, since the last answer
+            # Under async scheduling the next step is on its way already: these tell the core which
+            # requests to ask drafts for in the step after it.
             draft_token_ids=drafts if self.tp.is_first else {},
+            num_drafts_scored=scored if self.tp.is_first else {},
         )
 
     def _tokens_gained(self, launched: LaunchedStep) -> list[list[int]]:
@@ -627,6 +681,8 @@ class ModelRunner:
         if batch.mm_embeds is not None or batch.positions.dim() == 2:  # images or M-RoPE: eager
             return self.model(batch.input_ids, batch.positions, self.kv_caches, meta, mm_embeds=batch.mm_embeds)
         num_tokens = batch.input_ids.shape[0]
+        # EAGLE-3 reads inner layers: the pieces keep them (aux buffer), the decode graphs do not
+        # (none are captured then).
         if self.graphs is not None and meta.num_decodes == num_tokens and self.graphs.bucket(num_tokens):
             return self.graphs.run(
                 batch.input_ids, batch.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.sliding
@@ -646,7 +702,9 @@ class ModelRunner:
             if self.failures.is_dropped(cached.request_id):
                 continue  # scheduled (async) before the core heard that it failed here
             state = self.requests[cached.request_id]
-            _apply_diff(state, cached)
+            # With drafts, this worker's count is the exact one: it rolled back the rejected drafts
+            # itself, while an async step's count assumed every draft in flight was accepted.
+            _apply_diff(state, cached, keep_computed=self.proposer is not None)
 
     def _add_request(self, new: NewRequestData) -> None:
         state = _state_from_new(new)
@@ -674,6 +732,7 @@ class ModelRunner:
             self.proposer.forget(request_id)
         self.sampling.remove(request_id)
         self.awaiting_prompt_logprobs.pop(request_id, None)
+        self.drafts.pop(request_id, None)
         self._in_flight.pop(request_id, None)  # a token in flight for it is stale now
 
     def _prepare_inputs(self, step: StepInput) -> BatchInputs:
@@ -699,6 +758,8 @@ class ModelRunner:
         states = []  # per attention row: a request with drafts has one per scored token
         scheduled_states = []  # per request
         chunks: list[Chunk] = []  # a vision-language model's: each request's rows
+        feature_rows: dict[str, tuple[int, int]] = {}  # only for a proposer that reads the target's features
+        keeps_features = self.proposer is not None and self.proposer.needs_features
         for i in order:
             state = self.requests[step.scheduled_ids[i]]
             drafts = step.spec_token_ids.get(state.request_id, []) if step.spec_token_ids else []
@@ -706,6 +767,8 @@ class ModelRunner:
             end, known = start + count, len(state.token_ids)
             end_of_known = end - len(drafts)
             in_flight = self._in_flight.get(state.request_id)
+            if keeps_features:
+                feature_rows[state.request_id] = (start, query_start_loc[-1])
             if state.prompt_logprobs is not None and start < state.prompt_len - 1:
                 # Position p predicts prompt token p + 1; the last prompt position predicts the output.
                 span_count = min(end, state.prompt_len - 1) - start
@@ -829,6 +892,7 @@ class ModelRunner:
             layout=DraftLayout.of(sampling_drafts) if step.spec_token_ids else None,
             mm_embeds=self.mm.embeddings(chunks) if self.mm is not None else None,
             token_lora_ids=np.asarray([s.lora_id for s in states])[rows] if self.lora is not None else None,
+            feature_rows=feature_rows,
         )
 
     @staticmethod
@@ -878,10 +942,11 @@ def _concat_to_message(parts: list[LogprobsTensors]) -> TokenLogprobs:
     )
 
 
-def _apply_diff(state: RequestState, diff: CachedRequestData) -> None:
+def _apply_diff(state: RequestState, diff: CachedRequestData, keep_computed: bool = False) -> None:
     state.block_ids.extend(diff.new_block_ids)
     state.sliding_block_ids.extend(diff.new_sliding_block_ids)
-    state.num_computed_tokens = diff.num_computed_tokens
+    if not keep_computed:
+        state.num_computed_tokens = diff.num_computed_tokens
 
 
 @contextlib.contextmanager

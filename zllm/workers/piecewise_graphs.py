@@ -69,6 +69,10 @@ class EagerPieces:
         self.attended = torch.zeros(largest, first.num_heads, first.head_dim, dtype=dtype, device=device)
         self.residual = torch.zeros(largest, hidden, dtype=dtype, device=device)
         self.hidden = torch.zeros(largest, hidden, dtype=dtype, device=device)
+        # EAGLE-3 (LlamaForCausalLM.aux_hidden_layers): the residual stream entering those layers,
+        # side by side, written by the pieces that start them (so the graphs hold the copies too).
+        self.aux_layers = tuple(getattr(model, "aux_hidden_layers", ()))
+        self.aux = torch.zeros(largest, len(self.aux_layers) * hidden, dtype=dtype, device=device)
 
     @property
     def num_pieces(self) -> int:
@@ -95,6 +99,8 @@ class EagerPieces:
                 attended = layer.self_attn.attend(self.q[:num_tokens], self.kv_caches[index - 1], layer_meta)
                 self.attended[:num_tokens].copy_(attended.reshape(num_tokens, *self.attended.shape[1:]))
             self._run_piece(index, size)
+        if self.aux_layers:
+            self.model.aux_hidden_states = self.aux[:num_tokens]
         return self.hidden[:num_tokens]
 
     def _run_piece(self, index: int, size: int) -> None:
@@ -117,6 +123,10 @@ class EagerPieces:
             x, _ = self.model.model.norm(x, residual)
             self.hidden[:size].copy_(x)
             return
+        for j, layer in enumerate(self.aux_layers):  # a layer may be named twice: kept each time
+            if layer == index:
+                width = x.shape[-1]
+                self.aux[:size, j * width : (j + 1) * width].copy_(x if residual is None else x + residual)
         q, residual = self.layers[index].before_attention(
             x,
             residual,

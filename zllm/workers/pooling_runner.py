@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from zllm.config import EngineConfig
-from zllm.ipc.messages import NewRequestData, StepInput, StepOutput
+from zllm.ipc.messages import ArrayData, NewRequestData, PooledSlice, PoolingSlice, StepInput, StepOutput
 from zllm.model_spec import ModelSpec
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.model_runner import _default_dtype, resolve_dtype
@@ -34,7 +35,19 @@ _MAX_PADDING = 1.25
 class PooledStep:
     step_id: int
     request_ids: list[str] = field(default_factory=list)
-    pooled: torch.Tensor | None = None  # [inputs, width] float32, in request_ids' order
+    slices: list[PoolingSlice] = field(default_factory=list)
+    # [inputs, width] float32: request_ids' rows, then the slices' rows, in the step's order
+    pooled: torch.Tensor | None = None
+
+
+class _StepInputs(NamedTuple):
+    """A step's inputs as arrays, sorted by length: token ids, lengths, token types, and where
+    each input of the step's order went (sorted row of input i)."""
+
+    token_ids: np.ndarray
+    lengths: np.ndarray
+    token_types: np.ndarray
+    rank: np.ndarray
 
 
 class PoolingRunner:
@@ -57,7 +70,7 @@ class PoolingRunner:
             if self.spec.encoder:
                 model = BertModel(self.spec, self.tp)
             else:
-                model = DecoderForPooling(self.spec, ops_for(self.device), self.tp)
+                model = DecoderForPooling(self.spec, ops_for(self.device), self.tp, self.config.pooler)
         if self.config.load_format == "dummy":
             init_dummy_weights(model, self.config.seed)
         else:
@@ -80,11 +93,10 @@ class PoolingRunner:
     # ---- steps ---------------------------------------------------------------------------------
 
     def launch_step(self, step: StepInput) -> PooledStep:
-        requests = sorted(step.new_requests, key=lambda r: len(r.token_ids))
-        launched = PooledStep(step.step_id, [r.request_id for r in requests])
-        if requests:
+        launched = PooledStep(step.step_id, [r.request_id for r in step.new_requests], step.pooling_slices)
+        if step.new_requests or step.pooling_slices:
             with torch.inference_mode():
-                launched.pooled = self._pool(requests)
+                launched.pooled = self._pool(self._step_inputs(step))
         return launched
 
     def sample_step(self, launched: PooledStep, grammar=None) -> None:
@@ -92,30 +104,65 @@ class PoolingRunner:
 
     def finish_step(self, launched: PooledStep) -> StepOutput:
         output = StepOutput(step_id=launched.step_id, request_ids=launched.request_ids, sampled_token_ids=[])
-        if launched.pooled is not None:
-            rows = launched.pooled.cpu().numpy().astype("<f4", copy=False)
-            output.pooled = {rid: rows[i].tobytes() for i, rid in enumerate(launched.request_ids)}
+        if launched.pooled is None:
+            return output
+        rows = launched.pooled.cpu().numpy().astype("<f4", copy=False)
+        output.pooled = {rid: rows[i].tobytes() for i, rid in enumerate(launched.request_ids)}
+        first = len(launched.request_ids)
+        for part in launched.slices:
+            count = part.lengths.shape[0]
+            vectors = ArrayData.of(rows[first : first + count])
+            output.pooled_slices.append(PooledSlice(part.batch_id, part.first, vectors))
+            first += count
         return output
 
-    def _pool(self, requests: list[NewRequestData]) -> torch.Tensor:
-        lengths = [len(r.token_ids) for r in requests]
-        total = sum(lengths)
-        token_ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in requests), np.int64, count=total)
-        starts = np.cumsum(lengths) - lengths
-        positions = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-        token_types = (
-            np.concatenate([_token_types(r, self.spec.type_vocab_size) for r in requests])
-            if any(r.pooling is not None and r.pooling.token_type_ids is not None for r in requests)
-            else np.zeros(total, dtype=np.int64)
-        )
+    def _step_inputs(self, step: StepInput) -> _StepInputs:
+        """The single requests' ids and the slices' arrays as one sorted set of arrays: inputs of
+        similar length attend together (the grouped path pads each group to its longest)."""
+        requests = step.new_requests
+        lengths = np.fromiter((len(r.token_ids) for r in requests), np.int64, count=len(requests))
+        parts = [
+            np.fromiter(itertools.chain.from_iterable(r.token_ids for r in requests), np.int64, count=lengths.sum())
+        ]
+        types = [self._token_types(requests, int(lengths.sum()))]
+        for part in step.pooling_slices:
+            parts.append(part.token_ids.to_numpy().astype(np.int64))
+            lengths = np.concatenate((lengths, part.lengths.to_numpy()))
+            types.append(np.zeros(len(parts[-1]), dtype=np.int64))
+        token_ids, token_types = np.concatenate(parts), np.concatenate(types)
+        order = np.argsort(lengths, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        if (order[1:] < order[:-1]).any():
+            # Each input's rows moved as a whole: sorted row r reads from its input's old start.
+            starts = np.cumsum(lengths) - lengths
+            sorted_lengths = lengths[order]
+            sorted_starts = np.cumsum(sorted_lengths) - sorted_lengths
+            gather = np.arange(len(token_ids)) + np.repeat(starts[order] - sorted_starts, sorted_lengths)
+            token_ids, token_types, lengths = token_ids[gather], token_types[gather], sorted_lengths
+        return _StepInputs(token_ids, lengths, token_types, rank)
+
+    def _token_types(self, requests: list[NewRequestData], total: int) -> np.ndarray:
+        if not any(r.pooling is not None and r.pooling.token_type_ids is not None for r in requests):
+            return np.zeros(total, dtype=np.int64)
+        return np.concatenate([_token_types(r, self.spec.type_vocab_size) for r in requests])
+
+    def _pool(self, inputs: _StepInputs) -> torch.Tensor:
+        """The step's vectors, in the step's order (single requests, then the slices' inputs)."""
+        lengths = inputs.lengths.tolist()
+        total = len(inputs.token_ids)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(inputs.lengths) - inputs.lengths, lengths)
         groups = self._packed(lengths) if self.packs else self._groups(lengths)
         hidden = self.model(
-            to_device(token_ids, self.device),
+            to_device(inputs.token_ids, self.device),
             to_device(positions, self.device),
-            to_device(token_types, self.device),
+            to_device(inputs.token_types, self.device),
             groups,
         )
-        return self._pooled(hidden, lengths).float()
+        pooled = self._pooled(hidden, lengths).float()
+        if (inputs.rank == np.arange(len(lengths))).all():
+            return pooled
+        return pooled.index_select(0, to_device(inputs.rank, self.device))
 
     def _packed(self, lengths: list[int]) -> PackedInputs:
         offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)

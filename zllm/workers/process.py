@@ -15,12 +15,14 @@ import logging
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 
 import zmq
 
 from zllm.config import EngineConfig
 from zllm.ipc.addresses import InternalEndpoints, NodeEndpoints
-from zllm.ipc.codec import Codec, MessageError
+from zllm.ipc.codec import Codec, MessageError, decode_json
+from zllm.ipc.curve import ClientKeys
 from zllm.ipc.messages import (
     CoreToWorker,
     FlushStep,
@@ -32,17 +34,30 @@ from zllm.ipc.messages import (
     WorkerReady,
     WorkerToCore,
 )
-from zllm.ipc.sockets import connect_pull_push
+from zllm.ipc.sockets import connect_pull_push, make_socket
 from zllm.procs.children import die_with_parent, install_hang_dump, read_config_from_stdin, setup_child_logging
 
 logger = logging.getLogger("zllm.worker")
 _FLUSH_MS = 1000  # at exit, how long the last message (WorkerFailed) may take to leave
 
 
+@dataclass(frozen=True, slots=True)
+class RankLinks:
+    """Where a rank placed by a cluster manager (the Ray backend: zllm/workers/ray_actor.py) meets
+    its engine core and its peers: handed to it, not derived from the config."""
+
+    worker_input: str  # the engine core's PUSH to this rank
+    worker_output: str  # the engine core's PULL
+    curve: ClientKeys | None  # tcp from another machine: the core's public key and this rank's pair
+    init_method: str  # torch.distributed's rendezvous (rank 0's address)
+    gpu_index: int | None  # among the GPUs this process sees; None: CPU
+
+
 class WorkerProcess:
-    def __init__(self, config: EngineConfig, rank: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, links: RankLinks | None = None) -> None:
         self.config = config
         self.rank = rank
+        self.links = links
         self.context = zmq.Context()
         self.input, self.output = self._connect(config, rank)
         # NOTE: the size limit is checked on receipt, not with zmq.MAXMSGSIZE: libzmq ends a
@@ -53,6 +68,16 @@ class WorkerProcess:
 
     def _connect(self, config: EngineConfig, rank: int) -> tuple[zmq.Socket, zmq.Socket]:
         """To the engine core: over ipc on its node, over tcp (CURVE) from another node."""
+        if self.links is not None:
+            links, hwm = self.links, config.socket_hwm
+            return (
+                make_socket(
+                    self.context, zmq.PULL, links.worker_input, bind=False, hwm=hwm, curve_client_keys=links.curve
+                ),
+                make_socket(
+                    self.context, zmq.PUSH, links.worker_output, bind=False, hwm=hwm, curve_client_keys=links.curve
+                ),
+            )
         if not config.tp_spans_nodes or config.node_rank == 0:
             endpoints = InternalEndpoints(config.runtime_dir)
             inputs, outputs = endpoints.worker_input(rank), endpoints.worker_output
@@ -97,7 +122,11 @@ class WorkerProcess:
     def _start(self) -> None:
         from zllm.workers.worker import Worker
 
-        self.worker = Worker(self.config, self.rank)
+        links = self.links
+        if links is None:
+            self.worker = Worker(self.config, self.rank)
+        else:
+            self.worker = Worker(self.config, self.rank, links.gpu_index, links.init_method)
         num_blocks = self.worker.determine_num_kv_blocks()
         self._send(WorkerReady(rank=self.rank, num_kv_blocks=num_blocks, pid=os.getpid()))
 
@@ -137,6 +166,34 @@ class WorkerProcess:
 
     def _send(self, message) -> None:
         self.output.send(self.outbound.encode(message), copy=False)
+
+
+def run_placed_rank(
+    config_json: bytes,
+    rank: int,
+    worker_input: str,
+    worker_output: str,
+    curve_keys: str | None,
+    init_method: str,
+    visible_gpus: str | None,
+    gpu_index: int | None,
+) -> int:
+    """A rank placed by Ray (zllm/procs/ray_actor.py runs this in its actor): the same loop as a
+    worker process, on the sockets and rendezvous its engine core named. curve_keys: "server
+    public,client public,client secret" (z85) when the core is on another machine. visible_gpus:
+    every GPU Ray gave this engine's ranks on this node (set before CUDA starts, so that peers
+    on one node see each other's GPUs); gpu_index: this rank's among them."""
+    if visible_gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus
+    config = decode_json(config_json, EngineConfig)
+    setup_child_logging(f"worker{rank}")
+    install_hang_dump()
+    curve = None
+    if curve_keys:
+        server_public, public, secret = (key.encode() for key in curve_keys.split(","))
+        curve = ClientKeys(server_public=server_public, key_pair=(public, secret))
+    links = RankLinks(worker_input, worker_output, curve, init_method, gpu_index)
+    return WorkerProcess(config, rank, links).run()
 
 
 def main(argv: list[str] | None = None) -> int:

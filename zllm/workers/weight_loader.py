@@ -3,45 +3,27 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from pathlib import Path
 
 import torch
 
+from zllm.model_files import TORCH_CHECKPOINT_FILE, checkpoint_files
 from zllm.quantization import BLOCK
 from zllm.workers.fp8 import E4M3, dequantize
 from zllm.workers.models.llama import LlamaForCausalLM
 from zllm.workers.parallel_layers import LoadTarget
 
-_INDEX_FILE = "model.safetensors.index.json"
 
-
-def checkpoint_files(model_dir: str) -> list[Path]:
-    """The safetensors files of a checkpoint: those the index names, else every *.safetensors."""
-    root = Path(model_dir)
-    index = root / _INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = [root / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"model: {index} names shard(s) that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model: no *.safetensors files in {root} (use load_format='dummy' for random weights)")
-    return files
-
-
-def load_safetensors(model: LlamaForCausalLM, model_dir: str) -> None:
+def load_safetensors(model: LlamaForCausalLM, model_dir: str, torch_file: bool = False) -> None:
     """Copy this rank's part of every checkpoint tensor into its parameter; fail on gaps and
-    mismatches. Only the needed region of each tensor is read from disk."""
+    mismatches. Only the needed region of each tensor is read from disk (safetensors).
+    torch_file: a pytorch_model.bin is read too, where the directory has no safetensors."""
     params = dict(model.named_parameters())
     expected = set(model.expected_checkpoint_tensors())
     loaded: set[tuple[str, int | None]] = set()
-    files = checkpoint_files(model_dir)
-    scales = _BlockScales(files) if model.spec.dequantize_fp8_blocks else None
+    files = checkpoint_files(model_dir, torch_file)
+    scales = _BlockScales(files) if getattr(model.spec, "dequantize_fp8_blocks", False) else None
     for path in files:
         with _open_safetensors(path) as opened:
             f = opened if scales is None else _DequantizedFile(opened, scales, path)
@@ -151,6 +133,8 @@ def finish_loading(model: LlamaForCausalLM) -> None:
 
 
 def _open_safetensors(path: Path):
+    if path.name == TORCH_CHECKPOINT_FILE:
+        return _TorchFile(path)
     from safetensors import safe_open
 
     try:
@@ -249,3 +233,52 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 def _stable_seed(seed: int, name: str, shard: int | None) -> int:
     digest = hashlib.blake2b(f"{seed}/{name}/{shard}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def read_whole_tensor(model_dir: str, name: str, torch_file: bool = False) -> torch.Tensor:
+    """One checkpoint tensor, whole (a small one: EAGLE-3's d2t)."""
+    for path in checkpoint_files(model_dir, torch_file):
+        with _open_safetensors(path) as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise ValueError(f"model: checkpoint in {model_dir} lacks tensor {name}")
+
+
+class _TorchFile:
+    """A pytorch_model.bin read like a safetensors file (keys, get_slice, get_tensor). Loaded
+    with weights_only: tensors and plain containers only, no code from the file runs; memory-mapped,
+    so a region read copies only that region."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self.tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:  # torch raises several types for a file it cannot read
+            raise ValueError(f"model: {path} is not a readable PyTorch weights file: {error}") from None
+        if not isinstance(self.tensors, dict):
+            raise ValueError(f"model: {path} holds no state dict of tensors")
+
+    def __enter__(self) -> _TorchFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tensors = {}
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def get_slice(self, name: str) -> _TorchSlice:
+        return _TorchSlice(self.tensors[name])
+
+
+class _TorchSlice:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, region) -> torch.Tensor:
+        return self.tensor[region]

@@ -23,16 +23,16 @@ from zllm.workers.symmetric_all_reduce import attach_symmetric_all_reduce
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(name: str, rank: int = 0, first_gpu: int = 0) -> torch.device:
+def resolve_device(name: str, rank: int = 0, first_gpu: int = 0, gpu_index: int | None = None) -> torch.device:
     """Rank R of a tensor-parallel group uses GPU first_gpu + R (first_gpu: the data-parallel
-    engine's first GPU)."""
+    engine's first GPU), unless its placement names the GPU (`gpu_index`, the Ray backend)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but no CUDA device is available")
-    index = first_gpu + rank
+    index = first_gpu + rank if gpu_index is None else gpu_index
     if index >= torch.cuda.device_count():
         raise ValueError(f"device: rank {rank} needs GPU {index}, but only {torch.cuda.device_count()} are visible")
     torch.cuda.set_device(index)
@@ -48,10 +48,14 @@ class Worker:
     it and samples step N+1 (whose inputs take step N's tokens straight from the device).
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, gpu_index: int | None = None, init_method: str | None = None
+    ) -> None:
+        """gpu_index, init_method: where a cluster manager placed this rank (the Ray backend);
+        None: derived from the config and the rank."""
         self.config = config
-        self.device = resolve_device(config.device, rank, config.first_gpu)
-        self.tp = init_tensor_parallel(config, rank, self.device)
+        self.device = resolve_device(config.device, rank, config.first_gpu, gpu_index)
+        self.tp = init_tensor_parallel(config, rank, self.device, init_method)
         sharers = config.ranks_per_node * config.local_engines
         if self.device.type == "cpu" and sharers > 1:
             # Ranks (of every engine) share the machine's cores; without a cap each would start
@@ -82,15 +86,33 @@ class Worker:
 
         A step with structured requests is sampled on rank 0 only once its GrammarBitmask arrives
         (`apply_grammar_bitmask`): the core computes it after it has the answer given here. The
-        other ranks sample at once: they only receive rank 0's tokens."""
-        launched = self.runner.launch_step(step)
-        answers = self.finish_pending()
+        other ranks sample at once: they only receive rank 0's tokens.
+
+        Speculative decoding: a step that scores drafts, or follows one that did, is launched only
+        after the step before it is answered. Its drafts are proposed here from that step's
+        tokens, and how many drafts that step accepted sets where its requests stand (each
+        request's tokens, positions and slots); the core's own steps still overlap the device.
+        An EAGLE head reads the target's hidden states of the step it drafts after, which the next
+        launch overwrites (the graphs' fixed buffers): with one, every step is answered first."""
+        if self._pending is not None and (
+            step.spec_token_ids or self._pending.layout is not None or self._proposer_reads_features
+        ):
+            answers = self.finish_pending()
+            launched = self.runner.launch_step(step)
+        else:
+            launched = self.runner.launch_step(step)
+            answers = self.finish_pending()
         self._pending = launched
         if step.structured_ids and self.tp.is_first:
             self.awaiting_bitmask = True
         else:
             self.runner.sample_step(launched)
         return answers
+
+    @property
+    def _proposer_reads_features(self) -> bool:
+        proposer = getattr(self.runner, "proposer", None)
+        return proposer is not None and proposer.needs_features
 
     def apply_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
         """Sample the pending step under its grammars' bitmask."""

@@ -308,6 +308,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # EAGLE-3 speculation (zllm/workers/spec_decode/eagle.py) sets the target layers whose input it
+    # reads; each forward then leaves them in aux_hidden_states, [tokens, 3 * hidden].
+    aux_hidden_layers: tuple[int, ...] = ()
+    aux_hidden_states: torch.Tensor | None = None
     # (fused parameter, HF tensor, shard index): HF keeps these as separate matrices.
     STACKED = (
         ("qkv_proj", "q_proj", 0),
@@ -371,9 +375,26 @@ class LlamaForCausalLM(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         """The layers over given input embeddings (a vision-language model's, images placed in)."""
+        if self.aux_hidden_layers:
+            return self._forward_keeping_aux(x, positions, kv_caches, meta)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x, residual = layer(x, residual, positions, self.model.rotary_of(i), kv_cache, self.model.meta_of(i, meta))
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def _forward_keeping_aux(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """forward_embeds that also keeps the residual stream entering each of aux_hidden_layers
+        (EAGLE-3's features), concatenated in that order, in `aux_hidden_states`. A loop of its
+        own, so the plain forward pays one attribute test."""
+        residual, aux = None, {}
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            if i in self.aux_hidden_layers:
+                aux[i] = x if residual is None else x + residual
+            x, residual = layer(x, residual, positions, self.model.rotary_of(i), kv_cache, self.model.meta_of(i, meta))
+        self.aux_hidden_states = torch.cat([aux[i] for i in self.aux_hidden_layers], dim=-1)
         x, _ = self.model.norm(x, residual)
         return x
 

@@ -1,11 +1,15 @@
-"""LLaVA: a CLIP vision transformer, a projector (linear, activation, linear), and a
+"""LLaVA: a CLIP or SigLIP vision transformer, a projector (linear, activation, linear), and a
 Llama-family decoder whose image placeholder tokens take the projected patch features.
 
 ```
- pixel_values [3, H, W] --patch conv--> [class token, patches] + learned positions --pre-norm-->
- encoder layers up to vision_feature_layer (-2: all but the last) --drop the class token
- ("default")--> projector --> [patches, hidden]: one token per patch
+ CLIP:   pixel_values [3, H, W] --patch conv--> [class token, patches] + learned positions --pre-norm-->
+ SigLIP: pixel_values [3, H, W] --patch conv (a bias)--> [patches] + learned positions
+ encoder layers up to vision_feature_layer (-2: all but the last) --drop the first position
+ ("default")--> projector --> [patches, hidden]: one token per position kept
 ```
+
+The towers' post-layernorm (and SigLIP's pooling head) are in checkpoints but not on LLaVA's path:
+transformers takes hidden_states[vision_feature_layer], the states before them.
 
 Positions are the plain 1-D ones. The tower's attention and MLP are tensor-parallel as Qwen2-VL's
 are (zllm/workers/models/qwen2_vl.py); embeddings, norms and the projector are replicated.
@@ -67,20 +71,29 @@ class CLIPLayer(nn.Module):
 
 
 class CLIPEmbeddings(nn.Module):
+    """CLIP: a class token before the patches (a convolution without bias); SigLIP: the patches
+    alone (a convolution with a bias). Learned positions, one per position, no interpolation."""
+
     def __init__(self, v: VisionSpec) -> None:
         super().__init__()
-        self.class_embedding = nn.Parameter(torch.zeros(v.hidden_size))
+        self.siglip = v.tower == "siglip"
+        if not self.siglip:
+            self.class_embedding = nn.Parameter(torch.zeros(v.hidden_size))
         self.patch_embedding = nn.Conv2d(
-            v.in_channels, v.hidden_size, kernel_size=v.patch_size, stride=v.patch_size, bias=False
+            v.in_channels, v.hidden_size, kernel_size=v.patch_size, stride=v.patch_size, bias=self.siglip
         )
-        self.position_embedding = nn.Embedding((v.image_size // v.patch_size) ** 2 + 1, v.hidden_size)
+        self.position_embedding = nn.Embedding((v.image_size // v.patch_size) ** 2 + (not self.siglip), v.hidden_size)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         patches = self.patch_embedding(pixels[None].to(self.patch_embedding.weight.dtype))[0]  # [hidden, h, w]
-        x = torch.cat([self.class_embedding[None], patches.flatten(1).T])
+        x = patches.flatten(1).T
+        if not self.siglip:
+            x = torch.cat([self.class_embedding[None], x])
         if x.shape[0] != self.position_embedding.num_embeddings:
+            extra = int(not self.siglip)
             raise ValueError(
-                f"image: {x.shape[0] - 1} patches, the vision tower takes {self.position_embedding.num_embeddings - 1}"
+                f"image: {x.shape[0] - extra} patches, the vision tower takes "
+                f"{self.position_embedding.num_embeddings - extra}"
             )
         return x + self.position_embedding.weight
 
@@ -92,11 +105,14 @@ class CLIPEncoder(nn.Module):
 
 
 class CLIPVisionTransformer(nn.Module):
+    """CLIP's tower, or SigLIP's (the same encoder layers; no pre-norm)."""
+
     def __init__(self, v: VisionSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.spec = v
         self.embeddings = CLIPEmbeddings(v)
-        self.pre_layrnorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)  # sic: HF's name
+        if v.tower == "clip":
+            self.pre_layrnorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)  # sic: HF's name
         self.encoder = CLIPEncoder(v, tower_parallel(v.num_heads, tp))
         self.post_layernorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)  # in checkpoints; LLaVA skips it
 
@@ -104,7 +120,9 @@ class CLIPVisionTransformer(nn.Module):
         """The hidden states of `feature_layer` (HF's hidden_states[i]: 0 is the embeddings)."""
         v = self.spec
         stop = v.feature_layer if v.feature_layer >= 0 else v.depth + 1 + v.feature_layer
-        x = self.pre_layrnorm(self.embeddings(pixels))
+        x = self.embeddings(pixels)
+        if v.tower == "clip":
+            x = self.pre_layrnorm(x)
         for layer in self.encoder.layers[:stop]:
             x = layer(x)
         return x[1:] if v.feature_select == "default" else x
@@ -122,7 +140,7 @@ class LlavaProjector(nn.Module):
 
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
-    """The decoder, the CLIP tower (`vision_tower`) and the projector (`multi_modal_projector`)."""
+    """The decoder, the CLIP or SigLIP tower (`vision_tower`) and the projector (`multi_modal_projector`)."""
 
     def __init__(self, spec, ops=None, tp=None, quant=None, max_model_len=None) -> None:
         super().__init__(spec, ops, tp, quant, max_model_len)
@@ -147,8 +165,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def checkpoint_targets(self, hf_name: str) -> list[tuple[str, int | None]]:
         name = _our_name(hf_name)
-        if name.endswith("position_ids"):
-            return []  # a buffer older checkpoints saved
+        if name.endswith("position_ids") or name.startswith("vision_tower.head."):
+            return []  # a buffer older checkpoints saved; SigLIP's pooling head (LLaVA never runs it)
         if name.startswith(("vision_tower.", "multi_modal_projector.")):
             return vision_targets(self, name)
         return super().checkpoint_targets(name)

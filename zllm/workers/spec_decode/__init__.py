@@ -1,4 +1,4 @@
-"""Speculative decoding on the worker: proposers (n-gram lookup, a draft model) and the exact
+"""Speculative decoding on the worker: proposers (n-gram lookup, a draft model, EAGLE heads) and the exact
 rejection sampler that verifies their drafts (docs/architecture.md, *Speculative decoding*)."""
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ if TYPE_CHECKING:
 
 
 class Proposer(Protocol):
+    # True: the runner hands it each step's target features first (keep_features: EAGLE heads).
+    needs_features: bool
+
     def propose(self, scheduled: list[RequestState], sampled: list[RequestState]) -> dict[str, list[int]]:
         """Drafts for the next step of each request in `sampled` (all of them: `scheduled`)."""
 
@@ -40,4 +43,8 @@ def make_proposer(runner: ModelRunner) -> Proposer | None:
         from zllm.workers.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(runner, speculative.model, speculative.num_speculative_tokens)
+    if speculative.method in ("eagle", "eagle3"):
+        from zllm.workers.spec_decode.eagle import EagleProposer
+
+        return EagleProposer(runner, speculative.model, speculative.method, speculative.num_speculative_tokens)
     raise ValueError(f"speculative_config.method: {speculative.method!r} is not served")

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class _Run:
+class DraftRun:
     """A request's tokens to feed the draft: `token_ids` at positions start, start + 1, ..."""
 
     request_id: str
@@ -44,6 +44,8 @@ class _Run:
 
 
 class DraftModelProposer:
+    needs_features = False
+
     def __init__(self, runner: ModelRunner, model_dir: str, k: int) -> None:
         self.runner = runner
         self.k = k
@@ -130,16 +132,16 @@ class DraftModelProposer:
             if not feed:
                 break
             ids = [rid for rid, _ in feed]
-            tokens = self._greedy(self._forward([_Run(rid, blocks[rid], ends[rid] + step, [t]) for rid, t in feed]))
+            tokens = self._greedy(self._forward([DraftRun(rid, blocks[rid], ends[rid] + step, [t]) for rid, t in feed]))
         return drafts
 
-    def _catch_up_run(self, state: RequestState, sampled: bool) -> _Run:
+    def _catch_up_run(self, state: RequestState, sampled: bool) -> DraftRun:
         """The target-verified tokens the draft has not seen: up to the target's computed count,
         and the token just sampled (its logits propose the first draft)."""
         start = self.num_computed.get(state.request_id, 0)
         end = len(state.token_ids) if sampled else state.num_computed_tokens
         end = min(end, self.max_model_len)
-        return _Run(state.request_id, state.block_ids, start, state.token_ids[start:end])
+        return DraftRun(state.request_id, state.block_ids, start, state.token_ids[start:end])
 
     def _greedy(self, hidden: torch.Tensor) -> list[int]:
         """The draft's most likely next token for each row, on every rank."""
@@ -150,7 +152,7 @@ class DraftModelProposer:
             tokens = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         return self.runner.tp.broadcast_from_first(tokens).tolist()
 
-    def _forward(self, runs: list[_Run]) -> torch.Tensor:
+    def _forward(self, runs: list[DraftRun]) -> torch.Tensor:
         """One draft forward over the runs; the hidden state of each run's last token, in order."""
         order = sorted(range(len(runs)), key=lambda i: len(runs[i].token_ids) != 1)  # decodes first
         ordered = [runs[i] for i in order]
@@ -160,39 +162,46 @@ class DraftModelProposer:
         last_of_ordered = ends[np.argsort(order)]  # back to the caller's order
         return hidden[to_device(last_of_ordered.astype(np.int64), self.runner.device)]
 
-    def _batch(self, runs: list[_Run]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        runner = self.runner
-        block_size = runner.block_size
-        counts = np.asarray([len(r.token_ids) for r in runs], dtype=np.int64)
-        starts = np.asarray([r.start for r in runs], dtype=np.int64)
-        query_start_loc = np.concatenate(([0], np.cumsum(counts))).tolist()
-        seq_lens = (starts + counts).tolist()
-        num_decodes = int((counts == 1).sum())
-        width = max(len(r.block_ids) for r in runs)
-        tables = np.zeros((len(runs), width), dtype=np.int64)
-        for row, run in enumerate(runs):
-            tables[row, : len(run.block_ids)] = run.block_ids
-        positions = np.arange(query_start_loc[-1]) + np.repeat(starts - np.asarray(query_start_loc[:-1]), counts)
-        rows = np.repeat(np.arange(len(runs)), counts)
-        slots = tables[rows, positions // block_size] * block_size + positions % block_size
-        token_ids = np.asarray([t for r in runs for t in r.token_ids], dtype=np.int64)
-        device = runner.device
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slots, device),
-            block_tables=to_device(tables, device).to(runner.index_dtype),
-            seq_lens=to_device(np.asarray(seq_lens, dtype=np.int64), device).to(runner.index_dtype),
-            seq_lens_list=seq_lens,
-            query_start_loc=query_start_loc,
-            num_decodes=num_decodes,
-            block_size=block_size,
+    def _batch(self, runs: list[DraftRun]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        return draft_batch(self.runner, runs, self.packs_prefill)
+
+
+def draft_batch(
+    runner: ModelRunner, runs: list[DraftRun], packs_prefill: bool
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A proposer's forward inputs over runs (decodes first) in the target's block tables: token
+    ids, positions and attention metadata (the draft model's and EAGLE heads' own caches)."""
+    block_size = runner.block_size
+    counts = np.asarray([len(r.token_ids) for r in runs], dtype=np.int64)
+    starts = np.asarray([r.start for r in runs], dtype=np.int64)
+    query_start_loc = np.concatenate(([0], np.cumsum(counts))).tolist()
+    seq_lens = (starts + counts).tolist()
+    num_decodes = int((counts == 1).sum())
+    width = max(len(r.block_ids) for r in runs)
+    tables = np.zeros((len(runs), width), dtype=np.int64)
+    for row, run in enumerate(runs):
+        tables[row, : len(run.block_ids)] = run.block_ids
+    positions = np.arange(query_start_loc[-1]) + np.repeat(starts - np.asarray(query_start_loc[:-1]), counts)
+    rows = np.repeat(np.arange(len(runs)), counts)
+    slots = tables[rows, positions // block_size] * block_size + positions % block_size
+    token_ids = np.asarray([t for r in runs for t in r.token_ids], dtype=np.int64)
+    device = runner.device
+    meta = AttentionMetadata(
+        slot_mapping=to_device(slots, device),
+        block_tables=to_device(tables, device).to(runner.index_dtype),
+        seq_lens=to_device(np.asarray(seq_lens, dtype=np.int64), device).to(runner.index_dtype),
+        seq_lens_list=seq_lens,
+        query_start_loc=query_start_loc,
+        num_decodes=num_decodes,
+        block_size=block_size,
+    )
+    if packs_prefill and num_decodes < len(runs):
+        context_slots, cu_seqs = pack_prefill(tables, seq_lens, query_start_loc, num_decodes, block_size)
+        meta.prefill = packed_prefill_of(
+            to_device(np.asarray(context_slots, dtype=np.int64), device),
+            to_device(np.asarray(cu_seqs, dtype=np.int64), device),
+            seq_lens,
+            query_start_loc,
+            num_decodes,
         )
-        if self.packs_prefill and num_decodes < len(runs):
-            context_slots, cu_seqs = pack_prefill(tables, seq_lens, query_start_loc, num_decodes, block_size)
-            meta.prefill = packed_prefill_of(
-                to_device(np.asarray(context_slots, dtype=np.int64), device),
-                to_device(np.asarray(cu_seqs, dtype=np.int64), device),
-                seq_lens,
-                query_start_loc,
-                num_decodes,
-            )
-        return to_device(token_ids, device), to_device(positions.astype(np.int64), device), meta
+    return to_device(token_ids, device), to_device(positions.astype(np.int64), device), meta

@@ -36,6 +36,8 @@ class NgramProposer:
     and no cache: every rank could propose the same, but only rank 0's drafts are used (the engine
     core hands them to every rank with the next step)."""
 
+    needs_features = False
+
     def __init__(self, min_n: int, max_n: int, k: int) -> None:
         self.min_n, self.max_n, self.k = min_n, max_n, k
 
