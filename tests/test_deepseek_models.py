@@ -119,6 +119,32 @@ def test_matches_hf_at_tp2(tmp_path, case):
     assert tokens == _hf_tokens(model_dir, PROMPTS)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_v3_fp8_block_checkpoint_matches_hf(tmp_path, tp):
+    """DeepSeek-V3's FP8 release layout (write_fp8_block_weights: float8 weights, fp32
+    weight_scale_inv per 128x128 block; a 256-row dense MLP and 128-row kv_b_proj span whole
+    blocks): zllm dequantizes at load to the model dtype, transformers' finegrained_fp8 reader on
+    the CPU does the same, and in fp32 the greedy tokens are equal."""
+    from safetensors import safe_open
+
+    from tests.helpers.models import write_fp8_block_weights
+    from zllm.model_spec import ModelSpec
+
+    architecture, overrides = CASES["v3"]
+    config = {**COMMON, **overrides, "intermediate_size": 256, "qk_nope_head_dim": 16, "v_head_dim": 16}
+    model_dir = save_tiny_model(tmp_path / "v3fp8", architecture, **config)
+    _randomize_correction_bias(model_dir)
+    write_fp8_block_weights(model_dir)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.1.mlp.experts.3.up_proj.weight").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("model.layers.0.mlp.gate_proj.weight_scale_inv").shape == (2, 1)
+    spec = ModelSpec.from_pretrained(str(model_dir))
+    assert spec.dequantize_fp8_blocks and spec.quantization is None
+    expected = _hf_tokens(model_dir, PROMPTS)
+    tokens, _ = _engine_tokens(model_dir, PROMPTS, tensor_parallel_size=tp, kv_cache_memory_bytes=4 << 20)
+    assert tokens == expected
+
+
 def test_latent_cache_sizes_the_blocks(tmp_path):
     """The cache holds kv_lora_rank + qk_rope_head_dim values a token a layer, so a budget holds
     (2 x heads x head_dim) / latent_dim times the blocks of per-head K and V caches."""

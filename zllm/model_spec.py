@@ -328,6 +328,10 @@ class ModelSpec:
     mla: MlaSpec | None = None  # DeepSeek's multi-head latent attention; None: per-head K and V
     attention_sinks: bool = False  # GPT-OSS: each head's learned sink logit joins its softmax
     quantization: QuantSpec | None = None  # the checkpoint's (config.json quantization_config); None: none
+    # A 128x128 block-scaled FP8 checkpoint (quant_method fp8: DeepSeek-V3's) for a model whose
+    # layers take no FP8 weights (MoE experts, MLA's absorbed kv_b_proj): the loader dequantizes
+    # it to the model dtype (quantization is None then).
+    dequantize_fp8_blocks: bool = False
     # Encoder-only pooling models (POOLING_REGISTRY): token types, where positions start (XLM-R:
     # after padding_idx), the classifier's labels; rms_norm_eps holds their LayerNorm's eps.
     encoder: bool = False
@@ -353,6 +357,8 @@ class ModelSpec:
         rope, local_rope = _rope_parameters(hf_config)
         window, sliding_layers = _sliding_layers(hf_config)
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        quantization = None if _mxfp4_experts(hf_config, arch) else checkpoint_quantization(hf_config)
+        dequantize = _dequantized_fp8_blocks(quantization, arch)
         return cls(
             architecture=architecture,
             model_type=hf_config.model_type,
@@ -383,7 +389,8 @@ class ModelSpec:
             moe=None if arch.moe is None else MoeSpec.from_hf_config(hf_config, arch.moe),
             mla=MlaSpec.from_hf_config(hf_config) if arch.mla else None,
             attention_sinks=arch.attention_sinks,
-            quantization=None if _mxfp4_experts(hf_config, arch) else checkpoint_quantization(hf_config),
+            quantization=None if dequantize else quantization,
+            dequantize_fp8_blocks=dequantize,
             num_labels=int(hf_config.num_labels) if pooling is not None and pooling.kind == "classify" else 0,
             bidirectional=getattr(hf_config, "is_causal", True) is False,
             **(_gemma_fields(hf_config) if arch.gemma else {}),
@@ -635,6 +642,19 @@ def _quant_method(hf_config) -> str | None:
     if not isinstance(config, dict):
         config = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
     return config.get("quant_method")
+
+
+def _dequantized_fp8_blocks(quantization: QuantSpec | None, arch: Architecture) -> bool:
+    """A quant_method fp8 checkpoint (128x128 block scales, `weight_scale_inv`) of a model
+    whose layers cannot hold FP8 weights: the MoE experts (the fused MoE kernels take the model
+    dtype) and MLA's kv_b_proj (its absorbed decode multiplies by the matrix itself). DeepSeek-V3's
+    release is one; it is dequantized at load (zllm/workers/weight_loader.py)."""
+    return (
+        quantization is not None
+        and quantization.source == "fp8"
+        and quantization.block
+        and (arch.moe is not None or arch.mla)
+    )
 
 
 def _mxfp4_experts(hf_config, arch: Architecture) -> bool:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Issue 32 on one H100: the MLA / sinks GPU tests, then W2 (batch-1 decode, 128 in / 256 out) and
+# Issue 32 on one H100: the MLA / sinks GPU tests (kernels; tiny models against HF and, with decode
+# CUDA graphs, against the eager run), then W2 (batch-1 decode, 128 in / 256 out) and
 # W1 (1000 x 256 in / 256 out offline, ignore_eos) for the DeepSeek-V2-Lite shape (16B, 2.4B
 # active; MLA) and the gpt-oss-20b shape (MXFP4 experts, dequantized to bf16 at load) with dummy
 # weights, and the KV memory of MLA at 8k (its latent cache against per-head K/V, computed). One
 # PART per device call:
-#   bash benchmarks/gpu/run_issue32.sh tests|w2|w1|kv
+#   bash benchmarks/gpu/run_issue32.sh tests|w2|w2eager|w1|kv   (w2eager: W2 with --enforce-eager)
 # Carry .whl; csrc is built into $ZLLM_CSRC_BUILD (default /tmp/zllm-csrc) unless a build is there.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,11 +18,14 @@ for shape in deepseek-v2-lite gpt-oss-20b; do
 done
 case ${1:-} in
   tests)
-    timeout 500 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_sinks_gpu.py --tb=short 2>&1 | tail -15 ;;
-  w2)
+    timeout 560 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mla_sinks_gpu.py --tb=short --durations=10 2>&1 | tail -30 ;;
+  w2|w2eager)
+    # w2: decode CUDA graphs on (the default); w2eager: --enforce-eager, the graphs' baseline
+    # (run both on the same warm machine to compare).
+    flag=$([ "$1" = w2eager ] && echo --enforce-eager)
     for shape in deepseek-v2-lite gpt-oss-20b; do
-      echo "== W2 $shape"
-      timeout 280 python3 benchmarks/latency.py --model /tmp/$shape --load-format dummy --input-len 128 --output-len 256 --iters 3 2>&1 | grep -E '^\{|Error|error' | tail -3
+      echo "== W2 $shape ${flag:-graphs}"
+      timeout 280 python3 benchmarks/latency.py --model /tmp/$shape --load-format dummy --input-len 128 --output-len 256 --iters 3 $flag 2>&1 | grep -E '^\{|Error|error' | tail -3
     done ;;
   w1)
     for shape in deepseek-v2-lite gpt-oss-20b; do
@@ -31,5 +35,5 @@ case ${1:-} in
   kv)
     echo "== KV memory deepseek-v2-lite 8k"
     timeout 280 python3 benchmarks/window_memory.py --model /tmp/deepseek-v2-lite --max-model-len 8192 2>&1 | grep -E '^\{|Error|error' | tail -3 ;;
-  *) echo "usage: $0 tests|w2|w1|kv" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|w2|w2eager|w1|kv" >&2; exit 2 ;;
 esac

@@ -2,7 +2,11 @@
 (attention.mla_decode) and GPT-OSS's decode attention with sinks and windows
 (attention.decode_attention(sinks=...)), in fp32, fp16 and bf16, on caches whose unused slots
 hold NaN (a slot read by mistake fails the comparison); then the tiny DeepSeek-V2 and GPT-OSS
-checkpoints through the CUDA engine in fp32 (the kernels on the decode path) against HF's tokens."""
+checkpoints through the CUDA engine in fp32 (the kernels on the decode path) against HF's tokens,
+eagerly and inside the decode CUDA graphs; in bf16 the graphs (MLA's latent writes and kernel,
+the sinks kernel, DeepSeek's grouped routing into the fused experts, GPT-OSS's grouped-GEMM
+experts) give the eager run's tokens at batch sizes 1 to 9 (graph buckets 1 to 16) and
+contexts across a block, GPT-OSS's 128-token window and the MLA kernel's tiles."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ pytest.importorskip("cupy")
 
 from tests.helpers.kernels import DEVICE, DTYPE_IDS, DTYPES, PagedBatch, assert_close, nan_like, randn  # noqa: E402
 from tests.helpers.models import hf_greedy, save_tiny_model, write_mxfp4_experts  # noqa: E402
+from tests.test_deepseek_models import _randomize_correction_bias  # noqa: E402
 from zllm.workers.attention import mla_decode as mla_decode_reference  # noqa: E402
 from zllm.workers.kernels import mla as mla_kernels  # noqa: E402
 
@@ -115,7 +120,7 @@ def _restore_fp32(hf, model_dir):
     return hf
 
 
-def _engine_vs_hf(model_dir, prompts, max_tokens=12, **engine_args):
+def _engine_vs_hf(model_dir, prompts, max_tokens=12, enforce_eager=True, **engine_args):
     from transformers import AutoModelForCausalLM
 
     from zllm import LLM, SamplingParams
@@ -129,9 +134,17 @@ def _engine_vs_hf(model_dir, prompts, max_tokens=12, **engine_args):
     expected = [hf_greedy(hf, p, max_tokens, eos_token_id=None) for p in prompts]
     del hf
     llm = LLM(
-        str(model_dir), device="cuda", dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True, **engine_args
+        str(model_dir),
+        device="cuda",
+        dtype="float32",
+        gpu_memory_utilization=0.3,
+        enforce_eager=enforce_eager,
+        max_num_seqs=8,  # graphs for batches 1 to 8: quick to capture
+        **engine_args,
     )
     try:
+        # The decode graphs hold the model unless eager was asked for (MLA and sinks included).
+        assert (llm.engine.core.executor.runner.graphs is not None) == (not enforce_eager)
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
@@ -145,50 +158,126 @@ def _engine_vs_hf(model_dir, prompts, max_tokens=12, **engine_args):
 PROMPTS = [[7, 3, 9, 11, 5], list(range(3, 40)), list(range(200, 213))]
 
 
-def test_deepseek_v2_on_cuda_matches_hf(tmp_path):
-    """DeepSeek's real latent (512 + 64): the decodes go through mla_decode's kernel."""
-    model_dir = save_tiny_model(
-        tmp_path / "dsv2",
-        "deepseek_v2",
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=512,
-        q_lora_rank=None,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        topk_method="group_limited_greedy",
-        n_group=4,
-        topk_group=2,
-        initializer_range=0.2,
-    )
-    _engine_vs_hf(model_dir, PROMPTS)
+DEEPSEEK_V2 = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    topk_method="group_limited_greedy",
+    n_group=4,
+    topk_group=2,
+    initializer_range=0.2,
+)
+
+GPT_OSS = dict(
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    swiglu_limit=1.0,
+    initializer_range=0.2,
+)
 
 
-def test_gpt_oss_on_cuda_matches_hf(tmp_path):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_deepseek_v2_on_cuda_matches_hf(tmp_path, eager):
+    """DeepSeek's real latent (512 + 64): the decodes go through mla_decode's kernel. fp32 MoE
+    layers run the torch expert loop, which no graph holds, so the graphed run's model has dense
+    layers only (first_k_dense_replace = its 2 layers): the graphs hold MLA whole."""
+    config = DEEPSEEK_V2 if eager else {**DEEPSEEK_V2, "first_k_dense_replace": 2}
+    model_dir = save_tiny_model(tmp_path / "dsv2", "deepseek_v2", **config)
+    _engine_vs_hf(model_dir, PROMPTS, enforce_eager=eager)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_gpt_oss_on_cuda_matches_hf(tmp_path, eager):
     """head_dim 64 with sinks and an 8-token window: the decodes go through the sinks kernel;
-    MXFP4 experts dequantized on the GPU."""
-    model_dir = save_tiny_model(
-        tmp_path / "oss",
-        "gpt_oss",
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=8,
-        swiglu_limit=1.0,
-        initializer_range=0.2,
+    MXFP4 experts dequantized on the GPU; in fp32 the experts run every expert on every token
+    (ops.gpt_oss_experts: graph-safe), inside the graphs too."""
+    model_dir = save_tiny_model(tmp_path / "oss", "gpt_oss", **GPT_OSS)
+    _engine_vs_hf(write_mxfp4_experts(model_dir), PROMPTS, enforce_eager=eager)
+
+
+# ---- bf16: the decode graphs against the eager run -------------------------------------------------
+
+# Contexts within a block, across blocks, across GPT-OSS's 128-token window and far past it.
+GRAPH_PROMPT_LENS = [5, 17, 100, 127, 200, 301, 9, 64, 150]
+
+
+def _bf16_tokens(model_dir, prompts, max_tokens, **engine_args):
+    """Greedy bf16 tokens with staggered arrivals (the decode batch grows step by step, through
+    several graph buckets), and whether the decode graphs were captured."""
+    from zllm import LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_engine_args(
+        str(model_dir),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_seqs=16,  # graph buckets 1, 2, 4, 8, 16
+        gpu_memory_utilization=0.3,
+        **engine_args,
     )
-    _engine_vs_hf(write_mxfp4_experts(model_dir), PROMPTS)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+            if i % 2:
+                engine.step()
+        results = {}
+        while engine.has_unfinished_requests():
+            results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        return [results[str(i)] for i in range(len(prompts))], engine.core.executor.runner.graphs is not None
+    finally:
+        engine.shutdown()
+
+
+def _graph_prompts(count):
+    import random
+
+    rng = random.Random(count)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in GRAPH_PROMPT_LENS[:count]]
+
+
+@pytest.mark.parametrize("count", [2, 9])
+@pytest.mark.parametrize("model", ["deepseek_v2", "deepseek_v3", "gpt_oss"])
+def test_bf16_graphs_equal_eager(tmp_path, model, count):
+    """2 and 9 requests, 40 tokens each, arriving a step apart and so finishing a step apart: the
+    decode batch walks 1 to 9 rows (graph buckets 1, 2, 4, 8 and 16, padded rows writing
+    nowhere), contexts from 5 to 340 tokens. The graphed decodes give the eager run's tokens
+    exactly (the same kernels, replayed)."""
+    if model == "gpt_oss":
+        model_dir = write_mxfp4_experts(
+            save_tiny_model(
+                tmp_path / model, model, **{**GPT_OSS, "sliding_window": 128, "max_position_embeddings": 512}
+            )
+        )
+    else:
+        config = {**DEEPSEEK_V2, "max_position_embeddings": 512}
+        if model == "deepseek_v3":  # noaux_tc: sigmoid routing with a correction bias; a q LoRA
+            del config["topk_method"]
+            config |= dict(q_lora_rank=48, norm_topk_prob=True, routed_scaling_factor=2.5)
+        model_dir = save_tiny_model(tmp_path / model, model, **config)
+        if model == "deepseek_v3":
+            _randomize_correction_bias(model_dir)
+    prompts = _graph_prompts(count)
+    graphs, graphed = _bf16_tokens(model_dir, prompts, 40)
+    eager, _ = _bf16_tokens(model_dir, prompts, 40, enforce_eager=True)
+    assert graphed
+    assert graphs == eager

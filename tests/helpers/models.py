@@ -179,3 +179,36 @@ def write_mxfp4_experts(model_dir: Path) -> Path:
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_MODULES_NOT_CONVERTED}
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     return model_dir
+
+
+FP8_BLOCK_QUANTIZATION = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "weight_block_size": [128, 128],
+    "activation_scheme": "dynamic",
+}
+
+
+def write_fp8_block_weights(model_dir: Path) -> Path:
+    """A DeepSeek checkpoint saved by transformers rewritten in the layout of DeepSeek-V3's FP8
+    release: every linear weight of the decoder layers (attention projections, dense MLPs,
+    shared and routed experts; not the router, norms, embeddings or lm_head) as float8_e4m3fn
+    `X.weight` and fp32 `X.weight_scale_inv`, one scale per 128x128 block (value = fp8 x scale),
+    and config.json's quantization_config saying so, which transformers' finegrained_fp8
+    integration reads (on CPU it dequantizes)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from zllm.workers.fp8 import quantize_blocks
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    linear = [n for n, t in tensors.items() if ".layers." in n and t.dim() == 2 and not n.endswith("mlp.gate.weight")]
+    for name in linear:
+        tensors[name], tensors[f"{name}_scale_inv"] = quantize_blocks(tensors[name])
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = dict(FP8_BLOCK_QUANTIZATION)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return model_dir

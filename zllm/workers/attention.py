@@ -276,6 +276,19 @@ def _explicit_attention(
 _DECODE_GROUP = 16  # decodes per attention call: each group is padded to its own longest context
 
 
+def decode_blocks(lens: list[int], table_width: int, block_size: int, window: int | None = None) -> tuple[int, int]:
+    """The block-table columns [first, stop) a group of decodes reads. An eager step knows its
+    lengths (`lens`, from the host) and reads up to its longest context, from the first block
+    its window leaves visible; a decode graph's metadata has none (seq_lens_list empty: the
+    lengths live on the device only) and reads the table's whole width, masked by seq_lens, so
+    the shapes a captured graph holds never depend on a step's values."""
+    if not lens:
+        return 0, table_width
+    # A window leaves the blocks before the group's earliest visible key unread.
+    first_block = min(window_start(n, 1, window) for n in lens) // block_size
+    return first_block, -(-max(lens) // block_size)
+
+
 def decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -307,10 +320,9 @@ def _decode_group(
 ) -> torch.Tensor:
     rows = slice(first, first + query.shape[0])
     seq_lens = meta.seq_lens[rows]
-    lens = meta.seq_lens_list[rows]
-    num_blocks = -(-max(lens) // meta.block_size)
-    # A window leaves the blocks before the group's earliest visible key unread.
-    first_block = min(window_start(n, 1, window) for n in lens) // meta.block_size
+    first_block, num_blocks = decode_blocks(
+        meta.seq_lens_list[rows], meta.block_tables.shape[1], meta.block_size, window
+    )
     table = meta.block_tables[rows, first_block:num_blocks]
     keys, values = gather_context(kv_cache, table, kv_scales, query.dtype)
     positions = torch.arange(first_block * meta.block_size, num_blocks * meta.block_size, device=query.device)
@@ -361,6 +373,16 @@ def _prefill_attention(
 # ---- multi-head latent attention (models/deepseek.py) ---------------------------------------------
 
 
+def write_latent(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store [tokens, latent_dim] at their slots of MLA's latent cache; a slot of -1 (a padded
+    row) is written nowhere. Reads the slots on the host (a sync): the CPU path; CudaOps writes
+    through a kernel that skips them on the device."""
+    if slot_mapping.numel() and bool(slot_mapping.min() < 0):
+        keep = slot_mapping >= 0
+        latent, slot_mapping = latent[keep], slot_mapping[keep]
+    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
+
+
 def gather_latents(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """The latents of the given blocks: [..., num_blocks * block_size, latent_dim]."""
     rows = torch.index_select(kv_cache[0], 0, block_table.reshape(-1))
@@ -386,7 +408,7 @@ def mla_decode(
     for first in range(0, q_latent.shape[0], _DECODE_GROUP):
         rows = slice(first, first + _DECODE_GROUP)
         q = q_latent[rows]
-        num_blocks = -(-max(seq_lens_list[rows]) // block_size)
+        _, num_blocks = decode_blocks(seq_lens_list[rows], block_tables.shape[1], block_size)
         latents = gather_latents(kv_cache, block_tables[rows, :num_blocks]).to(q.dtype)  # [B, L, D]
         positions = torch.arange(num_blocks * block_size, device=q.device)
         mask = positions[None, :] < seq_lens[rows, None]

@@ -75,6 +75,14 @@ class DecodeGraphs:
 
     def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens, sliding=None) -> torch.Tensor:
         """Replay the graph of the smallest bucket that holds the batch; returns [batch, hidden]."""
+        size = self.load(input_ids, positions, slot_mapping, block_tables, seq_lens, sliding)
+        self.graphs[size].replay()
+        return self.outputs[size][: input_ids.shape[0]]
+
+    def load(self, input_ids, positions, slot_mapping, block_tables, seq_lens, sliding=None) -> int:
+        """Copy a step's inputs into the static buffers, the rows past the batch padded (slot -1,
+        length 1); returns the bucket. `_forward(size, _meta(size))` is then what a replay
+        computes (tests/test_mla_sinks_graphs.py runs it eagerly on CPU)."""
         batch = input_ids.shape[0]
         size = self.bucket(batch)
         self.input_ids[:batch].copy_(input_ids)
@@ -89,8 +97,7 @@ class DecodeGraphs:
             self.sliding_slot_mapping[:batch].copy_(sliding.slot_mapping)
             self.sliding_slot_mapping[batch:size].fill_(-1)
             self.sliding_block_tables[:batch, : sliding.block_tables.shape[1]].copy_(sliding.block_tables)
-        self.graphs[size].replay()
-        return self.outputs[size][:batch]
+        return size
 
     def _meta(self, size: int) -> AttentionMetadata:
         meta = AttentionMetadata(

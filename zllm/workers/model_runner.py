@@ -34,7 +34,7 @@ from zllm.workers.attention import KV_FP8, AttentionMetadata, pack_prefill, pack
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.models import build_model
 from zllm.workers.multimodal import Chunk, MRopeState, MultimodalRunner, ProfileImages
-from zllm.workers.ops import ops_for
+from zllm.workers.ops import TorchOps, ops_for
 from zllm.workers.request_failures import RequestFailures
 from zllm.workers.sampler import LogprobsTensors, apply_token_bitmask, compute_logprobs, sample
 from zllm.workers.sampling_batch import SamplingBatch
@@ -47,6 +47,18 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _GIB = 1 << 30
+
+
+def moe_graph_safe(spec: ModelSpec, ops: TorchOps, dtype: torch.dtype) -> bool:
+    """Whether a decode graph can hold the model's MoE layers (True without any): GPT-OSS's
+    experts run graph-safe on CUDA in every dtype (ops.gpt_oss_experts: grouped GEMMs or every
+    expert); the others through the fused MoE kernels, which take fp16 and bf16 (DeepSeek's
+    grouped / noaux_tc routing is torch arithmetic on the device, no sync)."""
+    if spec.moe is None or not spec.moe.layers:  # no MoE layer (DeepSeek's first_k_dense_replace = all)
+        return True
+    if spec.moe.format.gpt_oss:
+        return ops.supports_graphs
+    return ops.fuses_moe(dtype)
 
 
 class OutOfDeviceMemoryError(RuntimeError):
@@ -388,15 +400,10 @@ class ModelRunner:
                 "(the piecewise graphs do)"
             )
             return
-        if self.spec.mla is not None or self.spec.attention_sinks:
-            # Around their decode kernels (csrc/mla_kernels.cu), MLA's and the sinks' attention
-            # pick kernels and pad work by values read on the host: not yet graph-safe.
-            logger.info("decode CUDA graphs off: not yet for %s's attention", self.spec.architecture)
-            return
         if self.lora is not None and not self.lora.graph_safe:
             logger.info("decode CUDA graphs off: LoRA's torch path groups each step's rows on the host")
             return
-        if self.spec.moe is not None and not self.ops.fuses_moe(self.dtype):
+        if not moe_graph_safe(self.spec, self.ops, self.dtype):
             # The torch expert loop picks the experts on the host (a sync): no graph can hold it.
             logger.info(
                 "decode CUDA graphs off: %s's experts run in the torch loop in %s (the fused MoE kernels "
@@ -421,6 +428,11 @@ class ModelRunner:
             return
         if self.spec.moe is not None:
             logger.info("piecewise CUDA graphs off: not yet for Mixture-of-Experts models")
+            return
+        if self.spec.mla is not None:
+            # The pieces hand q and the attention output through buffers of one head size; MLA's
+            # queries (qk_head_dim) and outputs (v_head_dim) differ.
+            logger.info("piecewise CUDA graphs off: not yet for MLA")
             return
         from zllm.workers.piecewise_graphs import EagerPieces, PiecewiseGraphs, piecewise_sizes
 

@@ -72,6 +72,13 @@ class TorchOps:
         grouped_route): fp32 weights [T, k], expert ids [T, k]."""
         return experts(x, weights, ids)
 
+    def gpt_oss_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: torch.nn.Module
+    ) -> torch.Tensor:
+        """GPT-OSS's experts (models/gpt_oss.py GptOssExperts: biases, the clamped SwiGLU) for
+        routing weights [T, k] and ids [T, k]: HF's expert loop."""
+        return experts(x, weights, ids)
+
     def rotary_and_write_kv(
         self,
         positions: torch.Tensor,
@@ -115,6 +122,11 @@ class TorchOps:
             out[:n] = ref.decode_attention(q[:n], kv_cache, meta, scale, kv_scales, window, softcap, sinks)
         ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
         return out
+
+    def write_latent(self, kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """MLA: each token's latent [T, latent_dim] into its slot of the latent cache; slot -1
+        (a padded row) nowhere."""
+        ref.write_latent(kv_cache, latent, slot_mapping)
 
     def mla_decode(
         self, q_latent: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, kv_lora_rank: int, scale: float
@@ -210,6 +222,15 @@ class CudaOps(TorchOps):
             x, weights.float().contiguous(), ids.to(torch.int32), experts.gate_up_proj, experts.down_proj
         )
 
+    def gpt_oss_experts(self, x, weights, ids, experts):
+        # Graph-safe either way: grouped GEMMs over the chosen experts where torch._grouped_mm's
+        # CUTLASS kernels run (Hopper, bf16), every expert on every token otherwise.
+        from zllm.workers.kernels import moe as fused
+
+        if x.dtype == torch.bfloat16 and fused.grouped_mm_available(x.device):
+            return experts.forward_grouped(x.contiguous(), weights, ids)
+        return experts.forward_dense(x, weights, ids)
+
     def rotary_and_write_kv(self, positions, q, k, v, cos, sin, kv_cache, slot_mapping, kv_scales=UNSCALED):
         # One kernel, in place on the strided q/k views of the fused QKV output: at decode, two
         # would each cost a launch and k would round-trip through memory. cos/sin narrower than
@@ -276,6 +297,14 @@ class CudaOps(TorchOps):
         )
         ref.prefill_attention(out, q, kv_cache, meta, scale, kv_scales, window, softcap, sinks)
         return out
+
+    def write_latent(self, kv_cache, latent, slot_mapping):
+        # The padded rows' slots (-1) are skipped on the device: no host sync inside a graph.
+        from zllm.workers.kernels.cache import write_rows
+
+        if kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not kv_cache.is_contiguous():
+            return super().write_latent(kv_cache, latent, slot_mapping)
+        write_rows(kv_cache, latent.to(kv_cache.dtype).contiguous(), slot_mapping.contiguous())
 
     def mla_decode(self, q_latent, kv_cache, meta, kv_lora_rank, scale):
         from zllm.workers.kernels import mla as mla_kernels

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 from zllm.model_files import TORCH_CHECKPOINT_FILE, checkpoint_files
+from zllm.quantization import BLOCK
+from zllm.workers.fp8 import E4M3, dequantize
 from zllm.workers.models.llama import LlamaForCausalLM
 from zllm.workers.parallel_layers import LoadTarget
 
@@ -20,8 +22,11 @@ def load_safetensors(model: LlamaForCausalLM, model_dir: str, torch_file: bool =
     params = dict(model.named_parameters())
     expected = set(model.expected_checkpoint_tensors())
     loaded: set[tuple[str, int | None]] = set()
-    for path in checkpoint_files(model_dir, torch_file):
-        with _open_safetensors(path) as f:
+    files = checkpoint_files(model_dir, torch_file)
+    scales = _BlockScales(files) if getattr(model.spec, "dequantize_fp8_blocks", False) else None
+    for path in files:
+        with _open_safetensors(path) as opened:
+            f = opened if scales is None else _DequantizedFile(opened, scales, path)
             for hf_name in f.keys():
                 for target in model.checkpoint_targets(hf_name):  # several: a tensor fused in the checkpoint
                     name, shard = target
@@ -50,6 +55,73 @@ def _read_region(f, hf_name: str, where: LoadTarget, path: Path) -> torch.Tensor
     if shape != where.full_shape:
         raise ValueError(f"model: {path}: tensor {hf_name!r} has shape {shape}, expected {where.full_shape}")
     return stored[where.region]
+
+
+_SCALE_SUFFIX = "_scale_inv"  # X.weight's block scales: X.weight_scale_inv
+
+
+class _BlockScales:
+    """Where each `*.weight_scale_inv` of a checkpoint lives (a scale may sit in another shard
+    than its weight), read on demand."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.path_of: dict[str, Path] = {}
+        for path in files:
+            with _open_safetensors(path) as f:
+                self.path_of |= {name: path for name in f.keys() if name.endswith(_SCALE_SUFFIX)}
+
+    def read(self, weight_name: str, path: Path) -> torch.Tensor:
+        name = weight_name + _SCALE_SUFFIX
+        if name not in self.path_of:
+            raise ValueError(f"model: {path}: float8 tensor {weight_name!r} has no {name!r} in the checkpoint")
+        with _open_safetensors(self.path_of[name]) as f:
+            return f.get_tensor(name)
+
+
+class _Loaded:
+    """A tensor already in memory, read as safe_open's slices are."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, region) -> torch.Tensor:
+        return self.tensor[region]
+
+
+class _DequantizedFile:
+    """A shard of a 128x128 block-scaled FP8 checkpoint (quant_method fp8, DeepSeek-V3's) read
+    as the model dtype's values: each float8_e4m3fn `X.weight` is its fp32 value times its
+    block's `X.weight_scale_inv` (fp8.dequantize, transformers' arithmetic), the scales
+    themselves hidden. For the models whose layers take no FP8 (ModelSpec.dequantize_fp8_blocks:
+    MLA's absorbed kv_b_proj and the MoE experts); each rank reads whole weights, then its region."""
+
+    def __init__(self, f, scales: _BlockScales, path: Path) -> None:
+        self.f, self.scales, self.path = f, scales, path
+
+    def keys(self) -> list[str]:
+        return [name for name in self.f.keys() if not name.endswith(_SCALE_SUFFIX)]
+
+    def _fp8(self, name: str) -> bool:
+        return self.f.get_slice(name).get_dtype() == "F8_E4M3"
+
+    def get_slice(self, name: str):
+        return _Loaded(self.get_tensor(name)) if self._fp8(name) else self.f.get_slice(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        tensor = self.f.get_tensor(name)
+        if tensor.dtype != E4M3:
+            return tensor
+        scale = self.scales.read(name, self.path).float()
+        expected = tuple(-(-n // BLOCK) for n in tensor.shape)
+        if tensor.dim() != 2 or tuple(scale.shape) != expected:
+            raise ValueError(
+                f"model: {self.path}: {name!r} {tuple(tensor.shape)} needs 128x128 block scales {expected}, "
+                f"got {tuple(scale.shape)}"
+            )
+        return dequantize(tensor, scale, block=True)
 
 
 def finish_loading(model: LlamaForCausalLM) -> None:

@@ -67,3 +67,42 @@ def reshape_and_cache(
         np.int64(num_blocks * block_size),
     )
     launch("cache_kernels", kernel, device, (tokens,), (threads_for(units, 512),), args)
+
+
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store rows [T, D] at their slots of a one-row-per-slot cache (MLA's latent cache [1,
+    num_blocks, block_size, 1, D], contiguous); slots < 0 are padding and leave it untouched, with
+    no host sync (a decode graph's padded rows). reshape_and_cache's kernel with the rows as both
+    key and value and the cache as both halves: each thread stores the same unit twice to one
+    address, so no new kernel is needed."""
+    op = "write_rows"
+    device = check_cuda(op, cache=cache, rows=rows, slot_mapping=slot_mapping)
+    check_contiguous(op, cache=cache, rows=rows, slot_mapping=slot_mapping)
+    suffix = dtype_suffix(op, cache, "cache")
+    check_dtype(op, cache.dtype, rows=rows)
+    check_dtype(op, torch.int64, slot_mapping=slot_mapping)
+    check_dim(op, rows, "rows", 2)
+    row = rows.shape[1]
+    tokens = rows.shape[0]
+    if cache.shape[-1] != row or cache.numel() % row:
+        fail(op, f"rows {tuple(rows.shape)} do not fit cache {tuple(cache.shape)}")
+    if tuple(slot_mapping.shape) != (tokens,):
+        fail(op, f"slot_mapping must be [{tokens}] (one slot per row), got {tuple(slot_mapping.shape)}")
+    if tokens == 0:
+        return
+    per16 = 16 // cache.element_size()
+    vec = row % per16 == 0 and aligned16(cache, rows)
+    units = row // per16 if vec else row
+    args = (
+        ptr(rows),
+        ptr(rows),
+        ptr(cache),
+        np.uint64(cache.data_ptr()),
+        ptr(slot_mapping),
+        np.int64(row),
+        np.int64(row),
+        np.int32(row),
+        np.int64(cache.numel() // row),
+    )
+    kernel = f"reshape_and_cache_{suffix}{'_vec' if vec else ''}"
+    launch("cache_kernels", kernel, device, (tokens,), (threads_for(units, 512),), args)

@@ -53,14 +53,6 @@ def _replicated(input_size: int, output_size: int, bias: bool, quant: QuantSpec 
     return ColumnParallelLinear(input_size, [FusedPart(output_size, Span(0, output_size))], bias=bias, quant=quant)
 
 
-def write_latent(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store [tokens, latent_dim] at their slots; a slot of -1 (a padded row) is written nowhere."""
-    if slot_mapping.numel() and bool(slot_mapping.min() < 0):
-        keep = slot_mapping >= 0
-        latent, slot_mapping = latent[keep], slot_mapping[keep]
-    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
-
-
 class MlaAttention(nn.Module):
     """This rank's heads of one MLA layer; project / attend / output as LlamaAttention's."""
 
@@ -129,7 +121,7 @@ class MlaAttention(nn.Module):
         cos, sin = rotary.cos[positions], rotary.sin[positions]
         q_pe = apply_rotary(self._pairs(q_pe), cos, sin)
         k_pe = apply_rotary(self._pairs(k_pe)[:, None, :], cos, sin)[:, 0]
-        write_latent(kv_cache, torch.cat((c, k_pe), dim=-1), slot_mapping)
+        self.ops.write_latent(kv_cache, torch.cat((c, k_pe), dim=-1), slot_mapping)
         return torch.cat((q_nope, q_pe), dim=-1)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

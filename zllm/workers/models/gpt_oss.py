@@ -28,6 +28,7 @@ from torch import nn
 from zllm.model_spec import ModelSpec
 from zllm.partition import even_split
 from zllm.workers.distributed import TensorParallel
+from zllm.workers.ops import TorchOps
 from zllm.workers.parallel_layers import LoadTarget, whole_tensor_target
 
 # The 16 E2M1 values by their 4-bit code (sign bit 3), as transformers' FP4_VALUES.
@@ -112,26 +113,62 @@ class GptOssExperts(nn.Module):
         for name, value in computed.items():
             self.register_buffer(name, value.contiguous().clone(), persistent=False)
 
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of [..., 2 I] (gate half, then up half)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """HF GptOssExperts' loop: expert by expert in ascending order, each adding its weighted
-        output with index_add_."""
+        output with index_add_. Picks the experts on the host (a sync): the reference and the
+        CPU path; forward_grouped and forward_dense are the graph-safe ones."""
         out = torch.zeros_like(x)
         chosen = F.one_hot(experts, num_classes=self.num_experts).permute(2, 1, 0)  # [E, k, T]
         for expert in (chosen.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
             slot, token = torch.where(chosen[expert])
-            gate, up = F.linear(x[token], self.w_gate_up[expert], self.b_gate_up[expert]).chunk(2, dim=-1)
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-            hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+            hidden = self._activate(F.linear(x[token], self.w_gate_up[expert], self.b_gate_up[expert]))
             y = F.linear(hidden, self.w_down[expert], self.b_down[expert]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
+    def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The loop's result with no host sync and shapes set by the token count alone: the
+        (token, slot) pairs sorted by expert on the device, one torch._grouped_mm per projection
+        over the stacked weights (each expert's rows a group; an unchosen expert's group is
+        empty), each row's expert bias gathered. Reads only the chosen experts' weights."""
+        tokens, top_k = experts.shape
+        flat = experts.flatten()
+        order = torch.sort(flat, stable=True).indices  # pairs grouped by expert, ascending
+        chosen = flat[order].long()
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.int32))  # bincount would sync
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)
+        token = order // top_k
+        rows = x.index_select(0, token)
+        gate_up = torch._grouped_mm(rows, self.w_gate_up.transpose(1, 2), offs=ends) + self.b_gate_up[chosen]
+        y = torch._grouped_mm(self._activate(gate_up), self.w_down.transpose(1, 2), offs=ends)
+        y = (y + self.b_down[chosen]) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The loop's result with no host sync, for any dtype: every expert on every token, each
+        output weighted by its routing weight (0 where not chosen). E / k times the loop's
+        arithmetic and every expert's weights read: the graph-safe path for small models (tests,
+        fp32) and GPUs without torch._grouped_mm."""
+        combine = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        combine.scatter_(1, experts.long(), weights)  # [T, E]
+        gate_up = torch.einsum("th,eoh->eto", x, self.w_gate_up) + self.b_gate_up[:, None, :]
+        y = torch.einsum("eti,ehi->eth", self._activate(gate_up), self.w_down) + self.b_down[:, None, :]
+        return (y * combine.t()[:, :, None]).sum(dim=0).to(x.dtype)
+
 
 class GptOssMoeBlock(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, ops: TorchOps, tp: TensorParallel) -> None:
         super().__init__()
         self.top_k = spec.moe.top_k
+        self.ops = ops
         self.tp = tp
         self.router = GptOssRouter(spec.hidden_size, spec.moe.num_experts)
         self.experts = GptOssExperts(spec, tp)
@@ -140,5 +177,5 @@ class GptOssMoeBlock(nn.Module):
         logits = F.linear(x, self.router.weight, self.router.bias)
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         weights = torch.softmax(top, dim=1, dtype=top.dtype)
-        out = self.experts(x, weights, ids)
+        out = self.ops.gpt_oss_experts(x, weights, ids, self.experts)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out

@@ -224,7 +224,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             self.self_attn = LlamaAttention(spec, ops, tp, quant, index)
         if spec.moe is not None and index in spec.moe.layers and spec.moe.format.gpt_oss:
-            self.mlp = GptOssMoeBlock(spec, tp)
+            self.mlp = GptOssMoeBlock(spec, ops, tp)
         elif spec.moe is not None and index in spec.moe.layers:
             self.mlp = SparseMoeBlock(spec, ops, tp)
         else:
