@@ -84,6 +84,16 @@ def test_a_step_takes_the_smallest_graph_that_holds_it():
     assert steps.key(200, 301, 1) is None  # an input longer than any bound captured
 
 
+def test_long_bounds_are_not_captured_where_the_grid_would_be_mostly_empty():
+    # 16,384 tokens, 1,024 seats, a 32k-token model: bounds past 1,024 would launch 32+ row
+    # blocks per seat; a 4,096-token bucket with 16 seats keeps every bound up to 4,096.
+    steps = _steps(max_num_seqs=1024, budget=16384, max_model_len=32768)
+    assert [m for t, m in steps.keys if t == 16384] == [64, 256, 1024]
+    few_seats = _steps(max_num_seqs=16, budget=16384, max_model_len=32768)
+    assert [m for t, m in few_seats.keys if t == 4096] == [64, 256, 1024, 4096]
+    assert steps.key(4000, 2000, 100) is None and few_seats.key(4000, 2000, 10) == (4096, 4096)
+
+
 def test_the_padded_layout_keeps_real_inputs_apart_from_padding():
     rng = np.random.default_rng(0)
     for _ in range(50):

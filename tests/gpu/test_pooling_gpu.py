@@ -283,3 +283,25 @@ def test_minilm_with_graphs_equals_sentence_transformers_across_buckets():
     finally:
         llm.shutdown()
     assert _cosines(ours, reference).min() >= 0.999
+
+
+def test_pooling_graphs_at_tp2_equal_enforce_eager():
+    """Two ranks capture the same graphs (all-reduces inside them) and replay the same ones."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    sentences = mixed_sentences(120)
+    results = []
+    for eager in (False, True):
+        llm = LLM(
+            minilm_dir(),
+            dtype="float16",
+            tensor_parallel_size=2,
+            enforce_eager=eager,
+            max_num_batched_tokens=2048,
+            max_num_seqs=64,
+        )
+        try:
+            results.append([o.outputs.embedding for o in llm.embed(sentences, use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    assert _cosines(results[0], results[1]).min() >= 0.9999

@@ -43,6 +43,12 @@ logger = logging.getLogger(__name__)
 _LARGEST_GRAPH_TOKENS = 16384
 _MAX_LEN_STEP = 4  # the kernel's grid grows with max_len: a bucket at most 4x the longest input
 _SMALLEST_MAX_LEN = 64
+# The kernel launches (max_len / 128) x seats x heads blocks, most of which find no rows when a
+# step is padded; a (tokens, max_len) graph whose (max_len / 128) x seats passes this is not
+# captured (a step with inputs that long runs eagerly, where its own longest sizes the grid).
+# A bound on the graph count and on wasted blocks, not a measured optimum.
+_MAX_GRID_ROWS = 32768
+_GRID_BLOCK = 128
 
 
 def pooling_graph_sizes(max_num_batched_tokens: int, largest: int = _LARGEST_GRAPH_TOKENS) -> list[int]:
@@ -102,7 +108,7 @@ class EagerPoolingSteps:
         self.pooling_type = pooling_type
         self.max_num_seqs = max_num_seqs
         self.sizes = pooling_graph_sizes(max_num_batched_tokens)
-        self.keys = [(t, m) for t in self.sizes for m in max_len_options(t, max_model_len)]
+        self.keys = [(t, m) for t in self.sizes for m in self._max_lens(t, max_model_len)]
         # CLS / a BERT classifier read the first row; last-token pooling / a decoder's head the last.
         self.reads_last = not model.head_reads_first if model.head is not None else pooling_type == "last"
         device = next(model.parameters()).device
@@ -120,6 +126,12 @@ class EagerPoolingSteps:
         """Inputs a graph of `tokens` rows holds: every input the scheduler may send (at most
         max_num_seqs, at most one per row) and the padding input."""
         return min(tokens, self.max_num_seqs) + 1
+
+    def _max_lens(self, tokens: int, max_model_len: int) -> list[int]:
+        """max_len_options(tokens) whose grid stays under _MAX_GRID_ROWS (the smallest always)."""
+        options = max_len_options(tokens, max_model_len)
+        seats = self.seats(tokens)
+        return [m for i, m in enumerate(options) if i == 0 or -(-m // _GRID_BLOCK) * seats <= _MAX_GRID_ROWS]
 
     def key(self, num_tokens: int, longest: int, inputs: int) -> tuple[int, int] | None:
         """The (tokens, max_len) graph for a step, or None: too large a step or too long an input."""
