@@ -107,8 +107,13 @@ class PoolingRunner:
             self.config.max_num_seqs,
             self.config.max_model_len,
         )
-        if not (self.device.type == "cuda" and ops_for(self.device).supports_graphs):
+        ops = ops_for(self.device)
+        if not (self.device.type == "cuda" and ops.supports_graphs):
             self.graphs = EagerPoolingSteps(*args)
+            return
+        if self.spec.moe is not None and not ops.fuses_moe(self.dtype):
+            # The torch expert loop picks the experts on the host (a sync): no graph can hold it.
+            logger.info("pooling CUDA graphs off: %s's experts run in the torch loop", self.spec.architecture)
             return
         self.graphs = PoolingGraphs(*args)
         with torch.inference_mode():
