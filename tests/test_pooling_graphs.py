@@ -1,7 +1,7 @@
 """Pooling steps padded for CUDA graphs (zllm/workers/pooling_graphs.py), on CPU: the buckets a
 step picks, the padded layout, and the padded forward against the unpadded one. A CPU stand-in
-for FlashAttention's varlen kernel leaves the rows it would not compute (past max_len) as NaN,
-so a padding row that reached a real one would show."""
+for FlashAttention's varlen kernel leaves the rows it does not compute (padding rows, which no
+input of cu_seqlens covers) as NaN, so a padding row that reached a real one would show."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from zllm.workers.pooling_runner import PoolingRunner
 
 
 def _kernel_stand_in(q, k, v, packed, causal, scale):
-    """What FlashAttention's varlen kernel computes, input by input: rows of an input past
-    max_len are not computed (NaN here, whatever memory held on a GPU); empty inputs skipped."""
+    """What FlashAttention's varlen kernel computes, input by input: rows of no input (or past
+    max_len) are not computed (NaN here, whatever memory held on a GPU); empty inputs skipped."""
     bounds = packed.cu_seqlens.tolist()
     out = torch.full((q.shape[0], q.shape[1], q.shape[2]), float("nan"), dtype=q.dtype)
     for start, stop in zip(bounds, bounds[1:]):
@@ -105,7 +105,7 @@ def test_the_padded_layout_keeps_real_inputs_apart_from_padding():
             count, real = len(lengths), int(lengths.sum())
             assert len(cu) == seats + 1 and len(segment) == tokens and len(pick) == len(counts) == seats
             assert np.array_equal(np.diff(cu)[:count], lengths) and cu[count] == real
-            assert (cu[count + 1 :] == tokens).all()  # the padding input, then empty seats
+            assert (cu[count + 1 :] == real).all()  # empty seats: the kernel never sees padding rows
             assert np.array_equal(segment[:real], np.repeat(np.arange(count), lengths))
             assert (segment[real:] == count).all()  # padding rows pool into the padding seat
             assert np.array_equal(pick[:count], cu[1 : count + 1] - 1 if reads_last else cu[:count])
@@ -150,7 +150,10 @@ def test_padded_steps_equal_the_unpadded_forward(tmp_path, packed_on_cpu, kind, 
         for prompts in _batches(vocab):
             padded = runner.launch_step(_step(prompts)).pooled
             lengths = [len(p) for p in prompts]
-            assert runner.graphs.key(sum(lengths), max(lengths), len(lengths)) in runner.graphs.outputs
+            key = runner.graphs.key(sum(lengths), max(lengths), len(lengths))
+            assert key in runner.graphs.outputs
+            if pooling_type == "mean" and key[0] > sum(lengths):  # the padding rows' seat: NaN, dropped
+                assert torch.isnan(runner.graphs.outputs[key][len(lengths)]).all()
             graphs, runner.graphs = runner.graphs, None
             unpadded = runner.launch_step(_step(prompts)).pooled  # packed, no padding
             runner.packs = False

@@ -6,18 +6,18 @@ tensor (cu_seqlens) and one host int (the longest input, which sizes its grid). 
 static shapes once it is padded:
 
     tokens   N real rows -> T, a bucket of `pooling_graph_sizes` (at most a quarter more)
-    inputs   S real ones -> seats(T) = min(T, max_num_seqs) + 1: the padding rows form input S
-             (its own attention, its own pooled row), the seats past it are empty (length 0)
-    longest  L -> the smallest of `max_len_options(T)` >= L (steps of 4x; a bound the kernel
-             accepts: rows of an input past it are not computed, and only the padding input
-             can be that long)
+    inputs   S real ones -> seats(T) = min(T, max_num_seqs) + 1, the seats past S empty:
+             cu_seqlens stops at N, so the kernel computes nothing for the padding rows (they
+             keep whatever its output buffer held); they are pooled into seat S, which is dropped
+    longest  L -> the smallest of `max_len_options(T)` >= L (steps of 4x): an upper bound on
+             every input the kernel sees, as it requires
 
 One graph is captured per (T, max_len), largest first, into one memory pool. Everything the
 step varies lives in static buffers: token ids, positions, token types, cu_seqlens, each row's
-input (mean pooling's index_add_ target), the row each input's vector is read from (CLS, last
+seat (mean pooling's index_add_ target), the row each input's vector is read from (CLS, last
 token, a classifier head's input) and each input's length. Padding rows hold token 0 at position
-0 and are pooled into the padding input's row, which is dropped: every op but attention is
-row-wise, and attention keeps each input to itself, so no real row sees them.
+0: every op but attention is row-wise, and attention reads only the real inputs' rows, each
+input its own, so no real row sees them, whatever values they come to hold.
 
 `EagerPoolingSteps` runs the same padded steps without graphs, so the padding is tested on CPU.
 """
@@ -76,8 +76,8 @@ def max_len_options(tokens: int, max_model_len: int) -> list[int]:
 class PaddedLayout(NamedTuple):
     """A step's structure at a graph's sizes (host arrays)."""
 
-    cu_seqlens: np.ndarray  # [seats + 1]: real inputs, the padding input, empty seats
-    segment: np.ndarray  # [tokens]: each row's input (padding rows: the padding input, S)
+    cu_seqlens: np.ndarray  # [seats + 1]: the real inputs, then empty seats (N repeated)
+    segment: np.ndarray  # [tokens]: each row's seat (padding rows: seat S, dropped)
     pick: np.ndarray  # [seats]: the row each input's vector is read from (0 for the empty seats)
     counts: np.ndarray  # [seats]: each input's length (1 where there is none: no 0 / 0)
 
@@ -88,7 +88,7 @@ def padded_layout(lengths: np.ndarray, tokens: int, seats: int, reads_last: bool
     count, real = len(lengths), int(lengths.sum())
     assert seats > count and tokens >= real, (seats, count, tokens, real)
     ends = np.cumsum(lengths)
-    cu_seqlens = np.concatenate(([0], ends, np.full(seats - count, tokens))).astype(np.int64)
+    cu_seqlens = np.concatenate(([0], ends, np.full(seats - count, real))).astype(np.int64)
     sizes = np.append(lengths, tokens - real)
     segment = np.repeat(np.arange(count + 1), sizes)
     pick = np.zeros(seats, dtype=np.int64)
@@ -124,7 +124,7 @@ class EagerPoolingSteps:
 
     def seats(self, tokens: int) -> int:
         """Inputs a graph of `tokens` rows holds: every input the scheduler may send (at most
-        max_num_seqs, at most one per row) and the padding input."""
+        max_num_seqs, at most one per row) and the seat the padding rows pool into."""
         return min(tokens, self.max_num_seqs) + 1
 
     def _max_lens(self, tokens: int, max_model_len: int) -> list[int]:
@@ -191,7 +191,7 @@ class EagerPoolingSteps:
             return self.model.head(hidden[self.pick[:seats]]).float()
         if self.pooling_type in ("cls", "last"):
             return hidden[self.pick[:seats]].float()
-        # Mean pooling sums in fp32 (as the eager path): padding rows land in the padding seat.
+        # Mean pooling sums in fp32 (as the eager path): padding rows land in seat S, dropped.
         sums = torch.zeros(seats, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, self.segment[:tokens], hidden.float())
         return sums / self.counts[:seats, None]
@@ -208,7 +208,7 @@ class PoolingGraphs(EagerPoolingSteps):
     def capture(self) -> None:
         started = time.perf_counter()
         for key in reversed(self.keys):  # largest first: the smaller graphs reuse its memory pool
-            empty = np.zeros(0, dtype=np.int64)  # one padding input over every row
+            empty = np.zeros(0, dtype=np.int64)  # every row padding, every seat empty
             self._fill(key, empty, empty, empty, empty)
             self.graphs[key], self.outputs[key] = self.capturer.capture(partial(self._forward, key))
         torch.cuda.synchronize()
