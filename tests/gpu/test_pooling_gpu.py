@@ -178,7 +178,9 @@ def _graph_models(tmp_path):
     classifier (its head on the CLS row), tiny Qwen3 embedders (last token) in both half types."""
     from tests.helpers.pooling import save_tiny_encoder
 
-    classifier = save_tiny_encoder(tmp_path / "bert-cls", "BertForSequenceClassification", num_labels=3)
+    classifier = save_tiny_encoder(  # head_dim 32: FlashAttention's sizes start there
+        tmp_path / "bert-cls", "BertForSequenceClassification", num_labels=3, hidden_size=128, intermediate_size=256
+    )
     qwen3 = save_tiny_decoder(tmp_path / "q3", "Qwen3Config", "Qwen3Model", head_dim=64, hidden_size=256)
     return [
         ("minilm", minilm_dir(), "float16", (1000, 30000)),
