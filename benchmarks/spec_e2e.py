@@ -5,10 +5,12 @@ speculative config, on two workloads of chat prompts:
 - chat: open questions, whose answers share little with the prompt.
 
 Each prompt runs alone (batch 1), greedy, `--max-tokens` long, warmed up once; the figure is all
-output tokens over all wall time. Both engines run in this one process, one after the other.
+output tokens over all wall time. Both engines run in this one process, one after the other, with
+async scheduling as resolved (on with CUDA) unless `--no-async-scheduling` turns it off for both,
+or `--compare-sync` adds the speculative engine with synchronous steps beside it.
 Prints one JSON line per (workload, engine) and the speedups.
 
-    python benchmarks/spec_e2e.py --model /tmp/smol.gguf \\
+    python benchmarks/spec_e2e.py --model /tmp/smol.gguf --compare-sync \\
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 """
 
@@ -59,6 +61,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--speculative-config", type=parse_json_object, required=True)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument(
+        "--compare-sync", action="store_true", help="also run the speculative engine with synchronous steps"
+    )
     args = parser.parse_args()
 
     import torch
@@ -66,18 +72,37 @@ def main() -> None:
     from zllm import LLM
 
     results: dict[tuple[str, str], float] = {}
-    for engine, speculative in (("plain", None), ("speculative", args.speculative_config)):
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, speculative_config=speculative)
+    engines = [("plain", None, args.async_scheduling), ("speculative", args.speculative_config, args.async_scheduling)]
+    if args.compare_sync:
+        engines.append(("speculative-sync", args.speculative_config, False))
+    for engine, speculative, async_scheduling in engines:
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            max_model_len=2048,
+            speculative_config=speculative,
+            async_scheduling=async_scheduling,
+        )
         for workload, prompts in (("copy-heavy", COPY_HEAVY), ("chat", CHAT)):
             rate, tokens = tokens_per_second(llm, prompts, args.max_tokens)
             results[workload, engine] = rate
-            line = {"workload": workload, "engine": engine, "tokens_per_s": round(rate, 1), "tokens": tokens}
+            line = {
+                "workload": workload,
+                "engine": engine,
+                "async_scheduling": llm.engine.config.async_scheduling,
+                "tokens_per_s": round(rate, 1),
+                "tokens": tokens,
+            }
             print(json.dumps(line), flush=True)
         if speculative is not None:
             print(json.dumps({"stats": dataclasses.asdict(llm.engine.core.stats())}), flush=True)
         llm.shutdown()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    speedups = {w: round(results[w, "speculative"] / results[w, "plain"], 3) for w in ("copy-heavy", "chat")}
+    speedups = {
+        f"{w} {e}": round(results[w, e] / results[w, "plain"], 3)
+        for w in ("copy-heavy", "chat")
+        for e, _, _ in engines[1:]
+    }
     print(json.dumps({"device": device, "speculative_config": args.speculative_config, "speedup": speedups}))
 
 

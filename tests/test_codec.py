@@ -42,6 +42,7 @@ SAMPLING = SamplingParams(
     logit_bias={17: -100.0, 3: 2.5},
     bad_words=["darn", "heck"],
     structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+    truncate_prompt_tokens=100,
 )
 
 LOGPROBS = m.TokenLogprobs(
@@ -71,7 +72,14 @@ TOKEN_DELTA_INT_STOP = m.TokenDelta(
     pooled=b"",
 )
 LORA = LoRARequest("sql-adapter", 3, "/adapters/sql")
-POOLING = PoolingParams(task="score", normalize=False, dimensions=8, activation=False, token_type_ids=[0, 0, 1, 1])
+POOLING = PoolingParams(
+    task="score",
+    normalize=False,
+    dimensions=8,
+    activation=False,
+    token_type_ids=[0, 0, 1, 1],
+    truncate_prompt_tokens=-1,
+)
 IMAGE = m.ImageInput(
     mm_hash="9f86d081884c7d65",
     offset=2,
@@ -184,6 +192,7 @@ EXAMPLES: dict[str, list[msgspec.Struct]] = {
                     error="partial",
                 )
             ],
+            num_drafts_scored={"ab12/req-1": 3},
         ),
         m.WorkerReady(rank=1, num_kv_blocks=100, pid=4242),
         m.WorkerCallResult(rank=1, call_id=2, result=[1, "x", {"y": 2}], error="unknown worker method 'x'"),
@@ -697,6 +706,7 @@ CONFIG = EngineConfig(
     max_request_body_bytes=1 << 20,
     runner="pooling",
     convert="embed",
+    hf_overrides={"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True},
     pooler=PoolerConfig(
         kind="embed",
         pooling_type="mean",
@@ -706,6 +716,8 @@ CONFIG = EngineConfig(
         hidden_size=384,
         matryoshka=True,
         labels=["a", "b"],
+        classifier_token_ids=[2152, 9693],
+        classifier_method="from_2_way_softmax",
     ),
     enable_lora=True,
     lora_modules={"sql": "/adapters/sql", "chat": "/adapters/chat"},

@@ -144,7 +144,7 @@ def test_generative_model_refuses_pooling_requests(tmp_path):
             llm.embed("hello", use_tqdm=False)
     finally:
         llm.shutdown()
-    with pytest.raises(ValueError, match="convert: classify: a LlamaForCausalLM checkpoint has no classification head"):
+    with pytest.raises(ValueError, match="convert: classify: the LlamaForCausalLM checkpoint has no score.weight"):
         EngineConfig.create(str(tmp_path / "llama"), runner="pooling", convert="classify")
 
 

@@ -236,3 +236,50 @@ def test_sigterm_leaves_no_actor_and_no_process(ray_server):
     assert wait_until(lambda: processes_gone(pids), timeout=30), [p for p in pids if psutil.pid_exists(p)]
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if "ray::ModuleActor" in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, leftovers
+
+
+def test_a_lost_node_restarts_the_engine_and_every_stream_completes(cluster, tiny_model, tmp_path):
+    """The worker node holding one of the ranks is taken out of the cluster under 8 streams (its raylet and every
+    process it started killed, as when a machine goes away): Ray fails the rank's call, the engine
+    restarts on the node that joins in its place, and every stream completes exactly."""
+    handle = start_server(
+        tmp_path,
+        tiny_model,
+        "--tp",
+        "2",
+        "--distributed-executor-backend",
+        "ray",
+        "--ray-address",
+        cluster.address,
+        env={**ONE_THREAD, "ZLLM_RAY_RANK_RESOURCES": ONE_RANK_PER_NODE},
+    )
+    try:
+        prompts = [f"t{5 + i} t{50 + i} t{95 + i}" for i in range(8)]
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        reference = asyncio.run(_stream_all(handle.endpoint, prompts, params))
+        workers = {n.node_id: n for n in cluster.worker_nodes}  # not the head, where the core's Ray client is
+        (victim,) = [a for a in zllm_actors() if a["Address"]["NodeID"] in workers]
+        node = workers[victim["Address"]["NodeID"]]
+        counts = [0] * len(prompts)
+        lost: list[float] = []
+
+        def lose_the_node_once_all_are_streaming(i: int, count: int) -> None:
+            counts[i] = count
+            if not lost and min(counts) >= 20:
+                lost.append(time.monotonic())
+                cluster.remove_node(node, allow_graceful=False)
+                cluster.add_node(num_cpus=2)  # where the restarted engine's rank 1 can go
+
+        results = asyncio.run(_stream_all(handle.endpoint, prompts, params, lose_the_node_once_all_are_streaming))
+        assert lost
+        assert results == reference  # every stream, token for token
+        log = handle.log()
+        assert re.search(r"engine recovered in [0-9.]+ s: [1-9]\d* request\(s\) replayed", log), log[-4000:]
+        # Named by Ray (the actor died with its node: "rank r (Ray actor, ... on node <id>) died")
+        # or, first, by the surviving rank's collective with it ("rank r: RuntimeError: ...").
+        lost_node = node.node_id[:12]
+        assert re.search(rf"engine failure: .*(on node {lost_node}\) died|rank \d: RuntimeError)", log), log[-4000:]
+        assert len(zllm_actors()) == 2
+    finally:
+        handle.stop()
+    assert wait_until(lambda: not zllm_actors(), timeout=30), zllm_actors()

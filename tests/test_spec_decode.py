@@ -142,12 +142,12 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
         EngineConfig.create(None, device="cpu", speculative_config={"method": "draft_model", "model": str(draft)})
 
 
-def test_speculation_runs_synchronous_steps():
+def test_speculation_takes_async_scheduling_as_resolved():
     config = EngineConfig.create(None, device="cpu", speculative_config={"num_speculative_tokens": 2})
     assert config.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=2)
-    assert config.async_scheduling is False
-    with pytest.raises(ValueError, match="async_scheduling: cannot be combined with speculative_config"):
-        EngineConfig.create(None, device="cpu", async_scheduling=True, speculative_config={})
+    assert config.async_scheduling is False  # off on CPU, as without drafts
+    config = EngineConfig.create(None, device="cpu", async_scheduling=True, speculative_config={})
+    assert config.async_scheduling is True
 
 
 def test_the_cli_takes_vllms_json():
@@ -314,6 +314,22 @@ def test_structured_outputs_with_drafts_checked_and_masked_per_position(baseline
 
 
 @pytest.mark.slow
+def test_async_drafts_beside_a_constrained_request(baseline):
+    """Async scheduling with n-gram drafts: the constrained request goes without drafts (its
+    grammar could not check worker-proposed ones), the others draft; greedy output is unchanged."""
+    from zllm.sampling_params import StructuredOutputsParams
+
+    prompts = COPY_HEAVY[:2] + ["Is the sea blue?"]
+    choice = StructuredOutputsParams(choice=["yes", "no", "maybe"])
+    params = [SamplingParams(temperature=0.0, max_tokens=24)] * 2
+    params.append(SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=choice))
+    expected = [o.outputs[0].token_ids for o in baseline.generate(prompts, params)]
+    with LLM(**ENGINE, async_scheduling=True, speculative_config={"num_speculative_tokens": 3}) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        assert llm.engine.core.stats().spec_decode_num_accepted_tokens > 0
+
+
+@pytest.mark.slow
 def test_ngram_at_tensor_parallel_2_equals_tp_1(baseline):
     expected = baseline.tokens(COPY_HEAVY, GREEDY)
     with LLM(**ENGINE, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3}) as llm:
@@ -339,3 +355,231 @@ def test_stats_merge_and_metrics_of_speculation():
         ("1", "0", 1.0),
         ("1", "1", 1.0),
     ]
+
+
+# ---- async scheduling with drafts (tiny random Llamas, fp32, CPU) -------------------------------
+#
+# The workers propose the drafts of steps the core scheduled ahead; each step is scheduled as if
+# every draft in flight were accepted, and rolled back when its answer comes. These checks use
+# tiny random checkpoints made by transformers (fast enough for many engines and samples).
+
+TINY_ENGINE = dict(device="cpu", dtype="float32", max_model_len=256)
+# Repeats for n-gram to find; the random model's own continuations repeat as well.
+TINY_PROMPTS = [
+    [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5],
+    [9, 10, 11, 12, 9, 10, 11, 12, 9, 10, 11, 12, 9, 10, 11, 12, 9, 10, 11, 12, 9, 10, 11, 12, 9],
+    [20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 20, 30, 40, 50, 60],
+    [7, 7, 8, 7, 7, 8, 7, 7],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama target and a one-layer draft with its vocabulary (other weights)."""
+    from tests.helpers.models import save_tiny_llama
+
+    root = tmp_path_factory.mktemp("spec_async")
+    return save_tiny_llama(root / "target"), save_tiny_llama(root / "draft", num_hidden_layers=1)
+
+
+def _tiny_tokens(model, prompts, params, **engine) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model), **{**TINY_ENGINE, **engine})
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+TINY_GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_expected(tiny):
+    """Greedy tokens without speculation, synchronous steps."""
+    return _tiny_tokens(tiny[0], TINY_PROMPTS, TINY_GREEDY, async_scheduling=False)[0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_other"])
+def test_async_scheduling_with_drafts_keeps_greedy_output_chunked_and_preempted(tiny, tiny_expected, method):
+    """Async steps with drafts under a 24-token budget (chunked prefill) and 10 blocks for four
+    requests of up to 4 blocks (preemption): greedy tokens equal decoding without drafts, and
+    every block is free again at the end (rejected drafts' slots are reused, none leaks)."""
+    target, other = tiny
+    config = {"method": "ngram", "num_speculative_tokens": 4}
+    if method != "ngram":
+        config = {"method": "draft_model", "model": str(target if method == "draft_self" else other)}
+        config["num_speculative_tokens"] = 3
+    engine = dict(async_scheduling=True, num_kv_blocks=10, max_num_batched_tokens=24, speculative_config=config)
+    llm = LLM(str(target), **{**TINY_ENGINE, **engine})
+    try:
+        assert llm.engine.config.async_scheduling is True
+        outs = llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], TINY_GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == tiny_expected
+        stats = llm.engine.core.stats()
+        assert stats.num_preemptions > 0
+        assert stats.spec_decode_num_draft_tokens > 0
+        assert stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_accepted_tokens
+        if method != "draft_other":
+            assert stats.spec_decode_num_accepted_tokens > 0
+        assert llm.engine.core.num_free_kv_blocks() == llm.engine.core.num_kv_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_async_drafts_at_tensor_parallel_2(tiny, tiny_expected):
+    """Two worker processes (gloo): each rank proposes the same n-gram drafts from the tokens it
+    holds, and the core's async steps come back in order (FlushStep when none follows)."""
+    config = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(str(tiny[0]), **TINY_ENGINE, tensor_parallel_size=2, async_scheduling=True, speculative_config=config)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], TINY_GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == tiny_expected
+        assert llm.engine.core.stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_drafts_turn_off_per_step_at_disable_by_batch_size(tiny, tiny_expected, async_scheduling):
+    """disable_by_batch_size 2: steps while two or more requests run go without drafts, and
+    once the shorter requests finish the last one drafts again. Output stays exact."""
+    llm = LLM(
+        str(tiny[0]),
+        **TINY_ENGINE,
+        async_scheduling=async_scheduling,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2},
+    )
+    steps: list[tuple[int, bool]] = []  # (requests scheduled, with drafts)
+    executor = llm.engine.core.executor
+    submit = executor.submit_step
+
+    def recording_submit(step):
+        steps.append((len(step.scheduled_ids), bool(step.spec_token_ids)))
+        submit(step)
+
+    executor.submit_step = recording_submit
+    try:
+        lengths = [40, 8, 16, 24]
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+        outs = llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [t[:n] for t, n in zip(tiny_expected, lengths)]
+    finally:
+        llm.shutdown()
+    assert not any(drafts for num_scheduled, drafts in steps if num_scheduled >= 2)
+    assert any(drafts for _, drafts in steps)  # the longest request, alone at the end
+
+
+def _two_sample_chi_square(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic that two count vectors come from one distribution, over the
+    categories with at least 10 samples in all (the rest pooled); returns (statistic, dof)."""
+    keep = (a + b) >= 10
+    a = np.append(a[keep], a[~keep].sum())
+    b = np.append(b[keep], b[~keep].sum())
+    if a[-1] + b[-1] == 0:
+        a, b = a[:-1], b[:-1]
+    total = a + b
+    expected_a, expected_b = total * a.sum() / total.sum(), total * b.sum() / total.sum()
+    statistic = float((((a - expected_a) ** 2) / expected_a).sum() + (((b - expected_b) ** 2) / expected_b).sum())
+    return statistic, len(a) - 1
+
+
+# p = 0.001 critical values of chi-square by degrees of freedom (scipy.stats.chi2.ppf(0.999, dof)).
+_CHI2_CRITICAL_0_001_BY_DOF = {
+    8: 26.12,
+    9: 27.88,
+    10: 29.59,
+    11: 31.26,
+    12: 32.91,
+    13: 34.53,
+    14: 36.12,
+    15: 37.70,
+    16: 39.25,
+    17: 40.79,
+    18: 42.31,
+    19: 43.82,
+    20: 45.31,
+    21: 46.80,
+    22: 48.27,
+    23: 49.73,
+}
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    from tests.helpers.models import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("spec_vocab") / "m", vocab_size=24)
+
+
+SAMPLES = 3000
+VOCAB = 24
+# Each token but 0-2 is followed by the next; 33 tokens, so that every request after the first
+# finds 32 of them in the prefix cache and the 3000 prefills cost little.
+VOCAB_PROMPT = list(range(3, VOCAB)) + list(range(3, 15))
+
+
+def _sampled_steps(model, **engine) -> tuple[np.ndarray, LLM]:
+    """SAMPLES continuations of 4 tokens at temperature 1 (unseeded); returns each one's steps
+    (t3 - t2, t4 - t3) mod VOCAB: n-gram drafts t + 1 after t here, so a sampler that favours
+    drafts shows up in the count of 1s (the marginals alone would hide it). Under async
+    scheduling t2's step leaves before t1's answer (which says the request has drafts), so
+    drafts are scored from t3 on."""
+    llm = LLM(str(model), **TINY_ENGINE, max_num_seqs=256, max_num_batched_tokens=4096, max_waiting=SAMPLES, **engine)
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": VOCAB_PROMPT}] * SAMPLES, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    tokens = np.asarray([o.outputs[0].token_ids for o in outs])
+    return np.diff(tokens[:, 1:], axis=1) % VOCAB, llm
+
+
+NGRAM_ASYNC = dict(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.fixture(scope="module")
+def plain_steps(small_vocab):
+    torch.manual_seed(0)
+    return _sampled_steps(small_vocab, async_scheduling=False)[0]
+
+
+_CHI2_CRITICAL_0_001_DOF_1 = 10.83
+
+
+def _fits_plain(plain: np.ndarray, spec: np.ndarray) -> list[bool]:
+    """Per position (token 3, token 4): whether the spec samples pass, against the plain ones,
+    both the chi-square test over every step value and the one over "the step was the draft's"
+    (1) against the rest, whose single degree of freedom a bias towards drafts cannot hide in."""
+    fits = []
+    for position in (0, 1):
+        a, b = (np.bincount(x[:, position], minlength=VOCAB) for x in (plain, spec))
+        statistic, dof = _two_sample_chi_square(a, b)
+        drafted, _ = _two_sample_chi_square(np.asarray([a[1], a.sum() - a[1]]), np.asarray([b[1], b.sum() - b[1]]))
+        fits.append(statistic < _CHI2_CRITICAL_0_001_BY_DOF[dof] and drafted < _CHI2_CRITICAL_0_001_DOF_1)
+    return fits
+
+
+def test_async_sampling_with_drafts_draws_the_targets_distribution(small_vocab, plain_steps):
+    """Thousands of samples with async steps and n-gram drafts against as many without
+    speculation: the 3rd and 4th tokens (decided by verification) pass a chi-square test of one
+    distribution."""
+    spec, llm = _sampled_steps(small_vocab, **NGRAM_ASYNC)
+    stats = llm.engine.core.stats()
+    assert stats.spec_decode_num_draft_tokens > SAMPLES // 2  # most requests had a draft scored
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert _fits_plain(plain_steps, spec) == [True, True]
+
+
+def test_a_wrong_rejection_rule_fails_the_engines_chi_square_test(small_vocab, plain_steps, monkeypatch):
+    """The same test has teeth: drawing a rejected draft's replacement from p itself (the
+    draft's probability put back into the residual) is caught."""
+    real_race = rejection_sampler.exponential_race
+
+    def race_over_p(residual, generators):
+        missing = 1.0 - residual.sum(dim=-1, keepdim=True)  # the rejected draft's p; 0 for a bonus row
+        return real_race(torch.where(residual == 0, missing, residual), generators)
+
+    monkeypatch.setattr(rejection_sampler, "exponential_race", race_over_p)
+    spec, _ = _sampled_steps(small_vocab, **NGRAM_ASYNC)
+    assert _fits_plain(plain_steps, spec)[0] is False

@@ -362,6 +362,19 @@ def test_eagle3_greedy_output_at_tensor_parallel_2_equals_decoding_without_specu
         assert llm.engine.core.stats().spec_decode_num_draft_tokens > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_heads_under_async_scheduling_equal_decoding_without_speculation(smollm, heads, method):
+    """Under async scheduling the workers propose each step's drafts themselves, from the target's
+    features of the step they just answered; chunked prefill and preemption as above."""
+    small = dict(ENGINE, num_kv_blocks=6, max_num_batched_tokens=24, async_scheduling=True)
+    spec = {"method": method, "model": str(heads[method]), "num_speculative_tokens": 2}
+    with LLM(**small, speculative_config=spec) as llm:
+        assert _tokens(llm, PROMPTS, GREEDY) == smollm["greedy"]
+        stats = llm.engine.core.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+
+
 # ---- bad heads, refused at start ---------------------------------------------------------------
 
 

@@ -122,3 +122,20 @@ def test_profile_forward_encodes_and_holds_the_images(checkpoints, kind):
     # Whole images over the 256 profile tokens take the image-embedding path (2 of 97, 16 of 16).
     assert placed == [list(range(256 // plan.tokens * plan.tokens))]
     assert runner.mm.cache == {} and runner.requests == {} and runner.mm.num_encoded == 0
+
+
+def test_pixel_limits_reach_the_processor_as_its_size(checkpoints):
+    """min_pixels / max_pixels become the processor's `size` edges, the missing one kept from
+    the checkpoint (transformers 5.17 ignores a lone max_pixels at call time; `size` is read by
+    every release), and the picture gets the grid those edges allow."""
+    config = _config(checkpoints["qwen2_vl"])
+    vision = ModelSpec.from_pretrained(config.model).vision
+    images = ImageProcessor(config.model, vision)
+    shortest = images.processor.size["shortest_edge"]
+    assert images._pixel_limits_as_size({"max_pixels": 28 * 28 * 8, "other": 1}) == {
+        "size": {"shortest_edge": shortest, "longest_edge": 28 * 28 * 8},
+        "other": 1,
+    }
+    assert images._pixel_limits_as_size({"do_resize": True}) == {"do_resize": True}
+    _, [limited] = images.expand([IMAGE_PAD], picture(400, 300, 0), {"max_pixels": 28 * 28 * 8})
+    assert limited.length <= 8 < _processed(config, 400, 300).length

@@ -350,20 +350,30 @@ class AsyncClient:
         prompt_token_ids: list[int] | None = None,
         dimensions: int | None = None,
         normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> EmbeddingRequestOutput:
-        """One embedding from a pooling model (normalized as the model declares unless `normalize`)."""
+        """One embedding from a pooling model (normalized as the model declares unless `normalize`).
+        truncate_prompt_tokens (vLLM's): the input's last k tokens; -1: max_model_len."""
         pooling = {"task": "embed", "dimensions": dimensions, "normalize": normalize}
+        pooling["truncate_prompt_tokens"] = truncate_prompt_tokens
         out = await self._pool(pooling, prompt, prompt_token_ids, None, request_id, timeout)
         return EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled), out.prompt_token_ids)
 
     async def score(
-        self, text_1: str, text_2: str, *, request_id: str | None = None, timeout: float | None = None
+        self,
+        text_1: str,
+        text_2: str,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
     ) -> ScoringRequestOutput:
         """A cross-encoder's relevance of the pair (for an embedding model, embed both and take the
         cosine)."""
-        out = await self._pool({"task": "score"}, text_1, None, text_2, request_id, timeout)
+        pooling = {"task": "score", "truncate_prompt_tokens": truncate_prompt_tokens}
+        out = await self._pool(pooling, text_1, None, text_2, request_id, timeout)
         return ScoringRequestOutput(out.request_id, ScoringOutput(out.pooled[0]), out.prompt_token_ids)
 
     async def classify(
@@ -371,10 +381,12 @@ class AsyncClient:
         prompt: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
+        truncate_prompt_tokens: int | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ClassificationRequestOutput:
-        out = await self._pool({"task": "classify"}, prompt, prompt_token_ids, None, request_id, timeout)
+        pooling = {"task": "classify", "truncate_prompt_tokens": truncate_prompt_tokens}
+        out = await self._pool(pooling, prompt, prompt_token_ids, None, request_id, timeout)
         return ClassificationRequestOutput(out.request_id, ClassificationOutput(out.pooled), out.prompt_token_ids)
 
     async def _pool(self, pooling, prompt, prompt_token_ids, pair, request_id, timeout) -> RequestOutput:

@@ -14,7 +14,13 @@ from typing import Any
 
 from zllm.ipc.addresses import is_loopback_tcp
 from zllm.model_spec import ModelSpec
-from zllm.pooling import PoolerConfig, declares_pooling, read_pooler_config
+from zllm.pooling import (
+    PoolerConfig,
+    classifier_settings,
+    converted_classifier,
+    declares_pooling,
+    read_pooler_config,
+)
 from zllm.quantization import QUANTIZATION_METHODS, resolve_quantization
 
 # The values of each field with a fixed set of them, defined once: validate() checks them, the
@@ -201,7 +207,7 @@ class EngineConfig:
     # Schedule step N+1 while step N runs on the device, so host work hides behind GPU work.
     # None: on when the workers run on CUDA (on CPU the compute is synchronous: nothing to hide).
     async_scheduling: bool | None = None
-    # Speculative decoding (None: off). Steps are scheduled synchronously while it is on.
+    # Speculative decoding (None: off).
     speculative_config: SpeculativeConfig | None = None
     served_model_name: str | None = None
     enable_prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes
@@ -285,6 +291,11 @@ class EngineConfig:
     # architecture; the pooler is what the checkpoint declares (resolved by create()).
     runner: str = "auto"
     convert: str = "auto"
+    # vLLM's --hf-overrides, for what turns a generative decoder into a classifier only
+    # (zllm/pooling.py CLASSIFIER_KEYS): e.g. Qwen3-Reranker's {"architectures":
+    # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    # "is_original_qwen3_reranker": true}.
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
     pooler: PoolerConfig | None = None
     # Multi-LoRA serving (vLLM's flags; zllm/lora.py, zllm/workers/lora.py): PEFT adapters on the
     # base model, a step mixing requests of several adapters and of the base model.
@@ -332,15 +343,9 @@ class EngineConfig:
             f"{config.kv_cache_dtype}: {spec.architecture}'s latent (MLA) cache is kept in the model dtype",
         )
         if config.speculative_config is not None:
+            # Async scheduling works with drafts too: the workers propose them for the steps the
+            # core schedules ahead (zllm/enginecore/scheduler.py).
             _resolve_draft_model(config, spec)
-            # NOTE: how many tokens a step accepts is known only from its answer, so the next step
-            # cannot be scheduled before it: speculation runs with synchronous steps.
-            _require(
-                not config.async_scheduling,
-                "async_scheduling",
-                "cannot be combined with speculative_config yet; leave it unset",
-            )
-            config.async_scheduling = False
         if config.async_scheduling is None:
             config.async_scheduling = _runs_on_cuda(config)
         if config.piecewise_cuda_graphs is None:
@@ -620,6 +625,8 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
     without prefix caching (nothing is cached) and without the decoder's piecewise graphs."""
     _require_choice(config, "runner")
     _require_choice(config, "convert")
+    settings = classifier_settings(config.model, config.hf_overrides)
+    _convert_by_architectures(config, spec, settings.get("architectures"))
     pooling = spec.pooling
     if config.runner == "auto":
         converting = config.convert in ("embed", "classify") or declares_pooling(config.model) or spec.bidirectional
@@ -652,6 +659,17 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
     )
     _require(config.speculative_config is None, "speculative_config", "does not apply to a pooling model")
     config.pooler = read_pooler_config(config.model, pooling.kind, pooling.default_pooling, spec.num_labels)
+    if pooling.kind == "classify" and spec.pooling is None:  # a generative decoder made a classifier
+        num_labels, token_ids, method = converted_classifier(config.model, config.tokenizer or config.model, settings)
+        _require(num_labels >= 1, "hf_overrides", f"num_labels must be >= 1, got {num_labels}")
+        _require(
+            bool(token_ids) or _has_tensor(config.model, "score.weight"),
+            "convert",
+            f"classify: the {spec.architecture} checkpoint has no score.weight (a classification head); "
+            "name the tokens whose LM-head rows make one with hf_overrides' classifier_from_token and method",
+        )
+        config.pooler = read_pooler_config(config.model, "classify", pooling.default_pooling, num_labels)
+        config.pooler.classifier_token_ids, config.pooler.classifier_method = token_ids, method
     # NOTE: async scheduling stays as resolved (on with CUDA): pooling steps never depend on each
     # other's answers, so the core schedules step N+1 while N runs and the device never waits on
     # the host's bookkeeping between steps.
@@ -660,16 +678,51 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
 
 
 def _converted_decoder(config: EngineConfig, spec: ModelSpec):
-    """A generative decoder served as an embedding model (--runner pooling): its final hidden
-    state at the last token (vLLM's --convert embed)."""
+    """A generative decoder served with --runner pooling: its final hidden state at the last
+    token (vLLM's --convert embed), or a classifier over it (--convert classify: vLLM's
+    as_seq_cls_model, the checkpoint's `score` head or one made from LM-head rows)."""
     from zllm.model_spec import PoolingArchitecture
 
+    kind = "classify" if config.convert == "classify" else "embed"
+    return PoolingArchitecture("decoder", kind, "last", spec.architecture)
+
+
+def _convert_by_architectures(config: EngineConfig, spec: ModelSpec, architectures) -> None:
+    """hf_overrides' architectures naming a pooling class of the checkpoint's own decoder
+    (Qwen3ForCausalLM -> Qwen3ForSequenceClassification) is --convert of its kind."""
+    from zllm.model_spec import POOLING_REGISTRY
+
+    if architectures is None:
+        return
+    name = architectures[0] if isinstance(architectures, list) and len(architectures) == 1 else None
+    target = POOLING_REGISTRY.get(name)
     _require(
-        config.convert in ("auto", "none", "embed"),
-        "convert",
-        f"{config.convert}: a {spec.architecture} checkpoint has no classification head; use --convert embed",
+        target is not None and target.decoder == spec.architecture and spec.pooling is None,
+        "hf_overrides",
+        f"architectures {architectures!r}: only a pooling class of the checkpoint's own decoder "
+        f"({spec.architecture}) is supported",
     )
-    return PoolingArchitecture("decoder", "embed", "last", spec.architecture)
+    _require(
+        config.convert in ("auto", "none", target.kind),
+        "convert",
+        f"{config.convert} contradicts hf_overrides' {name} (a {target.kind} model)",
+    )
+    config.convert = target.kind
+    if config.runner == "auto":
+        config.runner = "pooling"
+
+
+def _has_tensor(model_dir: str, name: str) -> bool:
+    """Whether the checkpoint holds a tensor of that name (its safetensors headers only)."""
+    from safetensors import safe_open
+
+    from zllm.model_files import checkpoint_files
+
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            if name in f.keys():
+                return True
+    return False
 
 
 def _resolve_draft_model(config: EngineConfig, target: ModelSpec) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from zllm.sampling_params import SamplingParams
+from zllm.sampling_params import SamplingParams, check_truncate_prompt_tokens
 
 POOLING_TASKS = ("embed", "classify", "score", "encode")
 POOLING_TYPES = ("mean", "cls", "last")
@@ -35,15 +35,18 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unk
     relevance of a pair), "encode" (the raw pooled vector). normalize: None follows the model
     (sentence-transformers' Normalize module); dimensions: keep the first n (Matryoshka models),
     then normalize. token_type_ids: a text pair's segment ids (BERT cross-encoders), set by the
-    frontend from the tokenizer."""
+    frontend from the tokenizer. truncate_prompt_tokens: as SamplingParams' (vLLM's), the last k
+    tokens of the input (of a pair's joined tokens, and their token types)."""
 
     task: str = "embed"
     normalize: bool | None = None
     dimensions: int | None = None
     activation: bool | None = None  # classify/score: softmax / sigmoid over the logits (default on)
     token_type_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the input's last k tokens; -1: max_model_len
 
     def __post_init__(self) -> None:
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.task not in POOLING_TASKS:
             raise ValueError(f"task: must be one of {POOLING_TASKS}, got {self.task!r}")
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or self.dimensions < 1):
@@ -65,6 +68,11 @@ class PoolerConfig:
     hidden_size: int = 0  # an embedding's width
     matryoshka: bool = False  # config.json's is_matryoshka / matryoshka_dimensions: `dimensions` allowed
     labels: list[str] = field(default_factory=list)  # a classifier's id2label, in label order
+    # A generative decoder converted to a classifier from its LM head's rows (vLLM's
+    # `classifier_from_token` / `method`, zllm/workers/models/decoder_pooling.py): the tokens' ids
+    # and "from_2_way_softmax" (one logit, yes - no) or "no_post_processing" (one per token).
+    classifier_token_ids: list[int] = field(default_factory=list)
+    classifier_method: str = ""
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -106,6 +114,64 @@ def declares_pooling(model_dir: str) -> bool:
     whatever its architecture (Qwen3-Embedding ships as Qwen3ForCausalLM)."""
     modules = _read_json(Path(model_dir) / "modules.json")
     return isinstance(modules, list) and any(str(m.get("type", "")).endswith(".Pooling") for m in modules)
+
+
+# vLLM's ways of making a generative decoder's classifier from rows of its LM head (Qwen3-Reranker,
+# mxbai-rerank-v2: "from_2_way_softmax"; bge-reranker-v2-gemma: "no_post_processing").
+CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
+# The keys of vLLM's hf_overrides that zllm honours (and reads from config.json too): those that
+# turn a generative decoder into a sequence classifier.
+CLASSIFIER_KEYS = ("architectures", "classifier_from_token", "method", "is_original_qwen3_reranker", "num_labels")
+
+
+def classifier_settings(model_dir: str, overrides: dict) -> dict:
+    """The classifier keys of config.json, under those of hf_overrides (which win)."""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides: must be a JSON object (a dict), got {type(overrides).__name__}")
+    unknown = sorted(set(overrides) - set(CLASSIFIER_KEYS))
+    if unknown:
+        raise ValueError(f"hf_overrides: {unknown} not supported; zllm honours {CLASSIFIER_KEYS}")
+    model_config = _read_json(Path(model_dir) / "config.json") or {}
+    settings = {k: model_config[k] for k in CLASSIFIER_KEYS[1:] if k in model_config}
+    settings.update(overrides)
+    return settings
+
+
+def converted_classifier(model_dir: str, tokenizer_dir: str, settings: dict) -> tuple[int, list[int], str]:
+    """A generative decoder served with --convert classify: (num_labels, classifier token ids,
+    method). Without classifier_from_token the checkpoint's own `score.weight` is the head, of
+    config.json's num_labels (transformers' default 2), as vLLM's as_seq_cls_model loads it."""
+    tokens = settings.get("classifier_from_token")
+    method = "from_2_way_softmax" if settings.get("is_original_qwen3_reranker") else settings.get("method", "")
+    if not tokens:
+        if method:
+            raise ValueError(f"hf_overrides: method {method!r} needs classifier_from_token")
+        if "num_labels" in settings:
+            return int(settings["num_labels"]), [], ""
+        from transformers import AutoConfig
+
+        return int(AutoConfig.from_pretrained(model_dir).num_labels), [], ""
+    if method not in CLASSIFIER_METHODS:
+        raise ValueError(f"hf_overrides: method must be one of {CLASSIFIER_METHODS} with classifier_from_token")
+    if not isinstance(tokens, list) or (method == "from_2_way_softmax" and len(tokens) != 2):
+        raise ValueError("hf_overrides: classifier_from_token: from_2_way_softmax takes two tokens [false, true]")
+    token_ids = _token_ids(tokenizer_dir, tokens)
+    return (1 if method == "from_2_way_softmax" else len(token_ids)), token_ids, method
+
+
+def _token_ids(tokenizer_dir: str, tokens: list) -> list[int]:
+    """Each token's id in the model's vocabulary (an int is taken as an id)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = []
+    for token in tokens:
+        token_id = token if isinstance(token, int) else tokenizer.convert_tokens_to_ids(token)
+        unknown = token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token)
+        if unknown or not 0 <= token_id < len(tokenizer):
+            raise ValueError(f"hf_overrides: classifier_from_token: {token!r} is not a token of the model's vocabulary")
+        ids.append(int(token_id))
+    return ids
 
 
 def _pooling_mode(path: Path, default: str) -> str:

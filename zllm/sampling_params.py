@@ -95,6 +95,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     bad_words: list[str] | None = None  # words (token sequences) that must never be completed
     structured_outputs: StructuredOutputsParams | None = None  # grammar the completion must follow
+    # Keep only the prompt's last k tokens (vLLM's left truncation); -1: the model's max_model_len.
+    # Applied by the frontend's processor, which knows max_model_len (and refuses k above it).
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -150,6 +153,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
             _check(-100.0 <= bias <= 100.0, "logit_bias", f"biases must be in [-100, 100], got {bias} for {token_id}")
         for word in self.bad_words or []:
             _check(isinstance(word, str) and word.strip() != "", "bad_words", "bad words must be non-empty strings")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
     def _verify_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -158,6 +162,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
             _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
         _check_finite(self.repetition_penalty, "repetition_penalty")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+
+
+def check_truncate_prompt_tokens(value: int | None) -> None:
+    """vLLM's rule: an integer >= 1, or -1 (the model's max_model_len); None: no truncation."""
+    if value is not None:
+        ok = type(value) is int and (value >= 1 or value == -1)
+        _check(ok, "truncate_prompt_tokens", f"must be an integer >= 1 or -1, got {value!r}")
 
 
 def _check(ok: bool, field: str, reason: str) -> None:

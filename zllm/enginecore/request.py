@@ -63,7 +63,8 @@ class Request:
     num_computed_tokens: int = 0
     on_workers: bool = False  # sent in full since it was last admitted: the workers hold it
     # Tokens being sampled by steps in flight (async scheduling): the next step computes their
-    # positions before their values are known here; the workers fill them in on the device.
+    # positions before their values are known here; the workers fill them in on the device. With
+    # drafts (async speculative decoding) a step counts 1 + its drafts: the most it may gain.
     num_output_placeholders: int = 0
     # Outputs still to come from steps sent before this request was preempted: dropped on arrival.
     num_stale_outputs: int = 0
@@ -75,10 +76,12 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     sequence: int = 0  # admission order; breaks ties between equal priorities and arrival times
     grammar: RequestGrammar | None = None  # SamplingParams.structured_outputs: compiling, then matching
-    # Speculative decoding: tokens proposed for the next step, and how many of them the step in
-    # flight scores (its computed count is rolled back by those the workers reject).
+    # Speculative decoding: tokens proposed for the next step, and how many of them the step being
+    # scheduled scores; then, per step in flight that samples for it (oldest first), how many
+    # drafts it scores (its computed count is rolled back by those the workers reject).
     spec_token_ids: list[int] = field(default_factory=list)
     num_scheduled_drafts: int = 0
+    drafts_in_flight: list[int] = field(default_factory=list)
     pooling: PoolingParams | None = None  # a pooling request: one step, no sampling, no KV kept
     # A vision-language model's images (sent to the workers with the request), their token
     # spans, and the ones whose encoder-cache entry it holds (zllm/enginecore/encoder_cache.py).

@@ -14,13 +14,20 @@ is an output placeholder, whose position step N+1 computes; the workers put the 
 on the device. A request whose token in flight may be its last (max_tokens, max_model_len) is
 not scheduled again until it arrives; one that stops on EOS costs one discarded step.
 
-Speculative decoding (`config.speculative_config`, synchronous steps): the workers propose draft
-tokens for each request that sampled; its next step computes its last token and the drafts
-(1 + k tokens, in the token budget) and answers with the drafts accepted plus one token of the
-target's own. The computed count is then rolled back past the rejected drafts: their KV slots are
-simply overwritten by the next step, and no block hash ever covers a draft (hashes are made of
-known tokens only). With a draft model or an EAGLE head, each step also allocates k slots past its
-end, where the proposer writes its own KV entries while it proposes.
+Speculative decoding (`config.speculative_config`): the workers propose draft tokens for each
+request that sampled; its next step computes its last token and the drafts (1 + k tokens, in the
+token budget) and answers with the drafts accepted plus one token of the target's own. The
+computed count is then rolled back past the rejected drafts: their KV slots are simply overwritten
+by the next step, and no block hash ever covers a draft (hashes are made of known tokens only).
+With a draft model or an EAGLE head, each step also allocates k slots past its end, where the
+proposer writes its own KV entries while it proposes.
+With synchronous steps the drafts come back in the answer and the next step carries them. Under
+async scheduling the next step is scheduled before that answer, so it asks for up to k drafts
+(-1 placeholders) that the workers propose themselves once they know the step's tokens, and it is
+scheduled as if every draft in flight were accepted (the placeholders count 1 + k tokens): blocks
+cover the longest outcome, and the answer rolls the computed count back as it does synchronously.
+It asks only for requests whose latest answer came with drafts: one that finds none (chat, where
+n-gram rarely matches) keeps the plain pipeline, whose steps never wait on the workers.
 
 Images (vision-language models): a chunk that reaches an image's tokens needs the image's encoder
 output; one the workers do not hold yet (zllm/enginecore/encoder_cache.py) is encoded in that step
@@ -132,6 +139,8 @@ class Scheduler:
         # Slots past a step's end where a draft model writes while it proposes.
         self.num_lookahead = self.max_drafts if speculative and speculative.method in MODEL_SPECULATIVE_METHODS else 0
         self.drafts_off_at = (speculative.disable_by_batch_size if speculative else None) or None
+        # Async scheduling: the workers propose the drafts of a step the core schedules ahead.
+        self.worker_drafts = self.async_scheduling and self.max_drafts > 0
         self.spec = SpecDecodeCounters()
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         # LoRA: at most this many distinct adapters among the running requests, hence in any step
@@ -374,13 +383,34 @@ class Scheduler:
         """How many of the request's drafts its step scores: none unless it is one token behind
         (a decode), and never more than could become output (max_tokens, max_model_len) or than
         the budget holds beside its own token."""
-        if not request.spec_token_ids or request.num_uncomputed_tokens != 1:
-            return 0
-        room = self.max_model_len - request.num_tokens - 1
+        if self.worker_drafts:
+            # The workers propose up to k (unknown here): counted as if every token in flight
+            # came (placeholders), so the room is never overstated. Asked only while the latest
+            # answer had drafts for it (a hint: a request without is not held back behind the
+            # previous step's answer on the workers, so its steps pipeline as without drafts).
+            # A grammar's drafts must be checked here before they are scored: constrained
+            # requests go without.
+            if (
+                not request.spec_token_ids
+                or request.grammar is not None
+                or request.num_tokens_with_placeholders - request.num_computed_tokens != 1
+            ):
+                return 0
+            proposed, num_tokens = self.max_drafts, request.num_tokens_with_placeholders
+            num_output = request.num_output_tokens + request.num_output_placeholders
+        else:
+            if not request.spec_token_ids or request.num_uncomputed_tokens != 1:
+                return 0
+            proposed, num_tokens, num_output = (
+                len(request.spec_token_ids),
+                request.num_tokens,
+                request.num_output_tokens,
+            )
+        room = self.max_model_len - num_tokens - 1
         max_tokens = request.sampling.max_tokens
         if max_tokens is not None:
-            room = min(room, max_tokens - request.num_output_tokens - 1)
-        return max(0, min(len(request.spec_token_ids), room, budget - 1))
+            room = min(room, max_tokens - num_output - 1)
+        return max(0, min(proposed, room, budget - 1))
 
     def _may_finish_in_flight(self, request: Request) -> bool:
         """A token in flight that reaches max_tokens or max_model_len ends the request: computing
@@ -423,10 +453,10 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.on_workers = False
-        # Steps in flight still sample for it; its tokens are recomputed after it resumes.
-        request.num_stale_outputs += request.num_output_placeholders
+        # Steps in flight still sample for it (one answer each); its tokens are recomputed after it resumes.
+        request.num_stale_outputs += len(request.drafts_in_flight)
         request.num_output_placeholders = 0
-        request.spec_token_ids, request.num_scheduled_drafts = [], 0
+        request.spec_token_ids, request.num_scheduled_drafts, request.drafts_in_flight = [], 0, []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -452,11 +482,16 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if request.image_spans:
                 self._release_images(request, request.num_computed_tokens)
-            if request.num_scheduled_drafts:
-                spec_token_ids[request.request_id] = request.spec_token_ids[: request.num_scheduled_drafts]
-            request.spec_token_ids = []
-            if request.num_computed_tokens - request.num_scheduled_drafts == request.num_tokens_with_placeholders:
-                request.num_output_placeholders += 1  # this step samples its next token
+            num_drafts = request.num_scheduled_drafts
+            if num_drafts:
+                spec_token_ids[request.request_id] = (
+                    [-1] * num_drafts if self.worker_drafts else request.spec_token_ids[:num_drafts]
+                )
+            request.spec_token_ids, request.num_scheduled_drafts = [], 0
+            if request.num_computed_tokens - num_drafts == request.num_tokens_with_placeholders:
+                # This step samples its next token (and, async, may gain each draft too).
+                request.num_output_placeholders += 1 + (num_drafts if self.worker_drafts else 0)
+                request.drafts_in_flight.append(num_drafts)
                 if request.grammar is not None:
                     structured_ids.append(request.request_id)
             # Block hashes cover known tokens only: a block holding a draft is never registered.
@@ -508,11 +543,14 @@ class Scheduler:
                 continue
             if request.status != RequestStatus.RUNNING:
                 continue
-            request.num_output_placeholders -= 1
+            num_drafts = request.drafts_in_flight.pop(0) if request.drafts_in_flight else 0
+            request.num_output_placeholders -= 1 + (num_drafts if self.worker_drafts else 0)
             tokens = output.sampled_token_ids[rows.start : rows.stop]
-            self._roll_back_rejected_drafts(request, len(tokens) - 1)
+            self._roll_back_rejected_drafts(request, num_drafts, len(tokens) - 1)
+            if output.num_drafts_scored.get(request_id):
+                self.spec.record(output.num_drafts_scored[request_id], len(tokens) - 1)
             kept = self._append_tokens(request, tokens)  # the workers appended them on their side already
-            if not request.status.is_finished:
+            if not request.status.is_finished:  # async: the drafts are a hint (see _num_drafts_to_score)
                 drafts = output.draft_token_ids.get(request_id, [])[: self.max_drafts]
                 request.spec_token_ids = self._drafts_to_keep(request, drafts)
             deltas.append(
@@ -542,14 +580,12 @@ class Scheduler:
             return drafts
         return request.grammar.valid_drafts(drafts)
 
-    def _roll_back_rejected_drafts(self, request: Request, num_accepted: int) -> None:
-        """The step computed the request's drafts; those the workers rejected are not its tokens,
-        so its computed count steps back over them (their slots are rewritten next step)."""
-        num_drafts, request.num_scheduled_drafts = request.num_scheduled_drafts, 0
-        if not num_drafts:
-            return
+    @staticmethod
+    def _roll_back_rejected_drafts(request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The step was scheduled to compute `num_drafts` drafts; those the workers rejected (or,
+        async, never proposed) are not its tokens, so its computed count steps back over them
+        (their slots are rewritten next step). A later step already scheduled on top stays on top."""
         request.num_computed_tokens -= num_drafts - num_accepted
-        self.spec.record(num_drafts, num_accepted)
 
     def _append_tokens(self, request: Request, tokens: list[int]) -> int:
         """Append the step's tokens in order until one ends the request; returns how many were

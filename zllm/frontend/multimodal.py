@@ -88,7 +88,7 @@ class ImageProcessor:
 
     def _process(self, images: list, processor_kwargs: dict[str, Any] | None):
         """Each image's pixel values and grid of patches (t, h, w)."""
-        kwargs = {**self.processor_kwargs, **(processor_kwargs or {})}
+        kwargs = self._pixel_limits_as_size({**self.processor_kwargs, **(processor_kwargs or {})})
         try:
             out = self.processor(images=images, return_tensors="np", **kwargs)
         except (TypeError, ValueError, OSError) as error:
@@ -104,6 +104,32 @@ class ImageProcessor:
             per_image.append((pixels[first : first + patches], grid))
             first += patches
         return per_image
+
+    def _pixel_limits_as_size(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Qwen's min_pixels / max_pixels as the processor's `size` (shortest_edge / longest_edge,
+        in pixels): some transformers releases (5.17) ignore a lone max_pixels given at call time,
+        and every release reads `size`."""
+        if "min_pixels" not in kwargs and "max_pixels" not in kwargs:
+            return kwargs
+        size = getattr(self.processor, "size", None)
+        edges = ("shortest_edge", "longest_edge")
+        current = {edge: _size_value(size, edge) for edge in edges}
+        if any(value is None for value in current.values()):
+            return kwargs  # a processor without pixel limits: pass them on as given
+        kwargs = dict(kwargs)
+        low, high = (
+            kwargs.pop("min_pixels", current["shortest_edge"]),
+            kwargs.pop("max_pixels", current["longest_edge"]),
+        )
+        kwargs["size"] = {"shortest_edge": int(low), "longest_edge": int(high)}
+        return kwargs
+
+
+def _size_value(size: Any, key: str) -> Any:
+    """One entry of a processor's `size` (a dict, or transformers' SizeDict)."""
+    if isinstance(size, dict):
+        return size.get(key)
+    return getattr(size, key, None)
 
 
 def _image_list(images: Any) -> list:

@@ -9,6 +9,7 @@ import itertools
 import time
 from typing import Any, Union
 
+import msgspec
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
@@ -96,10 +97,14 @@ class InputProcessor:
         self._check_priority(priority)
         self._check_lora(lora_request)
         text, token_ids = (prompt.get("prompt"), prompt["prompt_token_ids"]) if tokenized else self._tokenize(prompt)
+        keep = self.kept_tokens(
+            pooling.truncate_prompt_tokens if pooling is not None else sampling.truncate_prompt_tokens
+        )
+        token_ids = self.truncated(token_ids, keep, text)
         token_ids, mm_inputs = self._with_images(prompt, token_ids)
         self._check_length(token_ids)
         if pooling is not None:
-            pooling = self._with_token_types(pooling, prompt, len(token_ids))
+            pooling = self._with_token_types(pooling, prompt, len(token_ids), keep)
         message = AddRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -130,6 +135,9 @@ class InputProcessor:
         (the outputs' prompt_token_ids)."""
         self._check_task(pooling)
         token_ids = [self._tokenize(prompt)[1] if ids is None else ids for prompt, ids in zip(prompts, token_ids)]
+        keep = self.kept_tokens(pooling.truncate_prompt_tokens)
+        if keep is not None:
+            token_ids = [self.truncated(ids, keep, _text_of(prompt)) for prompt, ids in zip(prompts, token_ids)]
         lengths = np.fromiter(map(len, token_ids), np.int32, count=len(token_ids))
         if len(lengths) and int(lengths.max()) > self.max_model_len:
             self._check_length(token_ids[int((lengths > self.max_model_len).argmax())])  # the first too long
@@ -183,37 +191,72 @@ class InputProcessor:
             )
         check_pooling(pooling, self.pooler)
 
-    def tokenize_pair(self, first: str, second: str) -> dict:
+    def tokenize_pair(self, first: str, second: str, truncate_prompt_tokens: int | None = None) -> dict:
         """A text pair as one input (a cross-encoder's query and document), with its token types."""
-        return self.tokenize_pairs([first], [second])[0]
+        return self.tokenize_pairs([first], [second], truncate_prompt_tokens)[0]
 
-    def tokenize_pairs(self, firsts: list[str], seconds: list[str]) -> list[dict]:
+    def tokenize_pairs(
+        self, firsts: list[str], seconds: list[str], truncate_prompt_tokens: int | None = None
+    ) -> list[dict]:
         """Text pairs as inputs, tokenized in one call; each with its token types where the
-        tokenizer makes them (BERT's segments)."""
+        tokenizer makes them (BERT's segments). truncate_prompt_tokens: at most that many tokens
+        a pair, by the tokenizer's left truncation (the longer text loses its first tokens)."""
         for name, texts in (("text_1", firsts), ("text_2", seconds)):
             if not all(isinstance(text, str) and text for text in texts):
                 raise ValueError(f"{name}: must be non-empty strings")
-        encoded = self.tokenizer(list(firsts), list(seconds))
+        keep = self.kept_tokens(truncate_prompt_tokens)
+        if keep is None:
+            encoded = self.tokenizer(list(firsts), list(seconds))
+        else:
+            encoded = self._left_truncating(list(firsts), list(seconds), keep)
         types = encoded.get("token_type_ids")
         return [
             {"prompt_token_ids": list(ids)} | ({} if types is None else {"token_type_ids": list(types[i])})
             for i, ids in enumerate(encoded["input_ids"])
         ]
 
+    def kept_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many of a prompt's last tokens truncate_prompt_tokens keeps (-1: max_model_len);
+        None: all of them. More than max_model_len is refused, as vLLM does."""
+        if truncate_prompt_tokens is None:
+            return None
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens: {keep} exceeds the model's max_model_len ({self.max_model_len})")
+        return keep
+
+    def truncated(self, token_ids: list[int], keep: int | None, text: str | None = None) -> list[int]:
+        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens). Token ids the caller
+        gave are sliced; a text is tokenized again with the tokenizer's own left truncation
+        (as vLLM's tokenizer call does), which keeps the special tokens it adds (BERT's [CLS] and
+        [SEP], a BOS) and drops the text's first tokens. Only an input over `keep` costs anything."""
+        if keep is None or len(token_ids) <= keep:
+            return token_ids
+        if text is None or self.tokenizer is None:
+            return token_ids[-keep:]
+        return self._left_truncating(text, None, keep)["input_ids"]
+
+    def _left_truncating(self, text, pair, keep: int) -> dict:
+        """The tokenizer's call with truncation from the left (its longest_first strategy for
+        pairs: the longer text loses tokens first), the tokenizer's setting restored after."""
+        side, self.tokenizer.truncation_side = self.tokenizer.truncation_side, "left"
+        try:
+            return self.tokenizer(text, pair, truncation=True, max_length=keep)
+        finally:
+            self.tokenizer.truncation_side = side
+
     @staticmethod
-    def _with_token_types(pooling: PoolingParams, prompt: PromptType, num_tokens: int) -> PoolingParams:
+    def _with_token_types(
+        pooling: PoolingParams, prompt: PromptType, num_tokens: int, keep: int | None = None
+    ) -> PoolingParams:
+        """The prompt dict's token types (a text pair's), truncated as its tokens were."""
         token_types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
         if token_types is None:
             return pooling
+        token_types = token_types[-keep:] if keep else token_types
         if len(token_types) != num_tokens or not all(t in (0, 1) for t in token_types):
             raise ValueError(f"token_type_ids: must be {num_tokens} values of 0 or 1, one per token")
-        return PoolingParams(
-            task=pooling.task,
-            normalize=pooling.normalize,
-            dimensions=pooling.dimensions,
-            activation=pooling.activation,
-            token_type_ids=list(token_types),
-        )
+        return msgspec.structs.replace(pooling, token_type_ids=list(token_types))
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         """The limits that depend on this engine: its config and its vocabulary."""
@@ -302,6 +345,13 @@ class InputProcessor:
 
 
 _INT = {int}
+
+
+def _text_of(prompt: PromptType) -> str | None:
+    """A prompt's text (a string, or a dict's "prompt"), None for token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    return prompt.get("prompt") if isinstance(prompt, dict) else None
 
 
 def _check_without_tokenizer(sampling: SamplingParams) -> None:

@@ -483,7 +483,8 @@ class FrontendServer:
         if message.messages is not None:
             return chat_prompt(self.tokenizer, message.messages, message.add_generation_prompt)
         if message.prompt_pair is not None:
-            return self.processor.tokenize_pair(message.prompt, message.prompt_pair)
+            truncate = (message.pooling or {}).get("truncate_prompt_tokens")
+            return self.processor.tokenize_pair(message.prompt, message.prompt_pair, truncate)
         if message.prompt_token_ids is not None:
             return {"prompt_token_ids": message.prompt_token_ids}
         return message.prompt

@@ -280,6 +280,8 @@ class StepInput(_Message):
     structured_ids: list[str] = []
     # Appended: speculative decoding. Request id -> the draft tokens this step scores after the
     # request's last known token; they are part of its num_scheduled_tokens (1 + len(drafts)).
+    # Under async scheduling they are -1 placeholders: the workers score up to that many drafts of
+    # their own proposing (fewer when they have fewer, the request's count shrinking to match).
     spec_token_ids: dict[str, list[int]] = {}
     # Appended: the encoder cache (zllm/enginecore/encoder_cache.py). Request id -> indices of its
     # images to encode this step (before the forward); hashes to drop first, the core having
@@ -369,6 +371,9 @@ class StepOutput(_Message):
     pooled: dict[str, bytes] = {}
     # Appended: the step's pooling slices, answered in the step's order.
     pooled_slices: list[PooledSlice] = []
+    # Appended: speculative decoding. Request id -> how many drafts this step scored for it (its
+    # acceptance counts; under async scheduling the workers choose them, up to what was asked).
+    num_drafts_scored: dict[str, int] = {}
 
 
 class WorkerReady(_Message):

@@ -192,6 +192,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="the pooling task of the checkpoint, embed or classify (default auto: its head decides)",
     )
     group.add_argument(
+        "--hf-overrides",
+        type=parse_json_object,
+        default={},
+        metavar="JSON",
+        help="vLLM's keys that make a generative decoder a classifier, e.g. Qwen3-Reranker's "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true}\' (default: none)',
+    )
+    group.add_argument(
         "--disable-hybrid-kv-cache-manager",
         action="store_true",
         default=defaults.disable_hybrid_kv_cache_manager,
@@ -347,6 +356,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         scheduling_policy=args.scheduling_policy,
         runner=args.runner,
         convert=args.convert,
+        hf_overrides=args.hf_overrides,
         max_logprobs=args.max_logprobs,
         max_n=args.max_n,
         distributed_init_method=args.distributed_init_method,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -130,17 +131,23 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt (normalized as the model declares, unless pooling_params say)."""
-        params = pooling_params or PoolingParams()
+        """One embedding per prompt (normalized as the model declares, unless pooling_params say).
+        truncate_prompt_tokens (vLLM's): each input's last k tokens; -1: max_model_len."""
+        params = _truncated(pooling_params or PoolingParams(), truncate_prompt_tokens)
         pooled = self._pool(self._prompt_list(prompts), _with_task(params, "embed"), use_tqdm)
         return [EmbeddingRequestOutput(i, EmbeddingOutput(row), ids) for i, ids, row in pooled.rows()]
 
     def classify(
-        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (softmax over the labels; sigmoid for one label)."""
-        pooled = self._pool(self._prompt_list(prompts), PoolingParams(task="classify"), use_tqdm)
+        params = PoolingParams(task="classify", truncate_prompt_tokens=truncate_prompt_tokens)
+        pooled = self._pool(self._prompt_list(prompts), params, use_tqdm)
         return [ClassificationRequestOutput(i, ClassificationOutput(row), ids) for i, ids, row in pooled.rows()]
 
     def encode(
@@ -148,26 +155,35 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[PoolingRequestOutput]:
         """The raw pooled vector per prompt (the pooled hidden state, or the classifier's logits)."""
-        params = pooling_params or PoolingParams(task="encode")
+        params = _truncated(pooling_params or PoolingParams(task="encode"), truncate_prompt_tokens)
         pooled = self._pool(self._prompt_list(prompts), params, use_tqdm)
         return [PoolingRequestOutput(i, PoolingOutput(row), ids) for i, ids, row in pooled.rows()]
 
     def score(
-        self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
         """The relevance of each pair (one text against many, or pairwise): a cross-encoder reads
-        the pair as one input; an embedding model scores the cosine of the two embeddings."""
+        the pair as one input (truncate_prompt_tokens: its joined tokens' last k); an embedding
+        model scores the cosine of the two embeddings (each text truncated)."""
         firsts, seconds = score_pairs(data_1, data_2)
         pooler = self.engine.config.pooler
         if pooler is not None and pooler.kind == "classify":
-            pairs = self.engine.processor.tokenize_pairs(firsts, seconds)
-            pooled = self._pool(pairs, PoolingParams(task="score"), use_tqdm)
+            pairs = self.engine.processor.tokenize_pairs(firsts, seconds, truncate_prompt_tokens)
+            pooled = self._pool(
+                pairs, PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens), use_tqdm
+            )
             scores = [float(row[0]) for row in pooled.vectors]
             ids = pooled.prompt_token_ids
         else:
-            pooled = self._pool([*firsts, *seconds], PoolingParams(task="embed"), use_tqdm)
+            params = PoolingParams(task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+            pooled = self._pool([*firsts, *seconds], params, use_tqdm)
             count, tokens = len(firsts), pooled.prompt_token_ids
             vectors = [v if isinstance(v, list) else v.tolist() for v in pooled.vectors]
             scores = [cosine(a, b) for a, b in zip(vectors[:count], vectors[count:])]
@@ -489,7 +505,19 @@ _PLAIN_KEYS = {"prompt", "prompt_token_ids"}
 def _with_task(params: PoolingParams, task: str) -> PoolingParams:
     if params.task == task:
         return params
-    return PoolingParams(task=task, normalize=params.normalize, dimensions=params.dimensions)
+    return PoolingParams(
+        task=task,
+        normalize=params.normalize,
+        dimensions=params.dimensions,
+        truncate_prompt_tokens=params.truncate_prompt_tokens,
+    )
+
+
+def _truncated(params: PoolingParams, truncate_prompt_tokens: int | None) -> PoolingParams:
+    """The call's truncate_prompt_tokens (as vLLM's LLM takes it) over the params' own."""
+    if truncate_prompt_tokens is None:
+        return params
+    return msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
 
 
 def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> tuple[list[str], list[str]]:

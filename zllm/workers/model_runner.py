@@ -7,6 +7,7 @@ the runner keeps every live request's tokens and block table between steps.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -159,6 +160,8 @@ class ModelRunner:
         self.graphs = None
         self.pieces = None  # EagerPieces / PiecewiseGraphs: steps with prefill (piecewise_cuda_graphs)
         self.proposer = None  # speculative decoding: drafts for the requests that sampled (load_model)
+        # The latest drafts proposed for each request, which async steps ask for (-1 placeholders).
+        self.drafts: dict[str, list[int]] = {}
         self.mm: MultimodalRunner | None = None  # a vision-language model's images (load_model)
         self.lora = None  # LoRAManager with enable_lora (load_model)
 
@@ -319,6 +322,7 @@ class ModelRunner:
             for request_id in self.requests:
                 self.proposer.forget(request_id)
         self.requests.clear()
+        self.drafts.clear()
         self.sampling.clear()
         self.awaiting_prompt_logprobs.clear()
         self._in_flight, self._in_flight_tokens = {}, None
@@ -450,6 +454,8 @@ class ModelRunner:
         launched = LaunchedStep(step_id=step.step_id)
         if step.is_empty:
             return launched
+        if step.spec_token_ids and self.config.async_scheduling:
+            step = self._with_own_drafts(step)
         batch = self._prepare_inputs(step)
         if self.lora is not None:
             self.lora.prepare(batch.token_lora_ids)
@@ -466,6 +472,21 @@ class ModelRunner:
             # Every rank takes part in the gather; only rank 0 gets logits.
             launched.logits = self.model.compute_logits(hidden[batch.logits_indices])
         return launched
+
+    def _with_own_drafts(self, step: StepInput) -> StepInput:
+        """Async speculative decoding: the step asks for up to n drafts per request (-1
+        placeholders); it scores the drafts proposed here after the request's last step, at most n,
+        and the request computes that many fewer tokens when there are fewer (the core's
+        answer-time roll-back covers the difference)."""
+        resolved = copy.copy(step)  # the message itself stays as sent (in-process, the core's object)
+        resolved.spec_token_ids, resolved.num_scheduled_tokens = {}, list(step.num_scheduled_tokens)
+        index = {request_id: i for i, request_id in enumerate(step.scheduled_ids)}
+        for request_id, wanted in step.spec_token_ids.items():
+            own = self.drafts.get(request_id, [])[: len(wanted)]
+            resolved.num_scheduled_tokens[index[request_id]] -= len(wanted) - len(own)
+            if own:
+                resolved.spec_token_ids[request_id] = own
+        return resolved
 
     @torch.inference_mode()
     def sample_step(self, launched: LaunchedStep, grammar: GrammarBitmask | None = None) -> None:
@@ -537,6 +558,13 @@ class ModelRunner:
         if self._in_flight_tokens is launched.tokens:
             self._in_flight, self._in_flight_tokens = {}, None
         drafts = self._propose(launched) if self.proposer is not None else {}
+        if self.drafts:  # what these requests drafted before is stale now
+            for state in states:
+                self.drafts.pop(state.request_id, None)
+        self.drafts.update(drafts)
+        scored = {}
+        if launched.layout is not None:
+            scored = {s.request_id: len(d) for s, d in zip(states, launched.layout.drafts) if d}
         logprobs = launched.logprobs
         if logprobs is not None and launched.layout is not None:
             logprobs = _select_rows(logprobs, logprob_rows)
@@ -547,7 +575,10 @@ class ModelRunner:
             logprobs=None if logprobs is None else _to_message(logprobs),
             prompt_logprobs={rid: _concat_to_message(parts) for rid, parts in launched.prompt_logprobs.items()},
             failed_requests=self.failures.take(),  # new requests it could not take, since the last answer
+            # Under async scheduling the next step is on its way already: these tell the core which
+            # requests to ask drafts for in the step after it.
             draft_token_ids=drafts if self.tp.is_first else {},
+            num_drafts_scored=scored if self.tp.is_first else {},
         )
 
     def _tokens_gained(self, launched: LaunchedStep) -> list[list[int]]:
@@ -659,7 +690,9 @@ class ModelRunner:
             if self.failures.is_dropped(cached.request_id):
                 continue  # scheduled (async) before the core heard that it failed here
             state = self.requests[cached.request_id]
-            _apply_diff(state, cached)
+            # With drafts, this worker's count is the exact one: it rolled back the rejected drafts
+            # itself, while an async step's count assumed every draft in flight was accepted.
+            _apply_diff(state, cached, keep_computed=self.proposer is not None)
 
     def _add_request(self, new: NewRequestData) -> None:
         state = _state_from_new(new)
@@ -687,6 +720,7 @@ class ModelRunner:
             self.proposer.forget(request_id)
         self.sampling.remove(request_id)
         self.awaiting_prompt_logprobs.pop(request_id, None)
+        self.drafts.pop(request_id, None)
         self._in_flight.pop(request_id, None)  # a token in flight for it is stale now
 
     def _prepare_inputs(self, step: StepInput) -> BatchInputs:
@@ -896,10 +930,11 @@ def _concat_to_message(parts: list[LogprobsTensors]) -> TokenLogprobs:
     )
 
 
-def _apply_diff(state: RequestState, diff: CachedRequestData) -> None:
+def _apply_diff(state: RequestState, diff: CachedRequestData, keep_computed: bool = False) -> None:
     state.block_ids.extend(diff.new_block_ids)
     state.sliding_block_ids.extend(diff.new_sliding_block_ids)
-    state.num_computed_tokens = diff.num_computed_tokens
+    if not keep_computed:
+        state.num_computed_tokens = diff.num_computed_tokens
 
 
 @contextlib.contextmanager

@@ -77,7 +77,7 @@ class PoolingRunner:
             if self.spec.encoder:
                 model = BertModel(self.spec, self.tp)
             else:
-                model = DecoderForPooling(self.spec, ops_for(self.device), self.tp)
+                model = DecoderForPooling(self.spec, ops_for(self.device), self.tp, self.config.pooler)
         if self.config.load_format == "dummy":
             init_dummy_weights(model, self.config.seed)
         else:

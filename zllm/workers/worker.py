@@ -86,15 +86,33 @@ class Worker:
 
         A step with structured requests is sampled on rank 0 only once its GrammarBitmask arrives
         (`apply_grammar_bitmask`): the core computes it after it has the answer given here. The
-        other ranks sample at once: they only receive rank 0's tokens."""
-        launched = self.runner.launch_step(step)
-        answers = self.finish_pending()
+        other ranks sample at once: they only receive rank 0's tokens.
+
+        Speculative decoding: a step that scores drafts, or follows one that did, is launched only
+        after the step before it is answered. Its drafts are proposed here from that step's
+        tokens, and how many drafts that step accepted sets where its requests stand (each
+        request's tokens, positions and slots); the core's own steps still overlap the device.
+        An EAGLE head reads the target's hidden states of the step it drafts after, which the next
+        launch overwrites (the graphs' fixed buffers): with one, every step is answered first."""
+        if self._pending is not None and (
+            step.spec_token_ids or self._pending.layout is not None or self._proposer_reads_features
+        ):
+            answers = self.finish_pending()
+            launched = self.runner.launch_step(step)
+        else:
+            launched = self.runner.launch_step(step)
+            answers = self.finish_pending()
         self._pending = launched
         if step.structured_ids and self.tp.is_first:
             self.awaiting_bitmask = True
         else:
             self.runner.sample_step(launched)
         return answers
+
+    @property
+    def _proposer_reads_features(self) -> bool:
+        proposer = getattr(self.runner, "proposer", None)
+        return proposer is not None and proposer.needs_features
 
     def apply_grammar_bitmask(self, bitmask: GrammarBitmask) -> None:
         """Sample the pending step under its grammars' bitmask."""

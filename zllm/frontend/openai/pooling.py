@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 
 from zllm.frontend.openai.protocol import BadRequestError, now_s
-from zllm.frontend.openai.serving import FrontendRequestError, request_id
+from zllm.frontend.openai.serving import FrontendRequestError, kept_tokens, request_id
 from zllm.ipc.messages import ClientGenerate, ServerError, ServerOutput
 from zllm.pooling import cosine
 
@@ -44,12 +44,14 @@ class EmbeddingRequest(_Struct):
     dimensions: int | None = None  # Matryoshka models only
     normalize: bool | None = None  # vLLM's extension; None: as the model declares
     user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: each input's last k tokens; -1: max_model_len
 
 
 class ScoreRequest(_Struct):
     text_1: str | list[str]
     text_2: str | list[str]
     model: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: each input's last k tokens; -1: max_model_len
 
 
 class RerankRequest(_Struct):
@@ -58,11 +60,13 @@ class RerankRequest(_Struct):
     model: str | None = None
     top_n: int | None = None  # the best n; None or 0: all
     return_documents: bool = True
+    truncate_prompt_tokens: int | None = None  # vLLM's: each input's last k tokens; -1: max_model_len
 
 
 class ClassificationRequest(_Struct):
     input: str | list[str]
     model: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: each input's last k tokens; -1: max_model_len
 
 
 class PoolingUsage(_Struct):
@@ -160,6 +164,7 @@ class PoolingRoutes:
         if body.encoding_format not in ("float", "base64"):
             raise BadRequestError("encoding_format: must be 'float' or 'base64'", "encoding_format")
         pooling = {"task": "embed", "dimensions": body.dimensions, "normalize": body.normalize}
+        pooling["truncate_prompt_tokens"] = self._truncation(body.truncate_prompt_tokens)
         outputs = await self._pool([_input(item) for item in _inputs(body.input)], pooling)
         data = [EmbeddingData(i, _encoded(o.pooled, body.encoding_format)) for i, o in enumerate(outputs)]
         return _json(EmbeddingResponse(request_id("embd"), now_s(), model, data, _usage(outputs)), headers)
@@ -168,7 +173,7 @@ class PoolingRoutes:
         body, headers = await self.api._decode(request, ScoreRequest)
         model = self.api._model(body.model)
         firsts, seconds = _pairs(body.text_1, body.text_2)
-        scores, outputs = await self._scores(firsts, seconds)
+        scores, outputs = await self._scores(firsts, seconds, self._truncation(body.truncate_prompt_tokens))
         data = [ScoreData(i, s) for i, s in enumerate(scores)]
         return _json(ScoreResponse(request_id("score"), now_s(), model, data, _usage(outputs)), headers)
 
@@ -180,7 +185,8 @@ class PoolingRoutes:
             raise BadRequestError("documents: must not be empty", "documents")
         if body.top_n is not None and body.top_n < 0:
             raise BadRequestError("top_n: must be >= 0", "top_n")
-        scores, outputs = await self._scores([body.query] * len(documents), documents)
+        truncation = self._truncation(body.truncate_prompt_tokens)
+        scores, outputs = await self._scores([body.query] * len(documents), documents, truncation)
         ranked = sorted(range(len(documents)), key=lambda i: -scores[i])[: body.top_n or None]
         results = [
             RerankResult(i, scores[i], RerankDocument(documents[i]) if body.return_documents else None) for i in ranked
@@ -191,22 +197,30 @@ class PoolingRoutes:
         body, headers = await self.api._decode(request, ClassificationRequest)
         model = self.api._model(body.model)
         texts = [body.input] if isinstance(body.input, str) else body.input
-        outputs = await self._pool(
-            [{"prompt": _text(t, "input")} for t in _non_empty(texts, "input")], {"task": "classify"}
-        )
+        pooling = {"task": "classify", "truncate_prompt_tokens": self._truncation(body.truncate_prompt_tokens)}
+        outputs = await self._pool([{"prompt": _text(t, "input")} for t in _non_empty(texts, "input")], pooling)
         labels = self.pooler.labels if self.pooler is not None else []
         data = [ClassificationData(i, _label(o.pooled, labels), o.pooled, len(o.pooled)) for i, o in enumerate(outputs)]
         return _json(ClassificationResponse(request_id("classify"), now_s(), model, data, _usage(outputs)), headers)
 
     # ---- through the frontend server ---------------------------------------------------------------
 
-    async def _scores(self, firsts: list[str], seconds: list[str]) -> tuple[list[float], list[ServerOutput]]:
+    def _truncation(self, truncate_prompt_tokens: int | None) -> int | None:
+        """The body's truncate_prompt_tokens, checked here (a 400 naming it) before any input runs."""
+        kept_tokens(truncate_prompt_tokens, self.api.config.max_model_len)
+        return truncate_prompt_tokens
+
+    async def _scores(
+        self, firsts: list[str], seconds: list[str], truncation: int | None = None
+    ) -> tuple[list[float], list[ServerOutput]]:
+        """A cross-encoder's pair scores (truncation: of each pair's joined tokens), or the cosines
+        of the texts' embeddings (each text truncated)."""
         if self.pooler is not None and self.pooler.kind == "classify":
             pairs = [{"prompt": _text(a, "text_1"), "prompt_pair": _text(b, "text_2")} for a, b in zip(firsts, seconds)]
-            outputs = await self._pool(pairs, {"task": "score"})
+            outputs = await self._pool(pairs, {"task": "score", "truncate_prompt_tokens": truncation})
             return [o.pooled[0] for o in outputs], outputs
         texts = [{"prompt": _text(t, "text")} for t in [*firsts, *seconds]]
-        outputs = await self._pool(texts, {"task": "embed"})
+        outputs = await self._pool(texts, {"task": "embed", "truncate_prompt_tokens": truncation})
         half = len(firsts)
         return [cosine(a.pooled, b.pooled) for a, b in zip(outputs[:half], outputs[half:])], outputs
 
@@ -214,7 +228,8 @@ class PoolingRoutes:
         """Every input through the frontend server as one local client; their outputs in order."""
         self.api._check_serving()
         pooling = {k: v for k, v in pooling.items() if v is not None}
-        inputs = self._tokenized_together(inputs)
+        if "truncate_prompt_tokens" not in pooling:  # truncation re-reads a long input's text
+            inputs = self._tokenized_together(inputs)
         identity, inbox = self.frontend.open_local_client()
         try:
             for index, fields in enumerate(inputs):

@@ -90,6 +90,7 @@ class _SamplingRequest(_Request, kw_only=True):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
     # vLLM's older names for structured_outputs' fields
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None

@@ -60,7 +60,7 @@ from zllm.frontend.parallel_sampling import best_of_indices
 from zllm.frontend.tokenizer import chat_prompt
 from zllm.ipc.messages import ClientGenerate, ImageInput, ServerError, ServerOutput
 from zllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
-from zllm.sampling_params import SamplingParams, StructuredOutputsParams
+from zllm.sampling_params import SamplingParams, StructuredOutputsParams, check_truncate_prompt_tokens
 
 if TYPE_CHECKING:
     from zllm.frontend.server import FrontendServer
@@ -256,6 +256,7 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured_outputs=structured_outputs,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
     )
     try:
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
@@ -392,6 +393,42 @@ def _template_tool_call(call) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
+def kept_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens checked at the edge: how many of a prompt's last tokens to
+    keep (-1: max_model_len); None: all. 0, below -1 or over max_model_len is a 400."""
+    if truncate_prompt_tokens is None:
+        return None
+    try:
+        check_truncate_prompt_tokens(truncate_prompt_tokens)
+    except ValueError as error:
+        raise BadRequestError(str(error), "truncate_prompt_tokens") from None
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if keep > max_model_len:
+        raise BadRequestError(
+            f"truncate_prompt_tokens: {keep} exceeds the model's max_model_len ({max_model_len})",
+            "truncate_prompt_tokens",
+        )
+    return keep
+
+
+def truncate_prompts(
+    server: FrontendServer, prompts: list[Prompt], truncate_prompt_tokens: int | None, texts: bool
+) -> None:
+    """Each prompt's last k tokens, before the context check (as vLLM truncates at tokenization).
+    texts: a prompt's text is tokenized again with left truncation (its BOS kept, as vLLM's
+    tokenizer call keeps it); else (token ids, a rendered chat) the ids are sliced. A truncated
+    prompt's text is decoded again if echo needs it."""
+    keep = kept_tokens(truncate_prompt_tokens, server.config.max_model_len)
+    if keep is None:
+        return
+    for prompt in prompts:
+        if prompt.image_urls:
+            raise BadRequestError("truncate_prompt_tokens: not supported with images", "truncate_prompt_tokens")
+        if len(prompt.token_ids) > keep:
+            text = prompt.text if texts else None
+            prompt.token_ids, prompt.text = server.processor.truncated(prompt.token_ids, keep, text), None
+
+
 def check_context(prompts: list[Prompt], max_tokens: int | None, max_model_len: int, field_name: str) -> None:
     """Every prompt plus max_tokens must fit the context, as OpenAI's API demands (400, not truncation)."""
     for prompt in prompts:
@@ -490,6 +527,7 @@ class CompletionCall:
             raise BadRequestError("echo: with logprobs, only without stream", "echo")
         check_best_of(server, request)
         prompts = completion_prompts(server, request.prompt)
+        truncate_prompts(server, prompts, request.truncate_prompt_tokens, texts=True)
         check_context(prompts, request.max_tokens, server.config.max_model_len, "prompt")
         # Echoed prompt tokens come with their own logprobs, as OpenAI's API gives them.
         prompt_logprobs = request.logprobs if echo_logprobs else None
@@ -635,6 +673,7 @@ class ChatCall:
         check_best_of(server, request)
         tools = tool_mode(server, request)
         prompt = conversation_prompt(server, request)
+        truncate_prompts(server, [prompt], request.truncate_prompt_tokens, texts=False)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         check_context([prompt], max_tokens, server.config.max_model_len, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None

@@ -8,6 +8,11 @@ slot per token (block size 1, slot = row): the step keeps no KV cache. Attention
 groups of similar length (right-padded, so a query never sees padding), through torch's
 scaled_dot_product_attention; bidirectional under a key-padding mask where the config says
 `is_causal: false` (gte-Qwen2's embedders), as FlashAttention's varlen call is on CUDA.
+
+A generative checkpoint served with --convert classify (vLLM's as_seq_cls_model) has its
+`score.weight` as the head, or one made from rows of its LM head (the embedding where tied):
+"from_2_way_softmax" (Qwen3-Reranker) keeps row[true] - row[false], one logit whose sigmoid is
+the softmax of the two tokens' logits; "no_post_processing" keeps the tokens' rows as they are.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from zllm.model_spec import ModelSpec
+from zllm.pooling import PoolerConfig
 from zllm.workers.distributed import TensorParallel
+from zllm.workers.linear_weights import LoadTarget
 from zllm.workers.models.bert import PackedInputs, PaddedGroup, varlen_attention
 from zllm.workers.models.llama import LlamaForCausalLM
 from zllm.workers.ops import TorchOps
@@ -26,10 +33,20 @@ from zllm.workers.ops import TorchOps
 class DecoderForPooling(LlamaForCausalLM):
     head_reads_first = False  # a classifier's head reads the last token
 
-    def __init__(self, spec: ModelSpec, ops: TorchOps | None = None, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        ops: TorchOps | None = None,
+        tp: TensorParallel | None = None,
+        pooler: PoolerConfig | None = None,
+    ) -> None:
         super().__init__(spec, ops, tp)
         self.lm_head = None  # hidden states are the output
-        self.head = nn.Linear(spec.hidden_size, spec.num_labels, bias=False) if spec.num_labels else None
+        # A converted generative decoder's labels are the pooler's (its spec has none).
+        num_labels = pooler.num_labels if pooler is not None and pooler.kind == "classify" else spec.num_labels
+        self.head = nn.Linear(spec.hidden_size, num_labels, bias=False) if num_labels else None
+        self.head_tokens = list(pooler.classifier_token_ids) if pooler is not None else []
+        self.head_method = pooler.classifier_method if pooler is not None else ""
         self.causal = not spec.bidirectional
 
     def forward(
@@ -58,16 +75,46 @@ class DecoderForPooling(LlamaForCausalLM):
     # ---- weights: a `*Model` checkpoint has no "model." prefix; a generative one has an lm_head ---
 
     def checkpoint_targets(self, hf_name: str) -> list[tuple[str, int | None]]:
-        if hf_name == "lm_head.weight":
-            return []  # a generative checkpoint served for its hidden states
+        if hf_name == "lm_head.weight":  # a generative checkpoint: the head's rows, or nothing
+            return [("head.weight", None)] if self._head_from(hf_name) else []
         if hf_name == "score.weight":
-            return [("head.weight", None)] if self.head is not None else []
+            return [("head.weight", None)] if self.head is not None and not self.head_tokens else []
         if not hf_name.startswith("model."):
             hf_name = "model." + hf_name
-        return super().checkpoint_targets(hf_name)
+        targets = super().checkpoint_targets(hf_name)
+        return targets + [("head.weight", None)] if self._head_from(hf_name) else targets
+
+    def _head_from(self, hf_name: str) -> bool:
+        """Whether the head is made from this tensor's rows: the LM head, or the embedding where tied."""
+        if not self.head_tokens:
+            return False
+        tied = self.spec.tie_word_embeddings
+        return hf_name == ("model.embed_tokens.weight" if tied else "lm_head.weight")
+
+    def load_target(self, name: str, shard: int | None) -> LoadTarget:
+        if name != "head.weight" or not self.head_tokens:
+            return super().load_target(name, shard)
+        # Only the rows from the lowest token to the highest are read from the checkpoint.
+        low, high = min(self.head_tokens), max(self.head_tokens) + 1
+        rows = torch.tensor([t - low for t in self.head_tokens])
+        full_shape = (self.spec.vocab_size, self.spec.hidden_size)
+
+        def store(values: torch.Tensor) -> None:
+            if values.shape[0] != high - low:  # dummy weights (load_format dummy): the head's own shape
+                self.head.weight.data.copy_(values)
+                return
+            picked = values[rows].float()  # [tokens, hidden]; the difference in fp32, as vLLM takes it
+            head = picked[1:2] - picked[0:1] if self.head_method == "from_2_way_softmax" else picked
+            self.head.weight.data.copy_(head)
+
+        return LoadTarget(self.head.weight.data, full_shape, (slice(low, high), slice(None)), store)
 
     def checkpoint_name(self, name: str, shard: int | None) -> str:
-        return "score.weight" if name == "head.weight" else super().checkpoint_name(name, shard)
+        if name != "head.weight":
+            return super().checkpoint_name(name, shard)
+        if not self.head_tokens:
+            return "score.weight"
+        return "model.embed_tokens.weight" if self.spec.tie_word_embeddings else "lm_head.weight"
 
 
 def _grouped(

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from zllm.workers.sampler import SamplingMetadata, exponential_race, target_distribution
+from zllm.workers.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -59,6 +61,19 @@ class DraftLayout:
         """Per position row, the draft token it scores (-1 for a bonus row)."""
         return [token for drafts in self.drafts for token in (*drafts, -1)]
 
+    def host_indices(self) -> np.ndarray:
+        """Every integer the sampler needs, made on the host and packed for one copy: per row its
+        draft (-1: bonus) and its request; per request its first row; per (request, offset) the
+        row it reads (its first row where the offset is past its rows) and whether it is real."""
+        counts = np.asarray([len(d) + 1 for d in self.drafts], dtype=np.int64)
+        first = np.asarray(self.first_row, dtype=np.int64)
+        offsets = np.arange(self.width, dtype=np.int64)
+        valid = offsets[None, :] < counts[:, None]
+        index = np.where(valid, first[:, None] + offsets[None, :], first[:, None])
+        request_of_row = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        row_drafts = np.asarray(self.row_drafts(), dtype=np.int64)
+        return np.concatenate([row_drafts, request_of_row, first, index.ravel(), valid.ravel().astype(np.int64)])
+
 
 @dataclass(slots=True)
 class Verified:
@@ -71,9 +86,11 @@ class Verified:
 
 
 def verify(logits: torch.Tensor, meta: SamplingMetadata, layout: DraftLayout) -> Verified:
-    """logits [rows, V] of every position row (with meta for those rows) -> the tokens gained."""
+    """logits [rows, V] of every position row (with meta for those rows) -> the tokens gained.
+    One host-to-device copy (pinned: it queues behind the forward) and no host sync."""
     device = logits.device
-    row_drafts = torch.tensor(layout.row_drafts(), dtype=torch.long, device=device)
+    indices = _Indices.of(layout, device)
+    row_drafts = indices.row_drafts
     is_draft = row_drafts >= 0
     drafts_or_zero = row_drafts.clamp(min=0)
     greedy, probs = target_distribution(logits, meta)
@@ -91,7 +108,26 @@ def verify(logits: torch.Tensor, meta: SamplingMetadata, layout: DraftLayout) ->
         accepted = torch.where(is_greedy, accepted, random_accepted)
         emitted = torch.where(is_greedy, greedy, random_emitted)
     accepted &= is_draft
-    return _gather_per_request(accepted, emitted, row_drafts, layout)
+    return _gather_per_request(accepted, emitted, indices)
+
+
+@dataclass(slots=True)
+class _Indices:
+    """DraftLayout.host_indices on the device, unpacked."""
+
+    row_drafts: torch.Tensor  # [rows]
+    request_of_row: torch.Tensor  # [rows]
+    first: torch.Tensor  # [R]
+    index: torch.Tensor  # [R, width]
+    valid: torch.Tensor  # [R, width] bool
+
+    @classmethod
+    def of(cls, layout: DraftLayout, device: torch.device) -> _Indices:
+        rows, requests, width = layout.num_rows, len(layout.drafts), layout.width
+        packed = to_device(layout.host_indices(), device)
+        bounds = np.cumsum([0, rows, rows, requests, requests * width, requests * width])
+        parts = [packed[bounds[k] : bounds[k + 1]] for k in range(5)]
+        return cls(parts[0], parts[1], parts[2], parts[3].view(requests, width), parts[4].view(requests, width) != 0)
 
 
 def _uniforms(num_rows: int, meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
@@ -103,27 +139,18 @@ def _uniforms(num_rows: int, meta: SamplingMetadata, device: torch.device) -> to
     return uniform
 
 
-def _gather_per_request(
-    accepted: torch.Tensor, emitted: torch.Tensor, row_drafts: torch.Tensor, layout: DraftLayout
-) -> Verified:
+def _gather_per_request(accepted: torch.Tensor, emitted: torch.Tensor, indices: _Indices) -> Verified:
     """From position rows to requests: the leading run of accepted drafts, then the token the
     first unaccepted row emits. All on the device: no host sync."""
     device = accepted.device
-    width = layout.width
-    counts = [len(d) + 1 for d in layout.drafts]
-    first = torch.tensor(layout.first_row, dtype=torch.long, device=device)
-    offsets = torch.arange(width, device=device)
-    valid = offsets[None, :] < torch.tensor(counts, device=device)[:, None]  # [R, width]
-    index = torch.where(valid, first[:, None] + offsets[None, :], first[:, None])
+    first, index, valid, row_drafts = indices.first, indices.index, indices.valid, indices.row_drafts
+    offsets = torch.arange(index.shape[1], device=device)
     run = (accepted[index] & valid).to(torch.int32).cumprod(dim=1)
     num_accepted = run.sum(dim=1)  # the bonus row is never "accepted": at most len(drafts)
     stop_index = first + num_accepted
     tokens = torch.where(offsets[None, :] < num_accepted[:, None], row_drafts[index], -1)
     tokens.scatter_(1, num_accepted[:, None], emitted[stop_index][:, None])
     # Per row: its draft while it is inside the accepted run, else what it emits itself.
-    request_of_row = torch.repeat_interleave(
-        torch.arange(len(counts), device=device), torch.tensor(counts, device=device)
-    )
-    in_run = torch.arange(accepted.shape[0], device=device) < (first + num_accepted)[request_of_row]
+    in_run = torch.arange(accepted.shape[0], device=device) < (first + num_accepted)[indices.request_of_row]
     row_tokens = torch.where(in_run, row_drafts, emitted)
     return Verified(tokens=tokens, num_tokens=num_accepted + 1, row_tokens=row_tokens)
