@@ -341,15 +341,21 @@ def _rejected_cleanly(channel: str, frame: bytes) -> bool:
 
 def _push(endpoint: str, batches: list[list[bytes]]) -> None:
     context = zmq.Context()
+    socket = context.socket(zmq.PUSH)
     try:
-        socket = context.socket(zmq.PUSH)
         socket.setsockopt(zmq.SNDHWM, 100_000)
         socket.setsockopt(zmq.SNDTIMEO, 5000)
         socket.connect(endpoint)
         for frames in batches:
-            socket.send_multipart(frames)
-        socket.close(linger=5000)  # returns once everything is handed over
+            try:
+                socket.send_multipart(frames)
+            except zmq.Again:
+                # The receiver cut the connection (a frame over its size limit) and the send timed
+                # out waiting for it: what is left cannot be handed over, which is the point.
+                break
     finally:
+        # Closed before term(), also after a failed send: term() waits forever on an open socket.
+        socket.close(linger=5000)  # returns once everything is handed over, or after 5 s
         context.term()
 
 

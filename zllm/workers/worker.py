@@ -94,9 +94,7 @@ class Worker:
         request's tokens, positions and slots); the core's own steps still overlap the device.
         An EAGLE head reads the target's hidden states of the step it drafts after, which the next
         launch overwrites (the graphs' fixed buffers): with one, every step is answered first."""
-        if self._pending is not None and (
-            step.spec_token_ids or self._pending.layout is not None or self._proposer_reads_features
-        ):
+        if self._pending is not None and self._answer_pending_first(step):
             answers = self.finish_pending()
             launched = self.runner.launch_step(step)
         else:
@@ -109,8 +107,12 @@ class Worker:
             self.runner.sample_step(launched)
         return answers
 
-    @property
-    def _proposer_reads_features(self) -> bool:
+    def _answer_pending_first(self, step: StepInput) -> bool:
+        """Whether the pending step is answered before `step` launches: `step` scores drafts, the
+        pending one did (a pooling runner's steps never do), or an EAGLE head reads the pending
+        step's hidden states, which the launch would overwrite."""
+        if step.spec_token_ids or getattr(self._pending, "layout", None) is not None:
+            return True
         proposer = getattr(self.runner, "proposer", None)
         return proposer is not None and proposer.needs_features
 
