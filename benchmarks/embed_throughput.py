@@ -4,12 +4,14 @@ then a Qwen3-Embedding-0.6B-shaped dummy model, then the served `/v1/embeddings`
     python benchmarks/embed_throughput.py                       # 10,000 sentences, the GPU if there is one
     python benchmarks/embed_throughput.py --n 200 --device cpu  # a quick check on CPU
     python benchmarks/embed_throughput.py --skip-qwen3 --skip-served
+    python benchmarks/embed_throughput.py --enforce-eager       # zllm without CUDA graphs, to compare
 
 The sentences are 16-128 tokens long (all-MiniLM-L6-v2's WordPiece; uniform, seeded): each is
 built from whole-word vocabulary entries, so its token count is what was drawn. sentence-transformers
 runs with its best batch size from a small sweep (on the first --sweep-n sentences); both models
 run in --dtype (default: float16 on CUDA, float32 on CPU). Each engine is warmed up first.
-The embeddings are checked against each other (lowest cosine printed). Prints one JSON line per run.
+The embeddings are checked against each other (lowest cosine printed). Prints one JSON line per run;
+zllm's lines say whether its pooling steps replayed CUDA graphs (`cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def run_zllm(model_dir: str, inputs: list, device: str, dtype: str, **engine_arg
 
     llm = LLM(model_dir, device=device, dtype=dtype, **engine_args)
     try:
+        graphs = uses_cuda_graphs(llm)
         llm.embed(inputs[:256], use_tqdm=False)  # warm-up
         start = time.perf_counter()
         outputs = llm.embed(inputs, use_tqdm=False)
@@ -118,7 +121,15 @@ def run_zllm(model_dir: str, inputs: list, device: str, dtype: str, **engine_arg
     finally:
         llm.shutdown()
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    return elapsed, np.array([o.outputs.embedding for o in outputs], dtype=np.float32), tokens
+    return elapsed, np.array([o.outputs.embedding for o in outputs], dtype=np.float32), tokens, graphs
+
+
+def uses_cuda_graphs(llm) -> bool | None:
+    """Whether the (in-process) pooling runner replays CUDA graphs; None where it is not in this process."""
+    from zllm.workers.pooling_graphs import PoolingGraphs
+
+    runner = getattr(getattr(getattr(llm.engine, "core", None), "executor", None), "runner", None)
+    return None if runner is None else isinstance(getattr(runner, "graphs", None), PoolingGraphs)
 
 
 def run_served(
@@ -133,6 +144,7 @@ def run_served(
         command += ["--port", "0", "--runtime-dir", f"{runtime}/rt", "--zmq-endpoint", f"ipc://{runtime}/c.sock"]
         command += ["--max-num-batched-tokens", str(limits["max_num_batched_tokens"])]
         command += ["--max-num-seqs", str(limits["max_num_seqs"])]
+        command += ["--enforce-eager"] if limits.get("enforce_eager") else []
         log_path = Path(runtime) / "server.log"
         with open(log_path, "wb") as log:
             server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -199,6 +211,7 @@ def main() -> None:
     parser.add_argument("--skip-qwen3", action="store_true")
     parser.add_argument("--skip-served", action="store_true")
     parser.add_argument("--minilm-dir", default=None, help="a copy of all-MiniLM-L6-v2 (default: the package's)")
+    parser.add_argument("--enforce-eager", action="store_true", help="zllm without CUDA graphs (to compare)")
     args = parser.parse_args()
 
     import torch
@@ -208,17 +221,21 @@ def main() -> None:
     low, _, high = args.tokens.partition(":")
     model_dir = minilm_dir(args.minilm_dir)
     sentences = make_sentences(model_dir, args.n, int(low), int(high or low), args.seed)
-    limits = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    limits = dict(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
+    )
     print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": dtype}))
 
     sizes = [int(s) for s in args.st_batch_sizes.split(",")]
     st_elapsed, st_vectors, best = run_sentence_transformers(
         model_dir, sentences, device, dtype, min(args.sweep_n, args.n), sizes
     )
-    ours_elapsed, ours_vectors, tokens = run_zllm(model_dir, sentences, device, dtype, **limits)
+    ours_elapsed, ours_vectors, tokens, graphs = run_zllm(model_dir, sentences, device, dtype, **limits)
     cosines = (st_vectors * ours_vectors).sum(1) / ((st_vectors**2).sum(1) ** 0.5 * (ours_vectors**2).sum(1) ** 0.5)
     st = report("sentence-transformers", st_elapsed, args.n, tokens, batch_size=best, model="all-MiniLM-L6-v2")
-    ours = report("zllm LLM.embed", ours_elapsed, args.n, tokens, model="all-MiniLM-L6-v2")
+    ours = report("zllm LLM.embed", ours_elapsed, args.n, tokens, model="all-MiniLM-L6-v2", cuda_graphs=graphs)
     print(
         json.dumps(
             {
@@ -231,7 +248,8 @@ def main() -> None:
         elapsed, served_tokens = run_served(
             model_dir, sentences, device, dtype, args.served_per_request, args.served_concurrency, limits
         )
-        report("zllm /v1/embeddings", elapsed, args.n, served_tokens, model="all-MiniLM-L6-v2")
+        # The server's worker is the LLM's runner under the same arguments: graphs or not as it was.
+        report("zllm /v1/embeddings", elapsed, args.n, served_tokens, model="all-MiniLM-L6-v2", cuda_graphs=graphs)
     if not args.skip_qwen3:
         with tempfile.TemporaryDirectory() as directory:
             qwen3 = write_qwen3_embedding_dummy(Path(directory))
@@ -240,8 +258,9 @@ def main() -> None:
                 {"prompt_token_ids": [rng.randrange(1000, 150000) for _ in range(rng.randint(int(low), int(high)))]}
                 for _ in range(args.qwen3_n or args.n)
             ]
-            elapsed, _, qwen_tokens = run_zllm(str(qwen3), inputs, device, dtype, load_format="dummy", **limits)
-            report("zllm LLM.embed", elapsed, len(inputs), qwen_tokens, model="Qwen3-Embedding-0.6B-shaped dummy")
+            elapsed, _, qwen_tokens, graphs = run_zllm(str(qwen3), inputs, device, dtype, load_format="dummy", **limits)
+            model = "Qwen3-Embedding-0.6B-shaped dummy"
+            report("zllm LLM.embed", elapsed, len(inputs), qwen_tokens, model=model, cuda_graphs=graphs)
 
 
 def write_qwen3_embedding_dummy(target: Path) -> Path:

@@ -198,7 +198,7 @@ class EngineConfig:
     # PyTorch's symmetric-memory one-shot kernel instead of NCCL; 0: NCCL only (the default until
     # engine runs on the H200 pair show it safe; zllm/workers/symmetric_all_reduce.py).
     custom_all_reduce_max_bytes: int = 0
-    enforce_eager: bool = False  # CUDA: no decode graphs
+    enforce_eager: bool = False  # CUDA: no CUDA graphs (decode, piecewise, pooling)
     # Steps that carry prefill run the forward as pieces split at attention, each piece a CUDA graph
     # at a padded token count (zllm/workers/piecewise_graphs.py); on CPU the same pieces run
     # eagerly. None: on where CUDA graphs run (CUDA, not enforce_eager) for dense models, where they

@@ -1,7 +1,9 @@
 """Pooling models on a GPU (skipped without one): the real all-MiniLM-L6-v2 in half precision
 against sentence-transformers in fp32 on the same GPU, tiny random decoders (Qwen3Model, a
 sequence classifier) in bf16 against transformers in fp32, pipelined (async) steps equal to
-synchronous ones, and a step that never waits for the device before its vectors are read."""
+synchronous ones, a step that never waits for the device before its vectors are read, and the
+pooling CUDA graphs (zllm/workers/pooling_graphs.py) against the same padded steps run eagerly
+and against --enforce-eager, over steps that cross the buckets."""
 
 from __future__ import annotations
 
@@ -132,3 +134,176 @@ def test_a_pooling_step_never_waits_for_the_device():
     output = runner.finish_step(launched)
     (answer,) = output.pooled_slices
     assert len(output.pooled) == 4 and (answer.batch_id, answer.first, answer.vectors.shape) == ("b", 5, [3, 384])
+
+
+# ---- CUDA graphs for pooling steps ------------------------------------------------------------------
+
+# Step shapes (input lengths) crossing the token buckets (16/17, 128/129, ...), the longest-input
+# bounds (64/65, 256) and the seats (64 inputs at max_num_seqs=64); every step fits 2,048 tokens.
+GRAPH_STEPS = [[1], [16], [17], [5, 3, 9], [64, 65], [128], [129], [200, 56], [7] * 63, [3] * 64, [250] * 8, [40, 1, 2]]
+
+
+def _graph_runner(model_dir, dtype: str, capture: bool, **engine_args):
+    from zllm.config import EngineConfig
+    from zllm.workers.pooling_runner import PoolingRunner
+
+    limits = dict(max_num_batched_tokens=2048, max_num_seqs=64) | engine_args
+    runner = PoolingRunner(EngineConfig.create(str(model_dir), dtype=dtype, **limits), torch.device("cuda"))
+    runner.load_model()
+    if capture:
+        runner.capture_graphs()
+    return runner
+
+
+def _graph_step(step_id: int, lengths: list[int], vocab: tuple[int, int], seed: int = 0):
+    from zllm.ipc.messages import NewRequestData, StepInput
+    from zllm.pooling import POOLING_SAMPLING
+
+    rng = np.random.default_rng([seed, step_id])
+    prompts = [rng.integers(*vocab, size=n).tolist() for n in lengths]
+    requests = [
+        NewRequestData(f"{step_id}-{i}", n, p, POOLING_SAMPLING, [], 0)
+        for i, (n, p) in enumerate(zip(lengths, prompts))
+    ]
+    return StepInput(step_id, requests, [], [r.request_id for r in requests], lengths)
+
+
+def _vectors(runner, step) -> np.ndarray:
+    output = runner.finish_step(runner.launch_step(step))
+    return np.array([np.frombuffer(output.pooled[r.request_id], dtype="<f4") for r in step.new_requests])
+
+
+def _graph_models(tmp_path):
+    """(name, directory, dtype, token-id range): the real MiniLM (mean pooling), a tiny BERT
+    classifier (its head on the CLS row), tiny Qwen3 embedders (last token) in both half types."""
+    from tests.helpers.pooling import save_tiny_encoder
+
+    classifier = save_tiny_encoder(  # head_dim 32: FlashAttention's sizes start there
+        tmp_path / "bert-cls", "BertForSequenceClassification", num_labels=3, hidden_size=128, intermediate_size=256
+    )
+    qwen3 = save_tiny_decoder(tmp_path / "q3", "Qwen3Config", "Qwen3Model", head_dim=64, hidden_size=256)
+    return [
+        ("minilm", minilm_dir(), "float16", (1000, 30000)),
+        ("bert-classifier", classifier, "float16", (1000, 30000)),
+        ("qwen3-bf16", qwen3, "bfloat16", (3, 256)),
+        ("qwen3-fp16", qwen3, "float16", (3, 256)),
+    ]
+
+
+def test_pooling_graphs_replay_what_the_padded_steps_compute(tmp_path):
+    """A graph's replay against the same padded step run eagerly (same shapes, same kernels):
+    equal up to what a kernel's own choices may change (a cuBLAS workspace of the capture
+    stream's); every step replays a graph."""
+    from zllm.workers.pooling_graphs import EagerPoolingSteps, PoolingGraphs
+
+    for name, model_dir, dtype, vocab in _graph_models(tmp_path):
+        runner = _graph_runner(model_dir, dtype, capture=True)
+        assert isinstance(runner.graphs, PoolingGraphs), name
+        graphs = runner.graphs
+        eager = EagerPoolingSteps(runner.model, runner.pooling_type, 2048, 64, runner.config.max_model_len)
+        for index, lengths in enumerate(GRAPH_STEPS):
+            step = _graph_step(index, lengths, vocab)
+            assert graphs.key(sum(lengths), max(lengths), len(lengths)) is not None, (name, lengths)
+            replayed = _vectors(runner, step)
+            runner.graphs = eager
+            padded = _vectors(runner, step)
+            runner.graphs = graphs
+            assert np.isfinite(replayed).all(), (name, lengths)
+            assert np.abs(replayed - padded).max() <= 1e-2 * np.abs(padded).max(), (name, lengths)
+        del runner, graphs, eager
+        torch.cuda.empty_cache()
+
+
+def test_pooling_graphs_equal_enforce_eager(tmp_path):
+    """Graphs on (padded steps) against --enforce-eager (unpadded packed steps): the padding
+    changes no input's vector beyond half precision's rounding (the GEMMs see more rows)."""
+    for name, model_dir, dtype, vocab in _graph_models(tmp_path):
+        graphed = _graph_runner(model_dir, dtype, capture=True)
+        eager = _graph_runner(model_dir, dtype, capture=True, enforce_eager=True)
+        assert graphed.graphs is not None and eager.graphs is None, name
+        for index, lengths in enumerate(GRAPH_STEPS):
+            step = _graph_step(index, lengths, vocab)
+            ours, reference = _vectors(graphed, step), _vectors(eager, step)
+            assert np.isfinite(ours).all(), (name, lengths)
+            assert _cosines(ours, reference).min() >= 0.9999, (name, lengths)
+            scale = np.abs(reference).max()
+            assert np.abs(ours - reference).max() <= 2e-2 * scale, (name, lengths)
+        del graphed, eager
+        torch.cuda.empty_cache()
+
+
+def test_fp32_pooling_steps_stay_eager():
+    """fp32 attends per group through SDPA (groups sized on the host): no graphs."""
+    runner = _graph_runner(minilm_dir(), "float32", capture=True)
+    assert not runner.packs and runner.graphs is None
+
+
+def test_pipelined_graph_steps_keep_their_own_vectors():
+    """Under async scheduling step N+1 replays the same graph before step N's vectors are read:
+    each step's vectors are a copy, not the graph's output rows."""
+    runner = _graph_runner(minilm_dir(), "float16", capture=True)
+    steps = [_graph_step(i, [30, 12, 50], (1000, 30000), seed=i) for i in range(4)]
+    alone = [_vectors(runner, step) for step in steps]
+    launched = [runner.launch_step(step) for step in steps]  # all four queued before any is read
+    for step, one, expected in zip(steps, launched, alone):
+        output = runner.finish_step(one)
+        got = np.array([np.frombuffer(output.pooled[r.request_id], dtype="<f4") for r in step.new_requests])
+        np.testing.assert_array_equal(got, expected)
+    assert not np.allclose(alone[0], alone[1])  # the steps differ, so a shared buffer would show
+
+
+def test_a_graph_step_never_waits_for_the_device():
+    from zllm.workers.pooling_graphs import PoolingGraphs
+
+    runner = _graph_runner(minilm_dir(), "float16", capture=True)
+    assert isinstance(runner.graphs, PoolingGraphs)
+    step = _graph_step(0, [3, 50, 120, 7], (1000, 30000))
+    runner.finish_step(runner.launch_step(step))  # warm-up (pinned staging buffers)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = runner.launch_step(step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(runner.finish_step(launched).pooled) == 4
+
+
+def test_minilm_with_graphs_equals_sentence_transformers_across_buckets():
+    """LLM.embed (pooling batches in slices) with graphs on, many step sizes: each chunk of
+    sentences is its own call, so the last step of each lands in a different bucket."""
+    from sentence_transformers import SentenceTransformer
+
+    sentences = mixed_sentences(300)
+    reference = SentenceTransformer(minilm_dir(), device="cuda").encode(sentences, convert_to_numpy=True)
+    llm = LLM(minilm_dir(), dtype="float16", max_num_batched_tokens=2048, max_num_seqs=64)
+    try:
+        from zllm.workers.pooling_graphs import PoolingGraphs
+
+        assert isinstance(llm.engine.core.executor.runner.graphs, PoolingGraphs)
+        ours = []
+        for first, size in ((0, 1), (1, 2), (3, 17), (20, 45), (65, 235)):
+            ours += [o.outputs.embedding for o in llm.embed(sentences[first : first + size], use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert _cosines(ours, reference).min() >= 0.999
+
+
+def test_pooling_graphs_at_tp2_equal_enforce_eager():
+    """Two ranks capture the same graphs (all-reduces inside them) and replay the same ones."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    sentences = mixed_sentences(120)
+    results = []
+    for eager in (False, True):
+        llm = LLM(
+            minilm_dir(),
+            dtype="float16",
+            tensor_parallel_size=2,
+            enforce_eager=eager,
+            max_num_batched_tokens=2048,
+            max_num_seqs=64,
+        )
+        try:
+            results.append([o.outputs.embedding for o in llm.embed(sentences, use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    assert _cosines(results[0], results[1]).min() >= 0.9999

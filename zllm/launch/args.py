@@ -145,7 +145,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    group.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps without CUDA graphs")
+    group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run every step without CUDA graphs (decode, piecewise, pooling)",
+    )
     group.add_argument(
         "--piecewise-cuda-graphs",
         action=argparse.BooleanOptionalAction,

@@ -5,11 +5,13 @@ the linear layers and the MLPs; attention runs on groups of inputs of similar le
 to its longest (zllm/workers/models/bert.py), so padding costs little even when a step mixes
 16- and 128-token inputs. The pooled vectors (mean / CLS / last token, or the classifier head's
 logits) go back to the core as float32 bytes, and the runner forgets the inputs at once.
+On CUDA the packed steps replay CUDA graphs, padded to a bucket (zllm/workers/pooling_graphs.py).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -24,8 +26,11 @@ from zllm.workers.model_runner import _default_dtype, resolve_dtype
 from zllm.workers.models.bert import BertModel, PackedInputs, PaddedGroup
 from zllm.workers.models.decoder_pooling import DecoderForPooling
 from zllm.workers.ops import ops_for
+from zllm.workers.pooling_graphs import EagerPoolingSteps, PoolingGraphs
 from zllm.workers.transfer import to_device
 from zllm.workers.weight_loader import finish_loading, init_dummy_weights, load_safetensors
+
+logger = logging.getLogger(__name__)
 
 # A group's padded size may exceed its real tokens by this factor before a new group starts.
 _MAX_PADDING = 1.25
@@ -64,6 +69,8 @@ class PoolingRunner:
         # groups of similar length (the reference, and fp32).
         self.packs = packs_inputs(device, self.dtype, self.spec.head_dim)
         self.model: BertModel | DecoderForPooling | None = None
+        # Packed steps at padded sizes: CUDA graphs on a GPU, the same steps eagerly elsewhere.
+        self.graphs: EagerPoolingSteps | None = None
 
     def load_model(self) -> None:
         with _default_dtype(self.dtype), torch.device(self.device):
@@ -85,9 +92,35 @@ class PoolingRunner:
         pass
 
     def capture_graphs(self) -> None:
-        pass
+        """CUDA graphs for the packed steps (FlashAttention's varlen kernel reads the step's
+        structure from the device); the grouped SDPA path (fp32, CPU) sizes its groups on the host
+        and stays eager, as does everything under --enforce-eager. Off a GPU, packed steps (tests
+        only) run the padded steps eagerly."""
+        if not self.packs or self.config.enforce_eager:
+            if self.device.type == "cuda" and not self.config.enforce_eager:
+                logger.info("pooling CUDA graphs off: %s steps attend per group (SDPA), sized on the host", self.dtype)
+            return
+        args = (
+            self.model,
+            self.pooling_type,
+            self.config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            self.config.max_model_len,
+        )
+        ops = ops_for(self.device)
+        if not (self.device.type == "cuda" and ops.supports_graphs):
+            self.graphs = EagerPoolingSteps(*args)
+            return
+        if self.spec.moe is not None and not ops.fuses_moe(self.dtype):
+            # The torch expert loop picks the experts on the host (a sync): no graph can hold it.
+            logger.info("pooling CUDA graphs off: %s's experts run in the torch loop", self.spec.architecture)
+            return
+        self.graphs = PoolingGraphs(*args)
+        with torch.inference_mode():
+            self.graphs.capture()
 
     def release_device_memory(self) -> None:
+        self.graphs = None
         self.model = None
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -152,6 +185,10 @@ class PoolingRunner:
         lengths = inputs.lengths.tolist()
         total = len(inputs.token_ids)
         positions = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(inputs.lengths) - inputs.lengths, lengths)
+        if self.graphs is not None:
+            pooled = self.graphs.run(inputs.token_ids, positions, inputs.token_types, inputs.lengths)
+            if pooled is not None:  # a copy in the step's order: the next replay rewrites the graph's rows
+                return pooled.index_select(0, to_device(inputs.rank, self.device))
         groups = self._packed(lengths) if self.packs else self._groups(lengths)
         hidden = self.model(
             to_device(inputs.token_ids, self.device),
