@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.models import greedy_engine_tokens, hf_greedy, save_tiny_model, write_mxfp4_experts
+from tests.helpers.models import (
+    greedy_engine_tokens,
+    hf_greedy,
+    save_tiny_model,
+    write_mxfp4_experts,
+    write_mxfp4_reference,
+)
 
 MAX_TOKENS = 12
 WINDOW = 8
@@ -89,6 +95,25 @@ def test_matches_hf_with_chunked_prefill_and_preemption(tmp_path, mxfp4):
     tokens, llm = _engine_tokens(model_dir, PROMPTS, block_size=8, max_num_batched_tokens=16, num_kv_blocks=9)
     assert tokens == expected
     assert llm.engine.core.stats().num_preemptions > 0
+
+
+def test_plain_mxfp4_reference_is_what_transformers_reads(tmp_path):
+    """The GPU tests' reference (write_mxfp4_reference: the kept MXFP4 values stored plain, which
+    every transformers version reads alike) gives the same logits as transformers' own MXFP4
+    reader on this machine."""
+    from transformers import AutoModelForCausalLM
+
+    dense = save_tiny_model(tmp_path / "dense", "gpt_oss", **CONFIG)
+    _scale_sinks(dense)
+    reference = write_mxfp4_reference(dense, tmp_path / "reference")
+    mxfp4 = write_mxfp4_experts(dense)
+    ids = torch.tensor([PROMPTS[2]])
+    logits = []
+    for model_dir in (reference, mxfp4):
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager")
+        with torch.no_grad():
+            logits.append(hf.eval()(ids).logits)
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_mxfp4_matches_hf_at_tp2(tmp_path):

@@ -10,15 +10,13 @@ contexts across a block, GPT-OSS's 128-token window and the MLA kernel's tiles."
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 
 pytest.importorskip("cupy")
 
 from tests.helpers.kernels import DEVICE, DTYPE_IDS, DTYPES, PagedBatch, assert_close, nan_like, randn  # noqa: E402
-from tests.helpers.models import hf_greedy, save_tiny_model, write_mxfp4_experts  # noqa: E402
+from tests.helpers.models import hf_greedy, save_tiny_model, write_mxfp4_experts, write_mxfp4_reference  # noqa: E402
 from tests.test_deepseek_models import _randomize_correction_bias  # noqa: E402
 from zllm.workers.attention import mla_decode as mla_decode_reference  # noqa: E402
 from zllm.workers.kernels import mla as mla_kernels  # noqa: E402
@@ -100,37 +98,16 @@ def test_sinks_decode_matches_reference(dtype, head_dim, window, gen):
 # ---- the tiny models through the CUDA engine -----------------------------------------------------------
 
 
-def _restore_fp32(hf, model_dir):
-    """transformers 5.17 dequantizes MXFP4 experts to bf16 when its `kernels` package is absent,
-    GPU or not, and may cast the layers beside them too. MXFP4's values (e2m1 times a power of
-    two) are exact in bf16, so the experts widen back to fp32 without loss; every other weight is
-    read again from the checkpoint, where it is stored in fp32."""
-    from safetensors.torch import load_file
-
-    if all(p.dtype == torch.float32 for p in hf.parameters()):
-        return hf
-    hf = hf.float()
-    own = hf.state_dict()
-    stored = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        stored |= load_file(path)
-    fp32 = {k: v for k, v in stored.items() if k in own and v.dtype == torch.float32 and own[k].shape == v.shape}
-    assert fp32, "no fp32 tensor of the checkpoint matched the model's names"
-    hf.load_state_dict(fp32, strict=False)
-    return hf
-
-
-def _engine_vs_hf(model_dir, prompts, max_tokens=12, enforce_eager=True, **engine_args):
+def _engine_vs_hf(model_dir, prompts, max_tokens=12, enforce_eager=True, reference_dir=None, **engine_args):
+    """reference_dir: the checkpoint transformers reads (default model_dir), on the CPU in fp32."""
     from transformers import AutoModelForCausalLM
 
     from zllm import LLM, SamplingParams
 
-    # The reference runs on the CPU in fp32. transformers' MXFP4 reader, seeing a GPU without its
-    # `kernels` package, would dequantize the experts to bf16 beside fp32 layers (and fail); told
-    # there is no GPU, it dequantizes as on the CPU machines, where tests/test_gpt_oss_model.py uses it.
-    with mock.patch("torch.cuda.is_available", return_value=False):
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager")
-    hf = _restore_fp32(hf.eval(), model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(
+        reference_dir or model_dir, dtype=torch.float32, experts_implementation="eager"
+    )
+    hf = hf.eval()
     expected = [hf_greedy(hf, p, max_tokens, eos_token_id=None) for p in prompts]
     del hf
     llm = LLM(
@@ -211,7 +188,11 @@ def test_gpt_oss_on_cuda_matches_hf(tmp_path, eager):
     MXFP4 experts dequantized on the GPU; in fp32 the experts run every expert on every token
     (ops.gpt_oss_experts: graph-safe), inside the graphs too."""
     model_dir = save_tiny_model(tmp_path / "oss", "gpt_oss", **GPT_OSS)
-    _engine_vs_hf(write_mxfp4_experts(model_dir), PROMPTS, enforce_eager=eager)
+    # transformers 5.17 (the GPU machines') reads MXFP4 experts into other values than the CPU
+    # machines' version, whose reader tests/test_gpt_oss_model.py checks against: the reference
+    # here reads the same kept values stored plain.
+    reference = write_mxfp4_reference(model_dir, tmp_path / "oss-reference")
+    _engine_vs_hf(write_mxfp4_experts(model_dir), PROMPTS, enforce_eager=eager, reference_dir=reference)
 
 
 # ---- bf16: the decode graphs against the eager run -------------------------------------------------

@@ -160,6 +160,37 @@ def quantize_mxfp4(weight):
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), (exponent + 127).to(torch.uint8)
 
 
+def mxfp4_round_trip(weight):
+    """The values MXFP4 keeps of weight [..., out, in]: each 32-value group's E2M1 codes of
+    quantize_mxfp4 times its power-of-two scale, in float32 (exact: E2M1 times 2^e fits)."""
+    import torch
+
+    blocks, scales = quantize_mxfp4(weight)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).to(torch.int64)
+    magnitude = torch.tensor(_FP4_MAGNITUDES)[codes & 0x7]
+    values = torch.where(codes >= 8, -magnitude, magnitude)
+    values = values * torch.exp2(scales.float() - 127)[..., None]
+    return values.reshape(weight.shape)
+
+
+def write_mxfp4_reference(model_dir: Path, reference_dir: Path) -> Path:
+    """A copy of a GPT-OSS checkpoint saved by transformers with every expert tensor replaced by
+    the values its MXFP4 form keeps (mxfp4_round_trip), stored plain in float32: a reference that
+    any transformers version reads without its MXFP4 integration (5.17's, on the GPU machines,
+    dequantizes differently from the CPU machines' version)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, reference_dir)
+    path = reference_dir / "model.safetensors"
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name] = mxfp4_round_trip(tensors[name].transpose(-1, -2)).transpose(-1, -2).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    return reference_dir
+
+
 def write_mxfp4_experts(model_dir: Path) -> Path:
     """A GPT-OSS checkpoint saved by transformers rewritten as OpenAI ships it: every expert
     tensor (experts.gate_up_proj [E, H, 2I], experts.down_proj [E, I, H]) replaced by its MXFP4
