@@ -142,3 +142,21 @@ def test_the_packed_flash_path_applies_the_window_as_the_grouped_path_does(encod
             assert llm.engine.core.executor.runner.packs is packs
             results.append([o.outputs.embedding for o in llm.embed(sentences, use_tqdm=False)])
     assert np.allclose(results[0], results[1], atol=1e-5)
+
+
+def test_a_transformers_4_config_gives_the_same_spec(encoder_dir):
+    """transformers 4.x's ModernBertConfig (global_attn_every_n_layers, global/local_rope_theta;
+    no layer_types, no rope_parameters) reads as the 5.x one transformers wrote."""
+    import json
+    from types import SimpleNamespace
+
+    from zllm.model_spec import ModelSpec
+
+    written = json.loads((encoder_dir / "config.json").read_text())
+    old = {k: v for k, v in written.items() if k not in ("layer_types", "rope_parameters")}
+    old.update(global_attn_every_n_layers=2, global_rope_theta=160000.0, local_rope_theta=10000.0)
+    old_spec = ModelSpec.from_hf_config(SimpleNamespace(**old))
+    spec = ModelSpec.from_pretrained(str(encoder_dir))
+    assert (spec.sliding_layers, spec.sliding_window) == ((1, 3), WINDOW + 1)
+    assert (spec.rope_theta, spec.local_rope_theta) == (160000.0, 10000.0)
+    assert old_spec == spec
