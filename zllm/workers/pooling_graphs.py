@@ -105,12 +105,13 @@ class EagerPoolingSteps:
         self, model, pooling_type: str, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
     ) -> None:
         self.model = model
-        self.pooling_type = pooling_type
+        # What the step's vectors read: the pooling type, or where there is a classifier head its
+        # input (the first row for BERT, the last for a decoder, ModernBERT's mean or first).
+        self.pooling_type = model.head_pooling if model.head is not None else pooling_type
         self.max_num_seqs = max_num_seqs
         self.sizes = pooling_graph_sizes(max_num_batched_tokens)
         self.keys = [(t, m) for t in self.sizes for m in self._max_lens(t, max_model_len)]
-        # CLS / a BERT classifier read the first row; last-token pooling / a decoder's head the last.
-        self.reads_last = not model.head_reads_first if model.head is not None else pooling_type == "last"
+        self.reads_last = self.pooling_type == "last"
         device = next(model.parameters()).device
         largest, seats = self.sizes[-1], self.seats(self.sizes[-1])
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
@@ -187,8 +188,12 @@ class EagerPoolingSteps:
 
     def _pooled(self, hidden: torch.Tensor, tokens: int, seats: int) -> torch.Tensor:
         """[seats, width] float32: what the eager runner's _pooled gives, one row per seat."""
-        if self.model.head is not None:
-            return self.model.head(hidden[self.pick[:seats]]).float()
+        rows = self._pooled_rows(hidden, tokens, seats)
+        if self.model.head is None:
+            return rows
+        return self.model.head(rows.to(hidden.dtype)).float()
+
+    def _pooled_rows(self, hidden: torch.Tensor, tokens: int, seats: int) -> torch.Tensor:
         if self.pooling_type in ("cls", "last"):
             return hidden[self.pick[:seats]].float()
         # Mean pooling sums in fp32 (as the eager path): padding rows land in seat S, dropped.

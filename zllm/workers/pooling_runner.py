@@ -25,6 +25,7 @@ from zllm.workers.distributed import TensorParallel
 from zllm.workers.model_runner import _default_dtype, resolve_dtype
 from zllm.workers.models.bert import BertModel, PackedInputs, PaddedGroup
 from zllm.workers.models.decoder_pooling import DecoderForPooling
+from zllm.workers.models.modernbert import ModernBertModel
 from zllm.workers.ops import ops_for
 from zllm.workers.pooling_graphs import EagerPoolingSteps, PoolingGraphs
 from zllm.workers.transfer import to_device
@@ -68,14 +69,15 @@ class PoolingRunner:
         # CUDA in half precision: FlashAttention over the packed inputs; else torch's SDPA over
         # groups of similar length (the reference, and fp32).
         self.packs = packs_inputs(device, self.dtype, self.spec.head_dim)
-        self.model: BertModel | DecoderForPooling | None = None
+        self.model: BertModel | ModernBertModel | DecoderForPooling | None = None
         # Packed steps at padded sizes: CUDA graphs on a GPU, the same steps eagerly elsewhere.
         self.graphs: EagerPoolingSteps | None = None
 
     def load_model(self) -> None:
         with _default_dtype(self.dtype), torch.device(self.device):
             if self.spec.encoder:
-                model = BertModel(self.spec, self.tp)
+                encoder = ModernBertModel if self.spec.pooling.family == "modernbert" else BertModel
+                model = encoder(self.spec, self.tp)
             else:
                 model = DecoderForPooling(self.spec, ops_for(self.device), self.tp, self.config.pooler)
         if self.config.load_format == "dummy":
@@ -223,13 +225,19 @@ class PoolingRunner:
     def _pooled(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """One row per input. NOTE: nothing here waits for the device (no pageable copy, no
         data-dependent shape), so under async scheduling the next step launches behind it."""
+        head = self.model.head
+        if head is None:
+            return self._pooled_rows(hidden, lengths, self.pooling_type)
+        # The head reads the first token (BERT), the last (decoders) or the mean (ModernBERT's
+        # classifier_pooling "mean"), in the model's dtype.
+        return head(self._pooled_rows(hidden, lengths, self.model.head_pooling).to(hidden.dtype))
+
+    def _pooled_rows(self, hidden: torch.Tensor, lengths: list[int], pooling_type: str) -> torch.Tensor:
         counts = to_device(np.asarray(lengths, dtype=np.int64), self.device)
         starts = torch.cumsum(counts, 0) - counts
-        if self.model.head is not None:
-            return self.model.head(hidden[starts if self.model.head_reads_first else starts + counts - 1])
-        if self.pooling_type == "cls":
+        if pooling_type == "cls":
             return hidden[starts]
-        if self.pooling_type == "last":
+        if pooling_type == "last":
             return hidden[starts + counts - 1]
         # Mean pooling sums in fp32: a bf16 sum of a hundred rows would lose the low bits.
         segment = torch.repeat_interleave(

@@ -54,10 +54,18 @@ class PackedInputs:
 
 
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedInputs, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: PackedInputs,
+    causal: bool,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """[N, heads, d] (k/v may have fewer heads: GQA) -> [N, heads * d], each input attending to
-    itself only."""
+    itself only. window (bidirectional, ModernBERT's local layers): a query sees the keys less
+    than `window` positions away on either side, FlashAttention's window_size (window - 1, both)."""
+    side = None if window is None else window - 1
     out = torch.ops.aten._flash_attention_forward(
         q.contiguous(),
         k.contiguous(),
@@ -70,15 +78,17 @@ def varlen_attention(
         causal,
         False,
         scale=scale,
+        window_size_left=side,
+        window_size_right=side,
     )[0]
     return out.reshape(q.shape[0], -1)
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None  # ModernBERT's have none
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +145,7 @@ class ClassifierHead(nn.Module):
 class BertModel(nn.Module):
     """An encoder (and, for a *ForSequenceClassification checkpoint, its head)."""
 
-    head_reads_first = True  # the classifier reads the first token (CLS, <s>)
+    head_pooling = "cls"  # the classifier reads the first token (CLS, <s>)
 
     # Our parameter -> the HF checkpoint's name (after the "bert." / "roberta." prefix).
     _RENAMES = (
@@ -238,20 +248,31 @@ class BertModel(nn.Module):
             yield from (prefix + "weight", prefix + "bias")
 
     def expected_checkpoint_tensors(self) -> Iterator[tuple[str, int | None]]:
-        for name, _ in self.named_parameters():
-            if name == "token_type_embeddings" and not self.spec.type_vocab_size:
-                continue
-            module = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
-            if isinstance(module, ColumnParallelLinear) and len(module.parts) > 1:
-                yield from ((name, shard) for shard in range(len(module.parts)))
-            else:
-                yield name, None
+        for name, shard in parameter_shards(self):
+            if name != "token_type_embeddings" or self.spec.type_vocab_size:
+                yield name, shard
 
     def load_target(self, name: str, shard: int | None) -> LoadTarget:
-        if "." not in name:
-            return whole_tensor_target(getattr(self, name))
-        module_name, param_name = name.rsplit(".", 1)
-        module = self.get_submodule(module_name)
-        if hasattr(module, "load_target"):
-            return module.load_target(param_name, shard)
-        return whole_tensor_target(getattr(module, param_name))
+        return parameter_target(self, name, shard)
+
+
+def parameter_shards(model: nn.Module) -> Iterator[tuple[str, int | None]]:
+    """Every (parameter, shard) of an encoder: one per part of a fused linear layer."""
+    for name, _ in model.named_parameters():
+        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if isinstance(module, ColumnParallelLinear) and len(module.parts) > 1:
+            yield from ((name, shard) for shard in range(len(module.parts)))
+        else:
+            yield name, None
+
+
+def parameter_target(model: nn.Module, name: str, shard: int | None) -> LoadTarget:
+    """Where checkpoint tensor (name, shard) goes: the module's own load_target (its rank's
+    part), else the whole parameter."""
+    if "." not in name:
+        return whole_tensor_target(getattr(model, name))
+    module_name, param_name = name.rsplit(".", 1)
+    module = model.get_submodule(module_name)
+    if hasattr(module, "load_target"):
+        return module.load_target(param_name, shard)
+    return whole_tensor_target(getattr(module, param_name))

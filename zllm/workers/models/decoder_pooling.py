@@ -31,7 +31,7 @@ from zllm.workers.ops import TorchOps
 
 
 class DecoderForPooling(LlamaForCausalLM):
-    head_reads_first = False  # a classifier's head reads the last token
+    head_pooling = "last"  # a classifier's head reads the last token
 
     def __init__(
         self,
