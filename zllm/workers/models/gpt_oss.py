@@ -129,6 +129,9 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMoeBlock(nn.Module):
+    # Its experts run HF's loop, which picks each expert's tokens on the host: no CUDA graph holds it.
+    graph_safe = False
+
     def __init__(self, spec: ModelSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.top_k = spec.moe.top_k

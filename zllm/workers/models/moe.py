@@ -128,6 +128,12 @@ class SparseMoeBlock(nn.Module):
         elif moe.shared_expert_intermediate_size:  # DeepSeek: n_shared_experts fused into one MLP, no gate
             self.shared_experts = SharedExpert(spec.hidden_size, moe.shared_expert_intermediate_size, tp)
 
+    @property
+    def graph_safe(self) -> bool:
+        """No host sync in this block, so CUDA graphs (decode and piecewise) can hold it: routing
+        and the shared experts are plain device ops, the experts must run fused."""
+        return self.ops.fuses_experts(self.experts, self.moe.top_k)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
         if moe.routing == "softmax":
