@@ -100,3 +100,9 @@ def assert_no_further_than_eager(pieces: torch.Tensor, eager: torch.Tensor, exac
     worst = (ours.abs().max().item(), theirs.abs().max().item(), eps * exact.abs().max().item())
     assert l2[0] <= L2_FACTOR * l2[1] + l2[2], (label, "L2 error: pieces, eager, ulp", l2)
     assert worst[0] <= MAX_FACTOR * worst[1] + worst[2], (label, "largest error: pieces, eager, ulp", worst)
+
+
+def row_errors(x: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Each token's relative L2 error against `exact`, x and exact [tokens, ...]."""
+    diff = (x.double() - exact.double()).flatten(1).norm(dim=1)
+    return diff / exact.double().flatten(1).norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
