@@ -9,7 +9,8 @@ experts' and the shared expert's partial products are summed in one all-reduce p
 How the block runs is the ops' choice (zllm/workers/ops.py `moe`): TorchOps routes with
 layers.moe_route and runs Experts.forward, expert by expert in ascending order, each adding its
 weighted output with index_add_ as transformers does (the CPU path and the oracle); CudaOps runs
-the fused kernels of csrc/moe_kernels.cu on fp16/bf16 (no host sync: decode graphs hold them).
+the fused kernels of csrc/moe_kernels.cu on fp16/bf16 (no host sync: the decode graphs and the
+piecewise graphs' pieces hold them; SparseMoeBlock.graph_safe).
 """
 
 from __future__ import annotations
