@@ -164,6 +164,16 @@ def test_latent_cache_sizes_the_blocks(tmp_path):
         llm.shutdown()
 
 
+def test_latent_attention_keeps_the_pieces_off(tmp_path):
+    """piecewise_cuda_graphs asked for: MLA's layers still run unpieced, since its cache write
+    drops padded rows by a value read on the host (docs/architecture.md, piecewise graphs)."""
+    llm = LLM(str(_save(tmp_path, "v2-lite")), dtype="float32", piecewise_cuda_graphs=True)
+    try:
+        assert llm.engine.core.executor.runner.pieces is None
+    finally:
+        llm.shutdown()
+
+
 def test_what_is_not_supported_is_refused_before_any_worker(tmp_path):
     """A V2 config asking for V3's routing (HF's V2 router has none), and an FP8 KV cache for the
     latent cache: refused by the frontend, naming what."""

@@ -235,6 +235,82 @@ def test_moe_staggered_arrivals_with_prefix_hits_match_hf(tmp_path):
     assert max(cached.values()) >= 24  # later requests found the shared prefix's full blocks cached
 
 
+# Steps of exactly 16 and 48 tokens (a captured size: no padding) and of 3, 37, 45 and 10 (padded).
+PIECE_PROMPTS = [list(range(20, 36)), *PROMPTS]
+
+
+@pytest.mark.parametrize("case", ["mixtral-8x2", "qwen2-moe-shared"])
+def test_moe_pieces_follow_the_unpieced_forward(tmp_path, case):
+    """piecewise_cuda_graphs on a MoE model (on CPU the pieces run eagerly: the code the GPU
+    captures). Each step through the pieces, padded to its captured size: the same caches outside
+    its slots, bit for bit the model's own forward where nothing was padded, and over the run no
+    further from a float64 forward of each step than the fp32 forward itself (CPU GEMMs too round
+    differently over another row count: tests/helpers/pieces.py); the tokens are HF's."""
+    import torch
+
+    from tests.helpers.pieces import ErrorTally, WideReference, forward_from, unwritten_equal, watch_steps, written_rows
+    from zllm.workers.piecewise_graphs import EagerPieces
+
+    architecture, overrides = CASES[case]
+    model_dir = save_tiny_model(tmp_path, architecture, initializer_range=0.2, **overrides)
+    expected = _hf_generate_all(model_dir, PIECE_PROMPTS, 8)
+    engine = LLMEngine.from_engine_args(  # a small cache: each step copies it a few times
+        str(model_dir),
+        dtype="float32",
+        piecewise_cuda_graphs=True,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        num_kv_blocks=32,
+    )
+    runner = engine.core.executor.runner
+    assert isinstance(runner.pieces, EagerPieces)
+    wide = WideReference(runner, torch.float64)
+    hidden, written, exact_steps = ErrorTally("hidden states"), ErrorTally("cache entries written"), []
+
+    def check(run, input_ids, positions, meta):
+        saved = [c.clone() for c in runner.kv_caches]
+        eager, eager_caches = forward_from(runner, saved, runner.model, input_ids, positions, runner.kv_caches, meta)
+        exact, exact_caches = wide.forward(saved, input_ids, positions, meta)
+        pieces, pieces_caches = forward_from(runner, saved, run, input_ids, positions, meta)
+        step = (input_ids.shape[0], meta.num_decodes)
+        assert all(unwritten_equal(c, s, meta.slot_mapping) for c, s in zip(pieces_caches, saved)), step
+        if runner.pieces.bucket(input_ids.shape[0]) == input_ids.shape[0]:
+            exact_steps.append(step)
+            assert torch.equal(pieces, eager) and all(map(torch.equal, pieces_caches, eager_caches)), step
+        hidden.add(pieces, eager, exact)
+        for p, e, x in zip(pieces_caches, eager_caches, exact_caches):
+            written.add(*(written_rows(c, meta.slot_mapping) for c in (p, e, x)))
+        return pieces
+
+    steps = watch_steps(runner, check)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i, ids in enumerate(PIECE_PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+        if i % 2 == 0:
+            engine.step()  # staggered: prefills join running decodes
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [results[str(i)] for i in range(len(PIECE_PROMPTS))] == expected
+    assert exact_steps and any(decodes and tokens > decodes for tokens, decodes in steps), steps
+    hidden.check()
+    written.check()
+
+
+def test_piecewise_graphs_are_on_by_default_with_cuda_for_dense_and_moe_models(tmp_path):
+    """Issue 40: the pieces are on wherever CUDA graphs run, MoE models included; --enforce-eager
+    turns every graph off, --no-piecewise-cuda-graphs only the pieces; on CPU they are off."""
+    from zllm.config import EngineConfig
+
+    for case in ("llama", "qwen3-moe"):
+        architecture, overrides = CASES[case]
+        model_dir = str(save_tiny_model(tmp_path / case, architecture, **overrides))
+        assert EngineConfig.create(model_dir, device="cuda").piecewise_cuda_graphs is True
+        assert EngineConfig.create(model_dir, device="cuda", enforce_eager=True).piecewise_cuda_graphs is False
+        assert EngineConfig.create(model_dir, device="cuda", piecewise_cuda_graphs=False).piecewise_cuda_graphs is False
+        assert EngineConfig.create(model_dir, device="cpu").piecewise_cuda_graphs is False
+
+
 def test_dummy_weights_run_any_shape(tmp_path):
     model_dir = save_tiny_llama(tmp_path, hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
     (tokens,) = engine_generate_all(model_dir, PROMPTS[:1], 5, load_format="dummy")

@@ -201,8 +201,9 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs (decode, piecewise, pooling)
     # Steps that carry prefill run the forward as pieces split at attention, each piece a CUDA graph
     # at a padded token count (zllm/workers/piecewise_graphs.py); on CPU the same pieces run
-    # eagerly. None: on where CUDA graphs run (CUDA, not enforce_eager) for dense models, where they
-    # halved the serving tails on the H100 and H200 (issue 40); Mixture-of-Experts steps stay eager.
+    # eagerly. None: on where CUDA graphs run (CUDA, not enforce_eager), for dense and MoE models
+    # (they halved the serving tails on the H100 and H200, issue 40). The runner leaves them off
+    # where a layer syncs with the host (MoE experts in the torch loop, MLA's cache write).
     piecewise_cuda_graphs: bool | None = None
     # Schedule step N+1 while step N runs on the device, so host work hides behind GPU work.
     # None: on when the workers run on CUDA (on CPU the compute is synchronous: nothing to hide).
@@ -349,7 +350,9 @@ class EngineConfig:
         if config.async_scheduling is None:
             config.async_scheduling = _runs_on_cuda(config)
         if config.piecewise_cuda_graphs is None:
-            config.piecewise_cuda_graphs = _runs_on_cuda(config) and not config.enforce_eager and spec.moe is None
+            # Dense and MoE alike: the runner keeps them off where a model's layers cannot be
+            # captured (ModelRunner._set_up_pieces logs why).
+            config.piecewise_cuda_graphs = _runs_on_cuda(config) and not config.enforce_eager
         if config.enable_lora:
             _check_lora(config, spec)
         return config

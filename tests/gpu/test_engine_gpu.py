@@ -120,11 +120,18 @@ def test_piecewise_cuda_graphs_equal_eager_steps(model_dir, prompt_ids):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_piecewise_graphs_replay_the_forward_of_a_mixed_step(model_dir, prompt_ids, dtype):
-    """Every step with prefill (decodes and prefill chunks mixed) through the captured pieces:
-    bit for bit what the same pieces compute without graphs (hidden states and cache contents),
-    and within the dtype's rounding of the unpadded eager forward."""
+    """Every step with prefill (decodes and prefill chunks mixed) through the captured pieces: bit
+    for bit what the same pieces compute without graphs (hidden states and cache contents), and
+    close to the unpadded eager forward. fp32: within 1e-3 of it. bf16: a GEMM over the padded
+    row count may take another cuBLAS kernel, whose other summation order moves a bf16 result by
+    an ulp that grows through the layers (on the H100 and H200 1 to 15 of 2M cache values moved
+    ~0.12, beyond any fixed tolerance that still means something), so both are compared with the
+    step in fp32: over the run the pieces may be no further from it than the eager forward is
+    (tests/helpers/pieces.py says by how much; docs/architecture.md, "Which outputs are
+    bit-stable")."""
     import torch
 
+    from tests.helpers.pieces import ErrorTally, WideReference, forward_from, unwritten_equal, watch_steps, written_rows
     from zllm.workers.piecewise_graphs import EagerPieces, PiecewiseGraphs
 
     # A small cache (256 blocks of 16 tokens: every prompt fits), so cloning it per step is cheap.
@@ -137,37 +144,36 @@ def test_piecewise_graphs_replay_the_forward_of_a_mixed_step(model_dir, prompt_i
         piecewise_cuda_graphs=True,
         async_scheduling=False,
     )
-    tolerance = dict(rtol=1e-3, atol=1e-3) if dtype == "float32" else dict(rtol=5e-2, atol=5e-2)
     try:
         runner = engine.core.executor.runner
         assert isinstance(runner.pieces, PiecewiseGraphs) and runner.pieces.graphs
         uncaptured = EagerPieces(runner.model, runner.kv_caches, runner.pieces.sizes)
-        captured = []
-        original = runner.pieces.run
+        wide = WideReference(runner, torch.float32) if dtype == "bfloat16" else None
+        hidden, written = ErrorTally("hidden states"), ErrorTally("cache entries written")
 
-        def forward_from(saved, forward, *args) -> tuple[torch.Tensor, list[torch.Tensor]]:
-            """`forward`'s hidden states and the caches it left, from the caches as saved."""
-            for cache, before in zip(runner.kv_caches, saved):
-                cache.copy_(before)
-            hidden = forward(*args).clone()
-            return hidden, [c.clone() for c in runner.kv_caches]
-
-        def check(input_ids, positions, meta):
+        def check(run, input_ids, positions, meta):
+            step = (input_ids.shape[0], meta.num_decodes)
             saved = [c.clone() for c in runner.kv_caches]
-            eager, eager_caches = forward_from(saved, runner.model, input_ids, positions, runner.kv_caches, meta)
-            pieces, pieces_caches = forward_from(saved, uncaptured.run, input_ids, positions, meta)
-            for cache, before in zip(runner.kv_caches, saved):
-                cache.copy_(before)
-            out = original(input_ids, positions, meta)
-            assert torch.equal(out, pieces), (input_ids.shape[0], meta.num_decodes)
-            assert all(torch.equal(c, e) for c, e in zip(runner.kv_caches, pieces_caches))
-            torch.testing.assert_close(out, eager, **tolerance)
-            for cache, expected in zip(runner.kv_caches, eager_caches):
-                torch.testing.assert_close(cache, expected, **tolerance)
-            captured.append((input_ids.shape[0], meta.num_decodes))
+            eager, eager_caches = forward_from(
+                runner, saved, runner.model, input_ids, positions, runner.kv_caches, meta
+            )
+            pieces, pieces_caches = forward_from(runner, saved, uncaptured.run, input_ids, positions, meta)
+            out, out_caches = forward_from(runner, saved, run, input_ids, positions, meta)
+            assert torch.equal(out, pieces), step
+            assert all(map(torch.equal, out_caches, pieces_caches)), step
+            assert all(unwritten_equal(c, s, meta.slot_mapping) for c, s in zip(out_caches, saved)), step
+            if wide is None:  # fp32: strict
+                torch.testing.assert_close(out, eager, rtol=1e-3, atol=1e-3)
+                for cache, expected in zip(out_caches, eager_caches):
+                    torch.testing.assert_close(cache, expected, rtol=1e-3, atol=1e-3)
+                return out
+            exact, exact_caches = wide.forward(saved, input_ids, positions, meta)
+            hidden.add(out, eager, exact)
+            for ours, theirs, reference in zip(out_caches, eager_caches, exact_caches):
+                written.add(*(written_rows(c, meta.slot_mapping) for c in (ours, theirs, reference)))
             return out
 
-        runner.pieces.run = check
+        captured = watch_steps(runner, check)
         params = SamplingParams(temperature=0.0, max_tokens=4)
         for i, ids in enumerate(prompt_ids):
             engine.add_request(str(i), {"prompt_token_ids": ids}, params)
@@ -177,6 +183,12 @@ def test_piecewise_graphs_replay_the_forward_of_a_mixed_step(model_dir, prompt_i
     finally:
         engine.shutdown()
     assert any(decodes and tokens > decodes for tokens, decodes in captured), captured  # a mixed step ran
+    if wide is not None:
+        name = os.path.basename(model_dir)
+        record(f"bf16_pieces_vs_fp32_hidden[{name}]", hidden.summary())
+        record(f"bf16_pieces_vs_fp32_cache[{name}]", written.summary())
+        hidden.check()
+        written.check()
 
 
 def test_shutdown_gives_the_gpu_memory_back(model_dir):

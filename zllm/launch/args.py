@@ -154,8 +154,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--piecewise-cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="steps with prefill run as CUDA graphs split at attention (default: on with CUDA for dense "
-        "models; --enforce-eager turns every graph off)",
+        help="steps with prefill run as CUDA graphs split at attention (default: on with CUDA, for dense "
+        "and MoE models; --enforce-eager turns every graph off)",
     )
     group.add_argument(
         "--async-scheduling",

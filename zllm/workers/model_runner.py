@@ -33,6 +33,8 @@ from zllm.sampling_params import SamplingParams
 from zllm.workers.attention import KV_FP8, AttentionMetadata, pack_prefill, packed_prefill_of
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.models import build_model
+from zllm.workers.models.gpt_oss import GptOssMoeBlock
+from zllm.workers.models.moe import SparseMoeBlock
 from zllm.workers.multimodal import Chunk, MRopeState, MultimodalRunner, ProfileImages
 from zllm.workers.ops import TorchOps, ops_for
 from zllm.workers.request_failures import RequestFailures
@@ -403,14 +405,8 @@ class ModelRunner:
         if self.lora is not None and not self.lora.graph_safe:
             logger.info("decode CUDA graphs off: LoRA's torch path groups each step's rows on the host")
             return
-        if not moe_graph_safe(self.spec, self.ops, self.dtype):
-            # The torch expert loop picks the experts on the host (a sync): no graph can hold it.
-            logger.info(
-                "decode CUDA graphs off: %s's experts run in the torch loop in %s (the fused MoE kernels "
-                "take float16 and bfloat16)",
-                self.spec.architecture,
-                self.dtype,
-            )
+        if (blocker := self._moe_graph_blocker()) is not None:
+            logger.info("decode CUDA graphs off: %s", blocker)
             return
         from zllm.workers.cuda_graphs import DecodeGraphs
 
@@ -426,13 +422,11 @@ class ModelRunner:
         captured as CUDA graphs on a GPU; on CPU the same pieces run eagerly (what tests check)."""
         if not self.config.piecewise_cuda_graphs or self.config.enforce_eager:
             return
-        if self.spec.moe is not None:
-            logger.info("piecewise CUDA graphs off: not yet for Mixture-of-Experts models")
-            return
         if self.spec.mla is not None:
-            # The pieces hand q and the attention output through buffers of one head size; MLA's
-            # queries (qk_head_dim) and outputs (v_head_dim) differ.
-            logger.info("piecewise CUDA graphs off: not yet for MLA")
+            # MLA's cache write drops padded rows by a value read on the host (models/deepseek.py
+            # write_latent), and its queries and attention output differ in width, where the
+            # pieces keep one [tokens, heads, head_dim] buffer for both.
+            logger.info("piecewise CUDA graphs off: not yet for %s's latent attention", self.spec.architecture)
             return
         from zllm.workers.piecewise_graphs import EagerPieces, PiecewiseGraphs, piecewise_sizes
 
@@ -440,9 +434,26 @@ class ModelRunner:
         if not (self.is_cuda and self.ops.supports_graphs) or (self.lora is not None and not self.lora.graph_safe):
             self.pieces = EagerPieces(self.model, self.kv_caches, sizes, self.hybrid)
             return
+        if (blocker := self._moe_graph_blocker()) is not None:
+            logger.info("piecewise CUDA graphs off: %s", blocker)
+            return
         self.pieces = PiecewiseGraphs(self.model, self.kv_caches, sizes, self.hybrid)
         with torch.inference_mode():
             self.pieces.capture()
+
+    def _moe_graph_blocker(self) -> str | None:
+        """Why no CUDA graph, decode or piecewise, can hold this model's MoE layers (None: one can).
+        Graphs hold them where the experts run fused (ops.fuses_experts): every shape then follows
+        the token count alone. The torch expert loop reads which tokens chose each expert on the
+        host (nonzero, tolist): a sync that no capture survives."""
+        blocks = [m for m in self.model.modules() if isinstance(m, (SparseMoeBlock, GptOssMoeBlock))]
+        if moe_graph_safe(self.spec, self.ops, self.dtype) and all(block.graph_safe for block in blocks):
+            return None
+        return (
+            f"{self.spec.architecture}'s experts run in the torch loop in {self.dtype}, which syncs with the "
+            "host (the fused MoE kernels take float16 and bfloat16, H and I multiples of 8, at most 512 "
+            "experts and top 32; GPT-OSS's experts need CUDA)"
+        )
 
     # ---- one step ------------------------------------------------------------------------------
     #

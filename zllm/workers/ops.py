@@ -50,6 +50,12 @@ class TorchOps:
         """Whether moe() runs fused kernels for this dtype (no host sync: graphs can hold it)."""
         return False
 
+    def fuses_experts(self, experts: torch.nn.Module, top_k: int) -> bool:
+        """Whether moe() and moe_experts() run these experts (models/moe.py's Experts, top_k per
+        token) through the fused kernels: then nothing syncs with the host and a CUDA graph can
+        hold them. The torch loop picks each expert's tokens on the host (nonzero, tolist)."""
+        return False
+
     def moe(
         self,
         x: torch.Tensor,
@@ -190,6 +196,19 @@ class CudaOps(TorchOps):
 
     def fuses_moe(self, dtype):
         return dtype in (torch.float16, torch.bfloat16)
+
+    def fuses_experts(self, experts, top_k):
+        # moe()'s own test, on a row of the model's dtype: the same weights take the same path at
+        # every token count (the activations' alignment is torch's: 16 bytes and more).
+        from zllm.workers.kernels import moe as fused
+
+        gate_up = experts.gate_up_proj
+        row = gate_up.new_empty(1, gate_up.shape[-1])
+        return (
+            self.fuses_moe(gate_up.dtype)
+            and fused.fused_experts_supported(row, gate_up, experts.down_proj)
+            and top_k <= min(gate_up.shape[0], 32)
+        )
 
     def moe(self, x, logits, experts, top_k, renormalize, fp32_weights):
         # fp32 models (and shapes the kernels do not take) keep the reference loop, which syncs.

@@ -12,8 +12,11 @@ num_layers + 1 pieces, as vLLM v1 does:
 Each piece is captured once per padded token count (`piecewise_sizes`) over static buffers;
 between two pieces, attention runs eagerly on the step's real tokens with the step's metadata.
 Padded rows carry cache slot -1 (nothing written) and whatever the buffers held; every captured
-op is row-wise, so they never reach the real rows. A step of N tokens then launches L + 1 graphs
-and L attention calls instead of some dozens of kernels per layer.
+op is row-wise, so they never reach the real rows (a MoE layer routes them too, and its expert
+GEMMs share tiles between tokens, but each output row is its own token's). What padding may
+change is the kernel a GEMM takes for the larger row count, hence the rounding
+(docs/architecture.md, "Which outputs are bit-stable"). A step of N tokens then launches L + 1
+graphs and L attention calls instead of some dozens of kernels per layer.
 
 The pieces hand each other their tensors through static buffers (q, residual, attention output):
 a graph's own outputs would have to be kept per layer and per size. `EagerPieces` runs the same

@@ -173,6 +173,12 @@ class GptOssMoeBlock(nn.Module):
         self.router = GptOssRouter(spec.hidden_size, spec.moe.num_experts)
         self.experts = GptOssExperts(spec, tp)
 
+    @property
+    def graph_safe(self) -> bool:
+        """No host sync on CUDA: ops.gpt_oss_experts runs grouped GEMMs (Hopper bf16) or every
+        expert on every token, shapes set by the token count alone."""
+        return self.ops.supports_graphs
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.router.weight, self.router.bias)
         top, ids = torch.topk(logits, self.top_k, dim=-1)

@@ -9,7 +9,8 @@ experts' and the shared expert's partial products are summed in one all-reduce p
 How the block runs is the ops' choice (zllm/workers/ops.py `moe`): TorchOps routes with
 layers.moe_route and runs Experts.forward, expert by expert in ascending order, each adding its
 weighted output with index_add_ as transformers does (the CPU path and the oracle); CudaOps runs
-the fused kernels of csrc/moe_kernels.cu on fp16/bf16 (no host sync: decode graphs hold them).
+the fused kernels of csrc/moe_kernels.cu on fp16/bf16 (no host sync: the decode graphs and the
+piecewise graphs' pieces hold them; SparseMoeBlock.graph_safe).
 """
 
 from __future__ import annotations
@@ -127,6 +128,12 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Router(spec.hidden_size, 1)
         elif moe.shared_expert_intermediate_size:  # DeepSeek: n_shared_experts fused into one MLP, no gate
             self.shared_experts = SharedExpert(spec.hidden_size, moe.shared_expert_intermediate_size, tp)
+
+    @property
+    def graph_safe(self) -> bool:
+        """No host sync in this block, so CUDA graphs (decode and piecewise) can hold it: routing
+        and the shared experts are plain device ops, the experts must run fused."""
+        return self.ops.fuses_experts(self.experts, self.moe.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
