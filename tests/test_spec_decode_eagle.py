@@ -220,6 +220,9 @@ def _runner_steps(
         dtype="float32",
         num_kv_blocks=16,
         piecewise_cuda_graphs=pieces,
+        # Synchronous steps score the drafts each step names; async ones (the default with CUDA)
+        # score the worker's own latest proposals in their place.
+        async_scheduling=False,
         speculative_config={"method": method, "model": str(head_dir), "num_speculative_tokens": k},
     )
     runner = ModelRunner(config, torch.device(device))

@@ -53,9 +53,9 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
-def gguf_model_name(model: str | None) -> str | None:
+def gguf_model_name(model: str | os.PathLike | None) -> str | None:
     """The name a GGUF model is served under: its file name without .gguf (None: not a GGUF)."""
-    if model is not None and model.lower().endswith(".gguf"):
+    if model is not None and os.fspath(model).lower().endswith(".gguf"):
         return Path(model).stem
     return None
 

@@ -21,6 +21,12 @@ pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 17, 200, 3], list(range(3, 90)), list(range(100, 141)), [9], [3 + i % 250 for i in range(393)]]
 
 
+@pytest.fixture(autouse=True)
+def _pooling_graphs_on(monkeypatch):
+    """The pooling CUDA graphs are opt-in (ZLLM_POOLING_CUDA_GRAPHS); these tests check them too."""
+    monkeypatch.setenv("ZLLM_POOLING_CUDA_GRAPHS", "1")
+
+
 def _cosines(a, b) -> np.ndarray:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)

@@ -23,7 +23,7 @@ SHAPE = {**SHAPES["gqa-d64"], "num_hidden_layers": 8, "vocab_size": 256}
 def target(tmp_path_factory):
     import json
 
-    directory = save_tiny_llama(tmp_path_factory.mktemp("target"), **SHAPE)
+    directory = save_tiny_llama(tmp_path_factory.mktemp("target"), **{**SHAPE, "max_position_embeddings": 2048})
     return directory, json.loads((directory / "config.json").read_text())
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from zllm import envs
 from zllm.config import EngineConfig
 from zllm.ipc.messages import ArrayData, NewRequestData, PooledSlice, PoolingSlice, StepInput, StepOutput
 from zllm.model_spec import ModelSpec
@@ -112,6 +113,11 @@ class PoolingRunner:
         ops = ops_for(self.device)
         if not (self.device.type == "cuda" and ops.supports_graphs):
             self.graphs = EagerPoolingSteps(*args)
+            return
+        if not envs.ZLLM_POOLING_CUDA_GRAPHS:
+            # Measured slower than the eager packed steps on an H100 (docs/benchmarks.md): the
+            # padding to a bucket costs more than the launches the graphs save at these step sizes.
+            logger.info("pooling CUDA graphs off (ZLLM_POOLING_CUDA_GRAPHS=1 turns them on)")
             return
         if self.spec.moe is not None and not ops.fuses_moe(self.dtype):
             # The torch expert loop picks the experts on the host (a sync): no graph can hold it.
