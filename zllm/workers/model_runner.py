@@ -554,7 +554,7 @@ class ModelRunner:
         meta = self.sampling.metadata(rows, layout.drafted_before())
         verified: Verified = verify(launched.logits, meta, layout)
         if meta.max_num_logprobs is not None:
-            launched.logprobs = compute_logprobs(launched.logits, verified.row_tokens, meta.max_num_logprobs)
+            launched.logprobs = compute_logprobs(launched.logits, verified.row_tokens(), meta.max_num_logprobs)
         launched.tokens = verified.tokens
 
     @torch.inference_mode()
