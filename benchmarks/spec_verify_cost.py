@@ -11,10 +11,12 @@ step_ratio / mean tokens per step.
 
 With --profile it first prints one JSON line per step kind (k = 0 and k) from torch.profiler:
 device time per step by category (attention, linear, sampling, copies, other), the 15 kernels
-with the most time (and how often each runs a step), device time per phase of the worker
-(inputs, forward, sample, finish), and the host time per step: the unprofiled median wall
-time minus the device's busy time. On a CPU the "device" is the CPU's torch ops (their self time),
-so the host time is the Python around them.
+with the most time (and how often each runs a step), the device time of each worker phase
+(inputs, forward, sample, finish) and its host range (under the profiler, so inflated), and the
+host time per step: the unprofiled median wall time minus the device's busy time. On a CPU the
+"device" is the CPU's torch ops (their self time), so the host time is the Python around them;
+there the profiler's own cost inflates each op (host_ms can go below zero), and the CPU attention
+(C called through ctypes, not a torch op) counts as host time: a smoke test, not a figure.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def main() -> None:
 
     from zllm import LLM
 
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)  # a shared CPU: threads that wait for a core swamp a tiny model's figures
     llm = LLM(
         args.model,
         load_format=args.load_format,
@@ -160,10 +164,13 @@ def _profile(runner, step: Callable[[int, int], float], k: int, wall_ms: float, 
         by_category[category_of(name)] += us
         kernels[name][0] += us
         kernels[name][1] += 1
-    phases = defaultdict(float)
-    for event in prof.events():
-        if event.name.startswith("spec_verify_cost."):
-            phases[event.name.split(".", 1)[1]] += event.device_time_total if cuda else event.cpu_time_total
+    phases, phases_host = defaultdict(float), defaultdict(float)
+    cpu = torch.autograd.DeviceType.CPU
+    for event in prof.events():  # the host's range of each phase (with CUDA, the device's copy of it is left out)
+        if event.device_type == cpu and event.name.startswith("spec_verify_cost."):
+            phase = event.name.split(".", 1)[1]
+            phases[phase] += event.device_time_total if cuda else event.cpu_time_total
+            phases_host[phase] += event.cpu_time_total
     top = sorted(kernels.items(), key=lambda item: item[1][0], reverse=True)[:15]
     per_step = 1e3 * steps  # us over all steps -> ms per step
     busy_ms = busy_us / per_step
@@ -176,6 +183,7 @@ def _profile(runner, step: Callable[[int, int], float], k: int, wall_ms: float, 
         "host_ms": round(wall_ms - busy_ms, 3),
         "categories_ms": {c: round(by_category[c] / per_step, 3) for c in [*(c for c, _ in CATEGORIES), "other"]},
         "phases_ms": {p: round(phases[p] / per_step, 3) for p in PHASES.values()},
+        "phases_host_ms": {p: round(phases_host[p] / per_step, 3) for p in PHASES.values()},  # profiled: inflated
         "top_kernels": [
             {"name": name[:100], "ms": round(us / per_step, 4), "count": round(count / steps, 2)}
             for name, (us, count) in top
@@ -184,14 +192,14 @@ def _profile(runner, step: Callable[[int, int], float], k: int, wall_ms: float, 
 
 
 def _busy_events(events, cuda: bool):
-    """(name, µs) of each device kernel, copy and fill; on a CPU, of each torch op's self time
-    (so that nested ops count once and the Python between them not at all)."""
+    """(name, µs) of each device kernel, copy and fill (not the device-side ranges of the phase
+    annotations); on a CPU, of each torch op's self time (so that nested ops count once and the
+    Python between them not at all)."""
     cpu = torch.autograd.DeviceType.CPU
     for event in events:
-        if cuda and event.device_type != cpu:
-            yield event.name, event.device_time_total
-        elif not cuda and event.device_type == cpu and not _is_annotation(event):
-            yield event.name, event.self_cpu_time_total
+        if _is_annotation(event) or (event.device_type == cpu) == cuda:
+            continue
+        yield event.name, event.device_time_total if cuda else event.self_cpu_time_total
 
 
 def _is_annotation(event) -> bool:
