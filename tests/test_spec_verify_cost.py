@@ -4,6 +4,7 @@ kind whose categories account for the profiled busy time, its top kernels and it
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ def test_profile_prints_where_each_step_kind_spends_its_time(tmp_path):
     model = save_tiny_llama(tmp_path / "tiny")
     command = [sys.executable, "benchmarks/spec_verify_cost.py", "--model", str(model), "--max-model-len", "128"]
     command += ["--k", "3", "--context", "16", "--iters", "3", "--profile", "--profile-steps", "2"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the script imports zllm from this tree
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True)
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     profiles = {line["profile"]: line for line in lines if "profile" in line}
     assert set(profiles) == {"plain", "verify"}
