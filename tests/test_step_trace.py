@@ -1,6 +1,7 @@
-"""ZLLM_STEP_TRACE: each engine core writes one JSON line per step, and the lines account for the
-work exactly (every request arrives once, every prompt and output token is scheduled once, every
-output token comes back); off, the core holds no trace."""
+"""ZLLM_STEP_TRACE: each engine core and each worker write one JSON line per step, and the lines
+account for the work exactly (every request arrives once, every prompt and output token is
+scheduled once, every output token comes back; the worker advanced exactly the steps its core
+submitted); off, nothing is opened."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from tests.helpers.models import save_tiny_llama
 from zllm import LLM, SamplingParams
 from zllm.enginecore.step_trace import StepTrace
+from zllm.step_trace import TraceFile
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +49,19 @@ def _assert_accounts_for(lines: list[dict], prompts: list[dict], params: list[Sa
     assert all(line["arrived_t0"] <= line["arrived_t1"] <= line["t"] for line in arrivals)
 
 
+def _assert_worker_advanced_the_cores_steps(worker: list[dict], core: list[dict]) -> None:
+    submitted = [line for line in core if "reqs" in line]
+    assert [(w["step_id"], w["rows"], w["tokens"]) for w in worker] == [
+        (c["step_id"], c["reqs"], c["tokens"]) for c in submitted
+    ]
+    assert all(w["busy_s"] >= w["launch_s"] + w["finish_s"] + w["sample_s"] - 1e-5 for w in worker)
+    assert all(0 <= w["sync_s"] <= w["finish_s"] for w in worker)
+
+
 def test_off_by_default(monkeypatch):
     monkeypatch.delenv("ZLLM_STEP_TRACE", raising=False)
     assert StepTrace.from_env(0) is None
+    assert TraceFile.open("dp0.worker0") is None
 
 
 def test_in_process_engine_traces_every_step(tiny_model, tmp_path, monkeypatch):
@@ -61,6 +73,7 @@ def test_in_process_engine_traces_every_step(tiny_model, tmp_path, monkeypatch):
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
     lines = _lines(Path(f"{prefix}.dp0.jsonl"))
     _assert_accounts_for(lines, prompts, params)
+    _assert_worker_advanced_the_cores_steps(_lines(Path(f"{prefix}.dp0.worker0.jsonl")), lines)
     submitted = [line for line in lines if "reqs" in line]
     assert max(line["reqs"] for line in submitted) == 8  # max_num_seqs, reached
     assert max(line["tokens"] for line in submitted) <= 128  # the budget
@@ -80,3 +93,5 @@ def test_each_data_parallel_engine_traces_its_own_requests(tiny_model, tmp_path,
     total = [line for lines in per_engine for line in lines]
     _assert_accounts_for(total, prompts, params)
     assert {line["dp"] for line in per_engine[1]} == {1}
+    for rank, lines in enumerate(per_engine):
+        _assert_worker_advanced_the_cores_steps(_lines(Path(f"{prefix}.dp{rank}.worker0.jsonl")), lines)

@@ -1,7 +1,7 @@
 """An opt-in per-step trace of one engine core: `ZLLM_STEP_TRACE=PATH` (docs/configuration.md).
 
 Each engine core appends one JSON line per `EngineCore.step()` to `PATH.dp<rank>.jsonl` (one file
-per data-parallel engine, so processes never share a file). A line says when the step ran, how
+per data-parallel engine; zllm/step_trace.py). A line says when the step ran, how
 long the core spent in it and waited for the workers, how long it had been away since the last
 one (idle, or busy elsewhere: the offline loop's own work at dp 1), what it submitted, what it
 collected, and the queues after it:
@@ -20,20 +20,18 @@ each step pays one `is None` test.
 
 from __future__ import annotations
 
-import json
 import time
-from typing import IO
 
-from zllm import envs
 from zllm.ipc.messages import StepInput, TokenDelta
+from zllm.step_trace import TraceFile
 
 
 class StepTrace:
-    """Writes one engine core's step lines; line-buffered so a killed process leaves whole lines."""
+    """Collects what one engine core's step did and writes it as one line."""
 
-    def __init__(self, path: str, dp_rank: int) -> None:
+    def __init__(self, file: TraceFile, dp_rank: int) -> None:
         self.dp_rank = dp_rank
-        self._file: IO[str] = open(f"{path}.dp{dp_rank}.jsonl", "a", buffering=1)  # noqa: SIM115 (lives with the core)
+        self._file = file
         self._last_end = time.monotonic()
         self._arrived = 0
         self._first_arrival = self._last_arrival = 0.0  # time.time() of the first and last of them
@@ -43,8 +41,8 @@ class StepTrace:
     @classmethod
     def from_env(cls, dp_rank: int) -> StepTrace | None:
         """The trace ZLLM_STEP_TRACE asks for, or None (off)."""
-        path = envs.ZLLM_STEP_TRACE
-        return cls(path, dp_rank) if path else None
+        file = TraceFile.open(f"dp{dp_rank}")
+        return None if file is None else cls(file, dp_rank)
 
     def arrived(self) -> None:
         now = time.time()
@@ -78,7 +76,7 @@ class StepTrace:
             "waiting": len(scheduler.waiting),
             "preemptions": getattr(scheduler, "num_preemptions", 0),
         }
-        self._file.write(json.dumps(line) + "\n")
+        self._file.write(line)
         self._last_end, self._arrived, self._submitted, self._wait_s = ended, 0, None, 0.0
 
     def _arrivals(self) -> dict[str, float]:
