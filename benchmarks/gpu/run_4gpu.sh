@@ -7,13 +7,15 @@
 #             run_perf.sh's flags) at --dp 1, 2 and 4 (one GPU per engine), then the scaling
 #             ratios against dp 1. Estimate: each W1 ~40 s start + 20 s (dp 1) .. 6 s (dp 4) + stop:
 #             ~200 s, plus the csrc build.
-#   dptrace:  where dp 2's time goes (issue 30): W1 at --dp 1, 2 and 4 with ZLLM_STEP_TRACE (a JSON
-#             line per step of every engine core and worker), then --dp 2 with --max-num-seqs 256
-#             (each engine at dp 4's batch of 250, in two waves), then --dp 2 on GPUs 2 and 3
-#             (CUDA_VISIBLE_DEVICES=2,3); after each, benchmarks/step_trace_summary.py's per-engine
-#             and per-worker rows (steady decode period, and how much of it the worker sat blocked
-#             on the device: sync). The traces go into the logs tarball. Estimate: five W1 of
-#             ~40 s start + 5-22 s each: ~300 s, plus the build.
+#   dptrace:  where dp 2's time goes (issue 30), every run with ZLLM_STEP_TRACE (a JSON line per
+#             step of every engine core and worker): W1 at --dp 2; one engine alone with a dp 2
+#             engine's share (500 prompts) and a dp 4 engine's (250); --dp 4; --dp 2 with
+#             --max-num-seqs 256 (each engine at dp 4's batch, two waves); --dp 1; --dp 2 on GPUs 2
+#             and 3 (CUDA_VISIBLE_DEVICES=2,3). After each, benchmarks/step_trace_summary.py's rows
+#             per engine and per worker (the steady decode period, and how much of it the worker
+#             sat blocked on the device: sync_ms). Traces in the logs tarball. Estimate: seven W1
+#             of ~40 s start + 5-22 s each: ~400 s, plus the build (run with BUDGET_S=580 on a
+#             machine where csrc is built already, or accept that the last runs are SKIPPED).
 #   tp2dp2:   correctness first: benchmarks/tp_agreement.py in fp32, tp 2 x dp 2 against tp 1, 32
 #             prompts of 64 in / 128 out, every request must be identical (--require-equal); then
 #             W1 at tp 2 x dp 2 (bf16). Estimate: ~150 s (two fp32 starts) + ~70 s, plus the build.
@@ -112,10 +114,14 @@ dptrace)
     unset ZLLM_STEP_TRACE
     python benchmarks/step_trace_summary.py "$out/trace-$1" --since-last-idle 2>&1 | tee "$out/summary-$1.jsonl"
   }
-  for dp in 1 2 4; do
-    traced "dp$dp" --dp "$dp"
-  done
+  # Most telling first: a dp 2 engine against one engine given its 500 (or dp 4's 250) requests alone.
+  traced dp2 --dp 2
+  all=${W1_PROMPTS:-1000}
+  W1_PROMPTS=$(( all / 2 )) traced dp1-half --dp 1
+  traced dp4 --dp 4
+  W1_PROMPTS=$(( all / 4 )) traced dp1-quarter --dp 1
   traced dp2-seqs256 --dp 2 --max-num-seqs 256
+  traced dp1 --dp 1
   CUDA_VISIBLE_DEVICES=2,3 traced dp2-gpus23 --dp 2
   ;;
 tp2dp2)
