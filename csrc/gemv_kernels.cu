@@ -436,10 +436,10 @@ ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u2, __nv_bfloat16, false, 4, 2)
 // the others), so padding a batch does not change the other rows' bits.
 namespace zllm {
 
-template <typename T, int kGroups, int kSplit>
+template <typename T, int kGroups, int kSplit, bool kLora = false>
 __device__ __forceinline__ void gemv_rows_mma_impl(T* __restrict__ y, const T* __restrict__ x,
                                                    const T* __restrict__ w, const T* __restrict__ bias,
-                                                   int m, int n, int k) {
+                                                   int m, int n, int k, LoraExpand<T> lora = {}) {
   constexpr int kUnroll = 8 / kGroups;  // 16-byte weight loads a lane a round: 8, as the one-row kernel
   constexpr int kTileRows = 8 * kGroups;
   constexpr int kTilesPerBlock = kGemvWarps / kSplit;
@@ -459,6 +459,9 @@ __device__ __forceinline__ void gemv_rows_mma_impl(T* __restrict__ y, const T* _
   }
   const bool has_x = g < m;  // lanes of A rows past m feed zeros
   const uint4* x16 = reinterpret_cast<const uint4*>(x + static_cast<i64>(has_x ? g : 0) * k);
+  // LoRA: the slot of this lane's X row g, read now; B's rows are read in the epilogue (a lane
+  // there holds sums of rows its neighbours do not, so it adds each one's whole dot itself).
+  const int slot = kLora && has_x ? __ldg(lora.token_slots + g) : -1;
   // Two accumulators a row group, for even and odd chunks: a round is then two chains of 8
   // dependent mmas, not one of 16 (~30 cycles each on the H100), so a warp gets back to its next
   // round's loads sooner.
@@ -519,14 +522,17 @@ __device__ __forceinline__ void gemv_rows_mma_impl(T* __restrict__ y, const T* _
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int row = row0 + 8 * q + 2 * tig + i;
-      if (row < n) y_row[row] = from_float<T>(bias == nullptr ? sums[q][i] : sums[q][i] + to_float<T>(bias[row]));
+      if (row >= n) continue;
+      float total = bias == nullptr ? sums[q][i] : sums[q][i] + to_float<T>(bias[row]);
+      if constexpr (kLora) total += lora.dot(g, slot, row);
+      y_row[row] = from_float<T>(total);
     }
 }
 
-template <typename T, int kTokens, int kSplit>
+template <typename T, int kTokens, int kSplit, bool kLora = false>
 __device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* __restrict__ x,
                                                    const T* __restrict__ w, const T* __restrict__ bias,
-                                                   int m, int n, int k) {
+                                                   int m, int n, int k, LoraExpand<T> lora = {}) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   constexpr int kUnroll = kTokens <= 4 ? 8 : 4;
   constexpr int kRowsPerBlock = kGemvWarps / kSplit;
@@ -542,6 +548,11 @@ __device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* _
   float acc[kTokens];
 #pragma unroll
   for (int t = 0; t < kTokens; ++t) acc[t] = 0.f;
+  // LoRA: the rows' slots now, B's pieces after the weights (holding a piece a row during the loop
+  // would cost kTokens x 4 registers under the bound).
+  int slots[kTokens];
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t) slots[t] = kLora && t < m ? __ldg(lora.token_slots + t) : -1;
   for (int base = begin; base < end; base += 32 * kUnroll) {
     uint4 wv[kUnroll];
 #pragma unroll
@@ -556,6 +567,16 @@ __device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* _
           const float d = dot16<T>(wv[j], __ldg(x16 + static_cast<i64>(t) * units + u));
           acc[t] += valid ? d : 0.f;
         }
+      }
+    }
+  }
+  if constexpr (kLora) {
+    // The row's first warp adds B[row, slot, :] . t, a 16-byte piece of B a lane.
+    if (warp % kSplit == 0 && lane * kVec < lora.rank) {
+      const int r = imin(row, n - 1);
+#pragma unroll
+      for (int t = 0; t < kTokens; ++t) {
+        if (slots[t] >= 0) acc[t] += lora.piece_dot(lora.b_piece(r, slots[t], lane * kVec), t, r, lane * kVec);
       }
     }
   }
@@ -602,17 +623,36 @@ __device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* _
       const T* __restrict__ bias, int m, int n, int k) {                                        \
     zllm::gemv_rows_fma_impl<T, TOKENS, SPLIT>(y, x, w, bias, m, n, k);                         \
   }
+// gemv_rows_lora_*: the same with LoRA's expand in the epilogue.
+#define ZLLM_GEMV_ROWS_MMA_LORA(SUFFIX, T, GROUPS, SPLIT)                                                  \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_b4 gemv_rows_lora_##SUFFIX##_mma_g##GROUPS##_s##SPLIT(      \
+      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                               \
+      const T* __restrict__ bias, int m, int n, int k, ZLLM_LORA_PARAMS(T)) {                            \
+    zllm::gemv_rows_mma_impl<T, GROUPS, SPLIT, true>(y, x, w, bias, m, n, k, ZLLM_LORA_STRUCT(T));       \
+  }
+#define ZLLM_GEMV_ROWS_FMA_LORA(SUFFIX, T, TOKENS, SPLIT)                                                  \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_b4 gemv_rows_lora_##SUFFIX##_fma_t##TOKENS##_s##SPLIT(      \
+      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                               \
+      const T* __restrict__ bias, int m, int n, int k, ZLLM_LORA_PARAMS(T)) {                            \
+    zllm::gemv_rows_fma_impl<T, TOKENS, SPLIT, true>(y, x, w, bias, m, n, k, ZLLM_LORA_STRUCT(T));       \
+  }
+#define ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, GROUPS, SPLIT) \
+  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, GROUPS, SPLIT)            \
+  ZLLM_GEMV_ROWS_MMA_LORA(SUFFIX, T, GROUPS, SPLIT)
+#define ZLLM_GEMV_ROWS_FMA_BOTH(SUFFIX, T, TOKENS, SPLIT) \
+  ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, SPLIT)            \
+  ZLLM_GEMV_ROWS_FMA_LORA(SUFFIX, T, TOKENS, SPLIT)
 #define ZLLM_GEMV_ROWS_MMA_DTYPE(SUFFIX, T) \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 1, 1)       \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 1, 2)       \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 1, 4)       \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 2, 1)       \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 2, 2)       \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 2, 4)
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 1, 1)       \
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 1, 2)       \
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 1, 4)       \
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 2, 1)       \
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 2, 2)       \
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 2, 4)
 #define ZLLM_GEMV_ROWS_FMA_SPLITS(SUFFIX, T, TOKENS) \
-  ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, 1)           \
-  ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, 2)           \
-  ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, 4)
+  ZLLM_GEMV_ROWS_FMA_BOTH(SUFFIX, T, TOKENS, 1)           \
+  ZLLM_GEMV_ROWS_FMA_BOTH(SUFFIX, T, TOKENS, 2)           \
+  ZLLM_GEMV_ROWS_FMA_BOTH(SUFFIX, T, TOKENS, 4)
 #define ZLLM_GEMV_ROWS_FMA_DTYPE(SUFFIX, T)  \
   ZLLM_GEMV_ROWS_FMA_SPLITS(SUFFIX, T, 2)    \
   ZLLM_GEMV_ROWS_FMA_SPLITS(SUFFIX, T, 4)    \
