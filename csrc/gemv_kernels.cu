@@ -40,6 +40,11 @@ struct LoraExpand {
   const int* token_slots;  // [rows]: each row's slot, -1 for the base model
   int slots, rank, t_cols, end0, end1;  // part 0 is weight rows [0, end0), part 1 [end0, end1)
 
+  // Whether a kernel reads B (the split GEMV) or the slots (the fma rows GEMV) before its weight
+  // loop, to overlap their round trips with the stream: the fp32 builds read them after it, as the
+  // registers held through the loop spill under the launch bounds on sm_80.
+  static constexpr bool kEarly = sizeof(T) == 2;
+
   // The 16-byte piece of B[n, slot, :] at element r (slot clamped to 0: the load may be issued
   // before the slot is tested; its value is only used for slot >= 0).
   __device__ __forceinline__ uint4 b_piece(int n, int slot, int r) const {
@@ -164,13 +169,13 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __re
   const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row, n - 1)) * k);
   float acc = 0.f;
   // LoRA: the row's first warp adds B[row, slot, :] . t, a 16-byte piece of B a lane, loaded
-  // before the weights so that its round trip overlaps theirs.
+  // before the weights (kEarly) so that its round trip overlaps theirs.
   const bool lora_lane = kLora && warp % kSplit == 0 && lane * kVec < lora.rank;
   int slot = -1;
   uint4 b_piece = zero4();
   if constexpr (kLora) {
     slot = __ldg(lora.token_slots);
-    if (lora_lane) b_piece = lora.b_piece(imin(row, n - 1), slot, lane * kVec);
+    if (LoraExpand<T>::kEarly && lora_lane) b_piece = lora.b_piece(imin(row, n - 1), slot, lane * kVec);
   }
   for (int base = begin; base < end; base += 32 * kUnroll) {
     // The last round is masked by clamping to the last unit and dropping those products (a
@@ -187,7 +192,10 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __re
     }
   }
   if constexpr (kLora) {
-    if (lora_lane && slot >= 0) acc += lora.piece_dot(b_piece, 0, imin(row, n - 1), lane * kVec);
+    if (lora_lane && slot >= 0) {
+      if (!LoraExpand<T>::kEarly) b_piece = lora.b_piece(imin(row, n - 1), slot, lane * kVec);
+      acc += lora.piece_dot(b_piece, 0, imin(row, n - 1), lane * kVec);
+    }
   }
   float total = warp_sum(acc);
   if constexpr (kSplit > 1) {
@@ -534,7 +542,10 @@ __device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* _
                                                    const T* __restrict__ w, const T* __restrict__ bias,
                                                    int m, int n, int k, LoraExpand<T> lora = {}) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  constexpr int kUnroll = kTokens <= 4 ? 8 : 4;
+  // 4 at kTokens = 8 and for the fp32 LoRA build at 4 (the LoRA operands' registers spill it on
+  // sm_80 at 8): the order a lane adds its units in is the same either way.
+  constexpr bool kNarrow = kTokens > 4 || (kTokens == 4 && kLora && sizeof(T) == 4);
+  constexpr int kUnroll = kNarrow ? 4 : 8;
   constexpr int kRowsPerBlock = kGemvWarps / kSplit;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -548,11 +559,13 @@ __device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* _
   float acc[kTokens];
 #pragma unroll
   for (int t = 0; t < kTokens; ++t) acc[t] = 0.f;
-  // LoRA: the rows' slots now, B's pieces after the weights (holding a piece a row during the loop
-  // would cost kTokens x 4 registers under the bound).
+  // LoRA: the rows' slots now (kEarly), B's pieces after the weights (holding a piece a row during
+  // the loop would cost kTokens x 4 registers under the bound).
   int slots[kTokens];
 #pragma unroll
-  for (int t = 0; t < kTokens; ++t) slots[t] = kLora && t < m ? __ldg(lora.token_slots + t) : -1;
+  for (int t = 0; t < kTokens; ++t) {
+    slots[t] = kLora && LoraExpand<T>::kEarly && t < m ? __ldg(lora.token_slots + t) : -1;
+  }
   for (int base = begin; base < end; base += 32 * kUnroll) {
     uint4 wv[kUnroll];
 #pragma unroll
@@ -574,6 +587,10 @@ __device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* _
     // The row's first warp adds B[row, slot, :] . t, a 16-byte piece of B a lane.
     if (warp % kSplit == 0 && lane * kVec < lora.rank) {
       const int r = imin(row, n - 1);
+      if (!LoraExpand<T>::kEarly) {
+#pragma unroll
+        for (int t = 0; t < kTokens; ++t) slots[t] = t < m ? __ldg(lora.token_slots + t) : -1;
+      }
 #pragma unroll
       for (int t = 0; t < kTokens; ++t) {
         if (slots[t] >= 0) acc[t] += lora.piece_dot(lora.b_piece(r, slots[t], lane * kVec), t, r, lane * kVec);
