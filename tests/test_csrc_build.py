@@ -136,6 +136,7 @@ def test_gemv_rows_launches_only_builds_that_exist():
     """Every name gemv_rows_kernel can give is an entry point the build test checks, for every row
     count, shape class and variant, and a block's rows are what the kernel covers."""
     built = set().union(*(gemv_rows_entry_points(dt) for dt in ("f32", "f16", "bf16")))
+    built_lora = set().union(*(gemv_rows_entry_points(dt, "lora_") for dt in ("f32", "f16", "bf16")))
     variants = ["", "mma", "fma"] + [f"mma_g{g}_s{s}" for g in (1, 2) for s in (1, 2, 4)]
     variants += [f"fma_s{s}" for s in (1, 2, 4)] + [f"mma_s{s}" for s in (1, 2, 4)]
     for dt in ("f32", "f16", "bf16"):
@@ -146,6 +147,7 @@ def test_gemv_rows_launches_only_builds_that_exist():
                         continue
                     name, rows = matvec.gemv_rows_kernel(dt, m, n, k, variant)
                     assert name in built, (dt, m, n, k, variant, name)
+                    assert name.replace("gemv_rows_", "gemv_rows_lora_", 1) in built_lora  # gemv_rows(lora=)
                     split = int(name.rsplit("_s", 1)[1])
                     if "_mma_" in name:
                         groups = int(name.split("_g")[1].split("_")[0])
