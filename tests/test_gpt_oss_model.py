@@ -19,6 +19,7 @@ from tests.helpers.models import (
     greedy_engine_tokens,
     hf_greedy,
     save_tiny_model,
+    scale_gpt_oss_gate_up,
     write_mxfp4_experts,
     write_mxfp4_reference,
 )
@@ -95,6 +96,44 @@ def test_matches_hf_with_chunked_prefill_and_preemption(tmp_path, mxfp4):
     tokens, llm = _engine_tokens(model_dir, PROMPTS, block_size=8, max_num_batched_tokens=16, num_kv_blocks=9)
     assert tokens == expected
     assert llm.engine.core.stats().num_preemptions > 0
+
+
+# gpt-oss-20b's and -120b's config.json (transformers 4.55's form: rope_scaling beside rope_theta;
+# no swiglu_alpha, which transformers 5.17 does not write either).
+GPT_OSS_20B_ROPE = {
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "rope_theta": 150000,
+    "max_position_embeddings": 131072,
+    "initial_context_length": 4096,
+    "swiglu_limit": 7.0,
+}
+
+
+def test_released_config_form_matches_hf(tmp_path):
+    """A tiny checkpoint whose config.json carries gpt-oss-20b's rotary and SwiGLU settings in its
+    released form (GPT_OSS_20B_ROPE; the default swiglu_alpha), MXFP4 experts whose gate_up is
+    scaled x4 so that the real limit of 7 clamps. YaRN matters: the default rotary at the same
+    theta gives other tokens."""
+    import json
+
+    model_dir = save_tiny_model(tmp_path / "released", "gpt_oss", **{**CONFIG, "swiglu_limit": 7.0})
+    _scale_sinks(model_dir)
+    write_mxfp4_experts(scale_gpt_oss_gate_up(model_dir, 4.0))
+    config = json.loads((model_dir / "config.json").read_text())
+    for key in ("rope_parameters", "swiglu_alpha"):
+        config.pop(key, None)
+    (model_dir / "config.json").write_text(json.dumps({**config, **GPT_OSS_20B_ROPE}, indent=2))
+    expected = _hf_tokens(model_dir, PROMPTS)
+    tokens, _ = _engine_tokens(model_dir, PROMPTS, max_model_len=256)
+    assert tokens == expected
+    assert expected != _hf_tokens(model_dir, PROMPTS, rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
 
 
 def test_plain_mxfp4_reference_is_what_transformers_reads(tmp_path):

@@ -16,7 +16,13 @@ import torch
 pytest.importorskip("cupy")
 
 from tests.helpers.kernels import DEVICE, DTYPE_IDS, DTYPES, PagedBatch, assert_close, nan_like, randn  # noqa: E402
-from tests.helpers.models import hf_greedy, save_tiny_model, write_mxfp4_experts, write_mxfp4_reference  # noqa: E402
+from tests.helpers.models import (  # noqa: E402
+    hf_greedy,
+    save_tiny_model,
+    scale_gpt_oss_gate_up,
+    write_mxfp4_experts,
+    write_mxfp4_reference,
+)
 from tests.test_deepseek_models import _randomize_correction_bias  # noqa: E402
 from zllm.workers.attention import mla_decode as mla_decode_reference  # noqa: E402
 from zllm.workers.kernels import mla as mla_kernels  # noqa: E402
@@ -167,9 +173,25 @@ GPT_OSS = dict(
     num_local_experts=4,
     num_experts_per_tok=2,
     sliding_window=8,
-    swiglu_limit=1.0,
     initializer_range=0.2,
+    # Every setting that transformers versions treat differently, explicit and as gpt-oss ships
+    # them: 5.17's experts ignore swiglu_limit and swiglu_alpha (their 7.0 and 1.702 hard-coded;
+    # later versions read the config), so a test-only limit (1.0 once) makes 5.17's reference a
+    # different model. GPT_OSS_GATE_UP_SCALE makes the real limit clamp instead. The rotary is
+    # gpt-oss's YaRN, written out rather than left to a version's default.
+    swiglu_limit=7.0,
+    swiglu_alpha=1.702,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
 )
+GPT_OSS_GATE_UP_SCALE = 4.0  # 14% of the tiny model's gate values, 27% of its up values pass 7
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
@@ -186,11 +208,11 @@ def test_deepseek_v2_on_cuda_matches_hf(tmp_path, eager):
 def test_gpt_oss_on_cuda_matches_hf(tmp_path, eager):
     """head_dim 64 with sinks and an 8-token window: the decodes go through the sinks kernel;
     MXFP4 experts dequantized on the GPU; in fp32 the experts run every expert on every token
-    (ops.gpt_oss_experts: graph-safe), inside the graphs too."""
-    model_dir = save_tiny_model(tmp_path / "oss", "gpt_oss", **GPT_OSS)
-    # transformers 5.17 (the GPU machines') reads MXFP4 experts into other values than the CPU
-    # machines' version, whose reader tests/test_gpt_oss_model.py checks against: the reference
-    # here reads the same kept values stored plain.
+    (ops.gpt_oss_experts: graph-safe), inside the graphs too. The clamped SwiGLU at gpt-oss's own
+    limit (GPT_OSS: the one limit every transformers version applies)."""
+    model_dir = scale_gpt_oss_gate_up(save_tiny_model(tmp_path / "oss", "gpt_oss", **GPT_OSS), GPT_OSS_GATE_UP_SCALE)
+    # transformers 5.17 (the GPU machines') dequantizes MXFP4 experts to bfloat16 whatever dtype
+    # is asked: the reference reads the same kept values stored plain in fp32.
     reference = write_mxfp4_reference(model_dir, tmp_path / "oss-reference")
     _engine_vs_hf(write_mxfp4_experts(model_dir), PROMPTS, enforce_eager=eager, reference_dir=reference)
 

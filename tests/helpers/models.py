@@ -177,7 +177,7 @@ def write_mxfp4_reference(model_dir: Path, reference_dir: Path) -> Path:
     """A copy of a GPT-OSS checkpoint saved by transformers with every expert tensor replaced by
     the values its MXFP4 form keeps (mxfp4_round_trip), stored plain in float32: a reference that
     any transformers version reads without its MXFP4 integration (5.17's, on the GPU machines,
-    dequantizes differently from the CPU machines' version)."""
+    dequantizes the experts to bfloat16 whatever dtype is asked: its fp32 forward fails on CPU)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -189,6 +189,21 @@ def write_mxfp4_reference(model_dir: Path, reference_dir: Path) -> Path:
         tensors[name] = mxfp4_round_trip(tensors[name].transpose(-1, -2)).transpose(-1, -2).contiguous()
     save_file(tensors, path, metadata={"format": "pt"})
     return reference_dir
+
+
+def scale_gpt_oss_gate_up(model_dir: Path, factor: float) -> Path:
+    """A GPT-OSS checkpoint saved by transformers with every expert's gate_up projection (weight
+    and bias) times `factor`, so that the tiny model's gate and up values pass GPT-OSS's own
+    SwiGLU clamp (swiglu_limit 7.0) and the clamp is exercised without a test-only limit. A power
+    of two keeps the MXFP4 codes of write_mxfp4_experts (only the scales move)."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias"))]:
+        tensors[name] = tensors[name] * factor
+    save_file(tensors, path, metadata={"format": "pt"})
+    return model_dir
 
 
 def write_mxfp4_experts(model_dir: Path) -> Path:
