@@ -133,6 +133,12 @@ SETTINGS: dict[str, Setting] = {
             "0: LoRA runs its torch path on the GPU too (rows grouped on the host, CUDA graphs off; A/B switch).",
         ),
         Setting(
+            "ZLLM_LORA_FUSED_EXPAND",
+            _switch,
+            True,
+            "0: LoRA's expand runs as its own kernel at decode, not in the GEMV's epilogue (A/B switch).",
+        ),
+        Setting(
             "ZLLM_LORA_DENSE_ROWS_PER_SLOT",
             float,
             4.0,
