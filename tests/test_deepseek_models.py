@@ -119,6 +119,24 @@ def test_matches_hf_at_tp2(tmp_path, case):
     assert tokens == _hf_tokens(model_dir, PROMPTS)
 
 
+# Issue 38's eight ranks: 8 heads (one a rank at tp 8), 16 routed experts in 8 groups, an expert
+# intermediate size of 36 (ranks of 5 and 4 rows at tp 8, 9 at tp 4).
+TP8 = dict(num_attention_heads=8, num_key_value_heads=8, n_routed_experts=16, n_group=8, topk_group=4)
+TP8.update(moe_intermediate_size=36, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_v3_matches_hf_at_tp4_and_tp8(tmp_path, tp):
+    """V3 (noaux_tc routing with a correction bias, MLA with the latent replicated) split over 4
+    and 8 worker processes: both equal transformers' fp32 greedy tokens, hence each other."""
+    architecture, overrides = CASES["v3"]
+    model_dir = save_tiny_model(tmp_path / "v3", architecture, **{**COMMON, **overrides, **TP8})
+    _randomize_correction_bias(model_dir)
+    prompts = PROMPTS[:2]
+    tokens, _ = _engine_tokens(model_dir, prompts, tensor_parallel_size=tp, kv_cache_memory_bytes=4 << 20)
+    assert tokens == _hf_tokens(model_dir, prompts)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_v3_fp8_block_checkpoint_matches_hf(tmp_path, tp):
     """DeepSeek-V3's FP8 release layout (write_fp8_block_weights: float8 weights, fp32
