@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.models import greedy_engine_tokens, hf_greedy, save_tiny_model
-from zllm import LLM
+from zllm import LLM, SamplingParams
 
 MAX_TOKENS = 12
 PROMPTS = [[7, 3, 9, 11, 5], list(range(3, 40)), [7] * 5 + list(range(100, 130)), list(range(200, 213))]
@@ -206,3 +206,42 @@ def test_what_is_not_supported_is_refused_before_any_worker(tmp_path):
         ModelSpec.from_hf_config(config)
     with pytest.raises(ValueError, match="kv_cache_dtype.*latent \\(MLA\\) cache"):
         LLM(str(model_dir), dtype="float32", kv_cache_dtype="fp8")
+
+
+# Block-aligned at tp 2 (kept FP8 weights split only on 128-row tiles): q_b_proj 2 heads x 128
+# rows a rank, kv_b_proj 2 x (64 + 64), o_proj 2 x 64 columns, experts and dense MLP 128 rows.
+KEPT_FP8 = dict(qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, intermediate_size=256)
+KEPT_FP8.update(moe_intermediate_size=256, n_shared_experts=1, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_v3_fp8_blocks_kept_in_fp8_match_the_dequantized_model(tmp_path, monkeypatch, tp):
+    """ZLLM_FP8_BLOCKS=keep (CUDA's default) on the CPU: the layers hold the checkpoint's FP8
+    weights and scales (experts included; kv_b_proj dequantized for the absorbed decode), each
+    dequantized right before its product, so fp32 greedy tokens equal transformers' reading of
+    the checkpoint (which dequantizes at load, as zllm's CPU default does)."""
+    from tests.helpers.models import write_fp8_block_weights
+    from zllm.workers.fp8 import E4M3
+
+    architecture, overrides = CASES["v3"]
+    model_dir = save_tiny_model(tmp_path / "v3fp8", architecture, **{**COMMON, **overrides, **KEPT_FP8})
+    _randomize_correction_bias(model_dir)
+    write_fp8_block_weights(model_dir)
+    expected = _hf_tokens(model_dir, PROMPTS)
+    monkeypatch.setenv("ZLLM_FP8_BLOCKS", "keep")
+    if tp == 2:
+        tokens, _ = _engine_tokens(model_dir, PROMPTS, tensor_parallel_size=2, kv_cache_memory_bytes=4 << 20)
+        assert tokens == expected
+        return
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory_bytes=4 << 20)
+    try:  # the model in this process: the checkpoint's FP8 weights, kv_b_proj dequantized
+        params = dict(llm.engine.core.executor.runner.model.named_parameters())
+        assert params["model.layers.1.mlp.experts.gate_up_proj"].dtype == E4M3
+        assert params["model.layers.1.mlp.shared_experts.down_proj.weight"].dtype == E4M3
+        assert params["model.layers.0.self_attn.q_b_proj.weight"].dtype == E4M3
+        assert params["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.float32
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        llm.shutdown()
