@@ -67,14 +67,16 @@ def _experts(num_experts: int, hidden: int, inter: int) -> tuple[Fp8Experts, tor
     return experts, gate_up, torch.stack(downs)
 
 
+@pytest.mark.parametrize("hidden, inter", [(160, 136), (256, 128)], ids=["edge-tiles", "whole-tiles"])
 @pytest.mark.parametrize("tokens", [1, 3, 40])  # pairs fewer than the experts (gathered) and more
-def test_fp8_experts_equal_the_dequantized_experts(tokens):
+def test_fp8_experts_equal_the_dequantized_experts(tokens, hidden, inter):
     """The loop (CPU, fp32) and the stacks the fused kernels get (the chosen experts gathered and
     renumbered, or every expert) both compute what the dequantized experts compute."""
-    experts, gate_up, down = _experts(num_experts=8, hidden=160, inter=136)
-    assert experts.gate_up_proj.dtype == E4M3 and experts.gate_up_proj_scale_inv.shape == (8, 4, 2)
+    experts, gate_up, down = _experts(num_experts=8, hidden=hidden, inter=inter)
+    blocks = (-(-inter // 128), -(-hidden // 128))
+    assert experts.gate_up_proj.dtype == E4M3 and experts.gate_up_proj_scale_inv.shape == (8, 2 * blocks[0], blocks[1])
     torch.manual_seed(3)
-    x = torch.randn(tokens, 160)
+    x = torch.randn(tokens, hidden)
     ids = torch.stack([torch.randperm(8)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2)
     expected = expert_loop(x, weights, ids, gate_up, down)

@@ -85,10 +85,15 @@ def dequantize_stacked(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) 
     (what the dequantize-at-load path holds), a few matrices at a time."""
     n, rows, cols = q.shape
     step = max(1, _DEQUANT_CHUNK_ELEMENTS // max(rows * cols, 1))
+    whole_tiles = rows % BLOCK == 0 and cols % BLOCK == 0  # (DeepSeek-V3's every matrix, at tp 8 too)
     for first in range(0, n, step):
         chunk = slice(first, min(first + step, n))
-        tiles = scale[chunk].repeat_interleave(BLOCK, 1)[:, :rows].repeat_interleave(BLOCK, 2)[:, :, :cols]
-        out[chunk] = q[chunk].float() * tiles
+        if whole_tiles:  # the scales broadcast over the tiles: no expanded copy of them
+            tiles = q[chunk].view(-1, rows // BLOCK, BLOCK, cols // BLOCK, BLOCK).float()
+            out[chunk] = (tiles * scale[chunk][:, :, None, :, None]).view(-1, rows, cols)
+        else:
+            tiles = scale[chunk].repeat_interleave(BLOCK, 1)[:, :rows].repeat_interleave(BLOCK, 2)[:, :, :cols]
+            out[chunk] = q[chunk].float() * tiles
     return out
 
 
@@ -155,7 +160,7 @@ def fp8_linear(
         # dequantized to the model dtype right before the GEMM, the values and the GEMM of the
         # dequantize-at-load path; the scratch lives for this one product.
         w = dequantize_stacked(weight[None], weight_scale[None], torch.empty((1, n, k), dtype=x.dtype, device=x.device))
-        return F.linear(x, w[0], bias)
+        return ops.linear(x, w[0], bias)
     if activation == "none" or k % 16 or n % 16 or (activation == "group" and (k % BLOCK or n % BLOCK)):
         # Shapes cuBLASLt's FP8 GEMM does not take (and weight-only checkpoints): the same
         # arithmetic in fp32, slow but exact.
