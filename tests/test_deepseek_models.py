@@ -5,7 +5,8 @@ Each case compares the engine's greedy tokens with HF generate's exactly: decode
 space with the absorbed projections (HF expands every cached latent), prefill expanded, YaRN with
 DeepSeek's mscale, first_k_dense_replace dense layers, shared experts and grouped routing (V2's
 group_limited_greedy, V3's noaux_tc with e_score_correction_bias and routed_scaling_factor), at
-tp 1 with chunked prefill and preemption from a small cache, and at tp 2 (two worker processes).
+tp 1 with chunked prefill and preemption from a small cache, and at tp 2 (two worker processes);
+V3's FP8 release layout dequantized at load (tp 1, 2) and kept in FP8 (tp 4, 8: issue 38).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.models import greedy_engine_tokens, hf_greedy, save_tiny_model
-from zllm import LLM, SamplingParams
+from tests.helpers.models import greedy_engine_tokens, hf_greedy, save_tiny_model, save_tiny_v3_fp8
+from tests.helpers.models import randomize_correction_bias as _randomize_correction_bias
+from zllm import LLM
 
 MAX_TOKENS = 12
 PROMPTS = [[7, 3, 9, 11, 5], list(range(3, 40)), [7] * 5 + list(range(100, 130)), list(range(200, 213))]
@@ -74,20 +76,6 @@ def _save(tmp_path: Path, case: str) -> Path:
     return model_dir
 
 
-def _randomize_correction_bias(model_dir: Path) -> None:
-    """HF starts e_score_correction_bias at zero; a random one changes which experts are picked."""
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    generator = torch.Generator().manual_seed(1)
-    names = [name for name in tensors if name.endswith("e_score_correction_bias")]
-    assert names
-    for name in names:
-        tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 def _hf_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
@@ -117,24 +105,6 @@ def test_matches_hf_at_tp2(tmp_path, case):
     model_dir = _save(tmp_path, case)
     tokens, _ = _engine_tokens(model_dir, PROMPTS, tensor_parallel_size=2, kv_cache_memory_bytes=4 << 20)
     assert tokens == _hf_tokens(model_dir, PROMPTS)
-
-
-# Issue 38's eight ranks: 8 heads (one a rank at tp 8), 16 routed experts in 8 groups, an expert
-# intermediate size of 36 (ranks of 5 and 4 rows at tp 8, 9 at tp 4).
-TP8 = dict(num_attention_heads=8, num_key_value_heads=8, n_routed_experts=16, n_group=8, topk_group=4)
-TP8.update(moe_intermediate_size=36, num_hidden_layers=2)
-
-
-@pytest.mark.parametrize("tp", [4, 8])
-def test_v3_matches_hf_at_tp4_and_tp8(tmp_path, tp):
-    """V3 (noaux_tc routing with a correction bias, MLA with the latent replicated) split over 4
-    and 8 worker processes: both equal transformers' fp32 greedy tokens, hence each other."""
-    architecture, overrides = CASES["v3"]
-    model_dir = save_tiny_model(tmp_path / "v3", architecture, **{**COMMON, **overrides, **TP8})
-    _randomize_correction_bias(model_dir)
-    prompts = PROMPTS[:2]
-    tokens, _ = _engine_tokens(model_dir, prompts, tensor_parallel_size=tp, kv_cache_memory_bytes=4 << 20)
-    assert tokens == _hf_tokens(model_dir, prompts)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -208,40 +178,15 @@ def test_what_is_not_supported_is_refused_before_any_worker(tmp_path):
         LLM(str(model_dir), dtype="float32", kv_cache_dtype="fp8")
 
 
-# Block-aligned at tp 2 (kept FP8 weights split only on 128-row tiles): q_b_proj 2 heads x 128
-# rows a rank, kv_b_proj 2 x (64 + 64), o_proj 2 x 64 columns, experts and dense MLP 128 rows.
-KEPT_FP8 = dict(qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, intermediate_size=256)
-KEPT_FP8.update(moe_intermediate_size=256, n_shared_experts=1, num_hidden_layers=2)
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_v3_fp8_blocks_kept_in_fp8_match_the_dequantized_model(tmp_path, monkeypatch, tp):
-    """ZLLM_FP8_BLOCKS=keep (CUDA's default) on the CPU: the layers hold the checkpoint's FP8
-    weights and scales (experts included; kv_b_proj dequantized for the absorbed decode), each
-    dequantized right before its product, so fp32 greedy tokens equal transformers' reading of
-    the checkpoint (which dequantizes at load, as zllm's CPU default does)."""
-    from tests.helpers.models import write_fp8_block_weights
-    from zllm.workers.fp8 import E4M3
-
-    architecture, overrides = CASES["v3"]
-    model_dir = save_tiny_model(tmp_path / "v3fp8", architecture, **{**COMMON, **overrides, **KEPT_FP8})
-    _randomize_correction_bias(model_dir)
-    write_fp8_block_weights(model_dir)
-    expected = _hf_tokens(model_dir, PROMPTS)
-    monkeypatch.setenv("ZLLM_FP8_BLOCKS", "keep")
-    if tp == 2:
-        tokens, _ = _engine_tokens(model_dir, PROMPTS, tensor_parallel_size=2, kv_cache_memory_bytes=4 << 20)
-        assert tokens == expected
-        return
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory_bytes=4 << 20)
-    try:  # the model in this process: the checkpoint's FP8 weights, kv_b_proj dequantized
-        params = dict(llm.engine.core.executor.runner.model.named_parameters())
-        assert params["model.layers.1.mlp.experts.gate_up_proj"].dtype == E4M3
-        assert params["model.layers.1.mlp.shared_experts.down_proj.weight"].dtype == E4M3
-        assert params["model.layers.0.self_attn.q_b_proj.weight"].dtype == E4M3
-        assert params["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.float32
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == expected
-    finally:
-        llm.shutdown()
+@pytest.mark.parametrize("tp", [4, 8])
+def test_v3_fp8_kept_in_fp8_matches_hf_at_tp4_and_tp8(tmp_path, monkeypatch, tp):
+    """V3 split over 4 and 8 worker processes (MLA with the latent replicated, every expert sliced
+    4 or 8 ways), its weights kept in FP8 as CUDA keeps them (ZLLM_FP8_BLOCKS=keep: each product
+    on the dequantized values): both equal transformers' fp32 greedy tokens (transformers
+    dequantizes the checkpoint at load), hence each other."""
+    model_dir = save_tiny_v3_fp8(tmp_path / "v3fp8")
+    prompts = PROMPTS[:2]
+    expected = _hf_tokens(model_dir, prompts)
+    monkeypatch.setenv("ZLLM_FP8_BLOCKS", "keep")  # the workers inherit it
+    tokens, _ = _engine_tokens(model_dir, prompts, tensor_parallel_size=tp, kv_cache_memory_bytes=4 << 20)
+    assert tokens == expected

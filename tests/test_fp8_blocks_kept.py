@@ -86,6 +86,33 @@ def test_fp8_experts_equal_the_dequantized_experts(tokens, hidden, inter):
     torch.testing.assert_close(expert_loop(x, weights, stacked_ids, stacked_gate_up, stacked_down), expected)
 
 
+def test_a_kept_checkpoint_holds_the_stored_fp8_weights(tmp_path, monkeypatch):
+    """The worker's model with ZLLM_FP8_BLOCKS=keep: the checkpoint's FP8 weights and scales in
+    the linear layers, the experts and the shared experts; kv_b_proj dequantized (the absorbed
+    decode multiplies by it); with the default on the CPU, everything dequantized."""
+    from tests.helpers.models import save_tiny_v3_fp8
+    from zllm.config import EngineConfig
+    from zllm.workers.model_runner import ModelRunner
+
+    model_dir = save_tiny_v3_fp8(tmp_path / "v3fp8")
+    config = EngineConfig(model=str(model_dir), dtype="float32")
+    dtypes = {}
+    for mode in ("keep", "auto"):
+        monkeypatch.setenv("ZLLM_FP8_BLOCKS", mode)
+        runner = ModelRunner(config, torch.device("cpu"))
+        runner.load_model()
+        dtypes[mode] = {name: p.dtype for name, p in runner.model.named_parameters()}
+    kept = dtypes["keep"]
+    for name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.shared_experts.gate_up_proj.weight"):
+        assert kept[f"model.layers.1.{name}"] == E4M3
+    assert kept["model.layers.1.mlp.experts.gate_up_proj_scale_inv"] == torch.float32
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+        assert kept[f"model.layers.0.self_attn.{name}.weight"] == E4M3
+    assert kept["model.layers.0.self_attn.kv_b_proj.weight"] == torch.float32
+    assert kept["model.layers.0.mlp.gate_up_proj.weight_scale_inv"] == torch.float32
+    assert set(dtypes["auto"].values()) == {torch.float32}
+
+
 def test_the_mode_setting():
     assert keeps_fp8_blocks("auto", cuda=True) and not keeps_fp8_blocks("auto", cuda=False)
     assert keeps_fp8_blocks("keep", cuda=False) and not keeps_fp8_blocks("dequantize", cuda=True)

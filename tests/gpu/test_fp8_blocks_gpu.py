@@ -1,6 +1,6 @@
 """Block-FP8 MoE/MLA checkpoints kept in FP8 on CUDA (ZLLM_FP8_BLOCKS auto = keep there): a
-tiny DeepSeek-V3 FP8 checkpoint (tests/test_deepseek_models.py's KEPT_FP8 shape, written as
-DeepSeek's release is) against the same checkpoint dequantized at load (ZLLM_FP8_BLOCKS=dequantize,
+tiny DeepSeek-V3 FP8 checkpoint (tests/helpers/models.py's TINY_V3_FP8, written as DeepSeek's
+release is) against the same checkpoint dequantized at load (ZLLM_FP8_BLOCKS=dequantize,
 the CPU's default and the reference): fewer weight bytes, the same fp32 greedy tokens (the
 products run on the dequantized values: the emulated weight-only GEMM, the torch expert loop),
 and in bf16 with decode graphs close tokens (the FP8 GEMV and the fused experts over the chosen
@@ -14,8 +14,7 @@ import torch
 
 pytest.importorskip("cupy")
 
-from tests.helpers.models import save_tiny_model, write_fp8_block_weights  # noqa: E402
-from tests.test_deepseek_models import CASES, COMMON, KEPT_FP8, _randomize_correction_bias  # noqa: E402
+from tests.helpers.models import save_tiny_v3_fp8  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -25,12 +24,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def v3_fp8_dir(tmp_path_factory):
-    architecture, overrides = CASES["v3"]
-    model_dir = save_tiny_model(
-        tmp_path_factory.mktemp("v3fp8") / "m", architecture, **{**COMMON, **overrides, **KEPT_FP8}
-    )
-    _randomize_correction_bias(model_dir)
-    return write_fp8_block_weights(model_dir)
+    return save_tiny_v3_fp8(tmp_path_factory.mktemp("v3fp8") / "m")
 
 
 def _run(model_dir, monkeypatch, mode: str, dtype: str) -> tuple[list[list[int]], int, bool]:
