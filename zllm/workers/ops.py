@@ -200,7 +200,7 @@ class CudaOps(TorchOps):
     def fuses_experts(self, experts, top_k):
         # moe()'s own test, on a row of the model's dtype: the same weights take the same path at
         # every token count (the activations' alignment is torch's: 16 bytes and more).
-        return self._fuses(experts, experts.gate_up_proj.dtype, top_k)
+        return self._fuses(experts, experts.compute_dtype, top_k)
 
     def _fuses(self, experts, dtype: torch.dtype, top_k: int) -> bool:
         """fused_experts_supported for experts that may be stored otherwise (FP8: Fp8Experts,

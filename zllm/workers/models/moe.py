@@ -108,6 +108,11 @@ class Experts(nn.Module):
         into them: the parameters themselves here (Fp8Experts: dequantized copies)."""
         return self.gate_up_proj, self.down_proj, ids
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the experts multiply in (the model's)."""
+        return self.gate_up_proj.dtype
+
     def fused_shape(self) -> tuple[int, int, int]:
         """(experts, hidden, this rank's intermediate) as the fused kernels see the weights."""
         return self.num_experts, self.hidden_size, self.span.count
@@ -136,6 +141,7 @@ class Fp8Experts(Experts):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, span: Span, serialized: bool):
         check_block_aligned("MoE experts' intermediate shard", span.start, span.count, intermediate_size)
         super().__init__(num_experts, hidden_size, intermediate_size, span, dtype=E4M3)
+        self._compute_dtype = torch.get_default_dtype()  # the model's: it is built under it
         self.serialized = serialized  # False: dummy weights, quantized while loading
         self.row_blocks, self.col_blocks = -(-span.count // BLOCK), -(-hidden_size // BLOCK)
         self.gate_up_proj_scale_inv = nn.Parameter(
@@ -144,6 +150,10 @@ class Fp8Experts(Experts):
         self.down_proj_scale_inv = nn.Parameter(
             torch.empty(num_experts, self.col_blocks, self.row_blocks, dtype=torch.float32), False
         )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self._compute_dtype
 
     def checkpoint_params(self) -> tuple[str, ...]:
         weights = ("gate_up_proj", "down_proj")
