@@ -32,7 +32,7 @@ def _run(model_dir, monkeypatch, mode: str, dtype: str) -> tuple[list[list[int]]
     from zllm import LLM, SamplingParams
 
     monkeypatch.setenv("ZLLM_FP8_BLOCKS", mode)
-    llm = LLM(str(model_dir), device="cuda", dtype=dtype, gpu_memory_utilization=0.3, max_num_seqs=8, max_model_len=512)
+    llm = LLM(str(model_dir), device="cuda", dtype=dtype, gpu_memory_utilization=0.3, max_num_seqs=8, max_model_len=128)
     try:
         runner = llm.engine.core.executor.runner
         param_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
