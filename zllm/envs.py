@@ -83,6 +83,12 @@ SETTINGS: dict[str, Setting] = {
         ),
         # -- engine core
         Setting(
+            "ZLLM_STEP_TRACE",
+            _text,
+            None,
+            "A path prefix: each engine core writes one JSON line per step to PATH.dp<rank>.jsonl (off when unset).",
+        ),
+        Setting(
             "ZLLM_RAY_RANK_RESOURCES",
             _json_object,
             None,

@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # On nvidia-h100-x4 (it may come as 4 x H200; the first lines say which): issue 30's four-GPU
 # figures and checks, one PART per device call, each under 9 minutes.
-# Usage: bash benchmarks/gpu/run_4gpu.sh dp|tp2dp2|exit|serve70b
+# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b
 #
 #   dp:       W1 (benchmarks/throughput.py, 1000 x 256/256 offline, Llama-3-8B shape, dummy bf16,
 #             run_perf.sh's flags) at --dp 1, 2 and 4 (one GPU per engine), then the scaling
 #             ratios against dp 1. Estimate: each W1 ~40 s start + 20 s (dp 1) .. 6 s (dp 4) + stop:
 #             ~200 s, plus the csrc build.
+#   dptrace:  where dp 2's time goes (issue 30), every run with ZLLM_STEP_TRACE (a JSON line per
+#             step of every engine core and worker): W1 at --dp 2; one engine alone with a dp 2
+#             engine's share (500 prompts) and a dp 4 engine's (250); --dp 4; --dp 2 with
+#             --max-num-seqs 256 (each engine at dp 4's batch, two waves); --dp 1; --dp 2 on GPUs 2
+#             and 3 (CUDA_VISIBLE_DEVICES=2,3). After each, benchmarks/step_trace_summary.py's rows
+#             per engine and per worker (the steady decode period, and how much of it the worker
+#             sat blocked on the device: sync_ms). Traces in the logs tarball. Estimate: seven W1
+#             of ~40 s start + 5-22 s each: ~400 s, plus the build (run with BUDGET_S=580 on a
+#             machine where csrc is built already, or accept that the last runs are SKIPPED).
 #   tp2dp2:   correctness first: benchmarks/tp_agreement.py in fp32, tp 2 x dp 2 against tp 1, 32
 #             prompts of 64 in / 128 out, every request must be identical (--require-equal); then
 #             W1 at tp 2 x dp 2 (bf16). Estimate: ~150 s (two fp32 starts) + ~70 s, plus the build.
@@ -44,7 +53,7 @@ set -uo pipefail
 t0=$(date +%s)
 cd "$(dirname "$0")/../.."
 part="${1:-}"
-case "$part" in dp | tp2dp2 | exit | serve70b) ;; *) echo "usage: $0 dp|tp2dp2|exit|serve70b"; exit 2 ;; esac
+case "$part" in dp | dptrace | tp2dp2 | exit | serve70b) ;; *) echo "usage: $0 dp|dptrace|tp2dp2|exit|serve70b"; exit 2 ;; esac
 # Into $OUT (a device call brings back 8 files): 4gpu-PART.log (the whole output), 4gpu-PART.jsonl,
 # serve70b.md (serve70b) and, at the end, 4gpu-PART-logs.tar.gz (every log and result file, from
 # the working folder /tmp/zllm-4gpu-PART).
@@ -96,6 +105,24 @@ for dp, row in rows.items():
     ratio = f"{row['requests_per_s'] / rows[1]['requests_per_s']:.2f}x" if 1 in rows else "n/a"
     print(f"| {dp} | {row['requests_per_s']} | {row['output_tokens_per_s']} | {row['elapsed_s']} s | {ratio} |")
 PY
+  ;;
+dptrace)
+  dummy llama3-8b "$m8b"
+  traced() {  # traced NAME FLAGS...: W1 with a step trace under $out/trace-NAME, then its summary
+    export ZLLM_STEP_TRACE="$out/trace-$1"
+    w1 "w1-$1" 200 "${@:2}"
+    unset ZLLM_STEP_TRACE
+    python benchmarks/step_trace_summary.py "$out/trace-$1" --since-last-idle 2>&1 | tee "$out/summary-$1.jsonl"
+  }
+  # Most telling first: a dp 2 engine against one engine given its 500 (or dp 4's 250) requests alone.
+  traced dp2 --dp 2
+  all=${W1_PROMPTS:-1000}
+  W1_PROMPTS=$(( all / 2 )) traced dp1-half --dp 1
+  traced dp4 --dp 4
+  W1_PROMPTS=$(( all / 4 )) traced dp1-quarter --dp 1
+  traced dp2-seqs256 --dp 2 --max-num-seqs 256
+  traced dp1 --dp 1
+  CUDA_VISIBLE_DEVICES=2,3 traced dp2-gpus23 --dp 2
   ;;
 tp2dp2)
   dummy llama3-8b "$m8b"

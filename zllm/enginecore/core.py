@@ -9,6 +9,7 @@ flight, so the workers run step N while the core schedules step N+1.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Protocol
 
@@ -18,6 +19,7 @@ from zllm.enginecore.kv_cache_manager import KVCacheManager
 from zllm.enginecore.pooling_scheduler import PoolingScheduler
 from zllm.enginecore.request import Request
 from zllm.enginecore.scheduler import Scheduler, SchedulerStats
+from zllm.enginecore.step_trace import StepTrace
 from zllm.enginecore.structured_outputs import StructuredOutputs
 from zllm.ipc.messages import (
     AddPoolingBatch,
@@ -68,9 +70,11 @@ class EngineCore:
         self.executor = executor
         self.async_scheduling = bool(config.async_scheduling)
         self._in_flight: deque[int] = deque()  # step ids submitted, not yet collected
+        self._num_collected = 0  # steps answered so far
         # step id -> its structured_ids and their drafts, mask not sent yet
         self._bitmask_due: dict[int, tuple[list[str], dict[str, list[int]]]] = {}
         self.pooling = config.runner == "pooling"
+        self.trace = StepTrace.from_env(config.data_parallel_rank)  # None unless ZLLM_STEP_TRACE
         self.num_kv_blocks = config.num_kv_blocks or executor.determine_num_kv_blocks()
         if self.pooling:
             self._start_pooling(executor)
@@ -137,6 +141,8 @@ class EngineCore:
             lora=message.lora,
         )
         self.scheduler.add_request(request)
+        if self.trace is not None:
+            self.trace.arrived()
         if message.sampling.structured_outputs is not None:
             request.grammar = self.structured.start(request, message.sampling.structured_outputs)
 
@@ -188,6 +194,14 @@ class EngineCore:
         return True
 
     def step(self) -> list[TokenDelta]:
+        if self.trace is None:
+            return self._step()
+        started, collected = time.monotonic(), self._num_collected
+        deltas = self._step()
+        self.trace.record(started, deltas, self._num_collected - collected, self.scheduler)
+        return deltas
+
+    def _step(self) -> list[TokenDelta]:
         deltas = self._start_compiled_grammars()
         if self.async_scheduling:
             return deltas + self._pipelined_step()
@@ -215,12 +229,18 @@ class EngineCore:
     def _submit(self, step: StepInput) -> None:
         self.executor.submit_step(step)
         self._in_flight.append(step.step_id)
+        if self.trace is not None:
+            self.trace.submitted(step)
         if step.structured_ids:
             self._bitmask_due[step.step_id] = (step.structured_ids, step.spec_token_ids)
         self._send_bitmask_if_due()
 
     def _collect(self, flush: bool) -> list[TokenDelta]:
+        waiting_since = time.monotonic()
         output = self.executor.collect_step(flush)
+        if self.trace is not None:
+            self.trace.waited(time.monotonic() - waiting_since)
+        self._num_collected += 1
         self._in_flight.popleft()
         deltas = self.scheduler.update_from_output(output)
         self._send_bitmask_if_due()  # the next step's grammars have taken this step's tokens now
@@ -253,6 +273,8 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+        if self.trace is not None:
+            self.trace.close()
 
 
 def _worth_sending(step: StepInput) -> bool:

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -145,6 +146,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.tp = tp or TensorParallel()
+        self.sync_wait_s = 0.0  # how long the last finish_step waited for its tokens
         self.spec = ModelSpec.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, device, self.spec.checkpoint_dtype)
         self.quant = resolve_quantization(
@@ -565,8 +567,10 @@ class ModelRunner:
     @torch.inference_mode()
     def finish_step(self, launched: LaunchedStep) -> StepOutput:
         """Wait for the step's tokens, add them to the requests it sampled, and answer."""
+        waited = time.monotonic()
         if launched.ready is not None:
             launched.ready.synchronize()
+        self.sync_wait_s = time.monotonic() - waited  # ZLLM_STEP_TRACE's sync_s: the device was still busy
         states = launched.sampling_states
         gained = self._tokens_gained(launched)
         rows, kept, answered_ids, answered_tokens, logprob_rows = [], [], [], [], []

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 
 import torch
 
 from zllm.config import EngineConfig
 from zllm.ipc.messages import GrammarBitmask, StepInput, StepOutput
+from zllm.step_trace import TraceFile
 from zllm.workers.distributed import init_tensor_parallel
 from zllm.workers.model_runner import LaunchedStep, ModelRunner
 from zllm.workers.pooling_runner import PoolingRunner
@@ -65,6 +67,10 @@ class Worker:
         self._pending: LaunchedStep | None = None  # sampled (or awaiting its bitmask), not yet answered
         self.awaiting_bitmask = False  # rank 0: the pending step samples once its GrammarBitmask arrives
         self._answers: deque[StepOutput] = deque()  # answered here, not yet collected (in-process)
+        # ZLLM_STEP_TRACE: a line per step this rank advances (None: off)
+        self.trace = TraceFile.open(f"dp{config.data_parallel_rank}.worker{rank}")
+        self._trace_times: dict[str, float] = {}
+        self._last_advanced = time.monotonic()
         runner_class = PoolingRunner if config.runner == "pooling" else ModelRunner
         self.runner = runner_class(config, self.device, self.tp)
         self.runner.load_model()
@@ -94,18 +100,58 @@ class Worker:
         request's tokens, positions and slots); the core's own steps still overlap the device.
         An EAGLE head reads the target's hidden states of the step it drafts after, which the next
         launch overwrites (the graphs' fixed buffers): with one, every step is answered first."""
+        if self.trace is None:
+            return self._advance(step)
+        started = time.monotonic()
+        self._trace_times = {"launch_s": 0.0, "finish_s": 0.0, "sync_s": 0.0, "sample_s": 0.0}
+        answers = self._advance(step)
+        self._trace_step(step, started, len(answers))
+        return answers
+
+    def _advance(self, step: StepInput) -> list[StepOutput]:
         if self._pending is not None and self._answer_pending_first(step):
-            answers = self.finish_pending()
-            launched = self.runner.launch_step(step)
+            answers = self._timed("finish_s", self.finish_pending)
+            launched = self._timed("launch_s", self.runner.launch_step, step)
         else:
-            launched = self.runner.launch_step(step)
-            answers = self.finish_pending()
+            launched = self._timed("launch_s", self.runner.launch_step, step)
+            answers = self._timed("finish_s", self.finish_pending)
         self._pending = launched
         if step.structured_ids and self.tp.is_first:
             self.awaiting_bitmask = True
         else:
-            self.runner.sample_step(launched)
+            self._timed("sample_s", self.runner.sample_step, launched)
         return answers
+
+    def _timed(self, key: str, call, *args):
+        """call(*args), its duration added to this step's trace line when tracing."""
+        if self.trace is None:
+            return call(*args)
+        started = time.monotonic()
+        result = call(*args)
+        self._trace_times[key] += time.monotonic() - started
+        if key == "finish_s" and result:  # the runner timed its wait for the answered step's tokens
+            self._trace_times["sync_s"] += getattr(self.runner, "sync_wait_s", 0.0)
+        return result
+
+    def _trace_step(self, step: StepInput, started: float, answered: int) -> None:
+        """One line: the step advanced, the time since the last one (waiting for it, answers
+        sent, flushes), and within it: launch (inputs, forward queued), finish (the pending
+        step's answer; sync_s of it blocked on its tokens: the device was still busy), sample."""
+        ended = time.monotonic()
+        line = {
+            "dp": self.config.data_parallel_rank,
+            "rank": self.tp.rank,
+            "t": round(time.time(), 6),
+            "step_id": step.step_id,
+            "rows": len(step.scheduled_ids),
+            "tokens": sum(step.num_scheduled_tokens),
+            "idle_s": round(started - self._last_advanced, 6),
+            "busy_s": round(ended - started, 6),
+            **{key: round(value, 6) for key, value in self._trace_times.items()},
+            "answered": answered,
+        }
+        self.trace.write(line)
+        self._last_advanced = ended
 
     def _answer_pending_first(self, step: StepInput) -> bool:
         """Whether the pending step is answered before `step` launches: `step` scores drafts, the
@@ -155,6 +201,9 @@ class Worker:
         """Drop the model, graphs and KV cache, then leave the tensor-parallel group (bounded:
         distributed.leave_process_group). Safe to call again."""
         self._pending, self.awaiting_bitmask = None, False
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
         self.runner.release_device_memory()
         if self.device.type == "cuda":
             import gc
