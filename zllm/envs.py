@@ -161,6 +161,13 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "ZLLM_MOE_GROUPED_MM_ROWS", float, 4.0, "MoE: rows per expert from which torch._grouped_mm runs (0: never)."
         ),
+        Setting(
+            "ZLLM_FP8_BLOCKS",
+            _text,
+            "auto",
+            "Block-FP8 MoE/MLA checkpoints (DeepSeek-V3's): keep (FP8 weights in memory, dequantized per layer "
+            "before its product), dequantize (to the model dtype at load), auto (keep on CUDA, dequantize on CPU).",
+        ),
         # -- tests only
         Setting(
             "ZLLM_TEST_FAIL_PROMPT_TOKEN",

@@ -200,46 +200,43 @@ class CudaOps(TorchOps):
     def fuses_experts(self, experts, top_k):
         # moe()'s own test, on a row of the model's dtype: the same weights take the same path at
         # every token count (the activations' alignment is torch's: 16 bytes and more).
+        return self._fuses(experts, experts.compute_dtype, top_k)
+
+    def _fuses(self, experts, dtype: torch.dtype, top_k: int) -> bool:
+        """fused_experts_supported for experts that may be stored otherwise (FP8: Fp8Experts,
+        multiplied as dequantized copies in `dtype`, the activations')."""
         from zllm.workers.kernels import moe as fused
 
         gate_up = experts.gate_up_proj
+        if not gate_up.is_cuda or not self.fuses_moe(dtype) or top_k > min(gate_up.shape[0], 32):
+            return False
+        if gate_up.dtype != dtype:  # dequantized into fresh (aligned, contiguous) stacks
+            return gate_up.dtype == torch.float8_e4m3fn and fused.fused_shape_supported(*experts.fused_shape())
         row = gate_up.new_empty(1, gate_up.shape[-1])
-        return (
-            self.fuses_moe(gate_up.dtype)
-            and fused.fused_experts_supported(row, gate_up, experts.down_proj)
-            and top_k <= min(gate_up.shape[0], 32)
-        )
+        return fused.fused_experts_supported(row, gate_up, experts.down_proj)
 
     def moe(self, x, logits, experts, top_k, renormalize, fp32_weights):
         # fp32 models (and shapes the kernels do not take) keep the reference loop, which syncs.
         from zllm.workers.kernels import moe as fused
 
         x = x.contiguous()
-        if not (
-            self.fuses_moe(x.dtype)
-            and fused.fused_experts_supported(x, experts.gate_up_proj, experts.down_proj)
-            and top_k <= min(logits.shape[-1], 32)
-        ):
+        if not self._fuses(experts, x.dtype, top_k):
             return super().moe(x, logits, experts, top_k, renormalize, fp32_weights)
         tokens = x.shape[0]
         weights = torch.empty((tokens, top_k), dtype=torch.float32, device=x.device)
         ids = torch.empty((tokens, top_k), dtype=torch.int32, device=x.device)
         fused.moe_topk_softmax(weights, ids, logits.contiguous(), renormalize, round_weights=not fp32_weights)
-        return fused.experts(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+        gate_up, down, ids = experts.stacked(ids, x.dtype)
+        return fused.experts(x, weights, ids, gate_up, down)
 
     def moe_experts(self, x, weights, ids, experts):
         from zllm.workers.kernels import moe as fused
 
         x = x.contiguous()
-        if not (
-            self.fuses_moe(x.dtype)
-            and fused.fused_experts_supported(x, experts.gate_up_proj, experts.down_proj)
-            and ids.shape[-1] <= 32
-        ):
+        if not self._fuses(experts, x.dtype, ids.shape[-1]):
             return super().moe_experts(x, weights, ids, experts)
-        return fused.experts(
-            x, weights.float().contiguous(), ids.to(torch.int32), experts.gate_up_proj, experts.down_proj
-        )
+        gate_up, down, ids = experts.stacked(ids.to(torch.int32), x.dtype)
+        return fused.experts(x, weights.float().contiguous(), ids, gate_up, down)
 
     def gpt_oss_experts(self, x, weights, ids, experts):
         # Graph-safe either way: grouped GEMMs over the chosen experts where torch._grouped_mm's
