@@ -75,7 +75,14 @@ def test_fp8_experts_through_the_fused_kernels(tokens):
 
     torch.manual_seed(0)
     num_experts, hidden, inter = 16, 512, 256
-    experts = Fp8Experts(num_experts, hidden, inter, Span(0, inter), serialized=False).cuda()
+    # Built under the model's dtype, as the model builds them: it is the experts' compute dtype.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        experts = Fp8Experts(num_experts, hidden, inter, Span(0, inter), serialized=False).cuda()
+    finally:
+        torch.set_default_dtype(previous)
+    assert experts.compute_dtype == torch.bfloat16
     dense_gate_up, dense_down = [], []
     for e in range(num_experts):
         gate, up, down = (

@@ -102,8 +102,11 @@ def test_spec_verify_cost_profile_sees_the_kernels_of_the_decode_graph(tmp_path)
     command = [sys.executable, "benchmarks/spec_verify_cost.py", "--model", str(model), "--max-model-len", "256"]
     command += ["--k", "4", "--iters", "5", "--profile", "--profile-steps", "3"]
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}  # the script imports zllm from this tree
-    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300, check=True)
+    # The script imports zllm from this tree, and keeps the rest of the path (pyzmq, msgspec).
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
     profiles = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"profile"')]
     assert [p["profile"] for p in profiles] == ["plain", "verify"]
     for profile in profiles:
