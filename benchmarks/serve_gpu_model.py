@@ -11,8 +11,13 @@ core adds what arrived only when it returns from collecting a step, so a request
 while step k runs is scheduled into step k+2, which starts when k+1 ends. Each step's device
 time comes from StepCost (below: every constant is an argument, each derived in its comment);
 a token is out when its step ends. The tokens are fabricated; frontend, HTTP and client cost
-nothing unless --ingress-ms / --egress-ms say otherwise. Prints a JSON line per rate (TTFT and
-ITL as vLLM's client computes them) and, with --table, the markdown table of docs/benchmarks.md.
+nothing unless --ingress-ms / --egress-ms say otherwise; --stall-ms freezes the host once per
+--stall-period-s (what a GC pause would do). Prints a JSON line per rate (TTFT and ITL as vLLM's
+client computes them) and, with --table, the markdown table of docs/benchmarks.md.
+
+    python benchmarks/serve_gpu_model.py --trace PREFIX      (a served run's ZLLM_STEP_TRACE)
+
+compares a GPU run's engine-core trace with the model instead, step by step (compare_trace).
 """
 
 from __future__ import annotations
