@@ -513,6 +513,23 @@ def test_health_and_requests_answer_503_when_dead_or_draining(smollm2_dir):
     assert dead == (503, 503, "engine_dead") and draining == (503, 503, "draining")
 
 
+def test_every_server_process_froze_its_startup_heap(api):
+    """ZLLM_GC_FREEZE (on by default): the frontend, the engine core and the worker each freeze
+    what is alive after start-up, so the collector's oldest-generation walks no longer pause a
+    served request for the whole heap (issue 40's p99 TTFT)."""
+    import re
+    import time
+
+    deadline = time.monotonic() + 30  # the frontend freezes just after its ready line
+    while time.monotonic() < deadline:
+        frozen = dict(re.findall(r"(\w+(?: \w+)?): (\d+) start-up objects frozen", api.log()))
+        if len(frozen) == 3:
+            break
+        time.sleep(0.2)
+    assert sorted(frozen) == ["engine core", "frontend", "worker0"], api.log()[-3000:]
+    assert all(int(count) > 10_000 for count in frozen.values()), frozen  # torch, transformers, ...
+
+
 def test_pooling_routes_refuse_a_generative_model(api):
     # The reverse of tests/test_pooling_api.py's refusal: a text model serves no embeddings.
     response = post(api, "/v1/embeddings", {"model": MODEL, "input": "hello"}, AUTH)

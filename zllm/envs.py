@@ -73,6 +73,12 @@ SETTINGS: dict[str, Setting] = {
             None,
             "Seconds: a worker dumps all its threads' stacks to stderr this often (debugging a hang; a bad value warns).",
         ),
+        Setting(
+            "ZLLM_GC_FREEZE",
+            _on,
+            True,
+            "1/true: each server process freezes its start-up heap out of the garbage collector's walks (gc.freeze).",
+        ),
         # -- frontend
         Setting("ZLLM_API_KEY", _verbatim, None, "The API key --api-key defaults to.", empty_is_a_value=True),
         Setting(

@@ -41,6 +41,7 @@ from zllm.ipc.messages import (
 )
 from zllm.ipc.sockets import connect_pull_push, send_watching
 from zllm.procs.children import die_with_parent, read_config_from_stdin, setup_child_logging
+from zllm.procs.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger("zllm.enginecore")
 
@@ -69,6 +70,7 @@ class EngineCoreProcess:
         try:
             executor = make_executor(self.config, self.context)
             self.core = EngineCore(self.config, executor)
+            freeze_startup_heap("engine core")
             self.outputs.put(self._ready_message())
             self._busy_loop()
         except Exception as error:

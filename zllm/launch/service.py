@@ -16,6 +16,7 @@ import signal
 
 from zllm.config import EngineConfig
 from zllm.launch.sd_notify import SystemdNotifier
+from zllm.procs.gc_heap import freeze_startup_heap
 from zllm.procs.racing import cancel_and_wait, race
 
 logger = logging.getLogger("zllm.launch")
@@ -63,6 +64,7 @@ async def serve_until_signal(config: EngineConfig) -> int:
         if answering not in await race(answering, serving, signals.first, keep=(serving,)):
             return await _after_serving(serving, server, signals)
         _announce_ready(server, url, notifier)
+        freeze_startup_heap("frontend")
         tasks.append(asyncio.create_task(_report_to_systemd(server, notifier), name="systemd"))
         await race(serving, signals.first, keep=(serving,))
         if serving.done():

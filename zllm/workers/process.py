@@ -36,6 +36,7 @@ from zllm.ipc.messages import (
 )
 from zllm.ipc.sockets import connect_pull_push, make_socket
 from zllm.procs.children import die_with_parent, install_hang_dump, read_config_from_stdin, setup_child_logging
+from zllm.procs.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger("zllm.worker")
 _FLUSH_MS = 1000  # at exit, how long the last message (WorkerFailed) may take to leave
@@ -161,6 +162,7 @@ class WorkerProcess:
     def _call(self, call: WorkerCall) -> WorkerCallResult:
         if call.method == "init_kv_cache":
             self.worker.initialize_kv_cache(int(call.args[0]))
+            freeze_startup_heap(f"worker{self.rank}")  # started: the model, its cache and graphs live until exit
             return WorkerCallResult(rank=self.rank, call_id=call.call_id)
         return WorkerCallResult(rank=self.rank, call_id=call.call_id, error=f"unknown worker method {call.method!r}")
 
