@@ -221,7 +221,7 @@ def test_fp8_gemv_launches_only_builds_that_exist():
 
 def test_fp8_gemv_default_splits():
     """Llama-3-8B's projections: the tensor-core builds split until a launch has 2048 warps, the
-    split build as gemv_split (each warp one round of 4 loads); past 24576 columns the staged
+    split build as gemv_split (each warp one round of 4 loads); past FP8_GEMV_STAGED_MAX_K the staged
     builds give way to the unstaged ones of the same tiles."""
     kernel = matvec.fp8_gemv_kernel
     assert kernel("_mma_g1u4x", 28672, 4096) == ("gemv_fp8_bf16_mma_g1u4x_s2", 32, 8192)  # gate_up: 1792 tiles

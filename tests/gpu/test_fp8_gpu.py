@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zllm.workers import kernels
+from zllm.workers import kernels, ops
 from zllm.workers.fp8 import (
     E4M3,
     dequantize,
@@ -93,8 +93,9 @@ def test_fp8_gemv_against_fp32_products(dtype, block, n, k):
 
 
 # N not a multiple of a block's rows (1030, 3, 67); K of 17 and 36 units, not whole rounds or
-# 4-unit chunks (the masked last round); K past the staged builds' limit (their unstaged fallback).
-BUILD_SHAPES = [(4096, 14336), (1030, 576), (3, 272), (67, 16 * 1537), (40, 16 * 36)]
+# 4-unit chunks (the masked last round); K at the staged builds' limit (47.5 KB of shared memory
+# with the split's partial sums) and past it (their unstaged fallback).
+BUILD_SHAPES = [(4096, 14336), (1030, 576), (3, 272), (67, 16 * 1537), (40, 16 * 36), (33, 16 * 1520)]
 
 
 def _float64_reference(x, q, scale, bias):
@@ -167,6 +168,7 @@ def test_fp8_gemv_builds_follow_the_switch(variant, monkeypatch):
     direct = torch.empty(1, 2048, dtype=torch.bfloat16, device="cuda")
     kernels.fp8_gemv(direct, x, q, scale, variant=variant)
     monkeypatch.setattr(matvec, "FP8_GEMV_VARIANT", variant)
+    monkeypatch.setattr(ops, "GEMV_ENABLED", True)
     assert torch.equal(fp8_linear(x, q, scale, None, "token", False, None), direct)
 
 

@@ -262,10 +262,11 @@ FP8_GEMV_FAMILIES = {
     "_mma_g2u4x": (2, 4, True),
 }
 FP8_GEMV_SPLITS = (1, 2, 4)
-# The staged builds keep x in dynamic shared memory (K * 2 bytes); past this K (48 KB, the most a
-# launch gets without an opt-in) they give way to the unstaged build of the same tiles
-# (Llama-3-70B's down projection, K = 28672, runs _mma_g<G>u<U'> there).
-FP8_GEMV_STAGED_MAX_K = 24576
+# The staged builds keep x in dynamic shared memory (K * 2 bytes); past this K they give way to the
+# unstaged build of the same tiles (Llama-3-70B's down projection, K = 28672, runs _mma_g<G>u<U'>
+# there). A launch gets 48 KB of shared memory without an opt-in, static (the split's partial
+# sums, up to 512 bytes) and dynamic together: 47.5 KB of x.
+FP8_GEMV_STAGED_MAX_K = 24320
 # The tensor-core builds' default split: the fewest warps a 16-row tile (1, 2, 4) that give the
 # launch at least this many warps (gemv_rows' rule: 16 a SM on the H100's 132). Llama-3-8B:
 # gate_up splits 2 ways with G = 1 (1792 tiles), qkv, o and down 4 ways.
