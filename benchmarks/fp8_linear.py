@@ -41,9 +41,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", default="1,8,32,64,128,256,512,2048")
     parser.add_argument("--gemv-only", action="store_true", help="only the FP8 GEMV builds' table")
+    parser.add_argument("--no-splits", action="store_true", help="the GEMV table without each split of the families")
     args = parser.parse_args()
     if args.gemv_only:
-        _gemv_variants()
+        _gemv_variants(not args.no_splits)
         return
     ms = [int(m) for m in args.m.split(",")]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
@@ -85,7 +86,7 @@ def main() -> None:
     for row in rows:
         gbps = row["bytes_fp8"] / (row["zllm"] * 1e3)
         print(f"{row['shape']:8} {row['M']:>5} " + " ".join(f"{row[key]:>11.1f}" for key in keys) + f" {gbps:>10.0f}")
-    _gemv_variants()
+    _gemv_variants(not args.no_splits)
 
 
 def _time_zllm(x, wq, wscale) -> float:
@@ -105,24 +106,40 @@ def _time_csrc_quant(x, vectorized: bool) -> float:
     return time_graph(lambda: kernels.quant_fp8_rows(q, scales, x, vectorized=vectorized))
 
 
-def _gemv_variants() -> None:
-    """The FP8 GEMV's builds (rows per warp, loads per row in flight; bf16, per-row scales), GB/s
-    of weight bytes at M=1."""
-    from zllm.workers import kernels
-    from zllm.workers.kernels.matvec import _FP8_GEMV_SHAPES
+def _gemv_variants(splits: bool = True) -> None:
+    """GB/s of weight bytes at M=1 of every FP8 GEMV build (bf16, per-row scales): the default, the
+    rows-per-warp shapes and issue 40's split and tensor-core families (each at the shape's
+    default split and, with `splits`, at every split). Each call of the graph reads another copy
+    of the weights, enough copies to pass 200 MB, so that the 50 MB L2 holds none of them when it
+    is read again (the figures of qkv and o are otherwise the L2's). One row a build, and a JSON
+    line each."""
+    import json
 
-    variants = sorted(_FP8_GEMV_SHAPES)
-    print(f"{'GEMV':8} " + " ".join(f"{v or 'default':>8}" for v in variants))
+    from zllm.workers import kernels
+    from zllm.workers.kernels.matvec import fp8_gemv_variants
+
+    variants = fp8_gemv_variants(with_splits=splits)
+    table = {v: {} for v in variants}
     for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        wq, wscale = quantize_rows(w)
-        wscale = wscale.contiguous()
+        copies = -(-200_000_000 // (n * k))
+        weights = []
+        for _ in range(copies):
+            wq, wscale = quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+            weights.append((wq, wscale.contiguous()))
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
-        speeds = [
-            n * k / (time_graph(lambda v=v: kernels.fp8_gemv(out, x, wq, wscale, variant=v)) * 1e3) for v in variants
-        ]
-        print(f"{name:8} " + " ".join(f"{s:>8.0f}" for s in speeds) + "  GB/s")
+        for v in variants:
+
+            def call(i: int, v: str = v, w: list = weights) -> None:
+                kernels.fp8_gemv(out, x, *w[i % len(w)], variant=v)
+
+            table[v][name] = n * k / (graph_time_us(call, 4 * copies, 5) * 1e3)
+        weights.clear()  # free this shape's copies before the next shape's
+    print(f"{'FP8 GEMV build':22} " + " ".join(f"{name:>8}" for name in SHAPES) + "   GB/s (weights, no L2 reuse)")
+    for v in variants:
+        print(f"{v or 'default':22} " + " ".join(f"{table[v][name]:>8.0f}" for name in SHAPES))
+    for v in variants:
+        print(json.dumps({"fp8_gemv": v or "default", **{f"{name}_GBps": round(table[v][name]) for name in SHAPES}}))
 
 
 def _time_block(x, w, m, n, k) -> float:

@@ -408,6 +408,334 @@ ZLLM_GEMV_FP8(gemv_fp8_bf16_r2u4, __nv_bfloat16, false, 2, 4)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u1, __nv_bfloat16, false, 4, 1)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u2, __nv_bfloat16, false, 4, 2)
 
+// ---- FP8 weights, second generation (issue 40): rows split over warps, tensor cores ----------------
+// Two more layouts of the same product (bf16 activations, E4M3 weights, per-row scales), picked by
+// ZLLM_FP8_GEMV (zllm/workers/kernels/matvec.py) for the A/B; gemv_fp8_impl above stays the default.
+//
+// gemv_fp8_bf16_split_s<S>: gemv_split_impl's layout with the FP8 dot: S warps (1, 2, 4) a row, each a
+//   contiguous S-th of it in whole 32-unit strides, rounds of kFp8SplitUnroll 16-byte weight loads a
+//   lane issued before the first product (__launch_bounds__ minimum 4 blocks), the last round
+//   masked by a select, the warps' sums added through shared memory.
+// gemv_fp8_bf16_mma_g<G>u<U>_s<S>: tensor cores. Why: a 16-byte unit of FP8 weights is 16 products,
+//   and on CUDA cores each costs an fp8 -> f32 conversion, a bf16 -> f32 unpack of x and an fma:
+//   ~58 instructions a lane per 16 bytes against the bf16 GEMV's ~26, so at 3 TB/s the FP8 kernel
+//   spends a third of the SMs' issue slots on arithmetic, between its loads. Here the weights are
+//   the A operand of mma.m16n8k16 (f16 in, f32 accumulation): a warp owns G tiles of 16 rows, a
+//   lane (g = lane / 4, tig = lane % 4) loads 16 bytes (16 columns) of rows g and g + 8 of each
+//   tile, at unit base + 4 j + tig of the row (so a row's four lanes read 64 contiguous bytes),
+//   U such units a row in flight a round: 2 G U 16-byte loads a lane. Each pair of E4M3 bytes is
+//   one hardware conversion to f16x2 (exact: every E4M3 value is an f16), and four mmas consume a
+//   unit (4 columns a lane each). The k order inside an mma is permuted (mma k 2 tig + {0, 1} is
+//   the unit's columns 4 i + {0, 1}, k 2 tig + 8 + {0, 1} its columns 4 i + {2, 3}) and B, the
+//   activations, follows the same map: every column of B holds x (B's columns are independent, so
+//   this costs nothing and needs no select), and every lane gets its rows' full dot products in
+//   c[0] (row g) and c[2] (row g + 8). x is converted bf16 -> f16 in registers, once a unit for
+//   all G tiles (3 instructions a pair: G = 2 halves that cost a byte); the conversion is exact
+//   for |x| in f16's normal range, rounds to f16's subnormal grid (absolute error <= 3e-8) below
+//   6.1e-5 and saturates at +-65504 (x past that is not seen in bf16 activations). Per 16 bytes a
+//   lane: 8 conversions, 2 mmas and 12 / G instructions for x, ~16-22 against ~58. S warps split
+//   K as gemv_rows_mma_impl does (whole 4-unit chunks), full rounds unmasked and one masked last
+//   round (x zeroed past the range), the split's sums added through shared memory; the per-row
+//   scale is applied once at the end.
+namespace zllm {
+
+constexpr int kFp8SplitUnroll = 4;
+
+// 16 E4M3 weights dotted with 16 bf16 activations (two raw 16-byte loads), in fp32.
+__device__ __forceinline__ float dot_fp8x16_bf16(uint4 wv, uint4 x0, uint4 x1) {
+  float xf[16];
+  unpack<__nv_bfloat16>(x0, xf);
+  unpack<__nv_bfloat16>(x1, xf + 8);
+  return dot_fp8x16(wv, xf);
+}
+
+template <int kUnroll, int kSplit>
+__device__ __forceinline__ void gemv_fp8_split_impl(__nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ x,
+                                                    const unsigned char* __restrict__ w,
+                                                    const float* __restrict__ scale,
+                                                    const __nv_bfloat16* __restrict__ bias, int n, int k) {
+  constexpr int kRowsPerBlock = kGemvWarps / kSplit;
+  __shared__ float partial[kGemvWarps];
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kRowsPerBlock + warp / kSplit;  // may pass n: computed, not stored
+  const int units = k / 16;
+  const int span = ((units + kSplit - 1) / kSplit + 31) / 32 * 32;
+  const int begin = imin((warp % kSplit) * span, units);
+  const int end = imin(begin + span, units);
+  const uint4* x16 = reinterpret_cast<const uint4*>(x);  // unit u: x16[2 u], x16[2 u + 1]
+  const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row, n - 1)) * k);
+  float acc = 0.f;
+  for (int base = begin; base < end; base += 32 * kUnroll) {
+    uint4 wv[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) wv[j] = __ldcs(w16 + imin(base + lane + 32 * j, end - 1));
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int u = imin(base + lane + 32 * j, end - 1);
+      const float d = dot_fp8x16_bf16(wv[j], __ldg(x16 + 2 * u), __ldg(x16 + 2 * u + 1));
+      acc += base + lane + 32 * j < end ? d : 0.f;
+    }
+  }
+  float total = warp_sum(acc);
+  if constexpr (kSplit > 1) {
+    if (lane == 0) partial[warp] = total;
+    __syncthreads();
+    if (warp % kSplit != 0) return;
+    total = 0.f;
+#pragma unroll
+    for (int p = 0; p < kSplit; ++p) total += partial[warp + p];
+  }
+  if (lane != 0 || row >= n) return;
+  total *= scale[row];
+  y[row] = __float2bfloat16_rn(bias == nullptr ? total : total + __bfloat162float(bias[row]));
+}
+
+// Four E4M3 weights (one word) as two f16x2 registers, lo = bytes 0-1 and hi = bytes 2-3, each
+// weight times kFp8MmaWeightScale (exact; the kernel divides it out with the row scale).
+// sm_89 and newer convert a pair in one instruction and read the high half in place (SASS
+// F2FP.F16.E4M3.UNPACK_B R, R.H1). sm_80 has no FP8 hardware, and cuda_fp8.h's software path
+// costs registers the 16-load builds do not have (they spill), so there the bits are moved: an
+// E4M3 byte s eeee mmm put in an f16 as s 0eeee mmm0000000 is the weight times 2^-8 (f16's
+// exponent bias is 8 more than E4M3's; E4M3's subnormals land on f16's, so this is exact).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+constexpr float kFp8MmaWeightScale = 1.f / 256.f;
+#else
+constexpr float kFp8MmaWeightScale = 1.f;
+#endif
+__device__ __forceinline__ void e4m3x4_to_f16x2(unsigned bits, unsigned& lo, unsigned& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(bits));
+#else
+  const unsigned v_lo = __byte_perm(bits, 0u, 0x1404);  // byte 0 -> bits 15-8, byte 1 -> bits 31-24
+  const unsigned v_hi = __byte_perm(bits, 0u, 0x3424);  // bytes 2 and 3 the same way
+  lo = (v_lo & 0x80008000u) | ((v_lo & 0x7f007f00u) >> 1);
+  hi = (v_hi & 0x80008000u) | ((v_hi & 0x7f007f00u) >> 1);
+#endif
+}
+
+// Two bf16 activations (one word) as f16x2: exact in f16's normal range, saturated past it.
+__device__ __forceinline__ unsigned bf16x2_to_f16x2(unsigned bits) {
+  const float lo = __uint_as_float(bits << 16);
+  const float hi = __uint_as_float(bits & 0xffff0000u);
+  unsigned out;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
+__device__ __forceinline__ unsigned word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Where a lane's x comes from: kStaged, f16 in shared memory (converted once a block); else bf16
+// from global memory through the read-only cache, converted by every lane that uses it.
+template <bool kStaged>
+struct Fp8MmaX {
+  const uint4* p;  // unit u: p[2 u], p[2 u + 1] (16 f16 or bf16 values)
+  __device__ __forceinline__ void load(int u, uint4& a, uint4& b) const {
+    if constexpr (kStaged) {
+      a = p[2 * u];
+      b = p[2 * u + 1];
+    } else {
+      a = __ldg(p + 2 * u);
+      b = __ldg(p + 2 * u + 1);
+    }
+  }
+  __device__ __forceinline__ unsigned f16x2(const uint4& a, const uint4& b, int pair) const {
+    const unsigned bits = word(pair < 4 ? a : b, pair & 3);
+    if constexpr (kStaged) {
+      return bits;
+    } else {
+      return bf16x2_to_f16x2(bits);
+    }
+  }
+};
+
+// The 16-byte weight loads of one round: kUnroll units of each of the warp's 2 kTiles rows a lane,
+// from unit base + tig on in steps of 4 (kMasked: units at or past end load end - 1).
+template <int kTiles, int kUnroll, bool kMasked>
+__device__ __forceinline__ void gemv_fp8_mma_loads(uint4 (&wv)[kUnroll][kTiles][2], const uint4* (&w16)[kTiles][2],
+                                                   int base, int end, int tig) {
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+    const int u = kMasked ? imin(base + 4 * j + tig, end - 1) : base + 4 * j + tig;
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) wv[j][t][h] = __ldcs(w16[t][h] + u);
+    }
+  }
+}
+
+// The products of one round (kMasked: units at or past end enter with x = 0).
+template <int kTiles, int kUnroll, bool kMasked, bool kStaged>
+__device__ __forceinline__ void gemv_fp8_mma_products(float (&acc)[2][kTiles][4], const uint4 (&wv)[kUnroll][kTiles][2],
+                                                      const Fp8MmaX<kStaged>& xs, int base, int end, int tig) {
+  uint4 xv[kUnroll][2];
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+    xs.load(kMasked ? imin(base + 4 * j + tig, end - 1) : base + 4 * j + tig, xv[j][0], xv[j][1]);
+  }
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+    const bool valid = !kMasked || base + 4 * j + tig < end;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // word i of the unit: columns 4 i ... 4 i + 3
+      const unsigned b0 = valid ? xs.f16x2(xv[j][0], xv[j][1], 2 * i) : 0u;  // x[4 i], x[4 i + 1]
+      const unsigned b1 = valid ? xs.f16x2(xv[j][0], xv[j][1], 2 * i + 1) : 0u;
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        unsigned g_lo, g_hi, g8_lo, g8_hi;  // rows g and g + 8
+        e4m3x4_to_f16x2(word(wv[j][t][0], i), g_lo, g_hi);
+        e4m3x4_to_f16x2(word(wv[j][t][1], i), g8_lo, g8_hi);
+        Mma<__half>::run(acc[i & 1][t], g_lo, g8_lo, g_hi, g8_hi, b0, b1);
+      }
+    }
+  }
+}
+
+// kStaged: the block first converts x to f16 in dynamic shared memory (k * 2 bytes; the first
+// round's weight loads are issued before, so they are in flight while it does).
+template <int kTiles, int kUnroll, int kSplit, bool kStaged>
+__device__ __forceinline__ void gemv_fp8_mma_impl(__nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ x,
+                                                  const unsigned char* __restrict__ w,
+                                                  const float* __restrict__ scale,
+                                                  const __nv_bfloat16* __restrict__ bias, int n, int k) {
+  constexpr int kTilesPerBlock = kGemvWarps / kSplit;
+  constexpr int kRound = 4 * kUnroll;  // units of a row a round covers
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, tig = lane & 3;
+  const int row0 = (blockIdx.x * kTilesPerBlock + warp / kSplit) * 16 * kTiles;  // may pass n: not stored
+  const int units = k / 16;
+  const int span = ((units + kSplit - 1) / kSplit + 3) / 4 * 4;  // whole 4-unit chunks
+  const int begin = imin((warp % kSplit) * span, units);
+  const int end = imin(begin + span, units);
+  const uint4* w16[kTiles][2];
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = imin(row0 + 16 * t + 8 * h + g, n - 1);
+      w16[t][h] = reinterpret_cast<const uint4*>(w + static_cast<i64>(row) * k);
+    }
+  }
+  // Two accumulators a tile, for even and odd words: two chains of dependent mmas, not one.
+  float acc[2][kTiles][4];
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[c][t][i] = 0.f;
+  int base = begin;
+  uint4 wv[kUnroll][kTiles][2];
+  bool loaded = false;
+  Fp8MmaX<kStaged> xs;
+  if constexpr (kStaged) {
+    extern __shared__ uint4 x_f16[];  // k / 8 16-byte pieces
+    if (base + kRound <= end) {
+      gemv_fp8_mma_loads<kTiles, kUnroll, false>(wv, w16, base, end, tig);
+      loaded = true;
+    }
+    const uint4* x16 = reinterpret_cast<const uint4*>(x);
+    for (int i = threadIdx.x; i < k / 8; i += kGemvThreads) {
+      const uint4 v = __ldg(x16 + i);
+      x_f16[i] = make_uint4(bf16x2_to_f16x2(v.x), bf16x2_to_f16x2(v.y), bf16x2_to_f16x2(v.z), bf16x2_to_f16x2(v.w));
+    }
+    __syncthreads();
+    xs.p = x_f16;
+  } else {
+    xs.p = reinterpret_cast<const uint4*>(x);
+  }
+  if (loaded) {
+    gemv_fp8_mma_products<kTiles, kUnroll, false>(acc, wv, xs, base, end, tig);
+    base += kRound;
+  }
+  for (; base + kRound <= end; base += kRound) {
+    gemv_fp8_mma_loads<kTiles, kUnroll, false>(wv, w16, base, end, tig);
+    gemv_fp8_mma_products<kTiles, kUnroll, false>(acc, wv, xs, base, end, tig);
+  }
+  if (base < end) {
+    gemv_fp8_mma_loads<kTiles, kUnroll, true>(wv, w16, base, end, tig);
+    gemv_fp8_mma_products<kTiles, kUnroll, true>(acc, wv, xs, base, end, tig);
+  }
+  // sums[t][h]: row row0 + 16 t + 8 h + g (every column of c holds it; lanes tig > 0 repeat it).
+  float sums[kTiles][2];
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    sums[t][0] = acc[0][t][0] + acc[1][t][0];
+    sums[t][1] = acc[0][t][2] + acc[1][t][2];
+  }
+  if constexpr (kSplit > 1) {
+    __shared__ float partial[kGemvWarps][kTiles][2][8];
+    if (tig == 0) {
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) partial[warp][t][h][g] = sums[t][h];
+    }
+    __syncthreads();
+    if (warp % kSplit != 0) return;
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float total = 0.f;
+#pragma unroll
+        for (int p = 0; p < kSplit; ++p) total += partial[warp + p][t][h][g];
+        sums[t][h] = total;
+      }
+  }
+  if (tig != 0) return;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + 16 * t + 8 * h + g;
+      if (row < n) {
+        const float total = sums[t][h] * (scale[row] / kFp8MmaWeightScale);
+        y[row] = __float2bfloat16_rn(bias == nullptr ? total : total + __bfloat162float(bias[row]));
+      }
+    }
+}
+
+}  // namespace zllm
+
+// gemv_fp8_bf16_split_s<S> and gemv_fp8_bf16_mma_g<G>u<U>_s<S> (above); zllm/workers/kernels/
+// matvec.py's FP8_GEMV_SPLIT_BUILDS / FP8_GEMV_MMA_BUILDS must agree. Bound as ZLLM_GEMV_BOUNDS_b4.
+#define ZLLM_GEMV_FP8_SPLIT(SPLIT)                                                                 \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_b4 gemv_fp8_bf16_split_s##SPLIT(                    \
+      __nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ x,                         \
+      const unsigned char* __restrict__ w, const float* __restrict__ scale,                       \
+      const __nv_bfloat16* __restrict__ bias, int n, int k) {                                     \
+    zllm::gemv_fp8_split_impl<zllm::kFp8SplitUnroll, SPLIT>(y, x, w, scale, bias, n, k);          \
+  }
+// _x<S>: x staged as f16 in shared memory (k * 2 bytes of dynamic shared memory a block).
+#define ZLLM_GEMV_FP8_MMA(TILES, UNROLL, SPLIT, STAGED, TAG)                                       \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_b4 gemv_fp8_bf16_mma_g##TILES##u##UNROLL##TAG##_s##SPLIT( \
+      __nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ x,                         \
+      const unsigned char* __restrict__ w, const float* __restrict__ scale,                       \
+      const __nv_bfloat16* __restrict__ bias, int n, int k) {                                     \
+    zllm::gemv_fp8_mma_impl<TILES, UNROLL, SPLIT, STAGED>(y, x, w, scale, bias, n, k);            \
+  }
+#define ZLLM_GEMV_FP8_MMA_SPLITS(TILES, UNROLL, STAGED, TAG) \
+  ZLLM_GEMV_FP8_MMA(TILES, UNROLL, 1, STAGED, TAG)           \
+  ZLLM_GEMV_FP8_MMA(TILES, UNROLL, 2, STAGED, TAG)           \
+  ZLLM_GEMV_FP8_MMA(TILES, UNROLL, 4, STAGED, TAG)
+
+ZLLM_GEMV_FP8_SPLIT(1)
+ZLLM_GEMV_FP8_SPLIT(2)
+ZLLM_GEMV_FP8_SPLIT(4)
+ZLLM_GEMV_FP8_MMA_SPLITS(1, 4, false, )
+ZLLM_GEMV_FP8_MMA_SPLITS(2, 2, false, )
+ZLLM_GEMV_FP8_MMA_SPLITS(1, 4, true, x)
+ZLLM_GEMV_FP8_MMA_SPLITS(2, 2, true, x)
+ZLLM_GEMV_FP8_MMA_SPLITS(1, 8, true, x)
+ZLLM_GEMV_FP8_MMA_SPLITS(2, 4, true, x)
+
 // ---- 2 to 8 rows ----------------------------------------------------------------------------------
 // Y[r, n] = sum_k X[r, k] * w[n, k] (+ bias[n]) for r < m, 2 <= m <= 8: a speculative step's
 // verified tokens (1 + k, padded to the decode graph's 8) and small decode batches. The weights

@@ -35,6 +35,7 @@ def expected_entry_points() -> dict[str, set[str]]:
             names["gemv_kernels"].add(f"gemv_{lora}{dt}")
             names["gemv_kernels"] |= {f"gemv_{lora}{dt}_s{s}_b{b}" for s in (1, 2, 4) for b in (0, 4, 6)}
             names["gemv_kernels"] |= gemv_rows_entry_points(dt, lora)
+        names["gemv_kernels"] |= {f"gemv_fp8_{dt}", f"gemv_fp8_{dt}_block"}
         names["pos_encoding_kernels"] |= {f"rotary_embedding_{dt}", f"rotary_embedding_and_cache_{dt}"}
         names["moe_kernels"].add(f"moe_topk_softmax_{dt}")
         names["mla_kernels"] |= {f"mla_decode_{dt}_d576_v512"}
@@ -56,6 +57,17 @@ def expected_entry_points() -> dict[str, set[str]]:
                     for g in (1, 4, 8)
                 }
     names["moe_kernels"].add("moe_align")
+    names["gemv_kernels"] |= fp8_gemv_bf16_entry_points()
+    return names
+
+
+def fp8_gemv_bf16_entry_points() -> set[str]:
+    """The FP8 GEMV's other builds (bf16, per-row scales): the rows-per-warp shapes and issue 40's
+    split and tensor-core builds (csrc/gemv_kernels.cu)."""
+    names = {f"gemv_fp8_bf16{v}" for v in matvec._FP8_GEMV_SHAPES if v}
+    names |= {f"gemv_fp8_bf16_split_s{s}" for s in (1, 2, 4)}
+    for shape in ("g1u4", "g2u2", "g1u4x", "g2u2x", "g1u8x", "g2u4x"):
+        names |= {f"gemv_fp8_bf16_mma_{shape}_s{s}" for s in (1, 2, 4)}
     return names
 
 
@@ -189,3 +201,46 @@ def test_gemv_rows_default_builds():
 def test_gemv_rows_rejects_what_is_not_built(dt, m, variant):
     with pytest.raises(ValueError, match="gemv_rows"):
         matvec.gemv_rows_kernel(dt, m, 4096, 4096, variant)
+
+
+def test_fp8_gemv_launches_only_builds_that_exist():
+    """Every name fp8_gemv_kernel gives, for every variant and shape class, is an entry point the
+    build test checks; a block's rows are what the kernel covers, and the staged builds get x's
+    f16 copy as dynamic shared memory (none past FP8_GEMV_STAGED_MAX_K)."""
+    built = fp8_gemv_bf16_entry_points()
+    for variant in matvec.fp8_gemv_variants()[1:]:  # "" is the per-dtype default, launched by name
+        for n, k in [(3, 272), (1030, 576), (4096, 4096), (28672, 4096), (4096, 14336), (8192, 28672)]:
+            name, rows, shared = matvec.fp8_gemv_kernel(variant, n, k)
+            assert name in built, (variant, n, k, name)
+            if "_mma_" in name:
+                split = int(name.rsplit("_s", 1)[1])
+                assert rows == 16 * int(name.split("_g")[1][0]) * 4 // split
+                assert shared == (2 * k if name.split("_s")[0].endswith("x") else 0)
+                assert shared <= 2 * matvec.FP8_GEMV_STAGED_MAX_K
+            elif "_split_" in name:
+                assert rows == 4 // int(name.rsplit("_s", 1)[1]) and shared == 0
+            else:
+                assert rows == 4 * matvec._FP8_GEMV_SHAPES[variant][0] and shared == 0
+
+
+def test_fp8_gemv_default_splits():
+    """Llama-3-8B's projections: the tensor-core builds split until a launch has 2048 warps, the
+    split build as gemv_split (each warp one round of 4 loads); past FP8_GEMV_STAGED_MAX_K the staged
+    builds give way to the unstaged ones of the same tiles."""
+    kernel = matvec.fp8_gemv_kernel
+    assert kernel("_mma_g1u4x", 28672, 4096) == ("gemv_fp8_bf16_mma_g1u4x_s2", 32, 8192)  # gate_up: 1792 tiles
+    assert kernel("_mma_g2u2x", 28672, 4096) == ("gemv_fp8_bf16_mma_g2u2x_s4", 32, 8192)  # 896 tiles
+    assert kernel("_mma_g1u4x", 4096, 14336) == ("gemv_fp8_bf16_mma_g1u4x_s4", 16, 28672)  # down
+    assert kernel("_mma_g1u4x", 57344, 8192)[0] == "gemv_fp8_bf16_mma_g1u4x_s1"  # 70B gate_up: 3584 tiles
+    assert kernel("_mma_g2u4x", 8192, 28672) == ("gemv_fp8_bf16_mma_g2u2_s4", 32, 0)  # 70B down
+    assert kernel("_mma_g1u8x_s2", 8192, 28672) == ("gemv_fp8_bf16_mma_g1u4_s2", 32, 0)
+    assert kernel("_split", 28672, 4096) == ("gemv_fp8_bf16_split_s2", 2, 0)  # 256 units: 2 x 128
+    assert kernel("_split", 4096, 14336) == ("gemv_fp8_bf16_split_s4", 1, 0)
+    assert kernel("_split", 960, 576) == ("gemv_fp8_bf16_split_s1", 4, 0)
+    assert kernel("_r2u2", 4096, 4096) == ("gemv_fp8_bf16_r2u2", 8, 0)
+
+
+@pytest.mark.parametrize("variant", ["_mma", "_mma_g3u4x", "_mma_g1u4x_s8", "_split_s3", "_s2", "_split_s", "r1u4"])
+def test_fp8_gemv_rejects_what_is_not_built(variant):
+    with pytest.raises(ValueError, match="fp8_gemv: variant"):
+        matvec.fp8_gemv_kernel(variant, 4096, 4096)

@@ -131,7 +131,12 @@ SETTINGS: dict[str, Setting] = {
             "",
             "A build of the 2-8-row GEMV to run for every such product (mma_g2_s4, fma_s2, ...; A/B switch).",
         ),
-        Setting("ZLLM_FP8_GEMV", _text, "", "An FP8 GEMV build variant to use for bf16 per-row layers (A/B switch)."),
+        Setting(
+            "ZLLM_FP8_GEMV",
+            _text,
+            "",
+            "An FP8 GEMV build variant to use for bf16 per-row layers (A/B switch; matvec.fp8_gemv_variants()).",
+        ),
         Setting(
             "ZLLM_LORA_KERNELS",
             _switch,

@@ -16,6 +16,15 @@
 #                 and 256 with both
 #   PART=gemv:    the FP8 GEMV's builds (rows per warp x loads in flight): FP8 GPU tests, their
 #                 GB/s table, then W2 with --quantization fp8 under each ZLLM_FP8_GEMV build
+#   PART=fp8gemv2: issue 40's FP8 GEMV builds, in one call of ~300 s on an H100 ($FP8GEMV2_BUDGET_S,
+#                 counted from the start, the csrc build included; sm_90 cubins only, as sweep): the
+#                 FP8 GEMV GPU tests (every build against float64, CUDA graph replay, the switch),
+#                 the builds' GB/s at M=1 without L2 reuse (fp8_linear.py --gemv-only), W2 in bf16
+#                 once (the reference), W2 --quantization fp8 with the default FP8 GEMV, then with
+#                 each ZLLM_FP8_GEMV build of $FP8GEMV2_BUILDS (default: issue 40's families, the
+#                 expected best first) while the budget leaves room for one more W2 (as long as the
+#                 longest so far; the rest are SKIPPED). A dry run on a CPU (the shell logic, no
+#                 figures): PATH=<a folder with a stub `python`> SKIP_CSRC_BUILD=1 bash ... fp8gemv2
 #   PART=piecewise: W1, W2 and serve.py at Poisson 32 req/s with --no-piecewise-cuda-graphs, then
 #                 with the default (piecewise CUDA graphs on), in this one call (run the GPU tests
 #                 before: run_all.sh)
@@ -72,7 +81,7 @@ mkdir -p "$out"
 model=/tmp/zllm-llama3-8b
 export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has this machine's cmake cache
 build_flags=()
-[[ "${1:-}" == sweep || "${1:-}" == servemodel ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
+[[ "${1:-}" == sweep || "${1:-}" == servemodel || "${1:-}" == fp8gemv2 ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
 [[ -n "${SKIP_CSRC_BUILD:-}" || -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ]] \
   || timeout 300 bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" ${build_flags[@]+"${build_flags[@]}"} > "$out/build.log" 2>&1 \
   || { echo "csrc build failed (the loader falls back to what was built, or NVRTC):"; tail -15 "$out/build.log"; }
@@ -205,6 +214,39 @@ gemv)
     echo "{\"ZLLM_FP8_GEMV\": \"${build:-default}\"}" | tee -a "$jsonl"
     run 100 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024 --quantization fp8
   done
+  ;;
+fp8gemv2)
+  deadline=$(( t0 + ${FP8GEMV2_BUDGET_S:-300} ))
+  timeout 100 python -m pytest -q -p no:cacheprovider -p no:warnings --tb=short tests/gpu/test_fp8_gpu.py -k gemv \
+    > "$out/pytest_fp8gemv.log" 2>&1
+  echo "FP8 GEMV tests (rc $?): $(tail -1 "$out/pytest_fp8gemv.log")"
+  grep -E "^(FAILED|ERROR)" "$out/pytest_fp8gemv.log" | head -20
+  echo "== fp8_linear.py --gemv-only ($(( $(date +%s) - t0 )) s after the start)"
+  timeout 90 python benchmarks/fp8_linear.py --gemv-only > "$out/fp8_gemv2.log" 2>&1
+  grep -v '^{' "$out/fp8_gemv2.log" | tail -45
+  grep -E '^\{' "$out/fp8_gemv2.log" >> "$jsonl"
+  longest=0
+  fp8w2() {  # fp8w2 LABEL [ENV=VALUE]...: W2 (with "$w2_flags") if the budget leaves room, timed
+    local label=$1 start
+    shift
+    start=$(date +%s)
+    if (( start + longest > deadline )); then
+      echo "SKIPPED W2 $label: $(( deadline - start )) s left, a W2 took $longest s" | tee -a "$out/perf.log"
+      return
+    fi
+    echo "{\"w2\": \"$label\"}" | tee -a "$jsonl"
+    env "$@" timeout 100 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 \
+      --iters 3 --max-model-len 1024 $w2_flags 2>&1 | tee -a "$out/perf.log" | grep -E '^\{' | tee -a "$jsonl"
+    (( $(date +%s) - start > longest )) && longest=$(( $(date +%s) - start ))
+  }
+  w2_flags=""
+  fp8w2 bf16 ZLLM_FP8_GEMV=
+  w2_flags="--quantization fp8"
+  fp8w2 "fp8 default" ZLLM_FP8_GEMV=
+  for build in ${FP8GEMV2_BUILDS:-_mma_g2u2x _mma_g1u4x _mma_g2u4x _mma_g1u8x _mma_g2u2 _mma_g1u4 _split}; do
+    fp8w2 "fp8 $build" ZLLM_FP8_GEMV=$build
+  done
+  echo "== fp8gemv2: $(( $(date +%s) - t0 )) s"
   ;;
 moe)
   timeout 400 python -m pytest -q -p no:cacheprovider -p no:warnings --tb=short tests/gpu/test_moe_gpu.py > "$out/pytest_moe.log" 2>&1
@@ -351,5 +393,5 @@ servemodel)
   echo "== servemodel: $( ((status == 0)) && echo 'all passed' || echo 'SOMETHING FAILED OR WAS SKIPPED (see above)'), $(( $(date +%s) - t0 )) s"
   exit $status
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|moe|moedecode|gemvcheck|gemvperf|sweep|servemodel"; exit 2 ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|fp8gemv2|moe|moedecode|gemvcheck|gemvperf|sweep|servemodel"; exit 2 ;;
 esac

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zllm.workers import kernels
+from zllm.workers import kernels, ops
 from zllm.workers.fp8 import (
     E4M3,
     dequantize,
@@ -18,7 +18,8 @@ from zllm.workers.fp8 import (
     quantize_rows,
     quantize_static,
 )
-from zllm.workers.kernels.matvec import _FP8_GEMV_SHAPES
+from zllm.workers.kernels import matvec
+from zllm.workers.kernels.matvec import FP8_GEMV_FAMILIES, FP8_GEMV_STAGED_MAX_K, fp8_gemv_variants
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernels.is_available(), reason="needs a CUDA GPU and CuPy")]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -91,21 +92,84 @@ def test_fp8_gemv_against_fp32_products(dtype, block, n, k):
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("variant", sorted(_FP8_GEMV_SHAPES))
-@pytest.mark.parametrize("n,k", [(4096, 14336), (1030, 576), (3, 272)])
+# N not a multiple of a block's rows (1030, 3, 67); K of 17 and 36 units, not whole rounds or
+# 4-unit chunks (the masked last round); K at the staged builds' limit (47.5 KB of shared memory
+# with the split's partial sums) and past it (their unstaged fallback).
+BUILD_SHAPES = [(4096, 14336), (1030, 576), (3, 272), (67, 16 * 1537), (40, 16 * 36), (33, 16 * 1520)]
+
+
+def _float64_reference(x, q, scale, bias):
+    expected = x.double() @ (q.double() * scale.double()).t()
+    return expected if bias is None else expected + bias.double()
+
+
+@pytest.mark.parametrize("variant", fp8_gemv_variants())
+@pytest.mark.parametrize("n,k", BUILD_SHAPES)
 def test_fp8_gemv_builds_agree(variant, n, k):
-    """Every rows-per-warp / unroll build (bf16, per-row scales), N not a multiple of the rows a
-    block takes, against fp32 products; and the builds refused elsewhere."""
+    """Every build (bf16, per-row scales; issue 40's families at each split), with a bias, against
+    float64 products of the dequantized weights: within the tolerance of the first FP8 test, and
+    no further from float64 than twice the default build's error (a bf16 rounding of the output);
+    and the builds refused elsewhere."""
+    if k > FP8_GEMV_STAGED_MAX_K and not variant.startswith("_mma"):
+        pytest.skip("the long row is there for the staged builds' fallback")
     torch.manual_seed(3)
     q, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    scale = scale.contiguous()
     x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16) if n % 2 == 0 else None
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    kernels.fp8_gemv(out, x, q, scale.contiguous(), variant=variant)
-    expected = x.float() @ dequantize(q, scale, False).t()
-    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    kernels.fp8_gemv(out, x, q, scale, bias, variant=variant)
+    expected = _float64_reference(x, q, scale, bias)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    default = torch.empty_like(out)
+    kernels.fp8_gemv(default, x, q, scale, bias, variant="")
+    error, default_error = (out.double() - expected).abs().max(), (default.double() - expected).abs().max()
+    assert error <= 2 * default_error + 1e-5 * expected.abs().max(), (error.item(), default_error.item())
     if variant:
         with pytest.raises(ValueError, match="variant"):
-            kernels.fp8_gemv(out.half(), x.half(), q, scale.contiguous(), variant=variant)
+            kernels.fp8_gemv(out.half(), x.half(), q, scale, variant=variant)
+
+
+@pytest.mark.parametrize("variant", ["", *FP8_GEMV_FAMILIES])
+def test_fp8_gemv_builds_replay_in_a_cuda_graph(variant):
+    """Issue 40's builds (the staged ones with their dynamic shared memory) captured in a CUDA
+    graph: the replay, on new activations, equals an eager launch bit for bit."""
+    torch.manual_seed(5)
+    n, k = 1030, 4096 + 16 * 3
+    q, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    scale = scale.contiguous()
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kernels.fp8_gemv(out, x, q, scale, variant=variant)  # loads the module outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            kernels.fp8_gemv(out, x, q, scale, variant=variant)
+    x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = torch.empty_like(out)
+    kernels.fp8_gemv(eager, x, q, scale, variant=variant)
+    assert torch.equal(out, eager)
+    expected = _float64_reference(x, q, scale, None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("variant", list(FP8_GEMV_FAMILIES))
+def test_fp8_gemv_builds_follow_the_switch(variant, monkeypatch):
+    """ZLLM_FP8_GEMV's value (matvec.FP8_GEMV_VARIANT) is what fp8_linear's GEMV runs for bf16
+    per-row layers: the model's result is the chosen build's, bit for bit."""
+    torch.manual_seed(6)
+    q, scale = quantize_rows(torch.randn(2048, 1024, device="cuda") * 0.02)
+    scale = scale.contiguous()
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    direct = torch.empty(1, 2048, dtype=torch.bfloat16, device="cuda")
+    kernels.fp8_gemv(direct, x, q, scale, variant=variant)
+    monkeypatch.setattr(matvec, "FP8_GEMV_VARIANT", variant)
+    monkeypatch.setattr(ops, "GEMV_ENABLED", True)
+    assert torch.equal(fp8_linear(x, q, scale, None, "token", False, None), direct)
 
 
 CASES = {  # activation scheme: (weight quantizer, block)

@@ -316,9 +316,73 @@ _FP8_GEMV_SHAPES = {
     "_r1u4_b4": (1, 4),
     "_r1u8_b4": (1, 8),
 }  # _b<B>: __launch_bounds__' minimum blocks (see GEMV_BOUNDS)
+# Issue 40's builds (csrc/gemv_kernels.cu, bf16 with per-row scales), by family: (tiles of 16 rows
+# a warp, 0 for the CUDA-core split build of one row; 16-byte units a row a round; x staged as f16
+# in shared memory). "_split": gemv_fp8_bf16_split_s<S> (S warps a row, 4 loads a lane in flight);
+# "_mma_g<G>u<U>[x]": gemv_fp8_bf16_mma_g<G>u<U>[x]_s<S> on tensor cores, 2 G U loads a lane in
+# flight, "x" staging x once a block (fewer instructions a byte: see the kernel's comment). A
+# variant is a family, with "_s<S>" for a given split or without for the shape's (fp8_gemv_kernel).
+FP8_GEMV_FAMILIES = {
+    "_split": (0, 4, False),
+    "_mma_g1u4": (1, 4, False),
+    "_mma_g2u2": (2, 2, False),
+    "_mma_g1u4x": (1, 4, True),
+    "_mma_g2u2x": (2, 2, True),
+    "_mma_g1u8x": (1, 8, True),
+    "_mma_g2u4x": (2, 4, True),
+}
+FP8_GEMV_SPLITS = (1, 2, 4)
+# The staged builds keep x in dynamic shared memory (K * 2 bytes); past this K they give way to the
+# unstaged build of the same tiles (Llama-3-70B's down projection, K = 28672, runs _mma_g<G>u<U'>
+# there). A launch gets 48 KB of shared memory without an opt-in, static (the split's partial
+# sums, up to 512 bytes) and dynamic together: 47.5 KB of x.
+FP8_GEMV_STAGED_MAX_K = 24320
+# The tensor-core builds' default split: the fewest warps a 16-row tile (1, 2, 4) that give the
+# launch at least this many warps (gemv_rows' rule: 16 a SM on the H100's 132). Llama-3-8B:
+# gate_up splits 2 ways with G = 1 (1792 tiles), qkv, o and down 4 ways.
+FP8_GEMV_MMA_MIN_WARPS = 2048
+_FP8_SPLIT_ROUND_UNITS = 32 * 4  # 16-byte units a warp of the split build covers in one round
 # ZLLM_FP8_GEMV=_r2u2 (say) runs that build for the model's bf16 per-row layers: the A/B switch of
-# benchmarks/gpu/run_perf.sh's gemv part.
+# benchmarks/gpu/run_perf.sh's gemv and fp8gemv2 parts. Any variant of fp8_gemv_variants() goes,
+# so this is also the switch that makes one of issue 40's builds the model's FP8 GEMV.
 FP8_GEMV_VARIANT = envs.ZLLM_FP8_GEMV
+
+
+def fp8_gemv_variants(with_splits: bool = True) -> list[str]:
+    """Every variant fp8_gemv takes: the rows-per-warp builds, then issue 40's families (and, with
+    with_splits, each of their splits)."""
+    families = list(FP8_GEMV_FAMILIES)
+    splits = [f"{family}_s{s}" for family in families for s in FP8_GEMV_SPLITS] if with_splits else []
+    return sorted(_FP8_GEMV_SHAPES) + families + splits
+
+
+def fp8_gemv_kernel(variant: str, n: int, k: int) -> tuple[str, int, int]:
+    """(entry point, weight rows a block, dynamic shared memory bytes) of fp8_gemv's bf16 per-row
+    build `variant` for an [n, k] weight. Raises ValueError for a variant not built."""
+    if variant in _FP8_GEMV_SHAPES:
+        return f"gemv_fp8_bf16{variant}", _GEMV_ROWS_PER_BLOCK * _FP8_GEMV_SHAPES[variant][0], 0
+    match = re.fullmatch(r"(_\w+?)(?:_s(\d+))?", variant)
+    family = match.group(1) if match else ""
+    split = int(match.group(2)) if match and match.group(2) else None
+    if family not in FP8_GEMV_FAMILIES or split not in (None, *FP8_GEMV_SPLITS):
+        fail(
+            "fp8_gemv",
+            f"variant {variant!r}: the builds are {sorted(_FP8_GEMV_SHAPES)}, and {sorted(FP8_GEMV_FAMILIES)} "
+            f"with an optional _s<S> (S in {FP8_GEMV_SPLITS}), all but '' for bf16 with per-row scales",
+        )
+    tiles, unroll, staged = FP8_GEMV_FAMILIES[family]
+    units = k // 16
+    if tiles == 0:
+        if split is None:
+            split = next((s for s in FP8_GEMV_SPLITS if -(-units // s) <= _FP8_SPLIT_ROUND_UNITS), FP8_GEMV_SPLITS[-1])
+        return f"gemv_fp8_bf16_split_s{split}", _GEMV_WARPS // split, 0
+    if staged and k > FP8_GEMV_STAGED_MAX_K:
+        staged, unroll = False, 8 // (2 * tiles)  # the unstaged build of these tiles: 8 loads a lane
+    if split is None:
+        row_tiles = -(-n // (16 * tiles))
+        split = next((s for s in FP8_GEMV_SPLITS if row_tiles * s >= FP8_GEMV_MMA_MIN_WARPS), FP8_GEMV_SPLITS[-1])
+    name = f"gemv_fp8_bf16_mma_g{tiles}u{unroll}{'x' if staged else ''}_s{split}"
+    return name, 16 * tiles * (_GEMV_WARPS // split), 2 * k if staged else 0
 
 
 def fp8_gemv(
@@ -332,7 +396,7 @@ def fp8_gemv(
 ) -> torch.Tensor:
     """out [1, N] = x [1, K] @ (weight [N, K] (E4M3) * scale)^T (+ bias [N]), fp32 accumulation;
     scale [N, 1] per row or, with block, [ceil(N/128), ceil(K/128)] per tile. Returns out. `variant`
-    picks another build (a key of _FP8_GEMV_SHAPES; bf16 with per-row scales only; None:
+    picks another build (one of fp8_gemv_variants(); bf16 with per-row scales only; None:
     FP8_GEMV_VARIANT there, the default build elsewhere)."""
     op = "fp8_gemv"
     device = check_cuda(op, out=out, x=x, weight=weight, scale=scale, bias=bias)
@@ -345,23 +409,22 @@ def fp8_gemv(
             f"{scale.dtype}: need one contiguous row, contiguous 16-byte-aligned E4M3 rows of a multiple of "
             f"16, and fp32 scales per row [N, 1] or per 128x128 tile",
         )
-    n = weight.shape[0]
+    n, k = weight.shape
     _check_gemv_out(op, out, bias, n)
     if n == 0:
         return out
-    expected = (-(-n // 128), -(-weight.shape[1] // 128)) if block else (n, 1)
+    expected = (-(-n // 128), -(-k // 128)) if block else (n, 1)
     if tuple(scale.shape) != expected:
         fail(op, f"scale must be {expected} ({'per tile' if block else 'per row'}), got {tuple(scale.shape)}")
     per_row_bf16 = suffix == "bf16" and not block
     if variant is None:
         variant = FP8_GEMV_VARIANT if per_row_bf16 else ""
-    if variant not in _FP8_GEMV_SHAPES or (variant and not per_row_bf16):
-        fail(
-            op,
-            f"variant {variant!r}: the builds are {sorted(_FP8_GEMV_SHAPES)}, all but '' for bf16 with per-row scales",
-        )
-    rows_per_warp = _FP8_GEMV_SHAPES[variant][0]
-    name = f"gemv_fp8_{suffix}{'_block' if block else ''}{variant}"
-    args = (ptr(out), ptr(x), ptr(weight), ptr(scale), ptr(bias), np.int32(n), np.int32(weight.shape[1]))
-    launch("gemv_kernels", name, device, (-(-n // (_GEMV_ROWS_PER_BLOCK * rows_per_warp)),), (128,), args)
+    if variant and not per_row_bf16:
+        fail(op, f"variant {variant!r}: the builds other than '' are for bf16 with per-row scales")
+    if variant:
+        name, rows_per_block, shared = fp8_gemv_kernel(variant, n, k)
+    else:
+        name, rows_per_block, shared = f"gemv_fp8_{suffix}{'_block' if block else ''}", _GEMV_ROWS_PER_BLOCK, 0
+    args = (ptr(out), ptr(x), ptr(weight), ptr(scale), ptr(bias), np.int32(n), np.int32(k))
+    launch("gemv_kernels", name, device, (-(-n // rows_per_block),), (128,), args, shared_mem=shared)
     return out
