@@ -189,14 +189,14 @@ def test_pipe_in_a_cuda_graph(build, gen, launched):
         query.copy_(randn(*query.shape, gen=gen, dtype=dtype))
 
     def reference() -> torch.Tensor:
-        k, v = cache[0].double(), cache[1].double()
+        k, v = cache[0].view(-1, kv_heads, head_dim), cache[1].view(-1, kv_heads, head_dim)
         group = num_heads // kv_heads
         rows = []
         for i, n in enumerate(seq_lens.tolist()):
             pos = torch.arange(n, device=DEVICE)
             slots = tables[i].long()[pos // block_size] * block_size + pos % block_size
-            keys = k.view(-1, kv_heads, head_dim)[slots].repeat_interleave(group, dim=1)  # [n, H, D]
-            values = v.view(-1, kv_heads, head_dim)[slots].repeat_interleave(group, dim=1)
+            keys = k[slots].double().repeat_interleave(group, dim=1)  # [n, H, D]
+            values = v[slots].double().repeat_interleave(group, dim=1)
             scores = torch.einsum("hd,nhd->hn", query[i].double(), keys) * scale
             rows.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), values))
         return torch.stack(rows)
