@@ -30,20 +30,33 @@ def step_ms(step: StepInput) -> float:
 
 
 def sampling_ids(scheduler: Scheduler, step: StepInput) -> list[str]:
-    """The scheduled requests that reached the end of their known tokens: they sample."""
+    """The scheduled requests whose step samples, asked right after `schedule()`: each holds the
+    placeholder of that token, one position past what the step computes (synchronous or async,
+    where earlier tokens may still be in flight too). A chunk that stops short has none."""
     requests = (scheduler.requests.get(i) for i in step.scheduled_ids)
-    return [r.request_id for r in requests if r is not None and r.num_computed_tokens == r.num_tokens]
+    return [
+        r.request_id
+        for r in requests
+        if r is not None and r.num_output_placeholders and r.num_computed_tokens == r.num_tokens_with_placeholders - 1
+    ]
 
 
-def model(args, num_requests: int) -> dict:
+def build_scheduler(args, async_scheduling: bool = False, prefix_caching: bool = False) -> Scheduler:
+    """The real scheduler at args' limits (max_model_len, max_num_seqs, max_num_batched_tokens,
+    num_blocks), over a block pool of that size, 16-token blocks."""
     config = EngineConfig(
         model="unused",
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=16,
+        async_scheduling=async_scheduling,
     )
-    scheduler = Scheduler(config, KVCacheManager(BlockPool(args.num_blocks), 16, False))
+    return Scheduler(config, KVCacheManager(BlockPool(args.num_blocks), 16, prefix_caching))
+
+
+def model(args, num_requests: int) -> dict:
+    scheduler = build_scheduler(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for i in range(num_requests):
         scheduler.add_request(Request(str(i), [100 + (i + k) % 1000 for k in range(args.input_len)], params))

@@ -10,6 +10,9 @@
     python benchmarks/dummy_model.py phi4 /tmp/phi4                       (Phi-3 architecture, 14B)
     python benchmarks/dummy_model.py deepseek-v2-lite /tmp/deepseek-v2-lite (MLA; 16B, 2.4B active)
     python benchmarks/dummy_model.py gpt-oss-20b /tmp/gpt-oss-20b         (sinks, windows; MXFP4 experts)
+    python benchmarks/dummy_model.py deepseek-v3 /tmp/deepseek-v3         (671B, 37B active; MLA, 256 experts; block FP8)
+    python benchmarks/dummy_model.py llama3.1-405b /tmp/llama3.1-405b     (FP8 weights: per channel, tokens dynamic)
+    python benchmarks/dummy_model.py deepseek-v3-small /tmp/v3-small      (V3's layers, fewer and narrower: fp32 tp checks)
     python benchmarks/dummy_model.py qwen2.5-vl-7b /tmp/qwen2.5-vl-7b     (vision-language: benchmarks/vision.py)
     python benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b-bpe --tokenizer DIR
 
@@ -189,6 +192,141 @@ SHAPES = {
         },
         bos_token_id=100000,
         eos_token_id=100001,
+    ),
+    # Issue 38's shapes. DeepSeek-V3 (and R1): deepseek-ai/DeepSeek-V3's config.json (without the
+    # multi-token-prediction layer): MLA with q_lora_rank, 3 dense layers, then 256 routed experts
+    # (top 8, noaux_tc over 8 groups) and 1 shared; its release's 128x128 block-FP8 weights, which
+    # --load-format dummy quantizes per tile and CUDA workers keep in FP8 (ZLLM_FP8_BLOCKS).
+    "deepseek-v3": dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        moe_layer_freq=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vocab_size=129280,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=163840,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+        bos_token_id=0,
+        eos_token_id=1,
+    ),
+    # DeepSeek-V3's kind of layer, small enough for fp32 on 4 or 8 GPUs (issue 38's tp 8 vs tp 4
+    # agreement): block FP8, MLA with q_lora_rank, 1 dense layer then 3 MoE ones of 64 experts (top
+    # 8 over 8 groups) and 1 shared; every tp-8 shard whole 128-row tiles (16 heads: 2 a rank).
+    "deepseek-v3-small": dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        hidden_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=8192,
+        moe_intermediate_size=1024,
+        n_routed_experts=64,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vocab_size=129280,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+        bos_token_id=0,
+        eos_token_id=1,
+    ),
+    # Llama-3.1-405B-Instruct's config with FP8 weights as RedHatAI's / Meta's FP8 releases hold
+    # them: a scale per output channel, activations quantized per token on the fly (compressed-
+    # tensors FP8_DYNAMIC; --load-format dummy quantizes the random weights the same way).
+    "llama3.1-405b": dict(
+        hidden_size=16384,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        intermediate_size=53248,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        quantization_config={
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "type": "float",
+                        "num_bits": 8,
+                        "strategy": "channel",
+                        "dynamic": False,
+                        "symmetric": True,
+                    },
+                    "input_activations": {
+                        "type": "float",
+                        "num_bits": 8,
+                        "strategy": "token",
+                        "dynamic": True,
+                        "symmetric": True,
+                    },
+                }
+            },
+            "ignore": ["lm_head"],
+        },
     ),
     # gpt-oss-20b: 24 layers, sinks, a 128-token window on every other layer, 32 experts (top 4)
     # stored as MXFP4 (dummy weights: random E2M1 codes, scales of 2^-6).

@@ -9,12 +9,17 @@ csrc/lora_kernels.cu shrink/expand alone against the torch reference.
     # W2 (batch 1, 128 in / 256 out, ms per output token after the first): plain, one adapter
     python benchmarks/lora_serving.py w2 --model /tmp/llama3-8b --adapters 0
     python benchmarks/lora_serving.py w2 --model /tmp/llama3-8b --adapters 1
-    # the kernels alone per Llama-3-8B projection shape (us per call, GB/s), against torch's path
+    # W2 with the expand as its own launch, then in the GEMV's epilogue (the default)
+    ZLLM_LORA_FUSED_EXPAND=0 python benchmarks/lora_serving.py w2 --model /tmp/llama3-8b --adapters 1
+    ZLLM_LORA_FUSED_EXPAND=1 python benchmarks/lora_serving.py w2 --model /tmp/llama3-8b --adapters 1
+    # the kernels alone per Llama-3-8B projection shape (us per call, GB/s), against torch's path;
+    # at 1 token also the whole projection: GEMV + shrink + expand against shrink + fused GEMV
     python benchmarks/lora_serving.py kernels --model /tmp/llama3-8b
 
 Adapters are random rank-`--rank` (16) PEFT directories on all seven projections of the model's
 shape, written under --adapter-dir (bf16 safetensors, PEFT's tensor names and config); weights
-are dummy (`--load-format dummy`). One JSON line per run; ZLLM_LORA_KERNELS=0 runs the torch path.
+are dummy (`--load-format dummy`). One JSON line per run (with the ZLLM_LORA_FUSED_EXPAND in
+force); ZLLM_LORA_KERNELS=0 runs the torch path.
 """
 
 from __future__ import annotations
@@ -192,11 +197,45 @@ def run_kernels(args) -> list[dict]:
                 row |= dict(us=round(us, 2), gb_per_s=round(nbytes / us / 1e3, 1))
                 print(json.dumps(row), flush=True)
                 results.append(row)
+            if tokens == 1:
+                results += projection_at_batch_1(name, in_features, ends, x, a, b, t, token_slots)
     return results
 
 
+def projection_at_batch_1(name, in_features, ends, x, a, b, t, token_slots) -> list[dict]:
+    """One adapted projection at batch 1, graph-timed: the GEMV alone, then with LoRA as the
+    unfused kernels (GEMV, shrink, expand: three launches) and fused (shrink, GEMV with the expand
+    in its epilogue: two)."""
+    import torch
+
+    from benchmarks.gpu_timing import graph_time_us
+    from zllm.workers.kernels import LoRAEpilogue, gemv
+    from zllm.workers.kernels.lora import lora_expand, lora_shrink
+
+    weight = torch.randn(ends[-1], in_features, device="cuda", dtype=x.dtype) / in_features**0.5
+    y = torch.empty(1, ends[-1], device="cuda", dtype=x.dtype)
+    lora = LoRAEpilogue(t, b, token_slots, ends)
+    paths = {
+        "gemv": lambda _: gemv(y, x, weight),
+        "gemv+shrink+expand": lambda _: lora_expand(
+            gemv(y, x, weight), lora_shrink(t, x, a, token_slots), b, token_slots, ends
+        ),
+        "shrink+gemv_lora": lambda _: gemv(y, x, weight, lora=lora._replace(t=lora_shrink(t, x, a, token_slots))),
+    }
+    rows = []
+    for path, fn in paths.items():
+        us = graph_time_us(fn, calls=20, replays=20)
+        row = dict(benchmark="lora_projection", shape=name, tokens=1, rank=b.shape[2], path=path, us=round(us, 2))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def report(args, workload: str, **values) -> dict:
-    row = dict(workload=workload, adapters=args.adapters, max_loras=args.max_loras, rank=args.rank, **values)
+    from zllm import envs
+
+    row = dict(workload=workload, adapters=args.adapters, max_loras=args.max_loras, rank=args.rank)
+    row |= dict(fused_expand=envs.ZLLM_LORA_FUSED_EXPAND, **values)
     print(json.dumps(row), flush=True)
     return row
 

@@ -12,6 +12,13 @@
 // One row and 8 loads per warp beat two rows and 4 loads on every Llama-3-8B projection (H100,
 // benchmarks/gemv.py, 2026-11-22), so only that variant is built; gemv_<T>_s<S>_b<B> (below)
 // split each row over S warps and mask their last round.
+//
+// gemv_lora_* and gemv_rows_lora_* (below): the same products with multi-LoRA's expand fused into
+// the epilogue (zllm/workers/lora.py's layout, csrc/lora_kernels.cu's lora_expand): weight row n of
+// token r also gets B[n, slot, :] . t[r, p R .. p R + R] (slot = token_slots[r], -1: nothing
+// added; p: the fused part n belongs to; t: lora_shrink's fp32 output), added to the fp32 sum
+// before its one rounding to T. A projection with LoRA at decode is then two launches (shrink,
+// GEMV), not three: the expand's launch and tail were most of LoRA's per-token cost at batch 1.
 #include <cuda_fp8.h>
 
 #include "common.cuh"
@@ -21,6 +28,49 @@ namespace zllm {
 
 constexpr int kGemvWarps = 4;
 constexpr int kGemvThreads = kGemvWarps * 32;
+
+// The fused LoRA expand's operands (see the top of the file). The host checks: rank a multiple of
+// 16 / sizeof(T) and at most 32 of those (one 16-byte piece of B a lane: rank <= 256 for fp16 and
+// bf16, 128 for fp32), t's and B's rows 16-byte aligned, 1 to 3 parts.
+template <typename T>
+struct LoraExpand {
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  const float* t;          // [rows, t_cols]: lora_shrink's output (0 in rows of slot -1)
+  const T* b;              // [n, slots, rank]
+  const int* token_slots;  // [rows]: each row's slot, -1 for the base model
+  int slots, rank, t_cols, end0, end1;  // part 0 is weight rows [0, end0), part 1 [end0, end1)
+
+  // Whether a kernel reads B (the split GEMV) or the slots (the fma rows GEMV) before its weight
+  // loop, to overlap their round trips with the stream: the fp32 builds read them after it, as the
+  // registers held through the loop spill under the launch bounds on sm_80.
+  static constexpr bool kEarly = sizeof(T) == 2;
+
+  // The 16-byte piece of B[n, slot, :] at element r (slot clamped to 0: the load may be issued
+  // before the slot is tested; its value is only used for slot >= 0).
+  __device__ __forceinline__ uint4 b_piece(int n, int slot, int r) const {
+    const T* row = b + (static_cast<i64>(n) * slots + (slot < 0 ? 0 : slot)) * rank + r;
+    return __ldg(reinterpret_cast<const uint4*>(row));
+  }
+  // B's piece (kVec elements from r) dotted with t[token, part(n) R + r ..].
+  __device__ __forceinline__ float piece_dot(uint4 piece, int token, int n, int r) const {
+    const int p = n < end0 ? 0 : (n < end1 ? 1 : 2);
+    float bv[kVec], tv[kVec];
+    unpack<T>(piece, bv);
+    load_floats<float, kVec>(t + static_cast<i64>(token) * t_cols + p * rank + r, tv);
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) s = fmaf(bv[e], tv[e], s);
+    return s;
+  }
+  // The whole B[n, slot, :] . t[token, part(n) ..] in one thread (the tensor-core epilogue, where a
+  // lane holds other rows' sums than its neighbours); 0 for slot -1.
+  __device__ __forceinline__ float dot(int token, int slot, int n) const {
+    float s = 0.f;
+    if (slot < 0) return s;
+    for (int r = 0; r < rank; r += kVec) s += piece_dot(b_piece(n, slot, r), token, n, r);
+    return s;
+  }
+};
 
 // The 16-byte views of a warp's kRows weight rows (k elements each) from row0 on; rows past n
 // repeat the last one and are never stored.
@@ -33,10 +83,10 @@ __device__ __forceinline__ void row_pointers(const E* __restrict__ w, int row0, 
   }
 }
 
-template <typename T, int kRows, int kUnroll>
+template <typename T, int kRows, int kUnroll, bool kLora = false>
 __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x,
                                           const T* __restrict__ w, const T* __restrict__ bias,
-                                          int n, int k) {
+                                          int n, int k, LoraExpand<T> lora = {}) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -49,6 +99,14 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
   float acc[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+  // LoRA: B's pieces are loaded before the weights, so their round trip overlaps the stream.
+  int slot = -1;
+  uint4 b_pieces[kRows];
+  if constexpr (kLora) {
+    slot = __ldg(lora.token_slots);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) b_pieces[r] = lane * kVec < lora.rank ? lora.b_piece(imin(row0 + r, n - 1), slot, lane * kVec) : zero4();
+  }
 
   int u = lane;
   for (; u + 32 * (kUnroll - 1) < units; u += 32 * kUnroll) {
@@ -72,6 +130,12 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
 #pragma unroll
     for (int r = 0; r < kRows; ++r) acc[r] += dot16<T>(__ldcs(w16[r] + u), xv);
   }
+  if constexpr (kLora) {
+    if (slot >= 0 && lane * kVec < lora.rank) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] += lora.piece_dot(b_pieces[r], 0, imin(row0 + r, n - 1), lane * kVec);
+    }
+  }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const float total = warp_sum(acc[r]);
@@ -87,10 +151,10 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
 // for a warp to keep kUnroll loads in flight more than once or twice (Qwen3-30B-A3B's attention
 // projections: K = 2048 and 4096) and for too few rows to fill the SMs with warps, where the
 // one-warp-per-row kernel waits on memory round trips one after another.
-template <typename T, int kUnroll, int kSplit>
+template <typename T, int kUnroll, int kSplit, bool kLora = false>
 __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __restrict__ x,
                                                 const T* __restrict__ w, const T* __restrict__ bias,
-                                                int n, int k) {
+                                                int n, int k, LoraExpand<T> lora = {}) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   constexpr int kRowsPerBlock = kGemvWarps / kSplit;
   __shared__ float partial[kGemvWarps];
@@ -104,6 +168,15 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __re
   const uint4* x16 = reinterpret_cast<const uint4*>(x);
   const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row, n - 1)) * k);
   float acc = 0.f;
+  // LoRA: the row's first warp adds B[row, slot, :] . t, a 16-byte piece of B a lane, loaded
+  // before the weights (kEarly) so that its round trip overlaps theirs.
+  const bool lora_lane = kLora && warp % kSplit == 0 && lane * kVec < lora.rank;
+  int slot = -1;
+  uint4 b_piece = zero4();
+  if constexpr (kLora) {
+    slot = __ldg(lora.token_slots);
+    if (LoraExpand<T>::kEarly && lora_lane) b_piece = lora.b_piece(imin(row, n - 1), slot, lane * kVec);
+  }
   for (int base = begin; base < end; base += 32 * kUnroll) {
     // The last round is masked by clamping to the last unit and dropping those products (a
     // select: a branch around each load would keep the loads from being in flight together).
@@ -116,6 +189,12 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __re
     for (int j = 0; j < kUnroll; ++j) {
       const float d = dot16<T>(wv[j], xv[j]);
       acc += base + lane + 32 * j < end ? d : 0.f;
+    }
+  }
+  if constexpr (kLora) {
+    if (lora_lane && slot >= 0) {
+      if (!LoraExpand<T>::kEarly) b_piece = lora.b_piece(imin(row, n - 1), slot, lane * kVec);
+      acc += lora.piece_dot(b_piece, 0, imin(row, n - 1), lane * kVec);
     }
   }
   float total = warp_sum(acc);
@@ -144,6 +223,26 @@ ZLLM_GEMV(gemv_f32, float, 1, 8)
 ZLLM_GEMV(gemv_f16, __half, 1, 8)
 ZLLM_GEMV(gemv_bf16, __nv_bfloat16, 1, 8)
 
+// The fused LoRA expand's arguments after a GEMV's own (zllm/workers/kernels/matvec.py's
+// _lora_args passes them in this order).
+#define ZLLM_LORA_PARAMS(T)                                                                      \
+  const float *__restrict__ lora_t, const T *__restrict__ lora_b,                               \
+      const int *__restrict__ token_slots, int lora_slots, int lora_rank, int lora_t_cols,      \
+      int lora_end0, int lora_end1
+#define ZLLM_LORA_STRUCT(T) \
+  zllm::LoraExpand<T> { lora_t, lora_b, token_slots, lora_slots, lora_rank, lora_t_cols, lora_end0, lora_end1 }
+
+#define ZLLM_GEMV_LORA(NAME, T, ROWS, UNROLL)                                                     \
+  extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) NAME(                        \
+      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      const T* __restrict__ bias, int n, int k, ZLLM_LORA_PARAMS(T)) {                          \
+    zllm::gemv_impl<T, ROWS, UNROLL, true>(y, x, w, bias, n, k, ZLLM_LORA_STRUCT(T));           \
+  }
+
+ZLLM_GEMV_LORA(gemv_lora_f32, float, 1, 8)
+ZLLM_GEMV_LORA(gemv_lora_f16, __half, 1, 8)
+ZLLM_GEMV_LORA(gemv_lora_bf16, __nv_bfloat16, 1, 8)
+
 // gemv_<T>_s<S>_b<B>: S warps a row; B = __launch_bounds__' minimum blocks per SM (b0: none).
 // The bound decides how ptxas schedules the loop: without one it interleaves each load with the
 // products of the one before (few registers, ~2-5 loads in flight, latency hidden only by a
@@ -157,10 +256,20 @@ ZLLM_GEMV(gemv_bf16, __nv_bfloat16, 1, 8)
       const T* __restrict__ bias, int n, int k) {                                               \
     zllm::gemv_split_impl<T, 8, SPLIT>(y, x, w, bias, n, k);                                    \
   }
+// gemv_lora_<T>_s<S>_b<B>: the same with LoRA's expand in the epilogue.
+#define ZLLM_GEMV_SPLIT_LORA(SUFFIX, T, SPLIT, BOUND)                                             \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_##BOUND gemv_lora_##SUFFIX##_s##SPLIT##_##BOUND(   \
+      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      const T* __restrict__ bias, int n, int k, ZLLM_LORA_PARAMS(T)) {                          \
+    zllm::gemv_split_impl<T, 8, SPLIT, true>(y, x, w, bias, n, k, ZLLM_LORA_STRUCT(T));         \
+  }
 #define ZLLM_GEMV_SPLITS(SUFFIX, T, BOUND)      \
   ZLLM_GEMV_SPLIT(SUFFIX, T, 1, BOUND)          \
   ZLLM_GEMV_SPLIT(SUFFIX, T, 2, BOUND)          \
-  ZLLM_GEMV_SPLIT(SUFFIX, T, 4, BOUND)
+  ZLLM_GEMV_SPLIT(SUFFIX, T, 4, BOUND)          \
+  ZLLM_GEMV_SPLIT_LORA(SUFFIX, T, 1, BOUND)     \
+  ZLLM_GEMV_SPLIT_LORA(SUFFIX, T, 2, BOUND)     \
+  ZLLM_GEMV_SPLIT_LORA(SUFFIX, T, 4, BOUND)
 #define ZLLM_GEMV_SPLITS_DTYPE(SUFFIX, T) \
   ZLLM_GEMV_SPLITS(SUFFIX, T, b0)         \
   ZLLM_GEMV_SPLITS(SUFFIX, T, b4)         \
@@ -335,10 +444,10 @@ ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u2, __nv_bfloat16, false, 4, 2)
 // the others), so padding a batch does not change the other rows' bits.
 namespace zllm {
 
-template <typename T, int kGroups, int kSplit>
+template <typename T, int kGroups, int kSplit, bool kLora = false>
 __device__ __forceinline__ void gemv_rows_mma_impl(T* __restrict__ y, const T* __restrict__ x,
                                                    const T* __restrict__ w, const T* __restrict__ bias,
-                                                   int m, int n, int k) {
+                                                   int m, int n, int k, LoraExpand<T> lora = {}) {
   constexpr int kUnroll = 8 / kGroups;  // 16-byte weight loads a lane a round: 8, as the one-row kernel
   constexpr int kTileRows = 8 * kGroups;
   constexpr int kTilesPerBlock = kGemvWarps / kSplit;
@@ -358,6 +467,9 @@ __device__ __forceinline__ void gemv_rows_mma_impl(T* __restrict__ y, const T* _
   }
   const bool has_x = g < m;  // lanes of A rows past m feed zeros
   const uint4* x16 = reinterpret_cast<const uint4*>(x + static_cast<i64>(has_x ? g : 0) * k);
+  // LoRA: the slot of this lane's X row g, read now; B's rows are read in the epilogue (a lane
+  // there holds sums of rows its neighbours do not, so it adds each one's whole dot itself).
+  const int slot = kLora && has_x ? __ldg(lora.token_slots + g) : -1;
   // Two accumulators a row group, for even and odd chunks: a round is then two chains of 8
   // dependent mmas, not one of 16 (~30 cycles each on the H100), so a warp gets back to its next
   // round's loads sooner.
@@ -418,16 +530,22 @@ __device__ __forceinline__ void gemv_rows_mma_impl(T* __restrict__ y, const T* _
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int row = row0 + 8 * q + 2 * tig + i;
-      if (row < n) y_row[row] = from_float<T>(bias == nullptr ? sums[q][i] : sums[q][i] + to_float<T>(bias[row]));
+      if (row >= n) continue;
+      float total = bias == nullptr ? sums[q][i] : sums[q][i] + to_float<T>(bias[row]);
+      if constexpr (kLora) total += lora.dot(g, slot, row);
+      y_row[row] = from_float<T>(total);
     }
 }
 
-template <typename T, int kTokens, int kSplit>
+template <typename T, int kTokens, int kSplit, bool kLora = false>
 __device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* __restrict__ x,
                                                    const T* __restrict__ w, const T* __restrict__ bias,
-                                                   int m, int n, int k) {
+                                                   int m, int n, int k, LoraExpand<T> lora = {}) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  constexpr int kUnroll = kTokens <= 4 ? 8 : 4;
+  // 4 at kTokens = 8 and for the fp32 LoRA build at 4 (the LoRA operands' registers spill it on
+  // sm_80 at 8): the order a lane adds its units in is the same either way.
+  constexpr bool kNarrow = kTokens > 4 || (kTokens == 4 && kLora && sizeof(T) == 4);
+  constexpr int kUnroll = kNarrow ? 4 : 8;
   constexpr int kRowsPerBlock = kGemvWarps / kSplit;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -441,6 +559,13 @@ __device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* _
   float acc[kTokens];
 #pragma unroll
   for (int t = 0; t < kTokens; ++t) acc[t] = 0.f;
+  // LoRA: the rows' slots now (kEarly), B's pieces after the weights (holding a piece a row during
+  // the loop would cost kTokens x 4 registers under the bound).
+  int slots[kTokens];
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t) {
+    slots[t] = kLora && LoraExpand<T>::kEarly && t < m ? __ldg(lora.token_slots + t) : -1;
+  }
   for (int base = begin; base < end; base += 32 * kUnroll) {
     uint4 wv[kUnroll];
 #pragma unroll
@@ -455,6 +580,20 @@ __device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* _
           const float d = dot16<T>(wv[j], __ldg(x16 + static_cast<i64>(t) * units + u));
           acc[t] += valid ? d : 0.f;
         }
+      }
+    }
+  }
+  if constexpr (kLora) {
+    // The row's first warp adds B[row, slot, :] . t, a 16-byte piece of B a lane.
+    if (warp % kSplit == 0 && lane * kVec < lora.rank) {
+      const int r = imin(row, n - 1);
+      if (!LoraExpand<T>::kEarly) {
+#pragma unroll
+        for (int t = 0; t < kTokens; ++t) slots[t] = t < m ? __ldg(lora.token_slots + t) : -1;
+      }
+#pragma unroll
+      for (int t = 0; t < kTokens; ++t) {
+        if (slots[t] >= 0) acc[t] += lora.piece_dot(lora.b_piece(r, slots[t], lane * kVec), t, r, lane * kVec);
       }
     }
   }
@@ -501,17 +640,36 @@ __device__ __forceinline__ void gemv_rows_fma_impl(T* __restrict__ y, const T* _
       const T* __restrict__ bias, int m, int n, int k) {                                        \
     zllm::gemv_rows_fma_impl<T, TOKENS, SPLIT>(y, x, w, bias, m, n, k);                         \
   }
+// gemv_rows_lora_*: the same with LoRA's expand in the epilogue.
+#define ZLLM_GEMV_ROWS_MMA_LORA(SUFFIX, T, GROUPS, SPLIT)                                                  \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_b4 gemv_rows_lora_##SUFFIX##_mma_g##GROUPS##_s##SPLIT(      \
+      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                               \
+      const T* __restrict__ bias, int m, int n, int k, ZLLM_LORA_PARAMS(T)) {                            \
+    zllm::gemv_rows_mma_impl<T, GROUPS, SPLIT, true>(y, x, w, bias, m, n, k, ZLLM_LORA_STRUCT(T));       \
+  }
+#define ZLLM_GEMV_ROWS_FMA_LORA(SUFFIX, T, TOKENS, SPLIT)                                                  \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_b4 gemv_rows_lora_##SUFFIX##_fma_t##TOKENS##_s##SPLIT(      \
+      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                               \
+      const T* __restrict__ bias, int m, int n, int k, ZLLM_LORA_PARAMS(T)) {                            \
+    zllm::gemv_rows_fma_impl<T, TOKENS, SPLIT, true>(y, x, w, bias, m, n, k, ZLLM_LORA_STRUCT(T));       \
+  }
+#define ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, GROUPS, SPLIT) \
+  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, GROUPS, SPLIT)            \
+  ZLLM_GEMV_ROWS_MMA_LORA(SUFFIX, T, GROUPS, SPLIT)
+#define ZLLM_GEMV_ROWS_FMA_BOTH(SUFFIX, T, TOKENS, SPLIT) \
+  ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, SPLIT)            \
+  ZLLM_GEMV_ROWS_FMA_LORA(SUFFIX, T, TOKENS, SPLIT)
 #define ZLLM_GEMV_ROWS_MMA_DTYPE(SUFFIX, T) \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 1, 1)       \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 1, 2)       \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 1, 4)       \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 2, 1)       \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 2, 2)       \
-  ZLLM_GEMV_ROWS_MMA(SUFFIX, T, 2, 4)
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 1, 1)       \
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 1, 2)       \
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 1, 4)       \
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 2, 1)       \
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 2, 2)       \
+  ZLLM_GEMV_ROWS_MMA_BOTH(SUFFIX, T, 2, 4)
 #define ZLLM_GEMV_ROWS_FMA_SPLITS(SUFFIX, T, TOKENS) \
-  ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, 1)           \
-  ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, 2)           \
-  ZLLM_GEMV_ROWS_FMA(SUFFIX, T, TOKENS, 4)
+  ZLLM_GEMV_ROWS_FMA_BOTH(SUFFIX, T, TOKENS, 1)           \
+  ZLLM_GEMV_ROWS_FMA_BOTH(SUFFIX, T, TOKENS, 2)           \
+  ZLLM_GEMV_ROWS_FMA_BOTH(SUFFIX, T, TOKENS, 4)
 #define ZLLM_GEMV_ROWS_FMA_DTYPE(SUFFIX, T)  \
   ZLLM_GEMV_ROWS_FMA_SPLITS(SUFFIX, T, 2)    \
   ZLLM_GEMV_ROWS_FMA_SPLITS(SUFFIX, T, 4)    \

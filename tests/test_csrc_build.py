@@ -31,9 +31,10 @@ def expected_entry_points() -> dict[str, set[str]]:
             names["cache_kernels"].add(f"reshape_and_cache_{dt}{vec}")
             names["layernorm_kernels"] |= {f"rms_norm_{dt}{vec}", f"fused_add_rms_norm_{dt}{vec}"}
             names["activation_kernels"] |= {f"silu_and_mul_{dt}{vec}", f"gelu_tanh_and_mul_{dt}{vec}"}
-        names["gemv_kernels"].add(f"gemv_{dt}")
-        names["gemv_kernels"] |= {f"gemv_{dt}_s{s}_b{b}" for s in (1, 2, 4) for b in (0, 4, 6)}
-        names["gemv_kernels"] |= gemv_rows_entry_points(dt)
+        for lora in ("", "lora_"):  # and the builds with LoRA's expand in the epilogue
+            names["gemv_kernels"].add(f"gemv_{lora}{dt}")
+            names["gemv_kernels"] |= {f"gemv_{lora}{dt}_s{s}_b{b}" for s in (1, 2, 4) for b in (0, 4, 6)}
+            names["gemv_kernels"] |= gemv_rows_entry_points(dt, lora)
         names["pos_encoding_kernels"] |= {f"rotary_embedding_{dt}", f"rotary_embedding_and_cache_{dt}"}
         names["moe_kernels"].add(f"moe_topk_softmax_{dt}")
         names["mla_kernels"] |= {f"mla_decode_{dt}_d576_v512"}
@@ -62,11 +63,12 @@ def expected_entry_points() -> dict[str, set[str]]:
     return names
 
 
-def gemv_rows_entry_points(dt: str) -> set[str]:
-    """Every build of the 2-8-row GEMV (csrc/gemv_kernels.cu) of one dtype."""
-    names = {f"gemv_rows_{dt}_fma_t{t}_s{s}" for t in (2, 4, 8) for s in (1, 2, 4)}
+def gemv_rows_entry_points(dt: str, lora: str = "") -> set[str]:
+    """Every build of the 2-8-row GEMV (csrc/gemv_kernels.cu) of one dtype (lora="lora_": with
+    LoRA's expand in the epilogue)."""
+    names = {f"gemv_rows_{lora}{dt}_fma_t{t}_s{s}" for t in (2, 4, 8) for s in (1, 2, 4)}
     if dt != "f32":  # tensor cores: half precision only
-        names |= {f"gemv_rows_{dt}_mma_g{g}_s{s}" for g in (1, 2) for s in (1, 2, 4)}
+        names |= {f"gemv_rows_{lora}{dt}_mma_g{g}_s{s}" for g in (1, 2) for s in (1, 2, 4)}
     return names
 
 
@@ -138,6 +140,7 @@ def test_gemv_rows_launches_only_builds_that_exist():
     """Every name gemv_rows_kernel can give is an entry point the build test checks, for every row
     count, shape class and variant, and a block's rows are what the kernel covers."""
     built = set().union(*(gemv_rows_entry_points(dt) for dt in ("f32", "f16", "bf16")))
+    built_lora = set().union(*(gemv_rows_entry_points(dt, "lora_") for dt in ("f32", "f16", "bf16")))
     variants = ["", "mma", "fma"] + [f"mma_g{g}_s{s}" for g in (1, 2) for s in (1, 2, 4)]
     variants += [f"fma_s{s}" for s in (1, 2, 4)] + [f"mma_s{s}" for s in (1, 2, 4)]
     for dt in ("f32", "f16", "bf16"):
@@ -148,6 +151,7 @@ def test_gemv_rows_launches_only_builds_that_exist():
                         continue
                     name, rows = matvec.gemv_rows_kernel(dt, m, n, k, variant)
                     assert name in built, (dt, m, n, k, variant, name)
+                    assert name.replace("gemv_rows_", "gemv_rows_lora_", 1) in built_lora  # gemv_rows(lora=)
                     split = int(name.rsplit("_s", 1)[1])
                     if "_mma_" in name:
                         groups = int(name.split("_g")[1].split("_")[0])

@@ -5,7 +5,8 @@ Each case compares the engine's greedy tokens with HF generate's exactly: decode
 space with the absorbed projections (HF expands every cached latent), prefill expanded, YaRN with
 DeepSeek's mscale, first_k_dense_replace dense layers, shared experts and grouped routing (V2's
 group_limited_greedy, V3's noaux_tc with e_score_correction_bias and routed_scaling_factor), at
-tp 1 with chunked prefill and preemption from a small cache, and at tp 2 (two worker processes).
+tp 1 with chunked prefill and preemption from a small cache, and at tp 2 (two worker processes);
+V3's FP8 release layout dequantized at load (tp 1, 2) and kept in FP8 (tp 4, 8: issue 38).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.models import greedy_engine_tokens, hf_greedy, save_tiny_model
+from tests.helpers.models import greedy_engine_tokens, hf_greedy, save_tiny_model, save_tiny_v3_fp8
+from tests.helpers.models import randomize_correction_bias as _randomize_correction_bias
 from zllm import LLM
 
 MAX_TOKENS = 12
@@ -72,20 +74,6 @@ def _save(tmp_path: Path, case: str) -> Path:
     if architecture == "deepseek_v3":
         _randomize_correction_bias(model_dir)
     return model_dir
-
-
-def _randomize_correction_bias(model_dir: Path) -> None:
-    """HF starts e_score_correction_bias at zero; a random one changes which experts are picked."""
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    generator = torch.Generator().manual_seed(1)
-    names = [name for name in tensors if name.endswith("e_score_correction_bias")]
-    assert names
-    for name in names:
-        tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _hf_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -188,3 +176,17 @@ def test_what_is_not_supported_is_refused_before_any_worker(tmp_path):
         ModelSpec.from_hf_config(config)
     with pytest.raises(ValueError, match="kv_cache_dtype.*latent \\(MLA\\) cache"):
         LLM(str(model_dir), dtype="float32", kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_v3_fp8_kept_in_fp8_matches_hf_at_tp4_and_tp8(tmp_path, monkeypatch, tp):
+    """V3 split over 4 and 8 worker processes (MLA with the latent replicated, every expert sliced
+    4 or 8 ways), its weights kept in FP8 as CUDA keeps them (ZLLM_FP8_BLOCKS=keep: each product
+    on the dequantized values): both equal transformers' fp32 greedy tokens (transformers
+    dequantizes the checkpoint at load), hence each other."""
+    model_dir = save_tiny_v3_fp8(tmp_path / "v3fp8")
+    prompts = PROMPTS[:2]
+    expected = _hf_tokens(model_dir, prompts)
+    monkeypatch.setenv("ZLLM_FP8_BLOCKS", "keep")  # the workers inherit it
+    tokens, _ = _engine_tokens(model_dir, prompts, tensor_parallel_size=tp, kv_cache_memory_bytes=4 << 20)
+    assert tokens == expected

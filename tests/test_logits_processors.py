@@ -235,3 +235,34 @@ def test_rows_grow_past_the_initial_capacity():
     meta = b.batch.metadata([b.batch.rows[f"r{i}"] for i in range(5)])
     assert meta.temperature.tolist() == [0.5, 1.5, 2.5, 3.5, 4.5]
     assert meta.logit_bias.token_ids.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "params, bad_words, field",
+    [
+        (SamplingParams(temperature=0.8), (), "top_k"),  # a sampled row: all_greedy False
+        (SamplingParams(temperature=0.0, logit_bias={5: 1.0}), (), "logit_bias"),
+        (SamplingParams(temperature=0.0, min_tokens=3), (), "banned"),
+        (SamplingParams(temperature=0.0, logprobs=2), (), "max_num_logprobs"),
+        (SamplingParams(temperature=0.0, presence_penalty=0.5), (), "penalties"),
+        (SamplingParams(temperature=0.0), ([9],), "banned"),  # a one-token bad word: always banned
+    ],
+)
+def test_an_all_greedy_batch_skips_the_gathers_only_while_no_row_needs_them(params, bad_words, field):
+    b = Batch()
+    b.add("greedy", SamplingParams(temperature=0.0), [3, 4], [])
+    plain = b.batch.metadata([b.batch.rows["greedy"]] * 3)
+    assert plain.all_greedy and plain.temperature.tolist() == [0.0] * 3
+    assert (plain.logit_bias, plain.banned, plain.penalties, plain.max_num_logprobs) == (None,) * 4
+    b.add("special", params, [5, 6], [], bad_words=bad_words)
+    rows = [b.batch.rows["greedy"], b.batch.rows["special"]]
+    meta = b.batch.metadata(rows)
+    if field == "top_k":
+        assert not meta.all_greedy and meta.temperature.tolist() == pytest.approx([0.0, 0.8])
+        assert meta.top_k is None  # top_k off in both rows
+    else:
+        assert getattr(meta, field) is not None
+    b.batch.remove("special")  # its row goes to a plain greedy request: the gathers are skipped again
+    b.add("greedy2", SamplingParams(temperature=0.0), [7], [])
+    again = b.batch.metadata([b.batch.rows["greedy"], b.batch.rows["greedy2"]])
+    assert again.all_greedy and (again.logit_bias, again.banned, again.penalties, again.max_num_logprobs) == (None,) * 4

@@ -3,7 +3,12 @@ each row masked to its own slot, one GEMM a part over every slot's B) against th
 reference (`apply_slot`) on the CPU: rows of mixed slots, of the base model and of padding; fp32
 and bf16; 1 to 3 fused parts; adapters of ranks below max_lora_rank and of different scales per
 part (folded into A, as LoRAManager stores them); a column-parallel and a row-parallel
-projection. The same torch ops run on CUDA (tests/gpu/test_lora_gpu.py)."""
+projection. The same torch ops run on CUDA (tests/gpu/test_lora_gpu.py).
+
+Also the fused expand's wiring (`LoRALayer.project`: the shrink, then ops.linear_lora adding the
+expand to the projection's own product in one GEMV launch on CUDA): on the CPU it runs
+ops.linear_lora_reference, the kernels' math in torch, checked here against the base product plus
+`apply_slot` for 1 to 8 rows, through the parallel layers' forward."""
 
 from __future__ import annotations
 
@@ -12,9 +17,12 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from zllm.partition import Span
+from zllm.workers import ops
 from zllm.workers.distributed import TensorParallel
+from zllm.workers.kernels.matvec import LoRAEpilogue
 from zllm.workers.linear_weights import FusedPart
 from zllm.workers.lora import LoRABatch, LoRALayer, dense_from
 from zllm.workers.parallel_layers import ColumnParallelLinear, RowParallelLinear
@@ -22,15 +30,15 @@ from zllm.workers.parallel_layers import ColumnParallelLinear, RowParallelLinear
 IN, SLOTS, MAX_RANK = 48, 4, 16
 
 
-def column_layer(parts: list[int], dtype: torch.dtype, batch: LoRABatch) -> LoRALayer:
+def column_layer(parts: list[int], dtype: torch.dtype, batch: LoRABatch, bias: bool = False) -> LoRALayer:
     with torch.device("cpu"):
-        linear = ColumnParallelLinear(IN, [FusedPart(rows, Span(0, rows)) for rows in parts], bias=False)
+        linear = ColumnParallelLinear(IN, [FusedPart(rows, Span(0, rows)) for rows in parts], bias=bias)
     linear.to(dtype)
     return LoRALayer(linear, SLOTS, MAX_RANK, batch)
 
 
-def row_layer(out: int, dtype: torch.dtype, batch: LoRABatch) -> LoRALayer:
-    linear = RowParallelLinear(IN, out, Span(0, IN), bias=False, tp=TensorParallel())
+def row_layer(out: int, dtype: torch.dtype, batch: LoRABatch, bias: bool = False) -> LoRALayer:
+    linear = RowParallelLinear(IN, out, Span(0, IN), bias=bias, tp=TensorParallel())
     linear.to(dtype)
     return LoRALayer(linear, SLOTS, MAX_RANK, batch)
 
@@ -125,3 +133,89 @@ def test_dense_from_reads_rows_per_slot(monkeypatch):
         assert dense_from(slots) == expected
     monkeypatch.delenv("ZLLM_LORA_DENSE_ROWS_PER_SLOT")
     assert dense_from(16) == math.ceil(4 * 16)
+
+
+# ---- the fused expand (LoRALayer.project) ----------------------------------------------------------
+
+
+def fused_batch(slots: list[int], dtype: torch.dtype) -> LoRABatch:
+    """The kernel path's buffers with the fused expand on (dense path never)."""
+    batch = batch_of(slots, padding=0, dtype=dtype)
+    batch.fused_expand, batch.dense_from = True, sys.maxsize
+    return batch
+
+
+def fill_weights(layer: LoRALayer, gen: torch.Generator) -> None:
+    """Random base weights (and bias) for the projection, then the adapters."""
+    linear = layer.linear
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen))
+        if linear.bias is not None:
+            linear.bias.copy_(torch.randn(linear.bias.shape, generator=gen))
+    linear.lora = layer
+    fill_slots(layer, gen)
+
+
+# One row of an adapter, one of the base model, and mixed batches up to the GEMV kernels' 8 rows.
+FUSED_SLOTS = {"1-adapter": [2], "1-base": [-1], "3-mixed": [0, 3, -1], "8-mixed": [1, 0, 2, -1, 0, 1, 2, 3]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("parts", [[24], [32, 16, 16], [40, 40]], ids=["one", "qkv", "gate_up"])
+@pytest.mark.parametrize("slots", list(FUSED_SLOTS.values()), ids=list(FUSED_SLOTS))
+def test_fused_expand_matches_each_slot_alone(dtype, parts, slots):
+    gen = torch.Generator().manual_seed(len(parts) + len(slots))
+    layer = column_layer(parts, dtype, fused_batch(slots, dtype), bias=True)
+    fill_weights(layer, gen)
+    x = torch.randn(len(slots), IN, generator=gen).to(dtype)
+    assert layer.fuses(x)
+    base = F.linear(x, layer.linear.weight, layer.linear.bias)
+    got = layer.linear(x)  # ColumnParallelLinear.forward -> LoRALayer.project
+    torch.testing.assert_close(got, reference(layer, base, x, slots), **TOLERANCE[dtype])
+
+
+def test_fused_expand_row_parallel_with_bias():
+    """o/down at tp 1: the bias and the expand in the one product; a cleared slot adds nothing."""
+    gen = torch.Generator().manual_seed(11)
+    slots = [1, -1, 2, 0]
+    layer = row_layer(24, torch.float32, fused_batch(slots, torch.float32), bias=True)
+    fill_weights(layer, gen)
+    layer.clear(2)
+    x = torch.randn(len(slots), IN, generator=gen)
+    base = F.linear(x, layer.linear.weight, layer.linear.bias)
+    got = layer.linear(x)
+    torch.testing.assert_close(got, reference(layer, base, x, slots), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got[1:3], base[1:3], atol=1e-5, rtol=1e-6)  # base row, cleared slot
+
+
+def test_project_fuses_only_where_the_gemv_would_run(monkeypatch):
+    """The switch off, a launch of the dense path, more rows than the GEMV kernels take: the
+    weights' product, then add_to."""
+    slots = [0, 1, -1, 0, 1, 2, 0, 1, 2]
+    layer = column_layer([24], torch.float32, fused_batch(slots, torch.float32))
+    fill_weights(layer, torch.Generator().manual_seed(3))
+    taken = []
+    monkeypatch.setattr(layer, "add_to", lambda out, x: taken.append(x.shape[0]) or out)
+    x = torch.randn(len(slots), IN)
+    layer.project(x[:8], None)  # fused
+    layer.project(x, None)  # 9 rows
+    layer.batch.dense_from = 2
+    layer.project(x[:2], None)  # the dense path's
+    layer.batch.dense_from, layer.batch.fused_expand = sys.maxsize, False
+    layer.project(x[:1], None)  # switched off
+    assert taken == [9, 2, 1]
+
+
+def test_linear_lora_reference_reads_only_the_rows_slots():
+    """Rows of slot -1 get the plain product whatever t holds; the others B[n, slot] . t[part]."""
+    gen = torch.Generator().manual_seed(5)
+    ends, rank, slots = [8, 12], 4, torch.tensor([-1, 1, 0], dtype=torch.int32)
+    x, weight = torch.randn(3, IN, generator=gen), torch.randn(12, IN, generator=gen)
+    t, b = torch.randn(3, 2 * rank, generator=gen), torch.randn(12, 2, rank, generator=gen)
+    got = ops.linear_lora_reference(x, weight, None, LoRAEpilogue(t, b, slots, ends))
+    expected = F.linear(x, weight)
+    for row in (1, 2):
+        slot = int(slots[row])
+        expected[row, :8] += b[:8, slot] @ t[row, :rank]
+        expected[row, 8:] += b[8:, slot] @ t[row, rank:]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

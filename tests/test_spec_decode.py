@@ -5,6 +5,8 @@ must equal decoding without speculation."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from zllm import LLM, SamplingParams
 from zllm.config import EngineConfig, SpeculativeConfig
 from zllm.workers.sampler import SamplingMetadata
 from zllm.workers.spec_decode import rejection_sampler
-from zllm.workers.spec_decode.ngram import propose_ngram
+from zllm.workers.spec_decode.ngram import NgramProposer, propose_ngram
 from zllm.workers.spec_decode.rejection_sampler import DraftLayout, verify
 
 # ---- the n-gram proposer -----------------------------------------------------------------------
@@ -36,7 +38,48 @@ def test_ngram_proposes_nothing_without_a_match_and_stops_at_the_end():
     assert propose_ngram(np.array([3, 3, 3, 3]), 2, 2, 4) == [3]
 
 
+def _ngram_by_brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, written out: the longest n first, then the latest earlier window."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_lookup_equals_the_brute_force_definition_on_random_tokens():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        tokens = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n, k = min_n + int(rng.integers(0, 4)), int(rng.integers(1, 6))
+        assert propose_ngram(np.asarray(tokens), min_n, max_n, k) == _ngram_by_brute_force(tokens, min_n, max_n, k)
+
+
+def test_ngram_proposer_keeps_its_copy_of_the_tokens_current():
+    proposer = NgramProposer(1, 3, 4)
+    state = SimpleNamespace(request_id="a", token_ids=[1, 2, 3, 1, 2])
+    assert proposer.propose([state], [state]) == {"a": [3, 1, 2]}
+    state.token_ids.extend([9, 8, 1, 2] * 40)  # past the copy's first size: it grows
+    assert proposer.propose([state], [state]) == {"a": _ngram_by_brute_force(state.token_ids, 1, 3, 4)}
+    again = SimpleNamespace(request_id="a", token_ids=[5, 6, 5])  # the same id, a new request
+    assert proposer.propose([again], [again]) == {"a": [6, 5]}
+    proposer.forget("a")
+    assert proposer.propose([state], [state]) == {"a": _ngram_by_brute_force(state.token_ids, 1, 3, 4)}
+
+
 # ---- the rejection sampler ---------------------------------------------------------------------
+
+
+def test_host_indices_of_a_few_requests_equal_the_numpy_build(monkeypatch):
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        drafts = [rng.integers(0, 50, int(rng.integers(0, 6))).tolist() for _ in range(int(rng.integers(1, 10)))]
+        layout = DraftLayout.of(drafts)
+        by_lists = layout.host_indices()
+        monkeypatch.setattr(rejection_sampler, "_FEW_REQUESTS", 0)
+        assert by_lists.tolist() == layout.host_indices().tolist()
+        monkeypatch.undo()
 
 
 def _meta(temperature: float, rows: int) -> SamplingMetadata:

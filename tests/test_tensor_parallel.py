@@ -136,6 +136,24 @@ def test_llm_tp_n_matches_tp_1_on_smollm2(smollm2_dir, smollm2_tp1_tokens, tp, a
     assert _wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers), 10)
 
 
+def test_llm_tp_8_matches_hf_with_replicated_kv_heads_and_padded_vocab(tmp_path):
+    """Issue 38's eight ranks on a tiny Llama: 8 heads over 2 KV heads (each KV head replicated on
+    4 ranks), a 250-token vocabulary in 8 padded blocks of 32, an intermediate size of 100 (ranks
+    of 13 and 12 rows). Equal to transformers' fp32 greedy tokens, hence to tp 1..4's
+    (test_llm_tp_n_matches_tp_1_on_smollm2)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.models import greedy_engine_tokens, hf_greedy
+
+    config = dict(num_attention_heads=8, num_key_value_heads=2, vocab_size=250, intermediate_size=100)
+    model_dir = save_tiny_llama(tmp_path / "m", **config)
+    prompts = [[7, 3, 9, 11, 5], list(range(3, 40))]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p, 8, eos_token_id=None) for p in prompts]
+    tokens, _ = greedy_engine_tokens(model_dir, prompts, 8, tensor_parallel_size=8, kv_cache_memory_bytes=4 << 20)
+    assert tokens == expected
+
+
 def test_dummy_weights_are_the_same_model_at_every_tp(tmp_path):
     model_dir = save_tiny_llama(tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
     kwargs = dict(dtype="float32", load_format="dummy", max_model_len=256, kv_cache_memory_bytes=8 << 20)

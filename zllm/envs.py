@@ -151,6 +151,12 @@ SETTINGS: dict[str, Setting] = {
             "0: LoRA runs its torch path on the GPU too (rows grouped on the host, CUDA graphs off; A/B switch).",
         ),
         Setting(
+            "ZLLM_LORA_FUSED_EXPAND",
+            _switch,
+            True,
+            "0: LoRA's expand runs as its own kernel at decode, not in the GEMV's epilogue (A/B switch).",
+        ),
+        Setting(
             "ZLLM_LORA_DENSE_ROWS_PER_SLOT",
             float,
             4.0,
@@ -172,6 +178,13 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting(
             "ZLLM_MOE_GROUPED_MM_ROWS", float, 4.0, "MoE: rows per expert from which torch._grouped_mm runs (0: never)."
+        ),
+        Setting(
+            "ZLLM_FP8_BLOCKS",
+            _text,
+            "auto",
+            "Block-FP8 MoE/MLA checkpoints (DeepSeek-V3's): keep (FP8 weights in memory, dequantized per layer "
+            "before its product), dequantize (to the model dtype at load), auto (keep on CUDA, dequantize on CPU).",
         ),
         # -- tests only
         Setting(

@@ -344,6 +344,9 @@ class ModelSpec:
     # layers take no FP8 weights (MoE experts, MLA's absorbed kv_b_proj): the loader dequantizes
     # it to the model dtype (quantization is None then).
     dequantize_fp8_blocks: bool = False
+    # That checkpoint's scheme: a CUDA worker keeps such weights in FP8 instead (ZLLM_FP8_BLOCKS,
+    # quantization.keeps_fp8_blocks), weight-only, each layer dequantized before its product.
+    block_fp8: QuantSpec | None = None
     # Encoder-only pooling models (POOLING_REGISTRY): token types, where positions start (XLM-R:
     # after padding_idx), the classifier's labels; rms_norm_eps holds their LayerNorm's eps.
     encoder: bool = False
@@ -410,6 +413,7 @@ class ModelSpec:
             attention_sinks=arch.attention_sinks,
             quantization=None if dequantize else quantization,
             dequantize_fp8_blocks=dequantize,
+            block_fp8=quantization if dequantize else None,
             num_labels=int(hf_config.num_labels) if pooling is not None and pooling.kind == "classify" else 0,
             bidirectional=getattr(hf_config, "is_causal", True) is False,
             **(_gemma_fields(hf_config) if arch.gemma else {}),

@@ -78,6 +78,25 @@ class QuantSpec:
 ONLINE_FP8 = QuantSpec("online", "channel", "token")
 
 
+def weight_only_blocks(checkpoint: QuantSpec, dummy_weights: bool) -> QuantSpec:
+    """A block-FP8 checkpoint of an MoE or MLA model held as stored (ModelSpec.block_fp8 with
+    ZLLM_FP8_BLOCKS keep): FP8 weights and 128x128 scales, activations not quantized, so a layer
+    computes what the dequantize-at-load path computes; dummy weights are quantized per block."""
+    return QuantSpec("online" if dummy_weights else "fp8", "block", "none", checkpoint.ignore)
+
+
+FP8_BLOCK_MODES = ("auto", "keep", "dequantize")  # values of ZLLM_FP8_BLOCKS
+
+
+def keeps_fp8_blocks(mode: str, cuda: bool) -> bool:
+    """Whether a worker keeps a block-FP8 MoE/MLA checkpoint in FP8 (ZLLM_FP8_BLOCKS): on CUDA by
+    default, where its model-dtype copy would not fit (DeepSeek-V3: 1.34 TB in bf16); on CPU the
+    dequantized model is the reference."""
+    if mode not in FP8_BLOCK_MODES:
+        raise ValueError(f"ZLLM_FP8_BLOCKS: {mode!r} is not one of {', '.join(FP8_BLOCK_MODES)}")
+    return mode == "keep" or (mode == "auto" and cuda)
+
+
 def checkpoint_quantization(hf_config) -> QuantSpec | None:
     """The quantization a checkpoint's config.json declares; None for an unquantized one. Any
     method or scheme zllm cannot run is refused here, naming it and what is supported."""

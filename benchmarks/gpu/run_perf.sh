@@ -59,6 +59,16 @@
 #                 SERVE_PORT=8123 SWEEP_MODEL=~/.cache/zllm/models/SmolLM2-135M-Instruct
 #                 SWEEP_SERVER_FLAGS="--max-model-len 1024" SWEEP_RATES="2 4" SWEEP_PROMPTS=6
 #                 SWEEP_LEN=16 SWEEP_WARM_PROMPTS=4 bash benchmarks/gpu/run_perf.sh sweep
+#   PART=servemodel: issue 40's Poisson 32 against benchmarks/serve_gpu_model.py's CPU model: vllm-launch
+#                 with its defaults and ZLLM_STEP_TRACE, warmed, then vLLM's client at Poisson 32 (600 x
+#                 256/256, seed 32: the sweep's prompts and gaps), the frontend's TTFT histogram before and after it,
+#                 the trace against the model (serve_gpu_model.py --trace); then the same with
+#                 Python's garbage collector off in the server's processes (benchmarks/gc_off).
+#                 Carry .whl and .sdist as for sweep. Budget (estimates): build <= 120 s (none when
+#                 /tmp/zllm-csrc-build is there), per server: start ~50 s, warm-up ~15 s, run ~34 s,
+#                 stop ~5 s: ~220 s + the build, bounded by $SERVEMODEL_BUDGET_S (default 530 s).
+#                 Into $OUT: build.log, servemodel-summary.log, servemodel-logs.tar.gz (traces,
+#                 metrics, the client's JSONs).
 # Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
 set -uo pipefail
 t0=$(date +%s)
@@ -69,7 +79,7 @@ mkdir -p "$out"
 model=/tmp/zllm-llama3-8b
 export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has this machine's cmake cache
 build_flags=()
-[[ "${1:-}" == sweep || "${1:-}" == decattn ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
+[[ "${1:-}" == sweep || "${1:-}" == servemodel || "${1:-}" == decattn ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
 [[ -n "${SKIP_CSRC_BUILD:-}" || -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ]] \
   || timeout 300 bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" ${build_flags[@]+"${build_flags[@]}"} > "$out/build.log" 2>&1 \
   || { echo "csrc build failed (the loader falls back to what was built, or NVRTC):"; tail -15 "$out/build.log"; }
@@ -332,5 +342,41 @@ sweep)
   echo "== sweep: $( ((status == 0)) && echo 'all passed' || echo 'SOMETHING FAILED OR WAS SKIPPED (see above)'), $(( $(date +%s) - t0 )) s"
   exit $status
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|moe|moedecode|gemvcheck|gemvperf|decattn|sweep"; exit 2 ;;
+servemodel)
+  source benchmarks/gpu/env.sh
+  source benchmarks/gpu/lib.sh
+  dest=$out
+  out=/tmp/zllm-servemodel
+  rm -rf "$out"
+  mkdir -p "$out"
+  exec > >(tee -a "$dest/servemodel-summary.log") 2>&1
+  deadline=$(( t0 + ${SERVEMODEL_BUDGET_S:-530} ))
+  need_client_files || exit 1
+  read -ra server_flags <<< "--model $model --load-format dummy --max-model-len 1024"
+  client=(--model "$(basename "$model")" --tokenizer "$model" --random-input-len 256 --random-output-len 256 --ignore-eos)
+  echo "== the model's prediction (CPU): python benchmarks/serve_gpu_model.py --rates 32 --table"
+  python benchmarks/serve_gpu_model.py --rates 32 --table
+  for variant in default gc_off; do
+    extra=$PYTHONPATH
+    [[ $variant == gc_off ]] && extra="$PWD/benchmarks/gc_off:$PYTHONPATH"
+    fits "servemodel-$variant" 110 || continue
+    if PYTHONPATH=$extra ZLLM_STEP_TRACE="$out/trace-$variant" serve_start "$variant" 180 "${server_flags[@]}"; then
+      vllm_client "servemodel-warm-$variant" 120 "${client[@]}" --num-prompts 64 --request-rate inf --seed 1000
+      scrape() { curl -sf "http://127.0.0.1:$PORT/metrics" | grep -E "^zllm:(time_to_first_token|inter_token)" > "$out/metrics-$variant-$1.txt"; }
+      scrape before  # the warm-up's 64 at once are in the histograms too: subtract these
+      vllm_client "servemodel-rate32-$variant" 140 "${client[@]}" --num-prompts 600 --request-rate 32 --seed 32 \
+        --save-result --result-dir "$out" --result-filename "rate32-$variant.json" --metadata label=$variant
+      scrape after
+      grep -E "time_to_first_token_seconds_(bucket\{.*le=\"(0.1|0.25|0.5)\"|count)" "$out/metrics-$variant-"*.txt | sed 's/^/    /'
+      serve_stop 60
+      verdict "server-$variant stop" $?
+      python benchmarks/serve_gpu_model.py --trace "$out/trace-$variant" | tee "$out/compare-$variant.json"
+      python benchmarks/step_trace_summary.py "$out/trace-$variant" --since-last-idle > "$out/summary-$variant.jsonl"
+    fi
+  done
+  pack_results "$dest" servemodel
+  echo "== servemodel: $( ((status == 0)) && echo 'all passed' || echo 'SOMETHING FAILED OR WAS SKIPPED (see above)'), $(( $(date +%s) - t0 )) s"
+  exit $status
+  ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|moe|moedecode|gemvcheck|gemvperf|decattn|sweep|servemodel"; exit 2 ;;
 esac

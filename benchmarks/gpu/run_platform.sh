@@ -4,6 +4,7 @@
 #   tests   the GPU tests of DeepSeek MLA / GPT-OSS sinks (issue 32), LoRA (issue 34), vision (issue 35)
 #   lora    benchmarks/lora_serving.py: kernels, W1 over 0 / 8 / 64 adapters, W2 with 0 / 1 adapter
 #   lora-ab the LoRA paths alone (ZLLM_LORA_DENSE_ROWS_PER_SLOT=inf: kernels; 0: dense) on W1 and W2
+#   lora-fused  W2 with no adapter, then one adapter with the expand unfused and fused (ZLLM_LORA_FUSED_EXPAND)
 #   vision  benchmarks/vision.py on the Qwen2.5-VL-7B shape (dummy weights)
 #   i32     benchmarks/gpu/run_issue32.sh w2 and kv
 # Carry .whl (pyzmq, msgspec, xgrammar, peft, accelerate and their needs) and .csrc90/sm_90 (the
@@ -41,11 +42,18 @@ case ${1:-} in
     ZLLM_LORA_DENSE_ROWS_PER_SLOT=inf run w1 --adapters 8 --max-loras 8 --iters 1
     ZLLM_LORA_DENSE_ROWS_PER_SLOT=0 run w1 --adapters 8 --max-loras 8 --iters 1
     ZLLM_LORA_DENSE_ROWS_PER_SLOT=0 run w2 --adapters 1 --iters 3 ;;
+  lora-fused)
+    # W2's A/B of the expand in the GEMV's epilogue: base, unfused, fused (one machine, one call).
+    [ -d /tmp/llama3-8b ] || python3 benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b > /dev/null
+    run() { echo "== lora $*"; timeout 180 python3 benchmarks/lora_serving.py "$@" --model /tmp/llama3-8b 2>&1 | tee -a "$out/lora.log" | grep -E '^\{|Error|error' | tail -4; }
+    run w2 --adapters 0 --iters 3
+    ZLLM_LORA_FUSED_EXPAND=0 run w2 --adapters 1 --iters 3
+    ZLLM_LORA_FUSED_EXPAND=1 run w2 --adapters 1 --iters 3 ;;
   vision)
     [ -d /tmp/qwen2.5-vl-7b ] || python3 benchmarks/dummy_model.py qwen2.5-vl-7b /tmp/qwen2.5-vl-7b > /dev/null
     timeout 520 python3 benchmarks/vision.py --model /tmp/qwen2.5-vl-7b --load-format dummy --requests 500 --output-len 128 2>&1 | grep -E '^\{|Error|error|image processor' | tail -8 ;;
   i32)
     bash benchmarks/gpu/run_issue32.sh w2
     bash benchmarks/gpu/run_issue32.sh kv ;;
-  *) echo "usage: $0 tests|lora|lora-ab|vision|i32" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|lora|lora-ab|lora-fused|vision|i32" >&2; exit 2 ;;
 esac

@@ -235,6 +235,72 @@ FP8_BLOCK_QUANTIZATION = {
 }
 
 
+def randomize_correction_bias(model_dir: Path) -> None:
+    """HF starts DeepSeek-V3's e_score_correction_bias at zero; a random one changes which experts
+    are picked."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    generator = torch.Generator().manual_seed(1)
+    names = [name for name in tensors if name.endswith("e_score_correction_bias")]
+    assert names
+    for name in names:
+        tensors[name] = torch.rand(tensors[name].shape, generator=generator) * 0.5
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+# A tiny DeepSeek-V3 for FP8 weights kept as stored at up to 8 ranks (issue 38): kept FP8 weights
+# split only on 128-row tiles, so each rank's share at tp 8 is whole tiles (8 heads, one a rank:
+# q_b_proj 128 + 128 rows a head, kv_b_proj 128 + 128, o_proj 128 columns; the experts' and the
+# dense MLP's 1024 rows, 128 a rank); noaux_tc routing over 16 experts in 8 groups, YaRN. Every
+# matrix dimension is at most 128 or a multiple of it: transformers' reader (the reference) cuts a
+# matrix into as many equal blocks as its scale grid has (160 rows, 2 scales: 80-row blocks), where
+# DeepSeek's layout has 128-row tiles and a short last one.
+TINY_V3_FP8 = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=1024,
+    moe_intermediate_size=1024,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=24,
+    kv_lora_rank=128,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=128,
+    v_head_dim=128,
+    n_routed_experts=16,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=8,
+    topk_group=4,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    max_position_embeddings=128,
+    rope_parameters={
+        "rope_theta": 10000.0,
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+    },
+    initializer_range=0.2,
+)
+
+
+def save_tiny_v3_fp8(directory: Path) -> Path:
+    """TINY_V3_FP8 with a random correction bias, in DeepSeek-V3's FP8 release layout."""
+    model_dir = save_tiny_model(directory, "deepseek_v3", **TINY_V3_FP8)
+    randomize_correction_bias(model_dir)
+    return write_fp8_block_weights(model_dir)
+
+
 def write_fp8_block_weights(model_dir: Path) -> Path:
     """A DeepSeek checkpoint saved by transformers rewritten in the layout of DeepSeek-V3's FP8
     release: every linear weight of the decoder layers (attention projections, dense MLPs,

@@ -74,6 +74,29 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: bool) -> torch.Tenso
     return q.float() * (expand_blocks(scale, *q.shape) if block else scale)
 
 
+# dequantize_stacked converts at most this many elements at a time, bounding its fp32 scratch
+# (256 MiB) whatever the stack (a DeepSeek-V3 layer's experts are 1.4 G elements at tp 8).
+_DEQUANT_CHUNK_ELEMENTS = 1 << 26
+
+
+def dequantize_stacked(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [N, rows, cols] (any float dtype) <- q [N, rows, cols] E4M3 times its per-tile scales
+    [N, ceil(rows/128), ceil(cols/128)]: dequantize's fp32 values, rounded once to out's dtype
+    (what the dequantize-at-load path holds), a few matrices at a time."""
+    n, rows, cols = q.shape
+    step = max(1, _DEQUANT_CHUNK_ELEMENTS // max(rows * cols, 1))
+    whole_tiles = rows % BLOCK == 0 and cols % BLOCK == 0  # (DeepSeek-V3's every matrix, at tp 8 too)
+    for first in range(0, n, step):
+        chunk = slice(first, min(first + step, n))
+        if whole_tiles:  # the scales broadcast over the tiles: no expanded copy of them
+            tiles = q[chunk].view(-1, rows // BLOCK, BLOCK, cols // BLOCK, BLOCK).float()
+            out[chunk] = (tiles * scale[chunk][:, :, None, :, None]).view(-1, rows, cols)
+        else:
+            tiles = scale[chunk].repeat_interleave(BLOCK, 1)[:, :rows].repeat_interleave(BLOCK, 2)[:, :, :cols]
+            out[chunk] = q[chunk].float() * tiles
+    return out
+
+
 def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
     # Clamp first: a cast of a value beyond +-448 gives NaN in E4M3 (it has no infinity).
     return x.clamp(-FP8_MAX, FP8_MAX).to(E4M3)
@@ -121,7 +144,9 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [M, K] @ FP8 weight [N, K]^T with its scales (+ bias): the emulation on the CPU, the
     csrc GEMV for one CUDA row, cuBLASLt's scaled GEMM for more."""
-    if not x.is_cuda:
+    if not x.is_cuda or (activation == "none" and block and x.dtype == torch.float32):
+        # (fp32 with weight-only tiles: a kept DeepSeek-V3 checkpoint computes exactly what its
+        # dequantized model computes, the GEMV's summation order would not.)
         return emulated_fp8_linear(x, weight, weight_scale, input_scale, activation, block, bias)
     global _kernels
     if _kernels is None:
@@ -130,6 +155,12 @@ def fp8_linear(
         out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
         return _kernels.fp8_gemv(out, x, weight, weight_scale, bias, block=block)
     n, k = weight.shape
+    if activation == "none" and block and x.dtype != torch.float32:
+        # Weight-only 128x128 tiles (a DeepSeek-V3 checkpoint kept in FP8): this layer's weights
+        # dequantized to the model dtype right before the GEMM, the values and the GEMM of the
+        # dequantize-at-load path; the scratch lives for this one product.
+        w = dequantize_stacked(weight[None], weight_scale[None], torch.empty((1, n, k), dtype=x.dtype, device=x.device))
+        return ops.linear(x, w[0], bias)
     if activation == "none" or k % 16 or n % 16 or (activation == "group" and (k % BLOCK or n % BLOCK)):
         # Shapes cuBLASLt's FP8 GEMM does not take (and weight-only checkpoints): the same
         # arithmetic in fp32, slow but exact.

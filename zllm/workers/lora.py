@@ -24,6 +24,11 @@ Three paths:
 - CUDA (csrc/lora_kernels.cu): every row reads its slot from `LoRABatch.token_slots`, a device
   buffer of fixed address filled before each step (-1: the base model; padding rows too), so the
   decode and piecewise CUDA graphs hold the launches and stay on with LoRA. Steps of few tokens.
+  Where the projection's own product takes the GEMV kernels (1 row; 2-8 rows; dense weights) the
+  expand runs in the GEMV's epilogue (`LoRALayer.project`, ops.linear_lora: csrc/gemv_kernels.cu
+  gemv_lora_*): a projection is then the shrink and one GEMV, two launches instead of three
+  (ZLLM_LORA_FUSED_EXPAND=0: the separate expand). At batch-1 decode those launches, not bytes,
+  are LoRA's cost (Llama-3-8B: 128 projections a token).
 - dense (CUDA, steps of many tokens: `LoRABatch.dense_from` rows and more, decided by the launch's
   padded row count so a CUDA graph holds one path): the shrink is one GEMM over every slot at
   once, x [T, in] @ A.view(S * P * R, in)^T; each row keeps only its own slot's columns
@@ -48,10 +53,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from zllm import envs
 from zllm.config import EngineConfig
 from zllm.lora import TARGET_MODULES, WEIGHTS_FILE, LoRARequest, check_adapter
 from zllm.model_spec import ModelSpec
+from zllm.workers import ops
 from zllm.workers.distributed import TensorParallel
+from zllm.workers.kernels.matvec import LoRAEpilogue
+from zllm.workers.linear_weights import DenseWeights
 from zllm.workers.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
@@ -68,6 +77,7 @@ class LoRABatch:
     token_slots: torch.Tensor | None = None
     slot_mask: torch.Tensor | None = None
     dense_from: int = 0
+    fused_expand: bool = False  # launches the GEMV kernels take add the expand in their epilogue
 
     def fill_slot_mask(self) -> None:
         """The one-hot of token_slots (on the device, once a step: every layer reads it)."""
@@ -103,6 +113,28 @@ class LoRALayer:
         self.B = torch.zeros(offset, num_slots, max_rank, dtype=weight.dtype, device=weight.device)
         self.part_ends = [start + count for start, count in self.part_rows]
         self.batch = batch
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The projection's product (its weights times x, plus bias) with each row's adapter added:
+        in one GEMV launch after the shrink where that applies (`fuses`), else added to the
+        weights' product."""
+        if self.fuses(x):
+            slots = self.batch.token_slots[: x.shape[0]]
+            lora = LoRAEpilogue(ops.lora_shrink(x, self.A, slots), self.B, slots, self.part_ends)
+            return ops.linear_lora(x, self.linear.weight, bias, lora)
+        return self.add_to(self.linear.weights.apply(self.linear, x, bias), x)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether project() fuses the expand into the GEMV: the kernel path (not the dense one)
+        with ZLLM_LORA_FUSED_EXPAND on, dense weights, and a launch ops.linear_lora takes."""
+        batch = self.batch
+        return (
+            batch.fused_expand
+            and batch.token_slots is not None
+            and x.shape[0] < batch.dense_from
+            and isinstance(self.linear.weights, DenseWeights)
+            and ops.fuses_lora(x, self.linear.weight, self.B)
+        )
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out + each row's adapter applied to x (rows of the base model unchanged)."""
@@ -199,8 +231,6 @@ def dense_from(num_slots: int) -> int:
     T = S (L2 / HBM) / (1 - 2 S L2 / FLOPs), about 1.5-2 S for S = 8-16, and the kernels' decode
     launches are latency-bound below that, the dense path's 2 + P launches costing more at small
     T: hence 4 rows a slot (32 rows for 8 slots, 64 for 16)."""
-    from zllm import envs
-
     per_slot = envs.ZLLM_LORA_DENSE_ROWS_PER_SLOT
     if not math.isfinite(per_slot):  # inf: never
         return sys.maxsize
@@ -242,6 +272,7 @@ class LoRAManager:
             dtype = self.layers[(0, "qkv_proj")].A.dtype
             self.batch.slot_mask = torch.zeros((size, self.num_slots), dtype=dtype, device=self.device)
             self.batch.dense_from = dense_from(self.num_slots)
+            self.batch.fused_expand = envs.ZLLM_LORA_FUSED_EXPAND
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()  # LRU order: least recent first
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU order
         self.users: Counter[int] = Counter()  # live requests per adapter: pinned in host memory
@@ -303,8 +334,6 @@ class LoRAManager:
     def _kernels_apply(self, config: EngineConfig) -> bool:
         """The CUDA kernels serve every adapted projection (dtype, widths, rank), unless the
         ZLLM_LORA_KERNELS switch is off."""
-        from zllm import envs
-
         if self.device.type != "cuda" or not envs.ZLLM_LORA_KERNELS:
             return False
         from zllm.workers.kernels.lora import supports

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from zllm import envs
 from zllm.config import EngineConfig
 from zllm.ipc.messages import (
     CachedRequestData,
@@ -29,7 +30,7 @@ from zllm.ipc.messages import (
 from zllm.kv_layout import KVLayout, cache_bytes_per_token, cache_entry
 from zllm.model_spec import ModelSpec
 from zllm.partition import head_shards
-from zllm.quantization import resolve_quantization
+from zllm.quantization import keeps_fp8_blocks, resolve_quantization, weight_only_blocks
 from zllm.sampling_params import SamplingParams
 from zllm.workers.attention import KV_FP8, AttentionMetadata, pack_prefill, packed_prefill_of
 from zllm.workers.distributed import TensorParallel
@@ -151,6 +152,10 @@ class ModelRunner:
         self.quant = resolve_quantization(
             self.spec.quantization, config.quantization, config.load_format == "dummy", self.spec.moe is not None
         )
+        if self.spec.block_fp8 is not None and keeps_fp8_blocks(envs.ZLLM_FP8_BLOCKS, device.type == "cuda"):
+            # The layers hold the stored FP8 weights; the loader reads them as stored.
+            self.quant = weight_only_blocks(self.spec.block_fp8, config.load_format == "dummy")
+            self.spec = dataclasses.replace(self.spec, dequantize_fp8_blocks=False)
         heads = head_shards(self.spec.num_heads, self.spec.num_kv_heads, self.tp.size)[self.tp.rank]
         self.num_heads = heads.q_heads.count  # on this rank
         self.num_kv_heads = heads.kv_heads.count
@@ -556,7 +561,7 @@ class ModelRunner:
         meta = self.sampling.metadata(rows, layout.drafted_before())
         verified: Verified = verify(launched.logits, meta, layout)
         if meta.max_num_logprobs is not None:
-            launched.logprobs = compute_logprobs(launched.logits, verified.row_tokens, meta.max_num_logprobs)
+            launched.logprobs = compute_logprobs(launched.logits, verified.row_tokens(), meta.max_num_logprobs)
         launched.tokens = verified.tokens
 
     @torch.inference_mode()

@@ -16,7 +16,7 @@ from zllm import envs
 from zllm.workers import attention as ref
 from zllm.workers.attention import UNSCALED, AttentionMetadata, KVScales, PackedPrefill, dequantize_kv
 from zllm.workers.kernels import cpu as cpu_kernels
-from zllm.workers.kernels.matvec import GEMV_ROWS_MAX
+from zllm.workers.kernels.matvec import GEMV_ROWS_MAX, LoRAEpilogue, lora_epilogue_supported
 from zllm.workers.layers import apply_rotary, gelu_tanh_and_mul, moe_route, rms_norm, silu_and_mul
 
 
@@ -200,46 +200,43 @@ class CudaOps(TorchOps):
     def fuses_experts(self, experts, top_k):
         # moe()'s own test, on a row of the model's dtype: the same weights take the same path at
         # every token count (the activations' alignment is torch's: 16 bytes and more).
+        return self._fuses(experts, experts.compute_dtype, top_k)
+
+    def _fuses(self, experts, dtype: torch.dtype, top_k: int) -> bool:
+        """fused_experts_supported for experts that may be stored otherwise (FP8: Fp8Experts,
+        multiplied as dequantized copies in `dtype`, the activations')."""
         from zllm.workers.kernels import moe as fused
 
         gate_up = experts.gate_up_proj
+        if not gate_up.is_cuda or not self.fuses_moe(dtype) or top_k > min(gate_up.shape[0], 32):
+            return False
+        if gate_up.dtype != dtype:  # dequantized into fresh (aligned, contiguous) stacks
+            return gate_up.dtype == torch.float8_e4m3fn and fused.fused_shape_supported(*experts.fused_shape())
         row = gate_up.new_empty(1, gate_up.shape[-1])
-        return (
-            self.fuses_moe(gate_up.dtype)
-            and fused.fused_experts_supported(row, gate_up, experts.down_proj)
-            and top_k <= min(gate_up.shape[0], 32)
-        )
+        return fused.fused_experts_supported(row, gate_up, experts.down_proj)
 
     def moe(self, x, logits, experts, top_k, renormalize, fp32_weights):
         # fp32 models (and shapes the kernels do not take) keep the reference loop, which syncs.
         from zllm.workers.kernels import moe as fused
 
         x = x.contiguous()
-        if not (
-            self.fuses_moe(x.dtype)
-            and fused.fused_experts_supported(x, experts.gate_up_proj, experts.down_proj)
-            and top_k <= min(logits.shape[-1], 32)
-        ):
+        if not self._fuses(experts, x.dtype, top_k):
             return super().moe(x, logits, experts, top_k, renormalize, fp32_weights)
         tokens = x.shape[0]
         weights = torch.empty((tokens, top_k), dtype=torch.float32, device=x.device)
         ids = torch.empty((tokens, top_k), dtype=torch.int32, device=x.device)
         fused.moe_topk_softmax(weights, ids, logits.contiguous(), renormalize, round_weights=not fp32_weights)
-        return fused.experts(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+        gate_up, down, ids = experts.stacked(ids, x.dtype)
+        return fused.experts(x, weights, ids, gate_up, down)
 
     def moe_experts(self, x, weights, ids, experts):
         from zllm.workers.kernels import moe as fused
 
         x = x.contiguous()
-        if not (
-            self.fuses_moe(x.dtype)
-            and fused.fused_experts_supported(x, experts.gate_up_proj, experts.down_proj)
-            and ids.shape[-1] <= 32
-        ):
+        if not self._fuses(experts, x.dtype, ids.shape[-1]):
             return super().moe_experts(x, weights, ids, experts)
-        return fused.experts(
-            x, weights.float().contiguous(), ids.to(torch.int32), experts.gate_up_proj, experts.down_proj
-        )
+        gate_up, down, ids = experts.stacked(ids.to(torch.int32), x.dtype)
+        return fused.experts(x, weights.float().contiguous(), ids, gate_up, down)
 
     def gpt_oss_experts(self, x, weights, ids, experts):
         # Graph-safe either way: grouped GEMMs over the chosen experts where torch._grouped_mm's
@@ -448,6 +445,74 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 out = torch.empty((rows, weight.shape[0]), dtype=x.dtype, device=x.device)
                 return _gemv_kernels.gemv_rows(out, x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# ---- LoRA's expand fused into the GEMV (zllm/workers/lora.py's decode path) ---------------------
+
+
+def fuses_lora(x: torch.Tensor, weight: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """Whether linear_lora takes this product in one launch: on CUDA where linear() would take a
+    GEMV kernel (1 row; 2-8 with ZLLM_GEMV_ROWS) and the kernels take the LoRA's rank; on the
+    CPU (the torch reference: tests of the wiring) the same row counts."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_ROWS_MAX:
+        return False
+    if not x.is_cuda:
+        return True
+    rows = x.shape[0]
+    if (
+        not GEMV_ENABLED
+        or not (rows == 1 or GEMV_ROWS_ENABLED)
+        or not lora_epilogue_supported(x.dtype, lora_b.shape[2])
+    ):
+        return False
+    from zllm.workers.kernels import matvec
+
+    return matvec.gemv_supported(x, weight) if rows == 1 else matvec.gemv_rows_supported(x, weight)
+
+
+def linear_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoRAEpilogue) -> torch.Tensor:
+    """linear(x, weight, bias) plus each row's LoRA expand (LoRAEpilogue: b[n, slot, :] . t[row,
+    part(n) R ..], nothing for slot -1), for the rows fuses_lora takes: on CUDA one GEMV launch
+    adds both (csrc/gemv_kernels.cu gemv_lora_* / gemv_rows_lora_*), elsewhere the torch reference."""
+    if not x.is_cuda:
+        return linear_lora_reference(x, weight, bias, lora)
+    from zllm.workers.kernels import matvec
+
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 1:
+        return matvec.gemv(out, x, weight, bias, lora=lora)
+    return matvec.gemv_rows(out, x, weight, bias, lora=lora)
+
+
+def linear_lora_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: LoRAEpilogue
+) -> torch.Tensor:
+    """The fused kernels' math in torch (any device): x W^T + bias + the expand, summed in fp32 and
+    rounded once to x's dtype (the separate expand rounds the product first)."""
+    t, b, token_slots, part_ends = lora
+    rows, rank = x.shape[0], b.shape[2]
+    slots = token_slots[:rows].long()
+    out_rows = torch.arange(weight.shape[0], device=x.device)
+    part = torch.bucketize(out_rows, torch.tensor(part_ends[:-1], device=x.device), right=True)
+    t_rows = t.view(rows, len(part_ends), rank)[:, part]  # [rows, N, R]: each output's part
+    b_rows = b[:, slots.clamp(min=0)].transpose(0, 1).float()  # [rows, N, R]: each row's slot
+    delta = torch.where((slots >= 0)[:, None], (t_rows * b_rows).sum(-1), 0.0)
+    base = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return (base + delta).to(x.dtype)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """t [rows, C] float32 = x [rows, in] @ a[slot]^T per row's slot (a [S, C, in]; 0 for slot -1):
+    csrc/lora_kernels.cu's lora_shrink on CUDA, its torch reference elsewhere."""
+    rows = x.shape[0]
+    if x.is_cuda:
+        from zllm.workers.kernels.lora import lora_shrink as kernel
+
+        t = torch.empty((rows, a.shape[1]), dtype=torch.float32, device=x.device)
+        return kernel(t, x, a, token_slots[:rows])
+    slots = token_slots[:rows].long()
+    t = torch.bmm(a[slots.clamp(min=0)].float(), x.float().unsqueeze(-1)).squeeze(-1)
+    return torch.where((slots >= 0)[:, None], t, 0.0)
 
 
 def ops_for(device: torch.device) -> TorchOps:

@@ -40,6 +40,13 @@ class _Linear(nn.Module):
 
     lora = None  # the adapter slots of this projection (zllm/workers/lora.py), with enable_lora
 
+    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The weights' product plus bias, and the rows' adapters where LoRA is on (which may add
+        them in the same launch: LoRALayer.project)."""
+        if self.lora is None:
+            return self.weights.apply(self, x, bias)
+        return self.lora.project(x, bias)
+
     def _build(self, rows: int, cols: int, num_parts: int, quant: QuantSpec | None) -> None:
         self.rows, self.cols, self.num_parts = rows, cols, num_parts
         self.weights = weights_for(quant)
@@ -88,8 +95,7 @@ class ColumnParallelLinear(_Linear):
         self.bias = nn.Parameter(torch.empty(rows)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.weights.apply(self, x, self.bias)
-        return out if self.lora is None else self.lora.add_to(out, x)
+        return self._project(x, self.bias)
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if shard is None:
@@ -137,14 +143,11 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1 or not self.reduce:
-            return self._with_lora(self.weights.apply(self, x, self.bias), x)
+            return self._project(x, self.bias)
         # LoRA's share of this rank's columns joins the partial product: one all-reduce sums both.
-        out = self.tp.all_reduce(self._with_lora(self.weights.apply(self, x, None), x))
+        out = self.tp.all_reduce(self._project(x, None))
         # The bias is added once, after the partial sums are combined.
         return out if self.bias is None else out + self.bias
-
-    def _with_lora(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return out if self.lora is None else self.lora.add_to(out, x)
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if param_name == "bias":

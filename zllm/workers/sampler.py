@@ -82,6 +82,8 @@ def target_distribution(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[t
     """What each row samples from: the greedy token [B], and the probabilities [B, V] after the
     processors, temperature, top-k/top-p and min-p (None when every row is greedy; a greedy
     row's probabilities are those at temperature 1, unused)."""
+    if meta.all_greedy and meta.logit_bias is None and meta.banned is None and meta.penalties is None:
+        return logits.argmax(dim=-1), None  # the raw logits' argmax: no float32 copy of [B, V]
     logits = apply_logits_processors(logits.to(torch.float32), meta)
     greedy = logits.argmax(dim=-1)
     if meta.all_greedy:

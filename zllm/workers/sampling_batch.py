@@ -148,6 +148,11 @@ class SamplingBatch:
         self._seeds: dict[int, int] = {}
         self._bad_words: dict[int, tuple[list[list[int]], list[int], int]] = {}  # row -> words, tokens, prompt_len
         self._penalties = PenaltyState(vocab_size, device)
+        # Rows that need more than an argmax: while none of these is live, a step's metadata is
+        # built without a torch op on the host (the common all-greedy batch).
+        self._sampled_rows: set[int] = set()  # temperature > 0
+        self._special_rows: set[int] = set()  # logit bias, stop tokens before min_tokens, logprobs
+        self._zeros = torch.zeros(0, dtype=torch.float32, device=device)  # the temperatures of an all-greedy batch
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -190,6 +195,10 @@ class SamplingBatch:
         self._bias_values.set(row, list((s.logit_bias or {}).values()))
         if s.seed is not None:
             self._seeds[row] = s.seed
+        if s.temperature != 0.0:
+            self._sampled_rows.add(row)
+        if s.logit_bias or (s.min_tokens > 0 and stop_ids) or s.logprobs is not None:
+            self._special_rows.add(row)
         if bad_words_token_ids:
             self._bad_words[row] = (bad_words_token_ids, token_ids, prompt_len)
         return row
@@ -199,6 +208,8 @@ class SamplingBatch:
         if row is None:
             return
         self._seeds.pop(row, None)
+        self._sampled_rows.discard(row)
+        self._special_rows.discard(row)
         self._bad_words.pop(row, None)
         self._penalties.remove(row)
         self._free.append(row)
@@ -225,6 +236,8 @@ class SamplingBatch:
         """The settings of `rows` (a row may repeat). `drafted`, for speculative decoding: per
         entry, the draft tokens that come before its position, as if they were already output
         (they count for min_tokens, penalties, bad words and the seeded output index)."""
+        if not (self._sampled_rows or self._special_rows or self._bad_words or self._penalties.rows):
+            return SamplingMetadata(temperature=self._greedy_temperatures(len(rows)), all_greedy=True)
         index = torch.tensor(rows, dtype=torch.long)
         floats, ints = self._floats[index], self._ints[index]
         if drafted is not None:
@@ -244,6 +257,12 @@ class SamplingBatch:
             meta.min_p = self._unless_all(floats[:, _MIN_P], 0.0)
             meta.generators = self._generators(rows, ints)
         return meta
+
+    def _greedy_temperatures(self, num_rows: int) -> torch.Tensor:
+        """Zeros on the device: a slice of one buffer, no copy from the host."""
+        if self._zeros.shape[0] < num_rows:
+            self._zeros = torch.zeros(max(num_rows, 2 * self._zeros.shape[0]), dtype=torch.float32, device=self.device)
+        return self._zeros[:num_rows]
 
     def _unless_all(self, values: torch.Tensor, off: float) -> torch.Tensor | None:
         return None if bool((values == off).all()) else to_device(values, self.device)

@@ -16,6 +16,8 @@ apply_rotary, then write_kv_cache                pos_encoding.rotary_embedding_a
   (an FP8 kv cache: quantize_kv / dequantize_kv)   kv, slots)  (the same, with k_scale, v_scale)
 F.linear(x, w, b) for one row x                  matvec.gemv(out, x, w, b); matvec.fp8_gemv for E4M3 weights
 F.linear(x, w, b) for 2 to 8 rows x              matvec.gemv_rows(out, x, w, b)
+ops.linear_lora_reference (the above plus LoRA's  matvec.gemv / gemv_rows(out, x, w, b, lora=LoRAEpilogue(t, b_lora,
+  expand for each row's slot, one rounding)         slots, part_ends))
 fp8.quantize_rows, fp8.quantize_groups           quant.quant_fp8_rows, quant.quant_fp8_groups
 layers.silu_and_mul(x)                           activation.silu_and_mul(out, x)
 layers.gelu_tanh_and_mul(x)                      activation.gelu_tanh_and_mul(out, x)
@@ -48,18 +50,21 @@ from zllm.workers.kernels.cache import reshape_and_cache
 from zllm.workers.kernels.layernorm import fused_add_rms_norm, rms_norm
 from zllm.workers.kernels.loader import KernelUnavailableError, cupy_available, preload
 from zllm.workers.kernels.matvec import (
+    LoRAEpilogue,
     fp8_gemv,
     fp8_gemv_supported,
     gemv,
     gemv_rows,
     gemv_rows_supported,
     gemv_supported,
+    lora_epilogue_supported,
 )
 from zllm.workers.kernels.pos_encoding import rotary_embedding, rotary_embedding_and_cache
 from zllm.workers.kernels.quant import quant_fp8_groups, quant_fp8_rows
 
 __all__ = [
     "KernelUnavailableError",
+    "LoRAEpilogue",
     "attention_partitions",
     "attention_workspace_numel",
     "fp8_gemv",
@@ -71,6 +76,7 @@ __all__ = [
     "gemv_rows_supported",
     "gemv_supported",
     "is_available",
+    "lora_epilogue_supported",
     "paged_attention_decode",
     "preload",
     "quant_fp8_groups",

@@ -3,6 +3,10 @@ a row or split over a few warps a row, the same for 2 to 8 rows (gemv_rows: tens
 fp16/bf16), and the GEMV over FP8 E4M3 weights. Not named gemv.py: the package's `kernels.gemv`
 function would shadow the module.
 
+gemv and gemv_rows take `lora` (a LoRAEpilogue): the same product plus multi-LoRA's expand for
+each row's adapter slot, in the kernel's epilogue (zllm/workers/lora.py's layout; the shrink runs
+before, csrc/lora_kernels.cu), so a projection with LoRA at decode saves the expand's launch.
+
 GEMV_BOUND, GEMV_ROWS_VARIANT and FP8_GEMV_VARIANT are read from zllm.envs once, at import (A/B
 switches a benchmark sets in the environment; a test or benchmark in-process patches the
 constants here)."""
@@ -10,6 +14,7 @@ constants here)."""
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,16 +49,73 @@ def _dense_layout_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+class LoRAEpilogue(NamedTuple):
+    """Multi-LoRA's expand for a GEMV's epilogue: weight row n of x's row r also gets
+    b[n, slot, :] . t[r, p R .. p R + R] (slot = token_slots[r], -1: nothing; p: the part of n).
+
+    t [rows, P * R] float32: lora_shrink's output; b [N, slots, R] in x's dtype; token_slots
+    [rows] int32 on the device (read by the kernel: CUDA graphs may hold the launch); part_ends:
+    the end row of each of the P <= 3 fused parts (the last is N)."""
+
+    t: torch.Tensor
+    b: torch.Tensor
+    token_slots: torch.Tensor
+    part_ends: list[int]
+
+
+def lora_epilogue_supported(dtype: torch.dtype, rank: int) -> bool:
+    """Whether the fused kernels take a LoRA of this dtype and rank: whole 16-byte pieces of a
+    B row, one a lane of a warp (rank <= 256 for fp16 / bf16, 128 for fp32)."""
+    if dtype not in DTYPE_SUFFIX:
+        return False
+    per16 = 16 // torch.empty((), dtype=dtype).element_size()
+    return rank > 0 and rank % per16 == 0 and rank <= 32 * per16
+
+
+def _lora_args(op: str, x: torch.Tensor, n: int, lora: LoRAEpilogue) -> tuple:
+    """The fused expand's launch arguments (csrc/gemv_kernels.cu's ZLLM_LORA_PARAMS order), checked."""
+    t, b, token_slots, part_ends = lora
+    check_cuda(op, x=x, t=t, b=b, token_slots=token_slots)
+    check_dtype(op, x.dtype, b=b)
+    check_dtype(op, torch.float32, t=t)
+    check_dtype(op, torch.int32, token_slots=token_slots)
+    rows, parts = x.shape[0], len(part_ends)
+    if b.dim() != 3 or b.shape[0] != n or not lora_epilogue_supported(b.dtype, b.shape[2]):
+        fail(op, f"b {tuple(b.shape)} must be [{n}, slots, R], R a whole number of 16-byte pieces, at most 32")
+    rank = b.shape[2]
+    if not 1 <= parts <= 3 or part_ends[-1] != n or list(part_ends) != sorted(part_ends):
+        fail(op, f"part_ends {part_ends} must be 1 to 3 increasing ends, the last {n}")
+    if tuple(t.shape) != (rows, parts * rank) or tuple(token_slots.shape) != (rows,):
+        fail(
+            op, f"t {tuple(t.shape)} must be ({rows}, {parts * rank}), token_slots {tuple(token_slots.shape)} ({rows},)"
+        )
+    if not (t.is_contiguous() and b.is_contiguous() and token_slots.is_contiguous() and aligned16(t, b)):
+        fail(op, "t, b and token_slots must be contiguous, t and b 16-byte aligned")
+    ends = [*part_ends, n, n][:2]
+    return (
+        ptr(t),
+        ptr(b),
+        ptr(token_slots),
+        np.int32(b.shape[1]),
+        np.int32(rank),
+        np.int32(parts * rank),
+        np.int32(ends[0]),
+        np.int32(ends[1]),
+    )
+
+
 def gemv(
     out: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     variant: str | None = None,
+    lora: LoRAEpilogue | None = None,
 ) -> torch.Tensor:
-    """out [1, N] = x [1, K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation; returns out.
-    variant (benchmarks): "" the one-warp-per-row kernel, "b<B>" the split kernel of that bound
-    with gemv_split's warps per row, "s<S>_b<B>" a given split; default GEMV_BOUND."""
+    """out [1, N] = x [1, K] @ weight [N, K]^T (+ bias [N]) (+ LoRA's expand: `lora`), fp32
+    accumulation; returns out. variant (benchmarks): "" the one-warp-per-row kernel, "b<B>" the
+    split kernel of that bound with gemv_split's warps per row, "s<S>_b<B>" a given split;
+    default GEMV_BOUND."""
     op = "gemv"
     device = check_cuda(op, out=out, x=x, weight=weight, bias=bias)
     suffix = dtype_suffix(op, x, "x")
@@ -69,9 +131,12 @@ def gemv(
     if n == 0:
         return out
     args = (ptr(out), ptr(x), ptr(weight), ptr(bias), np.int32(n), np.int32(x.shape[1]))
+    if lora is not None:
+        args += _lora_args(op, x, n, lora)
+    name = "gemv_lora" if lora is not None else "gemv"
     bound = GEMV_BOUND if variant is None else variant
     if not bound:
-        launch("gemv_kernels", f"gemv_{suffix}", device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args)
+        launch("gemv_kernels", f"{name}_{suffix}", device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args)
         return out
     split_text, _, bound = bound.rpartition("_") if bound.startswith("s") else ("", "", bound)
     split = int(split_text[1:]) if split_text else gemv_split(x.shape[1] // (16 // x.element_size()))
@@ -79,7 +144,7 @@ def gemv(
         fail(op, f"variant {variant!r}: built are splits {GEMV_SPLITS} and bounds {GEMV_BOUNDS}")
     launch(
         "gemv_kernels",
-        f"gemv_{suffix}_s{split}_{bound}",
+        f"{name}_{suffix}_s{split}_{bound}",
         device,
         (-(-n * split // _GEMV_ROWS_PER_BLOCK),),
         (128,),
@@ -183,10 +248,12 @@ def gemv_rows(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     variant: str | None = None,
+    lora: LoRAEpilogue | None = None,
 ) -> torch.Tensor:
-    """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) for 2 <= M <= 8, fp32 accumulation, the
-    weights read once for all M rows; returns out. A row's result does not depend on M. variant
-    (benchmarks): a build (see gemv_rows_kernel); default GEMV_ROWS_VARIANT, else the shape's."""
+    """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) (+ LoRA's expand: `lora`) for
+    2 <= M <= 8, fp32 accumulation, the weights read once for all M rows; returns out. A row's
+    result does not depend on M. variant (benchmarks): a build (see gemv_rows_kernel); default
+    GEMV_ROWS_VARIANT, else the shape's."""
     op = "gemv_rows"
     device = check_cuda(op, out=out, x=x, weight=weight, bias=bias)
     suffix = dtype_suffix(op, x, "x")
@@ -204,6 +271,9 @@ def gemv_rows(
         return out
     name, rows_per_block = gemv_rows_kernel(suffix, m, n, k, GEMV_ROWS_VARIANT if variant is None else variant)
     args = (ptr(out), ptr(x), ptr(weight), ptr(bias), np.int32(m), np.int32(n), np.int32(k))
+    if lora is not None:
+        args += _lora_args(op, x, n, lora)
+        name = name.replace("gemv_rows_", "gemv_rows_lora_", 1)
     launch("gemv_kernels", name, device, (-(-n // rows_per_block),), (128,), args)
     return out
 

@@ -150,15 +150,17 @@ def fused_experts_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.
     return (
         tuple(down.shape) == (num_experts, hidden, inter)
         and two_inter % 2 == 0
-        and 1 <= num_experts <= MAX_EXPERTS
-        and hidden % 8 == 0
-        and inter % 8 == 0
-        and inter > 0
+        and fused_shape_supported(num_experts, hidden, inter)
         and gate_up.is_contiguous()
         and down.is_contiguous()
         and gate_up.data_ptr() % 16 == 0
         and down.data_ptr() % 16 == 0
     )
+
+
+def fused_shape_supported(num_experts: int, hidden: int, inter: int) -> bool:
+    """The sizes fused_experts takes: H and I multiples of 8 (16-byte rows), 1 <= E <= MAX_EXPERTS."""
+    return 1 <= num_experts <= MAX_EXPERTS and hidden % 8 == 0 and inter % 8 == 0 and inter > 0
 
 
 class _Experts(NamedTuple):

@@ -34,8 +34,9 @@ from zllm.partition import Span, head_shards
 from zllm.quantization import QuantSpec
 from zllm.workers.attention import AttentionMetadata, attend, gather_latents
 from zllm.workers.distributed import TensorParallel
+from zllm.workers.fp8 import dequantize_stacked
 from zllm.workers.layers import apply_rotary
-from zllm.workers.linear_weights import DenseWeights
+from zllm.workers.linear_weights import DenseWeights, Fp8Weights
 from zllm.workers.models.llama import LlamaForCausalLM, RMSNorm, Rotary
 from zllm.workers.ops import TorchOps
 from zllm.workers.parallel_layers import ColumnParallelLinear, FusedPart, RowParallelLinear
@@ -86,11 +87,20 @@ class MlaAttention(nn.Module):
         )
 
     def finish_loading(self) -> None:
-        # The absorbed decode multiplies by kv_b_proj's matrix itself.
-        if not isinstance(self.kv_b_proj.weights, DenseWeights):
-            raise ValueError(
-                "model: MLA's kv_b_proj must hold model-dtype weights (quantized MLA is not supported yet)"
-            )
+        """The absorbed decode multiplies by kv_b_proj's matrix itself, so a block-FP8 kv_b_proj
+        (a checkpoint kept in FP8: ZLLM_FP8_BLOCKS) becomes the model dtype here, the values the
+        dequantize-at-load path holds; it is 0.3% of DeepSeek-V3's weights."""
+        weights = self.kv_b_proj.weights
+        if isinstance(weights, DenseWeights):
+            return
+        if not (isinstance(weights, Fp8Weights) and weights.spec.block and weights.spec.activation == "none"):
+            raise ValueError("model: MLA's kv_b_proj takes model-dtype or weight-only block-FP8 weights")
+        layer, dtype = self.kv_b_proj, self.kv_a_layernorm.weight.dtype
+        rows, cols = layer.weight.shape
+        dense = torch.empty((1, rows, cols), dtype=dtype, device=layer.weight.device)
+        dequantize_stacked(layer.weight.data[None], weights.weight_scale(layer).data[None], dense)
+        layer.use_dense_weights()
+        layer.weight = nn.Parameter(dense[0])
 
     def _pairs(self, x: torch.Tensor) -> torch.Tensor:
         """DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...: laid out as two halves, the

@@ -226,7 +226,7 @@ class LlamaDecoderLayer(nn.Module):
         if spec.moe is not None and index in spec.moe.layers and spec.moe.format.gpt_oss:
             self.mlp = GptOssMoeBlock(spec, ops, tp)
         elif spec.moe is not None and index in spec.moe.layers:
-            self.mlp = SparseMoeBlock(spec, ops, tp)
+            self.mlp = SparseMoeBlock(spec, ops, tp, quant)
         else:
             self.mlp = LlamaMLP(spec, ops, tp, quant)
 
@@ -446,14 +446,16 @@ class LlamaForCausalLM(nn.Module):
         return hf_name, None
 
     def _expert_target(self, hf_name: str, match: re.Match) -> tuple[str, int] | None:
-        """experts.E.<gate|up>.weight -> (experts.gate_up_proj, 2E | 2E + 1); <down> -> (down_proj, E)."""
-        expert, part = int(match.group(1)), match.group(2)
+        """experts.E.<gate|up>.weight -> (experts.gate_up_proj, 2E | 2E + 1); <down> -> (down_proj, E).
+        A block-FP8 checkpoint's weight_scale_inv goes to the matching *_scale_inv (Fp8Experts)."""
+        expert, part, suffix = int(match.group(1)), match.group(2), match.group(3)
         gate, up, down = self.spec.moe.format.expert_parts
         prefix = hf_name[: match.start()]
+        scale = "_scale_inv" if suffix else ""
         if part in (gate, up):
-            return f"{prefix}.experts.gate_up_proj", 2 * expert + (part == up)
+            return f"{prefix}.experts.gate_up_proj{scale}", 2 * expert + (part == up)
         if part == down:
-            return f"{prefix}.experts.down_proj", expert
+            return f"{prefix}.experts.down_proj{scale}", expert
         return hf_name, None  # an unknown part: the loader names it as matching no parameter
 
     def checkpoint_name(self, name: str, shard: int | None) -> str:
@@ -463,8 +465,10 @@ class LlamaForCausalLM(nn.Module):
         if self.spec.moe is not None and ".experts." in name and shard is not None:
             gate, up, down = self.spec.moe.format.expert_parts
             prefix, param = name.rsplit(".experts.", 1)
-            expert, part = (shard // 2, (gate, up)[shard % 2]) if param == "gate_up_proj" else (shard, down)
-            name = f"{prefix}.experts.{expert}.{part}.weight"
+            scale = "_scale_inv" if param.endswith("_scale_inv") else ""
+            stacked = param.removesuffix("_scale_inv")
+            expert, part = (shard // 2, (gate, up)[shard % 2]) if stacked == "gate_up_proj" else (shard, down)
+            name = f"{prefix}.experts.{expert}.{part}.weight{scale}"
         if self.spec.moe is not None:
             name = name.replace(".mlp.", f".{self.spec.moe.format.block}.")
         for fused, part, index in self.STACKED:
@@ -498,7 +502,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 # One expert's matrix in an HF MoE checkpoint: ...experts.<expert>.<part>.weight
-_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight(_scale_inv)?$")
 
 
 def _scaled(heads: Span, head_dim: int) -> Span:

@@ -2,8 +2,8 @@
 own tokens (prompt and output), and propose the tokens that followed them there.
 
 The longest suffix is tried first (prompt_lookup_max down to prompt_lookup_min), and the latest
-earlier match wins, as in vLLM. Each lookup is a few numpy operations over the request's tokens
-(a sliding-window comparison), with no Python loop over tokens.
+earlier match wins, as in vLLM. Each lookup is one comparison over the request's tokens, then a
+few numpy operations over the windows that still match, with no Python loop over tokens.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 if TYPE_CHECKING:
     from zllm.workers.model_runner import RequestState
@@ -20,40 +19,63 @@ if TYPE_CHECKING:
 def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
     length = token_ids.shape[0]
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = token_ids[length - n :]
-        # Windows that start before the suffix itself and leave at least one token after them.
-        windows = sliding_window_view(token_ids[: length - 1], n)
-        (starts,) = np.nonzero((windows == suffix).all(axis=1))
-        if starts.size:
-            follow = int(starts[-1]) + n
-            return token_ids[follow : follow + k].tolist()
-    return []
+    # Candidates: the ends e < length - 1 of earlier windows that match the suffix's last n
+    # tokens, grown one token at a time (n = 1, 2, ...): few survive each step, so this costs a
+    # handful of small numpy calls, not one pass over the tokens per n.
+    (ends,) = np.nonzero(token_ids[: length - 1] == token_ids[length - 1])
+    best = -1
+    for n in range(1, min(max_n, length - 1) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[token_ids[ends - (n - 1)] == token_ids[length - n]]
+        if ends.size == 0:
+            break
+        if n >= min_n:
+            best = int(ends[-1])  # the latest window of the longest n so far
+    if best < 0:
+        return []
+    return token_ids[best + 1 : best + 1 + k].tolist()
 
 
 class NgramProposer:
-    """Drafts for the requests that sampled in a step, from their own tokens. It keeps no state
-    and no cache: every rank could propose the same, but only rank 0's drafts are used (the engine
-    core hands them to every rank with the next step)."""
+    """Drafts for the requests that sampled in a step, from their own tokens. Its only state is a
+    numpy copy of each request's tokens, extended by the new ones each step (a request's token
+    list only grows while it lives here), so a lookup does not convert the whole list again.
+    Every rank could propose the same, but only rank 0's drafts are used (the engine core hands
+    them to every rank with the next step)."""
 
     needs_features = False
 
     def __init__(self, min_n: int, max_n: int, k: int) -> None:
         self.min_n, self.max_n, self.k = min_n, max_n, k
+        self._arrays: dict[str, tuple[RequestState, np.ndarray, int]] = {}  # request id -> (state, copy, filled)
 
     def propose(self, scheduled: list[RequestState], sampled: list[RequestState]) -> dict[str, list[int]]:
         drafts = {}
         for state in sampled:
-            proposed = propose_ngram(np.asarray(state.token_ids, dtype=np.int64), self.min_n, self.max_n, self.k)
+            proposed = propose_ngram(self._tokens_of(state), self.min_n, self.max_n, self.k)
             if proposed:
                 drafts[state.request_id] = proposed
         return drafts
+
+    def _tokens_of(self, state: RequestState) -> np.ndarray:
+        tokens = state.token_ids
+        owner, array, filled = self._arrays.get(state.request_id, (None, None, 0))
+        if owner is not state or filled > len(tokens):  # a new request, or one that came back
+            array, filled = np.empty(max(64, 2 * len(tokens)), dtype=np.int64), 0
+        if len(tokens) > array.shape[0]:
+            grown = np.empty(2 * len(tokens), dtype=np.int64)
+            grown[:filled] = array[:filled]
+            array = grown
+        array[filled : len(tokens)] = tokens[filled:]
+        self._arrays[state.request_id] = (state, array, len(tokens))
+        return array[: len(tokens)]
 
     def track(self, request_id: str, num_computed_tokens: int) -> None:
         pass
 
     def forget(self, request_id: str) -> None:
-        pass
+        self._arrays.pop(request_id, None)
 
     def kv_cache_bytes_per_block(self) -> int:
         return 0

@@ -27,6 +27,8 @@ import torch
 from zllm.workers.sampler import SamplingMetadata, exponential_race, target_distribution
 from zllm.workers.transfer import to_device
 
+_FEW_REQUESTS = 8  # up to this many requests, host_indices builds lists (measured: the crossover is ~12)
+
 
 @dataclass(slots=True)
 class DraftLayout:
@@ -63,52 +65,72 @@ class DraftLayout:
 
     def host_indices(self) -> np.ndarray:
         """Every integer the sampler needs, made on the host and packed for one copy: per row its
-        draft (-1: bonus) and its request; per request its first row; per (request, offset) the
-        row it reads (its first row where the offset is past its rows) and whether it is real."""
-        counts = np.asarray([len(d) + 1 for d in self.drafts], dtype=np.int64)
+        draft (-1: bonus) and its slot r * width + offset in the [R, width] grid; per slot (request
+        r, offset) the row it reads (past the request's rows: its bonus row, never accepted) and
+        that row's draft; the offsets 0 .. width - 1."""
+        if len(self.drafts) <= _FEW_REQUESTS:
+            return self._host_indices_by_lists()
+        width = self.width
+        counts = np.fromiter(map(len, self.drafts), dtype=np.int64, count=len(self.drafts)) + 1
         first = np.asarray(self.first_row, dtype=np.int64)
-        offsets = np.arange(self.width, dtype=np.int64)
-        valid = offsets[None, :] < counts[:, None]
-        index = np.where(valid, first[:, None] + offsets[None, :], first[:, None])
-        request_of_row = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        offsets = np.arange(width, dtype=np.int64)
+        index = first[:, None] + np.minimum(offsets[None, :], counts[:, None] - 1)
         row_drafts = np.asarray(self.row_drafts(), dtype=np.int64)
-        return np.concatenate([row_drafts, request_of_row, first, index.ravel(), valid.ravel().astype(np.int64)])
+        row_slot = np.flatnonzero(offsets[None, :] < counts[:, None])  # row-major: the rows in order
+        return np.concatenate([row_drafts, row_slot, index.ravel(), row_drafts[index].ravel(), offsets])
+
+    def _host_indices_by_lists(self) -> np.ndarray:
+        """host_indices for a few requests: list appends cost less than numpy's calls there."""
+        width = self.width
+        row_drafts, row_slot, index, slot_drafts = [], [], [], []
+        for request, (drafts, first) in enumerate(zip(self.drafts, self.first_row)):
+            count = len(drafts) + 1
+            row_drafts += drafts
+            row_drafts.append(-1)
+            row_slot += range(request * width, request * width + count)
+            index += range(first, first + count)
+            index += [first + count - 1] * (width - count)
+            slot_drafts += drafts
+            slot_drafts += [-1] * (width - count + 1)
+        return np.array(row_drafts + row_slot + index + slot_drafts + list(range(width)), dtype=np.int64)
 
 
 @dataclass(slots=True)
 class Verified:
     """The tokens each request gains: `tokens[r, :num_tokens[r]]` ([R, width], -1 beyond), and
-    per position row the token it emits when it is reached (`row_tokens`, for logprobs)."""
+    per position row the token it emits when it is reached (`row_tokens()`, for logprobs)."""
 
     tokens: torch.Tensor
     num_tokens: torch.Tensor
-    row_tokens: torch.Tensor
+    slot_tokens: torch.Tensor  # [R, width]: per slot, its draft inside the accepted run, else what it emits
+    row_slot: torch.Tensor
+
+    def row_tokens(self) -> torch.Tensor:
+        return self.slot_tokens.view(-1)[self.row_slot]
 
 
 def verify(logits: torch.Tensor, meta: SamplingMetadata, layout: DraftLayout) -> Verified:
     """logits [rows, V] of every position row (with meta for those rows) -> the tokens gained.
     One host-to-device copy (pinned: it queues behind the forward) and no host sync."""
-    device = logits.device
-    indices = _Indices.of(layout, device)
+    indices = _Indices.of(layout, logits.device)
+    greedy, probs = target_distribution(logits, meta)
+    if probs is None:  # every row greedy: a draft is accepted iff it is the argmax
+        emitted = greedy[indices.index]
+        return _gather_per_request(emitted == indices.slot_drafts, emitted, indices, greedy=True)
     row_drafts = indices.row_drafts
     is_draft = row_drafts >= 0
     drafts_or_zero = row_drafts.clamp(min=0)
-    greedy, probs = target_distribution(logits, meta)
-    accepted = greedy == row_drafts
-    emitted = greedy
-    if probs is not None:
-        uniform = _uniforms(probs.shape[0], meta, device)
-        draft_prob = probs.gather(1, drafts_or_zero[:, None]).squeeze(1)
-        random_accepted = uniform < draft_prob
-        # The residual max(0, p - onehot(d)): p with the draft's entry removed (a bonus row keeps p).
-        residual = probs.scatter(1, drafts_or_zero[:, None], 0.0)
-        residual = torch.where(is_draft[:, None], residual, probs)
-        random_emitted = exponential_race(residual, meta.generators)
-        is_greedy = meta.temperature == 0.0
-        accepted = torch.where(is_greedy, accepted, random_accepted)
-        emitted = torch.where(is_greedy, greedy, random_emitted)
-    accepted &= is_draft
-    return _gather_per_request(accepted, emitted, indices)
+    uniform = _uniforms(probs.shape[0], meta, logits.device)
+    draft_prob = probs.gather(1, drafts_or_zero[:, None]).squeeze(1)
+    random_accepted = uniform < draft_prob
+    # The residual max(0, p - onehot(d)): p with the draft's entry removed (a bonus row keeps p).
+    residual = probs.scatter(1, drafts_or_zero[:, None], 0.0)
+    residual = torch.where(is_draft[:, None], residual, probs)
+    random_emitted = exponential_race(residual, meta.generators)
+    is_greedy = meta.temperature == 0.0
+    accepted = torch.where(is_greedy, greedy == row_drafts, random_accepted) & is_draft
+    emitted = torch.where(is_greedy, greedy, random_emitted)
+    return _gather_per_request(accepted[indices.index], emitted[indices.index], indices, greedy=False)
 
 
 @dataclass(slots=True)
@@ -116,18 +138,18 @@ class _Indices:
     """DraftLayout.host_indices on the device, unpacked."""
 
     row_drafts: torch.Tensor  # [rows]
-    request_of_row: torch.Tensor  # [rows]
-    first: torch.Tensor  # [R]
+    row_slot: torch.Tensor  # [rows]
     index: torch.Tensor  # [R, width]
-    valid: torch.Tensor  # [R, width] bool
+    slot_drafts: torch.Tensor  # [R, width]: -1 at the bonus row and past it
+    offsets: torch.Tensor  # [width]
 
     @classmethod
     def of(cls, layout: DraftLayout, device: torch.device) -> _Indices:
         rows, requests, width = layout.num_rows, len(layout.drafts), layout.width
         packed = to_device(layout.host_indices(), device)
-        bounds = np.cumsum([0, rows, rows, requests, requests * width, requests * width])
-        parts = [packed[bounds[k] : bounds[k + 1]] for k in range(5)]
-        return cls(parts[0], parts[1], parts[2], parts[3].view(requests, width), parts[4].view(requests, width) != 0)
+        grid = requests * width
+        row_drafts, row_slot, index, slot_drafts, offsets = packed.split([rows, rows, grid, grid, width])
+        return cls(row_drafts, row_slot, index.view(requests, width), slot_drafts.view(requests, width), offsets)
 
 
 def _uniforms(num_rows: int, meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
@@ -139,18 +161,12 @@ def _uniforms(num_rows: int, meta: SamplingMetadata, device: torch.device) -> to
     return uniform
 
 
-def _gather_per_request(accepted: torch.Tensor, emitted: torch.Tensor, indices: _Indices) -> Verified:
-    """From position rows to requests: the leading run of accepted drafts, then the token the
-    first unaccepted row emits. All on the device: no host sync."""
-    device = accepted.device
-    first, index, valid, row_drafts = indices.first, indices.index, indices.valid, indices.row_drafts
-    offsets = torch.arange(index.shape[1], device=device)
-    run = (accepted[index] & valid).to(torch.int32).cumprod(dim=1)
-    num_accepted = run.sum(dim=1)  # the bonus row is never "accepted": at most len(drafts)
-    stop_index = first + num_accepted
-    tokens = torch.where(offsets[None, :] < num_accepted[:, None], row_drafts[index], -1)
-    tokens.scatter_(1, num_accepted[:, None], emitted[stop_index][:, None])
-    # Per row: its draft while it is inside the accepted run, else what it emits itself.
-    in_run = torch.arange(accepted.shape[0], device=device) < (first + num_accepted)[indices.request_of_row]
-    row_tokens = torch.where(in_run, row_drafts, emitted)
-    return Verified(tokens=tokens, num_tokens=num_accepted + 1, row_tokens=row_tokens)
+def _gather_per_request(accepted: torch.Tensor, emitted: torch.Tensor, indices: _Indices, greedy: bool) -> Verified:
+    """From the [R, width] grid of each request's rows: the leading run of accepted drafts, then
+    the token the first unaccepted row emits, -1 after it. All on the device: no host sync.
+    greedy: inside the accepted run each draft equals what its row emits (the argmax)."""
+    run = accepted.cumprod(dim=1, dtype=torch.int32)  # a bonus row (and every slot past it) is never accepted
+    num_accepted = run.sum(dim=1)
+    slot_tokens = emitted if greedy else torch.where(run.bool(), indices.slot_drafts, emitted)
+    tokens = slot_tokens.masked_fill(indices.offsets[None, :] > num_accepted[:, None], -1)
+    return Verified(tokens=tokens, num_tokens=num_accepted + 1, slot_tokens=slot_tokens, row_slot=indices.row_slot)
