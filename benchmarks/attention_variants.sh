@@ -22,7 +22,17 @@ for entry in "${variants[@]}"; do
   script=${entry#*|}
   dir=$(mktemp -d)
   cp -r "$root/csrc" "$root/zllm" "$root/benchmarks" "$dir/"
-  [ -n "$script" ] && sed -i "$script" "$dir/csrc/attention_kernels.cu"
+  # The constants live in attention.cuh (since the window kernels got a file of their own; until
+  # then in attention_kernels.cu, which this patched on 2026-11-24): a sed that changes nothing
+  # would time the base kernel under another name, so that is an error.
+  if [ -n "$script" ]; then
+    sed -i "$script" "$dir/csrc/attention.cuh"
+    if cmp -s "$root/csrc/attention.cuh" "$dir/csrc/attention.cuh"; then
+      echo "variant $name: its sed changed nothing in csrc/attention.cuh" >&2
+      rm -rf "$dir"
+      continue
+    fi
+  fi
   [ "$name" = warps8 ] && sed -i 's/^_ATTN_THREADS = 128 /_ATTN_THREADS = 256 /' "$dir/zllm/workers/kernels/attention.py"
   cd "$dir"
   PYTHONPATH="$dir:${PYTHONPATH:-}" ZLLM_CSRC_DIR="$dir/csrc" ZLLM_KERNELS=nvrtc CUPY_CACHE_DIR="$dir/cupy" \

@@ -51,6 +51,10 @@ def expected_entry_points() -> dict[str, set[str]]:
             names["attention_kernels"].add(f"paged_attention_reduce_{dt}_d{d}")
             for cache in ("", "_kvfp8"):
                 names["attention_kernels"] |= {f"paged_attention_decode_{dt}{cache}_d{d}_g{g}" for g in (1, 4, 8)}
+                if dt != "f32" and d in (64, 128):  # the pipelined build (csrc/attention_pipe.cuh)
+                    names["attention_kernels"] |= {
+                        f"paged_attention_decode_pipe_{dt}{cache}_d{d}_g{g}_s{s}" for g in (1, 4, 8) for s in (2, 3)
+                    }
                 names["attention_window_kernels"] |= {  # sliding window, soft-capped
                     f"paged_attention_decode_{dt}{cache}{family}_d{d}_g{g}"
                     for family in ("_win", "_cap")

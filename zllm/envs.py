@@ -46,6 +46,17 @@ def _verbatim(raw: str) -> str | None:
     return raw or None
 
 
+DECODE_ATTENTION_BUILDS = ("classic", "pipe", "pipe3")
+
+
+def _decode_build(raw: str) -> str:
+    """One of DECODE_ATTENTION_BUILDS."""
+    value = raw.strip().lower()
+    if value not in DECODE_ATTENTION_BUILDS:
+        raise ValueError(f"not one of {DECODE_ATTENTION_BUILDS}")
+    return value
+
+
 def _json_object(raw: str) -> dict[str, float]:
     """A JSON object of numbers (Ray resources: {"GPU": 1, "accelerator_type:H100": 0.001})."""
     value = json.loads(raw)
@@ -105,6 +116,13 @@ SETTINGS: dict[str, Setting] = {
         Setting("ZLLM_CSRC_DIR", _text, None, "Where the CUDA sources are (default: found beside the package)."),
         Setting("ZLLM_CSRC_BUILD", _text, None, "A csrc build directory searched first for prebuilt kernels."),
         Setting("ZLLM_CPU_KERNELS", _switch, True, "0: the CPU attention kernels are not built; torch's path runs."),
+        Setting(
+            "ZLLM_DECODE_ATTENTION",
+            _decode_build,
+            "classic",
+            "Which paged decode attention kernel runs: classic, pipe (cp.async K/V tiles, 2 stages) or pipe3 "
+            "(3 stages); pipe* fall back to classic for layers they do not build (A/B switch).",
+        ),
         Setting("ZLLM_PACKED_PREFILL", _switch, True, "0: prefill attention runs a request at a time (A/B switch)."),
         Setting(
             "ZLLM_GEMV",

@@ -41,6 +41,13 @@
 #   PART=gemvperf: W2 on Llama-3-8B with the old and the split GEMV, W2 with FP8 weights by the
 #                 default FP8 GEMV and the builds in $FP8_BUILDS (default _r1u4_b6), then W2 on the
 #                 Qwen3-30B-A3B shape
+#   PART=decattn: issue 40 part 3, the pipelined decode attention (ZLLM_DECODE_ATTENTION): its GPU
+#                 tests (tests/gpu/test_decode_attention_pipe_gpu.py), the kernel table (classic,
+#                 pipe, pipe3 at batch 8/256/512 x contexts 400/1024/4096, bf16 cache; batch 256 x
+#                 400/1024 over the FP8 cache; us per call and K/V TB/s), then W1 with classic and
+#                 pipe (and pipe3 while $DECATTN_BUDGET_S, default 540 s from the start, leaves
+#                 ~110 s). Builds sm_90 only. Estimates, not yet measured: build <= 150 s, tests
+#                 ~60 s, table ~60 s, each W1 ~60 s (load, capture, ~20 s run).
 #   PART=sweep:   issue 40's rate sweep with vLLM's own client (benchmark_serving.py 0.6.3.post1,
 #                 --backend openai, random dataset, 256 in / 256 out, --ignore-eos): vllm-launch with
 #                 its defaults (piecewise CUDA graphs on) at Poisson 8, 16, 24, 32 and 40 req/s
@@ -81,7 +88,7 @@ mkdir -p "$out"
 model=/tmp/zllm-llama3-8b
 export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has this machine's cmake cache
 build_flags=()
-[[ "${1:-}" == sweep || "${1:-}" == servemodel || "${1:-}" == fp8gemv2 ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
+[[ "${1:-}" == sweep || "${1:-}" == servemodel || "${1:-}" == fp8gemv2 || "${1:-}" == decattn ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
 [[ -n "${SKIP_CSRC_BUILD:-}" || -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ]] \
   || timeout 300 bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" ${build_flags[@]+"${build_flags[@]}"} > "$out/build.log" 2>&1 \
   || { echo "csrc build failed (the loader falls back to what was built, or NVRTC):"; tail -15 "$out/build.log"; }
@@ -299,6 +306,26 @@ gemvperf)
   python benchmarks/dummy_model.py qwen3-30b-a3b "$moe" >/dev/null
   run 150 python benchmarks/latency.py --model "$moe" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024
   ;;
+decattn)
+  timeout 200 python -m pytest -q -p no:cacheprovider -p no:warnings --tb=short tests/gpu/test_decode_attention_pipe_gpu.py \
+    > "$out/pytest_decattn.log" 2>&1
+  echo "pytest (exit $?): $(grep -E '[0-9]+ (passed|failed|error)' "$out/pytest_decattn.log" | tail -1)"
+  grep -E "^(FAILED|ERROR)" "$out/pytest_decattn.log" | head -20
+  run 150 python benchmarks/attention_decode.py --batch-sizes 8,256,512 --contexts 400,1024,4096 --partition-sizes default \
+    --builds classic,pipe,pipe3
+  run 60 python benchmarks/attention_decode.py --batch-sizes 256 --contexts 400,1024 --partition-sizes default \
+    --builds classic,pipe,pipe3 --kv-cache-dtype fp8
+  for build in classic pipe pipe3; do
+    if [[ $build == pipe3 ]] && (( $(date +%s) - t0 > ${DECATTN_BUDGET_S:-540} - 110 )); then
+      echo "SKIPPED W1 with pipe3 ($(( $(date +%s) - t0 )) s gone of ${DECATTN_BUDGET_S:-540})"
+      continue
+    fi
+    export ZLLM_DECODE_ATTENTION=$build
+    echo "{\"ZLLM_DECODE_ATTENTION\": \"$build\"}" | tee -a "$jsonl"
+    w1
+  done
+  echo "decattn: $(( $(date +%s) - t0 )) s"
+  ;;
 sweep)
   source benchmarks/gpu/env.sh  # the carried wheels: aiohttp for vLLM's client
   source benchmarks/gpu/lib.sh
@@ -393,5 +420,5 @@ servemodel)
   echo "== servemodel: $( ((status == 0)) && echo 'all passed' || echo 'SOMETHING FAILED OR WAS SKIPPED (see above)'), $(( $(date +%s) - t0 )) s"
   exit $status
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|fp8gemv2|moe|moedecode|gemvcheck|gemvperf|sweep|servemodel"; exit 2 ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|fp8gemv2|moe|moedecode|gemvcheck|gemvperf|decattn|sweep|servemodel"; exit 2 ;;
 esac

@@ -2,7 +2,8 @@
 (csrc/attention.cuh; the plain kernels in attention_kernels.cu, those of sliding-window and
 soft-capped layers in attention_window_kernels.cu): long contexts are split into partitions
 (split-K) whose partial results a second kernel reduces, through an fp32 workspace passed in or
-cached per device."""
+cached per device. ZLLM_DECODE_ATTENTION (or build=) picks the pipelined build of
+csrc/attention_pipe.cuh instead where it covers the call (same grid, arguments and reduce)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 import numpy as np
 import torch
 
+from zllm import envs
 from zllm.workers.kernels.checks import (
     MAX_GRID_YZ,
     aligned16,
@@ -25,11 +27,20 @@ from zllm.workers.kernels.checks import (
     fail,
     ptr,
 )
-from zllm.workers.kernels.loader import launch
+from zllm.workers.kernels.loader import allow_shared_memory, launch
 
 _ATTN_THREADS = 128  # kAttnThreads in attention.cuh
 _ATTN_HEAD_DIMS = (64, 96, 128, 256)  # compiled head sizes (Phi-3: 96; Gemma 2/3: 256)
 _MAX_REDUCE_PARTS = 48 * 1024 // 4  # the reduce kernel's weights live in 48 KiB of shared memory
+_ATTN_WARPS = _ATTN_THREADS // 32
+# The pipelined build (csrc/attention_pipe.cuh): its stages per setting value, what it compiles,
+# and the constants its shared-memory size and table staging follow (kPipeTile, kPipeTableEntries).
+_PIPE_STAGES = {"pipe": 2, "pipe3": 3}
+_PIPE_HEAD_DIMS = (64, 128)
+_PIPE_SUFFIXES = ("f16", "bf16")
+_PIPE_TILE = 16
+_PIPE_TABLE_ENTRIES = 128
+_STATIC_SHARED_LIMIT = 48 * 1024
 
 _workspaces: dict[int, torch.Tensor] = {}
 _num_sms: dict[int, int] = {}
@@ -78,6 +89,38 @@ def _sm_count(device: torch.device | None) -> int:
     return count
 
 
+def pipe_shared_bytes(head_dim: int, element_size: int, stages: int) -> int:
+    """Dynamic shared memory of one block of the pipelined build: each warp's ring of stages, one
+    16-token tile of key rows (padded by 16 bytes) and value rows each (attention_pipe.cuh)."""
+    return _ATTN_WARPS * stages * _PIPE_TILE * (2 * head_dim * element_size + 16)
+
+
+def decode_build_stages(
+    build: str,
+    query_dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    partition_size: int,
+    num_slots: int,
+    window: int | None,
+    softcap: float | None,
+) -> int:
+    """Stages of the pipelined build that runs a call, 0 where the classic kernel does: the build
+    asked for is a pipelined one and it covers the call (fp16/bf16 queries, head_dim 64 or 128, no
+    window or cap, the partition's block-table entries within what it stages, slot numbers in 32
+    bits); anything else falls back to the classic kernel."""
+    stages = _PIPE_STAGES.get(build, 0)
+    covered = (
+        query_dtype in (torch.float16, torch.bfloat16)
+        and head_dim in _PIPE_HEAD_DIMS
+        and window is None
+        and softcap is None
+        and -(-partition_size // block_size) + 1 <= _PIPE_TABLE_ENTRIES
+        and num_slots < 2**31
+    )
+    return stages if covered else 0
+
+
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     index = device.index if device.index is not None else torch.cuda.current_device()
     cached = _workspaces.get(index)
@@ -106,6 +149,7 @@ def paged_attention_decode(
     v_scale: float = 1.0,
     window: int | None = None,
     softcap: float | None = None,
+    build: str | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; writes and returns out.
 
@@ -119,6 +163,8 @@ def paged_attention_decode(
     batches) reduced through an fp32 workspace of attention_workspace_numel(...) elements.
     window: a sliding window, the last `window` tokens only (the partitions then cover at most
     the window); softcap: scores capped at softcap * tanh(score / softcap). None: off.
+    build: "classic", "pipe" or "pipe3" (default: ZLLM_DECODE_ATTENTION); a pipelined build runs
+    where it covers the call (decode_build_stages), the classic kernel elsewhere.
     """
     op = "paged_attention_decode"
     device = check_cuda(
@@ -219,12 +265,27 @@ def paged_attention_decode(
         np.int32(window or 0),
         np.float32(softcap * math.log2(math.e) if softcap else 0.0),
     )
-    # The plain kernels have no registers to spare for a window or a cap: their own families, in
-    # a module of their own.
-    family = "_cap" if softcap else "_win" if window else ""
-    kernel = f"paged_attention_decode_{suffix}{variant}{family}_d{head_dim}_g{chunk}"
-    module = "attention_window_kernels" if family else "attention_kernels"
-    launch(module, kernel, device, (parts, kv_heads * num_chunks, batch), (_ATTN_THREADS,), args)
+    grid = (parts, kv_heads * num_chunks, batch)
+    if build is None:
+        build = envs.ZLLM_DECODE_ATTENTION
+    elif build not in envs.DECODE_ATTENTION_BUILDS:
+        fail(op, f"build {build!r} is not one of {envs.DECODE_ATTENTION_BUILDS}")
+    stages = decode_build_stages(
+        build, query.dtype, head_dim, block_size, size, num_blocks * block_size, window, softcap
+    )
+    if stages:
+        kernel = f"paged_attention_decode_pipe_{suffix}{variant}_d{head_dim}_g{chunk}_s{stages}"
+        shared = pipe_shared_bytes(head_dim, kv_cache.element_size(), stages)
+        if shared > _STATIC_SHARED_LIMIT:
+            allow_shared_memory("attention_kernels", kernel, device, shared)
+        launch("attention_kernels", kernel, device, grid, (_ATTN_THREADS,), args, shared_mem=shared)
+    else:
+        # The plain kernels have no registers to spare for a window or a cap: their own families,
+        # in a module of their own.
+        family = "_cap" if softcap else "_win" if window else ""
+        kernel = f"paged_attention_decode_{suffix}{variant}{family}_d{head_dim}_g{chunk}"
+        module = "attention_window_kernels" if family else "attention_kernels"
+        launch(module, kernel, device, grid, (_ATTN_THREADS,), args)
     if parts > 1:
         reduce_args = (
             ptr(out),

@@ -64,6 +64,7 @@ _lock = threading.Lock()
 _modules: dict[tuple[int, str], LoadedModule] = {}
 _functions: dict[tuple[int, str], Any] = {}
 _streams: dict[int, Any] = {}
+_shared_opt_in: dict[tuple[int, str], int] = {}
 _cupy_module: Any = None
 
 
@@ -186,6 +187,7 @@ def reset() -> None:
     with _lock:
         _modules.clear()
         _functions.clear()
+        _shared_opt_in.clear()
 
 
 def _load(name: str, device_index: int, mode: str) -> LoadedModule:
@@ -251,6 +253,23 @@ def get_function(name: str, kernel: str, device_index: int) -> Any:
             function = module.module.get_function(kernel)
         _functions[key] = function
     return function
+
+
+def allow_shared_memory(name: str, kernel: str, device: torch.device | int | None, nbytes: int) -> None:
+    """Let `kernel` of kernel file `name` launch with nbytes of dynamic shared memory on `device`.
+
+    Past 48 KiB a kernel must opt in (cudaFuncAttributeMaxDynamicSharedMemorySize); the carveout
+    is set to all-shared too, so that several such blocks fit an SM. Once per device and kernel:
+    not a stream operation, so a CUDA-graph capture may run it."""
+    index = _device_index(device)
+    key = (index, kernel)
+    if _shared_opt_in.get(key, 0) >= nbytes:
+        return
+    function = get_function(name, kernel, index)
+    with _cupy().cuda.Device(index):
+        function.max_dynamic_shared_size_bytes = nbytes
+        function.preferred_shared_memory_carveout = 100  # percent: shared memory over L1
+    _shared_opt_in[key] = nbytes
 
 
 def preload(device: torch.device | int | None = None) -> dict[str, str]:
