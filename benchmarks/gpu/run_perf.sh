@@ -73,6 +73,8 @@
 #                 256/256, seed 32: the sweep's prompts and gaps), the frontend's TTFT histogram before and after it,
 #                 the trace against the model (serve_gpu_model.py --trace); then the same with
 #                 Python's garbage collector off in the server's processes (benchmarks/gc_off).
+#                 SERVEMODEL_VARIANTS picks the servers (default "default gc_off"; `nofreeze`:
+#                 ZLLM_GC_FREEZE=0, the start-up heap left in the collector's walks).
 #                 Carry .whl and .sdist as for sweep. Budget (estimates): build <= 120 s (none when
 #                 /tmp/zllm-csrc-build is there), per server: start ~50 s, warm-up ~15 s, run ~34 s,
 #                 stop ~5 s: ~220 s + the build, bounded by $SERVEMODEL_BUDGET_S (default 530 s).
@@ -398,11 +400,13 @@ servemodel)
   client=(--model "$(basename "$model")" --tokenizer "$model" --random-input-len 256 --random-output-len 256 --ignore-eos)
   echo "== the model's prediction (CPU): python benchmarks/serve_gpu_model.py --rates 32 --table"
   python benchmarks/serve_gpu_model.py --rates 32 --table
-  for variant in default gc_off; do
+  for variant in ${SERVEMODEL_VARIANTS:-default gc_off}; do
     extra=$PYTHONPATH
     [[ $variant == gc_off ]] && extra="$PWD/benchmarks/gc_off:$PYTHONPATH"
+    freeze=1
+    [[ $variant == nofreeze ]] && freeze=0  # the collector as Python sets it (before ZLLM_GC_FREEZE)
     fits "servemodel-$variant" 110 || continue
-    if PYTHONPATH=$extra ZLLM_STEP_TRACE="$out/trace-$variant" serve_start "$variant" 180 "${server_flags[@]}"; then
+    if PYTHONPATH=$extra ZLLM_GC_FREEZE=$freeze ZLLM_STEP_TRACE="$out/trace-$variant" serve_start "$variant" 180 "${server_flags[@]}"; then
       vllm_client "servemodel-warm-$variant" 120 "${client[@]}" --num-prompts 64 --request-rate inf --seed 1000
       scrape() { curl -sf "http://127.0.0.1:$PORT/metrics" | grep -E "^zllm:(time_to_first_token|inter_token)" > "$out/metrics-$variant-$1.txt"; }
       scrape before  # the warm-up's 64 at once are in the histograms too: subtract these
