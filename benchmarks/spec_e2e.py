@@ -10,8 +10,10 @@ speculative config, on two workloads of chat prompts:
 
 Each prompt runs alone (batch 1), greedy, at most 256 tokens on copy-heavy (room for each copy)
 and 160 on chat (or `--max-tokens` for both),
-warmed up once; the figure is all output tokens over all wall time. Both engines run in this one
-process, one after the other, with async scheduling as resolved (on with CUDA) unless
+warmed up once; the figure is all output tokens over all wall time. The engines live in this one
+process at once and take turns, `--rounds` times (3; each round in another order), and the
+figures are each engine's median round, because a host-bound 135M model's tokens/s drifts by
+about 10% between runs of one engine. Async scheduling as resolved (on with CUDA) unless
 `--no-async-scheduling` turns it off for both, or `--compare-sync` adds the speculative engine
 with synchronous steps beside it. Prints one JSON line per (workload, engine), with the engine
 steps and, for a speculative engine, that workload's acceptance (drafts, accepted per position,
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import time
 
 from zllm.launch.args import parse_json_object
@@ -123,9 +127,21 @@ def main() -> None:
     parser.add_argument(
         "--compare-sync", action="store_true", help="also run the speculative engine with synchronous steps"
     )
+    parser.add_argument(
+        "--compare-fixed",
+        action="store_true",
+        help="also run the speculative engine with every n-gram draft k long (ZLLM_NGRAM_ADAPTIVE=0)",
+    )
     parser.add_argument("--no-plain", action="store_true", help="run only the speculative engine(s)")
     parser.add_argument("--workloads", default="copy-heavy,chat", help="comma-separated: copy-heavy, chat")
     parser.add_argument("--show-outputs", action="store_true", help="print each answer and its acceptance")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds over every engine, all alive at once, each round in another order; the figures are "
+        "the medians (a host-bound 135M model's tokens/s drifts by 10%% between runs of one engine)",
+    )
     args = parser.parse_args()
 
     import torch
@@ -133,45 +149,79 @@ def main() -> None:
     from zllm import LLM
 
     workloads = {"copy-heavy": COPY_HEAVY, "chat": CHAT}
+    adaptive = os.environ.get("ZLLM_NGRAM_ADAPTIVE", "1")
     # Copy-heavy: room for the longest copy (about 140 tokens); chat: as long as it always was.
     max_tokens = {"copy-heavy": 256, "chat": 160}
     chosen = args.workloads.split(",")
-    results: dict[tuple[str, str], float] = {}
-    engines = [("speculative", args.speculative_config, args.async_scheduling)]
+    kinds = [("speculative", args.speculative_config, args.async_scheduling)]
     if not args.no_plain:
-        engines.insert(0, ("plain", None, args.async_scheduling))
+        kinds.insert(0, ("plain", None, args.async_scheduling))
     if args.compare_sync:
-        engines.append(("speculative-sync", args.speculative_config, False))
-    for engine, speculative, async_scheduling in engines:
-        llm = LLM(
+        kinds.append(("speculative-sync", args.speculative_config, False))
+    if args.compare_fixed:
+        kinds.append(("speculative-fixed", args.speculative_config, args.async_scheduling))
+    share = round(0.9 / len(kinds), 2)  # every engine's KV cache in one GPU at once
+    engines = {}
+    for name, speculative, async_scheduling in kinds:
+        # The proposer reads ZLLM_NGRAM_ADAPTIVE when its engine starts.
+        os.environ["ZLLM_NGRAM_ADAPTIVE"] = "0" if name == "speculative-fixed" else adaptive
+        engines[name] = LLM(
             args.model,
             dtype=args.dtype,
             max_model_len=2048,
             speculative_config=speculative,
             async_scheduling=async_scheduling,
+            gpu_memory_utilization=share,
         )
-        for workload in chosen:
-            rate, tokens, steps = run_workload(
-                llm, workloads[workload], args.max_tokens or max_tokens[workload], args.show_outputs
-            )
-            results[workload, engine] = rate
-            line = {
-                "workload": workload,
-                "engine": engine,
-                "async_scheduling": llm.engine.config.async_scheduling,
-                "tokens_per_s": round(rate, 1),
-                "tokens": tokens,
-            }
-            print(json.dumps(line | steps), flush=True)
+    os.environ["ZLLM_NGRAM_ADAPTIVE"] = adaptive
+    rates: dict[tuple[str, str], list[float]] = {}
+    for round_index in range(args.rounds):
+        names = list(engines)
+        names = names[round_index % len(names) :] + names[: round_index % len(names)]  # rotate the order
+        for name in names:
+            llm = engines[name]
+            for workload in chosen:
+                rate, tokens, steps = run_workload(
+                    llm, workloads[workload], args.max_tokens or max_tokens[workload], args.show_outputs
+                )
+                rates.setdefault((workload, name), []).append(rate)
+                line = {
+                    "round": round_index,
+                    "workload": workload,
+                    "engine": name,
+                    "async_scheduling": llm.engine.config.async_scheduling,
+                    "tokens_per_s": round(rate, 1),
+                    "tokens": tokens,
+                }
+                print(json.dumps(line | steps), flush=True)
+    for llm in engines.values():
         llm.shutdown()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    medians = {key: statistics.median(values) for key, values in rates.items()}
     speedups = {
-        f"{w} {e}": round(results[w, e] / results[w, "plain"], 3)
+        f"{w} {e}": round(medians[w, e] / medians[w, "plain"], 3)
         for w in chosen
-        for e, _, _ in engines
-        if e != "plain" and (w, "plain") in results
+        for e in engines
+        if e != "plain" and (w, "plain") in medians
     }
-    print(json.dumps({"device": device, "speculative_config": args.speculative_config, "speedup": speedups}))
+    per_round = {
+        f"{w} {e}": [round(a / b, 3) for a, b in zip(rates[w, e], rates[w, "plain"])]
+        for w in chosen
+        for e in engines
+        if e != "plain" and (w, "plain") in rates
+    }
+    print(
+        json.dumps(
+            {
+                "device": device,
+                "speculative_config": args.speculative_config,
+                "rounds": args.rounds,
+                "median_tokens_per_s": {f"{w} {e}": round(v, 1) for (w, e), v in medians.items()},
+                "speedup": speedups,
+                "speedup_per_round": per_round,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

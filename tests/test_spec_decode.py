@@ -68,6 +68,31 @@ def test_ngram_proposer_keeps_its_copy_of_the_tokens_current():
     assert proposer.propose([state], [state]) == {"a": _ngram_by_brute_force(state.token_ids, 1, 3, 4)}
 
 
+def test_adaptive_ngram_drafts_follow_what_each_request_kept():
+    """ZLLM_NGRAM_ADAPTIVE: k at first; one more than was kept after a partly rejected draft;
+    doubling up to k while whole drafts are kept. Requests keep their own lengths."""
+    period = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    proposer = NgramProposer(1, 3, 8, adaptive=True)
+    copy = SimpleNamespace(request_id="copy", token_ids=period * 3)  # a periodic text: every draft kept
+    chat = SimpleNamespace(request_id="chat", token_ids=[5, 6, 7, 9, 5, 6])
+    assert proposer.propose([copy, chat], [copy, chat]) == {"copy": [1, 2, 3, 4, 5, 6, 7, 8], "chat": [7, 9, 5, 6]}
+    copy.token_ids += [1, 2, 3, 4, 5, 6, 7, 8, 9]  # all 8 kept and the bonus token: stays at 8
+    chat.token_ids += [7, 5]  # kept "7", then the target's own token: drafts of at most 2 now
+    assert proposer.propose([copy, chat], [copy, chat]) == {"copy": [1, 2, 3, 4, 5, 6, 7, 8], "chat": [6, 7]}
+    chat.token_ids += [6, 7, 9]  # the whole short draft kept: the cap doubles to 4
+    assert proposer.propose([chat], [chat]) == {"chat": [5, 6, 7, 5]}
+    chat.token_ids += [1]  # nothing kept: one token next time
+    proposer.propose([chat], [chat])
+    assert proposer._last["chat"][0] == 1
+    proposer.forget("chat")
+    assert "chat" not in proposer._last
+    fixed = NgramProposer(1, 3, 8)  # off: every draft as long as the lookup finds, rejected or not
+    other = SimpleNamespace(request_id="other", token_ids=[5, 6, 7, 9, 5, 6])
+    assert fixed.propose([other], [other]) == {"other": [7, 9, 5, 6]}
+    other.token_ids += [7, 5]
+    assert fixed.propose([other], [other]) == {"other": [6, 7, 5]}  # adaptive would stop at 2
+
+
 # ---- the rejection sampler ---------------------------------------------------------------------
 
 

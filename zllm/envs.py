@@ -138,6 +138,12 @@ SETTINGS: dict[str, Setting] = {
             empty_is_a_value=True,
         ),
         Setting(
+            "ZLLM_NGRAM_ADAPTIVE",
+            _switch,
+            True,
+            "0: every n-gram draft is num_speculative_tokens long; on, a request drafts one more than it last kept.",
+        ),
+        Setting(
             "ZLLM_GEMV_ROWS",
             _switch,
             True,

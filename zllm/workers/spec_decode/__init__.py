@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from zllm import envs
+
 if TYPE_CHECKING:
     from zllm.workers.model_runner import ModelRunner, RequestState
 
@@ -37,7 +39,10 @@ def make_proposer(runner: ModelRunner) -> Proposer | None:
         from zllm.workers.spec_decode.ngram import NgramProposer
 
         return NgramProposer(
-            speculative.prompt_lookup_min, speculative.prompt_lookup_max, speculative.num_speculative_tokens
+            speculative.prompt_lookup_min,
+            speculative.prompt_lookup_max,
+            speculative.num_speculative_tokens,
+            adaptive=envs.ZLLM_NGRAM_ADAPTIVE,
         )
     if speculative.method == "draft_model":
         from zllm.workers.spec_decode.draft_model import DraftModelProposer

@@ -46,17 +46,45 @@ class NgramProposer:
 
     needs_features = False
 
-    def __init__(self, min_n: int, max_n: int, k: int) -> None:
+    def __init__(self, min_n: int, max_n: int, k: int, adaptive: bool = False) -> None:
         self.min_n, self.max_n, self.k = min_n, max_n, k
+        self.adaptive = adaptive  # ZLLM_NGRAM_ADAPTIVE: each request's draft length follows what it kept
         self._arrays: dict[str, tuple[RequestState, np.ndarray, int]] = {}  # request id -> (state, copy, filled)
+        self._last: dict[str, tuple[int, list[int], int]] = {}  # request id -> (cap, last draft, tokens then)
 
     def propose(self, scheduled: list[RequestState], sampled: list[RequestState]) -> dict[str, list[int]]:
         drafts = {}
         for state in sampled:
-            proposed = propose_ngram(self._tokens_of(state), self.min_n, self.max_n, self.k)
+            tokens = self._tokens_of(state)
+            cap = self._cap(state.request_id, tokens) if self.adaptive else self.k
+            proposed = propose_ngram(tokens, self.min_n, self.max_n, cap)
             if proposed:
                 drafts[state.request_id] = proposed
+            if self.adaptive:
+                self._last[state.request_id] = (cap, proposed, tokens.shape[0])
         return drafts
+
+    def _cap(self, request_id: str, tokens: np.ndarray) -> int:
+        """How many tokens to draft for this request now: k at first; after a draft the target
+        rejected part of, one more than it kept; doubling (up to k) while whole drafts are kept.
+        A verifying step costs more with every drafted row (past 8 rows the linear layers leave the
+        small-batch GEMV) while a prompt-lookup draft that missed once tends to miss again, so
+        chat-like text drafts short and copying drafts long. The kept count is read from the
+        request's tokens: the draft's tokens that came back in its place (the target's own token
+        ends the comparison). Which tokens are sampled never depends on it: only the draft
+        lengths do."""
+        last = self._last.get(request_id)
+        if last is None:
+            return self.k
+        cap, draft, drafted_at = last
+        grown = tokens[drafted_at : drafted_at + len(draft)]
+        if not draft or grown.shape[0] == 0:  # nothing drafted, or nothing came back yet
+            return cap
+        mismatches = np.flatnonzero(grown != np.asarray(draft[: grown.shape[0]]))
+        kept = int(mismatches[0]) if mismatches.size else grown.shape[0]
+        if kept == len(draft):
+            return min(self.k, 2 * max(cap, kept))
+        return kept + 1
 
     def _tokens_of(self, state: RequestState) -> np.ndarray:
         tokens = state.token_ids
@@ -76,6 +104,7 @@ class NgramProposer:
 
     def forget(self, request_id: str) -> None:
         self._arrays.pop(request_id, None)
+        self._last.pop(request_id, None)
 
     def kv_cache_bytes_per_block(self) -> int:
         return 0
