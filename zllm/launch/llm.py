@@ -37,7 +37,6 @@ from zllm.outputs import (
     ScoringRequestOutput,
 )
 from zllm.pooling import POOLING_SAMPLING, PoolingParams, cosine, finish_pooled, finished_rows
-from zllm.procs.gc_heap import heap_frozen_during_run
 from zllm.sampling_params import SamplingParams
 
 # Text inputs per tokenizer call when pooling: the engine embeds one chunk while the next is tokenized.
@@ -470,10 +469,7 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        with (
-            heap_frozen_during_run(),
-            tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar,
-        ):
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:

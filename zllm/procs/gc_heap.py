@@ -11,11 +11,9 @@ what requests allocate afterwards is collected as before.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import time
-from collections.abc import Iterator
 
 from zllm import envs
 
@@ -38,18 +36,3 @@ def freeze_startup_heap(process_name: str) -> int:
         1000 * (time.perf_counter() - started),
     )
     return frozen
-
-
-@contextlib.contextmanager
-def heap_frozen_during_run() -> Iterator[None]:
-    """An in-process engine's run (LLM.generate): what is alive when it starts (torch, the model,
-    the engine) stays out of the collector's walks until the run ends, then goes back, so that an
-    engine dropped later is still collected. A heap someone froze already is left as it is."""
-    if not envs.ZLLM_GC_FREEZE or gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
