@@ -81,7 +81,11 @@ def test_adaptive_ngram_drafts_follow_what_each_request_kept():
     assert proposer.propose([copy, chat], [copy, chat]) == {"copy": [1, 2, 3, 4, 5, 6, 7, 8], "chat": [6, 7]}
     chat.token_ids += [6, 7, 9]  # the whole short draft kept: the cap doubles to 4
     assert proposer.propose([chat], [chat]) == {"chat": [5, 6, 7, 5]}
-    chat.token_ids += [1]  # nothing kept: one token next time
+    chat.token_ids += [5]  # one token back, matching: the draft was not (all) scored, the cap stays
+    proposer.propose([chat], [chat])
+    assert proposer._last["chat"][0] == 4
+    drafted = proposer._last["chat"][1]
+    chat.token_ids += [drafted[0] + 1000]  # the target's own token at the first position: nothing kept
     proposer.propose([chat], [chat])
     assert proposer._last["chat"][0] == 1
     proposer.forget("chat")

@@ -69,22 +69,22 @@ class NgramProposer:
         rejected part of, one more than it kept; doubling (up to k) while whole drafts are kept.
         A verifying step costs more with every drafted row (past 8 rows the linear layers leave the
         small-batch GEMV) while a prompt-lookup draft that missed once tends to miss again, so
-        chat-like text drafts short and copying drafts long. The kept count is read from the
-        request's tokens: the draft's tokens that came back in its place (the target's own token
-        ends the comparison). Which tokens are sampled never depends on it: only the draft
-        lengths do."""
+        chat-like text drafts short and copying drafts long. What was kept is read from the tokens
+        that came back in the draft's place: a rejection always shows the target's own token where
+        the draft's was; fewer tokens than the draft, all matching, mean it was not (all) scored
+        (the core asked for fewer), and the cap stays. Only draft lengths depend on this, never
+        which tokens are sampled."""
         last = self._last.get(request_id)
         if last is None:
             return self.k
         cap, draft, drafted_at = last
         grown = tokens[drafted_at : drafted_at + len(draft)]
-        if not draft or grown.shape[0] == 0:  # nothing drafted, or nothing came back yet
-            return cap
-        mismatches = np.flatnonzero(grown != np.asarray(draft[: grown.shape[0]]))
-        kept = int(mismatches[0]) if mismatches.size else grown.shape[0]
-        if kept == len(draft):
-            return min(self.k, 2 * max(cap, kept))
-        return kept + 1
+        mismatches = np.flatnonzero(grown != np.asarray(draft[: grown.shape[0]], dtype=tokens.dtype))
+        if mismatches.size:
+            return int(mismatches[0]) + 1
+        if draft and grown.shape[0] == len(draft):
+            return min(self.k, 2 * max(cap, len(draft)))
+        return cap
 
     def _tokens_of(self, state: RequestState) -> np.ndarray:
         tokens = state.token_ids
