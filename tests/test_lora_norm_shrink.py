@@ -14,74 +14,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
+from tests.helpers.lora import NORM_HIDDEN as HIDDEN
+from tests.helpers.lora import NORM_RANK as RANK
+from tests.helpers.lora import NORM_SLOTS as SLOTS
+from tests.helpers.lora import ShrinkCounts, run_lora_layer, tiny_lora_layer
 from zllm import envs
-from zllm.model_spec import ModelSpec
 from zllm.workers import ops
 from zllm.workers.distributed import TensorParallel
 from zllm.workers.kernels.layernorm import norm_shrink_supported
-from zllm.workers.lora import LoRABatch, LoRALayer, LoRAManager
-from zllm.workers.models.llama import LlamaDecoderLayer, RMSNorm
-
-HIDDEN, SLOTS, RANK = 64, 4, 8
-
-
-def tiny_layer(norm_shrink: bool, rows: int, gen: torch.Generator) -> tuple[LlamaDecoderLayer, LoRABatch]:
-    """A random fp32 Llama decoder layer (hidden 64, GQA) with random adapters in slots 0-2 on
-    every projection, its rows' slots -1/0/3/... on the kernel path's buffers."""
-    config = LlamaConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=1,
-        vocab_size=128,
-    )
-    spec = ModelSpec.from_hf_config(config)
-    layer = LlamaDecoderLayer(spec, ops.TorchOps(), TensorParallel(), 0, None)
-    with torch.no_grad():
-        for param in layer.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.2 + (1.0 if param.dim() == 1 else 0.0))
-    slots = [[-1, 0, 3, 2, 0, -1, 1, 3][i % 8] for i in range(rows)]
-    batch = LoRABatch(token_slots=torch.tensor(slots, dtype=torch.int32), dense_from=sys.maxsize)
-    batch.fused_expand, batch.norm_shrink = True, norm_shrink
-    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        lora = linear.lora = LoRALayer(linear, SLOTS, RANK, batch)
-        with torch.no_grad():
-            lora.A[:3].copy_(torch.randn(lora.A[:3].shape, generator=gen) * 0.2)
-            lora.B[:, :3].copy_(torch.randn(lora.B[:, :3].shape, generator=gen) * 0.2)
-    return layer, batch
-
-
-class Counts:
-    """How many shrinks ran outside a norm (ops.lora_shrink) and how many in one."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.alone = self.in_norm = 0
-        shrink, fused = ops.lora_shrink, ops.TorchOps.add_rms_norm_lora_shrink
-
-        def counted_shrink(*args):
-            self.alone += 1
-            return shrink(*args)
-
-        def counted_fused(*args):
-            self.in_norm += 1
-            with monkeypatch.context() as inner:
-                inner.setattr(ops, "lora_shrink", shrink)  # the norm's own shrink is not one alone
-                return fused(*args)
-
-        monkeypatch.setattr(ops, "lora_shrink", counted_shrink)
-        monkeypatch.setattr(ops.TorchOps, "add_rms_norm_lora_shrink", counted_fused)
-
-
-def run_layer(layer: LlamaDecoderLayer, x: torch.Tensor, residual: torch.Tensor, attended: torch.Tensor):
-    """The decoder layer's two token-parallel halves (attention itself stubbed: project returns
-    q/k/v's output), as the runner calls them."""
-    layer.self_attn.project = lambda x, *_: layer.self_attn.qkv_proj(x)
-    qkv, residual = layer.before_attention(x, residual, None, None, None, None)
-    out, residual = layer.after_attention(attended, residual)
-    return qkv, out, residual
+from zllm.workers.lora import LoRAManager
+from zllm.workers.models.llama import RMSNorm
 
 
 def test_the_switch_is_off_by_default(monkeypatch):
@@ -97,12 +40,11 @@ def test_decoder_layer_with_the_norm_shrink_equals_without(rows, monkeypatch):
     gate_up's shrink ran in its norm (2 a layer), o and down's alone (2)."""
     results = {}
     for fused in (False, True):
-        gen = torch.Generator().manual_seed(rows)
-        layer, _ = tiny_layer(fused, rows, gen)
-        x, residual, attended = (torch.randn(rows, n, generator=gen) for n in (HIDDEN, HIDDEN, HIDDEN))
+        layer, _, gen = tiny_lora_layer(fused, rows, rows)
+        x, residual, attended = (torch.randn(rows, HIDDEN, generator=gen) for _ in range(3))
         with monkeypatch.context() as patch:
-            counts = Counts(patch)
-            results[fused] = run_layer(layer, x, residual, attended)
+            counts = ShrinkCounts(patch, ops.TorchOps)
+            results[fused] = run_lora_layer(layer, x, residual, attended)
         assert (counts.alone, counts.in_norm) == ((2, 2) if fused else (4, 0))
         assert all(lora.held is None for lora in (layer.self_attn.qkv_proj.lora, layer.mlp.gate_up_proj.lora))
     for got, expected in zip(results[True], results[False]):
@@ -111,8 +53,7 @@ def test_decoder_layer_with_the_norm_shrink_equals_without(rows, monkeypatch):
 
 def test_norm_shrinks_only_where_its_conditions_hold():
     """The switch, the kernel path's buffers, decode rows (1-8), not a dense-path launch."""
-    gen = torch.Generator().manual_seed(0)
-    layer, batch = tiny_layer(True, 9, gen)
+    layer, batch, gen = tiny_lora_layer(True, 9, 0)
     lora = layer.mlp.gate_up_proj.lora
     weight = layer.post_attention_layernorm.weight
     x = torch.randn(9, HIDDEN, generator=gen)
@@ -130,8 +71,7 @@ def test_norm_shrinks_only_where_its_conditions_hold():
 def test_a_held_shrink_serves_only_its_own_tensor():
     """The projection of another tensor than the norm's output launches its own shrink, and a held
     shrink is dropped once read (a stale one never serves a later step)."""
-    gen = torch.Generator().manual_seed(1)
-    layer, _ = tiny_layer(True, 2, gen)
+    layer, _, gen = tiny_lora_layer(True, 2, 1)
     norm, lora = layer.post_attention_layernorm, layer.mlp.gate_up_proj.lora
     x, residual = torch.randn(2, HIDDEN, generator=gen), torch.randn(2, HIDDEN, generator=gen)
     normed, _ = norm(x, residual, lora)
@@ -165,7 +105,7 @@ def test_the_kernel_takes_only_vector_rows():
 def test_manager_turns_it_on_for_cuda_only(monkeypatch):
     """On the CPU (no kernel path) LoRAManager leaves the switch off whatever the setting."""
     monkeypatch.setenv("ZLLM_LORA_NORM_SHRINK", "1")
-    layer, _ = tiny_layer(False, 1, torch.Generator().manual_seed(2))
+    layer, _, _ = tiny_lora_layer(False, 1, 2)
     model = SimpleNamespace(model=SimpleNamespace(layers=[layer]))
     config = SimpleNamespace(max_lora_rank=RANK, max_loras=SLOTS, max_cpu_loras=None)
     manager = LoRAManager(model, config, None, TensorParallel())
