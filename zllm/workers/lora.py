@@ -29,6 +29,9 @@ Three paths:
   gemv_lora_*): a projection is then the shrink and one GEMV, two launches instead of three
   (ZLLM_LORA_FUSED_EXPAND=0: the separate expand). At batch-1 decode those launches, not bytes,
   are LoRA's cost (Llama-3-8B: 128 projections a token).
+  With ZLLM_LORA_NORM_SHRINK (off by default) the add-RMSNorm before q/k/v and gate/up computes
+  their shrink in its own launch at decode (`LoRALayer.add_rms_norm`, csrc/layernorm_kernels.cu
+  fused_add_rms_norm_lora_shrink) and the projection uses it (`shrunk`): one launch less each.
 - dense (CUDA, steps of many tokens: `LoRABatch.dense_from` rows and more, decided by the launch's
   padded row count so a CUDA graph holds one path): the shrink is one GEMM over every slot at
   once, x [T, in] @ A.view(S * P * R, in)^T; each row keeps only its own slot's columns
