@@ -174,6 +174,13 @@ SETTINGS: dict[str, Setting] = {
             "0: LoRA's expand runs as its own kernel at decode, not in the GEMV's epilogue (A/B switch).",
         ),
         Setting(
+            "ZLLM_LORA_NORM_SHRINK",
+            _on,
+            False,
+            "1: at decode (1-8 rows) the add-RMSNorm before q/k/v and gate/up also runs their LoRA shrink, "
+            "in one launch (A/B switch).",
+        ),
+        Setting(
             "ZLLM_LORA_DENSE_ROWS_PER_SLOT",
             float,
             4.0,

@@ -5,6 +5,8 @@
 #   lora    benchmarks/lora_serving.py: kernels, W1 over 0 / 8 / 64 adapters, W2 with 0 / 1 adapter
 #   lora-ab the LoRA paths alone (ZLLM_LORA_DENSE_ROWS_PER_SLOT=inf: kernels; 0: dense) on W1 and W2
 #   lora-fused  W2 with no adapter, then one adapter with the expand unfused and fused (ZLLM_LORA_FUSED_EXPAND)
+#   lora-norm   W2 with no adapter, then one adapter with the q/k/v and gate/up shrinks in the norm off and
+#               on (ZLLM_LORA_NORM_SHRINK), then tests/gpu/test_lora_norm_gpu.py
 #   vision  benchmarks/vision.py on the Qwen2.5-VL-7B shape (dummy weights)
 #   i32     benchmarks/gpu/run_issue32.sh w2 and kv
 # Carry .whl (pyzmq, msgspec, xgrammar, peft, accelerate and their needs) and .csrc90/sm_90 (the
@@ -49,11 +51,21 @@ case ${1:-} in
     run w2 --adapters 0 --iters 3
     ZLLM_LORA_FUSED_EXPAND=0 run w2 --adapters 1 --iters 3
     ZLLM_LORA_FUSED_EXPAND=1 run w2 --adapters 1 --iters 3 ;;
+  lora-norm)
+    # W2's A/B of the shrink in the add-RMSNorm (base, off, on), then its GPU tests (one call).
+    [ -d /tmp/llama3-8b ] || python3 benchmarks/dummy_model.py llama3-8b /tmp/llama3-8b > /dev/null
+    run() { echo "== lora $*"; timeout 130 python3 benchmarks/lora_serving.py "$@" --model /tmp/llama3-8b 2>&1 | tee -a "$out/lora.log" | grep -E '^\{|Error|error' | tail -4; }
+    run w2 --adapters 0 --iters 3
+    ZLLM_LORA_NORM_SHRINK=0 run w2 --adapters 1 --iters 3
+    ZLLM_LORA_NORM_SHRINK=1 run w2 --adapters 1 --iters 3
+    echo "== test_lora_norm_gpu"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_lora_norm_gpu.py --tb=short > "$out/test_lora_norm_gpu.log" 2>&1
+    tail -4 "$out/test_lora_norm_gpu.log"; grep -E "^(FAILED|ERROR)" "$out/test_lora_norm_gpu.log" | head -8 ;;
   vision)
     [ -d /tmp/qwen2.5-vl-7b ] || python3 benchmarks/dummy_model.py qwen2.5-vl-7b /tmp/qwen2.5-vl-7b > /dev/null
     timeout 520 python3 benchmarks/vision.py --model /tmp/qwen2.5-vl-7b --load-format dummy --requests 500 --output-len 128 2>&1 | grep -E '^\{|Error|error|image processor' | tail -8 ;;
   i32)
     bash benchmarks/gpu/run_issue32.sh w2
     bash benchmarks/gpu/run_issue32.sh kv ;;
-  *) echo "usage: $0 tests|lora|lora-ab|lora-fused|vision|i32" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|lora|lora-ab|lora-fused|lora-norm|vision|i32" >&2; exit 2 ;;
 esac

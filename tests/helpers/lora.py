@@ -73,3 +73,83 @@ def tiny_llama_with_adapters(root: Path, **config) -> tuple[Path, Path, dict[str
     for name in SPECS:
         assert references[name] != references["base"], f"adapter {name} changes nothing: a test would be vacuous"
     return model_dir, root / "adapters", references
+
+
+# ---- ZLLM_LORA_NORM_SHRINK: one decoder layer with adapters on every projection ----------------
+
+NORM_HIDDEN, NORM_SLOTS, NORM_RANK = 64, 4, 8
+
+
+def tiny_lora_layer(norm_shrink: bool, rows: int, seed: int, device: str = "cpu"):
+    """A random fp32 Llama decoder layer (hidden 64, GQA; the ops of `device`) with random adapters
+    in slots 0-2 of every projection, its rows' slots (-1/0/3/2/...) in the kernel path's
+    buffers (the fused expand on, the dense path never). Returns (layer, batch, generator)."""
+    import sys
+
+    import torch
+    from transformers import LlamaConfig
+
+    from zllm.model_spec import ModelSpec
+    from zllm.workers.distributed import TensorParallel
+    from zllm.workers.lora import LoRABatch, LoRALayer
+    from zllm.workers.models.llama import LlamaDecoderLayer
+    from zllm.workers.ops import ops_for
+
+    config = LlamaConfig(
+        hidden_size=NORM_HIDDEN,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        vocab_size=128,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device(device):
+        layer = LlamaDecoderLayer(
+            ModelSpec.from_hf_config(config), ops_for(torch.device(device)), TensorParallel(), 0, None
+        )
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2 + (1.0 if param.dim() == 1 else 0.0))
+    slots = [[-1, 0, 3, 2, 0, -1, 1, 3][i % 8] for i in range(rows)]
+    batch = LoRABatch(token_slots=torch.tensor(slots, dtype=torch.int32, device=device), dense_from=sys.maxsize)
+    batch.fused_expand, batch.norm_shrink = True, norm_shrink
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        lora = linear.lora = LoRALayer(linear, NORM_SLOTS, NORM_RANK, batch)
+        with torch.no_grad():
+            lora.A[:3].copy_(torch.randn(lora.A[:3].shape, generator=gen) * 0.2)
+            lora.B[:, :3].copy_(torch.randn(lora.B[:, :3].shape, generator=gen) * 0.2)
+    return layer, batch, gen
+
+
+class ShrinkCounts:
+    """How many LoRA shrinks ran alone (ops.lora_shrink) and how many inside a norm
+    (add_rms_norm_lora_shrink of the layer's ops class), while installed by monkeypatch."""
+
+    def __init__(self, monkeypatch, ops_class) -> None:
+        from zllm.workers import ops
+
+        self.alone = self.in_norm = 0
+        shrink, fused = ops.lora_shrink, ops_class.add_rms_norm_lora_shrink
+
+        def counted_shrink(*args):
+            self.alone += 1
+            return shrink(*args)
+
+        def counted_fused(*args):
+            self.in_norm += 1
+            with monkeypatch.context() as inner:
+                inner.setattr(ops, "lora_shrink", shrink)  # the CPU reference's own shrink is not one alone
+                return fused(*args)
+
+        monkeypatch.setattr(ops, "lora_shrink", counted_shrink)
+        monkeypatch.setattr(ops_class, "add_rms_norm_lora_shrink", counted_fused)
+
+
+def run_lora_layer(layer, x, residual, attended):
+    """The decoder layer's two token-parallel halves as the runner calls them, attention itself
+    stubbed (project returns q/k/v's output): (qkv, layer output, residual)."""
+    layer.self_attn.project = lambda x, *_: layer.self_attn.qkv_proj(x)
+    qkv, residual = layer.before_attention(x, residual, None, None, None, None)
+    out, residual = layer.after_attention(attended, residual)
+    return qkv, out, residual

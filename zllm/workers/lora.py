@@ -29,6 +29,9 @@ Three paths:
   gemv_lora_*): a projection is then the shrink and one GEMV, two launches instead of three
   (ZLLM_LORA_FUSED_EXPAND=0: the separate expand). At batch-1 decode those launches, not bytes,
   are LoRA's cost (Llama-3-8B: 128 projections a token).
+  With ZLLM_LORA_NORM_SHRINK (off by default) the add-RMSNorm before q/k/v and gate/up computes
+  their shrink in its own launch at decode (`LoRALayer.add_rms_norm`, csrc/layernorm_kernels.cu
+  fused_add_rms_norm_lora_shrink) and the projection uses it (`shrunk`): one launch less each.
 - dense (CUDA, steps of many tokens: `LoRABatch.dense_from` rows and more, decided by the launch's
   padded row count so a CUDA graph holds one path): the shrink is one GEMM over every slot at
   once, x [T, in] @ A.view(S * P * R, in)^T; each row keeps only its own slot's columns
@@ -78,6 +81,7 @@ class LoRABatch:
     slot_mask: torch.Tensor | None = None
     dense_from: int = 0
     fused_expand: bool = False  # launches the GEMV kernels take add the expand in their epilogue
+    norm_shrink: bool = False  # decode launches: the add-RMSNorm before q/k/v, gate/up runs their shrink
 
     def fill_slot_mask(self) -> None:
         """The one-hot of token_slots (on the device, once a step: every layer reads it)."""
@@ -113,6 +117,8 @@ class LoRALayer:
         self.B = torch.zeros(offset, num_slots, max_rank, dtype=weight.dtype, device=weight.device)
         self.part_ends = [start + count for start, count in self.part_rows]
         self.batch = batch
+        # (the norm's output, its shrink): add_rms_norm's, for the next project() of that tensor.
+        self.held: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The projection's product (its weights times x, plus bias) with each row's adapter added:
@@ -120,9 +126,45 @@ class LoRALayer:
         weights' product."""
         if self.fuses(x):
             slots = self.batch.token_slots[: x.shape[0]]
-            lora = LoRAEpilogue(ops.lora_shrink(x, self.A, slots), self.B, slots, self.part_ends)
+            lora = LoRAEpilogue(self.shrunk(x), self.B, slots, self.part_ends)
             return ops.linear_lora(x, self.linear.weight, bias, lora)
         return self.add_to(self.linear.weights.apply(self.linear, x, bias), x)
+
+    def norm_shrinks(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the add-RMSNorm of x and residual (this projection's input) runs its shrink
+        too (add_rms_norm): ZLLM_LORA_NORM_SHRINK (set on CUDA's kernel path only), a launch of
+        the kernel path (not the dense one) of decode rows, operands the kernel takes."""
+        batch = self.batch
+        return (
+            batch.norm_shrink
+            and batch.token_slots is not None
+            and x.shape[0] < batch.dense_from
+            and ops.norm_shrinks(x, residual, weight, self.A)
+        )
+
+    def add_rms_norm(
+        self,
+        norm_ops: ops.TorchOps,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        unit_offset: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The add-RMSNorm before this projection, its shrink in the same launch, held for the
+        project() of the normed tensor: (normed, residual) as ops.add_rms_norm returns them."""
+        slots = self.batch.token_slots[: x.shape[0]]
+        normed, residual, t = norm_ops.add_rms_norm_lora_shrink(x, residual, weight, eps, unit_offset, self.A, slots)
+        self.held = (normed, t)
+        return normed, residual
+
+    def shrunk(self, x: torch.Tensor) -> torch.Tensor:
+        """t = x A[slot]^T per row (float32): the one the norm computed for this very tensor, else
+        a lora_shrink launch. A held shrink is used once."""
+        held, self.held = self.held, None
+        if held is not None and held[0] is x:
+            return held[1]
+        return ops.lora_shrink(x, self.A, self.batch.token_slots[: x.shape[0]])
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether project() fuses the expand into the GEMV: the kernel path (not the dense one)
@@ -151,12 +193,10 @@ class LoRALayer:
         return out
 
     def _add_with_kernels(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        from zllm.workers.kernels.lora import lora_expand, lora_shrink
+        from zllm.workers.kernels.lora import lora_expand
 
         slots = self.batch.token_slots[: x.shape[0]]
-        shrunk = torch.empty((x.shape[0], self.A.shape[1]), dtype=torch.float32, device=x.device)
-        lora_shrink(shrunk, x, self.A, slots)
-        return lora_expand(out, shrunk, self.B, slots, self.part_ends)
+        return lora_expand(out, self.shrunk(x), self.B, slots, self.part_ends)
 
     def add_dense(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """In place: out + each row's adapter, for every slot at once (the module docstring's
@@ -273,6 +313,7 @@ class LoRAManager:
             self.batch.slot_mask = torch.zeros((size, self.num_slots), dtype=dtype, device=self.device)
             self.batch.dense_from = dense_from(self.num_slots)
             self.batch.fused_expand = envs.ZLLM_LORA_FUSED_EXPAND
+            self.batch.norm_shrink = envs.ZLLM_LORA_NORM_SHRINK
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()  # LRU order: least recent first
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU order
         self.users: Counter[int] = Counter()  # live requests per adapter: pinned in host memory

@@ -40,6 +40,22 @@ class TorchOps:
         residual = residual + x
         return rms_norm(residual, weight, eps, unit_offset), residual
 
+    def add_rms_norm_lora_shrink(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        unit_offset: bool,
+        a: torch.Tensor,
+        token_slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """add_rms_norm, then the LoRA shrink of its output for the projection after it
+        (lora_shrink: t [rows, cols] float32); CUDA runs both in one launch (norm_shrinks says
+        where). Returns (normed, residual, t)."""
+        x, residual = self.add_rms_norm(x, residual, weight, eps, unit_offset)
+        return x, residual, lora_shrink(x, a, token_slots)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
 
@@ -183,6 +199,16 @@ class CudaOps(TorchOps):
         x = x.contiguous()
         self.k.fused_add_rms_norm(x, residual, weight, eps, unit_offset)  # in place: residual += x; x = norm(residual)
         return x, residual
+
+    def add_rms_norm_lora_shrink(self, x, residual, weight, eps, unit_offset, a, token_slots):
+        # Not in place: the launch's other blocks read x and residual while block 0 writes the norm.
+        rows = x.shape[0]
+        out, residual_out = torch.empty_like(x), torch.empty_like(residual)
+        t = torch.empty((rows, a.shape[1]), dtype=torch.float32, device=x.device)
+        self.k.fused_add_rms_norm_lora_shrink(
+            out, residual_out, t, x, residual, weight, a, token_slots[:rows], eps, unit_offset
+        )
+        return out, residual_out, t
 
     def silu_and_mul(self, x):
         out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
@@ -499,6 +525,24 @@ def linear_lora_reference(
     delta = torch.where((slots >= 0)[:, None], (t_rows * b_rows).sum(-1), 0.0)
     base = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return (base + delta).to(x.dtype)
+
+
+# The decode launches (as the GEMV's) whose add-RMSNorm may also run the next projection's LoRA
+# shrink: each of the kernel's blocks re-reads its row, which pays while launches, not bytes, cost.
+NORM_SHRINK_ROWS_MAX = GEMV_ROWS_MAX
+
+
+def norm_shrinks(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether add_rms_norm_lora_shrink takes this norm in one launch: 1 to NORM_SHRINK_ROWS_MAX
+    rows, and on CUDA operands the kernel takes (the CPU, the torch reference: tests of the
+    wiring, the same row counts)."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= NORM_SHRINK_ROWS_MAX:
+        return False
+    if not x.is_cuda:
+        return True
+    from zllm.workers.kernels.layernorm import norm_shrink_supported
+
+    return norm_shrink_supported(x, residual, weight, a)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ attention.decode_attention(q, kv, meta, scale,   attention.paged_attention_decod
 layers.rms_norm(x, w, eps, unit_offset)          layernorm.rms_norm(out, x, w, eps, unit_offset)
 x + y, then layers.rms_norm                      layernorm.fused_add_rms_norm(x, residual, w, eps, unit_offset)
                                                    (in place)
+x + y, layers.rms_norm, then ops.lora_shrink     layernorm.fused_add_rms_norm_lora_shrink(out, residual_out, t, x,
+  (decode rows; ZLLM_LORA_NORM_SHRINK)             residual, w, a, slots, eps, unit_offset)
 layers.apply_rotary on q and k                   pos_encoding.rotary_embedding(positions, q, k, cos, sin)  (in place)
 apply_rotary, then write_kv_cache                pos_encoding.rotary_embedding_and_cache(positions, q, k, v, cos, sin,
   (an FP8 kv cache: quantize_kv / dequantize_kv)   kv, slots)  (the same, with k_scale, v_scale)
@@ -47,7 +49,7 @@ from __future__ import annotations
 from zllm.workers.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from zllm.workers.kernels.attention import attention_partitions, attention_workspace_numel, paged_attention_decode
 from zllm.workers.kernels.cache import reshape_and_cache
-from zllm.workers.kernels.layernorm import fused_add_rms_norm, rms_norm
+from zllm.workers.kernels.layernorm import fused_add_rms_norm, fused_add_rms_norm_lora_shrink, rms_norm
 from zllm.workers.kernels.loader import KernelUnavailableError, cupy_available, preload
 from zllm.workers.kernels.matvec import (
     LoRAEpilogue,
@@ -70,6 +72,7 @@ __all__ = [
     "fp8_gemv",
     "fp8_gemv_supported",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_lora_shrink",
     "gelu_tanh_and_mul",
     "gemv",
     "gemv_rows",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -44,6 +45,9 @@ from zllm.workers.parallel_layers import (
     whole_tensor_target,
 )
 
+if TYPE_CHECKING:
+    from zllm.workers.lora import LoRALayer
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, ops: TorchOps, unit_offset: bool = False) -> None:
@@ -54,10 +58,14 @@ class RMSNorm(nn.Module):
         self.ops = ops
         self.unit_offset = unit_offset
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With: (norm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, lora: LoRALayer | None = None):
+        """Without residual: norm(x). With: (norm(x + residual), x + residual). lora: the adapter
+        slots of the projection the output feeds, whose shrink the same launch may compute
+        (LoRALayer.norm_shrinks, ZLLM_LORA_NORM_SHRINK), held for that projection."""
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        if lora is not None and lora.norm_shrinks(x, residual, self.weight):
+            return lora.add_rms_norm(self.ops, x, residual, self.weight, self.eps, self.unit_offset)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
 
 
@@ -265,17 +273,25 @@ class LlamaDecoderLayer(nn.Module):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, _lora_of(self.self_attn, "qkv_proj"))
         return self.self_attn.project(x, positions, rotary, kv_cache, slot_mapping), residual
 
     def after_attention(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, norm, MLP: (this layer's output, residual)."""
         x = self.self_attn.output(attended)
+        mlp_lora = _lora_of(self.mlp, "gate_up_proj")
         if self.sandwich:
-            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual, mlp_lora)
             return self.post_feedforward_layernorm(self.mlp(x)), residual
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, mlp_lora)
         return self.mlp(x), residual
+
+
+def _lora_of(module: nn.Module, projection: str) -> LoRALayer | None:
+    """The adapter slots of module's projection (None: no LoRA, or a module without it: MLA
+    attention, MoE blocks)."""
+    linear = getattr(module, projection, None)
+    return None if linear is None else linear.lora
 
 
 class LlamaModel(nn.Module):
