@@ -27,6 +27,8 @@ template <typename T, int kVec, Act kAct>
 __device__ __forceinline__ void act_and_mul_impl(T* __restrict__ out, const T* __restrict__ x, int d,
                                                  i64 x_stride, i64 out_stride) {
   const int unit = blockIdx.y * blockDim.x + threadIdx.x;
+  pdl_launch_dependents();  // PDL (common.cuh): x is the previous kernel's output
+  pdl_wait();
   if (unit >= d / kVec) return;
   const T* gate = x + static_cast<i64>(blockIdx.x) * x_stride + unit * kVec;
   float g[kVec], u[kVec];

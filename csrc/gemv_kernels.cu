@@ -83,6 +83,15 @@ __device__ __forceinline__ void row_pointers(const E* __restrict__ w, int row0, 
   }
 }
 
+// A round of a split kernel's weight loads: kUnroll 16-byte units a lane, base + lane + 32 j,
+// clamped to end - 1 (the last round's mask: the caller drops those products), evict-first.
+template <int kUnroll>
+__device__ __forceinline__ void weight_round(uint4 (&wv)[kUnroll], const uint4* __restrict__ w16, int base,
+                                             int end, int lane) {
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) wv[j] = __ldcs(w16 + imin(base + lane + 32 * j, end - 1));
+}
+
 template <typename T, int kRows, int kUnroll, bool kLora = false>
 __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x,
                                           const T* __restrict__ w, const T* __restrict__ bias,
@@ -91,6 +100,9 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kGemvWarps + warp) * kRows;
+  // PDL (common.cuh): this build waits before any load (it is not the default one).
+  pdl_launch_dependents();
+  pdl_wait();
   if (row0 >= n) return;
   const int units = k / kVec;
   const uint4* x16 = reinterpret_cast<const uint4*>(x);
@@ -168,8 +180,16 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __re
   const uint4* x16 = reinterpret_cast<const uint4*>(x);
   const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row, n - 1)) * k);
   float acc = 0.f;
+  // PDL (common.cuh): on sm_90+ the first round of weights is in flight before the wait for the
+  // previous kernel, whose output x is (and LoRA's t and slots may be); the loop loads each later
+  // round at its top, as it did before PDL (loading it at the bottom of the round before lets
+  // ptxas hoist it above that round's products: more registers, and spills in some builds).
+  pdl_launch_dependents();
+  uint4 wv[kUnroll];
+  if (kPdlArch && begin < end) weight_round(wv, w16, begin, end, lane);
+  pdl_wait();
   // LoRA: the row's first warp adds B[row, slot, :] . t, a 16-byte piece of B a lane, loaded
-  // before the weights (kEarly) so that its round trip overlaps theirs.
+  // before the weight loop (kEarly) so that its round trip overlaps the weights'.
   const bool lora_lane = kLora && warp % kSplit == 0 && lane * kVec < lora.rank;
   int slot = -1;
   uint4 b_piece = zero4();
@@ -180,9 +200,8 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __re
   for (int base = begin; base < end; base += 32 * kUnroll) {
     // The last round is masked by clamping to the last unit and dropping those products (a
     // select: a branch around each load would keep the loads from being in flight together).
-    uint4 wv[kUnroll], xv[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) wv[j] = __ldcs(w16 + imin(base + lane + 32 * j, end - 1));
+    if (!kPdlArch || base != begin) weight_round(wv, w16, base, end, lane);
+    uint4 xv[kUnroll];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) xv[j] = __ldg(x16 + imin(base + lane + 32 * j, end - 1));
 #pragma unroll
@@ -306,6 +325,34 @@ __device__ __forceinline__ float dot_fp8x16(uint4 wv, const float (&xf)[16]) {
   return s;
 }
 
+// A full round of gemv_fp8_impl's weight loads: kUnroll 16-byte units of each of kRows rows from u.
+template <int kRows, int kUnroll>
+__device__ __forceinline__ void fp8_weight_round(uint4 (&wv)[kRows][kUnroll], const uint4* (&w16)[kRows], int u) {
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) wv[r][j] = __ldcs(w16[r] + u + 32 * j);
+  }
+}
+
+// A full round's products of gemv_fp8_impl: x's 16-element units u + 32 j against the weights.
+template <typename T, bool kBlock, int kRows, int kUnroll>
+__device__ __forceinline__ void fp8_round_products(float (&acc)[kRows], const uint4 (&wv)[kRows][kUnroll],
+                                                   const T* __restrict__ x, const float* __restrict__ tile_scales,
+                                                   int u) {
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+    float xf[16];
+    load_floats<T, 16>(x + 16 * (u + 32 * j), xf);
+    const float ts = kBlock ? __ldg(tile_scales + ((u + 32 * j) >> 3)) : 1.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float d = dot_fp8x16(wv[r][j], xf);
+      acc[r] = kBlock ? fmaf(d, ts, acc[r]) : acc[r] + d;
+    }
+  }
+}
+
 // A warp takes kRows consecutive rows (each 16 activations loaded once serve all of them: the
 // activations are T, up to twice the weights' bytes, so reusing them matters) with kUnroll
 // 16-byte weight loads per row in flight. kRows divides 128, so a warp's rows share one row of
@@ -318,7 +365,11 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __rest
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kGemvWarps + warp) * kRows;
-  if (row0 >= n) return;
+  pdl_launch_dependents();  // PDL: common.cuh
+  if (row0 >= n) {
+    pdl_wait();  // every thread waits (a warp with no rows too)
+    return;
+  }
   const int units = k / 16;
   const uint4* w16[kRows];
   row_pointers(w, row0, n, k, w16);
@@ -327,25 +378,21 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __rest
   float acc[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+  // PDL: the first full round of weights is in flight before the wait for the previous kernel
+  // (x is its output); that round is peeled off the loop, which stays as it was (before sm_90,
+  // where there is no wait, nothing is peeled: the peeled build spills in gemv_fp8_bf16_r1u8).
   int u = lane;
+  const bool first_round = kPdlArch && u + 32 * (kUnroll - 1) < units;
+  uint4 wv[kRows][kUnroll];
+  if (first_round) fp8_weight_round(wv, w16, u);
+  pdl_wait();
+  if (first_round) {
+    fp8_round_products<T, kBlock>(acc, wv, x, tile_scales, u);
+    u += 32 * kUnroll;
+  }
   for (; u + 32 * (kUnroll - 1) < units; u += 32 * kUnroll) {
-    uint4 wv[kRows][kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) wv[r][j] = __ldcs(w16[r] + u + 32 * j);
-    }
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      float xf[16];
-      load_floats<T, 16>(x + 16 * (u + 32 * j), xf);
-      const float ts = kBlock ? __ldg(tile_scales + ((u + 32 * j) >> 3)) : 1.f;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float d = dot_fp8x16(wv[r][j], xf);
-        acc[r] = kBlock ? fmaf(d, ts, acc[r]) : acc[r] + d;
-      }
-    }
+    fp8_weight_round(wv, w16, u);
+    fp8_round_products<T, kBlock>(acc, wv, x, tile_scales, u);
   }
   for (; u < units; u += 32) {
     float xf[16];
@@ -466,10 +513,13 @@ __device__ __forceinline__ void gemv_fp8_split_impl(__nv_bfloat16* __restrict__ 
   const uint4* x16 = reinterpret_cast<const uint4*>(x);  // unit u: x16[2 u], x16[2 u + 1]
   const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row, n - 1)) * k);
   float acc = 0.f;
+  // PDL (common.cuh): as gemv_split_impl, the first round of weights before the wait.
+  pdl_launch_dependents();
+  uint4 wv[kUnroll];
+  if (kPdlArch && begin < end) weight_round(wv, w16, begin, end, lane);
+  pdl_wait();
   for (int base = begin; base < end; base += 32 * kUnroll) {
-    uint4 wv[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) wv[j] = __ldcs(w16 + imin(base + lane + 32 * j, end - 1));
+    if (!kPdlArch || base != begin) weight_round(wv, w16, base, end, lane);
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const int u = imin(base + lane + 32 * j, end - 1);

@@ -91,6 +91,8 @@ __device__ __forceinline__ void rotary_embedding_and_cache_impl(
   const int half = head_dim / 2;
   const int rot_half = rot_dim / 2;
   const int i = threadIdx.x;
+  pdl_launch_dependents();  // PDL (common.cuh): q, k and v are the previous kernel's output
+  pdl_wait();
   if (i >= half) return;
   const i64 token = blockIdx.x;
   const int head = blockIdx.y;
