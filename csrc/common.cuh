@@ -26,7 +26,11 @@ __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 // loader.launch(..., pdl=True) starts calls pdl_wait() in at least one thread of the grid before
 // the grid ends, so "the previous grid completed" stays transitive down the chain. Both are
 // no-ops without the attribute and compile to nothing before sm_90. The "memory" clobber keeps
-// the compiler from moving loads of the previous kernel's output above the wait.
+// the compiler from moving loads of the previous kernel's output above the wait, but only for
+// pointers it must assume the asm may write: what a kernel reads after the wait is never
+// `const __restrict__` nor read by __ldg (both promise the data read-only for the kernel's whole
+// life, and licence hoisting the load above the wait: CCCL's review rule
+// correctness.pdl-restrict-aliasing), only its weights are.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 constexpr bool kPdlArch = true;  // whether pdl_wait() does anything: kernels load ahead of it only then
 #else

@@ -93,7 +93,7 @@ __device__ __forceinline__ void weight_round(uint4 (&wv)[kUnroll], const uint4* 
 }
 
 template <typename T, int kRows, int kUnroll, bool kLora = false>
-__device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x,
+__device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* x,
                                           const T* __restrict__ w, const T* __restrict__ bias,
                                           int n, int k, LoraExpand<T> lora = {}) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
@@ -115,7 +115,7 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
   int slot = -1;
   uint4 b_pieces[kRows];
   if constexpr (kLora) {
-    slot = __ldg(lora.token_slots);
+    slot = *lora.token_slots;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) b_pieces[r] = lane * kVec < lora.rank ? lora.b_piece(imin(row0 + r, n - 1), slot, lane * kVec) : zero4();
   }
@@ -130,7 +130,7 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
       for (int r = 0; r < kRows; ++r) wv[r][j] = __ldcs(w16[r] + u + 32 * j);
     }
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) xv[j] = __ldg(x16 + u + 32 * j);
+    for (int j = 0; j < kUnroll; ++j) xv[j] = x16[u + 32 * j];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
 #pragma unroll
@@ -138,7 +138,7 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
     }
   }
   for (; u < units; u += 32) {
-    const uint4 xv = __ldg(x16 + u);
+    const uint4 xv = x16[u];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) acc[r] += dot16<T>(__ldcs(w16[r] + u), xv);
   }
@@ -164,7 +164,7 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
 // projections: K = 2048 and 4096) and for too few rows to fill the SMs with warps, where the
 // one-warp-per-row kernel waits on memory round trips one after another.
 template <typename T, int kUnroll, int kSplit, bool kLora = false>
-__device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __restrict__ x,
+__device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* x,
                                                 const T* __restrict__ w, const T* __restrict__ bias,
                                                 int n, int k, LoraExpand<T> lora = {}) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
@@ -194,7 +194,7 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __re
   int slot = -1;
   uint4 b_piece = zero4();
   if constexpr (kLora) {
-    slot = __ldg(lora.token_slots);
+    slot = *lora.token_slots;
     if (LoraExpand<T>::kEarly && lora_lane) b_piece = lora.b_piece(imin(row, n - 1), slot, lane * kVec);
   }
   for (int base = begin; base < end; base += 32 * kUnroll) {
@@ -203,7 +203,7 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __re
     if (!kPdlArch || base != begin) weight_round(wv, w16, base, end, lane);
     uint4 xv[kUnroll];
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) xv[j] = __ldg(x16 + imin(base + lane + 32 * j, end - 1));
+    for (int j = 0; j < kUnroll; ++j) xv[j] = x16[imin(base + lane + 32 * j, end - 1)];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const float d = dot16<T>(wv[j], xv[j]);
@@ -233,7 +233,7 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __re
 
 #define ZLLM_GEMV(NAME, T, ROWS, UNROLL)                                                          \
   extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) NAME(                        \
-      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      T* __restrict__ y, const T* x, const T* __restrict__ w,                                   \
       const T* __restrict__ bias, int n, int k) {                                               \
     zllm::gemv_impl<T, ROWS, UNROLL>(y, x, w, bias, n, k);                                      \
   }
@@ -245,15 +245,15 @@ ZLLM_GEMV(gemv_bf16, __nv_bfloat16, 1, 8)
 // The fused LoRA expand's arguments after a GEMV's own (zllm/workers/kernels/matvec.py's
 // _lora_args passes them in this order).
 #define ZLLM_LORA_PARAMS(T)                                                                      \
-  const float *__restrict__ lora_t, const T *__restrict__ lora_b,                               \
-      const int *__restrict__ token_slots, int lora_slots, int lora_rank, int lora_t_cols,      \
+  const float *lora_t, const T *__restrict__ lora_b,                                             \
+      const int *token_slots, int lora_slots, int lora_rank, int lora_t_cols,                    \
       int lora_end0, int lora_end1
 #define ZLLM_LORA_STRUCT(T) \
   zllm::LoraExpand<T> { lora_t, lora_b, token_slots, lora_slots, lora_rank, lora_t_cols, lora_end0, lora_end1 }
 
 #define ZLLM_GEMV_LORA(NAME, T, ROWS, UNROLL)                                                     \
   extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) NAME(                        \
-      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      T* __restrict__ y, const T* x, const T* __restrict__ w,                                   \
       const T* __restrict__ bias, int n, int k, ZLLM_LORA_PARAMS(T)) {                          \
     zllm::gemv_impl<T, ROWS, UNROLL, true>(y, x, w, bias, n, k, ZLLM_LORA_STRUCT(T));           \
   }
@@ -271,14 +271,14 @@ ZLLM_GEMV_LORA(gemv_lora_bf16, __nv_bfloat16, 1, 8)
 #define ZLLM_GEMV_BOUNDS_b6 __launch_bounds__(zllm::kGemvThreads, 6)
 #define ZLLM_GEMV_SPLIT(SUFFIX, T, SPLIT, BOUND)                                                  \
   extern "C" __global__ void ZLLM_GEMV_BOUNDS_##BOUND gemv_##SUFFIX##_s##SPLIT##_##BOUND(        \
-      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      T* __restrict__ y, const T* x, const T* __restrict__ w,                                    \
       const T* __restrict__ bias, int n, int k) {                                               \
     zllm::gemv_split_impl<T, 8, SPLIT>(y, x, w, bias, n, k);                                    \
   }
 // gemv_lora_<T>_s<S>_b<B>: the same with LoRA's expand in the epilogue.
 #define ZLLM_GEMV_SPLIT_LORA(SUFFIX, T, SPLIT, BOUND)                                             \
   extern "C" __global__ void ZLLM_GEMV_BOUNDS_##BOUND gemv_lora_##SUFFIX##_s##SPLIT##_##BOUND(   \
-      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      T* __restrict__ y, const T* x, const T* __restrict__ w,                                    \
       const T* __restrict__ bias, int n, int k, ZLLM_LORA_PARAMS(T)) {                          \
     zllm::gemv_split_impl<T, 8, SPLIT, true>(y, x, w, bias, n, k, ZLLM_LORA_STRUCT(T));         \
   }
@@ -338,7 +338,7 @@ __device__ __forceinline__ void fp8_weight_round(uint4 (&wv)[kRows][kUnroll], co
 // A full round's products of gemv_fp8_impl: x's 16-element units u + 32 j against the weights.
 template <typename T, bool kBlock, int kRows, int kUnroll>
 __device__ __forceinline__ void fp8_round_products(float (&acc)[kRows], const uint4 (&wv)[kRows][kUnroll],
-                                                   const T* __restrict__ x, const float* __restrict__ tile_scales,
+                                                   const T* x, const float* __restrict__ tile_scales,
                                                    int u) {
 #pragma unroll
   for (int j = 0; j < kUnroll; ++j) {
@@ -358,7 +358,7 @@ __device__ __forceinline__ void fp8_round_products(float (&acc)[kRows], const ui
 // 16-byte weight loads per row in flight. kRows divides 128, so a warp's rows share one row of
 // block scales.
 template <typename T, bool kBlock, int kRows, int kUnroll>
-__device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __restrict__ x,
+__device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* x,
                                               const unsigned char* __restrict__ w,
                                               const float* __restrict__ scale, const T* __restrict__ bias,
                                               int n, int k) {
@@ -419,7 +419,7 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __rest
 
 #define ZLLM_GEMV_FP8(NAME, T, BLOCK, ROWS, UNROLL)                                               \
   extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) NAME(                        \
-      T* __restrict__ y, const T* __restrict__ x, const unsigned char* __restrict__ w,          \
+      T* __restrict__ y, const T* x, const unsigned char* __restrict__ w,                       \
       const float* __restrict__ scale, const T* __restrict__ bias, int n, int k) {              \
     zllm::gemv_fp8_impl<T, BLOCK, ROWS, UNROLL>(y, x, w, scale, bias, n, k);                    \
   }
@@ -440,7 +440,7 @@ ZLLM_GEMV_FP8_DTYPE(bf16, __nv_bfloat16)
 // together; see ZLLM_GEMV_BOUNDS_b4 above).
 #define ZLLM_GEMV_FP8_BOUND(NAME, T, ROWS, UNROLL, BOUND)                                          \
   extern "C" __global__ void ZLLM_GEMV_BOUNDS_##BOUND NAME(                                       \
-      T* __restrict__ y, const T* __restrict__ x, const unsigned char* __restrict__ w,          \
+      T* __restrict__ y, const T* x, const unsigned char* __restrict__ w,                         \
       const float* __restrict__ scale, const T* __restrict__ bias, int n, int k) {              \
     zllm::gemv_fp8_impl<T, false, ROWS, UNROLL>(y, x, w, scale, bias, n, k);                    \
   }
@@ -497,7 +497,7 @@ __device__ __forceinline__ float dot_fp8x16_bf16(uint4 wv, uint4 x0, uint4 x1) {
 }
 
 template <int kUnroll, int kSplit>
-__device__ __forceinline__ void gemv_fp8_split_impl(__nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ x,
+__device__ __forceinline__ void gemv_fp8_split_impl(__nv_bfloat16* __restrict__ y, const __nv_bfloat16* x,
                                                     const unsigned char* __restrict__ w,
                                                     const float* __restrict__ scale,
                                                     const __nv_bfloat16* __restrict__ bias, int n, int k) {
@@ -523,7 +523,7 @@ __device__ __forceinline__ void gemv_fp8_split_impl(__nv_bfloat16* __restrict__ 
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const int u = imin(base + lane + 32 * j, end - 1);
-      const float d = dot_fp8x16_bf16(wv[j], __ldg(x16 + 2 * u), __ldg(x16 + 2 * u + 1));
+      const float d = dot_fp8x16_bf16(wv[j], x16[2 * u], x16[2 * u + 1]);
       acc += base + lane + 32 * j < end ? d : 0.f;
     }
   }
@@ -758,7 +758,7 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(__nv_bfloat16* __restrict__ y,
 // matvec.py's FP8_GEMV_SPLIT_BUILDS / FP8_GEMV_MMA_BUILDS must agree. Bound as ZLLM_GEMV_BOUNDS_b4.
 #define ZLLM_GEMV_FP8_SPLIT(SPLIT)                                                                 \
   extern "C" __global__ void ZLLM_GEMV_BOUNDS_b4 gemv_fp8_bf16_split_s##SPLIT(                    \
-      __nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ x,                         \
+      __nv_bfloat16* __restrict__ y, const __nv_bfloat16* x,                                      \
       const unsigned char* __restrict__ w, const float* __restrict__ scale,                       \
       const __nv_bfloat16* __restrict__ bias, int n, int k) {                                     \
     zllm::gemv_fp8_split_impl<zllm::kFp8SplitUnroll, SPLIT>(y, x, w, scale, bias, n, k);          \
