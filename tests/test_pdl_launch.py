@@ -50,9 +50,10 @@ def test_active_needs_the_switch_and_sm90(monkeypatch, switch, capability, expec
 
 
 class _FakeFunction:
-    """A CuPy kernel function: records the plain launches it is called for."""
+    """A cupy.RawKernel (what RawModule.get_function gives): records the plain launches it is
+    called for; .kernel is its cupy.cuda.Function on the current device, .kernel.ptr the CUfunction."""
 
-    ptr = 0xDEAD_BEEF
+    kernel = types.SimpleNamespace(ptr=0xDEAD_BEEF)
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
@@ -95,7 +96,7 @@ def test_launch_path(monkeypatch, switch, capability, marked, via_driver):
         "gemv_kernels", "gemv_bf16_s2_b6", torch.device("cuda", 0), (7,), (128,), WRAPPER_ARGS, 64, pdl=marked
     )
     if via_driver:
-        assert driver_launches == [(function.ptr, (7,), (128,), WRAPPER_ARGS, 64, 0x5000)]
+        assert driver_launches == [(function.kernel.ptr, (7,), (128,), WRAPPER_ARGS, 64, 0x5000)]
         assert function.calls == []
     else:
         assert driver_launches == []

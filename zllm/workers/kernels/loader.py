@@ -362,4 +362,6 @@ def _launch_here(
         return
     if not pdl_launch.has_current_context():
         cupy.cuda.runtime.free(0)  # a thread that never ran CUDA work: cudaFree(0) makes the context current
-    pdl_launch.launch(function.ptr, grid, block, args, shared_mem, stream_ptr)
+    # A RawModule's function is a cupy.RawKernel: .kernel is its Function on the current device,
+    # whose .ptr is the CUfunction.
+    pdl_launch.launch(function.kernel.ptr, grid, block, args, shared_mem, stream_ptr)

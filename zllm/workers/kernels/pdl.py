@@ -6,8 +6,8 @@ output or writing anything (csrc/common.cuh pdl_wait) may go out this way: loade
 pdl=True) says so for a launch, and `active` says whether ZLLM_PDL lets it on this device.
 
 CuPy's launch takes no attributes, so the driver is called through ctypes on libcuda.so.1 with the
-CuPy function's CUfunction (`Function.ptr`) and the arguments packed as CuPy packs them (each
-numpy scalar's own bytes): the kernel sees the same parameters either way."""
+CUfunction of CuPy's kernel (`RawKernel.kernel.ptr`) and the arguments packed as CuPy packs them
+(each numpy scalar's own bytes): the kernel sees the same parameters either way."""
 
 from __future__ import annotations
 
