@@ -185,12 +185,12 @@ def test_the_gemv_builds_are_bit_identical_with_pdl(monkeypatch, pdl_launches):
     """Every dense GEMV bound and the FP8 rows-per-warp builds and _split, after a big GEMV that
     writes their input, on short and long rows (a second round of weight loads)."""
     g = torch.Generator(device="cuda").manual_seed(3)
+    w_big = torch.randn(28672, 4096, generator=g, device="cuda").bfloat16() * 0.02
+    x0 = torch.randn(1, 4096, generator=g, device="cuda").bfloat16()
+    x = torch.empty(1, 28672, dtype=torch.bfloat16, device="cuda")
     for k in (4096, 14336, 272):
-        w_big = torch.randn(28672, 4096, generator=g, device="cuda").bfloat16() * 0.02
         w = torch.randn(1024, k, generator=g, device="cuda").bfloat16() * 0.02
         q, scale = quantize_rows(w)
-        x0 = torch.randn(1, 4096, generator=g, device="cuda").bfloat16()
-        x = torch.empty(1, 28672, dtype=torch.bfloat16, device="cuda")
         builds = [("dense", b) for b in ("", *matvec.GEMV_BOUNDS)]
         builds += [("fp8", v) for v in matvec.fp8_gemv_variants(with_splits=False) if "_mma" not in v]
         for kind, variant in builds:
