@@ -7,8 +7,9 @@
 //   K a multiple of 16 / sizeof(T) (16-byte loads); x, w 16-byte aligned.
 // Grid ceil(N / kGemvWarps), kGemvWarps * 32 threads. A warp takes one row (kRows); its lanes
 // stride over K in 16-byte units with kUnroll units in flight (weights streamed with evict-first
-// loads, x from the read-only cache), accumulate in fp32 and finish with a warp sum. fp32
-// accumulation in a different order than cuBLAS: results agree to rounding, not bit for bit.
+// loads, x with ordinary loads: under PDL it may be written while the kernel starts), accumulate
+// in fp32 and finish with a warp sum. fp32 accumulation in a different order than cuBLAS: results
+// agree to rounding, not bit for bit.
 // One row and 8 loads per warp beat two rows and 4 loads on every Llama-3-8B projection (H100,
 // benchmarks/gemv.py, 2026-11-22), so only that variant is built; gemv_<T>_s<S>_b<B> (below)
 // split each row over S warps and mask their last round.
