@@ -24,9 +24,11 @@ __device__ __forceinline__ float activation(float g) {
 }
 
 template <typename T, int kVec, Act kAct>
-__device__ __forceinline__ void act_and_mul_impl(T* __restrict__ out, const T* __restrict__ x, int d,
+__device__ __forceinline__ void act_and_mul_impl(T* __restrict__ out, const T* x, int d,
                                                  i64 x_stride, i64 out_stride) {
   const int unit = blockIdx.y * blockDim.x + threadIdx.x;
+  pdl_launch_dependents();  // PDL (common.cuh): x is the previous kernel's output
+  pdl_wait();
   if (unit >= d / kVec) return;
   const T* gate = x + static_cast<i64>(blockIdx.x) * x_stride + unit * kVec;
   float g[kVec], u[kVec];
@@ -40,7 +42,7 @@ __device__ __forceinline__ void act_and_mul_impl(T* __restrict__ out, const T* _
 }  // namespace zllm
 
 #define ZLLM_ACT_AND_MUL(NAME, T, VEC, ACT)                                                     \
-  extern "C" __global__ void NAME(T* __restrict__ out, const T* __restrict__ x, int d,        \
+  extern "C" __global__ void NAME(T* __restrict__ out, const T* x, int d,                     \
                                   long long x_stride, long long out_stride) {                 \
     zllm::act_and_mul_impl<T, VEC, ACT>(out, x, d, x_stride, out_stride);                      \
   }

@@ -16,6 +16,39 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
+// ---- programmatic dependent launch (sm_90+) ----------------------------------------------------
+// Launched with the PDL attribute (zllm/workers/kernels/loader.py, ZLLM_PDL=1), a kernel may start
+// while the kernel before it in the stream still runs. pdl_wait() blocks until that whole grid has
+// completed and its memory is visible to this grid, so a kernel reads nothing the previous one
+// wrote, and writes nothing at all, before it: only its weights (read-only during the step) may
+// be loaded earlier. pdl_launch_dependents() lets the next kernel launch once every block of this
+// one has issued it (or exited): a hint, since the next kernel waits anyway. Every kernel that
+// loader.launch(..., pdl=True) starts calls pdl_wait() in at least one thread of the grid before
+// the grid ends, so "the previous grid completed" stays transitive down the chain. Both are
+// no-ops without the attribute and compile to nothing before sm_90. The "memory" clobber keeps
+// the compiler from moving loads of the previous kernel's output above the wait, but only for
+// pointers it must assume the asm may write: what a kernel reads after the wait is never
+// `const __restrict__` nor read by __ldg (both promise the data read-only for the kernel's whole
+// life, and licence hoisting the load above the wait: CCCL's review rule
+// correctness.pdl-restrict-aliasing), only its weights are.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kPdlArch = true;  // whether pdl_wait() does anything: kernels load ahead of it only then
+#else
+constexpr bool kPdlArch = false;
+#endif
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // ---- scalar conversions: every kernel computes in fp32 ---------------------------------------
 
 template <typename T>

@@ -7,8 +7,9 @@
 //   K a multiple of 16 / sizeof(T) (16-byte loads); x, w 16-byte aligned.
 // Grid ceil(N / kGemvWarps), kGemvWarps * 32 threads. A warp takes one row (kRows); its lanes
 // stride over K in 16-byte units with kUnroll units in flight (weights streamed with evict-first
-// loads, x from the read-only cache), accumulate in fp32 and finish with a warp sum. fp32
-// accumulation in a different order than cuBLAS: results agree to rounding, not bit for bit.
+// loads, x with ordinary loads: under PDL it may be written while the kernel starts), accumulate
+// in fp32 and finish with a warp sum. fp32 accumulation in a different order than cuBLAS: results
+// agree to rounding, not bit for bit.
 // One row and 8 loads per warp beat two rows and 4 loads on every Llama-3-8B projection (H100,
 // benchmarks/gemv.py, 2026-11-22), so only that variant is built; gemv_<T>_s<S>_b<B> (below)
 // split each row over S warps and mask their last round.
@@ -83,14 +84,26 @@ __device__ __forceinline__ void row_pointers(const E* __restrict__ w, int row0, 
   }
 }
 
+// A round of a split kernel's weight loads: kUnroll 16-byte units a lane, base + lane + 32 j,
+// clamped to end - 1 (the last round's mask: the caller drops those products), evict-first.
+template <int kUnroll>
+__device__ __forceinline__ void weight_round(uint4 (&wv)[kUnroll], const uint4* __restrict__ w16, int base,
+                                             int end, int lane) {
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) wv[j] = __ldcs(w16 + imin(base + lane + 32 * j, end - 1));
+}
+
 template <typename T, int kRows, int kUnroll, bool kLora = false>
-__device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict__ x,
+__device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* x,
                                           const T* __restrict__ w, const T* __restrict__ bias,
                                           int n, int k, LoraExpand<T> lora = {}) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kGemvWarps + warp) * kRows;
+  // PDL (common.cuh): this build waits before any load (it is not the default one).
+  pdl_launch_dependents();
+  pdl_wait();
   if (row0 >= n) return;
   const int units = k / kVec;
   const uint4* x16 = reinterpret_cast<const uint4*>(x);
@@ -103,7 +116,7 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
   int slot = -1;
   uint4 b_pieces[kRows];
   if constexpr (kLora) {
-    slot = __ldg(lora.token_slots);
+    slot = *lora.token_slots;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) b_pieces[r] = lane * kVec < lora.rank ? lora.b_piece(imin(row0 + r, n - 1), slot, lane * kVec) : zero4();
   }
@@ -118,7 +131,7 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
       for (int r = 0; r < kRows; ++r) wv[r][j] = __ldcs(w16[r] + u + 32 * j);
     }
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) xv[j] = __ldg(x16 + u + 32 * j);
+    for (int j = 0; j < kUnroll; ++j) xv[j] = x16[u + 32 * j];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
 #pragma unroll
@@ -126,7 +139,7 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
     }
   }
   for (; u < units; u += 32) {
-    const uint4 xv = __ldg(x16 + u);
+    const uint4 xv = x16[u];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) acc[r] += dot16<T>(__ldcs(w16[r] + u), xv);
   }
@@ -152,7 +165,7 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* __restrict
 // projections: K = 2048 and 4096) and for too few rows to fill the SMs with warps, where the
 // one-warp-per-row kernel waits on memory round trips one after another.
 template <typename T, int kUnroll, int kSplit, bool kLora = false>
-__device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __restrict__ x,
+__device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* x,
                                                 const T* __restrict__ w, const T* __restrict__ bias,
                                                 int n, int k, LoraExpand<T> lora = {}) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
@@ -168,23 +181,30 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __re
   const uint4* x16 = reinterpret_cast<const uint4*>(x);
   const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row, n - 1)) * k);
   float acc = 0.f;
+  // PDL (common.cuh): on sm_90+ the first round of weights is in flight before the wait for the
+  // previous kernel, whose output x is (and LoRA's t and slots may be); the loop loads each later
+  // round at its top, as it did before PDL (loading it at the bottom of the round before lets
+  // ptxas hoist it above that round's products: more registers, and spills in some builds).
+  pdl_launch_dependents();
+  uint4 wv[kUnroll];
+  if (kPdlArch && begin < end) weight_round(wv, w16, begin, end, lane);
+  pdl_wait();
   // LoRA: the row's first warp adds B[row, slot, :] . t, a 16-byte piece of B a lane, loaded
-  // before the weights (kEarly) so that its round trip overlaps theirs.
+  // before the weight loop (kEarly) so that its round trip overlaps the weights'.
   const bool lora_lane = kLora && warp % kSplit == 0 && lane * kVec < lora.rank;
   int slot = -1;
   uint4 b_piece = zero4();
   if constexpr (kLora) {
-    slot = __ldg(lora.token_slots);
+    slot = *lora.token_slots;
     if (LoraExpand<T>::kEarly && lora_lane) b_piece = lora.b_piece(imin(row, n - 1), slot, lane * kVec);
   }
   for (int base = begin; base < end; base += 32 * kUnroll) {
     // The last round is masked by clamping to the last unit and dropping those products (a
     // select: a branch around each load would keep the loads from being in flight together).
-    uint4 wv[kUnroll], xv[kUnroll];
+    if (!kPdlArch || base != begin) weight_round(wv, w16, base, end, lane);
+    uint4 xv[kUnroll];
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) wv[j] = __ldcs(w16 + imin(base + lane + 32 * j, end - 1));
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) xv[j] = __ldg(x16 + imin(base + lane + 32 * j, end - 1));
+    for (int j = 0; j < kUnroll; ++j) xv[j] = x16[imin(base + lane + 32 * j, end - 1)];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const float d = dot16<T>(wv[j], xv[j]);
@@ -214,7 +234,7 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* __re
 
 #define ZLLM_GEMV(NAME, T, ROWS, UNROLL)                                                          \
   extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) NAME(                        \
-      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      T* __restrict__ y, const T* x, const T* __restrict__ w,                                   \
       const T* __restrict__ bias, int n, int k) {                                               \
     zllm::gemv_impl<T, ROWS, UNROLL>(y, x, w, bias, n, k);                                      \
   }
@@ -226,15 +246,15 @@ ZLLM_GEMV(gemv_bf16, __nv_bfloat16, 1, 8)
 // The fused LoRA expand's arguments after a GEMV's own (zllm/workers/kernels/matvec.py's
 // _lora_args passes them in this order).
 #define ZLLM_LORA_PARAMS(T)                                                                      \
-  const float *__restrict__ lora_t, const T *__restrict__ lora_b,                               \
-      const int *__restrict__ token_slots, int lora_slots, int lora_rank, int lora_t_cols,      \
+  const float *lora_t, const T *__restrict__ lora_b,                                             \
+      const int *token_slots, int lora_slots, int lora_rank, int lora_t_cols,                    \
       int lora_end0, int lora_end1
 #define ZLLM_LORA_STRUCT(T) \
   zllm::LoraExpand<T> { lora_t, lora_b, token_slots, lora_slots, lora_rank, lora_t_cols, lora_end0, lora_end1 }
 
 #define ZLLM_GEMV_LORA(NAME, T, ROWS, UNROLL)                                                     \
   extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) NAME(                        \
-      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      T* __restrict__ y, const T* x, const T* __restrict__ w,                                   \
       const T* __restrict__ bias, int n, int k, ZLLM_LORA_PARAMS(T)) {                          \
     zllm::gemv_impl<T, ROWS, UNROLL, true>(y, x, w, bias, n, k, ZLLM_LORA_STRUCT(T));           \
   }
@@ -252,14 +272,14 @@ ZLLM_GEMV_LORA(gemv_lora_bf16, __nv_bfloat16, 1, 8)
 #define ZLLM_GEMV_BOUNDS_b6 __launch_bounds__(zllm::kGemvThreads, 6)
 #define ZLLM_GEMV_SPLIT(SUFFIX, T, SPLIT, BOUND)                                                  \
   extern "C" __global__ void ZLLM_GEMV_BOUNDS_##BOUND gemv_##SUFFIX##_s##SPLIT##_##BOUND(        \
-      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      T* __restrict__ y, const T* x, const T* __restrict__ w,                                    \
       const T* __restrict__ bias, int n, int k) {                                               \
     zllm::gemv_split_impl<T, 8, SPLIT>(y, x, w, bias, n, k);                                    \
   }
 // gemv_lora_<T>_s<S>_b<B>: the same with LoRA's expand in the epilogue.
 #define ZLLM_GEMV_SPLIT_LORA(SUFFIX, T, SPLIT, BOUND)                                             \
   extern "C" __global__ void ZLLM_GEMV_BOUNDS_##BOUND gemv_lora_##SUFFIX##_s##SPLIT##_##BOUND(   \
-      T* __restrict__ y, const T* __restrict__ x, const T* __restrict__ w,                      \
+      T* __restrict__ y, const T* x, const T* __restrict__ w,                                    \
       const T* __restrict__ bias, int n, int k, ZLLM_LORA_PARAMS(T)) {                          \
     zllm::gemv_split_impl<T, 8, SPLIT, true>(y, x, w, bias, n, k, ZLLM_LORA_STRUCT(T));         \
   }
@@ -306,19 +326,51 @@ __device__ __forceinline__ float dot_fp8x16(uint4 wv, const float (&xf)[16]) {
   return s;
 }
 
+// A full round of gemv_fp8_impl's weight loads: kUnroll 16-byte units of each of kRows rows from u.
+template <int kRows, int kUnroll>
+__device__ __forceinline__ void fp8_weight_round(uint4 (&wv)[kRows][kUnroll], const uint4* (&w16)[kRows], int u) {
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) wv[r][j] = __ldcs(w16[r] + u + 32 * j);
+  }
+}
+
+// A full round's products of gemv_fp8_impl: x's 16-element units u + 32 j against the weights.
+template <typename T, bool kBlock, int kRows, int kUnroll>
+__device__ __forceinline__ void fp8_round_products(float (&acc)[kRows], const uint4 (&wv)[kRows][kUnroll],
+                                                   const T* x, const float* __restrict__ tile_scales,
+                                                   int u) {
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j) {
+    float xf[16];
+    load_floats<T, 16>(x + 16 * (u + 32 * j), xf);
+    const float ts = kBlock ? __ldg(tile_scales + ((u + 32 * j) >> 3)) : 1.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float d = dot_fp8x16(wv[r][j], xf);
+      acc[r] = kBlock ? fmaf(d, ts, acc[r]) : acc[r] + d;
+    }
+  }
+}
+
 // A warp takes kRows consecutive rows (each 16 activations loaded once serve all of them: the
 // activations are T, up to twice the weights' bytes, so reusing them matters) with kUnroll
 // 16-byte weight loads per row in flight. kRows divides 128, so a warp's rows share one row of
 // block scales.
 template <typename T, bool kBlock, int kRows, int kUnroll>
-__device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __restrict__ x,
+__device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* x,
                                               const unsigned char* __restrict__ w,
                                               const float* __restrict__ scale, const T* __restrict__ bias,
                                               int n, int k) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * kGemvWarps + warp) * kRows;
-  if (row0 >= n) return;
+  pdl_launch_dependents();  // PDL: common.cuh
+  if (row0 >= n) {
+    pdl_wait();  // every thread waits (a warp with no rows too)
+    return;
+  }
   const int units = k / 16;
   const uint4* w16[kRows];
   row_pointers(w, row0, n, k, w16);
@@ -327,25 +379,21 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __rest
   float acc[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+  // PDL: the first full round of weights is in flight before the wait for the previous kernel
+  // (x is its output); that round is peeled off the loop, which stays as it was (before sm_90,
+  // where there is no wait, nothing is peeled: the peeled build spills in gemv_fp8_bf16_r1u8).
   int u = lane;
+  const bool first_round = kPdlArch && u + 32 * (kUnroll - 1) < units;
+  uint4 wv[kRows][kUnroll];
+  if (first_round) fp8_weight_round(wv, w16, u);
+  pdl_wait();
+  if (first_round) {
+    fp8_round_products<T, kBlock>(acc, wv, x, tile_scales, u);
+    u += 32 * kUnroll;
+  }
   for (; u + 32 * (kUnroll - 1) < units; u += 32 * kUnroll) {
-    uint4 wv[kRows][kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) wv[r][j] = __ldcs(w16[r] + u + 32 * j);
-    }
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      float xf[16];
-      load_floats<T, 16>(x + 16 * (u + 32 * j), xf);
-      const float ts = kBlock ? __ldg(tile_scales + ((u + 32 * j) >> 3)) : 1.f;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float d = dot_fp8x16(wv[r][j], xf);
-        acc[r] = kBlock ? fmaf(d, ts, acc[r]) : acc[r] + d;
-      }
-    }
+    fp8_weight_round(wv, w16, u);
+    fp8_round_products<T, kBlock>(acc, wv, x, tile_scales, u);
   }
   for (; u < units; u += 32) {
     float xf[16];
@@ -372,7 +420,7 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* __rest
 
 #define ZLLM_GEMV_FP8(NAME, T, BLOCK, ROWS, UNROLL)                                               \
   extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) NAME(                        \
-      T* __restrict__ y, const T* __restrict__ x, const unsigned char* __restrict__ w,          \
+      T* __restrict__ y, const T* x, const unsigned char* __restrict__ w,                       \
       const float* __restrict__ scale, const T* __restrict__ bias, int n, int k) {              \
     zllm::gemv_fp8_impl<T, BLOCK, ROWS, UNROLL>(y, x, w, scale, bias, n, k);                    \
   }
@@ -393,7 +441,7 @@ ZLLM_GEMV_FP8_DTYPE(bf16, __nv_bfloat16)
 // together; see ZLLM_GEMV_BOUNDS_b4 above).
 #define ZLLM_GEMV_FP8_BOUND(NAME, T, ROWS, UNROLL, BOUND)                                          \
   extern "C" __global__ void ZLLM_GEMV_BOUNDS_##BOUND NAME(                                       \
-      T* __restrict__ y, const T* __restrict__ x, const unsigned char* __restrict__ w,          \
+      T* __restrict__ y, const T* x, const unsigned char* __restrict__ w,                         \
       const float* __restrict__ scale, const T* __restrict__ bias, int n, int k) {              \
     zllm::gemv_fp8_impl<T, false, ROWS, UNROLL>(y, x, w, scale, bias, n, k);                    \
   }
@@ -450,7 +498,7 @@ __device__ __forceinline__ float dot_fp8x16_bf16(uint4 wv, uint4 x0, uint4 x1) {
 }
 
 template <int kUnroll, int kSplit>
-__device__ __forceinline__ void gemv_fp8_split_impl(__nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ x,
+__device__ __forceinline__ void gemv_fp8_split_impl(__nv_bfloat16* __restrict__ y, const __nv_bfloat16* x,
                                                     const unsigned char* __restrict__ w,
                                                     const float* __restrict__ scale,
                                                     const __nv_bfloat16* __restrict__ bias, int n, int k) {
@@ -466,14 +514,17 @@ __device__ __forceinline__ void gemv_fp8_split_impl(__nv_bfloat16* __restrict__ 
   const uint4* x16 = reinterpret_cast<const uint4*>(x);  // unit u: x16[2 u], x16[2 u + 1]
   const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(imin(row, n - 1)) * k);
   float acc = 0.f;
+  // PDL (common.cuh): as gemv_split_impl, the first round of weights before the wait.
+  pdl_launch_dependents();
+  uint4 wv[kUnroll];
+  if (kPdlArch && begin < end) weight_round(wv, w16, begin, end, lane);
+  pdl_wait();
   for (int base = begin; base < end; base += 32 * kUnroll) {
-    uint4 wv[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) wv[j] = __ldcs(w16 + imin(base + lane + 32 * j, end - 1));
+    if (!kPdlArch || base != begin) weight_round(wv, w16, base, end, lane);
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const int u = imin(base + lane + 32 * j, end - 1);
-      const float d = dot_fp8x16_bf16(wv[j], __ldg(x16 + 2 * u), __ldg(x16 + 2 * u + 1));
+      const float d = dot_fp8x16_bf16(wv[j], x16[2 * u], x16[2 * u + 1]);
       acc += base + lane + 32 * j < end ? d : 0.f;
     }
   }
@@ -708,7 +759,7 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(__nv_bfloat16* __restrict__ y,
 // matvec.py's FP8_GEMV_SPLIT_BUILDS / FP8_GEMV_MMA_BUILDS must agree. Bound as ZLLM_GEMV_BOUNDS_b4.
 #define ZLLM_GEMV_FP8_SPLIT(SPLIT)                                                                 \
   extern "C" __global__ void ZLLM_GEMV_BOUNDS_b4 gemv_fp8_bf16_split_s##SPLIT(                    \
-      __nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ x,                         \
+      __nv_bfloat16* __restrict__ y, const __nv_bfloat16* x,                                      \
       const unsigned char* __restrict__ w, const float* __restrict__ scale,                       \
       const __nv_bfloat16* __restrict__ bias, int n, int k) {                                     \
     zllm::gemv_fp8_split_impl<zllm::kFp8SplitUnroll, SPLIT>(y, x, w, scale, bias, n, k);          \

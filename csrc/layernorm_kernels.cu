@@ -19,6 +19,8 @@
 // the row in units of kVec elements (16 bytes for the _vec entry points, whose row length and
 // pointers the host checks; 1 otherwise). The second pass re-reads the row (from L1/L2) instead
 // of holding it, so any hidden size works.
+// Both wait for the previous kernel first (programmatic dependent launch, common.cuh): there is
+// nothing to load before it but the small weight.
 #include "common.cuh"
 
 namespace zllm {
@@ -37,6 +39,8 @@ __device__ __forceinline__ void rms_norm_impl(T* out, const T* x, const T* __res
   const T* xr = x + static_cast<i64>(blockIdx.x) * x_stride;
   T* outr = out + static_cast<i64>(blockIdx.x) * out_stride;
   const int units = hidden / kVec;
+  pdl_launch_dependents();  // PDL (common.cuh): x is the previous kernel's output
+  pdl_wait();
 
   float sum_sq = 0.f;
   for (int i = threadIdx.x; i < units; i += blockDim.x) {
@@ -68,6 +72,8 @@ __device__ __forceinline__ void fused_add_rms_norm_impl(T* x, T* residual,
   T* xr = x + row;
   T* rr = residual + row;
   const int units = hidden / kVec;
+  pdl_launch_dependents();  // PDL (common.cuh): x (and residual) come from the kernels before
+  pdl_wait();
 
   float sum_sq = 0.f;
   for (int i = threadIdx.x; i < units; i += blockDim.x) {

@@ -83,14 +83,16 @@ __device__ __forceinline__ void rotary_embedding_impl(const i64* __restrict__ po
 
 template <typename T, typename C>
 __device__ __forceinline__ void rotary_embedding_and_cache_impl(
-    const i64* __restrict__ positions, T* __restrict__ q, T* __restrict__ k, const T* __restrict__ v,
-    const float* __restrict__ cos_cache, const float* __restrict__ sin_cache, C* __restrict__ k_cache,
-    C* __restrict__ v_cache, const i64* __restrict__ slot_mapping, int num_heads, int num_kv_heads,
+    const i64* positions, T* q, T* k, const T* v, const float* __restrict__ cos_cache,
+    const float* __restrict__ sin_cache, C* __restrict__ k_cache, C* __restrict__ v_cache,
+    const i64* slot_mapping, int num_heads, int num_kv_heads,
     int head_dim, i64 q_stride, i64 k_stride, i64 v_stride, i64 max_pos, i64 num_slots,
     int rot_dim, float inv_k_scale, float inv_v_scale) {
   const int half = head_dim / 2;
   const int rot_half = rot_dim / 2;
   const int i = threadIdx.x;
+  pdl_launch_dependents();  // PDL (common.cuh): q, k and v are the previous kernel's output
+  pdl_wait();
   if (i >= half) return;
   const i64 token = blockIdx.x;
   const int head = blockIdx.y;
@@ -134,10 +136,9 @@ __device__ __forceinline__ void rotary_embedding_and_cache_impl(
 
 #define ZLLM_ROTARY_AND_CACHE(NAME, T, C)                                                         \
   extern "C" __global__ void NAME(                                                              \
-      const long long* __restrict__ positions, T* __restrict__ q, T* __restrict__ k,            \
-      const T* __restrict__ v, const float* __restrict__ cos_cache,                             \
+      const long long* positions, T* q, T* k, const T* v, const float* __restrict__ cos_cache,   \
       const float* __restrict__ sin_cache, C* __restrict__ k_cache, C* __restrict__ v_cache,    \
-      const long long* __restrict__ slot_mapping, int num_heads, int num_kv_heads, int head_dim, \
+      const long long* slot_mapping, int num_heads, int num_kv_heads, int head_dim,             \
       long long q_stride, long long k_stride, long long v_stride, long long max_pos,            \
       long long num_slots, int rot_dim, float inv_k_scale, float inv_v_scale) {                 \
     zllm::rotary_embedding_and_cache_impl<T, C>(positions, q, k, v, cos_cache, sin_cache,       \

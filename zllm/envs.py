@@ -162,6 +162,12 @@ SETTINGS: dict[str, Setting] = {
             "An FP8 GEMV build variant to use for bf16 per-row layers (A/B switch; matvec.fp8_gemv_variants()).",
         ),
         Setting(
+            "ZLLM_PDL",
+            _on,
+            False,
+            "1/true: on sm_90+ the batch-1 decode kernels launch with programmatic dependent launch (A/B switch).",
+        ),
+        Setting(
             "ZLLM_LORA_KERNELS",
             _switch,
             True,

@@ -80,6 +80,17 @@
 #                 stop ~5 s: ~220 s + the build, bounded by $SERVEMODEL_BUDGET_S (default 530 s).
 #                 Into $OUT: build.log, servemodel-summary.log, servemodel-logs.tar.gz (traces,
 #                 metrics, the client's JSONs).
+#   PART=pdl:     issue 40's programmatic dependent launch (ZLLM_PDL), in one call bounded by
+#                 $PDL_BUDGET_S (default 540 s from the start, the csrc build included; sm_90 cubins
+#                 only): tests/gpu/test_pdl_gpu.py (the batch-1 kernels chained as a layer, each GEMV
+#                 build, and decode steps of a tiny Llama through LLM, eager and graphs, bf16 and
+#                 fp8: bit for bit with PDL as without), then W2 bf16 and W2 --quantization fp8 with
+#                 ZLLM_PDL=0,1,0,1 interleaved, then W1 with ZLLM_PDL=0 and 1. A run that no longer
+#                 fits (as long as the longest so far) is SKIPPED. Last, a table of each run's
+#                 decode ms/token or output tokens/s. Estimates, not yet measured: build <= 120 s,
+#                 tests ~90 s, each W2 ~25 s, each W1 ~60 s: ~530 s from a fresh machine, ~410 s
+#                 with the build there (then W1 fits with room). A dry run on a CPU (the shell
+#                 logic): PATH=<a folder with a stub `python`> SKIP_CSRC_BUILD=1 bash ... pdl
 # Logs and JSON lines go to $OUT (default /tmp/zllm-perf).
 set -uo pipefail
 t0=$(date +%s)
@@ -90,7 +101,7 @@ mkdir -p "$out"
 model=/tmp/zllm-llama3-8b
 export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has this machine's cmake cache
 build_flags=()
-[[ "${1:-}" == sweep || "${1:-}" == servemodel || "${1:-}" == fp8gemv2 || "${1:-}" == decattn ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
+[[ "${1:-}" == sweep || "${1:-}" == servemodel || "${1:-}" == fp8gemv2 || "${1:-}" == decattn || "${1:-}" == pdl ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
 [[ -n "${SKIP_CSRC_BUILD:-}" || -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ]] \
   || timeout 300 bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" ${build_flags[@]+"${build_flags[@]}"} > "$out/build.log" 2>&1 \
   || { echo "csrc build failed (the loader falls back to what was built, or NVRTC):"; tail -15 "$out/build.log"; }
@@ -256,6 +267,52 @@ fp8gemv2)
     fp8w2 "fp8 $build" ZLLM_FP8_GEMV=$build
   done
   echo "== fp8gemv2: $(( $(date +%s) - t0 )) s"
+  ;;
+pdl)
+  deadline=$(( t0 + ${PDL_BUDGET_S:-540} ))
+  timeout 200 python -m pytest -q -p no:cacheprovider -p no:warnings -rs --tb=short tests/gpu/test_pdl_gpu.py \
+    > "$out/pytest_pdl.log" 2>&1
+  echo "PDL tests (rc $?, $(( $(date +%s) - t0 )) s after the start): $(tail -1 "$out/pytest_pdl.log")"
+  grep -E "^(FAILED|ERROR|SKIPPED)" "$out/pytest_pdl.log" | head -20
+  longest=0
+  pdlrun() {  # pdlrun LABEL SWITCH LIMIT_S COMMAND...: one run with ZLLM_PDL=SWITCH if the budget leaves room
+    local label=$1 switch=$2 limit=$3 start
+    shift 3
+    start=$(date +%s)
+    if (( start + longest > deadline || start + 30 > deadline )); then
+      echo "SKIPPED $label ZLLM_PDL=$switch: $(( deadline - start )) s left, a run took $longest s" | tee -a "$out/perf.log"
+      return
+    fi
+    echo "{\"pdl_run\": \"$label\", \"ZLLM_PDL\": $switch}" | tee -a "$jsonl"
+    ZLLM_PDL=$switch timeout "$limit" "$@" 2>&1 | tee -a "$out/perf.log" | grep -E '^\{' | tee -a "$jsonl"
+    (( $(date +%s) - start > longest )) && longest=$(( $(date +%s) - start ))
+  }
+  w2cmd=(python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024)
+  for switch in 0 1 0 1; do
+    pdlrun "W2 bf16" $switch 100 "${w2cmd[@]}"
+    pdlrun "W2 fp8" $switch 100 "${w2cmd[@]}" --quantization fp8
+  done
+  longest=$(( longest > 90 ? longest : 90 ))  # a W1 takes longer than a W2: keep room for one
+  for switch in 0 1; do
+    pdlrun "W1 bf16" $switch 200 python benchmarks/throughput.py --model "$model" --load-format dummy --num-prompts 1000 \
+      --input-len 256 --output-len 256 --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192
+  done
+  echo "== pdl table (run, ZLLM_PDL, W2 decode ms/token or W1 output tokens/s):"
+  python - "$jsonl" <<'PY'
+import json, sys
+label = None
+for line in open(sys.argv[1]):
+    try:
+        row = json.loads(line)
+    except ValueError:
+        continue
+    if "pdl_run" in row:
+        label = f"{row['pdl_run']:8s} PDL={row['ZLLM_PDL']}"
+    elif label and ("decode_ms_per_token" in row or "output_tokens_per_s" in row):
+        print(label, row.get("decode_ms_per_token", row.get("output_tokens_per_s")))
+        label = None
+PY
+  echo "== pdl: $(( $(date +%s) - t0 )) s"
   ;;
 moe)
   timeout 400 python -m pytest -q -p no:cacheprovider -p no:warnings --tb=short tests/gpu/test_moe_gpu.py > "$out/pytest_moe.log" 2>&1
@@ -424,5 +481,5 @@ servemodel)
   echo "== servemodel: $( ((status == 0)) && echo 'all passed' || echo 'SOMETHING FAILED OR WAS SKIPPED (see above)'), $(( $(date +%s) - t0 )) s"
   exit $status
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|fp8gemv2|moe|moedecode|gemvcheck|gemvperf|decattn|sweep|servemodel"; exit 2 ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|fp8gemv2|pdl|moe|moedecode|gemvcheck|gemvperf|decattn|sweep|servemodel"; exit 2 ;;
 esac

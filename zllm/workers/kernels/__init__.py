@@ -31,7 +31,9 @@ lora.LoRALayer.apply_slot per row's slot       lora.lora_shrink(t, x, a, slots),
                                                    slots, part_ends)  (in place)
 
 `checks` holds the argument checks they share; `loader` finds, builds and launches the CUDA
-modules; `cpu` is the C kernel the CPU path decodes with (csrc/cpu/, ctypes).
+modules; `pdl` launches the batch-1 kernels that wait for their predecessor with programmatic
+dependent launch (ZLLM_PDL, sm_90+); `cpu` is the C kernel the CPU path decodes with (csrc/cpu/,
+ctypes).
 
 Every CUDA wrapper checks shapes, dtypes (float32, float16, bfloat16), devices and layouts and
 raises ValueError with the reason; it launches on torch's current stream, never synchronises and

@@ -58,5 +58,6 @@ def _act_and_mul(op: str, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         (rows, blocks_y),
         (threads,),
         args,
+        pdl=True,  # the kernels wait for the one before them (csrc/common.cuh pdl_wait)
     )
     return out

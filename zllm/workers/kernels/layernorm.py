@@ -1,5 +1,6 @@
 """RMSNorm, alone or fused with the residual add before it (csrc/layernorm_kernels.cu), and that
-fused norm with the LoRA shrink of the projection after it (decode: fused_add_rms_norm_lora_shrink)."""
+fused norm with the LoRA shrink of the projection after it (decode: fused_add_rms_norm_lora_shrink).
+The first two wait for the kernel before them (programmatic dependent launch: loader.launch's pdl)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def rms_norm(
         np.int64(out_stride),
         np.int32(unit_offset),
     )
-    launch("layernorm_kernels", kernel, device, (rows,), (threads_for(units, 1024),), args)
+    launch("layernorm_kernels", kernel, device, (rows,), (threads_for(units, 1024),), args, pdl=True)
     return out
 
 
@@ -82,7 +83,7 @@ def fused_add_rms_norm(
     units = hidden // per16 if vec else hidden
     kernel = f"fused_add_rms_norm_{suffix}{'_vec' if vec else ''}"
     args = (ptr(x), ptr(residual), ptr(weight), np.float32(eps), np.int32(hidden), np.int32(unit_offset))
-    launch("layernorm_kernels", kernel, device, (rows,), (threads_for(units, 1024),), args)
+    launch("layernorm_kernels", kernel, device, (rows,), (threads_for(units, 1024),), args, pdl=True)
     return x, residual
 
 

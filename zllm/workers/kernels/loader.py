@@ -14,6 +14,8 @@ repository's csrc/ (a sibling of the zllm package).
 CuPy is imported on first use only: importing this module needs neither CuPy nor a GPU.
 Launches go to torch's current stream of the tensors' device, so they are ordered with torch's
 own work and can be captured by torch.cuda.graph (load the modules eagerly first: `preload`).
+A launch marked pdl=True may go out with programmatic dependent launch instead (kernels/pdl.py,
+ZLLM_PDL).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from zllm import envs
+from zllm.workers.kernels import pdl as pdl_launch
 
 # Kernel file -> one of its entry points (used to force the module load on a device).
 KERNEL_FILES: dict[str, str] = {
@@ -323,14 +326,42 @@ def launch(
     block: tuple[int, ...],
     args: tuple[Any, ...],
     shared_mem: int = 0,
+    pdl: bool = False,
 ) -> None:
-    """Launch `kernel` of kernel file `name` on torch's current stream of `device`."""
+    """Launch `kernel` of kernel file `name` on torch's current stream of `device`.
+
+    pdl: the kernel waits for the one before it (csrc/common.cuh pdl_wait) before it reads that
+    kernel's output or writes anything, so it may go out with programmatic dependent launch,
+    which it does where pdl.active (ZLLM_PDL on an sm_90+ device); otherwise CuPy launches it."""
     index = _device_index(device)
     cupy = _cupy()
     function = get_function(name, kernel, index)
-    stream = _cupy_stream(torch.cuda.current_stream(index).cuda_stream, index)
+    stream_ptr = torch.cuda.current_stream(index).cuda_stream
+    with_pdl = pdl and pdl_launch.active(index)
     if cupy.cuda.runtime.getDevice() == index:
-        function(grid, block, args, shared_mem=shared_mem, stream=stream)
+        _launch_here(cupy, function, grid, block, args, shared_mem, stream_ptr, index, with_pdl)
     else:
         with cupy.cuda.Device(index):
-            function(grid, block, args, shared_mem=shared_mem, stream=stream)
+            _launch_here(cupy, function, grid, block, args, shared_mem, stream_ptr, index, with_pdl)
+
+
+def _launch_here(
+    cupy: Any,
+    function: Any,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    args: tuple[Any, ...],
+    shared_mem: int,
+    stream_ptr: int,
+    index: int,
+    with_pdl: bool,
+) -> None:
+    """One launch on the current device: CuPy's, or the driver's with the PDL attribute."""
+    if not with_pdl:
+        function(grid, block, args, shared_mem=shared_mem, stream=_cupy_stream(stream_ptr, index))
+        return
+    if not pdl_launch.has_current_context():
+        cupy.cuda.runtime.free(0)  # a thread that never ran CUDA work: cudaFree(0) makes the context current
+    # A RawModule's function is a cupy.RawKernel: .kernel is its Function on the current device,
+    # whose .ptr is the CUfunction.
+    pdl_launch.launch(function.kernel.ptr, grid, block, args, shared_mem, stream_ptr)

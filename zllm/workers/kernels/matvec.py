@@ -136,7 +136,7 @@ def gemv(
     name = "gemv_lora" if lora is not None else "gemv"
     bound = GEMV_BOUND if variant is None else variant
     if not bound:
-        launch("gemv_kernels", f"{name}_{suffix}", device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args)
+        launch("gemv_kernels", f"{name}_{suffix}", device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args, pdl=True)
         return out
     split_text, _, bound = bound.rpartition("_") if bound.startswith("s") else ("", "", bound)
     split = int(split_text[1:]) if split_text else gemv_split(x.shape[1] // (16 // x.element_size()))
@@ -149,6 +149,7 @@ def gemv(
         (-(-n * split // _GEMV_ROWS_PER_BLOCK),),
         (128,),
         args,
+        pdl=True,  # every gemv build waits for the kernel before it (csrc/common.cuh pdl_wait)
     )
     return out
 
@@ -426,5 +427,8 @@ def fp8_gemv(
     else:
         name, rows_per_block, shared = f"gemv_fp8_{suffix}{'_block' if block else ''}", _GEMV_ROWS_PER_BLOCK, 0
     args = (ptr(out), ptr(x), ptr(weight), ptr(scale), ptr(bias), np.int32(n), np.int32(k))
-    launch("gemv_kernels", name, device, (-(-n // rows_per_block),), (128,), args, shared_mem=shared)
+    # The rows-per-warp builds and _split wait for the kernel before them (programmatic dependent
+    # launch, csrc/common.cuh); the tensor-core builds do not, so they never launch with PDL.
+    pdl = "_mma_" not in name
+    launch("gemv_kernels", name, device, (-(-n // rows_per_block),), (128,), args, shared_mem=shared, pdl=pdl)
     return out

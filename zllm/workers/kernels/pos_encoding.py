@@ -156,6 +156,7 @@ def rotary_embedding_and_cache(
         (tokens, num_heads + kv_heads),
         (threads_for(head_dim // 2, 1024),),
         args,
+        pdl=True,  # waits for the qkv projection (csrc/common.cuh pdl_wait); rotary_embedding does not
     )
     return query, key
 
