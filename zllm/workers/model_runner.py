@@ -145,6 +145,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, tp: TensorParallel | None = None) -> None:
         self.config = config
         self.device = device
+        # What other engines of this process hold already (LLM objects side by side): the profile
+        # counts only this engine's own allocations against its gpu_memory_utilization.
+        self._allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.tp = tp or TensorParallel()
         self.sync_wait_s = 0.0  # how long the last finish_step waited for its tokens
         self.spec = ModelSpec.from_pretrained(config.model)
@@ -269,14 +272,17 @@ class ModelRunner:
         """Blocks that fit in gpu_memory_utilization after weights and a forward at the token budget."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        weights = torch.cuda.memory_allocated(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        weights = allocated - self._allocated_before  # this engine's weights and buffers
         profile_kv = self._profile_forward()
         torch.cuda.synchronize(self.device)
-        activations = torch.cuda.max_memory_allocated(self.device) - weights - profile_kv
+        activations = torch.cuda.max_memory_allocated(self.device) - allocated - profile_kv
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         not_torch = (total - free) - torch.cuda.memory_reserved(self.device)  # CUDA context, cuBLAS, other processes
-        budget = total * self.config.gpu_memory_utilization - weights - activations - not_torch
+        # Never more than is free beside the activations: engines whose shares add up past the GPU
+        # fail here, not when the cache is allocated.
+        budget = min(total * self.config.gpu_memory_utilization - weights - activations - not_torch, free - activations)
         num_blocks = int(budget // self.kv_cache_bytes_per_block())
         logger.info(
             "memory: %.2f GiB total x %.2f; weights %.2f GiB, activation peak %.2f GiB, other %.2f GiB -> "
