@@ -128,9 +128,9 @@ def main() -> None:
         "--compare-sync", action="store_true", help="also run the speculative engine with synchronous steps"
     )
     parser.add_argument(
-        "--compare-fixed",
+        "--compare-adaptive",
         action="store_true",
-        help="also run the speculative engine with every n-gram draft k long (ZLLM_NGRAM_ADAPTIVE=0)",
+        help="also run the speculative engine with adaptive n-gram draft lengths (ZLLM_NGRAM_ADAPTIVE=1)",
     )
     parser.add_argument("--no-plain", action="store_true", help="run only the speculative engine(s)")
     parser.add_argument("--workloads", default="copy-heavy,chat", help="comma-separated: copy-heavy, chat")
@@ -149,7 +149,7 @@ def main() -> None:
     from zllm import LLM
 
     workloads = {"copy-heavy": COPY_HEAVY, "chat": CHAT}
-    adaptive = os.environ.get("ZLLM_NGRAM_ADAPTIVE", "1")
+    adaptive = os.environ.get("ZLLM_NGRAM_ADAPTIVE", "0")
     # Copy-heavy: room for the longest copy (about 140 tokens); chat: as long as it always was.
     max_tokens = {"copy-heavy": 256, "chat": 160}
     chosen = args.workloads.split(",")
@@ -158,13 +158,13 @@ def main() -> None:
         kinds.insert(0, ("plain", None, args.async_scheduling))
     if args.compare_sync:
         kinds.append(("speculative-sync", args.speculative_config, False))
-    if args.compare_fixed:
-        kinds.append(("speculative-fixed", args.speculative_config, args.async_scheduling))
+    if args.compare_adaptive:
+        kinds.append(("speculative-adaptive", args.speculative_config, args.async_scheduling))
     share = round(0.9 / len(kinds), 2)  # every engine's KV cache in one GPU at once
     engines = {}
     for name, speculative, async_scheduling in kinds:
         # The proposer reads ZLLM_NGRAM_ADAPTIVE when its engine starts.
-        os.environ["ZLLM_NGRAM_ADAPTIVE"] = "0" if name == "speculative-fixed" else adaptive
+        os.environ["ZLLM_NGRAM_ADAPTIVE"] = "1" if name == "speculative-adaptive" else adaptive
         engines[name] = LLM(
             args.model,
             dtype=args.dtype,

@@ -28,9 +28,9 @@ WRAPPER_ARGS = (
 
 
 @pytest.mark.parametrize(
-    "raw,expected", [(None, False), ("", False), ("0", False), ("1", True), ("true", True), ("on", True)]
+    "raw,expected", [(None, True), ("", True), ("0", False), ("1", True), ("true", True), ("on", True)]
 )
-def test_the_switch_is_opt_in(monkeypatch, raw, expected):
+def test_the_switch_is_on_by_default(monkeypatch, raw, expected):
     if raw is None:
         monkeypatch.delenv("ZLLM_PDL", raising=False)
     else:

@@ -139,9 +139,9 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting(
             "ZLLM_NGRAM_ADAPTIVE",
-            _switch,
-            True,
-            "0: every n-gram draft is num_speculative_tokens long; on, a request drafts one more than it last kept.",
+            _on,
+            False,
+            "1/true: a request's n-gram draft is one token more than it last kept, not num_speculative_tokens.",
         ),
         Setting(
             "ZLLM_GEMV_ROWS",
@@ -163,9 +163,9 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting(
             "ZLLM_PDL",
-            _on,
-            False,
-            "1/true: on sm_90+ the batch-1 decode kernels launch with programmatic dependent launch (A/B switch).",
+            _switch,
+            True,
+            "0: the batch-1 decode kernels launch as before, not with programmatic dependent launch (sm_90+; A/B switch).",
         ),
         Setting(
             "ZLLM_LORA_KERNELS",
