@@ -248,3 +248,25 @@ def test_fp8_gemv_default_splits():
 def test_fp8_gemv_rejects_what_is_not_built(variant):
     with pytest.raises(ValueError, match="fp8_gemv: variant"):
         matvec.fp8_gemv_kernel(variant, 4096, 4096)
+
+
+def test_fp8_gemv_wide_picks_the_build_by_output_rows(monkeypatch):
+    """ZLLM_FP8_GEMV_WIDE="MIN_N:VARIANT": layers of at least MIN_N output rows run VARIANT, the
+    others ZLLM_FP8_GEMV's build; a malformed value is refused with the expected form."""
+    assert matvec.parse_fp8_gemv_wide("") is None
+    assert matvec.parse_fp8_gemv_wide("16384:_split") == (16384, "_split")
+    assert matvec.parse_fp8_gemv_wide("16384:") == (16384, "")
+    for bad in ("_split", "x:_split", "0:_split", "16384:_nope"):
+        with pytest.raises(ValueError, match="MIN_N:VARIANT|is not one of"):
+            matvec.parse_fp8_gemv_wide(bad)
+    monkeypatch.setattr(matvec, "FP8_GEMV_VARIANT", "_r2u2")
+    monkeypatch.setattr(matvec, "FP8_GEMV_WIDE", (16384, "_split"))
+    assert [matvec.fp8_gemv_variant_for(n) for n in (4096, 6144, 16383, 16384, 28672)] == [
+        "_r2u2",
+        "_r2u2",
+        "_r2u2",
+        "_split",
+        "_split",
+    ]
+    monkeypatch.setattr(matvec, "FP8_GEMV_WIDE", None)
+    assert matvec.fp8_gemv_variant_for(28672) == "_r2u2"

@@ -162,6 +162,12 @@ SETTINGS: dict[str, Setting] = {
             "An FP8 GEMV build variant to use for bf16 per-row layers (A/B switch; matvec.fp8_gemv_variants()).",
         ),
         Setting(
+            "ZLLM_FP8_GEMV_WIDE",
+            _text,
+            "",
+            "MIN_N:VARIANT: bf16 per-row FP8 layers of at least MIN_N output rows run that build instead (A/B switch).",
+        ),
+        Setting(
             "ZLLM_PDL",
             _switch,
             True,

@@ -349,6 +349,28 @@ _FP8_SPLIT_ROUND_UNITS = 32 * 4  # 16-byte units a warp of the split build cover
 FP8_GEMV_VARIANT = envs.ZLLM_FP8_GEMV
 
 
+def parse_fp8_gemv_wide(raw: str) -> tuple[int, str] | None:
+    """ZLLM_FP8_GEMV_WIDE's "MIN_N:VARIANT" (say "16384:_split"): the build for the wide layers
+    (gate_up), whose best build differs from the narrow ones' (issue 40's GB/s table). None: unset."""
+    if not raw:
+        return None
+    min_n, sep, variant = raw.partition(":")
+    if not sep or not min_n.strip().isdigit() or int(min_n) < 1:
+        raise ValueError(f"ZLLM_FP8_GEMV_WIDE={raw!r}: expected MIN_N:VARIANT, e.g. 16384:_split")
+    variant = variant.strip()
+    if variant not in ("", *fp8_gemv_variants()):
+        raise ValueError(f"ZLLM_FP8_GEMV_WIDE={raw!r}: {variant!r} is not one of {fp8_gemv_variants()}")
+    return int(min_n), variant
+
+
+def fp8_gemv_variant_for(n: int) -> str:
+    """The build a bf16 per-row FP8 layer of n output rows runs: ZLLM_FP8_GEMV_WIDE's past its
+    MIN_N, else ZLLM_FP8_GEMV's."""
+    if FP8_GEMV_WIDE is not None and n >= FP8_GEMV_WIDE[0]:
+        return FP8_GEMV_WIDE[1]
+    return FP8_GEMV_VARIANT
+
+
 def fp8_gemv_variants(with_splits: bool = True) -> list[str]:
     """Every variant fp8_gemv takes: the rows-per-warp builds, then issue 40's families (and, with
     with_splits, each of their splits)."""
@@ -386,6 +408,9 @@ def fp8_gemv_kernel(variant: str, n: int, k: int) -> tuple[str, int, int]:
     return name, 16 * tiles * (_GEMV_WARPS // split), 2 * k if staged else 0
 
 
+FP8_GEMV_WIDE = parse_fp8_gemv_wide(envs.ZLLM_FP8_GEMV_WIDE)
+
+
 def fp8_gemv(
     out: torch.Tensor,
     x: torch.Tensor,
@@ -398,7 +423,7 @@ def fp8_gemv(
     """out [1, N] = x [1, K] @ (weight [N, K] (E4M3) * scale)^T (+ bias [N]), fp32 accumulation;
     scale [N, 1] per row or, with block, [ceil(N/128), ceil(K/128)] per tile. Returns out. `variant`
     picks another build (one of fp8_gemv_variants(); bf16 with per-row scales only; None:
-    FP8_GEMV_VARIANT there, the default build elsewhere)."""
+    fp8_gemv_variant_for(N) there, the default build elsewhere)."""
     op = "fp8_gemv"
     device = check_cuda(op, out=out, x=x, weight=weight, scale=scale, bias=bias)
     suffix = dtype_suffix(op, x, "x")
@@ -419,7 +444,7 @@ def fp8_gemv(
         fail(op, f"scale must be {expected} ({'per tile' if block else 'per row'}), got {tuple(scale.shape)}")
     per_row_bf16 = suffix == "bf16" and not block
     if variant is None:
-        variant = FP8_GEMV_VARIANT if per_row_bf16 else ""
+        variant = fp8_gemv_variant_for(n) if per_row_bf16 else ""
     if variant and not per_row_bf16:
         fail(op, f"variant {variant!r}: the builds other than '' are for bf16 with per-row scales")
     if variant:
