@@ -215,3 +215,30 @@ def test_shutdown_gives_the_gpu_memory_back(model_dir):
     record(f"allocated_after_shutdown_mib[{os.path.basename(model_dir)}]", round(left / 2**20, 1))
     assert held > 8 << 30, f"the engine held only {held / 2**30:.1f} GiB"
     assert left < 512 << 20, f"{left / 2**20:.0f} MiB still allocated after shutdown ({held / 2**30:.1f} GiB held)"
+
+
+def _greedy(engine, prompt: list[int], max_tokens: int) -> list[int]:
+    engine.add_request("side", {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        tokens = next((o.outputs[0].token_ids for o in engine.step() if o.finished), tokens)
+    return list(tokens)
+
+
+def test_engines_side_by_side_each_take_their_share(model_dir, prompt_ids):
+    """Two in-process engines at 0.3 each (benchmarks/spec_e2e.py's rounds): the second's profile
+    counts only its own allocations, not the first engine's weights and KV cache, so both start
+    with caches of about the same size, and both generate."""
+    first = LLMEngine.from_engine_args(model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    try:
+        second = LLMEngine.from_engine_args(model_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+        try:
+            blocks = [first.core.num_kv_blocks, second.core.num_kv_blocks]
+            record(f"side_by_side_kv_blocks[{os.path.basename(model_dir)}]", blocks)
+            assert blocks[1] > 0.8 * blocks[0], blocks
+            outs = [_greedy(engine, prompt_ids[0], 8) for engine in (first, second)]
+            assert outs[0] == outs[1] and len(outs[0]) == 8, outs
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
