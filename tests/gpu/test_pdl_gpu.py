@@ -1,5 +1,6 @@
 """Programmatic dependent launch on the GPU (ZLLM_PDL; zllm/workers/kernels/pdl.py): the batch-1
-kernels chained as a decode layer runs them, and whole decode steps of a tiny Llama through LLM
+kernels chained as a decode layer runs them, the LoRA kernels (shrink, expand, and the norm's
+and the activation's shrink), and whole decode steps of a tiny Llama through LLM
 (eager and CUDA graphs, bf16 and --quantization fp8), give the same bits with PDL as without.
 
 Each kernel with PDL may start while the one before it still writes what it reads, so a missing
