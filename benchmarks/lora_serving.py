@@ -12,16 +12,19 @@ csrc/lora_kernels.cu shrink/expand alone against the torch reference.
     # W2 with the expand as its own launch, then in the GEMV's epilogue (the default)
     ZLLM_LORA_FUSED_EXPAND=0 python benchmarks/lora_serving.py w2 --model /tmp/llama3-8b --adapters 1
     ZLLM_LORA_FUSED_EXPAND=1 python benchmarks/lora_serving.py w2 --model /tmp/llama3-8b --adapters 1
-    # W2 with q/k/v's and gate/up's shrink in the add-RMSNorm before them (off by default)
+    # W2 with q/k/v's and gate/up's shrink in the add-RMSNorm before them and down's in the
+    # activation (off by default); with PDL (ZLLM_PDL=1) against the plain model with PDL
     ZLLM_LORA_NORM_SHRINK=1 python benchmarks/lora_serving.py w2 --model /tmp/llama3-8b --adapters 1
+    ZLLM_PDL=1 python benchmarks/lora_serving.py w2 --model /tmp/llama3-8b --adapters 0
+    ZLLM_PDL=1 ZLLM_LORA_NORM_SHRINK=1 python benchmarks/lora_serving.py w2 --model /tmp/llama3-8b --adapters 1
     # the kernels alone per Llama-3-8B projection shape (us per call, GB/s), against torch's path;
     # at 1 token also the whole projection: GEMV + shrink + expand against shrink + fused GEMV
     python benchmarks/lora_serving.py kernels --model /tmp/llama3-8b
 
 Adapters are random rank-`--rank` (16) PEFT directories on all seven projections of the model's
 shape, written under --adapter-dir (bf16 safetensors, PEFT's tensor names and config); weights
-are dummy (`--load-format dummy`). One JSON line per run (with the ZLLM_LORA_FUSED_EXPAND and
-ZLLM_LORA_NORM_SHRINK in force); ZLLM_LORA_KERNELS=0 runs the torch path.
+are dummy (`--load-format dummy`). One JSON line per run (with the ZLLM_LORA_FUSED_EXPAND,
+ZLLM_LORA_NORM_SHRINK and ZLLM_PDL in force); ZLLM_LORA_KERNELS=0 runs the torch path.
 """
 
 from __future__ import annotations
@@ -237,7 +240,8 @@ def report(args, workload: str, **values) -> dict:
     from zllm import envs
 
     row = dict(workload=workload, adapters=args.adapters, max_loras=args.max_loras, rank=args.rank)
-    row |= dict(fused_expand=envs.ZLLM_LORA_FUSED_EXPAND, norm_shrink=envs.ZLLM_LORA_NORM_SHRINK, **values)
+    row |= dict(fused_expand=envs.ZLLM_LORA_FUSED_EXPAND, norm_shrink=envs.ZLLM_LORA_NORM_SHRINK, pdl=envs.ZLLM_PDL)
+    row |= values
     print(json.dumps(row), flush=True)
     return row
 

@@ -5,6 +5,18 @@
 //
 // Grid: (tokens, ceil(I / kVec / blockDim.x)); each thread handles kVec consecutive elements
 // (16 bytes for the _vec entry points, which the host picks when I, strides and pointers allow).
+//
+// silu_and_mul_lora_shrink / gelu_tanh_and_mul_lora_shrink (decode, LoRA on the down projection
+// after the activation; not in place):
+//   out [rows, I] = act(gate) * up     (each bit as the _vec entry point computes it)
+//   t [rows, cols] (fp32) = out @ A[slot]^T   (A [slots, cols, I]; 0 in rows of slot -1)
+//   Grid (rows, cols / kActShrinkCols): every block re-computes its row's activation (the gate and
+//   up rows are 2 * I elements from L2, less than the block's 4 columns of A) and the shrink of
+//   its 4 columns of the rounded row (lora_shrink's input; its fp32 order differs); block y = 0
+//   also writes out. Not in place: the other blocks still read x. The activation is elementwise,
+//   so any block size gives the _vec kernel's bits.
+// Every kernel here waits for the previous kernel first (programmatic dependent launch,
+// common.cuh); the shrink's A is a weight, x and the slots are read after the wait.
 #include "common.cuh"
 
 namespace zllm {
@@ -39,6 +51,70 @@ __device__ __forceinline__ void act_and_mul_impl(T* __restrict__ out, const T* x
   store_floats<T, kVec>(out + static_cast<i64>(blockIdx.x) * out_stride + unit * kVec, g);
 }
 
+constexpr int kActShrinkCols = 4;
+
+// Vector loads only (I % kVec == 0, contiguous 16-byte aligned rows and A; checked by the host).
+template <typename T, int kVec, Act kAct>
+__device__ __forceinline__ void act_and_mul_lora_shrink_impl(T* __restrict__ out, float* __restrict__ t,
+                                                             const T* x, const T* __restrict__ a,
+                                                             const int* token_slots, int d, int cols) {
+  __shared__ float partial[32][kActShrinkCols];
+  const int token = blockIdx.x;
+  const bool writes = blockIdx.y == 0;  // the block that writes the row's activation
+  const int col0 = blockIdx.y * kActShrinkCols;
+  float* tr = t + static_cast<i64>(token) * cols + col0;
+  pdl_launch_dependents();  // PDL (common.cuh): x is the previous kernel's output
+  pdl_wait();
+  const int slot = token_slots[token];  // uniform over the block, like the early return below
+  if (slot < 0 && !writes) {
+    if (threadIdx.x < kActShrinkCols) tr[threadIdx.x] = 0.f;
+    return;
+  }
+  const bool shrinks = slot >= 0;
+  const T* gate = x + static_cast<i64>(token) * 2 * d;
+  T* outr = out + static_cast<i64>(token) * d;
+  const T* ar = a + (static_cast<i64>(shrinks ? slot : 0) * cols + col0) * d;
+  float acc[kActShrinkCols];
+#pragma unroll
+  for (int c = 0; c < kActShrinkCols; ++c) acc[c] = 0.f;
+  const int units = d / kVec;
+  for (int i = threadIdx.x; i < units; i += blockDim.x) {
+    float g[kVec], u[kVec];
+    load_floats<T, kVec>(gate + i * kVec, g);
+    load_floats<T, kVec>(gate + d + i * kVec, u);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) g[e] = round_to<T>(activation<kAct>(g[e])) * u[e];
+    if (writes) store_floats<T, kVec>(outr + i * kVec, g);
+    if (shrinks) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) g[e] = round_to<T>(g[e]);  // the row as stored: lora_shrink's input
+#pragma unroll
+      for (int c = 0; c < kActShrinkCols; ++c) {
+        float av[kVec];
+        load_floats<T, kVec>(ar + static_cast<i64>(c) * d + i * kVec, av);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[c] = fmaf(g[e], av[e], acc[c]);
+      }
+    }
+  }
+  if (!shrinks) {  // block 0 of a row of the base model
+    if (threadIdx.x < kActShrinkCols) tr[threadIdx.x] = 0.f;
+    return;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c = 0; c < kActShrinkCols; ++c) {
+    const float s = warp_sum(acc[c]);
+    if (lane == 0) partial[warp][c] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < kActShrinkCols) {
+    float s = 0.f;
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) s += partial[w][threadIdx.x];
+    tr[threadIdx.x] = s;
+  }
+}
+
 }  // namespace zllm
 
 #define ZLLM_ACT_AND_MUL(NAME, T, VEC, ACT)                                                     \
@@ -57,3 +133,18 @@ __device__ __forceinline__ void act_and_mul_impl(T* __restrict__ out, const T* x
 
 ZLLM_ACT_AND_MUL_DTYPES(silu_and_mul, zllm::Act::kSilu)
 ZLLM_ACT_AND_MUL_DTYPES(gelu_tanh_and_mul, zllm::Act::kGeluTanh)
+
+#define ZLLM_ACT_LORA_SHRINK(NAME, T, VEC, ACT)                                                        \
+  extern "C" __global__ void __launch_bounds__(1024)                                                 \
+      NAME(T* __restrict__ out, float* __restrict__ t, const T* x, const T* __restrict__ a,           \
+           const int* slots, int d, int cols) {                                                       \
+    zllm::act_and_mul_lora_shrink_impl<T, VEC, ACT>(out, t, x, a, slots, d, cols);                    \
+  }
+
+#define ZLLM_ACT_LORA_SHRINK_DTYPES(NAME, ACT)                                                         \
+  ZLLM_ACT_LORA_SHRINK(NAME##_f32, float, 4, ACT)                                                      \
+  ZLLM_ACT_LORA_SHRINK(NAME##_f16, __half, 8, ACT)                                                     \
+  ZLLM_ACT_LORA_SHRINK(NAME##_bf16, __nv_bfloat16, 8, ACT)
+
+ZLLM_ACT_LORA_SHRINK_DTYPES(silu_and_mul_lora_shrink, zllm::Act::kSilu)
+ZLLM_ACT_LORA_SHRINK_DTYPES(gelu_tanh_and_mul_lora_shrink, zllm::Act::kGeluTanh)

@@ -19,8 +19,9 @@
 // the row in units of kVec elements (16 bytes for the _vec entry points, whose row length and
 // pointers the host checks; 1 otherwise). The second pass re-reads the row (from L1/L2) instead
 // of holding it, so any hidden size works.
-// Both wait for the previous kernel first (programmatic dependent launch, common.cuh): there is
-// nothing to load before it but the small weight.
+// All three wait for the previous kernel first (programmatic dependent launch, common.cuh): there
+// is nothing to load before it but the small weight (and the shrink's A); x, residual and the
+// slots are read after it.
 #include "common.cuh"
 
 namespace zllm {
@@ -106,14 +107,16 @@ constexpr int kNormShrinkCols = 4;
 // Vector entry points only (hidden % kVec == 0, 16-byte aligned rows and A; checked by the host).
 template <typename T, int kVec>
 __device__ __forceinline__ void fused_add_rms_norm_lora_shrink_impl(
-    T* __restrict__ out, T* __restrict__ residual_out, float* __restrict__ t, const T* __restrict__ x,
-    const T* __restrict__ residual, const T* __restrict__ weight, const T* __restrict__ a,
-    const int* __restrict__ token_slots, float eps, int hidden, int cols, bool unit_offset) {
+    T* __restrict__ out, T* __restrict__ residual_out, float* __restrict__ t, const T* x,
+    const T* residual, const T* __restrict__ weight, const T* __restrict__ a,
+    const int* token_slots, float eps, int hidden, int cols, bool unit_offset) {
   __shared__ float scratch[32];
   __shared__ float partial[32][kNormShrinkCols];
   const int token = blockIdx.x;
   const bool writes = blockIdx.y == 0;  // the block that writes the row's norm and residual
   const int col0 = blockIdx.y * kNormShrinkCols;
+  pdl_launch_dependents();  // PDL (common.cuh): x and residual come from the kernels before
+  pdl_wait();
   const int slot = token_slots[token];  // uniform over the block, like the early return below
   float* tr = t + static_cast<i64>(token) * cols + col0;
   if (slot < 0 && !writes) {
@@ -217,8 +220,8 @@ ZLLM_FUSED_ADD_RMS_NORM(fused_add_rms_norm_bf16_vec, __nv_bfloat16, 8)
 #define ZLLM_NORM_LORA_SHRINK(NAME, T, VEC)                                                          \
   extern "C" __global__ void __launch_bounds__(1024)                                               \
       NAME(T* __restrict__ out, T* __restrict__ residual_out, float* __restrict__ t,                \
-           const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,   \
-           const T* __restrict__ a, const int* __restrict__ slots, float eps, int hidden, int cols, \
+           const T* x, const T* residual, const T* __restrict__ weight,                             \
+           const T* __restrict__ a, const int* slots, float eps, int hidden, int cols,              \
            int unit_offset) {                                                                      \
     zllm::fused_add_rms_norm_lora_shrink_impl<T, VEC>(out, residual_out, t, x, residual, weight, a, \
                                                       slots, eps, hidden, cols, unit_offset != 0);  \

@@ -8,6 +8,8 @@
 //                           the middle so a part's rows over every slot are one [rows, S * R]
 //                           matrix for the dense path's GEMM)
 // These kernels serve steps of few tokens (decode); a step of many runs lora.py's dense path.
+// Both wait for the previous kernel first (programmatic dependent launch, common.cuh): x, t, out
+// and the slots are read after the wait (never `const __restrict__`), only A and B are weights.
 //
 // lora_shrink: t [T, P * R] (fp32) = x [T, in] @ A[slot]^T     (0 for rows of the base model)
 //   Grid (T, ceil(P * R / kShrinkCols)); a block of 256 threads splits `in` between its threads,
@@ -31,13 +33,15 @@ constexpr int kExpandThreads = 256;
 // (the rank is a multiple of kVec >= 4; all checked by the host), so every load is unconditional
 // and the compiler can issue a step's five at once.
 template <typename T, int kVec>
-__device__ __forceinline__ void lora_shrink_impl(float* __restrict__ t, const T* __restrict__ x,
-                                                 const T* __restrict__ a, const int* __restrict__ token_slots,
+__device__ __forceinline__ void lora_shrink_impl(float* __restrict__ t, const T* x,
+                                                 const T* __restrict__ a, const int* token_slots,
                                                  int in, int cols, i64 x_stride) {
   constexpr int kWarps = kShrinkThreads / 32;
   __shared__ float partial[kWarps][kShrinkCols];
   const int token = blockIdx.x;
   const int col0 = blockIdx.y * kShrinkCols;
+  pdl_launch_dependents();  // PDL (common.cuh): x is the previous kernel's output
+  pdl_wait();
   const int slot = token_slots[token];  // the same for the whole block: its early return is uniform
   float* tr = t + static_cast<i64>(token) * cols + col0;
   if (slot < 0) {
@@ -79,12 +83,14 @@ __device__ __forceinline__ void lora_shrink_impl(float* __restrict__ t, const T*
 
 // R % kVec == 0 (R = max_lora_rank, checked by the host). Dynamic shared memory: parts * rank floats.
 template <typename T, int kVec>
-__device__ __forceinline__ void lora_expand_impl(T* __restrict__ out, const float* __restrict__ t,
-                                                 const T* __restrict__ b, const int* __restrict__ token_slots,
+__device__ __forceinline__ void lora_expand_impl(T* out, const float* t,
+                                                 const T* __restrict__ b, const int* token_slots,
                                                  int out_cols, int slots,
                                                  int rank, int parts, int end0, int end1, i64 out_stride) {
   extern __shared__ float t_shared[];
   const int token = blockIdx.x;
+  pdl_launch_dependents();  // PDL (common.cuh): t (the shrink's) and out (the projection's) come before
+  pdl_wait();
   const int slot = token_slots[token];  // uniform over the block
   if (slot < 0) return;
   const float* tr = t + static_cast<i64>(token) * parts * rank;
@@ -110,13 +116,13 @@ __device__ __forceinline__ void lora_expand_impl(T* __restrict__ out, const floa
 
 #define ZLLM_LORA(SUFFIX, T, VEC)                                                                              \
   extern "C" __global__ void __launch_bounds__(zllm::kShrinkThreads)                                          \
-      lora_shrink_##SUFFIX(float* __restrict__ t, const T* __restrict__ x, const T* __restrict__ a,           \
-                           const int* __restrict__ slots, int in, int cols, long long x_stride) {             \
+      lora_shrink_##SUFFIX(float* __restrict__ t, const T* x, const T* __restrict__ a,                        \
+                           const int* slots, int in, int cols, long long x_stride) {                          \
     zllm::lora_shrink_impl<T, VEC>(t, x, a, slots, in, cols, x_stride);                                       \
   }                                                                                                           \
   extern "C" __global__ void __launch_bounds__(zllm::kExpandThreads)                                          \
-      lora_expand_##SUFFIX(T* __restrict__ out, const float* __restrict__ t, const T* __restrict__ b,         \
-                           const int* __restrict__ slots, int out_cols, int num_slots, int rank, int parts,   \
+      lora_expand_##SUFFIX(T* out, const float* t, const T* __restrict__ b,                                   \
+                           const int* slots, int out_cols, int num_slots, int rank, int parts,                \
                            int end0, int end1, long long out_stride) {                                        \
     zllm::lora_expand_impl<T, VEC>(out, t, b, slots, out_cols, num_slots, rank, parts, end0, end1, out_stride); \
   }

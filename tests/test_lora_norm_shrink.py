@@ -1,11 +1,13 @@
 """The wiring of ZLLM_LORA_NORM_SHRINK (zllm/workers/lora.py `LoRALayer.norm_shrinks` /
-`add_rms_norm` / `shrunk`, the decoder layer's norms in zllm/workers/models/llama.py): the
-add-RMSNorm before an adapted q/k/v or gate/up projection computes its shrink in the same launch
-(csrc/layernorm_kernels.cu on CUDA; on the CPU TorchOps' reference, which the tests here run), and
-the projection uses it instead of launching its own. Checked on the CPU: the switch (off by
-default; LoRAManager turns it on for CUDA's kernel path only), the conditions (decode rows, the
-kernel path, not the dense one), and a decoder layer's outputs equal to the unfused path's, with
-the shrink computed once a projection. tests/gpu/test_lora_norm_gpu.py runs the kernel."""
+`add_rms_norm` / `act_shrinks` / `act_and_mul` / `shrunk`, the decoder layer's norms and MLP in
+zllm/workers/models/llama.py): the add-RMSNorm before an adapted q/k/v or gate/up projection, and
+the MLP's gated activation before an adapted down projection, compute that projection's shrink in
+the same launch (csrc/layernorm_kernels.cu and csrc/activation_kernels.cu on CUDA; on the CPU
+TorchOps' reference, which the tests here run), and the projection uses it instead of launching its
+own. Checked on the CPU: the switch (off by default; LoRAManager turns it on for CUDA's kernel path
+only), the conditions (decode rows, the kernel path, not the dense one), and a decoder layer's
+outputs (SwiGLU and GeGLU) equal to the unfused path's, with the shrink computed once a
+projection. tests/gpu/test_lora_norm_gpu.py and tests/gpu/test_lora_act_gpu.py run the kernels."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tests.helpers.lora import ShrinkCounts, run_lora_layer, tiny_lora_layer
 from zllm import envs
 from zllm.workers import ops
 from zllm.workers.distributed import TensorParallel
+from zllm.workers.kernels.activation import act_shrink_supported
 from zllm.workers.kernels.layernorm import norm_shrink_supported
 from zllm.workers.lora import LoRAManager
 from zllm.workers.models.llama import RMSNorm
@@ -34,19 +37,21 @@ def test_the_switch_is_off_by_default(monkeypatch):
     assert envs.ZLLM_LORA_NORM_SHRINK is True
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_decoder_layer_with_the_norm_shrink_equals_without(rows, monkeypatch):
+def test_decoder_layer_with_the_norm_shrink_equals_without(rows, act, monkeypatch):
     """q/k/v's and the MLP's outputs and the residual are the unfused path's; each of qkv and
-    gate_up's shrink ran in its norm (2 a layer), o and down's alone (2)."""
+    gate_up's shrink ran in its norm (2 a layer), down's in the activation (1), o's alone (1)."""
     results = {}
     for fused in (False, True):
-        layer, _, gen = tiny_lora_layer(fused, rows, rows)
+        layer, _, gen = tiny_lora_layer(fused, rows, rows, hidden_act=act)
         x, residual, attended = (torch.randn(rows, HIDDEN, generator=gen) for _ in range(3))
         with monkeypatch.context() as patch:
             counts = ShrinkCounts(patch, ops.TorchOps)
             results[fused] = run_lora_layer(layer, x, residual, attended)
-        assert (counts.alone, counts.in_norm) == ((2, 2) if fused else (4, 0))
-        assert all(lora.held is None for lora in (layer.self_attn.qkv_proj.lora, layer.mlp.gate_up_proj.lora))
+        assert (counts.alone, counts.in_norm, counts.in_act) == ((1, 2, 1) if fused else (4, 0, 0))
+        held = (layer.self_attn.qkv_proj.lora, layer.mlp.gate_up_proj.lora, layer.mlp.down_proj.lora)
+        assert all(lora.held is None for lora in held)
     for got, expected in zip(results[True], results[False]):
         assert torch.equal(got, expected)
 
@@ -66,6 +71,42 @@ def test_norm_shrinks_only_where_its_conditions_hold():
     assert not lora.norm_shrinks(x[:1], x[:1], weight)
     batch.norm_shrink, batch.token_slots = True, None  # the torch path
     assert not lora.norm_shrinks(x[:1], x[:1], weight)
+
+
+def test_act_shrinks_only_where_its_conditions_hold():
+    """The activation's fusion follows the norm's: the switch, the kernel path's buffers, decode
+    rows (1-8), not a dense-path launch, and gate/up rows twice down's input width."""
+    layer, batch, gen = tiny_lora_layer(True, 9, 0)
+    lora = layer.mlp.down_proj.lora
+    width = 2 * lora.A.shape[2]
+    x = torch.randn(9, width, generator=gen)
+    assert all(lora.act_shrinks(x[:n]) for n in (1, 2, 8))
+    assert not lora.act_shrinks(x)  # 9 rows
+    assert not lora.act_shrinks(x[0])  # not a [rows, 2I] launch
+    assert not lora.act_shrinks(x[:2, : width - 2])  # not down's input width
+    batch.dense_from = 4
+    assert not lora.act_shrinks(x[:4]) and lora.act_shrinks(x[:3])
+    batch.dense_from, batch.norm_shrink = sys.maxsize, False
+    assert not lora.act_shrinks(x[:1])
+    batch.norm_shrink, batch.token_slots = True, None  # the torch path
+    assert not lora.act_shrinks(x[:1])
+
+
+def test_the_activation_holds_its_shrink_for_down_proj():
+    """act_and_mul returns the activation's bits (TorchOps.silu_and_mul) and holds the shrink of
+    that very tensor for down_proj; a copy of it launches its own."""
+    layer, _, gen = tiny_lora_layer(True, 3, 2)
+    lora = layer.mlp.down_proj.lora
+    x = torch.randn(3, 2 * lora.A.shape[2], generator=gen)
+    out = lora.act_and_mul(ops.TorchOps(), x, False)
+    assert torch.equal(out, ops.TorchOps().silu_and_mul(x))
+    assert lora.held is not None and lora.held[0] is out
+    expected = ops.lora_shrink(out, lora.A, lora.batch.token_slots)
+    assert torch.equal(lora.shrunk(out), expected) and lora.held is None
+    lora.act_and_mul(ops.TorchOps(), x, True)
+    copy = lora.held[0].clone()
+    assert torch.equal(lora.shrunk(copy), ops.lora_shrink(copy, lora.A, lora.batch.token_slots))
+    assert lora.held is None
 
 
 def test_a_held_shrink_serves_only_its_own_tensor():
@@ -100,6 +141,22 @@ def test_the_kernel_takes_only_vector_rows():
         assert not norm_shrink_supported(strided, x.clone(), w, a)
     x = torch.zeros(2, 64, dtype=torch.float64)
     assert not norm_shrink_supported(x, x, x[0], torch.zeros(1, 4, 64, dtype=torch.float64))
+
+
+def test_the_act_kernel_takes_only_vector_rows():
+    """act_shrink_supported (the CUDA condition, shapes only): fp32/fp16/bf16 gate/up rows of an
+    I of whole 16-byte pieces, contiguous, a [S, cols, I] of x's dtype, cols a multiple of 4."""
+    for dtype, width in ((torch.float32, 4), (torch.bfloat16, 8), (torch.float16, 8)):
+        d = 16 * width
+        x, a = torch.zeros(3, 2 * d, dtype=dtype), torch.zeros(2, 16, d, dtype=dtype)
+        assert act_shrink_supported(x, a)
+        assert not act_shrink_supported(x[:, 2:], a[..., 1:])  # odd I
+        assert not act_shrink_supported(x, a[:, :10])  # 10 columns
+        assert not act_shrink_supported(x, a[..., : d - width])  # a's width not I
+        assert not act_shrink_supported(x, a.to(torch.float64))  # a of another dtype
+        assert not act_shrink_supported(torch.zeros(3, 4 * d, dtype=dtype)[:, : 2 * d], a)  # strided rows
+    x = torch.zeros(2, 128, dtype=torch.float64)
+    assert not act_shrink_supported(x, torch.zeros(1, 4, 64, dtype=torch.float64))
 
 
 def test_manager_turns_it_on_for_cuda_only(monkeypatch):

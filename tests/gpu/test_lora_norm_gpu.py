@@ -150,8 +150,9 @@ def test_in_a_cuda_graph(gen):
 @pytest.mark.parametrize("rows", [1, 5, 8])
 def test_decoder_layer_takes_the_one_launch(rows, monkeypatch):
     """A decoder layer on CUDA (fp32, adapters on every projection, rows of slots -1/0/3/...): with
-    the switch on, q/k/v's and gate/up's shrinks run in their norms (2 shrink launches a layer,
-    not 4), and the outputs equal the unfused path's to fp32 rounding."""
+    the switch on, q/k/v's and gate/up's shrinks run in their norms and down's in the activation
+    (tests/gpu/test_lora_act_gpu.py; 1 shrink launch a layer, not 4), and the outputs equal the
+    unfused path's to fp32 rounding."""
     results = {}
     for fused in (False, True):
         layer, _, gen = tiny_lora_layer(fused, rows, rows, device="cuda")
@@ -159,7 +160,7 @@ def test_decoder_layer_takes_the_one_launch(rows, monkeypatch):
         with monkeypatch.context() as patch:
             counts = ShrinkCounts(patch, ops.CudaOps)
             results[fused] = run_lora_layer(layer, x, residual, attended)
-        assert (counts.alone, counts.in_norm) == ((2, 2) if fused else (4, 0))
+        assert (counts.alone, counts.in_norm, counts.in_act) == ((1, 2, 1) if fused else (4, 0, 0))
     for got, expected in zip(results[True], results[False]):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -1,5 +1,6 @@
 """Programmatic dependent launch on the GPU (ZLLM_PDL; zllm/workers/kernels/pdl.py): the batch-1
-kernels chained as a decode layer runs them, and whole decode steps of a tiny Llama through LLM
+kernels chained as a decode layer runs them, the LoRA kernels (shrink, expand, and the norm's
+and the activation's shrink), and whole decode steps of a tiny Llama through LLM
 (eager and CUDA graphs, bf16 and --quantization fp8), give the same bits with PDL as without.
 
 Each kernel with PDL may start while the one before it still writes what it reads, so a missing
@@ -14,7 +15,7 @@ import torch
 
 from zllm.workers import kernels
 from zllm.workers.fp8 import quantize_rows
-from zllm.workers.kernels import matvec, pdl
+from zllm.workers.kernels import lora, matvec, pdl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernels.is_available(), reason="needs a CUDA GPU and CuPy")]
 
@@ -209,6 +210,75 @@ def test_the_gemv_builds_are_bit_identical_with_pdl(monkeypatch, pdl_launches):
             assert not outs["0"].isnan().any(), (kind, variant, k)
             assert torch.equal(outs["0"].view(torch.int16), outs["1"].view(torch.int16)), (kind, variant, k)
     assert pdl_launches
+
+
+def _lora_chain(slot: int) -> dict[str, torch.Tensor]:
+    """Each LoRA kernel right after a big GEMV (or shrink) that writes what it reads, on poisoned
+    buffers at Llama-3-8B's widths (bf16, rank 16, 4 slots): lora_shrink of down's input,
+    lora_expand of o's output (after the GEMV writing it, and after the shrink writing its t),
+    fused_add_rms_norm_lora_shrink (q/k/v's 48 columns) and both activations' down shrink."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).bfloat16()
+
+    w_big, x0 = randn(2 * INTER, HIDDEN, scale=HIDDEN**-0.5), randn(1, HIDDEN)
+    w_o, residual, norm = randn(HIDDEN, HIDDEN, scale=HIDDEN**-0.5), randn(1, HIDDEN), randn(HIDDEN) + 1
+    a_down, a_qkv = randn(4, 16, INTER, scale=INTER**-0.5), randn(4, 48, HIDDEN, scale=HIDDEN**-0.5)
+    b_o = randn(HIDDEN, 4, 16, scale=0.25)
+    slots = torch.tensor([slot], dtype=torch.int32, device="cuda")
+    x = torch.empty(1, 2 * INTER, dtype=torch.bfloat16, device="cuda")
+    got: dict[str, torch.Tensor] = {}
+
+    def fresh(name: str, *shape, dtype=torch.float32) -> torch.Tensor:
+        got[name] = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+        return got[name]
+
+    def big() -> None:
+        x.fill_(float("nan"))
+        kernels.gemv(x, x0, w_big)  # writes x while the next kernel may already have started
+
+    big()
+    lora.lora_shrink(fresh("shrink", 1, 16), x[:, :INTER], a_down, slots)
+    expand_t = fresh("expand_out", 1, HIDDEN, dtype=torch.bfloat16)
+    expand_t.copy_(x0)
+    lora.lora_expand(expand_t, got["shrink"], b_o, slots, [HIDDEN])  # t from the shrink just before
+    gemv_out = fresh("gemv_expand", 1, HIDDEN, dtype=torch.bfloat16)
+    kernels.gemv(gemv_out, x0, w_o)
+    lora.lora_expand(gemv_out, got["shrink"], b_o, slots, [HIDDEN])  # out from the GEMV just before
+    big()
+    kernels.fused_add_rms_norm_lora_shrink(
+        fresh("normed", 1, HIDDEN, dtype=torch.bfloat16),
+        fresh("summed", 1, HIDDEN, dtype=torch.bfloat16),
+        fresh("norm_t", 1, 48),
+        x[:, :HIDDEN],
+        residual,
+        norm,
+        a_qkv,
+        slots,
+        1e-5,
+    )
+    for name in ("silu_and_mul_lora_shrink", "gelu_tanh_and_mul_lora_shrink"):
+        big()
+        getattr(kernels, name)(fresh(name, 1, INTER, dtype=torch.bfloat16), fresh(f"{name}_t", 1, 16), x, a_down, slots)
+    torch.cuda.synchronize()
+    return got
+
+
+@pytest.mark.parametrize("slot", [2, -1])
+def test_the_lora_kernels_are_bit_identical_with_pdl(slot, monkeypatch, pdl_launches):
+    """ZLLM_PDL=1 against 0: every LoRA kernel's output, bit for bit (NaN-free, so none read a
+    poisoned buffer), each launched with PDL."""
+    monkeypatch.setenv("ZLLM_PDL", "0")
+    reference = _lora_chain(slot)
+    assert not pdl_launches
+    monkeypatch.setenv("ZLLM_PDL", "1")
+    with_pdl = _lora_chain(slot)
+    assert len(pdl_launches) >= 11  # the five GEMVs, the six LoRA kernels
+    for name, expected in reference.items():
+        assert not expected.isnan().any(), name
+        bits = torch.int32 if expected.dtype == torch.float32 else torch.int16
+        assert torch.equal(expected.view(bits), with_pdl[name].view(bits)), name
 
 
 @pytest.fixture(scope="module")

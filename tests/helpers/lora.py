@@ -80,8 +80,9 @@ def tiny_llama_with_adapters(root: Path, **config) -> tuple[Path, Path, dict[str
 NORM_HIDDEN, NORM_SLOTS, NORM_RANK = 64, 4, 8
 
 
-def tiny_lora_layer(norm_shrink: bool, rows: int, seed: int, device: str = "cpu"):
-    """A random fp32 Llama decoder layer (hidden 64, GQA; the ops of `device`) with random adapters
+def tiny_lora_layer(norm_shrink: bool, rows: int, seed: int, device: str = "cpu", hidden_act: str = "silu"):
+    """A random fp32 Llama decoder layer (hidden 64, GQA; the ops of `device`; SwiGLU, or GeGLU
+    for hidden_act gelu_pytorch_tanh) with random adapters
     in slots 0-2 of every projection, its rows' slots (-1/0/3/2/...) in the kernel path's
     buffers (the fused expand on, the dense path never). Returns (layer, batch, generator)."""
     import sys
@@ -102,6 +103,7 @@ def tiny_lora_layer(norm_shrink: bool, rows: int, seed: int, device: str = "cpu"
         num_key_value_heads=2,
         num_hidden_layers=1,
         vocab_size=128,
+        hidden_act=hidden_act,
     )
     gen = torch.Generator().manual_seed(seed)
     with torch.device(device):
@@ -123,27 +125,34 @@ def tiny_lora_layer(norm_shrink: bool, rows: int, seed: int, device: str = "cpu"
 
 
 class ShrinkCounts:
-    """How many LoRA shrinks ran alone (ops.lora_shrink) and how many inside a norm
-    (add_rms_norm_lora_shrink of the layer's ops class), while installed by monkeypatch."""
+    """How many LoRA shrinks ran alone (ops.lora_shrink), how many inside a norm
+    (add_rms_norm_lora_shrink of the layer's ops class) and how many inside the MLP's activation
+    (act_and_mul_lora_shrink), while installed by monkeypatch."""
 
     def __init__(self, monkeypatch, ops_class) -> None:
         from zllm.workers import ops
 
-        self.alone = self.in_norm = 0
-        shrink, fused = ops.lora_shrink, ops_class.add_rms_norm_lora_shrink
+        self.alone = self.in_norm = self.in_act = 0
+        shrink = ops.lora_shrink
 
         def counted_shrink(*args):
             self.alone += 1
             return shrink(*args)
 
-        def counted_fused(*args):
-            self.in_norm += 1
-            with monkeypatch.context() as inner:
-                inner.setattr(ops, "lora_shrink", shrink)  # the CPU reference's own shrink is not one alone
-                return fused(*args)
+        def counting(name: str, counter: str):
+            fused = getattr(ops_class, name)
+
+            def counted_fused(*args):
+                setattr(self, counter, getattr(self, counter) + 1)
+                with monkeypatch.context() as inner:
+                    inner.setattr(ops, "lora_shrink", shrink)  # the CPU reference's own shrink is not one alone
+                    return fused(*args)
+
+            monkeypatch.setattr(ops_class, name, counted_fused)
 
         monkeypatch.setattr(ops, "lora_shrink", counted_shrink)
-        monkeypatch.setattr(ops_class, "add_rms_norm_lora_shrink", counted_fused)
+        counting("add_rms_norm_lora_shrink", "in_norm")
+        counting("act_and_mul_lora_shrink", "in_act")
 
 
 def run_lora_layer(layer, x, residual, attended):

@@ -31,7 +31,9 @@ Three paths:
   are LoRA's cost (Llama-3-8B: 128 projections a token).
   With ZLLM_LORA_NORM_SHRINK (off by default) the add-RMSNorm before q/k/v and gate/up computes
   their shrink in its own launch at decode (`LoRALayer.add_rms_norm`, csrc/layernorm_kernels.cu
-  fused_add_rms_norm_lora_shrink) and the projection uses it (`shrunk`): one launch less each.
+  fused_add_rms_norm_lora_shrink) and the projection uses it (`shrunk`): one launch less each;
+  the same switch has the MLP's gated activation compute down_proj's shrink in its launch
+  (`LoRALayer.act_and_mul`, csrc/activation_kernels.cu *_and_mul_lora_shrink).
 - dense (CUDA, steps of many tokens: `LoRABatch.dense_from` rows and more, decided by the launch's
   padded row count so a CUDA graph holds one path): the shrink is one GEMM over every slot at
   once, x [T, in] @ A.view(S * P * R, in)^T; each row keeps only its own slot's columns
@@ -81,7 +83,9 @@ class LoRABatch:
     slot_mask: torch.Tensor | None = None
     dense_from: int = 0
     fused_expand: bool = False  # launches the GEMV kernels take add the expand in their epilogue
-    norm_shrink: bool = False  # decode launches: the add-RMSNorm before q/k/v, gate/up runs their shrink
+    # Decode launches: the add-RMSNorm before q/k/v, gate/up and the activation before down run
+    # the shrink of the projection after them (ZLLM_LORA_NORM_SHRINK).
+    norm_shrink: bool = False
 
     def fill_slot_mask(self) -> None:
         """The one-hot of token_slots (on the device, once a step: every layer reads it)."""
@@ -117,7 +121,8 @@ class LoRALayer:
         self.B = torch.zeros(offset, num_slots, max_rank, dtype=weight.dtype, device=weight.device)
         self.part_ends = [start + count for start, count in self.part_rows]
         self.batch = batch
-        # (the norm's output, its shrink): add_rms_norm's, for the next project() of that tensor.
+        # (the norm's or activation's output, its shrink): add_rms_norm's or act_and_mul's, for the
+        # next project() of that tensor.
         self.held: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -158,8 +163,27 @@ class LoRALayer:
         self.held = (normed, t)
         return normed, residual
 
+    def act_shrinks(self, x: torch.Tensor) -> bool:
+        """Whether the gated activation of x (gate then up; its output is this projection's input)
+        runs this projection's shrink too (act_and_mul): norm_shrinks' switch and conditions."""
+        batch = self.batch
+        return (
+            batch.norm_shrink
+            and batch.token_slots is not None
+            and x.shape[0] < batch.dense_from
+            and ops.act_shrinks(x, self.A)
+        )
+
+    def act_and_mul(self, act_ops: ops.TorchOps, x: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """The gated activation before this projection (gelu_tanh, else silu), its shrink in the
+        same launch, held for the project() of the activation's output, which it returns."""
+        slots = self.batch.token_slots[: x.shape[0]]
+        out, t = act_ops.act_and_mul_lora_shrink(x, gelu, self.A, slots)
+        self.held = (out, t)
+        return out
+
     def shrunk(self, x: torch.Tensor) -> torch.Tensor:
-        """t = x A[slot]^T per row (float32): the one the norm computed for this very tensor, else
+        """t = x A[slot]^T per row (float32): the one the norm or activation computed for this very tensor, else
         a lora_shrink launch. A held shrink is used once."""
         held, self.held = self.held, None
         if held is not None and held[0] is x:

@@ -59,6 +59,15 @@ class TorchOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
 
+    def act_and_mul_lora_shrink(
+        self, x: torch.Tensor, gelu: bool, a: torch.Tensor, token_slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated activation (gelu_tanh_and_mul if gelu, else silu_and_mul), then the LoRA
+        shrink of its output for the down projection after it (lora_shrink: t [rows, cols]
+        float32); CUDA runs both in one launch (act_shrinks says where). Returns (out, t)."""
+        out = self.gelu_tanh_and_mul(x) if gelu else self.silu_and_mul(x)
+        return out, lora_shrink(out, a, token_slots)
+
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return gelu_tanh_and_mul(x)
 
@@ -219,6 +228,15 @@ class CudaOps(TorchOps):
         out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
         self.k.gelu_tanh_and_mul(out, x.contiguous())
         return out
+
+    def act_and_mul_lora_shrink(self, x, gelu, a, token_slots):
+        # Not in place: the launch's other blocks read x while block 0 writes the activation.
+        rows = x.shape[0]
+        out = torch.empty((rows, x.shape[1] // 2), dtype=x.dtype, device=x.device)
+        t = torch.empty((rows, a.shape[1]), dtype=torch.float32, device=x.device)
+        kernel = self.k.gelu_tanh_and_mul_lora_shrink if gelu else self.k.silu_and_mul_lora_shrink
+        kernel(out, t, x, a, token_slots[:rows])
+        return out, t
 
     def fuses_moe(self, dtype):
         return dtype in (torch.float16, torch.bfloat16)
@@ -527,8 +545,9 @@ def linear_lora_reference(
     return (base + delta).to(x.dtype)
 
 
-# The decode launches (as the GEMV's) whose add-RMSNorm may also run the next projection's LoRA
-# shrink: each of the kernel's blocks re-reads its row, which pays while launches, not bytes, cost.
+# The decode launches (as the GEMV's) whose add-RMSNorm (and gated activation) may also run the
+# next projection's LoRA shrink: each of the kernel's blocks re-reads its row, which pays while
+# launches, not bytes, cost.
 NORM_SHRINK_ROWS_MAX = GEMV_ROWS_MAX
 
 
@@ -543,6 +562,19 @@ def norm_shrinks(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     from zllm.workers.kernels.layernorm import norm_shrink_supported
 
     return norm_shrink_supported(x, residual, weight, a)
+
+
+def act_shrinks(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether act_and_mul_lora_shrink takes this activation (x [rows, 2I], gate then up) in one
+    launch: 1 to NORM_SHRINK_ROWS_MAX rows (norm_shrinks' decode launches), a's width I, and on
+    CUDA operands the kernel takes (the CPU, the torch reference: tests of the wiring)."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= NORM_SHRINK_ROWS_MAX or x.shape[1] != 2 * a.shape[-1]:
+        return False
+    if not x.is_cuda:
+        return True
+    from zllm.workers.kernels.activation import act_shrink_supported
+
+    return act_shrink_supported(x, a)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ ops.linear_lora_reference (the above plus LoRA's  matvec.gemv / gemv_rows(out, x
 fp8.quantize_rows, fp8.quantize_groups           quant.quant_fp8_rows, quant.quant_fp8_groups
 layers.silu_and_mul(x)                           activation.silu_and_mul(out, x)
 layers.gelu_tanh_and_mul(x)                      activation.gelu_tanh_and_mul(out, x)
+the above, then ops.lora_shrink                  activation.silu_and_mul_lora_shrink(out, t, x, a, slots),
+  (decode rows; ZLLM_LORA_NORM_SHRINK)             activation.gelu_tanh_and_mul_lora_shrink (the same)
 models/moe.py's routing and expert loop          moe.* (its own docstring)
 attention.mla_decode(q_latent, cache, ...)       mla.mla_decode(out, q_latent, cache, tables, lens, scale)
 attention.decode_attention(..., sinks=)          mla.paged_attention_decode_sinks(out, q, kv, tables, lens, sinks, scale,
@@ -48,7 +50,12 @@ CPU path and the oracle of tests/gpu/test_kernels.py.
 
 from __future__ import annotations
 
-from zllm.workers.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+from zllm.workers.kernels.activation import (
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_lora_shrink,
+    silu_and_mul,
+    silu_and_mul_lora_shrink,
+)
 from zllm.workers.kernels.attention import attention_partitions, attention_workspace_numel, paged_attention_decode
 from zllm.workers.kernels.cache import reshape_and_cache
 from zllm.workers.kernels.layernorm import fused_add_rms_norm, fused_add_rms_norm_lora_shrink, rms_norm
@@ -76,6 +83,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_add_rms_norm_lora_shrink",
     "gelu_tanh_and_mul",
+    "gelu_tanh_and_mul_lora_shrink",
     "gemv",
     "gemv_rows",
     "gemv_rows_supported",
@@ -91,6 +99,7 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "silu_and_mul",
+    "silu_and_mul_lora_shrink",
 ]
 
 

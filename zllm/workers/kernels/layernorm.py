@@ -1,6 +1,6 @@
 """RMSNorm, alone or fused with the residual add before it (csrc/layernorm_kernels.cu), and that
 fused norm with the LoRA shrink of the projection after it (decode: fused_add_rms_norm_lora_shrink).
-The first two wait for the kernel before them (programmatic dependent launch: loader.launch's pdl)."""
+All three wait for the kernel before them (programmatic dependent launch: loader.launch's pdl)."""
 
 from __future__ import annotations
 
@@ -170,5 +170,5 @@ def fused_add_rms_norm_lora_shrink(
         np.int32(cols),
         np.int32(unit_offset),
     )
-    launch("layernorm_kernels", f"{op}_{suffix}", device, (rows, blocks_y), (threads,), args)
+    launch("layernorm_kernels", f"{op}_{suffix}", device, (rows, blocks_y), (threads,), args, pdl=True)
     return t

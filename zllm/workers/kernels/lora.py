@@ -1,6 +1,7 @@
 """Multi-LoRA shrink and expand for rows of different adapters (csrc/lora_kernels.cu), the CUDA
 path of zllm/workers/lora.py's LoRALayer (whose `apply_slot` is the reference). Which slot each
-row uses is a device buffer (-1: the base model), so a CUDA graph can hold the launches."""
+row uses is a device buffer (-1: the base model), so a CUDA graph can hold the launches. Both
+kernels wait for the one before them (programmatic dependent launch: loader.launch's pdl)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def lora_shrink(t: torch.Tensor, x: torch.Tensor, a: torch.Tensor, token_slots: 
     if blocks_y > MAX_GRID_YZ:
         fail(op, f"{cols} columns are too many")
     args = (ptr(t), ptr(x), ptr(a), ptr(token_slots), np.int32(in_features), np.int32(cols), np.int64(x_stride))
-    launch("lora_kernels", f"{op}_{suffix}", device, (rows, blocks_y), (SHRINK_THREADS,), args)
+    launch("lora_kernels", f"{op}_{suffix}", device, (rows, blocks_y), (SHRINK_THREADS,), args, pdl=True)
     return t
 
 
@@ -111,5 +112,7 @@ def lora_expand(
         np.int64(out_stride),
     )
     shared = parts * rank * 4  # the token's t-values, staged once per block
-    launch("lora_kernels", f"{op}_{suffix}", device, (rows, blocks_y), (EXPAND_THREADS,), args, shared_mem=shared)
+    launch(
+        "lora_kernels", f"{op}_{suffix}", device, (rows, blocks_y), (EXPAND_THREADS,), args, shared_mem=shared, pdl=True
+    )
     return out

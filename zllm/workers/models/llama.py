@@ -209,10 +209,15 @@ class LlamaMLP(nn.Module):
             spec.intermediate_size, spec.hidden_size, rows, spec.mlp_bias, tp, quant=quant
         )
         # SwiGLU, or GeGLU (Gemma): act(gate) * up.
-        self.act_and_mul = ops.gelu_tanh_and_mul if spec.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
+        self.gelu = spec.hidden_act == "gelu_pytorch_tanh"
+        self.act_and_mul = ops.gelu_tanh_and_mul if self.gelu else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        lora = self.down_proj.lora
+        if lora is not None and lora.act_shrinks(gate_up):  # ZLLM_LORA_NORM_SHRINK at decode
+            return self.down_proj(lora.act_and_mul(self.ops, gate_up, self.gelu))
+        return self.down_proj(self.act_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
