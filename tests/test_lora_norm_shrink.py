@@ -30,11 +30,11 @@ from zllm.workers.lora import LoRAManager
 from zllm.workers.models.llama import RMSNorm
 
 
-def test_the_switch_is_off_by_default(monkeypatch):
+def test_the_switch_is_on_by_default(monkeypatch):
     monkeypatch.delenv("ZLLM_LORA_NORM_SHRINK", raising=False)
-    assert envs.ZLLM_LORA_NORM_SHRINK is False
-    monkeypatch.setenv("ZLLM_LORA_NORM_SHRINK", "1")
     assert envs.ZLLM_LORA_NORM_SHRINK is True
+    monkeypatch.setenv("ZLLM_LORA_NORM_SHRINK", "0")
+    assert envs.ZLLM_LORA_NORM_SHRINK is False
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])

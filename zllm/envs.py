@@ -187,10 +187,10 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting(
             "ZLLM_LORA_NORM_SHRINK",
-            _on,
-            False,
-            "1: at decode (1-8 rows) the add-RMSNorm before q/k/v and gate/up, and the MLP's gated "
-            "activation before down, also run that projection's LoRA shrink in their launch (A/B switch).",
+            _switch,
+            True,
+            "0: at decode (1-8 rows) the add-RMSNorm before q/k/v and gate/up, and the MLP's gated "
+            "activation before down, no longer run that projection's LoRA shrink in their launch (A/B switch).",
         ),
         Setting(
             "ZLLM_LORA_DENSE_ROWS_PER_SLOT",

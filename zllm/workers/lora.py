@@ -29,7 +29,7 @@ Three paths:
   gemv_lora_*): a projection is then the shrink and one GEMV, two launches instead of three
   (ZLLM_LORA_FUSED_EXPAND=0: the separate expand). At batch-1 decode those launches, not bytes,
   are LoRA's cost (Llama-3-8B: 128 projections a token).
-  With ZLLM_LORA_NORM_SHRINK (off by default) the add-RMSNorm before q/k/v and gate/up computes
+  With ZLLM_LORA_NORM_SHRINK (on by default) the add-RMSNorm before q/k/v and gate/up computes
   their shrink in its own launch at decode (`LoRALayer.add_rms_norm`, csrc/layernorm_kernels.cu
   fused_add_rms_norm_lora_shrink) and the projection uses it (`shrunk`): one launch less each;
   the same switch has the MLP's gated activation compute down_proj's shrink in its launch
