@@ -62,7 +62,9 @@ class _FakeFunction:
         self.calls.append((grid, block, args, shared_mem))
 
 
-def _fake_launch_environment(monkeypatch, capability: tuple[int, int]) -> tuple[_FakeFunction, list[tuple]]:
+def _fake_launch_environment(
+    monkeypatch, capability: tuple[int, int], module_arch: int = 90
+) -> tuple[_FakeFunction, list[tuple]]:
     """loader.launch with CuPy, the device and the driver replaced: returns the function (its plain
     launches) and the list of driver launches."""
     function, driver_launches = _FakeFunction(), []
@@ -71,6 +73,7 @@ def _fake_launch_environment(monkeypatch, capability: tuple[int, int]) -> tuple[
     )
     monkeypatch.setattr(loader, "_cupy", lambda: fake_cupy)
     monkeypatch.setattr(loader, "get_function", lambda name, kernel, index: function)
+    monkeypatch.setattr(loader, "module_arch", lambda name, index: module_arch)
     monkeypatch.setattr(loader, "_cupy_stream", lambda ptr, index: ("stream", ptr))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index: types.SimpleNamespace(cuda_stream=0x5000))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
@@ -101,6 +104,28 @@ def test_launch_path(monkeypatch, switch, capability, marked, via_driver):
     else:
         assert driver_launches == []
         assert function.calls == [((7,), (128,), WRAPPER_ARGS, 64)]
+
+
+@pytest.mark.parametrize("module_arch,via_driver", [(90, True), (100, True), (80, False), (0, False)])
+def test_only_modules_built_for_sm90_launch_with_pdl(monkeypatch, module_arch, via_driver):
+    """On an H100, a module of compute_80 PTX (JIT-compiled) or of an unknown architecture has no
+    griddepcontrol.wait in it: it launches without the attribute."""
+    monkeypatch.setenv("ZLLM_PDL", "1")
+    function, driver_launches = _fake_launch_environment(monkeypatch, (9, 0), module_arch)
+    loader.launch("gemv_kernels", "gemv_bf16_s2_b6", torch.device("cuda", 0), (7,), (128,), WRAPPER_ARGS, pdl=True)
+    assert bool(driver_launches) is via_driver
+    assert bool(function.calls) is not via_driver
+
+
+def test_module_arch_from_the_build_folder(tmp_path):
+    assert loader._path_arch(tmp_path / "sm_90" / "gemv_kernels.cubin") == 90
+    assert loader._path_arch(tmp_path / "compute_80" / "gemv_kernels.ptx") == 80
+    assert loader._path_arch(tmp_path / "other" / "gemv_kernels.cubin") == 0
+
+
+def test_a_zero_grid_is_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        pdl.launch_config((0, 4), (128,), 0, 0, pdl._pdl_attribute())
 
 
 def test_kernel_params_point_at_each_arguments_bytes():

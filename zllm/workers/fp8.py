@@ -160,7 +160,7 @@ def fp8_linear(
         # dequantized to the model dtype right before the GEMM, the values and the GEMM of the
         # dequantize-at-load path; the scratch lives for this one product.
         w = dequantize_stacked(weight[None], weight_scale[None], torch.empty((1, n, k), dtype=x.dtype, device=x.device))
-        return ops.linear(x, w[0], bias)
+        return ops.linear(x, w[0], bias, weight_is_parameter=False)
     if activation == "none" or k % 16 or n % 16 or (activation == "group" and (k % BLOCK or n % BLOCK)):
         # Shapes cuBLASLt's FP8 GEMM does not take (and weight-only checkpoints): the same
         # arithmetic in fp32, slow but exact.

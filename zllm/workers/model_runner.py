@@ -268,12 +268,18 @@ class ModelRunner:
             f"{ratio:g}x the tokens of a {_dtype_name(self.dtype)} cache)"
         )
 
+    def _model_bytes(self) -> int:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cuda")
+
     def _profile_kv_blocks(self) -> int:
         """Blocks that fit in gpu_memory_utilization after weights and a forward at the token budget."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
-        weights = allocated - self._allocated_before  # this engine's weights and buffers
+        # This engine's weights and buffers; never less than its model's own tensors, should another
+        # engine of this process have freed memory since this one began.
+        weights = max(allocated - self._allocated_before, self._model_bytes())
         profile_kv = self._profile_forward()
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - allocated - profile_kv

@@ -469,12 +469,15 @@ GEMV_ROWS_ENABLED = envs.ZLLM_GEMV_ROWS
 _gemv_kernels = None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_is_parameter: bool = True
+) -> torch.Tensor:
     """F.linear. One CUDA row (a batch-1 decode step) goes through the csrc GEMV instead, which
     streams the weights closer to the memory bandwidth than cuBLAS does at that shape
     (benchmarks/gemv.py), and 2 to 8 rows (small decode batches, a speculative step's verified
     tokens padded to the graph's 8) through its few-row form, which reads the weights once for
-    all of them (benchmarks/gemv.py --rows)."""
+    all of them (benchmarks/gemv.py --rows). weight_is_parameter=False: a weight computed in this
+    step, which the one-row GEMV must not start loading before its producer finished (PDL)."""
     global _gemv_kernels
     if GEMV_ENABLED and x.is_cuda and x.dim() == 2:
         rows = x.shape[0]
@@ -484,7 +487,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if rows == 1:
                 if _gemv_kernels.gemv_supported(x, weight):
                     out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-                    return _gemv_kernels.gemv(out, x, weight, bias)
+                    return _gemv_kernels.gemv(out, x, weight, bias, pdl=weight_is_parameter)
             elif _gemv_kernels.gemv_rows_supported(x, weight):
                 out = torch.empty((rows, weight.shape[0]), dtype=x.dtype, device=x.device)
                 return _gemv_kernels.gemv_rows(out, x, weight, bias)

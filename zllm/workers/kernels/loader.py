@@ -61,6 +61,24 @@ class KernelUnavailableError(RuntimeError):
 class LoadedModule:
     module: Any  # cupy.RawModule
     origin: str  # "prebuilt:<path>" or "nvrtc"
+    # The architecture its code was compiled for (90: sm_90 / compute_90), 0 if unknown. A module
+    # built below sm_90 has no griddepcontrol.wait in it (csrc/common.cuh), even on an H100.
+    arch: int = 0
+
+
+def _path_arch(path: Path) -> int:
+    """90 for .../sm_90/x.cubin or .../compute_90/x.ptx; 0 for a folder of another name."""
+    digits = path.parent.name.removeprefix("sm_").removeprefix("compute_")
+    return int(digits) if digits.isdigit() else 0
+
+
+def _nvrtc_arch(cupy: Any) -> int:
+    """The architecture CuPy's NVRTC compiles for on the current device (its private helper; 0,
+    and so no PDL for NVRTC-built kernels, where a CuPy release no longer has it)."""
+    try:
+        return int(cupy.cuda.compiler._get_arch())
+    except Exception:  # noqa: BLE001 - any CuPy without the helper
+        return 0
 
 
 _lock = threading.Lock()
@@ -220,7 +238,7 @@ def _load_prebuilt(cupy: Any, name: str, capability: tuple[int, int]) -> LoadedM
         except Exception as exc:  # e.g. a driver too old for this toolkit's cubins
             warnings.warn(f"zllm kernels: cannot load {path}: {exc}", stacklevel=4)
             continue
-        return LoadedModule(module, f"prebuilt:{path}")
+        return LoadedModule(module, f"prebuilt:{path}", _path_arch(path))
     return None
 
 
@@ -237,7 +255,7 @@ def _compile(cupy: Any, name: str) -> LoadedModule:
         # NVRTC found no cuda_fp16.h / cuda_bf16.h on CuPy's include path: try the toolkit's.
         module = cupy.RawModule(code=source, options=options + (f"-I{include}",))
         module.get_function(KERNEL_FILES[name])
-    return LoadedModule(module, "nvrtc")
+    return LoadedModule(module, "nvrtc", _nvrtc_arch(cupy))
 
 
 def _toolkit_include() -> str | None:
@@ -245,6 +263,11 @@ def _toolkit_include() -> str | None:
         if root and (Path(root) / "include" / "cuda_bf16.h").is_file():
             return str(Path(root) / "include")
     return None
+
+
+def module_arch(name: str, device_index: int) -> int:
+    """The architecture kernel file `name`'s module on this device was compiled for."""
+    return load_module(name, device_index).arch
 
 
 def get_function(name: str, kernel: str, device_index: int) -> Any:
@@ -332,12 +355,15 @@ def launch(
 
     pdl: the kernel waits for the one before it (csrc/common.cuh pdl_wait) before it reads that
     kernel's output or writes anything, so it may go out with programmatic dependent launch,
-    which it does where pdl.active (ZLLM_PDL on an sm_90+ device); otherwise CuPy launches it."""
+    which it does where pdl.active (ZLLM_PDL on an sm_90+ device) and the module was built for
+    sm_90+; otherwise CuPy launches it."""
     index = _device_index(device)
     cupy = _cupy()
     function = get_function(name, kernel, index)
     stream_ptr = torch.cuda.current_stream(index).cuda_stream
-    with_pdl = pdl and pdl_launch.active(index)
+    # Only code built for sm_90+ waits: a module of older PTX (JIT-compiled here) launched with
+    # the attribute would read its predecessor's output before that kernel finished.
+    with_pdl = pdl and pdl_launch.active(index) and module_arch(name, index) >= pdl_launch.PDL_MIN_ARCH
     if cupy.cuda.runtime.getDevice() == index:
         _launch_here(cupy, function, grid, block, args, shared_mem, stream_ptr, index, with_pdl)
     else:

@@ -111,11 +111,13 @@ def gemv(
     bias: torch.Tensor | None = None,
     variant: str | None = None,
     lora: LoRAEpilogue | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """out [1, N] = x [1, K] @ weight [N, K]^T (+ bias [N]) (+ LoRA's expand: `lora`), fp32
     accumulation; returns out. variant (benchmarks): "" the one-warp-per-row kernel, "b<B>" the
     split kernel of that bound with gemv_split's warps per row, "s<S>_b<B>" a given split;
-    default GEMV_BOUND."""
+    default GEMV_BOUND. pdl=False for a weight the kernel before wrote (the split builds load their
+    first round of weights before they wait for it)."""
     op = "gemv"
     device = check_cuda(op, out=out, x=x, weight=weight, bias=bias)
     suffix = dtype_suffix(op, x, "x")
@@ -136,7 +138,7 @@ def gemv(
     name = "gemv_lora" if lora is not None else "gemv"
     bound = GEMV_BOUND if variant is None else variant
     if not bound:
-        launch("gemv_kernels", f"{name}_{suffix}", device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args, pdl=True)
+        launch("gemv_kernels", f"{name}_{suffix}", device, (-(-n // _GEMV_ROWS_PER_BLOCK),), (128,), args, pdl=pdl)
         return out
     split_text, _, bound = bound.rpartition("_") if bound.startswith("s") else ("", "", bound)
     split = int(split_text[1:]) if split_text else gemv_split(x.shape[1] // (16 // x.element_size()))
@@ -149,7 +151,7 @@ def gemv(
         (-(-n * split // _GEMV_ROWS_PER_BLOCK),),
         (128,),
         args,
-        pdl=True,  # every gemv build waits for the kernel before it (csrc/common.cuh pdl_wait)
+        pdl=pdl,  # every gemv build waits for the kernel before it (csrc/common.cuh pdl_wait)
     )
     return out
 

@@ -23,6 +23,7 @@ from zllm import envs
 # cuda.h: CUlaunchAttributeID
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 PDL_MIN_MAJOR = 9  # compute capability 9.0 (Hopper) and newer have griddepcontrol
+PDL_MIN_ARCH = PDL_MIN_MAJOR * 10  # a module compiled for sm_90 / compute_90 or newer waits
 
 
 class _AttributeValue(ctypes.Union):
@@ -104,6 +105,8 @@ def launch_config(
     grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int, stream: int, attribute: LaunchAttribute
 ) -> LaunchConfig:
     """The launch's CUlaunchConfig with one attribute; missing dimensions are 1 (as CuPy fills them)."""
+    if any(d < 1 for d in grid):
+        raise ValueError(f"grid {tuple(grid)}: every dimension must be at least 1")
     gx, gy, gz = (max(1, d) for d in (tuple(grid) + (1, 1))[:3])
     bx, by, bz = (max(1, d) for d in (tuple(block) + (1, 1))[:3])
     return LaunchConfig(gx, gy, gz, bx, by, bz, shared_mem, stream, ctypes.pointer(attribute), 1)
