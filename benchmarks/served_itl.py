@@ -87,26 +87,33 @@ def child_env(args, trace_prefix: str | None) -> dict[str, str]:
     return env
 
 
-def engine_config(model: str, flags: list[str], usage: str):
-    """The EngineConfig `vllm-launch FLAGS` (usage "serving") or `LLM(**same)` ("offline") builds."""
+def engine_config(model: str, flags: list[str], usage: str, **overrides):
+    """The EngineConfig `vllm-launch FLAGS` builds (usage "serving"), or `LLM` given the same
+    arguments (usage "offline": what this script's offline run uses), with `overrides`."""
     from zllm.config import EngineConfig
     from zllm.launch.args import engine_kwargs
     from zllm.launch.cli import build_parser
 
     parsed = build_parser().parse_args(["--model", model, *flags])
-    return EngineConfig.create(model, usage=usage, **engine_kwargs(parsed))
+    return EngineConfig.create(model, usage=usage, **{**engine_kwargs(parsed), **overrides})
 
 
-def config_differences(model: str, flags: list[str]) -> dict[str, list]:
-    """Fields on which LLM's and vllm-launch's configs differ (server-only fields left out)."""
+def config_differences(model: str, flags: list[str]) -> dict[str, dict]:
+    """Fields on which the engines differ: this script's offline run against the server (the
+    same flags: expect none), and benchmarks/latency.py's W2 (`LLM(max_num_seqs=8)`, the
+    scheduler limits LLM raises on a GPU, prefix caching on) against the server."""
     import dataclasses
 
-    offline, served = engine_config(model, flags, "offline"), engine_config(model, flags, "serving")
-    return {
-        f.name: [getattr(offline, f.name), getattr(served, f.name)]
-        for f in dataclasses.fields(offline)
-        if getattr(offline, f.name) != getattr(served, f.name)
-    }
+    served = engine_config(model, flags, "serving")
+    w2 = engine_config(model, flags, "offline", max_num_seqs=8, max_num_batched_tokens=None, enable_prefix_caching=True)
+
+    def differences(offline) -> dict[str, list]:
+        names = [f.name for f in dataclasses.fields(served)]
+        return {
+            n: [getattr(offline, n), getattr(served, n)] for n in names if getattr(offline, n) != getattr(served, n)
+        }
+
+    return {"offline_vs_served": differences(engine_config(model, flags, "offline")), "w2_vs_served": differences(w2)}
 
 
 # ---- offline (in a child process: `--child-offline`) ----------------------------------------------
@@ -140,7 +147,8 @@ def run_offline_child(args) -> None:
 
 def offline(args, trace_prefix: str | None) -> list[list[float]]:
     command = [sys.executable, str(Path(__file__).resolve()), "--child-offline", "--model", args.model]
-    command += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("requests", "input_len", "output_len", "seed")]
+    command += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("requests", "input_len", "output_len")]
+    command += [f"--seed={args.seed + args.modes.split(',').index('offline')}"]
     command += ["--", *args.engine_flags]
     done = subprocess.run(command, env=child_env(args, trace_prefix), capture_output=True, text=True, check=False)
     if done.returncode:
@@ -284,10 +292,13 @@ def main() -> None:
             "model": args.model,
             "engine_flags": args.engine_flags,
             "emulated_gpu": args.emulated_gpu,
-            "config_offline_vs_served": config_differences(args.model, args.engine_flags),
+            "config_differences": config_differences(args.model, args.engine_flags),
         }
         vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-        batches = prompts(args.requests + 1, args.input_len, vocab, args.seed)
+        # Each mode its own prompts: the server's prefix cache must not serve one mode's prefill from another's.
+        batches = {
+            mode: prompts(args.requests + 1, args.input_len, vocab, args.seed + i) for i, mode in enumerate(modes)
+        }
         if "offline" in modes:
             prefix = str(workdir / "offline") if args.trace else None
             runs = offline(args, prefix)
@@ -299,9 +310,9 @@ def main() -> None:
             try:
                 for mode in served:
                     if mode == "http":
-                        runs = asyncio.run(http_requests(server.url, batches, args.output_len))
+                        runs = asyncio.run(http_requests(server.url, batches[mode], args.output_len))
                     else:
-                        runs = asyncio.run(zmq_requests(server.endpoint, batches, args.output_len))
+                        runs = asyncio.run(zmq_requests(server.endpoint, batches[mode], args.output_len))
                     report[mode] = summary(runs, prefix)
             finally:
                 server.stop()
