@@ -48,7 +48,8 @@ class Worker:
     Steps are pipelined one deep: `advance(step N+1)` launches step N+1's forward before it waits
     for step N's tokens, so the device has work queued while the host finishes step N, answers
     it and samples step N+1 (whose inputs take step N's tokens straight from the device). On a
-    CPU, where the forward runs inside the launch, step N is answered first.
+    CPU, where the forward runs inside the launch (`ModelRunner.launch_computes`), step N is
+    answered first.
     """
 
     def __init__(
@@ -158,8 +159,8 @@ class Worker:
         """Whether the pending step is answered before `step` launches: `step` scores drafts, the
         pending one did (a pooling runner's steps never do), or an EAGLE head reads the pending
         step's hidden states, which the launch would overwrite."""
-        if self.device.type == "cpu":
-            # The CPU computes a step inside launch_step: launching first would only hold back
+        if getattr(self.runner, "launch_computes", False):
+            # The forward ran inside launch_step (the CPU): launching first would only hold back
             # the pending step's answer by a whole forward, which the core (in its own process)
             # could spend scheduling the next step while this one computes.
             return True
