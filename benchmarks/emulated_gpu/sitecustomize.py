@@ -49,7 +49,5 @@ if os.environ.get("EMULATED_GPU_SCALE"):
         return _finish(self, launched)
 
     model_runner.ModelRunner._forward = _forward
-    # The virtual device runs behind the host, as a GPU does: launch the next step before answering.
-    model_runner.ModelRunner.launch_computes = property(lambda self: False)
     model_runner.ModelRunner.launch_step = _launch_step
     model_runner.ModelRunner.finish_step = _finish_step

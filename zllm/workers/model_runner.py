@@ -483,12 +483,6 @@ class ModelRunner:
         return self.finish_step(launched)
 
     @torch.inference_mode()
-    @property
-    def launch_computes(self) -> bool:
-        """Whether launch_step runs the forward to its end (the CPU) rather than queueing it on a
-        device: the worker then answers its pending step before it launches the next one."""
-        return not self.is_cuda
-
     def launch_step(self, step: StepInput) -> LaunchedStep:
         self._update_states(step)
         if self.mm is not None:

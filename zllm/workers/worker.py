@@ -47,9 +47,7 @@ class Worker:
 
     Steps are pipelined one deep: `advance(step N+1)` launches step N+1's forward before it waits
     for step N's tokens, so the device has work queued while the host finishes step N, answers
-    it and samples step N+1 (whose inputs take step N's tokens straight from the device). On a
-    CPU, where the forward runs inside the launch (`ModelRunner.launch_computes`), step N is
-    answered first.
+    it and samples step N+1 (whose inputs take step N's tokens straight from the device).
     """
 
     def __init__(
@@ -159,11 +157,6 @@ class Worker:
         """Whether the pending step is answered before `step` launches: `step` scores drafts, the
         pending one did (a pooling runner's steps never do), or an EAGLE head reads the pending
         step's hidden states, which the launch would overwrite."""
-        if getattr(self.runner, "launch_computes", False):
-            # The forward ran inside launch_step (the CPU): launching first would only hold back
-            # the pending step's answer by a whole forward, which the core (in its own process)
-            # could spend scheduling the next step while this one computes.
-            return True
         if step.spec_token_ids or getattr(self._pending, "layout", None) is not None:
             return True
         proposer = getattr(self.runner, "proposer", None)
