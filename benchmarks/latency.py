@@ -29,6 +29,18 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="default: max(batch size, 8); vllm-launch's default is 256 (compare W2 with a served run at that)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="off: as a server run with --no-enable-prefix-caching (the repeated prompt then prefills every time)",
+    )
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument(
         "--piecewise-cuda-graphs",
@@ -76,7 +88,8 @@ def main() -> None:
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         piecewise_cuda_graphs=args.piecewise_cuda_graphs,
-        max_num_seqs=max(args.batch_size, 8),
+        max_num_seqs=args.max_num_seqs or max(args.batch_size, 8),
+        enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tp,
         distributed_executor_backend=args.distributed_executor_backend,
         async_scheduling=args.async_scheduling,
@@ -109,6 +122,9 @@ def main() -> None:
                 "median_ttft_s": round(statistics.median(first), 4),
                 "decode_ms_per_token": round(per_token_ms, 3),
                 "enforce_eager": args.enforce_eager,
+                "max_num_seqs": llm.engine.config.max_num_seqs,
+                "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
+                "enable_prefix_caching": args.enable_prefix_caching,
                 "piecewise_cuda_graphs": llm.engine.config.piecewise_cuda_graphs,
                 "async_scheduling": llm.engine.config.async_scheduling,
                 "tp": args.tp,
