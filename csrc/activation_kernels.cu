@@ -85,34 +85,9 @@ __device__ __forceinline__ void act_and_mul_lora_shrink_impl(T* __restrict__ out
 #pragma unroll
     for (int e = 0; e < kVec; ++e) g[e] = round_to<T>(activation<kAct>(g[e])) * u[e];
     if (writes) store_floats<T, kVec>(outr + i * kVec, g);
-    if (shrinks) {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) g[e] = round_to<T>(g[e]);  // the row as stored: lora_shrink's input
-#pragma unroll
-      for (int c = 0; c < kActShrinkCols; ++c) {
-        float av[kVec];
-        load_floats<T, kVec>(ar + static_cast<i64>(c) * d + i * kVec, av);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[c] = fmaf(g[e], av[e], acc[c]);
-      }
-    }
+    if (shrinks) shrink_accumulate<T, kVec, kActShrinkCols>(g, ar, d, i, acc);
   }
-  if (!shrinks) {  // block 0 of a row of the base model
-    if (threadIdx.x < kActShrinkCols) tr[threadIdx.x] = 0.f;
-    return;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int c = 0; c < kActShrinkCols; ++c) {
-    const float s = warp_sum(acc[c]);
-    if (lane == 0) partial[warp][c] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x < kActShrinkCols) {
-    float s = 0.f;
-    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) s += partial[w][threadIdx.x];
-    tr[threadIdx.x] = s;
-  }
+  shrink_store<kActShrinkCols>(acc, shrinks, partial, tr);
 }
 
 }  // namespace zllm

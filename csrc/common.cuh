@@ -269,4 +269,42 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return v;
 }
 
+// ---- a LoRA shrink fused into the kernel that produces its input (decode, one row a block) ----
+// t[c] = row . a[c] over the row's units, for the kCols shrink columns a block owns (a: kCols rows
+// of `width` values). The row is rounded to T first: lora_shrink reads the row as it is stored.
+
+template <typename T, int kVec, int kCols>
+__device__ __forceinline__ void shrink_accumulate(float (&row)[kVec], const T* a, int width, int i, float (&acc)[kCols]) {
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) row[e] = round_to<T>(row[e]);
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    float av[kVec];
+    load_floats<T, kVec>(a + static_cast<i64>(c) * width + i * kVec, av);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[c] = fmaf(row[e], av[e], acc[c]);
+  }
+}
+
+// The block's partial sums into t's kCols values (zeros for a row without an adapter: shrinks false).
+template <int kCols>
+__device__ __forceinline__ void shrink_store(const float (&acc)[kCols], bool shrinks, float (*partial)[kCols], float* t) {
+  if (!shrinks) {  // block 0 of a row of the base model
+    if (threadIdx.x < kCols) t[threadIdx.x] = 0.f;
+    return;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const float s = warp_sum(acc[c]);
+    if (lane == 0) partial[warp][c] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < kCols) {
+    float s = 0.f;
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) s += partial[w][threadIdx.x];
+    t[threadIdx.x] = s;
+  }
+}
+
 }  // namespace zllm

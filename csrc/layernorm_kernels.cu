@@ -156,34 +156,9 @@ __device__ __forceinline__ void fused_add_rms_norm_lora_shrink_impl(
 #pragma unroll
     for (int e = 0; e < kVec; ++e) r[e] = scaled<T>(round_to<T>(r[e] + v[e]), inv_rms, w[e], unit_offset);
     if (writes) store_floats<T, kVec>(out + row + i * kVec, r);
-    if (shrinks) {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) r[e] = round_to<T>(r[e]);  // the row as stored: lora_shrink's input
-#pragma unroll
-      for (int c = 0; c < kNormShrinkCols; ++c) {
-        float av[kVec];
-        load_floats<T, kVec>(ar + static_cast<i64>(c) * hidden + i * kVec, av);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[c] = fmaf(r[e], av[e], acc[c]);
-      }
-    }
+    if (shrinks) shrink_accumulate<T, kVec, kNormShrinkCols>(r, ar, hidden, i, acc);
   }
-  if (!shrinks) {  // block 0 of a row of the base model
-    if (threadIdx.x < kNormShrinkCols) tr[threadIdx.x] = 0.f;
-    return;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int c = 0; c < kNormShrinkCols; ++c) {
-    const float s = warp_sum(acc[c]);
-    if (lane == 0) partial[warp][c] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x < kNormShrinkCols) {
-    float s = 0.f;
-    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) s += partial[w][threadIdx.x];
-    tr[threadIdx.x] = s;
-  }
+  shrink_store<kNormShrinkCols>(acc, shrinks, partial, tr);
 }
 
 }  // namespace zllm

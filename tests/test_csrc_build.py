@@ -272,3 +272,15 @@ def test_fp8_gemv_wide_picks_the_build_by_output_rows(monkeypatch):
     ]
     monkeypatch.setattr(matvec, "FP8_GEMV_WIDE", None)
     assert matvec.fp8_gemv_variant_for(28672) == "_r2u2"
+
+
+def test_overlaps_compares_byte_ranges():
+    """The fused LoRA-shrink wrappers refuse an output that shares any byte with an input."""
+    from zllm.workers.kernels.checks import overlaps
+
+    buffer = torch.zeros(64, dtype=torch.bfloat16)
+    assert overlaps(buffer[:32], buffer[16:48])  # part of the same bytes, different starts
+    assert overlaps(buffer[:32], buffer[:32])
+    assert not overlaps(buffer[:32], buffer[32:])  # adjacent
+    assert not overlaps(buffer[:0], buffer)  # empty
+    assert not overlaps(buffer, torch.zeros(64, dtype=torch.bfloat16))

@@ -17,6 +17,7 @@ from zllm.workers.kernels.checks import (
     check_rows,
     dtype_suffix,
     fail,
+    overlaps,
     ptr,
     threads_for,
 )
@@ -123,8 +124,7 @@ def _act_and_mul_lora_shrink(
         fail(op, f"token_slots {tuple(token_slots.shape)} must be ({rows},)")
     if not aligned16(out):
         fail(op, "out must be 16-byte aligned")
-    x_end, out_end = x.data_ptr() + x.nbytes, out.data_ptr() + out.nbytes
-    if rows and out.data_ptr() < x_end and x.data_ptr() < out_end:  # the other blocks still read x
+    if overlaps(out, x):  # the other blocks still read x
         fail(op, "out must not overlap x")
     if rows == 0:
         return t

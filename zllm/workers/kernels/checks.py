@@ -110,6 +110,16 @@ def aligned16(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes of two (contiguous) tensors share any address."""
+    return (
+        a.nbytes > 0
+        and b.nbytes > 0
+        and a.data_ptr() < b.data_ptr() + b.nbytes
+        and b.data_ptr() < a.data_ptr() + a.nbytes
+    )
+
+
 def threads_for(units: int, cap: int) -> int:
     """A multiple of 32 covering `units` work items, at most `cap`."""
     return max(32, min(cap, -(-units // 32) * 32))

@@ -16,6 +16,7 @@ from zllm.workers.kernels.checks import (
     check_rows,
     dtype_suffix,
     fail,
+    overlaps,
     ptr,
     threads_for,
 )
@@ -146,9 +147,9 @@ def fused_add_rms_norm_lora_shrink(
         fail(op, f"token_slots {tuple(token_slots.shape)} must be ({rows},)")
     if not aligned16(out, residual_out):
         fail(op, "out and residual_out must be 16-byte aligned")
-    inputs = {x.data_ptr(), residual.data_ptr()}
-    if out.data_ptr() in inputs or residual_out.data_ptr() in inputs:
-        fail(op, "out and residual_out must be other tensors than x and residual")
+    # Block 0 writes them while the other blocks still read x and residual.
+    if any(overlaps(o, i) for o in (out, residual_out) for i in (x, residual)) or overlaps(out, residual_out):
+        fail(op, "out and residual_out must not overlap x, residual or each other")
     if rows == 0:
         return t
     blocks_y = cols // NORM_SHRINK_COLS
