@@ -73,6 +73,18 @@ SHAPES = {
         intermediate_size=28672,
         vocab_size=128256,
     ),
+    # One rank's share of llama3-70b at tp 4, as a whole model on one GPU: its W2 against the tp 4
+    # run's is what the all-reduces and the other ranks cost (the LM head's share of the vocabulary
+    # too; the embedding is bigger than a rank's, but a decode step reads one row of it).
+    "llama3-70b-shard4": dict(
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=7168,
+        vocab_size=32064,
+    ),
     "llama3.2-1b": dict(
         hidden_size=2048,
         num_hidden_layers=16,

@@ -125,11 +125,46 @@ def worker_summary(name: str, lines: list[dict]) -> dict:
     }
 
 
+def _quantiles_ms(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+    return {"median": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": round(1000 * ordered[-1], 2)}
+
+
+def by_prefill(rank: int, lines: list[dict], bucket: int) -> list[dict]:
+    """Per bucket of prompt tokens a step carried: the step's own period and the next one's."""
+    submitted = [line for line in lines if "reqs" in line]
+    starts = [line["t"] - line["busy_s"] for line in submitted]
+    groups: dict[int, tuple[list[float], list[float]]] = {}
+    for index in range(len(submitted) - 2):
+        own, after = starts[index + 1] - starts[index], starts[index + 2] - starts[index + 1]
+        if own > 1.0 or after > 1.0:  # idle between loads, not a step
+            continue
+        tokens = submitted[index]["prefill_tokens"]
+        key = 0 if tokens == 0 else (tokens - 1) // bucket + 1
+        periods = groups.setdefault(key, ([], []))
+        periods[0].append(own)
+        periods[1].append(after)
+    rows = []
+    for key, (own, after) in sorted(groups.items()):
+        label = "0" if key == 0 else f"{(key - 1) * bucket + 1}-{key * bucket}"
+        rows.append(
+            {"dp": rank, "prefill_tokens": label, "steps": len(own), "period_ms": _quantiles_ms(own)}
+            | {"next_period_ms": _quantiles_ms(after)}
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prefix", help="the ZLLM_STEP_TRACE value of the run")
     parser.add_argument("--since-last-idle", action="store_true", help="only each engine's last batch of requests")
     parser.add_argument("--bins", type=int, default=10)
+    parser.add_argument("--by-prefill", action="store_true", help="step periods by the prompt tokens a step carried")
+    parser.add_argument("--bucket", type=int, default=128, help="prompt tokens per --by-prefill group")
     args = parser.parse_args()
     traces = {int(name[2:]): lines for name, lines in load(args.prefix, r"dp\d+").items()}
     if args.since_last_idle:
@@ -148,6 +183,10 @@ def main() -> None:
     for name, lines in workers.items():
         if lines := since(lines, origin):
             print(json.dumps(worker_summary(name, lines)))
+    if args.by_prefill:
+        for rank, lines in traces.items():
+            for row in by_prefill(rank, lines, args.bucket):
+                print(json.dumps(row))
 
 
 if __name__ == "__main__":

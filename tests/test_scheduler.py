@@ -1019,3 +1019,75 @@ def test_a_repeated_image_is_a_hit_and_chunks_cut_through_it():
     encodes = [step.encode for step in steps if step.encode]
     assert encodes == [{"a": [0]}]  # once, in the first step that reached it
     assert scheduler.stats().encoder_cache_hits == 1  # b read a's entry
+
+
+_MLA = dict(moe_intermediate_size=32, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16)
+_MLA.update(v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1)
+
+
+@pytest.mark.parametrize(
+    "architecture, overrides",
+    [
+        ("llama", {}),
+        ("qwen2_moe", {}),
+        ("deepseek_v2", dict(_MLA, q_lora_rank=None, topk_method="greedy")),  # V2-Lite: q_proj
+        ("deepseek_v3", dict(_MLA, q_lora_rank=24, n_group=4, topk_group=2)),  # q_a_proj, q_b_proj
+        ("gpt_oss", {}),
+    ],
+    ids=["llama", "qwen2_moe", "v2-lite", "v3", "gpt_oss"],
+)
+def test_linear_weights_per_token_count_what_transformers_builds(tmp_path, architecture, overrides):
+    """A prefill token's linear weights (the server's token budget scales by them) against the
+    tensors of the model transformers builds: every matrix of the decoder layers, the routed
+    experts' at top_k of num_experts, no router, bias, norm, embedding or LM head."""
+    import transformers
+
+    from tests.helpers.models import save_tiny_model
+    from zllm.model_spec import ModelSpec
+
+    model_dir = save_tiny_model(tmp_path / architecture, architecture, **overrides)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    spec = ModelSpec.from_pretrained(str(model_dir))
+    routed = spec.moe.top_k / spec.moe.num_experts if spec.moe is not None else 0.0
+    expected = 0
+    for name, tensor in model.model.layers.named_parameters():
+        if (
+            tensor.dim() < 2
+            or "bias" in name
+            or name.endswith(("mlp.gate.weight", "router.weight", "expert_gate.weight"))
+        ):
+            continue
+        routed_expert = ".experts." in name and "shared" not in name
+        expected += round(tensor.numel() * routed) if routed_expert else tensor.numel()
+    assert spec.linear_weights_per_token() == expected
+
+
+def test_a_server_on_a_gpu_sizes_its_token_budget_by_the_weights_per_gpu(tmp_path):
+    """vllm-launch on a GPU: 2048 tokens a step for Llama-3-8B's weights per GPU and fewer, down
+    to 512 by powers of two as a GPU holds more (70B: 512 at tp 4, 1024 at tp 8); a budget given
+    is kept, and offline use and CPUs keep their own defaults."""
+    from transformers import LlamaConfig
+
+    from zllm.config import serving_token_budget
+    from zllm.model_spec import ModelSpec
+
+    def llama(directory, **shape) -> str:
+        LlamaConfig(vocab_size=128256, max_position_embeddings=8192, **shape).save_pretrained(directory)
+        return str(directory)
+
+    shape_8b = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
+    shape_70b = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+    llama_8b = llama(tmp_path / "8b", num_key_value_heads=8, **shape_8b)
+    llama_70b = llama(tmp_path / "70b", num_key_value_heads=8, **shape_70b)
+    spec_70b = ModelSpec.from_pretrained(llama_70b)
+    assert [serving_token_budget(spec_70b, tp) for tp in (1, 2, 4, 8, 16)] == [512, 512, 512, 1024, 2048]
+    assert serving_token_budget(ModelSpec.from_pretrained(llama_8b), 1) == 2048
+
+    def budget(model: str, **kwargs) -> int:
+        return EngineConfig.create(model, load_format="dummy", **kwargs).max_num_batched_tokens
+
+    assert budget(llama_8b, device="cuda") == 2048
+    assert budget(llama_70b, device="cuda") == 512
+    assert budget(llama_70b, device="cuda", max_num_batched_tokens=2048) == 2048
+    assert budget(llama_70b, device="cuda", usage="offline") == 8192
+    assert budget(llama_70b, device="cpu") == 2048

@@ -76,6 +76,15 @@ MIN_ENCODER_CACHE_TOKENS = 16384
 # 43.2 (attention over twice the contexts, and preemption once the cache is full). A server keeps
 # the serving defaults above: a big prefill chunk in a step delays every stream's next token.
 OFFLINE_GPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
+# A server's token budget per step on a GPU follows the model's compute per GPU. A step that
+# carries a prefill chunk of B tokens delays every stream's next token by about 2 x B x (linear
+# weights per GPU) FLOPs of work, so the budget that keeps Llama-3-8B's tails at tp 1 (2048:
+# p99 ITL ~20 ms at Poisson 32 on an H100, issue 40) shrinks in proportion for a bigger share of
+# weights per GPU, to a power of two. Measured on 4 x H200 (docs/benchmarks.md, issue 30):
+# Llama-3-70B at tp 4 (17.1e9 weights per GPU -> 512) under Poisson 12 req/s had p99 ITL 92 ms
+# at 2048, 57 at 512, 61 at 384, and fell behind the arrivals at 256.
+SERVING_BUDGET_REFERENCE = (2048, 6.98e9)  # (budget, linear weights per token): Llama-3-8B, tp 1
+SERVING_BUDGET_RANGE = (512, 2048)
 
 
 @dataclass(slots=True)
@@ -330,6 +339,13 @@ class EngineConfig:
                 setattr(config, name, OFFLINE_GPU_SCHEDULER_DEFAULTS[name])
         spec = ModelSpec.from_pretrained(config.model)
         _resolve_runner(config, spec)
+        if (
+            usage == "serving"
+            and "max_num_batched_tokens" in unset_limits
+            and config.runner == "generate"
+            and _runs_on_cuda(config)
+        ):
+            config.max_num_batched_tokens = serving_token_budget(spec, config.tensor_parallel_size)
         config.max_model_len = _resolve_max_model_len(spec, config.max_model_len, config.pooler)
         if config.runner == "pooling":  # a pooling input runs in one step: the budget holds the longest
             config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len)
@@ -810,6 +826,16 @@ def _check_lora(config: EngineConfig, spec: ModelSpec) -> None:
             check_adapter(path, spec, config.max_lora_rank)
         except ValueError as error:
             raise ValueError(f"lora_modules: {name}: {error}") from None
+
+
+def serving_token_budget(spec: ModelSpec, tensor_parallel_size: int) -> int:
+    """A server's default max_num_batched_tokens on a GPU (SERVING_BUDGET_REFERENCE's comment)."""
+    reference_budget, reference_weights = SERVING_BUDGET_REFERENCE
+    per_gpu = spec.linear_weights_per_token() / tensor_parallel_size
+    scaled = reference_budget * reference_weights / max(per_gpu, 1.0)
+    low, high = SERVING_BUDGET_RANGE
+    power = 1 << max(int(scaled), 1).bit_length() - 1  # the power of two at or below
+    return min(max(power, low), high)
 
 
 def _runs_on_cuda(config: EngineConfig) -> bool:

@@ -521,6 +521,32 @@ class ModelSpec:
         """The pooling architecture, None for a decoder served for generation."""
         return POOLING_REGISTRY.get(self.architecture)
 
+    def linear_weights_per_token(self) -> int:
+        """Weights of the linear layers one token passes through: the attention projections and
+        the gated MLP, or the routed and shared experts it is sent to (not the embeddings or the
+        LM head, which a prefill token skips). A prefill token costs about twice this in FLOPs."""
+        moe_layers = set(self.moe.layers) if self.moe is not None else set()
+        total = 0
+        for layer in range(self.num_layers):
+            total += self._attention_weights()
+            if layer in moe_layers:
+                experts = self.moe.top_k * self.moe.intermediate_size + self.moe.shared_expert_intermediate_size
+                total += 3 * self.hidden_size * experts
+            else:
+                total += 3 * self.hidden_size * self.intermediate_size
+        return total
+
+    def _attention_weights(self) -> int:
+        hidden = self.hidden_size
+        if self.mla is not None:
+            mla = self.mla
+            q_out = self.num_heads * mla.qk_head_dim
+            q = hidden * q_out if mla.q_lora_rank is None else mla.q_lora_rank * (hidden + q_out)
+            kv = hidden * mla.latent_dim + mla.kv_lora_rank * self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+            return q + kv + self.num_heads * mla.v_head_dim * hidden
+        q = self.num_heads * self.head_dim
+        return hidden * (q + 2 * self.num_kv_heads * self.head_dim) + q * hidden
+
     @classmethod
     def from_pretrained(cls, model_dir: str) -> ModelSpec:
         from transformers import AutoConfig

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On nvidia-h100-x4 (it may come as 4 x H200; the first lines say which): issue 30's four-GPU
 # figures and checks, one PART per device call, each under 9 minutes.
-# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b
+# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve
 #
 #   dp:       W1 (benchmarks/throughput.py, 1000 x 256/256 offline, Llama-3-8B shape, dummy bf16,
 #             run_perf.sh's flags) at --dp 1, 2 and 4 (one GPU per engine), then the scaling
@@ -37,6 +37,24 @@
 #             each one-prompt run of the client sends its prompt twice (its "initial test run" is
 #             request 0), and the second would be a cache hit; the random prompts share nothing
 #             else, so the Poisson runs lose nothing by it.
+#   ar70b:    issue 30 items 1 and 2 at tp 4, Llama-3-70B shape (dummy bf16): W2 (latency.py, batch
+#             1, 128/256, 2 iterations) with NCCL, then with the symmetric-memory one-shot
+#             all-reduce up to $AR_MAX (default 1MiB), and W2 of one rank's share as a whole model on
+#             one GPU (dummy_model.py llama3-70b-shard4: tp 4's step less the all-reduces and the
+#             peers); then benchmarks/served_itl.py --trace at tp 4
+#             (offline engine, then vllm-launch over HTTP; 3 requests each after a warm-up, prefix
+#             caching off) for where the served path loses time. Estimate: 3 x ~100 s + 2 starts.
+#   tails70b: issue 30 item 3: vllm-launch --tp 4 on the 70B shape under vLLM's client at Poisson 4
+#             (200 prompts) and 12 (480), 256/256, once per token budget in $TAIL_BUDGETS (default
+#             "2048 512": the default and a chunk that a 70B step at tp 4 computes in ~30 ms);
+#             $TAIL_FLAGS go to every server, $TAIL_RATES (default "4:200 12:480") picks the loads.
+#             Each server runs with ZLLM_STEP_TRACE; step_trace_summary.py --by-prefill then gives
+#             its step periods by the prompt tokens a step carried. Table in $OUT/tails70b.md.
+#             Estimate: ~220 s a budget.
+#   dpserve:  issue 30 item 4: the three most telling dptrace runs (dp 2; one engine with 500
+#             prompts; dp 2 on GPUs 2 and 3), then `vllm-launch -dp 4` (8B shape) under vLLM's
+#             client at Poisson $DP_RATE (default 120) with $DP_PROMPTS (2400) x 256/256; then
+#             served_itl.py at tp 1 (8B, GPU 0) if time is left. Estimate: ~450 s.
 #
 # Carry .whl (pyzmq, msgspec, xgrammar and its needs, aiohttp and its dependencies: run_all.sh's
 # header) and .sdist (vLLM's client for exit/serve70b: python benchmarks/vllm_benchmark_serving.py
@@ -53,7 +71,8 @@ set -uo pipefail
 t0=$(date +%s)
 cd "$(dirname "$0")/../.."
 part="${1:-}"
-case "$part" in dp | dptrace | tp2dp2 | exit | serve70b) ;; *) echo "usage: $0 dp|dptrace|tp2dp2|exit|serve70b"; exit 2 ;; esac
+parts="dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve"
+[[ "|$parts|" == *"|$part|"* && -n "$part" ]] || { echo "usage: $0 $parts"; exit 2; }
 # Into $OUT (a device call brings back 8 files): 4gpu-PART.log (the whole output), 4gpu-PART.jsonl,
 # serve70b.md (serve70b) and, at the end, 4gpu-PART-logs.tar.gz (every log and result file, from
 # the working folder /tmp/zllm-4gpu-PART).
@@ -82,6 +101,14 @@ w1() {  # w1 NAME LIMIT_S FLAGS...: run_perf.sh's W1 (1000 x 256/256 offline)
     --input-len 256 --output-len 256 --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192 "${@:3}"
   gpus_free 30 || { echo "FAIL $1: GPU memory still held after it exited"; status=1; }
 }
+traced() {  # traced NAME FLAGS...: W1 with a step trace under $out/trace-NAME, then its summary
+  export ZLLM_STEP_TRACE="$out/trace-$1"
+  w1 "w1-$1" 200 "${@:2}"
+  unset ZLLM_STEP_TRACE
+  python benchmarks/step_trace_summary.py "$out/trace-$1" --since-last-idle 2>&1 | tee "$out/summary-$1.jsonl"
+}
+m70b=${DRY_MODEL:-/tmp/zllm-llama3-70b}
+client70b=(--model "$(basename "$m70b")" --tokenizer "$m70b" --ignore-eos)
 
 case "$part" in
 dp)
@@ -108,12 +135,6 @@ PY
   ;;
 dptrace)
   dummy llama3-8b "$m8b"
-  traced() {  # traced NAME FLAGS...: W1 with a step trace under $out/trace-NAME, then its summary
-    export ZLLM_STEP_TRACE="$out/trace-$1"
-    w1 "w1-$1" 200 "${@:2}"
-    unset ZLLM_STEP_TRACE
-    python benchmarks/step_trace_summary.py "$out/trace-$1" --since-last-idle 2>&1 | tee "$out/summary-$1.jsonl"
-  }
   # Most telling first: a dp 2 engine against one engine given its 500 (or dp 4's 250) requests alone.
   traced dp2 --dp 2
   all=${W1_PROMPTS:-1000}
@@ -203,15 +224,117 @@ PY
   exit_phase exit-sigterm 0
   exit_phase exit-kill9 1
   ;;
+ar70b)
+  dummy llama3-70b "$m70b"
+  w2_70b() {  # w2_70b NAME FLAGS...: W2 at tp 4 on the 70B shape
+    bounded "$1" 200 python benchmarks/latency.py --model "$m70b" --load-format dummy --input-len 128 --output-len 256 \
+      --iters 2 --tp 4 --max-model-len 1024 "${@:2}"
+    gpus_free 30 || { echo "FAIL $1: GPU memory still held after it exited"; status=1; }
+  }
+  w2_70b w2-70b-nccl
+  w2_70b w2-70b-symm --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
+  # One rank's weights as a whole model on GPU 0: the tp 4 step less its all-reduces and peers.
+  m70b_shard=${DRY_MODEL:-/tmp/zllm-llama3-70b-shard4}
+  dummy llama3-70b-shard4 "$m70b_shard"
+  CUDA_VISIBLE_DEVICES=0 bounded w2-70b-shard4-tp1 150 python benchmarks/latency.py --model "$m70b_shard" \
+    --load-format dummy --input-len 128 --output-len 256 --iters 2 --max-model-len 1024
+  bounded served-itl-70b 260 python benchmarks/served_itl.py --model "$m70b" --requests 3 --modes offline,http --trace \
+    -- --load-format dummy --tp 4 --max-model-len 1024 --no-enable-prefix-caching ${ITL_FLAGS:-}
+  python - "$out/served-itl-70b.log" << 'PY'
+import json, sys
+
+text = open(sys.argv[1]).read()
+start = 0 if text.startswith("{\n") else text.rfind("\n{\n") + 1
+if start > 0 or text.startswith("{\n"):
+    report = json.loads(text[start:])
+    for mode in ("offline", "http"):
+        row = report.get(mode, {})
+        print(mode, {k: v for k, v in row.items() if not isinstance(v, (dict, list))})
+    print("config differences:", report.get("config_differences"))
+    print("http - offline (us):", report.get("http_minus_offline_us"))
+PY
+  ;;
+tails70b)
+  need_client_files || exit 1
+  dummy llama3-70b "$m70b"
+  results="$out/tails70b"
+  rm -rf "$results"
+  read -ra tail_flags <<< "${TAIL_FLAGS:-}"
+  for budget in ${TAIL_BUDGETS:-2048 512}; do
+    mkdir -p "$results/b$budget"
+    fits "tails-b$budget" 200 || break
+    # Every step traced: what the inter-token tails are made of (step periods by the prompt tokens carried).
+    export ZLLM_STEP_TRACE="$out/trace-b$budget"
+    serve_start "t70b-b$budget" 200 --model "$m70b" --load-format dummy --max-model-len 1024 --tp 4 \
+      --no-enable-prefix-caching --max-num-batched-tokens "$budget" "${tail_flags[@]}" || continue
+    unset ZLLM_STEP_TRACE
+    vllm_client "t70b-b$budget-warm" 90 "${client70b[@]}" --num-prompts 32 --request-rate inf --random-input-len 256 \
+      --random-output-len 64 --seed 1000
+    for spec in ${TAIL_RATES:-4:200 12:480}; do
+      rate=${spec%%:*} n=${spec##*:}
+      fits "t70b-b$budget-poisson$rate" $(( n / rate + 25 )) || continue
+      vllm_client "t70b-b$budget-poisson$rate" $(( 2 * (n / rate + 20) + 60 )) "${client70b[@]}" --num-prompts "$n" \
+        --request-rate "$rate" --random-input-len 256 --random-output-len 256 --seed "$rate" --save-result \
+        --result-dir "$results/b$budget" --result-filename "poisson$rate.json" --metadata "label=budget-$budget"
+    done
+    serve_stop 90
+    verdict "server t70b-b$budget stop" $?
+    timeout 60 python benchmarks/step_trace_summary.py "$out/trace-b$budget" --by-prefill --bucket 128 \
+      | grep prefill_tokens | tee "$out/steps-b$budget.jsonl"
+    gpus_free 30 || { echo "FAIL: GPU memory still held after the 70B server exited"; status=1; }
+  done
+  for table in "$results"/b*; do
+    echo "### --max-num-batched-tokens ${table##*/b}"
+    timeout 60 python benchmarks/plot_sweep.py "$table"
+  done | tee "$dest/tails70b.md"
+  ;;
+dpserve)
+  need_client_files || exit 1
+  dummy llama3-8b "$m8b"
+  traced dp2 --dp 2
+  W1_PROMPTS=$(( ${W1_PROMPTS:-1000} / 2 )) traced dp1-half --dp 1
+  CUDA_VISIBLE_DEVICES=2,3 traced dp2-gpus23 --dp 2
+  results="$out/dpserve"
+  mkdir -p "$results"
+  rate=${DP_RATE:-120} n=${DP_PROMPTS:-2400}
+  if fits dpserve-start $(( 120 + n / rate )) && serve_start dp4 150 --model "$m8b" --load-format dummy \
+    --max-model-len 1024 --dp 4; then
+    vllm_client dp4-warm 60 --model "$(basename "$m8b")" --tokenizer "$m8b" --ignore-eos --num-prompts 64 \
+      --request-rate inf --random-input-len 256 --random-output-len 32 --seed 1000
+    # Which process bounds the served run: every process's CPU share each second (frontend, cores,
+    # workers, the client), and a py-spy profile of the frontend in the middle of the load.
+    python benchmarks/proc_cpu.py --root "$SERVER_PID" --seconds $(( 3 * n / rate + 90 )) > "$out/dp4-cpu.jsonl" &
+    sampler=$!
+    if command -v py-spy > /dev/null || [[ -x /tmp/zllm-site/bin/py-spy ]]; then
+      spy=$(command -v py-spy || echo /tmp/zllm-site/bin/py-spy)
+      (sleep $(( n / rate / 3 )) && timeout 30 "$spy" record --nonblocking -r 100 -d 10 -f raw -p "$SERVER_PID" \
+        -o "$out/dp4-frontend.pyspy.txt" > "$out/dp4-pyspy.log" 2>&1) &
+    fi
+    vllm_client "dp4-poisson$rate" $(( 3 * n / rate + 90 )) --model "$(basename "$m8b")" --tokenizer "$m8b" --ignore-eos \
+      --num-prompts "$n" --request-rate "$rate" --random-input-len 256 --random-output-len 256 --seed "$rate" \
+      --save-result --result-dir "$results" --result-filename "dp4-poisson$rate.json" --metadata label=dp4
+    kill -TERM "$sampler" 2> /dev/null
+    wait "$sampler"
+    tail -1 "$out/dp4-cpu.jsonl"
+    [[ -f "$out/dp4-frontend.pyspy.txt" ]] && python benchmarks/proc_cpu.py --top-stacks "$out/dp4-frontend.pyspy.txt"
+    serve_stop 90
+    verdict "server dp4 stop" $?
+    gpus_free 30 || { echo "FAIL: GPU memory still held after the dp 4 server exited"; status=1; }
+    timeout 60 python benchmarks/plot_sweep.py "$results" | tee "$dest/dpserve.md"
+  fi
+  if fits served-itl-8b 200; then
+    CUDA_VISIBLE_DEVICES=0 bounded served-itl-8b 200 python benchmarks/served_itl.py --model "$m8b" --requests 3 \
+      --modes offline,http --trace -- --load-format dummy --max-model-len 1024 --no-enable-prefix-caching
+  fi
+  ;;
 serve70b)
   need_client_files || exit 1
-  m70b=${DRY_MODEL:-/tmp/zllm-llama3-70b}
   dummy llama3-70b "$m70b"
   results="$out/serve70b"
   rm -rf "$results"
   mkdir -p "$results"
   read -ra flags70b <<< "${SERVE70B_FLAGS---no-enable-prefix-caching}"
-  client=(--model "$(basename "$m70b")" --tokenizer "$m70b" --ignore-eos)
+  client=("${client70b[@]}")
   keep_for_w2=130  # W2 after the server: a 70B start (~90 s) and 2 x 2 timed generations
   if serve_start s70b 300 --model "$m70b" --load-format dummy --max-model-len 1024 --tp 4 "${flags70b[@]}"; then
     vllm_client s70b-warm 120 "${client[@]}" --num-prompts 32 --request-rate inf --random-input-len 256 \

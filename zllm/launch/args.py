@@ -143,8 +143,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="CPU KV cache size, e.g. 2GiB",
     )
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
-    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    # Unset (None), the engine picks them for its use (zllm/config.py): a server keeps
+    # max_num_seqs 256 and sizes its token budget by the model's weights per GPU (2048 down to 512);
+    # an offline run on a GPU takes 512 / 8192.
+    group.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help=f"requests in one step (default: {defaults.max_num_seqs} served, 512 offline on a GPU)",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"tokens in one step (default: {defaults.max_num_batched_tokens}; served on a GPU, 2048 scaled down "
+        "by the model's weights per GPU to at least 512; 8192 offline on a GPU)",
+    )
     group.add_argument(
         "--enforce-eager",
         action="store_true",
