@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On nvidia-h100-x4 (it may come as 4 x H200; the first lines say which): issue 30's four-GPU
 # figures and checks, one PART per device call, each under 9 minutes.
-# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve
+# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4
 #
 #   dp:       W1 (benchmarks/throughput.py, 1000 x 256/256 offline, Llama-3-8B shape, dummy bf16,
 #             run_perf.sh's flags) at --dp 1, 2 and 4 (one GPU per engine), then the scaling
@@ -55,6 +55,11 @@
 #             prompts; dp 2 on GPUs 2 and 3), then `vllm-launch -dp 4` (8B shape) under vLLM's
 #             client at Poisson $DP_RATE (default 120) with $DP_PROMPTS (2400) x 256/256; then
 #             served_itl.py at tp 1 (8B, GPU 0) if time is left. Estimate: ~450 s.
+#   symm4:    is the symmetric-memory all-reduce correct at tp 2 and tp 4 (before it becomes the
+#             default): tests/gpu/test_tensor_parallel_gpu.py -- the one-shot kernel against NCCL on
+#             2 and 4 ranks (eager and in graph replays), the engine's tokens with it (tp 2: = NCCL's
+#             in bf16 and fp32; tp 4: = HF's in fp32), and tp 4 fp32 = HF with NCCL. ZLLM_DEBUG_HANG_S
+#             prints every thread's stack if a barrier never meets. Estimate: ~300 s.
 #
 # Carry .whl (pyzmq, msgspec, xgrammar and its needs, aiohttp and its dependencies: run_all.sh's
 # header) and .sdist (vLLM's client for exit/serve70b: python benchmarks/vllm_benchmark_serving.py
@@ -71,7 +76,7 @@ set -uo pipefail
 t0=$(date +%s)
 cd "$(dirname "$0")/../.."
 part="${1:-}"
-parts="dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve"
+parts="dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4"
 [[ "|$parts|" == *"|$part|"* && -n "$part" ]] || { echo "usage: $0 $parts"; exit 2; }
 # Into $OUT (a device call brings back 8 files): 4gpu-PART.log (the whole output), 4gpu-PART.jsonl,
 # serve70b.md (serve70b) and, at the end, 4gpu-PART-logs.tar.gz (every log and result file, from
@@ -326,6 +331,13 @@ dpserve)
     CUDA_VISIBLE_DEVICES=0 bounded served-itl-8b 200 python benchmarks/served_itl.py --model "$m8b" --requests 3 \
       --modes offline,http --trace -- --load-format dummy --max-model-len 1024 --no-enable-prefix-caching
   fi
+  ;;
+symm4)
+  export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"
+  bounded symm4-tests 480 python -m pytest -q -p no:cacheprovider -rs tests/gpu/test_tensor_parallel_gpu.py \
+    -k "symmetric or fp32_greedy"
+  tail -3 "$out/symm4-tests.log"
+  cat "$dest/gpu_results.jsonl" 2> /dev/null  # the tests' record() lines: shares of identical tokens
   ;;
 serve70b)
   need_client_files || exit 1

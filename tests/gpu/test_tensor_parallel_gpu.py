@@ -1,7 +1,7 @@
-"""Tensor parallelism on two GPUs (NCCL): tp 2 greedy vs HF in fp32, CUDA graphs (with the
-all-reduce captured) vs eager in bf16; the symmetric-memory one-shot all-reduce
-(--custom-all-reduce-max-size) against NCCL, alone and in the engine. The models and prompts are
-tests/gpu/conftest.py's model_dir and prompt_ids, as in test_engine_gpu."""
+"""Tensor parallelism on two GPUs (NCCL), and four where there are: tp 2 and tp 4 greedy vs HF in
+fp32, CUDA graphs (with the all-reduce captured) vs eager in bf16; the symmetric-memory one-shot
+all-reduce (--custom-all-reduce-max-size) against NCCL, alone and in the engine. The models and
+prompts are tests/gpu/conftest.py's model_dir and prompt_ids, as in test_engine_gpu."""
 
 from __future__ import annotations
 
@@ -23,12 +23,21 @@ def _two_gpus():
         pytest.skip("needs 2 GPUs")
 
 
-def test_tensor_parallel_fp32_greedy_is_token_identical_to_hf(model_dir, prompt_ids):
+def _needs_gpus(count: int) -> None:
     import torch
 
-    ours = engine_tokens(model_dir, prompt_ids, dtype="float32", tensor_parallel_size=2)
+    if torch.cuda.device_count() < count:
+        pytest.skip(f"needs {count} GPUs")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_fp32_greedy_is_token_identical_to_hf(model_dir, prompt_ids, tp):
+    import torch
+
+    _needs_gpus(tp)
+    ours = engine_tokens(model_dir, prompt_ids, dtype="float32", tensor_parallel_size=tp)
     theirs = hf_tokens(model_dir, prompt_ids, torch.float32)
-    record(f"tp2_fp32_share_identical[{os.path.basename(model_dir)}]", share_identical(ours, theirs))
+    record(f"tp{tp}_fp32_share_identical[{os.path.basename(model_dir)}]", share_identical(ours, theirs))
     assert ours == theirs
 
 
@@ -92,8 +101,11 @@ def _symmetric_rank(rank: int, size: int, init_file: str) -> None:
 
     def compare(got, label):
         for (shape, dtype), x, y in zip(SYMMETRIC_CASES, inputs, got):
-            # Two ranks: one rounding of a + b either way, so the sums are bit-identical.
-            assert torch.equal(y, nccl(x)), f"rank {rank}: {label} {dtype}{list(shape)} differs from NCCL"
+            expected = nccl(x)
+            if size == 2:  # one rounding of a + b either way: the sums are bit-identical
+                assert torch.equal(y, expected), f"rank {rank}: {label} {dtype}{list(shape)} differs from NCCL"
+            else:  # more ranks add in another order (NCCL's ring vs rank order): a rounding or two apart
+                torch.testing.assert_close(y, expected, rtol=2**-6, atol=2**-4, msg=f"rank {rank}: {label} {shape}")
 
     compare([tp.all_reduce(x.clone()) for x in inputs], "eager")
     static = [x.clone() for x in inputs]
@@ -117,11 +129,13 @@ def _symmetric_rank(rank: int, size: int, init_file: str) -> None:
     tp.destroy()
 
 
-def test_symmetric_all_reduce_equals_nccl_eager_and_in_cuda_graphs(tmp_path):
+@pytest.mark.parametrize("size", [2, 4])
+def test_symmetric_all_reduce_equals_nccl_eager_and_in_cuda_graphs(tmp_path, size):
     import torch.multiprocessing as mp
 
+    _needs_gpus(size)
     context = mp.start_processes(
-        _symmetric_rank, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=False, start_method="spawn"
+        _symmetric_rank, args=(size, str(tmp_path / "rendezvous")), nprocs=size, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + RANK_TIMEOUT_S
     try:
@@ -144,3 +158,19 @@ def test_tensor_parallel_symmetric_all_reduce_gives_nccls_tokens(model_dir, prom
     nccl = engine_tokens(model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2)
     record(f"tp2_{dtype}_symmetric_share_identical_vs_nccl[{os.path.basename(model_dir)}]", share_identical(fast, nccl))
     assert fast == nccl
+
+
+def test_tp4_symmetric_all_reduce_fp32_greedy_is_token_identical_to_hf(model_dir, prompt_ids, capfd):
+    """At tp 4 the one-shot kernel sums four partials in rank order, NCCL in its ring's: bf16
+    tokens may part ways on near-ties, so the check is fp32's, against transformers."""
+    import torch
+
+    _needs_gpus(4)
+    fast = engine_tokens(
+        model_dir, prompt_ids, dtype="float32", tensor_parallel_size=4, custom_all_reduce_max_bytes=8 << 20
+    )
+    log = capfd.readouterr().err
+    assert log.count("symmetric-memory one-shot all-reduce for") == 4, "set-up fell back to NCCL:\n" + log[-4000:]
+    theirs = hf_tokens(model_dir, prompt_ids, torch.float32)
+    record(f"tp4_fp32_symmetric_share_identical_vs_hf[{os.path.basename(model_dir)}]", share_identical(fast, theirs))
+    assert fast == theirs
