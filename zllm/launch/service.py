@@ -22,7 +22,7 @@ from zllm.procs.racing import cancel_and_wait, race
 logger = logging.getLogger("zllm.launch")
 
 
-class _Signals:
+class Signals:
     """SIGINT/SIGTERM as two events: the first asks for a drain, the second for an exit now."""
 
     def __init__(self) -> None:
@@ -48,7 +48,7 @@ async def serve_until_signal(config: EngineConfig) -> int:
     server = FrontendServer(config)
     api = ApiServer(server)
     notifier = SystemdNotifier()
-    signals = _Signals()
+    signals = Signals()
     tasks: list[asyncio.Task] = []
     try:
         starting = asyncio.create_task(server.start())
@@ -79,7 +79,7 @@ async def serve_until_signal(config: EngineConfig) -> int:
         await server.shutdown()
 
 
-async def _drain(server, serving: asyncio.Task, signals: _Signals, notifier: SystemdNotifier) -> int:
+async def _drain(server, serving: asyncio.Task, signals: Signals, notifier: SystemdNotifier) -> int:
     timeout = server.config.shutdown_timeout_s
     logger.info(
         "%s received: draining %d request(s) (up to %.0f s)",
@@ -107,7 +107,7 @@ async def _drain(server, serving: asyncio.Task, signals: _Signals, notifier: Sys
     return 0
 
 
-async def _after_serving(serving: asyncio.Task, server, signals: _Signals) -> int:
+async def _after_serving(serving: asyncio.Task, server, signals: Signals) -> int:
     """serve() returned or raised: the engine failed for good, or the frontend itself failed."""
     if not serving.done():
         await cancel_and_wait(serving)  # a signal arrived before the server answered
@@ -122,8 +122,12 @@ async def _after_serving(serving: asyncio.Task, server, signals: _Signals) -> in
 
 def _announce_ready(server, url: str, notifier: SystemdNotifier) -> None:
     ready = server.ready
+    # One of several API servers: vllm-launch says "zllm ready" once all of them are (their
+    # READY=1 reaches it, zllm/launch/api_servers.py).
+    config = server.config
+    who = "zllm" if config.api_server_count == 1 else f"api server {config.api_server_rank}"
     line = (
-        f"zllm ready: {ready.model} on {server.client_endpoint} and {url} "
+        f"{who} ready: {ready.model} on {server.client_endpoint} and {url} "
         f"({ready.num_kv_blocks} KV blocks of {ready.block_size} tokens)"
     )
     print(line, flush=True)
