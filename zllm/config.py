@@ -481,7 +481,9 @@ class EngineConfig:
             f"{count} API servers cannot split --data-parallel-size {self.data_parallel_size} evenly: "
             "each serves dp / count engines of its own (give -dp a multiple of it)",
         )
-        _require(0 <= self.api_server_rank < count, "api_server_rank", f"must be in [0, {count}), got {self.api_server_rank}")
+        _require(
+            0 <= self.api_server_rank < count, "api_server_rank", f"must be in [0, {count}), got {self.api_server_rank}"
+        )
         _require(
             count == 1 or self.nnodes == 1,
             "api_server_count",
