@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [[5 + i, 17, 42 + 3 * i, 99, 7 + i] for i in range(8)]
 MAX_TOKENS = 12
+LONG_TOKENS = 480  # a stream still running while vllm-launch is stopped (~2 s here)
 HTTP_REQUESTS = 24  # over fresh connections: the kernel's spread leaves one frontend none with p = 2^-23
 
 
@@ -136,10 +137,46 @@ def test_two_api_servers_share_the_port_and_serve_hf_tokens(tmp_path, tiny, hf_t
             r'^zllm:request_success_total{finished_reason="length",model_name="[^"]+"} (\S+)$', metrics, re.M
         )
         assert finished and float(finished.group(1)) == len(PROMPTS) + HTTP_REQUESTS, metrics
+        # SIGTERM to vllm-launch drains both frontends: a stream in flight on frontend 0 goes on
+        # to its end. systemd's KillMode=control-group signals frontend 0 itself too, and a
+        # repeated signal must not turn its drain into a stop.
+        long = SamplingParams(temperature=0.0, max_tokens=LONG_TOKENS, ignore_eos=True)
+        with Client(endpoints[0], timeout=120) as client:
+            stream = client.stream(prompt_token_ids=PROMPTS[0], sampling_params=long)
+            streamed = list(next(stream).outputs[0].token_ids)
+            server.process.terminate()
+            assert wait_until(lambda: "draining 1 request(s)" in server.log(), 10), server.log()[-2000:]
+            frontend0 = int(re.search(r"frontend0\[(\d+)\]", server.log()).group(1))
+            assert frontend0 in [p.pid for p in frontends]
+            psutil.Process(frontend0).terminate()
+            assert wait_until(lambda: "SIGTERM again: already draining" in server.log(), 10), server.log()[-2000:]
+            streamed += [token for delta in stream for token in delta.outputs[0].token_ids]
+        assert len(streamed) == LONG_TOKENS and streamed[:MAX_TOKENS] == hf_tokens[0]
+        code = server.process.wait(60)
     finally:
-        code = server.stop()
+        server.stop()  # a no-op once it has exited
     assert code == 0, server.log()[-3000:]
     assert wait_until(lambda: processes_gone([p.pid for p in descendants]), 30), [
         p for p in descendants if psutil.pid_exists(p.pid)
     ]
     assert server.log().count("drained: shutting down") == 2
+
+
+def test_a_frontend_that_dies_stops_the_others(tmp_path, tiny):
+    server = start_server(
+        tmp_path, tiny, "-dp", "2", "--api-server-count", "2", "--max-model-len", "512", env=ONE_THREAD
+    )
+    try:
+        descendants = server.children()
+        victim = next(p for p in descendants if "zllm.launch.api_server_process" in " ".join(p.cmdline()))
+        victim.kill()
+        code = server.process.wait(60)
+    finally:
+        server.stop()
+    assert code == 1
+    assert re.search(
+        rf"api server \d \(pid {victim.pid}\) exited with code -9 \(SIGKILL\): stopping the others", server.log()
+    )
+    assert wait_until(lambda: processes_gone([p.pid for p in descendants]), 30), [
+        p for p in descendants if psutil.pid_exists(p.pid)
+    ]

@@ -14,7 +14,9 @@ binds its own client endpoint (zllm.ipc.addresses.api_server_endpoint). Their sd
 come to a relay here: "zllm ready" and READY=1 once all are ready, WATCHDOG=1 while all feed it.
 
 SIGTERM/SIGINT ─> forwarded to every API server (each drains) ─> 0 once all exited with 0
-a second signal ─> forwarded (each kills its engines at once) ─> 128 + signal
+a second signal ─> every API server and its engines SIGKILLed at once ─> 128 + signal
+    (an API server takes every signal as a drain request: under systemd's KillMode=control-group
+    it gets the stop signal twice, from systemd and from here)
 an API server exits unasked (its engines failed for good, or it crashed) ─> the others are
     stopped (SIGTERM: they drain) ─> 1
 """
@@ -25,11 +27,14 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import psutil
 
 from zllm.config import EngineConfig
 from zllm.frontend.metrics import MULTIPROCESS_DIR_ENV
@@ -37,7 +42,7 @@ from zllm.ipc.addresses import api_server_endpoint, default_client_endpoint
 from zllm.launch.sd_notify import NotifyRelay, SystemdNotifier
 from zllm.launch.service import Signals
 from zllm.procs.children import spawn_child
-from zllm.procs.exits import describe_exit_code, stop_children, wait_for_any_exit
+from zllm.procs.exits import describe_exit_code, kill_and_wait, stop_children, wait_for_any_exit
 from zllm.procs.racing import cancel_and_wait, race
 
 logger = logging.getLogger("zllm.launch")
@@ -60,8 +65,8 @@ async def serve_api_servers(config: EngineConfig) -> int:
                 server_config = dataclasses.replace(
                     config, api_server_rank=rank, port=port, client_endpoint=api_server_endpoint(base, rank)
                 )
-                # Own sessions: a signal to vllm-launch's process group (Ctrl-C) reaches a server
-                # once, as forwarded from here; twice would skip its drain.
+                # Own sessions: a signal to vllm-launch's process group (a terminal's Ctrl-C) reaches
+                # the servers as forwarded from here only, and their engine processes not at all.
                 servers.append(spawn_child("zllm.launch.api_server_process", server_config, env=env, new_session=True))
             return await _supervise(config, servers, relay, notifier, signals, port)
     finally:
@@ -104,14 +109,14 @@ def _one_exited(servers: list[subprocess.Popen], pid: int) -> int:
 
 
 async def _stop_on_signal(servers: list[subprocess.Popen], signals: Signals) -> int:
-    """Forward the signal; wait for every server to exit (forwarding a second signal too)."""
+    """Forward the signal; wait for every server to exit (a second signal: kill them all)."""
     logger.info("%s received: stopping %d API servers", signal.Signals(signals.signum).name, len(servers))
     _forward(servers, signals.signum)
     all_exited = asyncio.create_task(_wait_all_exited(servers))
     await race(all_exited, signals.second, keep=(all_exited,))
     if signals.second.is_set():
-        _forward(servers, signals.signum)
-        await all_exited
+        await cancel_and_wait(all_exited)
+        await asyncio.to_thread(_kill_all, servers)
         return 128 + signals.signum
     codes = [server.returncode for server in servers]
     if any(codes):
@@ -124,6 +129,18 @@ def _forward(servers: list[subprocess.Popen], signum: int) -> None:
     for server in servers:
         if server.poll() is None:
             server.send_signal(signum)
+
+
+def _kill_all(servers: list[subprocess.Popen]) -> None:
+    """SIGKILL every API server and everything under it (engine cores, workers); return once all
+    are gone (their GPU memory is free)."""
+    descendants = []
+    for server in servers:
+        try:
+            descendants += [process.pid for process in psutil.Process(server.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    kill_and_wait([*servers, *descendants])
 
 
 async def _wait_all_exited(servers: list[subprocess.Popen]) -> None:
@@ -156,7 +173,8 @@ def _server_env(runtime_dir: str, notify_path: str) -> dict[str, str]:
     set one for this process, is theirs to feed through it), and prometheus_client's
     multiprocess mode in a private directory, so that each /metrics adds up all servers' figures."""
     metrics_dir = os.path.join(runtime_dir, "metrics")
-    os.makedirs(metrics_dir, mode=0o700, exist_ok=True)
+    shutil.rmtree(metrics_dir, ignore_errors=True)  # a given --runtime-dir may hold a killed run's counts
+    os.makedirs(metrics_dir, mode=0o700)
     env = {**os.environ, "NOTIFY_SOCKET": notify_path, MULTIPROCESS_DIR_ENV: metrics_dir}
     env.pop("WATCHDOG_PID", None)
     if not SystemdNotifier().watchdog_interval_s:
@@ -170,6 +188,7 @@ def _reserved_port(host: str, port: int) -> Iterator[int]:
     the same one; the socket never listens, so no connection comes to it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers' own sockets
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         yield sock.getsockname()[1]

@@ -23,17 +23,25 @@ logger = logging.getLogger("zllm.launch")
 
 
 class Signals:
-    """SIGINT/SIGTERM as two events: the first asks for a drain, the second for an exit now."""
+    """SIGINT/SIGTERM as two events: the first asks for a drain, the second for an exit now.
 
-    def __init__(self) -> None:
+    second_stops=False (one of several API servers): every signal asks for the drain. Such a
+    server may get one signal twice, from systemd (which signals the whole control group) and
+    forwarded by vllm-launch; vllm-launch itself ends everything at its own second signal."""
+
+    def __init__(self, second_stops: bool = True) -> None:
         self.first = asyncio.Event()
         self.second = asyncio.Event()
         self.signum = 0
+        self._second_stops = second_stops
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._received, sig)
 
     def _received(self, signum: int) -> None:
+        if self.first.is_set() and not self._second_stops:
+            logger.info("%s again: already draining", signal.Signals(signum).name)
+            return
         self.signum = signum
         (self.second if self.first.is_set() else self.first).set()
         if self.second.is_set():
@@ -48,7 +56,7 @@ async def serve_until_signal(config: EngineConfig) -> int:
     server = FrontendServer(config)
     api = ApiServer(server)
     notifier = SystemdNotifier()
-    signals = Signals()
+    signals = Signals(second_stops=config.api_server_count == 1)
     tasks: list[asyncio.Task] = []
     try:
         starting = asyncio.create_task(server.start())
