@@ -5,6 +5,8 @@ counts, SIGTERM drains both and leaves no process behind; bad counts are refused
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from tests.helpers.server import ONE_THREAD, processes_gone, start_server, wait_
 from zllm import Client, SamplingParams
 from zllm.config import EngineConfig
 from zllm.ipc.addresses import api_server_endpoint
+from zllm.launch.sd_notify import NotifyRelay
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +74,27 @@ def test_the_launcher_refuses_a_count_that_does_not_divide_dp(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "api_server_count: 2 API servers cannot split --data-parallel-size 3 evenly" in done.stderr
+
+
+def test_the_notify_relay_knows_each_sender_by_its_pid(tmp_path):
+    """READY=1 / WATCHDOG=1 from real processes over the real socket, told apart by pid."""
+
+    async def scenario() -> tuple[set[int], set[int], bool, bool]:
+        relay = NotifyRelay(str(tmp_path / "notify"))
+        env = {**os.environ, "NOTIFY_SOCKET": relay.path}
+        send = "from zllm.launch.sd_notify import SystemdNotifier as N; n = N(); n.ready('up'); n.watchdog()"
+        children = [subprocess.Popen([sys.executable, "-c", send], env=env) for _ in range(2)]
+        pids = {child.pid for child in children}
+        await asyncio.wait_for(relay.wait_ready(pids), 60)
+        await asyncio.wait_for(asyncio.to_thread(lambda: [child.wait() for child in children]), 60)
+        await asyncio.sleep(0.1)  # the reader callback of the last datagrams
+        fed = relay.take_watchdog(pids)
+        fed_again = relay.take_watchdog(pids)  # nothing since: no WATCHDOG=1 to pass on
+        relay.close()
+        return pids, relay.ready, fed, fed_again
+
+    pids, ready, fed, fed_again = asyncio.run(scenario())
+    assert ready == pids and fed and not fed_again
 
 
 # ---- served ------------------------------------------------------------------------------------------
