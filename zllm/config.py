@@ -239,6 +239,12 @@ class EngineConfig:
     port: int = 8000  # 0: any free port (the ready line says which)
     api_key: str | None = None  # required on /v1 routes (Bearer) and on every ZMQ client request when set
     max_request_body_bytes: int = 8 << 20  # larger HTTP bodies get 413
+    # Several frontends (API servers) instead of one, so that detokenizing and streaming are not
+    # bound to one process's CPU (zllm/launch/api_servers.py): frontend k (api_server_rank)
+    # drives the data-parallel engines k * dp / count .. (k + 1) * dp / count - 1, and all of them
+    # listen on host:port (SO_REUSEPORT). vllm-launch sets api_server_rank in each one's config.
+    api_server_count: int = 1
+    api_server_rank: int = 0
     # Reliability and security (docs/deployment.md).
     on_failure: str = "restart"  # engine core or worker died: "restart" (replay requests) or "fail"
     max_restarts: int = 5  # engine restarts allowed within restart_window_s before giving up
@@ -452,6 +458,7 @@ class EngineConfig:
             f"must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank}",
         )
         self._validate_nodes()
+        self._validate_api_servers()
         # Every engine would meet its workers at the same address: only per-engine files can work.
         _require(
             self.data_parallel_size == 1 or not self.distributed_init_method,
@@ -464,6 +471,30 @@ class EngineConfig:
             "custom_all_reduce_max_bytes",
             f"must be >= 0 (0: NCCL only), got {self.custom_all_reduce_max_bytes}",
         )
+
+    def _validate_api_servers(self) -> None:
+        count = self.api_server_count
+        _require(count >= 1, "api_server_count", f"must be >= 1, got {count}")
+        _require(
+            self.data_parallel_size % count == 0,
+            "api_server_count",
+            f"{count} API servers cannot split --data-parallel-size {self.data_parallel_size} evenly: "
+            "each serves dp / count engines of its own (give -dp a multiple of it)",
+        )
+        _require(
+            0 <= self.api_server_rank < count, "api_server_rank", f"must be in [0, {count}), got {self.api_server_rank}"
+        )
+        _require(
+            count == 1 or self.nnodes == 1,
+            "api_server_count",
+            "several API servers run on one node only: leave --nnodes at 1",
+        )
+
+    @property
+    def frontend_dp_ranks(self) -> range:
+        """The data-parallel engines this frontend (API server api_server_rank) drives."""
+        per_server = self.data_parallel_size // self.api_server_count
+        return range(self.api_server_rank * per_server, (self.api_server_rank + 1) * per_server)
 
     def _validate_nodes(self) -> None:
         _require(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")

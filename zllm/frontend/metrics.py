@@ -9,10 +9,14 @@ Two sources:
   each scrape (`update_engine_stats`), one series per data-parallel engine (label `dp_rank`).
 
 Each instance has its own registry, so several servers (or tests) in one process never clash.
+Behind several API servers (vllm-launch --api-server-count, which sets $PROMETHEUS_MULTIPROC_DIR
+for them), prometheus_client's multiprocess mode keeps the request figures in files that every
+API server's /metrics adds up; the engine figures are those of the answering server's engines.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +24,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode, when set
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM's buckets (seconds), so dashboards built for it read ours the same way.
@@ -190,7 +196,14 @@ class FrontendMetrics:
         self._engine.stats = stats
 
     def export(self) -> bytes:
-        return generate_latest(self.registry)
+        if not os.environ.get(MULTIPROCESS_DIR_ENV):
+            return generate_latest(self.registry)
+        # Several API servers: the request figures of all of them, from their files, and this
+        # server's engines' figures.
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        registry.register(self._engine)
+        return generate_latest(registry)
 
 
 class _EngineStats:

@@ -125,7 +125,7 @@ class FrontendServer:
         self.nodes = NodeHub(config) if config.nnodes > 1 else None
         self.engines = [
             EngineLink(config, rank, self.context, call_ids, self._nodes_of(rank))
-            for rank in range(config.data_parallel_size)
+            for rank in config.frontend_dp_ranks  # all of them, or this API server's share
         ]
         self.calls = EngineCalls(self.engines, call_ids, self._send, self._server_stats)
         self.balancer = LoadBalancer(len(self.engines), config.block_size)
@@ -252,7 +252,7 @@ class FrontendServer:
 
     async def _on_engine_message(self, engine: EngineLink, message) -> None:
         if isinstance(message, EngineOutputs):
-            self.balancer.report(engine.dp_rank, message.num_waiting, message.num_running)
+            self.balancer.report(self._slot(engine), message.num_waiting, message.num_running)
             await self._deliver(engine, message)
         elif isinstance(message, UtilityResult):
             self._answering.set()
@@ -453,8 +453,13 @@ class FrontendServer:
 
     def _choose_engine(self, add: AddRequest, count: int) -> EngineLink:
         """The least loaded engine that is up (all being restarted: the least loaded one)."""
-        live = [engine.dp_rank for engine in self.engines if not engine.recovering] or None
+        live = [self._slot(engine) for engine in self.engines if not engine.recovering] or None
         return self.engines[self.balancer.choose(add.prompt_token_ids, add.cache_salt, live, count)]
+
+    def _slot(self, engine: EngineLink) -> int:
+        """The engine's index in self.engines (the balancer's numbering): its dp rank less the
+        first one this frontend drives (not 0 behind API server k > 0)."""
+        return engine.dp_rank - self.engines[0].dp_rank
 
     def _refusal(self) -> tuple[str, str] | None:
         """(message, kind) when no request can be taken now."""

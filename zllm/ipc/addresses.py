@@ -17,6 +17,23 @@ def default_client_endpoint() -> str:
     return f"ipc://{runtime_base()}/zllm-{os.getuid()}.sock"
 
 
+def api_server_endpoint(endpoint: str, api_server_rank: int) -> str:
+    """The client endpoint of API server k behind `vllm-launch --api-server-count`: server 0 binds
+    the endpoint as given, server k > 0 the next port (tcp://host:port + k) or a sibling file
+    (ipc:///dir/name.sock -> ipc:///dir/name.k.sock)."""
+    if api_server_rank == 0:
+        return endpoint
+    path = ipc_path(endpoint)
+    if path is not None:
+        root, extension = os.path.splitext(path)
+        return f"ipc://{root}.{api_server_rank}{extension}"
+    if endpoint.startswith("tcp://"):
+        address, _, port = endpoint.rpartition(":")
+        if port.isdigit():
+            return f"{address}:{int(port) + api_server_rank}"
+    raise ValueError(f"client_endpoint: {endpoint!r} gives no endpoint per API server: use ipc:// or tcp://host:port")
+
+
 def make_private_runtime_dir() -> str:
     """A fresh directory only this user can enter (mkdtemp creates it 0700)."""
     path = tempfile.mkdtemp(prefix="zllm-", dir=runtime_base())

@@ -291,6 +291,13 @@ def add_http_args(group) -> None:
     group.add_argument("--host", default=defaults.host, help="HTTP API address")
     group.add_argument("--port", type=int, default=defaults.port, help="HTTP API port (0: any free port)")
     group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=defaults.api_server_count,
+        help="frontend processes serving the HTTP API on the same host:port, each driving -dp / count "
+        "of the engines (must divide -dp); more than 1 lifts the one-CPU limit on streamed tokens",
+    )
+    group.add_argument(
         "--api-key",
         default=None,
         help="require `Authorization: Bearer KEY` on /v1 routes, "
@@ -331,6 +338,7 @@ def http_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         host=args.host,
         port=args.port,
+        api_server_count=args.api_server_count,
         api_key=args.api_key or envs.ZLLM_API_KEY,
         max_request_body_bytes=args.max_request_body_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -4,7 +4,8 @@ vllm-launch [engine flags] [--zmq-endpoint ipc:///path | tcp://host:port] [--hos
     starts the frontend (this process), which starts the engine core, which starts the
     workers; serves the ZMQ client endpoint and the OpenAI-compatible HTTP API (default
     http://127.0.0.1:8000) until SIGINT/SIGTERM, which drains: requests in flight finish
-    first (zllm/launch/service.py). The engine is supervised and restarted after a crash
+    first (zllm/launch/service.py). With --api-server-count A > 1 this process starts and
+    supervises A frontends instead, each with its share of the -dp engines (zllm/launch/api_servers.py). The engine is supervised and restarted after a crash
     (zllm/frontend/engines.py, zllm/procs/engine_processes.py); see docs/deployment.md for systemd.
 vllm-launch [engine flags] --prompt TEXT [--prompt TEXT ...] [--chat]
     runs the engine in this process, prints the completions, exits.
@@ -111,6 +112,10 @@ def _serve(args: argparse.Namespace) -> int:
             client_endpoint=args.zmq_endpoint,
             runtime_dir=runtime_dir,
         )
+        if config.api_server_count > 1:
+            from zllm.launch.api_servers import serve_api_servers
+
+            return asyncio.run(serve_api_servers(config))
         return asyncio.run(serve_until_signal(config))
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)

@@ -4,13 +4,17 @@ The protocol is one datagram of newline-separated `KEY=VALUE` lines on the unix 
 $NOTIFY_SOCKET (a leading '@' means Linux's abstract namespace). We send READY=1 once the server
 answers, WATCHDOG=1 while the engine makes progress, STOPPING=1 when a drain begins, and STATUS=
 lines that `systemctl status` shows. Outside systemd (no $NOTIFY_SOCKET) every call is a no-op.
+Behind several API servers, each one's notifications go to vllm-launch's NotifyRelay, which tells
+systemd READY=1 once all are ready and WATCHDOG=1 while all feed it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
+import struct
 
 logger = logging.getLogger("zllm.launch.sd_notify")
 
@@ -64,3 +68,55 @@ def _watchdog_interval(environ) -> float | None:
     if pid and pid != str(os.getpid()):
         return None
     return int(usec) / 1_000_000
+
+
+class NotifyRelay:
+    """A $NOTIFY_SOCKET of our own for child processes (the API servers of vllm-launch
+    --api-server-count): it learns which child pid said READY=1 and which sent WATCHDOG=1, from
+    the kernel's credentials of each datagram (SO_PASSCRED), as systemd itself does."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.ready: set[int] = set()
+        self.watchdog: set[int] = set()  # pids that sent WATCHDOG=1 since the last take_watchdog()
+        self._changed = asyncio.Event()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self._sock.bind(path)
+        asyncio.get_running_loop().add_reader(self._sock.fileno(), self._receive)
+
+    async def wait_ready(self, pids: set[int]) -> None:
+        """Return once every one of these pids has sent READY=1."""
+        while not pids <= self.ready:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def take_watchdog(self, pids: set[int]) -> bool:
+        """Has every one of these pids sent WATCHDOG=1 since the last call that returned True?"""
+        if not pids <= self.watchdog:
+            return False
+        self.watchdog.clear()
+        return True
+
+    def close(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._sock.fileno())
+        self._sock.close()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                data, ancillary, _, _ = self._sock.recvmsg(4096, socket.CMSG_SPACE(_CREDENTIALS.size))
+            except (BlockingIOError, InterruptedError):
+                return
+            pid = next(
+                (_CREDENTIALS.unpack(d)[0] for level, kind, d in ancillary if kind == socket.SCM_CREDENTIALS), None
+            )
+            lines = data.decode(errors="replace").splitlines()
+            if pid is not None and "READY=1" in lines:
+                self.ready.add(pid)
+            if pid is not None and "WATCHDOG=1" in lines:
+                self.watchdog.add(pid)
+            self._changed.set()
+
+
+_CREDENTIALS = struct.Struct("iII")  # struct ucred: pid, uid, gid

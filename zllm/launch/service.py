@@ -22,18 +22,26 @@ from zllm.procs.racing import cancel_and_wait, race
 logger = logging.getLogger("zllm.launch")
 
 
-class _Signals:
-    """SIGINT/SIGTERM as two events: the first asks for a drain, the second for an exit now."""
+class Signals:
+    """SIGINT/SIGTERM as two events: the first asks for a drain, the second for an exit now.
 
-    def __init__(self) -> None:
+    second_stops=False (one of several API servers): every signal asks for the drain. Such a
+    server may get one signal twice, from systemd (which signals the whole control group) and
+    forwarded by vllm-launch; vllm-launch itself ends everything at its own second signal."""
+
+    def __init__(self, second_stops: bool = True) -> None:
         self.first = asyncio.Event()
         self.second = asyncio.Event()
         self.signum = 0
+        self._second_stops = second_stops
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._received, sig)
 
     def _received(self, signum: int) -> None:
+        if self.first.is_set() and not self._second_stops:
+            logger.info("%s again: already draining", signal.Signals(signum).name)
+            return
         self.signum = signum
         (self.second if self.first.is_set() else self.first).set()
         if self.second.is_set():
@@ -48,7 +56,7 @@ async def serve_until_signal(config: EngineConfig) -> int:
     server = FrontendServer(config)
     api = ApiServer(server)
     notifier = SystemdNotifier()
-    signals = _Signals()
+    signals = Signals(second_stops=config.api_server_count == 1)
     tasks: list[asyncio.Task] = []
     try:
         starting = asyncio.create_task(server.start())
@@ -79,7 +87,7 @@ async def serve_until_signal(config: EngineConfig) -> int:
         await server.shutdown()
 
 
-async def _drain(server, serving: asyncio.Task, signals: _Signals, notifier: SystemdNotifier) -> int:
+async def _drain(server, serving: asyncio.Task, signals: Signals, notifier: SystemdNotifier) -> int:
     timeout = server.config.shutdown_timeout_s
     logger.info(
         "%s received: draining %d request(s) (up to %.0f s)",
@@ -107,7 +115,7 @@ async def _drain(server, serving: asyncio.Task, signals: _Signals, notifier: Sys
     return 0
 
 
-async def _after_serving(serving: asyncio.Task, server, signals: _Signals) -> int:
+async def _after_serving(serving: asyncio.Task, server, signals: Signals) -> int:
     """serve() returned or raised: the engine failed for good, or the frontend itself failed."""
     if not serving.done():
         await cancel_and_wait(serving)  # a signal arrived before the server answered
@@ -122,8 +130,12 @@ async def _after_serving(serving: asyncio.Task, server, signals: _Signals) -> in
 
 def _announce_ready(server, url: str, notifier: SystemdNotifier) -> None:
     ready = server.ready
+    # One of several API servers: vllm-launch says "zllm ready" once all of them are (their
+    # READY=1 reaches it, zllm/launch/api_servers.py).
+    config = server.config
+    who = "zllm" if config.api_server_count == 1 else f"api server {config.api_server_rank}"
     line = (
-        f"zllm ready: {ready.model} on {server.client_endpoint} and {url} "
+        f"{who} ready: {ready.model} on {server.client_endpoint} and {url} "
         f"({ready.num_kv_blocks} KV blocks of {ready.block_size} tokens)"
     )
     print(line, flush=True)

@@ -31,9 +31,14 @@ _PR_SET_PDEATHSIG = 1
 _TEARDOWN_LIMIT_S = 60  # a child told to stop (SIGTERM) that has not exited by then is killed by SIGALRM
 
 
-def spawn_child(module: str, config: EngineConfig, *args: str) -> subprocess.Popen:
-    """Start `python -m module args...` with the config on its stdin."""
-    process = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE)
+def spawn_child(
+    module: str, config: EngineConfig, *args: str, env: dict[str, str] | None = None, new_session: bool = False
+) -> subprocess.Popen:
+    """Start `python -m module args...` with the config on its stdin (and `env` as its
+    environment; None: this process's). new_session: out of this process's process group, so
+    that a signal to the group (Ctrl-C in a terminal) reaches it only as the parent forwards it."""
+    command = [sys.executable, "-m", module, *args]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, env=env, start_new_session=new_session)
     assert process.stdin is not None
     process.stdin.write(encode_json(config))
     process.stdin.close()

@@ -174,7 +174,9 @@ class ApiServer:
         """Listen on config.host:config.port; returns the base URL (with the real port for port 0)."""
         self._runner = web.AppRunner(self.build_app(), handle_signals=False, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        sock = socket.create_server((self.config.host, self.config.port), backlog=1024)
+        # Several API servers share host:port: the kernel spreads new connections over them.
+        shared = self.config.api_server_count > 1
+        sock = socket.create_server((self.config.host, self.config.port), backlog=1024, reuse_port=shared)
         await web.SockSite(self._runner, sock).start()
         host, port = sock.getsockname()[:2]
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
