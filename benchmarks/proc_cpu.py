@@ -5,8 +5,9 @@
     python benchmarks/proc_cpu.py --top-stacks PROFILE.txt   (py-spy record -f raw: where the time went)
 
 Every INTERVAL seconds, one JSON line: the CPU share (100 = one core busy) of each process under
-the server's root process, by role (frontend: the vllm-launch process itself; core: an engine core;
-worker: a GPU worker; other), and of every process whose command line contains CLIENT_MATCH (the
+the server's root process, by role (launcher: vllm-launch itself, the frontend unless
+--api-server-count started several; frontend: one of those; core: an engine core; worker: a GPU
+worker; other), and of every process whose command line contains CLIENT_MATCH (the
 load generator). Stops after SECONDS, when the root exits, or on SIGTERM, and then prints one
 summary line: per process, the mean and the peak of its busy samples (those above 5%). A role
 pinned near 100 while the load falls behind is the bound; all well under it says it is not.
@@ -22,18 +23,22 @@ import time
 
 import psutil
 
-ROLES = (("zllm.enginecore.process", "core"), ("zllm.workers.process", "worker"))
+ROLES = (
+    ("zllm.launch.api_server_process", "frontend"),  # one of vllm-launch --api-server-count's
+    ("zllm.enginecore.process", "core"),
+    ("zllm.workers.process", "worker"),
+)
 
 
 def role_of(process: psutil.Process, root: psutil.Process) -> str:
-    if process.pid == root.pid:
-        return "frontend"
+    if process.pid == root.pid:  # vllm-launch: the frontend, or with several API servers their supervisor
+        return "launcher"
     command = " ".join(process.cmdline())
     return next((role for marker, role in ROLES if marker in command), "other")
 
 
 def watched(root: psutil.Process, client_match: str) -> dict[int, tuple[str, psutil.Process]]:
-    found = {root.pid: ("frontend", root)}
+    found = {root.pid: ("launcher", root)}
     for child in root.children(recursive=True):
         try:
             found[child.pid] = (role_of(child, root), child)
@@ -84,23 +89,25 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     root = psutil.Process(args.root)
     samples: dict[str, list[float]] = {}
-    primed: set[int] = set()
+    # One psutil.Process per pid for the whole run: cpu_percent() measures since the same
+    # object's previous call (a fresh object's first call says 0).
+    tracked: dict[int, tuple[str, psutil.Process]] = {}
     started = time.monotonic()
     while not stop and time.monotonic() - started < args.seconds and root.is_running():
-        processes = watched(root, args.client_match)
-        for pid, (_, process) in processes.items():
-            if pid not in primed:  # psutil's first cpu_percent() of a process is 0: start its clock
+        for pid, (role, process) in watched(root, args.client_match).items():
+            if pid not in tracked:
                 try:
                     process.cpu_percent(None)
                 except psutil.Error:
-                    pass
-                primed.add(pid)
+                    continue
+                tracked[pid] = (role, process)
         time.sleep(args.interval)
         line = {"t": round(time.monotonic() - started, 2)}
-        for pid, (role, process) in processes.items():
+        for pid, (role, process) in list(tracked.items()):
             try:
                 share = process.cpu_percent(None)
             except psutil.Error:
+                del tracked[pid]  # exited
                 continue
             key = f"{role}:{pid}"
             line[key] = share

@@ -51,10 +51,13 @@
 #             Each server runs with ZLLM_STEP_TRACE; step_trace_summary.py --by-prefill then gives
 #             its step periods by the prompt tokens a step carried. Table in $OUT/tails70b.md.
 #             Estimate: ~220 s a budget.
-#   dpserve:  issue 30 item 4: the three most telling dptrace runs (dp 2; one engine with 500
-#             prompts; dp 2 on GPUs 2 and 3), then `vllm-launch -dp 4` (8B shape) under vLLM's
-#             client at Poisson $DP_RATE (default 120) with $DP_PROMPTS (2400) x 256/256; then
-#             served_itl.py at tp 1 (8B, GPU 0) if time is left. Estimate: ~450 s.
+#   dpserve:  issue 30 item 4: `vllm-launch -dp 4 --api-server-count C` (8B shape) for each C in
+#             $DP_API_COUNTS (default "1 4") under vLLM's client at Poisson $DP_RATE (default 120)
+#             with $DP_PROMPTS (2400) x 256/256, each with every process's CPU share per second
+#             (benchmarks/proc_cpu.py) and a py-spy profile of a frontend (carry the py-spy wheel);
+#             then served_itl.py at tp 1 (8B, GPU 0) if time is left. DP_TRACES=1 first repeats
+#             the three dp 2 traces (dp 2; one engine with 500 prompts; dp 2 on GPUs 2 and 3).
+#             Estimate: ~100 s a count, ~120 s served_itl, ~210 s the traces.
 #   symm4:    is the symmetric-memory all-reduce correct at tp 2 and tp 4 (before it becomes the
 #             default): tests/gpu/test_tensor_parallel_gpu.py -- the one-shot kernel against NCCL on
 #             2 and 4 ranks (eager and in graph replays), the engine's tokens with it (tp 2: = NCCL's
@@ -296,37 +299,47 @@ tails70b)
 dpserve)
   need_client_files || exit 1
   dummy llama3-8b "$m8b"
-  traced dp2 --dp 2
-  W1_PROMPTS=$(( ${W1_PROMPTS:-1000} / 2 )) traced dp1-half --dp 1
-  CUDA_VISIBLE_DEVICES=2,3 traced dp2-gpus23 --dp 2
+  if [[ -n "${DP_TRACES:-}" ]]; then  # the dp 2 traces of 2026-11-27 (dp 2 = one engine with half the prompts)
+    traced dp2 --dp 2
+    W1_PROMPTS=$(( ${W1_PROMPTS:-1000} / 2 )) traced dp1-half --dp 1
+    CUDA_VISIBLE_DEVICES=2,3 traced dp2-gpus23 --dp 2
+  fi
   results="$out/dpserve"
   mkdir -p "$results"
   rate=${DP_RATE:-120} n=${DP_PROMPTS:-2400}
-  if fits dpserve-start $(( 120 + n / rate )) && serve_start dp4 150 --model "$m8b" --load-format dummy \
-    --max-model-len 1024 --dp 4; then
-    vllm_client dp4-warm 60 --model "$(basename "$m8b")" --tokenizer "$m8b" --ignore-eos --num-prompts 64 \
-      --request-rate inf --random-input-len 256 --random-output-len 32 --seed 1000
-    # Which process bounds the served run: every process's CPU share each second (frontend, cores,
-    # workers, the client), and a py-spy profile of the frontend in the middle of the load.
-    python benchmarks/proc_cpu.py --root "$SERVER_PID" --seconds $(( 3 * n / rate + 90 )) > "$out/dp4-cpu.jsonl" &
+  client8b=(--model "$(basename "$m8b")" --tokenizer "$m8b" --ignore-eos)
+  for count in ${DP_API_COUNTS:-1 4}; do  # frontend processes (--api-server-count) in front of the 4 engines
+    name=dp4-api$count
+    fits "$name" $(( 100 + n / rate )) || break
+    serve_start "$name" 150 --model "$m8b" --load-format dummy --max-model-len 1024 --dp 4 \
+      --api-server-count "$count" || continue
+    vllm_client "$name-warm" 60 "${client8b[@]}" --num-prompts 64 --request-rate inf --random-input-len 256 \
+      --random-output-len 32 --seed 1000
+    # Which process bounds the served run: every process's CPU share each second (frontends,
+    # cores, workers, the client), and a py-spy profile of one frontend in the middle of the load.
+    python benchmarks/proc_cpu.py --root "$SERVER_PID" --seconds $(( 3 * n / rate + 90 )) > "$out/$name-cpu.jsonl" &
     sampler=$!
-    if command -v py-spy > /dev/null || [[ -x /tmp/zllm-site/bin/py-spy ]]; then
-      spy=$(command -v py-spy || echo /tmp/zllm-site/bin/py-spy)
-      (sleep $(( n / rate / 3 )) && timeout 30 "$spy" record --nonblocking -r 100 -d 10 -f raw -p "$SERVER_PID" \
-        -o "$out/dp4-frontend.pyspy.txt" > "$out/dp4-pyspy.log" 2>&1) &
+    frontend=$SERVER_PID
+    if (( count > 1 )); then
+      frontend=$(pgrep -f -P "$SERVER_PID" zllm.launch.api_server_process | head -1)
     fi
-    vllm_client "dp4-poisson$rate" $(( 3 * n / rate + 90 )) --model "$(basename "$m8b")" --tokenizer "$m8b" --ignore-eos \
-      --num-prompts "$n" --request-rate "$rate" --random-input-len 256 --random-output-len 256 --seed "$rate" \
-      --save-result --result-dir "$results" --result-filename "dp4-poisson$rate.json" --metadata label=dp4
+    spy=$(command -v py-spy || echo /tmp/zllm-site/bin/py-spy)
+    if [[ -x "$spy" && -n "$frontend" ]]; then
+      (sleep $(( n / rate / 3 )) && timeout 30 "$spy" record --nonblocking -r 100 -d 10 -f raw -p "$frontend" \
+        -o "$out/$name-frontend.pyspy.txt" > "$out/$name-pyspy.log" 2>&1) &
+    fi
+    vllm_client "$name-poisson$rate" $(( 3 * n / rate + 90 )) "${client8b[@]}" --num-prompts "$n" --request-rate "$rate" \
+      --random-input-len 256 --random-output-len 256 --seed "$rate" --save-result --result-dir "$results" \
+      --result-filename "$name-poisson$rate.json" --metadata "label=api-servers-$count"
     kill -TERM "$sampler" 2> /dev/null
     wait "$sampler"
-    tail -1 "$out/dp4-cpu.jsonl"
-    [[ -f "$out/dp4-frontend.pyspy.txt" ]] && python benchmarks/proc_cpu.py --top-stacks "$out/dp4-frontend.pyspy.txt"
+    tail -1 "$out/$name-cpu.jsonl"
+    [[ -f "$out/$name-frontend.pyspy.txt" ]] && python benchmarks/proc_cpu.py --top-stacks "$out/$name-frontend.pyspy.txt"
     serve_stop 90
-    verdict "server dp4 stop" $?
-    gpus_free 30 || { echo "FAIL: GPU memory still held after the dp 4 server exited"; status=1; }
-    timeout 60 python benchmarks/plot_sweep.py "$results" | tee "$dest/dpserve.md"
-  fi
+    verdict "server $name stop" $?
+    gpus_free 30 || { echo "FAIL: GPU memory still held after the $name server exited"; status=1; }
+  done
+  timeout 60 python benchmarks/plot_sweep.py "$results" | tee "$dest/dpserve.md"
   if fits served-itl-8b 200; then
     CUDA_VISIBLE_DEVICES=0 bounded served-itl-8b 200 python benchmarks/served_itl.py --model "$m8b" --requests 3 \
       --modes offline,http --trace -- --load-format dummy --max-model-len 1024 --no-enable-prefix-caching
