@@ -162,7 +162,7 @@ def test_two_api_servers_share_the_port_and_serve_hf_tokens(tmp_path, tiny, hf_t
         )
         assert finished and float(finished.group(1)) == len(PROMPTS) + HTTP_REQUESTS, metrics
         # SIGTERM to vllm-launch drains both frontends: a stream in flight on frontend 0 goes on
-        # to its end. systemd's KillMode=control-group signals frontend 0 itself too, and a
+        # to its end. A unit with KillMode=control-group signals frontend 0 itself too, and a
         # repeated signal must not turn its drain into a stop.
         long = SamplingParams(temperature=0.0, max_tokens=LONG_TOKENS, ignore_eos=True)
         with Client(endpoints[0], timeout=120) as client:

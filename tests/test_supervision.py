@@ -333,7 +333,7 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path):
     unit = _verify_unit(tmp_path, "zllm.service")
     for line in (
         "Type=notify",
-        "KillMode=control-group",
+        "KillMode=mixed",  # SIGTERM to the launcher only: it drains, then stops its engines itself
         "Restart=on-failure",
         "WatchdogSec=",
         "TimeoutStopSec=90",

@@ -15,7 +15,7 @@ come to a relay here: "zllm ready" and READY=1 once all are ready, WATCHDOG=1 wh
 
 SIGTERM/SIGINT ─> forwarded to every API server (each drains) ─> 0 once all exited with 0
 a second signal ─> every API server and its engines SIGKILLed at once ─> 128 + signal
-    (an API server takes every signal as a drain request: under systemd's KillMode=control-group
+    (an API server takes every signal as a drain request: under a unit with KillMode=control-group
     it gets the stop signal twice, from systemd and from here)
 an API server exits unasked (its engines failed for good, or it crashed) ─> the others are
     stopped (SIGTERM: they drain) ─> 1

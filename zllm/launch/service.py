@@ -26,8 +26,9 @@ class Signals:
     """SIGINT/SIGTERM as two events: the first asks for a drain, the second for an exit now.
 
     second_stops=False (one of several API servers): every signal asks for the drain. Such a
-    server may get one signal twice, from systemd (which signals the whole control group) and
-    forwarded by vllm-launch; vllm-launch itself ends everything at its own second signal."""
+    server may get one signal twice: from systemd, where a unit's KillMode=control-group signals
+    the whole group, and forwarded by vllm-launch. vllm-launch itself ends everything at its own
+    second signal."""
 
     def __init__(self, second_stops: bool = True) -> None:
         self.first = asyncio.Event()
