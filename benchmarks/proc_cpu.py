@@ -30,18 +30,17 @@ ROLES = (
 )
 
 
-def role_of(process: psutil.Process, root: psutil.Process) -> str:
-    if process.pid == root.pid:  # vllm-launch: the frontend, or with several API servers their supervisor
-        return "launcher"
+def role_of(process: psutil.Process) -> str:
     command = " ".join(process.cmdline())
     return next((role for marker, role in ROLES if marker in command), "other")
 
 
 def watched(root: psutil.Process, client_match: str) -> dict[int, tuple[str, psutil.Process]]:
+    # vllm-launch itself: the frontend, or with several API servers their supervisor
     found = {root.pid: ("launcher", root)}
     for child in root.children(recursive=True):
         try:
-            found[child.pid] = (role_of(child, root), child)
+            found[child.pid] = (role_of(child), child)
         except psutil.Error:
             continue
     if client_match:

@@ -274,8 +274,10 @@ tails70b)
     # Every step traced: what the inter-token tails are made of (step periods by the prompt tokens carried).
     export ZLLM_STEP_TRACE="$out/trace-b$budget"
     serve_start "t70b-b$budget" 200 --model "$m70b" --load-format dummy --max-model-len 1024 --tp 4 \
-      --no-enable-prefix-caching --max-num-batched-tokens "$budget" "${tail_flags[@]}" || continue
-    unset ZLLM_STEP_TRACE
+      --no-enable-prefix-caching --max-num-batched-tokens "$budget" "${tail_flags[@]}"
+    started=$?
+    unset ZLLM_STEP_TRACE  # the server has it; the client and the summaries must not
+    (( started == 0 )) || continue
     vllm_client "t70b-b$budget-warm" 90 "${client70b[@]}" --num-prompts 32 --request-rate inf --random-input-len 256 \
       --random-output-len 64 --seed 1000
     for spec in ${TAIL_RATES:-4:200 12:480}; do
