@@ -654,6 +654,7 @@ CONFIG = EngineConfig(
     data_parallel_size_local=1,
     enforce_eager=True,
     piecewise_cuda_graphs=True,
+    mixed_graph_max_tokens=96,
     async_scheduling=True,
     speculative_config=SpeculativeConfig(
         method="draft_model",

@@ -143,3 +143,45 @@ def test_piecewise_forward_matches_hf(smollm2_dir, prompt_ids, hf_reference, bud
     runner.pieces.run = spy
     assert run_staggered(engine, prompt_ids) == hf_reference
     assert len(padded) > MAX_TOKENS and any(padded)  # every step went through the pieces, most of them padded
+
+
+@ASYNC
+def test_prompt_tokens_as_decode_rows_match_hf(smollm2_dir, prompt_ids, hf_reference, async_scheduling, monkeypatch):
+    """mixed_graph_max_tokens: a step's prompt tokens go in as decode rows (each attends to the
+    cache up to its own position), the path that replays the decode CUDA graph on a GPU; on CPU
+    the same rows run eagerly through the decode attention. With the mean-context limit at 128,
+    the long prompt's later chunks (a long prefix each) keep packed prefill, in the same run."""
+    from zllm.workers import model_runner
+
+    monkeypatch.setattr(model_runner, "_ROWS_MAX_MEAN_CONTEXT", 128)
+    engine = LLMEngine.from_engine_args(
+        smollm2_dir,
+        dtype="float32",
+        max_num_batched_tokens=64,
+        mixed_graph_max_tokens=64,
+        async_scheduling=async_scheduling,
+    )
+    runner = engine.core.executor.runner
+    prefill_steps = []  # whether each step with prompt tokens took them as rows
+    original = runner._prefill_as_rows
+
+    def spy(step):
+        as_rows = original(step)
+        if any(count > 1 for count in step.num_scheduled_tokens):
+            prefill_steps.append(as_rows)
+        return as_rows
+
+    runner._prefill_as_rows = spy
+    row_steps = []  # the forwards whose every token was a decode row though some were prompt tokens
+    forward = runner._forward
+
+    def forward_spy(batch):
+        meta = batch.attention
+        if len(meta.seq_lens_list) > len({id(s) for s in batch.scheduled_states}):
+            row_steps.append(meta.num_decodes == batch.input_ids.shape[0] and meta.prefill is None)
+        return forward(batch)
+
+    runner._forward = forward_spy
+    assert run_staggered(engine, prompt_ids) == hf_reference
+    assert any(prefill_steps) and not all(prefill_steps), prefill_steps
+    assert row_steps and all(row_steps) and len(row_steps) == sum(prefill_steps)

@@ -402,7 +402,7 @@ def test_custom_all_reduce_size_flag_is_parsed_and_a_negative_one_refused():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_kwargs(parser.parse_args([]))["custom_all_reduce_max_bytes"] == 0  # off unless asked
+    assert engine_kwargs(parser.parse_args([]))["custom_all_reduce_max_bytes"] is None  # the config's default
     args = parser.parse_args(["--custom-all-reduce-max-size", "8MiB"])
     assert engine_kwargs(args)["custom_all_reduce_max_bytes"] == 8 << 20
     with pytest.raises(SystemExit):
@@ -414,6 +414,44 @@ def test_negative_custom_all_reduce_size_is_refused_before_anything_starts(smoll
     with pytest.raises(ValueError, match=r"^custom_all_reduce_max_bytes: must be >= 0 \(0: NCCL only\), got -1$"):
         LLM(smollm2_dir, tensor_parallel_size=2, custom_all_reduce_max_bytes=-1)
     assert not _live_children(before)
+
+
+def test_custom_all_reduce_default_is_on_for_one_node_gpu_tp_only(smollm2_dir, monkeypatch):
+    """None resolves to 1 MiB for tp > 1 on CUDA with the tp group on one node (mp), else 0."""
+    from zllm import config as config_module
+    from zllm.config import DEFAULT_CUSTOM_ALL_REDUCE_BYTES, EngineConfig
+
+    def resolved(**kwargs) -> int:
+        return EngineConfig.create(smollm2_dir, **kwargs).custom_all_reduce_max_bytes
+
+    assert resolved(tensor_parallel_size=2) == 0  # CPU: gloo
+    monkeypatch.setattr(config_module, "_runs_on_cuda", lambda config: True)
+    assert resolved(tensor_parallel_size=2) == DEFAULT_CUSTOM_ALL_REDUCE_BYTES == 1 << 20
+    assert resolved(tensor_parallel_size=1) == 0
+    assert resolved(tensor_parallel_size=2, custom_all_reduce_max_bytes=0) == 0  # asked off
+    assert (
+        resolved(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", allow_insecure_tcp=True) == 0
+    )  # the tp group spans two nodes
+    assert resolved(tensor_parallel_size=2, distributed_executor_backend="ray") == 0
+
+
+def test_mixed_graph_default_is_on_with_cuda_graphs(smollm2_dir, monkeypatch):
+    """mixed_graph_max_tokens None resolves to the step budget up to 512 where CUDA graphs run, else 0."""
+    from zllm import config as config_module
+    from zllm.config import MIXED_GRAPH_TOKENS_CAP, EngineConfig
+
+    def resolved(**kwargs) -> int:
+        return EngineConfig.create(smollm2_dir, **kwargs).mixed_graph_max_tokens
+
+    assert resolved(tensor_parallel_size=2) == 0  # CPU: no graphs
+    monkeypatch.setattr(config_module, "_runs_on_cuda", lambda config: True)
+    assert resolved(tensor_parallel_size=2, max_num_batched_tokens=2048) == MIXED_GRAPH_TOKENS_CAP == 512
+    assert resolved(tensor_parallel_size=2, max_num_batched_tokens=256) == 256
+    assert resolved(tensor_parallel_size=1, max_num_batched_tokens=256) == 256
+    assert resolved(tensor_parallel_size=2, enforce_eager=True) == 0
+    assert resolved(tensor_parallel_size=2, mixed_graph_max_tokens=64) == 64
+    with pytest.raises(ValueError, match=r"^mixed_graph_max_tokens: must be >= 0 \(0: off\), got -1$"):
+        EngineConfig.create(smollm2_dir, mixed_graph_max_tokens=-1)
 
 
 def test_symmetric_all_reduce_set_up_is_a_no_op_on_cpu():

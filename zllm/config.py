@@ -75,6 +75,12 @@ MIN_ENCODER_CACHE_TOKENS = 16384
 # the H100 (docs/benchmarks.md, issue 20): 512 / 8192 49.8 req/s, 256 / 8192 47.2, 1024 / 16384
 # 43.2 (attention over twice the contexts, and preemption once the cache is full). A server keeps
 # the serving defaults above: a big prefill chunk in a step delays every stream's next token.
+# custom_all_reduce_max_bytes's default on one node: every decode all-reduce (a few rows of hidden
+# state) and a prefill chunk's of up to 64 rows of Llama-3-70B's 8192 in bf16.
+DEFAULT_CUSTOM_ALL_REDUCE_BYTES = 1 << 20
+# The most tokens mixed_graph_max_tokens gives a step by default: every one is a decode graph row,
+# and the decode graphs are captured up to this many rows.
+MIXED_GRAPH_TOKENS_CAP = 512
 OFFLINE_GPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
 # A server's token budget per step on a GPU follows the model's compute per GPU. A step that
 # carries a prefill chunk of B tokens delays every stream's next token by about 2 x B x (linear
@@ -204,9 +210,11 @@ class EngineConfig:
     distributed_executor_backend: str = "mp"
     ray_address: str = ""
     # GPU tp: all-reduces of at most this many bytes (in the model's bf16/fp32 dtype) go through
-    # PyTorch's symmetric-memory one-shot kernel instead of NCCL; 0: NCCL only (the default until
-    # engine runs on the H200 pair show it safe; zllm/workers/symmetric_all_reduce.py).
-    custom_all_reduce_max_bytes: int = 0
+    # PyTorch's symmetric-memory one-shot kernel instead of NCCL (zllm/workers/symmetric_all_reduce.py);
+    # 0: NCCL only. None: DEFAULT_CUSTOM_ALL_REDUCE_BYTES where one node's GPUs hold the whole tp
+    # group (its engine tests passed at tp 2 and 4 on H200s, and it took 70B at tp 4 from 11.74 to
+    # 11.26 ms a token), else 0.
+    custom_all_reduce_max_bytes: int | None = None
     enforce_eager: bool = False  # CUDA: no CUDA graphs (decode, piecewise, pooling)
     # Steps that carry prefill run the forward as pieces split at attention, each piece a CUDA graph
     # at a padded token count (zllm/workers/piecewise_graphs.py); on CPU the same pieces run
@@ -214,6 +222,14 @@ class EngineConfig:
     # (they halved the serving tails on the H100 and H200, issue 40). The runner leaves them off
     # where a layer syncs with the host (MoE experts in the torch loop, MLA's cache write).
     piecewise_cuda_graphs: bool | None = None
+    # Steps with prefill of at most this many tokens, over short contexts, run every prompt token
+    # as a decode row (it attends to the cache up to its own position) and replay the decode CUDA
+    # graph: no per-layer host work. A piecewise step launches each layer's attention from Python
+    # (~0.2-0.3 ms of host per layer), which outlasts a layer's GPU work in a step of a few hundred
+    # tokens: on an H200 a 70B tp-4 shard's mixed step took 25.3 ms as pieces and 17.9 ms as rows;
+    # Llama-3-8B, a 256-token prompt every other step at batch 128: 13.2 against 11.2 ms a step
+    # (docs/benchmarks.md). 0: off. None: where CUDA graphs run, the budget up to MIXED_GRAPH_TOKENS_CAP.
+    mixed_graph_max_tokens: int | None = None
     # Schedule step N+1 while step N runs on the device, so host work hides behind GPU work.
     # None: on when the workers run on CUDA (on CPU the compute is synchronous: nothing to hide).
     async_scheduling: bool | None = None
@@ -375,6 +391,19 @@ class EngineConfig:
             # Dense and MoE alike: the runner keeps them off where a model's layers cannot be
             # captured (ModelRunner._set_up_pieces logs why).
             config.piecewise_cuda_graphs = _runs_on_cuda(config) and not config.enforce_eager
+        if config.custom_all_reduce_max_bytes is None:
+            # Ray may place the ranks on several nodes, where no rank can map a peer's memory.
+            one_node_tp = (
+                config.tensor_parallel_size > 1
+                and not config.tp_spans_nodes
+                and config.distributed_executor_backend == "mp"
+            )
+            config.custom_all_reduce_max_bytes = (
+                DEFAULT_CUSTOM_ALL_REDUCE_BYTES if one_node_tp and _runs_on_cuda(config) else 0
+            )
+        if config.mixed_graph_max_tokens is None:
+            graphs = _runs_on_cuda(config) and not config.enforce_eager and config.runner == "generate"
+            config.mixed_graph_max_tokens = min(config.max_num_batched_tokens, MIXED_GRAPH_TOKENS_CAP) if graphs else 0
         if config.enable_lora:
             _check_lora(config, spec)
         return config
@@ -467,9 +496,14 @@ class EngineConfig:
         )
         _require(self.enable_lora or not self.lora_modules, "lora_modules", "needs enable_lora (--enable-lora)")
         _require(
-            self.custom_all_reduce_max_bytes >= 0,
+            self.custom_all_reduce_max_bytes is None or self.custom_all_reduce_max_bytes >= 0,
             "custom_all_reduce_max_bytes",
             f"must be >= 0 (0: NCCL only), got {self.custom_all_reduce_max_bytes}",
+        )
+        _require(
+            self.mixed_graph_max_tokens is None or self.mixed_graph_max_tokens >= 0,
+            "mixed_graph_max_tokens",
+            f"must be >= 0 (0: off), got {self.mixed_graph_max_tokens}",
         )
 
     def _validate_api_servers(self) -> None:

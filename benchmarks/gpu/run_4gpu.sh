@@ -44,6 +44,7 @@
 #             peers); then benchmarks/served_itl.py --trace at tp 4
 #             (offline engine, then vllm-launch over HTTP; 3 requests each after a warm-up, prefix
 #             caching off) for where the served path loses time. Estimate: 3 x ~100 s + 2 starts.
+#             AR70B_RUNS picks a subset of "nccl symm shard itl" (default all four).
 #   tails70b: issue 30 item 3: vllm-launch --tp 4 on the 70B shape under vLLM's client at Poisson 4
 #             (200 prompts) and 12 (480), 256/256, once per token budget in $TAIL_BUDGETS (default
 #             "2048 512": the default and a chunk that a 70B step at tp 4 computes in ~30 ms);
@@ -239,16 +240,19 @@ ar70b)
       --iters 2 --tp 4 --max-model-len 1024 "${@:2}"
     gpus_free 30 || { echo "FAIL $1: GPU memory still held after it exited"; status=1; }
   }
-  w2_70b w2-70b-nccl
-  w2_70b w2-70b-symm --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
+  runs=" ${AR70B_RUNS:-nccl symm shard itl} "  # a subset, in this order
+  [[ $runs == *" nccl "* ]] && w2_70b w2-70b-nccl
+  [[ $runs == *" symm "* ]] && w2_70b w2-70b-symm --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
   # One rank's weights as a whole model on GPU 0: the tp 4 step less its all-reduces and peers.
   m70b_shard=${DRY_MODEL:-/tmp/zllm-llama3-70b-shard4}
-  dummy llama3-70b-shard4 "$m70b_shard"
-  CUDA_VISIBLE_DEVICES=0 bounded w2-70b-shard4-tp1 150 python benchmarks/latency.py --model "$m70b_shard" \
-    --load-format dummy --input-len 128 --output-len 256 --iters 2 --max-model-len 1024
-  bounded served-itl-70b 260 python benchmarks/served_itl.py --model "$m70b" --requests 3 --modes offline,http --trace \
+  if [[ $runs == *" shard "* ]]; then
+    dummy llama3-70b-shard4 "$m70b_shard"
+    CUDA_VISIBLE_DEVICES=0 bounded w2-70b-shard4-tp1 150 python benchmarks/latency.py --model "$m70b_shard" \
+      --load-format dummy --input-len 128 --output-len 256 --iters 2 --max-model-len 1024
+  fi
+  [[ $runs == *" itl "* ]] && bounded served-itl-70b 260 python benchmarks/served_itl.py --model "$m70b" --requests 3 --modes offline,http --trace \
     -- --load-format dummy --tp 4 --max-model-len 1024 --no-enable-prefix-caching ${ITL_FLAGS:-}
-  python - "$out/served-itl-70b.log" << 'PY'
+  [[ -f "$out/served-itl-70b.log" ]] && python - "$out/served-itl-70b.log" << 'PY'
 import json, sys
 
 text = open(sys.argv[1]).read()

@@ -118,6 +118,47 @@ def test_piecewise_cuda_graphs_equal_eager_steps(model_dir, prompt_ids):
         assert [p[0] for p in pieces] == [e[0] for e in eager], budget
 
 
+def test_prompt_tokens_as_decode_graph_rows_fp32_equal_hf(model_dir, prompt_ids):
+    """mixed_graph_max_tokens: steps with prompt tokens replay the decode CUDA graph, every token a
+    row of it; fp32 tokens equal HF's, and those steps did run as graph replays."""
+    import torch
+
+    engine = LLMEngine.from_engine_args(
+        model_dir,
+        device="cuda",
+        dtype="float32",
+        max_model_len=2048,
+        max_num_batched_tokens=256,
+        mixed_graph_max_tokens=256,
+    )
+    try:
+        runner = engine.core.executor.runner
+        assert runner.graphs is not None and runner.graphs.max_batch >= 256
+        replays = []
+        run = runner.graphs.run
+
+        def counted(input_ids, *args):
+            replays.append(input_ids.shape[0])
+            return run(input_ids, *args)
+
+        runner.graphs.run = counted
+        params = SamplingParams(temperature=0.0, max_tokens=16)
+        for i, ids in enumerate(prompt_ids):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+            if i % 3 == 2:
+                engine.step()
+        results = {}
+        while engine.has_unfinished_requests():
+            results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    finally:
+        engine.shutdown()
+    ours = [results[str(i)] for i in range(len(prompt_ids))]
+    theirs = [t[:16] for t in hf_tokens(model_dir, prompt_ids, torch.float32)]
+    record(f"fp32_rows_share_identical[{os.path.basename(model_dir)}]", share_identical(ours, theirs))
+    assert ours == theirs
+    assert max(replays) > len(prompt_ids)  # a replay held more rows than there are requests: prompt tokens
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_piecewise_graphs_replay_the_forward_of_a_mixed_step(model_dir, prompt_ids, dtype):
     """Every step with prefill (decodes and prefill chunks mixed) through the captured pieces: bit

@@ -172,6 +172,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "and MoE models; --enforce-eager turns every graph off)",
     )
     group.add_argument(
+        "--mixed-graph-max-tokens",
+        type=int,
+        default=None,
+        help="steps with prefill of at most N tokens over short contexts run each prompt token as a row of the "
+        "decode CUDA graph (default: the step budget up to 512 with CUDA graphs, else 0: off)",
+    )
+    group.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -246,7 +253,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.custom_all_reduce_max_bytes,
         metavar="SIZE",
         help="GPU tp: all-reduces up to this size (e.g. 8MiB) use PyTorch's symmetric-memory "
-        "one-shot kernel instead of NCCL (default 0: NCCL only)",
+        "one-shot kernel instead of NCCL; 0: NCCL only (default: 1MiB when the tp group is on one node, else 0)",
     )
     group.add_argument(
         "--skip-tokenizer-init",
@@ -370,6 +377,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         piecewise_cuda_graphs=args.piecewise_cuda_graphs,
+        mixed_graph_max_tokens=args.mixed_graph_max_tokens,
         async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
         served_model_name=args.served_model_name,

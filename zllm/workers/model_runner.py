@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _GIB = 1 << 30
+# A step's prompt tokens become decode rows only while they average at most this many context
+# tokens: the decode kernel then reads ~L^2/2 keys for an L-token chunk (from L2, the chunk's own
+# blocks), against the GEMMs' and the host's cost of the step; a long prefix is packed prefill's.
+_ROWS_MAX_MEAN_CONTEXT = 1024
 
 
 def moe_graph_safe(spec: ModelSpec, ops: TorchOps, dtype: torch.dtype) -> bool:
@@ -411,7 +415,7 @@ class ModelRunner:
         if not (self.is_cuda and self.ops.supports_graphs):
             return
         self.ops.reserve_decode_workspace(
-            self.config.max_num_seqs, self.num_heads, self.spec.head_dim, self.config.max_model_len, self.device
+            self.decode_rows_capacity, self.num_heads, self.spec.head_dim, self.config.max_model_len, self.device
         )
         if self.config.enforce_eager:
             return
@@ -431,10 +435,37 @@ class ModelRunner:
 
         max_blocks = -(-self.config.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(
-            self.model, self.kv_caches, self.config.max_num_seqs, max_blocks, self.block_size, self.hybrid
+            self.model, self.kv_caches, self.decode_rows_capacity, max_blocks, self.block_size, self.hybrid
         )
         with torch.inference_mode():
             self.graphs.capture()
+
+    @property
+    def decode_rows_capacity(self) -> int:
+        """The most rows a decode step holds: a request each, or a mixed step's every token
+        (mixed_graph_max_tokens)."""
+        return max(self.config.max_num_seqs, self.config.mixed_graph_max_tokens or 0)
+
+    def _prefill_as_rows(self, step: StepInput) -> bool:
+        """mixed_graph_max_tokens: this step's prompt tokens go in as decode rows, one per token
+        (row p attends to the cache up to position p: causal by its length), so the whole step
+        replays a decode CUDA graph instead of launching each layer's attention from the host.
+        Only for short contexts: each row reads its whole context, where packed prefill reads a
+        request's once (_ROWS_MAX_MEAN_CONTEXT)."""
+        limit = self.config.mixed_graph_max_tokens
+        if not limit or self.mm is not None or (self.is_cuda and self.graphs is None):
+            return False
+        tokens = sum(step.num_scheduled_tokens)
+        if tokens > limit or (self.graphs is not None and self.graphs.bucket(tokens) is None):
+            return False
+        drafted = step.spec_token_ids or {}
+        rows = keys = 0
+        for request_id, count in zip(step.scheduled_ids, step.num_scheduled_tokens):
+            if count > 1 and request_id not in drafted:
+                start = self.requests[request_id].num_computed_tokens
+                rows += count
+                keys += count * start + count * (count + 1) // 2  # row p reads p + 1 keys
+        return rows > 0 and keys <= rows * _ROWS_MAX_MEAN_CONTEXT
 
     def _set_up_pieces(self) -> None:
         """piecewise_cuda_graphs: steps with prefill run the forward as pieces split at attention,
@@ -777,6 +808,7 @@ class ModelRunner:
             return (not is_decode, self.requests[step.scheduled_ids[i]].num_computed_tokens if is_decode else 0)
 
         order = sorted(range(len(step.scheduled_ids)), key=decode_first)
+        as_rows = self._prefill_as_rows(step)  # every token a decode row (mixed_graph_max_tokens)
         token_ids: list[int] = []
         starts: list[int] = []
         seq_lens: list[int] = []
@@ -817,7 +849,7 @@ class ModelRunner:
             token_ids.extend(drafts)  # scored after the request's last token
             if self.mm is not None:
                 chunks.append(Chunk(state.request_id, state.mm_inputs, state.mrope, start, end, query_start_loc[-1]))
-            for row_start, row_count in [(p, 1) for p in range(start, end)] if drafts else [(start, count)]:
+            for row_start, row_count in [(p, 1) for p in range(start, end)] if drafts or as_rows else [(start, count)]:
                 starts.append(row_start)
                 seq_lens.append(row_start + row_count)
                 query_start_loc.append(query_start_loc[-1] + row_count)

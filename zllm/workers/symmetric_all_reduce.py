@@ -81,7 +81,7 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
     """Give `tp` (a TensorParallel) the one-shot path for all-reduces of `dtype`, or leave it on
     NCCL. Every rank of the group must call this at the same point of its start-up: the early
     returns depend only on the config, the device type and the dtype, which every rank shares."""
-    if tp.size == 1 or device.type != "cuda" or config.custom_all_reduce_max_bytes == 0:
+    if tp.size == 1 or device.type != "cuda" or not config.custom_all_reduce_max_bytes:
         return
     if dtype not in SUPPORTED_DTYPES:
         logger.warning(
