@@ -470,3 +470,38 @@ def test_gemma_norm_and_geglu_match_transformers(dtype):
     gate_up = torch.randn(5, 2 * 48, generator=generator).to(dtype) * 3
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(gelu_tanh_and_mul(gate_up), ACT2FN["gelu_pytorch_tanh"](gate) * up)
+
+
+def test_decode_workspace_covers_the_mixed_step_graphs_without_the_worst_case(monkeypatch):
+    """reserve_decode_workspace: the worst case (128-token partitions) for max_num_seqs rows, and for
+    the larger decode graphs of mixed_graph_max_tokens exactly what their replays ask for."""
+    import torch
+
+    from zllm.workers import kernels
+    from zllm.workers.cuda_graphs import graph_batch_sizes
+    from zllm.workers.kernels import attention as attention_kernels
+    from zllm.workers.ops import CudaOps
+
+    monkeypatch.setattr(attention_kernels, "_sm_count", lambda device: 132)  # an H100's
+    ops = object.__new__(CudaOps)
+    ops.k = kernels
+    heads, kv_heads, dim = 32, 8, 128
+
+    def reserved(max_batch: int, rows: int, max_len: int) -> int:
+        sizes = tuple(graph_batch_sizes(rows))
+        ops.reserve_decode_workspace(max_batch, heads, dim, max_len, torch.device("cpu"), sizes, kv_heads)
+        return ops.workspace.numel()
+
+    def asked(rows: int, max_len: int) -> int:  # what paged_attention_decode checks for a graph of `rows`
+        _, parts = kernels.attention_partitions(rows, heads, kv_heads, max_len, torch.device("cpu"))
+        return kernels.attention_workspace_numel(rows, heads, dim, parts)
+
+    worst_256 = kernels.attention_workspace_numel(256, heads, dim, 131072 // 128)
+    assert reserved(256, 512, 131072) == worst_256  # 512 rows take 512-token partitions: less
+    assert asked(512, 131072) < worst_256
+    small = reserved(8, 512, 1024)  # few sequences, many rows: the rows' graphs decide
+    assert (
+        small
+        == max(asked(rows, 1024) for rows in graph_batch_sizes(512))
+        > kernels.attention_workspace_numel(8, heads, dim, 8)
+    )

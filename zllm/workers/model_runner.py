@@ -414,8 +414,16 @@ class ModelRunner:
         self._set_up_pieces()
         if not (self.is_cuda and self.ops.supports_graphs):
             return
+        from zllm.workers.cuda_graphs import graph_batch_sizes
+
         self.ops.reserve_decode_workspace(
-            self.decode_rows_capacity, self.num_heads, self.spec.head_dim, self.config.max_model_len, self.device
+            self.config.max_num_seqs,
+            self.num_heads,
+            self.spec.head_dim,
+            self.config.max_model_len,
+            self.device,
+            graph_sizes=tuple(graph_batch_sizes(self.decode_rows_capacity)),
+            kv_heads=self.num_kv_heads,
         )
         if self.config.enforce_eager:
             return

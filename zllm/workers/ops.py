@@ -193,10 +193,25 @@ class CudaOps(TorchOps):
         # models keep the per-request SDPA path, which the fp32 HF-exactness tests exercise.
         return self.flash_varlen and dtype in (torch.float16, torch.bfloat16) and head_dim in _FLASH_HEAD_DIMS
 
-    def reserve_decode_workspace(self, max_batch: int, num_heads: int, head_dim: int, max_len: int, device) -> None:
-        """Allocate the split-K scratch once, for the worst case (128-token partitions), so no
-        later step reallocates it under a captured CUDA graph."""
+    def reserve_decode_workspace(
+        self,
+        max_batch: int,
+        num_heads: int,
+        head_dim: int,
+        max_len: int,
+        device,
+        graph_sizes: tuple[int, ...] = (),
+        kv_heads: int = 1,
+    ) -> None:
+        """Allocate the split-K scratch once, so no later step reallocates it under a captured CUDA
+        graph: for up to max_batch rows the worst case (128-token partitions, any eager step); for
+        the decode graphs of more rows (a mixed step's prompt tokens, mixed_graph_max_tokens) what
+        their replays use, the partitions the kernel picks for that many rows over max_len (512
+        tokens once the rows fill the GPU), not 4x that."""
         numel = self.k.attention_workspace_numel(max_batch, num_heads, head_dim, -(-max_len // 128))
+        for rows in (size for size in graph_sizes if size > max_batch):
+            _, parts = self.k.attention_partitions(rows, num_heads, kv_heads, max_len, device)
+            numel = max(numel, self.k.attention_workspace_numel(rows, num_heads, head_dim, parts))
         self.workspace = torch.empty(numel, dtype=torch.float32, device=device)
 
     def rms_norm(self, x, weight, eps, unit_offset=False):
