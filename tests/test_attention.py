@@ -487,9 +487,9 @@ def test_decode_workspace_covers_the_mixed_step_graphs_without_the_worst_case(mo
     ops.k = kernels
     heads, kv_heads, dim = 32, 8, 128
 
-    def reserved(max_batch: int, rows: int, max_len: int) -> int:
+    def reserved(max_batch: int, rows: int, max_len: int, windows: tuple[int, ...] = ()) -> int:
         sizes = tuple(graph_batch_sizes(rows))
-        ops.reserve_decode_workspace(max_batch, heads, dim, max_len, torch.device("cpu"), sizes, kv_heads)
+        ops.reserve_decode_workspace(max_batch, heads, dim, max_len, torch.device("cpu"), sizes, kv_heads, windows)
         return ops.workspace.numel()
 
     def asked(rows: int, max_len: int) -> int:  # what paged_attention_decode checks for a graph of `rows`

@@ -450,6 +450,7 @@ def test_mixed_graph_default_is_on_with_cuda_graphs(smollm2_dir, monkeypatch):
     assert resolved(tensor_parallel_size=1, max_num_batched_tokens=256) == 256
     assert resolved(tensor_parallel_size=2, enforce_eager=True) == 0
     assert resolved(tensor_parallel_size=2, mixed_graph_max_tokens=64) == 64
+    assert resolved(mixed_graph_max_tokens=4096, max_num_batched_tokens=256) == 256  # never past the budget
     with pytest.raises(ValueError, match=r"^mixed_graph_max_tokens: must be >= 0 \(0: off\), got -1$"):
         EngineConfig.create(smollm2_dir, mixed_graph_max_tokens=-1)
 

@@ -404,6 +404,9 @@ class EngineConfig:
         if config.mixed_graph_max_tokens is None:
             graphs = _runs_on_cuda(config) and not config.enforce_eager and config.runner == "generate"
             config.mixed_graph_max_tokens = min(config.max_num_batched_tokens, MIXED_GRAPH_TOKENS_CAP) if graphs else 0
+        # No step holds more tokens than the budget: more rows would only capture graphs (and size
+        # buffers, LoRA's token slots among them) that never run.
+        config.mixed_graph_max_tokens = min(config.mixed_graph_max_tokens, config.max_num_batched_tokens)
         if config.enable_lora:
             _check_lora(config, spec)
         return config

@@ -278,6 +278,8 @@ class ModelRunner:
 
     def _profile_kv_blocks(self) -> int:
         """Blocks that fit in gpu_memory_utilization after weights and a forward at the token budget."""
+        if self.ops.supports_graphs:
+            self._reserve_decode_workspace()  # counted below with the weights
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
@@ -407,6 +409,8 @@ class ModelRunner:
         self.mm = None
         self.lora = None
         self._in_flight, self._in_flight_tokens = {}, None
+        if getattr(self.ops, "workspace", None) is not None:
+            self.ops.workspace = None  # the decode attention's scratch (a graph held its address)
 
     def capture_graphs(self) -> None:
         """Capture decode CUDA graphs (after the KV cache exists), and the piecewise ones where
@@ -414,17 +418,7 @@ class ModelRunner:
         self._set_up_pieces()
         if not (self.is_cuda and self.ops.supports_graphs):
             return
-        from zllm.workers.cuda_graphs import graph_batch_sizes
-
-        self.ops.reserve_decode_workspace(
-            self.config.max_num_seqs,
-            self.num_heads,
-            self.spec.head_dim,
-            self.config.max_model_len,
-            self.device,
-            graph_sizes=tuple(graph_batch_sizes(self.decode_rows_capacity)),
-            kv_heads=self.num_kv_heads,
-        )
+        self._reserve_decode_workspace()
         if self.config.enforce_eager:
             return
         if getattr(self.model, "aux_hidden_layers", ()):
@@ -447,6 +441,25 @@ class ModelRunner:
         )
         with torch.inference_mode():
             self.graphs.capture()
+
+    def _reserve_decode_workspace(self) -> None:
+        """The decode attention's split-K scratch, once (a captured graph holds its address). It is
+        reserved before the KV cache is sized, so the memory profile counts it."""
+        if self.ops.workspace is not None:
+            return
+        from zllm.workers.cuda_graphs import graph_batch_sizes
+
+        window = self.spec.sliding_window
+        self.ops.reserve_decode_workspace(
+            self.config.max_num_seqs,
+            self.num_heads,
+            self.spec.head_dim,
+            self.config.max_model_len,
+            self.device,
+            graph_sizes=tuple(graph_batch_sizes(self.decode_rows_capacity)),
+            kv_heads=self.num_kv_heads,
+            windows=(window,) if window else (),
+        )
 
     @property
     def decode_rows_capacity(self) -> int:

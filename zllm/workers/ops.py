@@ -202,16 +202,20 @@ class CudaOps(TorchOps):
         device,
         graph_sizes: tuple[int, ...] = (),
         kv_heads: int = 1,
+        windows: tuple[int, ...] = (),
     ) -> None:
         """Allocate the split-K scratch once, so no later step reallocates it under a captured CUDA
-        graph: for up to max_batch rows the worst case (128-token partitions, any eager step); for
-        the decode graphs of more rows (a mixed step's prompt tokens, mixed_graph_max_tokens) what
-        their replays use, the partitions the kernel picks for that many rows over max_len (512
-        tokens once the rows fill the GPU), not 4x that."""
+        graph: for up to max_batch rows the worst case (128-token partitions, any eager step, any
+        window); for the decode graphs of more rows (a mixed step's prompt tokens,
+        mixed_graph_max_tokens) what their replays use: the partitions the kernel picks for that
+        many rows over max_len or a sliding window (512 tokens once the rows fill the GPU), not up
+        to 4x that."""
         numel = self.k.attention_workspace_numel(max_batch, num_heads, head_dim, -(-max_len // 128))
+        lengths = {max_len, *(w for w in windows if w < max_len)}
         for rows in (size for size in graph_sizes if size > max_batch):
-            _, parts = self.k.attention_partitions(rows, num_heads, kv_heads, max_len, device)
-            numel = max(numel, self.k.attention_workspace_numel(rows, num_heads, head_dim, parts))
+            for length in lengths:
+                _, parts = self.k.attention_partitions(rows, num_heads, kv_heads, length, device)
+                numel = max(numel, self.k.attention_workspace_numel(rows, num_heads, head_dim, parts))
         self.workspace = torch.empty(numel, dtype=torch.float32, device=device)
 
     def rms_norm(self, x, weight, eps, unit_offset=False):

@@ -171,7 +171,7 @@ def _self_test(fast: SymmetricAllReduce, rank: int, size: int, device: torch.dev
         if time.monotonic() > deadline:
             raise SymmetricAllReduceHangError(
                 f"rank {rank}: the symmetric-memory all-reduce self-test did not finish within "
-                f"{_SELF_TEST_TIMEOUT_S:.0f} s; start without --custom-all-reduce-max-size (NCCL only)"
+                f"{_SELF_TEST_TIMEOUT_S:.0f} s; start with --custom-all-reduce-max-size 0 (NCCL only)"
             )
         time.sleep(0.001)
     expected = size * (size + 1) / 2
