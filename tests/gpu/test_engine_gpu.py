@@ -104,11 +104,17 @@ def test_piecewise_cuda_graphs_equal_eager_steps(model_dir, prompt_ids):
     for bit below (test_piecewise_graphs_replay_the_forward_of_a_mixed_step)."""
     import torch
 
-    fp32 = engine_tokens(model_dir, prompt_ids, dtype="float32", piecewise_cuda_graphs=True)
+    # mixed_graph_max_tokens=0: every step with prefill through the pieces (not decode-graph rows).
+    fp32 = engine_tokens(model_dir, prompt_ids, dtype="float32", piecewise_cuda_graphs=True, mixed_graph_max_tokens=0)
     assert fp32 == hf_tokens(model_dir, prompt_ids, torch.float32)
     for budget in (2048, 48):
         pieces = engine_tokens(
-            model_dir, prompt_ids, dtype="bfloat16", piecewise_cuda_graphs=True, max_num_batched_tokens=budget
+            model_dir,
+            prompt_ids,
+            dtype="bfloat16",
+            piecewise_cuda_graphs=True,
+            max_num_batched_tokens=budget,
+            mixed_graph_max_tokens=0,
         )
         eager = engine_tokens(model_dir, prompt_ids, dtype="bfloat16", max_num_batched_tokens=budget)
         record(
@@ -183,6 +189,7 @@ def test_piecewise_graphs_replay_the_forward_of_a_mixed_step(model_dir, prompt_i
         max_model_len=2048,
         num_kv_blocks=256,
         piecewise_cuda_graphs=True,
+        mixed_graph_max_tokens=0,  # every step with prefill through the pieces
         async_scheduling=False,
     )
     try:

@@ -336,7 +336,13 @@ def test_bf16_pieces_replay_the_forward_of_mixed_steps(moe_model, prompts):
     from zllm.workers.piecewise_graphs import EagerPieces, PiecewiseGraphs
 
     engine = LLMEngine.from_engine_args(  # a small cache: each step copies it a few times
-        moe_model, device="cuda", dtype="bfloat16", max_model_len=512, num_kv_blocks=128, async_scheduling=False
+        moe_model,
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=512,
+        num_kv_blocks=128,
+        async_scheduling=False,
+        mixed_graph_max_tokens=0,  # every step with prefill through the pieces, not decode-graph rows
     )
     errors = {"pieces": [], "eager": []}
     try:
