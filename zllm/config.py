@@ -75,13 +75,13 @@ MIN_ENCODER_CACHE_TOKENS = 16384
 # the H100 (docs/benchmarks.md, issue 20): 512 / 8192 49.8 req/s, 256 / 8192 47.2, 1024 / 16384
 # 43.2 (attention over twice the contexts, and preemption once the cache is full). A server keeps
 # the serving defaults above: a big prefill chunk in a step delays every stream's next token.
+OFFLINE_GPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
 # custom_all_reduce_max_bytes's default on one node: every decode all-reduce (a few rows of hidden
 # state) and a prefill chunk's of up to 64 rows of Llama-3-70B's 8192 in bf16.
 DEFAULT_CUSTOM_ALL_REDUCE_BYTES = 1 << 20
 # The most tokens mixed_graph_max_tokens gives a step by default: every one is a decode graph row,
 # and the decode graphs are captured up to this many rows.
 MIXED_GRAPH_TOKENS_CAP = 512
-OFFLINE_GPU_SCHEDULER_DEFAULTS = {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
 # A server's token budget per step on a GPU follows the model's compute per GPU. A step that
 # carries a prefill chunk of B tokens delays every stream's next token by about 2 x B x (linear
 # weights per GPU) FLOPs of work, so the budget that keeps Llama-3-8B's tails at tp 1 (2048:
