@@ -109,6 +109,7 @@ def zllm_run(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     max_num_seqs: int | None = None,
+    mixed_graph_max_tokens: int | None = None,
 ) -> dict:
     from zllm import LLM, SamplingParams
     from zllm.workers import ops
@@ -119,6 +120,8 @@ def zllm_run(
         kwargs["max_num_seqs"] = max_num_seqs
     if quantization:
         kwargs["quantization"] = quantization
+    if mixed_graph_max_tokens is not None:
+        kwargs["mixed_graph_max_tokens"] = mixed_graph_max_tokens
     llm = LLM(
         model=model_dir,
         dtype=dtype,
@@ -152,6 +155,7 @@ def zllm_run(
         "packed_prefill": packed,
         "max_num_batched_tokens": budget,
         "max_num_seqs": max_num_seqs,
+        "mixed_graph_max_tokens": mixed_graph_max_tokens,
         "ppl": round(math.exp(nll), 3),
         "greedy_equal": f"{sum(a == b for a, b in zip(ours, reference))}/{len(PROMPTS)}",
         "mean_common_prefix": round(sum(prefixes) / len(prefixes), 1),
@@ -175,6 +179,11 @@ def main() -> None:
         "--batch-one",
         action="store_true",
         help="also generate one sequence at a time (max_num_seqs 1: batch-1 decode, the GEMVs)",
+    )
+    parser.add_argument(
+        "--mixed-graph-max-tokens",
+        type=int,
+        help="the engine's mixed_graph_max_tokens (0: every step with prefill off the decode graph)",
     )
     args = parser.parse_args()
     from zllm.frontend.tokenizer import load_tokenizer
@@ -221,7 +230,18 @@ def main() -> None:
         ]
     for dtype, packed, budget, quantization, kv_cache_dtype, max_num_seqs in configs:
         runs.append(
-            zllm_run(model_dir, tokenizer, dtype, packed, budget, reference, quantization, kv_cache_dtype, max_num_seqs)
+            zllm_run(
+                model_dir,
+                tokenizer,
+                dtype,
+                packed,
+                budget,
+                reference,
+                quantization,
+                kv_cache_dtype,
+                max_num_seqs,
+                args.mixed_graph_max_tokens,
+            )
         )
         print(json.dumps(runs[-1]), flush=True)
     if args.json:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.engine import count_row_steps
 from tests.helpers.models import greedy_engine_tokens, hf_greedy, save_tiny_model, save_tiny_v3_fp8
 from tests.helpers.models import randomize_correction_bias as _randomize_correction_bias
 from zllm import LLM
@@ -97,6 +98,18 @@ def test_matches_hf_with_chunked_prefill_and_preemption(tmp_path, case):
     tokens, llm = _engine_tokens(model_dir, PROMPTS, block_size=8, max_num_batched_tokens=16, num_kv_blocks=9)
     assert tokens == expected
     assert llm.engine.core.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prompt_tokens_as_decode_rows_match_hf(tmp_path, monkeypatch, case):
+    """mixed_graph_max_tokens: each 16-token step's prompt tokens go in as decode rows through the
+    latent attention's decode path (the absorbed weights), each row reading the latents up to its
+    own position."""
+    model_dir = _save(tmp_path, case)
+    rows = count_row_steps(monkeypatch)
+    tokens, _ = _engine_tokens(model_dir, PROMPTS, block_size=8, max_num_batched_tokens=16, mixed_graph_max_tokens=16)
+    assert tokens == _hf_tokens(model_dir, PROMPTS)
+    assert any(rows)
 
 
 @pytest.mark.parametrize("case", ["v2", "v3"])

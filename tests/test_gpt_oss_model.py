@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.engine import count_row_steps
 from tests.helpers.models import (
     greedy_engine_tokens,
     hf_greedy,
@@ -96,6 +97,17 @@ def test_matches_hf_with_chunked_prefill_and_preemption(tmp_path, mxfp4):
     tokens, llm = _engine_tokens(model_dir, PROMPTS, block_size=8, max_num_batched_tokens=16, num_kv_blocks=9)
     assert tokens == expected
     assert llm.engine.core.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["dense", "mxfp4"])
+def test_prompt_tokens_as_decode_rows_match_hf(tmp_path, monkeypatch, mxfp4):
+    """mixed_graph_max_tokens: each 16-token step's prompt tokens go in as decode rows through the
+    sinks' decode attention, the sliding layers' windows counted from each row's own position."""
+    model_dir = _save(tmp_path, mxfp4)
+    rows = count_row_steps(monkeypatch)
+    tokens, _ = _engine_tokens(model_dir, PROMPTS, block_size=8, max_num_batched_tokens=16, mixed_graph_max_tokens=16)
+    assert tokens == _hf_tokens(model_dir, PROMPTS)
+    assert any(rows)
 
 
 # gpt-oss-20b's and -120b's config.json (transformers 4.55's form: rope_scaling beside rope_theta;

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.engine import PROMPTS, engine_generate_all
+from tests.helpers.engine import PROMPTS, count_row_steps, engine_generate_all
 from tests.helpers.models import TINY_ARCHITECTURES, hf_greedy, save_tiny_llama, save_tiny_model
 from tests.helpers.server import start_server
 from zllm import LLM, LLMEngine, SamplingParams
@@ -150,6 +150,19 @@ def test_tiny_model_matches_hf(tmp_path, case):
     assert engine_generate_all(model_dir, PROMPTS, 20) == expected  # block_size 16
     # A block size of 8 puts every prompt but the first across several blocks.
     assert engine_generate_all(model_dir, PROMPTS, 20, block_size=8) == expected
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prompt_tokens_as_decode_rows_match_hf(tmp_path, monkeypatch, case):
+    """mixed_graph_max_tokens (on by default wherever CUDA graphs run): every step with prefill
+    goes in as decode rows, each prompt token attending to the cache up to its own position,
+    through each family's decode attention (sliding windows, soft-capping, partial rotary, MoE)."""
+    architecture, overrides = CASES[case]
+    model_dir = save_tiny_model(tmp_path, architecture, initializer_range=0.2, **overrides)
+    expected = _hf_generate_all(model_dir, PROMPTS, 20)
+    rows = count_row_steps(monkeypatch)
+    assert engine_generate_all(model_dir, PROMPTS, 20, max_num_batched_tokens=32, mixed_graph_max_tokens=32) == expected
+    assert any(rows)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])

@@ -51,8 +51,8 @@
 #   PART=sweep:   issue 40's rate sweep with vLLM's own client (benchmark_serving.py 0.6.3.post1,
 #                 --backend openai, random dataset, 256 in / 256 out, --ignore-eos): vllm-launch with
 #                 its defaults (piecewise CUDA graphs on) at Poisson 8, 16, 24, 32 and 40 req/s
-#                 (300, 480, 600, 600, 600 prompts), then restarted with --no-piecewise-cuda-graphs
-#                 for Poisson 32 (600 prompts) as the baseline; each run's JSON saved, then
+#                 (300, 480, 600, 600, 600 prompts), then restarted with $SWEEP_BASELINE (default
+#                 --no-piecewise-cuda-graphs) for Poisson 32 (600 prompts) as the baseline; each run's JSON saved, then
 #                 benchmarks/plot_sweep.py's table and plot. Carry .whl (aiohttp and its
 #                 dependencies among them) and .sdist (python benchmarks/vllm_benchmark_serving.py
 #                 --download-only). Budget, whole call, from a fresh machine (estimates, not yet
@@ -427,13 +427,17 @@ sweep)
     serve_stop 60
     verdict "server-default stop" $?
   fi
-  if fits "sweep-baseline" $(( reserve - 20 )) && serve_start nopiecewise 180 "${server_flags[@]}" --no-piecewise-cuda-graphs; then
-    warm nopiecewise
+  # The baseline server's flags: SWEEP_BASELINE (default: the pieces off; "--mixed-graph-max-tokens 0"
+  # compares against steps with prefill always on the pieces, the default before the decode-graph rows).
+  read -ra baseline_flags <<< "${SWEEP_BASELINE:---no-piecewise-cuda-graphs}"
+  baseline_label=$(IFS=_; echo "${baseline_flags[*]}" | tr -d '-')
+  if fits "sweep-baseline" $(( reserve - 20 )) && serve_start baseline 180 "${server_flags[@]}" "${baseline_flags[@]}"; then
+    warm baseline
     n=${SWEEP_PROMPTS:-600}
-    vllm_client sweep-rate32-nopiecewise $(( 2 * (n / 32 + 15) + 60 )) "${client[@]}" --num-prompts "$n" --request-rate 32 --seed 32 \
-      --save-result --result-dir "$sweep" --result-filename rate32_nopiecewise.json --metadata label=no-piecewise
+    vllm_client sweep-rate32-baseline $(( 2 * (n / 32 + 15) + 60 )) "${client[@]}" --num-prompts "$n" --request-rate 32 --seed 32 \
+      --save-result --result-dir "$sweep" --result-filename "rate32_$baseline_label.json" --metadata "label=$baseline_label"
     serve_stop 60
-    verdict "server-nopiecewise stop" $?
+    verdict "server-baseline stop" $?
   fi
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)
   timeout 60 python benchmarks/plot_sweep.py "$sweep" --plot "$dest/sweep.png" \

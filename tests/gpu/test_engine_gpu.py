@@ -61,7 +61,12 @@ def test_bf16_greedy_agrees_with_hf(model_dir, prompt_ids):
 
 
 def test_cuda_graphs_equal_eager(model_dir, prompt_ids):
-    graphs = engine_tokens(model_dir, prompt_ids, dtype="bfloat16")
+    """The decode graphs replay eager decode bit for bit. Steps with prefill stay off the graphs
+    here (mixed_graph_max_tokens=0, the pieces off): as decode rows they take other kernels than
+    the eager prefill (test_prompt_tokens_as_decode_rows_in_bf16_stay_as_close_as_eager)."""
+    graphs = engine_tokens(
+        model_dir, prompt_ids, dtype="bfloat16", mixed_graph_max_tokens=0, piecewise_cuda_graphs=False
+    )
     eager = engine_tokens(model_dir, prompt_ids, dtype="bfloat16", enforce_eager=True)
     assert graphs == eager
 
@@ -116,12 +121,22 @@ def test_piecewise_cuda_graphs_equal_eager_steps(model_dir, prompt_ids):
             max_num_batched_tokens=budget,
             mixed_graph_max_tokens=0,
         )
-        eager = engine_tokens(model_dir, prompt_ids, dtype="bfloat16", max_num_batched_tokens=budget)
-        record(
-            f"bf16_pieces_vs_eager_share_identical[{os.path.basename(model_dir)}-{budget}]",
-            share_identical(pieces, eager),
+        eager = engine_tokens(
+            model_dir,
+            prompt_ids,
+            dtype="bfloat16",
+            max_num_batched_tokens=budget,
+            piecewise_cuda_graphs=False,
+            mixed_graph_max_tokens=0,
         )
-        assert [p[0] for p in pieces] == [e[0] for e in eager], budget
+        name = os.path.basename(model_dir)
+        record(f"bf16_pieces_vs_eager_share_identical[{name}-{budget}]", share_identical(pieces, eager))
+        first_agree = sum(p[0] == e[0] for p, e in zip(pieces, eager))
+        record(f"bf16_pieces_vs_eager_first_token_agreement[{name}-{budget}]", f"{first_agree}/{len(eager)}")
+        # A random model's near-tie may flip one prefill answer (the pieces' own bound against
+        # fp32 is test_piecewise_graphs_replay_the_forward_of_a_mixed_step); a broken piece would
+        # lose most of them.
+        assert first_agree >= len(eager) - 1, budget
 
 
 def test_prompt_tokens_as_decode_graph_rows_fp32_equal_hf(model_dir, prompt_ids):
@@ -163,6 +178,64 @@ def test_prompt_tokens_as_decode_graph_rows_fp32_equal_hf(model_dir, prompt_ids)
     record(f"fp32_rows_share_identical[{os.path.basename(model_dir)}]", share_identical(ours, theirs))
     assert ours == theirs
     assert max(replays) > len(prompt_ids)  # a replay held more rows than there are requests: prompt tokens
+
+
+def _prompt_logprob_errors(model_dir, prompt_ids, reference, **engine_args) -> tuple[float, list[bool]]:
+    """Mean |logprob - reference| over every prompt token a bf16 engine scores (prompt_logprobs),
+    and each step's _prefill_as_rows answer."""
+    from zllm.workers.model_runner import ModelRunner
+
+    answers: list[bool] = []
+    decide = ModelRunner._prefill_as_rows
+
+    def spied(self, step):
+        answers.append(decide(self, step))
+        return answers[-1]
+
+    ModelRunner._prefill_as_rows = spied
+    engine = LLMEngine.from_engine_args(
+        model_dir, device="cuda", dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=256, **engine_args
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        for i, ids in enumerate(prompt_ids):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o.prompt_logprobs for o in engine.step() if o.finished})
+    finally:
+        engine.shutdown()
+        ModelRunner._prefill_as_rows = decide
+    errors = []
+    for i, ids in enumerate(prompt_ids):
+        ours = [entry[token].logprob for entry, token in zip(outs[str(i)][1:], ids[1:])]
+        errors.extend(abs(a - b) for a, b in zip(ours, reference[i]))
+    return sum(errors) / len(errors), answers
+
+
+def test_prompt_tokens_as_decode_rows_in_bf16_stay_as_close_as_eager(model_dir, prompt_ids):
+    """In bf16 the rows (the decode graph's kernels over the prompt tokens) round otherwise than the
+    eager prefill, so their tokens may part after a near-tie; what they promise is to be no further
+    from the exact result: each prompt token's logprob against HF fp32's, the rows' mean error
+    within twice the eager prefill's (docs/architecture.md, "which outputs are bit-stable")."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    reference = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            logprobs = model(torch.tensor([ids], device="cuda")).logits[0].log_softmax(-1)
+            reference.append(logprobs[:-1].gather(1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0].tolist())
+    del model
+    torch.cuda.empty_cache()
+    rows, rows_steps = _prompt_logprob_errors(model_dir, prompt_ids, reference, mixed_graph_max_tokens=256)
+    eager, eager_steps = _prompt_logprob_errors(
+        model_dir, prompt_ids, reference, mixed_graph_max_tokens=0, piecewise_cuda_graphs=False
+    )
+    record(f"bf16_prompt_logprob_error_rows_vs_eager[{os.path.basename(model_dir)}]", [rows, eager])
+    assert any(rows_steps) and not any(eager_steps)
+    assert rows <= 2 * eager + 1e-3
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -42,7 +42,16 @@ def test_tensor_parallel_fp32_greedy_is_token_identical_to_hf(model_dir, prompt_
 
 
 def test_tensor_parallel_cuda_graphs_equal_eager(model_dir, prompt_ids):
-    graphs = engine_tokens(model_dir, prompt_ids, dtype="bfloat16", tensor_parallel_size=2)
+    # Steps with prefill off the graphs (mixed_graph_max_tokens=0, the pieces off): the decode
+    # graphs alone replay eager bit for bit.
+    graphs = engine_tokens(
+        model_dir,
+        prompt_ids,
+        dtype="bfloat16",
+        tensor_parallel_size=2,
+        mixed_graph_max_tokens=0,
+        piecewise_cuda_graphs=False,
+    )
     eager = engine_tokens(model_dir, prompt_ids, dtype="bfloat16", tensor_parallel_size=2, enforce_eager=True)
     record(
         f"tp2_bf16_share_identical_vs_tp1[{os.path.basename(model_dir)}]",

@@ -17,3 +17,19 @@ def engine_generate_all(model_dir, prompts, max_new_tokens, **engine_args):
     while engine.has_unfinished_requests():
         results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     return [results[str(i)] for i in range(len(prompts))]
+
+
+def count_row_steps(monkeypatch) -> list[bool]:
+    """Spy on ModelRunner._prefill_as_rows (an in-process worker): each step's answer, in order, so
+    a test of mixed_graph_max_tokens can check that its prompt tokens did go in as decode rows."""
+    from zllm.workers.model_runner import ModelRunner
+
+    answers: list[bool] = []
+    decide = ModelRunner._prefill_as_rows
+
+    def spied(self, step):
+        answers.append(decide(self, step))
+        return answers[-1]
+
+    monkeypatch.setattr(ModelRunner, "_prefill_as_rows", spied)
+    return answers

