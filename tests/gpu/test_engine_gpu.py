@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from tests.helpers.engine import count_row_steps
 from tests.helpers.gpu import engine_tokens, hf_tokens, record, share_identical
 from zllm import LLMEngine, SamplingParams
 
@@ -180,19 +181,8 @@ def test_prompt_tokens_as_decode_graph_rows_fp32_equal_hf(model_dir, prompt_ids)
     assert max(replays) > len(prompt_ids)  # a replay held more rows than there are requests: prompt tokens
 
 
-def _prompt_logprob_errors(model_dir, prompt_ids, reference, **engine_args) -> tuple[float, list[bool]]:
-    """Mean |logprob - reference| over every prompt token a bf16 engine scores (prompt_logprobs),
-    and each step's _prefill_as_rows answer."""
-    from zllm.workers.model_runner import ModelRunner
-
-    answers: list[bool] = []
-    decide = ModelRunner._prefill_as_rows
-
-    def spied(self, step):
-        answers.append(decide(self, step))
-        return answers[-1]
-
-    ModelRunner._prefill_as_rows = spied
+def _prompt_logprob_error(model_dir, prompt_ids, reference, **engine_args) -> float:
+    """Mean |logprob - reference| over every prompt token a bf16 engine scores (prompt_logprobs)."""
     engine = LLMEngine.from_engine_args(
         model_dir, device="cuda", dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=256, **engine_args
     )
@@ -205,15 +195,14 @@ def _prompt_logprob_errors(model_dir, prompt_ids, reference, **engine_args) -> t
             outs.update({o.request_id: o.prompt_logprobs for o in engine.step() if o.finished})
     finally:
         engine.shutdown()
-        ModelRunner._prefill_as_rows = decide
     errors = []
     for i, ids in enumerate(prompt_ids):
         ours = [entry[token].logprob for entry, token in zip(outs[str(i)][1:], ids[1:])]
         errors.extend(abs(a - b) for a, b in zip(ours, reference[i]))
-    return sum(errors) / len(errors), answers
+    return sum(errors) / len(errors)
 
 
-def test_prompt_tokens_as_decode_rows_in_bf16_stay_as_close_as_eager(model_dir, prompt_ids):
+def test_prompt_tokens_as_decode_rows_in_bf16_stay_as_close_as_eager(model_dir, prompt_ids, monkeypatch):
     """In bf16 the rows (the decode graph's kernels over the prompt tokens) round otherwise than the
     eager prefill, so their tokens may part after a near-tie; what they promise is to be no further
     from the exact result: each prompt token's logprob against HF fp32's, the rows' mean error
@@ -229,12 +218,15 @@ def test_prompt_tokens_as_decode_rows_in_bf16_stay_as_close_as_eager(model_dir, 
             reference.append(logprobs[:-1].gather(1, torch.tensor(ids[1:], device="cuda")[:, None])[:, 0].tolist())
     del model
     torch.cuda.empty_cache()
-    rows, rows_steps = _prompt_logprob_errors(model_dir, prompt_ids, reference, mixed_graph_max_tokens=256)
-    eager, eager_steps = _prompt_logprob_errors(
+    row_steps = count_row_steps(monkeypatch)
+    rows = _prompt_logprob_error(model_dir, prompt_ids, reference, mixed_graph_max_tokens=256)
+    assert any(row_steps)  # the prompt tokens did go in as decode rows
+    row_steps.clear()
+    eager = _prompt_logprob_error(
         model_dir, prompt_ids, reference, mixed_graph_max_tokens=0, piecewise_cuda_graphs=False
     )
+    assert not any(row_steps)
     record(f"bf16_prompt_logprob_error_rows_vs_eager[{os.path.basename(model_dir)}]", [rows, eager])
-    assert any(rows_steps) and not any(eager_steps)
     assert rows <= 2 * eager + 1e-3
 
 

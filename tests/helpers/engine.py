@@ -1,4 +1,5 @@
-"""The offline engine's greedy tokens for a batch of token-id prompts (fp32, ignoring EOS)."""
+"""The offline engine's greedy tokens for a batch of token-id prompts (fp32, ignoring EOS), and a spy
+on the worker's choice to lay prompt tokens out as decode rows."""
 
 from __future__ import annotations
 
