@@ -443,6 +443,18 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
 
 }  // namespace zllm
 
+// PDL (ZLLM_PDL_ATTENTION launches these with it): the next kernel (the reduce, or the o
+// projection's GEMV, which then has its first weights in flight) may launch at once. q and the
+// cache come from the rotary kernel before: read after the wait, through pointers offset by
+// pdl_wait_zero() (common.cuh; the kernels' inputs are const __restrict__). The block tables and
+// lengths come from the step's copies, which every kernel of the step follows.
+#define ZLLM_DECODE_ATTENTION_PDL_WAIT()      \
+  zllm::pdl_launch_dependents();              \
+  const int pdl_zero = zllm::pdl_wait_zero(); \
+  q += pdl_zero;                              \
+  k_cache += pdl_zero;                        \
+  v_cache += pdl_zero
+
 #define ZLLM_PAGED_ATTENTION(NAME, T, C, D, GC, WIN, CAP, MIN_BLOCKS)                             \
   extern "C" __global__ void __launch_bounds__(zllm::kAttnThreads, MIN_BLOCKS) NAME(              \
       T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml,               \
@@ -451,6 +463,7 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
       float v_scale, int num_kv_heads, int group, int num_chunks, int block_size,              \
       int max_blocks, long long bt_stride, long long q_stride, long long out_stride,           \
       int partition_size, int max_parts, int window, float softcap_log2) {                     \
+    ZLLM_DECODE_ATTENTION_PDL_WAIT();                                                           \
     zllm::paged_attention_impl<T, C, D, GC, WIN, CAP>(out, ws_out, ws_ml, q, k_cache, v_cache,  \
                                             block_tables, seq_lens, scale_log2, v_scale,       \
                                             num_kv_heads, group, num_chunks, block_size,       \
@@ -463,6 +476,10 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
       T* __restrict__ out, const float* __restrict__ ws_out, const float* __restrict__ ws_ml,   \
       const int* __restrict__ seq_lens, int num_heads, int block_size, int max_blocks,          \
       long long out_stride, int partition_size, int max_parts, int window) {                    \
+    zllm::pdl_launch_dependents(); /* PDL: the partitions come from the kernel before */        \
+    const int pdl_zero = zllm::pdl_wait_zero();                                                 \
+    ws_out += pdl_zero;                                                                         \
+    ws_ml += pdl_zero;                                                                          \
     zllm::paged_attention_reduce_impl<T, D>(out, ws_out, ws_ml, seq_lens, num_heads,            \
                                             block_size, max_blocks, out_stride,                 \
                                             partition_size, max_parts, window);                 \

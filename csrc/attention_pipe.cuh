@@ -338,6 +338,7 @@ __device__ __forceinline__ void paged_attention_pipe_impl(
       float v_scale, int num_kv_heads, int group, int num_chunks, int block_size,              \
       int max_blocks, long long bt_stride, long long q_stride, long long out_stride,           \
       int partition_size, int max_parts, int, float) {                                         \
+    ZLLM_DECODE_ATTENTION_PDL_WAIT();                                                           \
     zllm::paged_attention_pipe_impl<T, C, D, GC, STAGES>(                                      \
         out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, seq_lens, scale_log2, v_scale,  \
         num_kv_heads, group, num_chunks, block_size, max_blocks, bt_stride, q_stride,          \

@@ -49,6 +49,18 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// pdl_wait(), then a zero the compiler cannot know: a kernel whose inputs are `const __restrict__`
+// (promised read-only for the kernel's life, so loads through them may be hoisted) adds it to each
+// pointer the kernel before wrote, and every load through those then depends on a value the asm
+// produced after the wait (volatile asms keep their order). One register, where laundering each
+// 64-bit pointer would hold two apiece (the decode attention then spills at its 128-register cap).
+__device__ __forceinline__ int pdl_wait_zero() {
+  pdl_wait();
+  int zero = 0;
+  asm volatile("" : "+r"(zero)::"memory");
+  return zero;
+}
+
 // ---- scalar conversions: every kernel computes in fp32 ---------------------------------------
 
 template <typename T>

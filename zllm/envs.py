@@ -174,6 +174,12 @@ SETTINGS: dict[str, Setting] = {
             "0: the batch-1 decode kernels launch as before, not with programmatic dependent launch (sm_90+; A/B switch).",
         ),
         Setting(
+            "ZLLM_PDL_ATTENTION",
+            _switch,
+            False,
+            "1: the paged decode attention and its reduce launch with programmatic dependent launch too (experiment).",
+        ),
+        Setting(
             "ZLLM_LORA_KERNELS",
             _switch,
             True,

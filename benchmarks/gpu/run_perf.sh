@@ -80,6 +80,8 @@
 #                 stop ~5 s: ~220 s + the build, bounded by $SERVEMODEL_BUDGET_S (default 530 s).
 #                 Into $OUT: build.log, servemodel-summary.log, servemodel-logs.tar.gz (traces,
 #                 metrics, the client's JSONs).
+#   PART=envab:   an A/B of environment switches ($ENVAB_SETS) over W2 bf16 / W2 FP8 / W1 ($ENVAB_RUNS),
+#                 in interleaved rounds, after the GPU tests in $ENVAB_TESTS (the part's comment says how)
 #   PART=pdl:     issue 40's programmatic dependent launch (ZLLM_PDL), in one call bounded by
 #                 $PDL_BUDGET_S (default 540 s from the start, the csrc build included; sm_90 cubins
 #                 only): tests/gpu/test_pdl_gpu.py (the batch-1 kernels chained as a layer, each GEMV
@@ -101,7 +103,7 @@ mkdir -p "$out"
 model=/tmp/zllm-llama3-8b
 export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has this machine's cmake cache
 build_flags=()
-[[ "${1:-}" == sweep || "${1:-}" == servemodel || "${1:-}" == fp8gemv2 || "${1:-}" == decattn || "${1:-}" == pdl ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
+[[ "${1:-}" == sweep || "${1:-}" == servemodel || "${1:-}" == fp8gemv2 || "${1:-}" == decattn || "${1:-}" == pdl || "${1:-}" == envab ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
 [[ -n "${SKIP_CSRC_BUILD:-}" || -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ]] \
   || timeout 300 bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" ${build_flags[@]+"${build_flags[@]}"} > "$out/build.log" 2>&1 \
   || { echo "csrc build failed (the loader falls back to what was built, or NVRTC):"; tail -15 "$out/build.log"; }
@@ -267,6 +269,61 @@ fp8gemv2)
     fp8w2 "fp8 $build" ZLLM_FP8_GEMV=$build
   done
   echo "== fp8gemv2: $(( $(date +%s) - t0 )) s"
+  ;;
+envab)
+  # A/B of environment switches in one call (bounded by $ENVAB_BUDGET_S, default 540 s from the
+  # start): first the GPU tests named in $ENVAB_TESTS (if any, 200 s at most), then for each of
+  # $ENVAB_ROUNDS rounds (default 2), each workload of $ENVAB_RUNS ("w2" bf16 batch-1 decode, "w2fp8"
+  # the same with --quantization fp8, "w1" the offline 1000 x 256/256), each setting of $ENVAB_SETS
+  # in turn: settings separated by ";", each "LABEL:VAR=VALUE VAR=VALUE" (LABEL alone: as is).
+  # Example: ENVAB_SETS="base;attn:ZLLM_PDL_ATTENTION=1;pf:ZLLM_GEMV_PREFETCH=1". A run that no
+  # longer fits (as long as the longest so far) is SKIPPED. Last, a table of every run.
+  deadline=$(( t0 + ${ENVAB_BUDGET_S:-540} ))
+  if [[ -n "${ENVAB_TESTS:-}" ]]; then
+    timeout 200 python -m pytest -q -p no:cacheprovider -p no:warnings -rs --tb=short $ENVAB_TESTS > "$out/pytest_envab.log" 2>&1
+    echo "envab tests (rc $?, $(( $(date +%s) - t0 )) s after the start): $(tail -1 "$out/pytest_envab.log")"
+    grep -E "^(FAILED|ERROR)" "$out/pytest_envab.log" | head -20
+  fi
+  IFS=';' read -ra sets <<< "${ENVAB_SETS:-base}"
+  longest=0
+  for round in $(seq "${ENVAB_ROUNDS:-2}"); do
+    for workload in ${ENVAB_RUNS:-w2 w2fp8}; do
+      case $workload in
+        w2) cmd=(python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024) ;;
+        w2fp8) cmd=(python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024 --quantization fp8) ;;
+        w1) cmd=(python benchmarks/throughput.py --model "$model" --load-format dummy --num-prompts 1000 --input-len 256 --output-len 256 --no-detokenize --quiet --max-model-len 1024 --max-num-batched-tokens 8192) ;;
+        *) echo "envab: unknown workload $workload"; continue ;;
+      esac
+      for set in "${sets[@]}"; do
+        label=${set%%:*} assignments=""
+        [[ $set == *:* ]] && assignments=${set#*:}
+        start=$(date +%s)
+        if (( start + longest > deadline || start + 30 > deadline )); then
+          echo "SKIPPED $workload $label (round $round): $(( deadline - start )) s left, a run took $longest s" | tee -a "$out/perf.log"
+          continue
+        fi
+        echo "{\"envab\": \"$workload\", \"set\": \"$label\", \"round\": $round, \"env\": \"$assignments\"}" | tee -a "$jsonl"
+        env $assignments timeout 200 "${cmd[@]}" 2>&1 | tee -a "$out/perf.log" | grep -E '^\{' | tee -a "$jsonl"
+        (( $(date +%s) - start > longest )) && longest=$(( $(date +%s) - start ))
+      done
+    done
+  done
+  echo "== envab table (workload, set, round: W2 decode ms/token or W1 requests/s):"
+  python - "$jsonl" <<'PY'
+import json, sys
+label = None
+for line in open(sys.argv[1]):
+    try:
+        row = json.loads(line)
+    except ValueError:
+        continue
+    if "envab" in row:
+        label = f"{row['envab']:6s} {row['set']:12s} round {row['round']}"
+    elif label and ("decode_ms_per_token" in row or "requests_per_s" in row):
+        print(label, row.get("decode_ms_per_token", row.get("requests_per_s")))
+        label = None
+PY
+  echo "== envab: $(( $(date +%s) - t0 )) s"
   ;;
 pdl)
   deadline=$(( t0 + ${PDL_BUDGET_S:-540} ))

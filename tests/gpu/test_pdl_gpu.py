@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernels.is_available(), re
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128  # Llama-3-8B's layer
 BLOCKS, BLOCK_SIZE = 4, 16
+SLOT = 37  # the cache slot the layer's token is written to (its context: SLOT + 1 tokens)
 REPEATS = 8
 
 
@@ -47,8 +48,9 @@ class Layer:
     """One decode layer's batch-1 kernels on random Llama-3-8B-shaped weights (bf16, or FP8 with
     per-row scales), in the order a step runs them, over static buffers (graph-capturable)."""
 
-    def __init__(self, fp8_variant: str | None) -> None:
+    def __init__(self, fp8_variant: str | None, attention: bool = False) -> None:
         g = torch.Generator(device="cuda").manual_seed(7)
+        self.attention = attention
 
         def randn(*shape, scale=1.0):
             return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
@@ -68,7 +70,7 @@ class Layer:
         inv_freq = 500000.0 ** (-torch.arange(0, HEAD_DIM, 2, device="cuda", dtype=torch.float32) / HEAD_DIM)
         self.cos, self.sin = (positions * inv_freq).cos(), (positions * inv_freq).sin()
         self.positions = torch.tensor([1234], device="cuda")
-        self.slots = torch.tensor([37], device="cuda")
+        self.slots = torch.tensor([SLOT], device="cuda")
         self.buffers = {
             "x": torch.empty(1, HIDDEN, dtype=torch.bfloat16, device="cuda"),
             "residual": torch.empty(1, HIDDEN, dtype=torch.bfloat16, device="cuda"),
@@ -79,7 +81,14 @@ class Layer:
             "down": torch.empty(1, HIDDEN, dtype=torch.bfloat16, device="cuda"),
             "out": torch.empty(1, HIDDEN, dtype=torch.bfloat16, device="cuda"),
             "kv_cache": torch.empty(2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"),
+            "attn": torch.empty(1, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"),
         }
+        # The attention's context: SLOT + 1 tokens of random keys and values (the rotary kernel
+        # writes the last, SLOT), two partitions of 32 (the reduce runs), a static workspace.
+        self.context = randn(2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        self.block_tables = torch.arange(BLOCKS, device="cuda", dtype=torch.int32)[None]
+        self.seq_lens = torch.tensor([SLOT + 1], device="cuda", dtype=torch.int32)
+        self.workspace = torch.zeros(1 << 16, device="cuda")
 
     def _linear(self, name: str, out: torch.Tensor, x: torch.Tensor) -> None:
         if self.fp8_variant is None:
@@ -94,12 +103,27 @@ class Layer:
         b = self.buffers
         for buffer in b.values():
             buffer.fill_(float("nan"))
+        if self.attention:  # a context to attend to; the slot the rotary kernel writes stays NaN
+            b["kv_cache"].copy_(self.context)
+            b["kv_cache"].view(2, -1, KV_HEADS, HEAD_DIM)[:, SLOT] = float("nan")
         b["x"].copy_(self.x0)
         b["residual"].copy_(self.residual0)
         kernels.fused_add_rms_norm(b["x"], b["residual"], self.norms[0], 1e-5)
         self._linear("qkv", b["qkv"], b["x"])
         q, k, v = b["qkv"].view(1, HEADS + 2 * KV_HEADS, HEAD_DIM).split([HEADS, KV_HEADS, KV_HEADS], dim=1)
         kernels.rotary_embedding_and_cache(self.positions, q, k, v, self.cos, self.sin, b["kv_cache"], self.slots)
+        if self.attention:
+            kernels.paged_attention_decode(
+                b["attn"],
+                q,
+                b["kv_cache"],
+                self.block_tables,
+                self.seq_lens,
+                HEAD_DIM**-0.5,
+                workspace=self.workspace,
+                partition_size=32,
+            )
+            q = b["attn"]
         self._linear("o", b["o"], q.reshape(1, HEADS * HEAD_DIM))
         kernels.fused_add_rms_norm(b["o"], b["residual"], self.norms[1], 1e-5)
         self._linear("gate_up", b["gate_up"], b["o"])
@@ -108,7 +132,7 @@ class Layer:
         kernels.rms_norm(b["out"], b["down"], self.norms[2], 1e-5)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        cache = self.buffers["kv_cache"].view(2, -1, KV_HEADS, HEAD_DIM)[:, 37]  # the slot written
+        cache = self.buffers["kv_cache"].view(2, -1, KV_HEADS, HEAD_DIM)[:, SLOT]  # the slot written
         return {**{k: v.clone() for k, v in self.buffers.items() if k != "kv_cache"}, "kv_slot": cache.clone()}
 
 
@@ -165,6 +189,43 @@ def test_layer_chain_is_bit_identical_with_pdl(mode, fp8_variant, monkeypatch, p
     assert not reference[0]["out"].isnan().any()
     expected = _torch_tail(layer, reference[0])
     torch.testing.assert_close(reference[0]["out"].float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("mode", ["eager_default_stream", "graph"])
+@pytest.mark.parametrize("build", ["classic", "pipe"])
+def test_decode_attention_in_the_chain_is_bit_identical_with_pdl(mode, build, monkeypatch, pdl_launches):
+    """ZLLM_PDL_ATTENTION: the paged decode attention and its reduce between the rotary kernel
+    (which writes the query and the context's last key and value: NaN until it has) and the o
+    projection's GEMV, all with PDL, give the bits of the chain without it; and the attention is
+    attention (torch, fp32, over the cache the run left)."""
+    monkeypatch.setenv("ZLLM_DECODE_ATTENTION", build)
+    layer = Layer(None, attention=True)
+
+    def runs() -> list[dict[str, torch.Tensor]]:
+        return _graphed(layer) if mode == "graph" else _eager(layer, None)
+
+    monkeypatch.setenv("ZLLM_PDL", "0")
+    monkeypatch.setenv("ZLLM_PDL_ATTENTION", "0")
+    reference = runs()
+    assert not pdl_launches
+    monkeypatch.setenv("ZLLM_PDL", "1")
+    pdl_only = runs()
+    without_attention = len(pdl_launches)
+    pdl_launches.clear()
+    monkeypatch.setenv("ZLLM_PDL_ATTENTION", "1")
+    with_pdl = runs()
+    assert len(pdl_launches) > without_attention  # the attention and its reduce went out with PDL
+    for run in [*reference[1:], *pdl_only, *with_pdl]:
+        _assert_same_bits(reference[0], run)
+    run = reference[0]
+    assert not run["attn"].isnan().any() and not run["out"].isnan().any()
+    q = run["qkv"].view(HEADS + 2 * KV_HEADS, HEAD_DIM)[:HEADS].float()
+    cache = layer.context.view(2, -1, KV_HEADS, HEAD_DIM)[:, : SLOT + 1].float().clone()
+    cache[:, SLOT] = run["kv_slot"].float()
+    keys, values = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in cache)  # [tokens, heads, dim]
+    scores = torch.einsum("hd,thd->ht", q, keys) * HEAD_DIM**-0.5
+    expected = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
+    torch.testing.assert_close(run["attn"][0].float(), expected, rtol=2e-2, atol=2e-2)
 
 
 def _torch_tail(layer: Layer, run: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -325,14 +386,19 @@ def _decode(model_dir: str, **engine_args) -> tuple[list[list[int]], list[list[d
     return tokens, logprobs
 
 
+@pytest.mark.parametrize("attention", ["0", "1"], ids=["", "pdl_attention"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_decode_steps_are_bit_identical_with_pdl(tiny_llama, enforce_eager, quantization, monkeypatch, pdl_launches):
+def test_decode_steps_are_bit_identical_with_pdl(
+    tiny_llama, enforce_eager, quantization, attention, monkeypatch, pdl_launches
+):
     args = dict(dtype="bfloat16", enforce_eager=enforce_eager, quantization=quantization)
     monkeypatch.setenv("ZLLM_PDL", "0")
+    monkeypatch.setenv("ZLLM_PDL_ATTENTION", "0")
     tokens, logprobs = _decode(tiny_llama, **args)
     assert not pdl_launches
     monkeypatch.setenv("ZLLM_PDL", "1")
+    monkeypatch.setenv("ZLLM_PDL_ATTENTION", attention)
     tokens_pdl, logprobs_pdl = _decode(tiny_llama, **args)
     assert pdl_launches
     assert tokens_pdl == tokens

@@ -266,6 +266,10 @@ def paged_attention_decode(
         np.float32(softcap * math.log2(math.e) if softcap else 0.0),
     )
     grid = (parts, kv_heads * num_chunks, batch)
+    # ZLLM_PDL_ATTENTION: the decode kernels and the reduce wait for the kernel before them
+    # (csrc/attention.cuh ZLLM_DECODE_ATTENTION_PDL_WAIT), so the next one (the o projection's
+    # GEMV at batch 1) can launch early and load its first weights while attention runs.
+    pdl = envs.ZLLM_PDL_ATTENTION
     if build is None:
         build = envs.ZLLM_DECODE_ATTENTION
     elif build not in envs.DECODE_ATTENTION_BUILDS:
@@ -278,14 +282,14 @@ def paged_attention_decode(
         shared = pipe_shared_bytes(head_dim, kv_cache.element_size(), stages)
         if shared > _STATIC_SHARED_LIMIT:
             allow_shared_memory("attention_kernels", kernel, device, shared)
-        launch("attention_kernels", kernel, device, grid, (_ATTN_THREADS,), args, shared_mem=shared)
+        launch("attention_kernels", kernel, device, grid, (_ATTN_THREADS,), args, shared_mem=shared, pdl=pdl)
     else:
         # The plain kernels have no registers to spare for a window or a cap: their own families,
         # in a module of their own.
         family = "_cap" if softcap else "_win" if window else ""
         kernel = f"paged_attention_decode_{suffix}{variant}{family}_d{head_dim}_g{chunk}"
         module = "attention_window_kernels" if family else "attention_kernels"
-        launch(module, kernel, device, grid, (_ATTN_THREADS,), args)
+        launch(module, kernel, device, grid, (_ATTN_THREADS,), args, pdl=pdl)
     if parts > 1:
         reduce_args = (
             ptr(out),
@@ -308,5 +312,6 @@ def paged_attention_decode(
             (head_dim,),
             reduce_args,
             shared_mem=parts * 4,
+            pdl=pdl,
         )
     return out
