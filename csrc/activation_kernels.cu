@@ -17,23 +17,9 @@
 //   so any block size gives the _vec kernel's bits.
 // Every kernel here waits for the previous kernel first (programmatic dependent launch,
 // common.cuh); the shrink's A is a weight, x and the slots are read after the wait.
-#include "common.cuh"
+#include "common.cuh"  // Act and activation(): gemv_kernels.cu's fused gate_up epilogue shares them
 
 namespace zllm {
-
-enum class Act { kSilu, kGeluTanh };
-
-template <Act kAct>
-__device__ __forceinline__ float activation(float g) {
-  if constexpr (kAct == Act::kSilu) {
-    return g / (1.f + expf(-g));
-  } else {
-    constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi), as PyTorch's M_SQRT2 * M_2_SQRTPI / 2
-    constexpr float kKappa = 0.044715f;
-    const float inner = kBeta * (g + kKappa * (g * g * g));
-    return 0.5f * g * (1.f + tanhf(inner));
-  }
-}
 
 template <typename T, int kVec, Act kAct>
 __device__ __forceinline__ void act_and_mul_impl(T* __restrict__ out, const T* x, int d,

@@ -319,4 +319,20 @@ __device__ __forceinline__ void shrink_store(const float (&acc)[kCols], bool shr
   }
 }
 
+// ---- gated activations (activation_kernels.cu; gemv_kernels.cu's fused gate_up epilogue) ------------
+// One definition for both, so the fused launch computes each bit as silu_and_mul does.
+enum class Act { kSilu, kGeluTanh };
+
+template <Act kAct>
+__device__ __forceinline__ float activation(float g) {
+  if constexpr (kAct == Act::kSilu) {
+    return g / (1.f + expf(-g));
+  } else {
+    constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi), as PyTorch's M_SQRT2 * M_2_SQRTPI / 2
+    constexpr float kKappa = 0.044715f;
+    const float inner = kBeta * (g + kKappa * (g * g * g));
+    return 0.5f * g * (1.f + tanhf(inner));
+  }
+}
+
 }  // namespace zllm

@@ -456,6 +456,77 @@ ZLLM_GEMV_FP8(gemv_fp8_bf16_r2u4, __nv_bfloat16, false, 2, 4)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u1, __nv_bfloat16, false, 4, 1)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u2, __nv_bfloat16, false, 4, 2)
 
+// gemv_fp8_<T>_<act>_and_mul (silu, gelu_tanh): a gate_up projection with its gated activation in
+// the epilogue, y[i] = to_T(to_T(act(g)) * u) for i < d, where g and u are rows i and d + i of the
+// product (weights [2 d, K]: the gate's rows, then the up's; per-row scales; bias [2 d] or null),
+// each rounded to T as gemv_fp8_<T> stores it. So y is bit for bit what gemv_fp8_<T> then
+// <act>_and_mul_<T> (activation_kernels.cu) write, and a batch-1 decode step launches one kernel
+// fewer a layer and never writes the product. A warp takes one i: its two rows with
+// gemv_fp8_<T>'s loads and per-row summation order (each 16 activations loaded once serve both).
+namespace zllm {
+
+template <typename T, Act kAct>
+__device__ __forceinline__ void gemv_fp8_act_and_mul_impl(T* __restrict__ y, const T* x,
+                                                          const unsigned char* __restrict__ w,
+                                                          const float* __restrict__ scale,
+                                                          const T* __restrict__ bias, int d, int k) {
+  constexpr int kRows = 2;
+  constexpr int kUnroll = ZLLM_FP8_GEMV_UNROLL;
+  const int lane = threadIdx.x & 31;
+  const int i = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
+  pdl_launch_dependents();  // PDL: as gemv_fp8_impl
+  if (i >= d) {
+    pdl_wait();
+    return;
+  }
+  const int units = k / 16;
+  const uint4* w16[kRows] = {reinterpret_cast<const uint4*>(w + static_cast<i64>(i) * k),
+                             reinterpret_cast<const uint4*>(w + static_cast<i64>(d + i) * k)};
+  float acc[kRows] = {0.f, 0.f};
+  int u = lane;
+  const bool first_round = kPdlArch && u + 32 * (kUnroll - 1) < units;
+  uint4 wv[kRows][kUnroll];
+  if (first_round) fp8_weight_round(wv, w16, u);
+  pdl_wait();
+  if (first_round) {
+    fp8_round_products<T, false>(acc, wv, x, nullptr, u);
+    u += 32 * kUnroll;
+  }
+  for (; u + 32 * (kUnroll - 1) < units; u += 32 * kUnroll) {
+    fp8_weight_round(wv, w16, u);
+    fp8_round_products<T, false>(acc, wv, x, nullptr, u);
+  }
+  for (; u < units; u += 32) {
+    float xf[16];
+    load_floats<T, 16>(x + 16 * u, xf);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc[r] = acc[r] + dot_fp8x16(__ldcs(w16[r] + u), xf);
+  }
+  const float gate_sum = warp_sum(acc[0]);
+  const float up_sum = warp_sum(acc[1]);
+  if (lane != 0) return;
+  const float gate_scaled = gate_sum * scale[i];
+  const float up_scaled = up_sum * scale[d + i];
+  const float gate = round_to<T>(bias == nullptr ? gate_scaled : gate_scaled + to_float<T>(bias[i]));
+  const float up = round_to<T>(bias == nullptr ? up_scaled : up_scaled + to_float<T>(bias[d + i]));
+  y[i] = from_float<T>(round_to<T>(activation<kAct>(gate)) * up);
+}
+
+}  // namespace zllm
+
+#define ZLLM_GEMV_FP8_ACT_AND_MUL(NAME, T, ACT)                                                     \
+  extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) NAME(                          \
+      T* __restrict__ y, const T* x, const unsigned char* __restrict__ w,                         \
+      const float* __restrict__ scale, const T* __restrict__ bias, int d, int k) {                \
+    zllm::gemv_fp8_act_and_mul_impl<T, ACT>(y, x, w, scale, bias, d, k);                          \
+  }
+#define ZLLM_GEMV_FP8_ACT_AND_MUL_DTYPE(SUFFIX, T)                                                  \
+  ZLLM_GEMV_FP8_ACT_AND_MUL(gemv_fp8_##SUFFIX##_silu_and_mul, T, zllm::Act::kSilu)                 \
+  ZLLM_GEMV_FP8_ACT_AND_MUL(gemv_fp8_##SUFFIX##_gelu_tanh_and_mul, T, zllm::Act::kGeluTanh)
+ZLLM_GEMV_FP8_ACT_AND_MUL_DTYPE(f32, float)
+ZLLM_GEMV_FP8_ACT_AND_MUL_DTYPE(f16, __half)
+ZLLM_GEMV_FP8_ACT_AND_MUL_DTYPE(bf16, __nv_bfloat16)
+
 // ---- FP8 weights, second generation (issue 40): rows split over warps, tensor cores ----------------
 // Two more layouts of the same product (bf16 activations, E4M3 weights, per-row scales), picked by
 // ZLLM_FP8_GEMV (zllm/workers/kernels/matvec.py) for the A/B; gemv_fp8_impl above stays the default.

@@ -174,6 +174,12 @@ SETTINGS: dict[str, Setting] = {
             "0: the batch-1 decode kernels launch as before, not with programmatic dependent launch (sm_90+; A/B switch).",
         ),
         Setting(
+            "ZLLM_FUSED_ACT_GEMV",
+            _switch,
+            True,
+            "0: at batch 1 an FP8 gate_up projection and its gated activation run as two kernels, not one (A/B switch).",
+        ),
+        Setting(
             "ZLLM_PDL_ATTENTION",
             _switch,
             False,

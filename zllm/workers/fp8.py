@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from zllm import envs
 from zllm.quantization import BLOCK
 from zllm.workers import ops
 
@@ -185,6 +186,36 @@ def fp8_linear(
         out_dtype=torch.bfloat16,
     )
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+
+def fp8_linear_act_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: bool,
+    bias: torch.Tensor | None,
+    gelu: bool,
+) -> torch.Tensor | None:
+    """A gate_up projection (weight [2d, K]: the gate's rows, then the up's) and its gated
+    activation in one csrc launch for one CUDA row with per-row scales (ZLLM_FUSED_ACT_GEMV: the
+    batch-1 decode step's MLP, one kernel fewer a layer); None where that launch does not take it
+    (the caller runs fp8_linear and the activation), which gives the same bits."""
+    global _kernels
+    if x.shape[0] != 1 or block or not x.is_cuda or not ops.GEMV_ENABLED or not envs.ZLLM_FUSED_ACT_GEMV:
+        return None
+    if _kernels is None:
+        from zllm.workers import kernels as _kernels
+    n = weight.shape[0]
+    # Only where the unfused product would take fp8_gemv's default build (the fused one shares its
+    # loads and order): another ZLLM_FP8_GEMV build sums in another order.
+    if n % 2 or not _kernels.fp8_gemv_supported(x, weight, weight_scale) or tuple(weight_scale.shape) != (n, 1):
+        return None
+    from zllm.workers.kernels.matvec import fp8_gemv_variant_for
+
+    if x.dtype == torch.bfloat16 and fp8_gemv_variant_for(n):
+        return None
+    out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
+    return _kernels.fp8_gemv_act_and_mul(out, x, weight, weight_scale, bias, gelu=gelu)
 
 
 # cuBLASLt refuses block-scaled GEMMs of very few rows (CUBLAS_STATUS_NOT_SUPPORTED at 2 on the

@@ -14,7 +14,7 @@ from torch import nn
 
 from zllm.partition import Span
 from zllm.quantization import BLOCK, QuantSpec
-from zllm.workers.fp8 import E4M3, fp8_linear, quantize_blocks, quantize_rows
+from zllm.workers.fp8 import E4M3, fp8_linear, fp8_linear_act_and_mul, quantize_blocks, quantize_rows
 from zllm.workers.ops import linear
 
 
@@ -82,6 +82,13 @@ class DenseWeights:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, layer.weight, bias)
 
+    def apply_act_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gelu: bool
+    ) -> torch.Tensor | None:
+        """A gate_up product with its activation in one launch: none for dense weights (the
+        caller applies and activates)."""
+        return None
+
 
 def weights_for(quant: QuantSpec | None) -> DenseWeights | Fp8Weights:
     return DenseWeights() if quant is None else Fp8Weights(quant)
@@ -129,6 +136,12 @@ class Fp8Weights:
             self.spec.block,
             bias,
         )
+
+    def apply_act_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gelu: bool
+    ) -> torch.Tensor | None:
+        """act(gate) * up of a gate_up layer in one launch where fp8_linear_act_and_mul takes it, else None."""
+        return fp8_linear_act_and_mul(x, layer.weight, self.weight_scale(layer), self.spec.block, bias, gelu)
 
     def load_target(self, layer: nn.Module, name: str, region: WeightRegion) -> LoadTarget:
         scale = self.weight_scale(layer).data

@@ -97,6 +97,14 @@ class ColumnParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._project(x, self.bias)
 
+    def act_and_mul(self, x: torch.Tensor, gelu: bool) -> torch.Tensor | None:
+        """act(gate) * up of a gate_up layer (two parts of equal rows) in the product's own launch
+        (Fp8Weights.apply_act_and_mul; silu, or gelu with the tanh approximation), or None where
+        no such launch takes it: the caller then projects and activates, with the same bits."""
+        if self.lora is not None or self.num_parts != 2 or self.parts[0].span.count != self.parts[1].span.count:
+            return None
+        return self.weights.apply_act_and_mul(self, x, self.bias, gelu)
+
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if shard is None:
             if len(self.parts) != 1:

@@ -22,6 +22,7 @@ ops.linear_lora_reference (the above plus LoRA's  matvec.gemv / gemv_rows(out, x
   expand for each row's slot, one rounding)         slots, part_ends))
 fp8.quantize_rows, fp8.quantize_groups           quant.quant_fp8_rows, quant.quant_fp8_groups
 layers.silu_and_mul(x)                           activation.silu_and_mul(out, x)
+FP8 gate_up of one row x, then the activation    matvec.fp8_gemv_act_and_mul(out, x, w8, scale, b, gelu)
 layers.gelu_tanh_and_mul(x)                      activation.gelu_tanh_and_mul(out, x)
 the above, then ops.lora_shrink                  activation.silu_and_mul_lora_shrink(out, t, x, a, slots),
   (decode rows; ZLLM_LORA_NORM_SHRINK)             activation.gelu_tanh_and_mul_lora_shrink (the same)
@@ -63,6 +64,7 @@ from zllm.workers.kernels.loader import KernelUnavailableError, cupy_available, 
 from zllm.workers.kernels.matvec import (
     LoRAEpilogue,
     fp8_gemv,
+    fp8_gemv_act_and_mul,
     fp8_gemv_supported,
     gemv,
     gemv_rows,
@@ -79,6 +81,7 @@ __all__ = [
     "attention_partitions",
     "attention_workspace_numel",
     "fp8_gemv",
+    "fp8_gemv_act_and_mul",
     "fp8_gemv_supported",
     "fused_add_rms_norm",
     "fused_add_rms_norm_lora_shrink",

@@ -459,3 +459,40 @@ def fp8_gemv(
     pdl = "_mma_" not in name
     launch("gemv_kernels", name, device, (-(-n // rows_per_block),), (128,), args, shared_mem=shared, pdl=pdl)
     return out
+
+
+def fp8_gemv_act_and_mul(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gelu: bool = False,
+) -> torch.Tensor:
+    """out [1, d] = act(g) * u, g and u the halves of x [1, K] @ (weight [2d, K] (E4M3) * scale)^T
+    (+ bias [2d]): a gate_up projection (the gate's rows, then the up's) and its gated activation
+    (silu, or gelu with the tanh approximation) in one launch, bit for bit what fp8_gemv's default
+    build then silu_and_mul / gelu_tanh_and_mul write. Per-row scales [2d, 1] only. Returns out."""
+    op = "fp8_gemv_act_and_mul"
+    device = check_cuda(op, out=out, x=x, weight=weight, scale=scale, bias=bias)
+    suffix = dtype_suffix(op, x, "x")
+    check_dtype(op, x.dtype, out=out, bias=bias)
+    n, k = weight.shape
+    if not fp8_gemv_supported(x, weight, scale) or tuple(scale.shape) != (n, 1) or n % 2:
+        fail(
+            op,
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} "
+            f"{scale.dtype}: need one contiguous row, an even number of contiguous 16-byte-aligned E4M3 rows "
+            f"of a multiple of 16, and fp32 scales per row [N, 1]",
+        )
+    d = n // 2
+    if tuple(out.shape) != (1, d) or not out.is_contiguous():
+        fail(op, f"out must be a contiguous [1, {d}], got {tuple(out.shape)}")
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    if d == 0:
+        return out
+    name = f"gemv_fp8_{suffix}_{'gelu_tanh' if gelu else 'silu'}_and_mul"
+    args = (ptr(out), ptr(x), ptr(weight), ptr(scale), ptr(bias), np.int32(d), np.int32(k))
+    launch("gemv_kernels", name, device, (-(-d // _GEMV_WARPS),), (128,), args, pdl=True)
+    return out

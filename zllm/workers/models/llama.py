@@ -213,6 +213,9 @@ class LlamaMLP(nn.Module):
         self.act_and_mul = ops.gelu_tanh_and_mul if self.gelu else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.gate_up_proj.act_and_mul(x, self.gelu) if self.down_proj.lora is None else None
+        if fused is not None:  # FP8 at batch 1: the product and the activation in one launch
+            return self.down_proj(fused)
         gate_up = self.gate_up_proj(x)
         lora = self.down_proj.lora
         if lora is not None and lora.act_shrinks(gate_up):  # ZLLM_LORA_NORM_SHRINK at decode

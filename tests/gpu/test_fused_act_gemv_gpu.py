@@ -1,0 +1,175 @@
+"""The FP8 gate_up GEMV with the gated activation in its epilogue (csrc/gemv_kernels.cu
+gemv_fp8_<T>_<act>_and_mul, ZLLM_FUSED_ACT_GEMV): bit for bit what the two kernels it replaces
+write (fp8_gemv's default build, then silu_and_mul / gelu_tanh_and_mul), eager and in a CUDA
+graph, and the decode steps of an FP8 model the same with it on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zllm.workers import kernels
+from zllm.workers.fp8 import dequantize, fp8_linear_act_and_mul, quantize_rows
+from zllm.workers.kernels import matvec
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernels.is_available(), reason="needs a CUDA GPU and CuPy")]
+
+# (d, K): Llama-3-8B's gate_up at tp 1 and 70B's at tp 4; d not a multiple of a block's 4 warps;
+# K of 17 and 37 units (not whole rounds of 2 units a lane: the tail loop).
+SHAPES = [(14336, 4096), (7168, 8192), (1030, 576), (3, 272), (515, 16 * 37)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def _operands(d: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, scale = quantize_rows(torch.randn(2 * d, k, generator=g, device="cuda") * 0.05)
+    x = torch.randn(1, k, generator=g, device="cuda").to(dtype)
+    b = (torch.randn(2 * d, generator=g, device="cuda") * 0.5).to(dtype) if bias else None
+    return x, q, scale.contiguous(), b
+
+
+def _two_kernels(x, q, scale, bias, gelu):
+    """What a step runs without the switch: the default FP8 GEMV, then the activation kernel."""
+    gate_up = torch.empty(1, q.shape[0], dtype=x.dtype, device="cuda")
+    kernels.fp8_gemv(gate_up, x, q, scale, bias, variant="" if x.dtype == torch.bfloat16 else None)
+    out = torch.empty(1, q.shape[0] // 2, dtype=x.dtype, device="cuda")
+    (kernels.gelu_tanh_and_mul if gelu else kernels.silu_and_mul)(out, gate_up)
+    return out
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("d", "k"), SHAPES, ids=[f"{d}x{k}" for d, k in SHAPES])
+def test_fused_act_gemv_equals_the_two_kernels_bit_for_bit(d, k, dtype, bias, gelu):
+    x, q, scale, b = _operands(d, k, dtype, bias)
+    fused = torch.full((1, d), float("nan"), dtype=dtype, device="cuda")
+    kernels.fp8_gemv_act_and_mul(fused, x, q, scale, b, gelu=gelu)
+    expected = _two_kernels(x, q, scale, b, gelu)
+    assert not expected.isnan().any()
+    assert torch.equal(_bits(fused), _bits(expected))
+    # and both near float64 (a check that the pair is the right pair of rows, not only the same bits)
+    gate_up = x.double() @ dequantize(q, scale, False).double().t()
+    if b is not None:
+        gate_up = gate_up + b.double()
+    gate, up = gate_up[:, :d], gate_up[:, d:]
+    act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)
+    reference = act * up
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(fused.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+
+
+def test_fused_act_gemv_replays_in_a_cuda_graph():
+    d, k = 1030, 4096 + 16 * 3
+    x, q, scale, b = _operands(d, k, torch.bfloat16, True, seed=1)
+    out = torch.empty(1, d, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kernels.fp8_gemv_act_and_mul(out, x, q, scale, b)  # loads the module outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            kernels.fp8_gemv_act_and_mul(out, x, q, scale, b)
+    x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(out), _bits(_two_kernels(x, q, scale, b, False)))
+
+
+def test_fused_act_gemv_refuses_what_it_does_not_take():
+    x, q, scale, _ = _operands(8, 64, torch.bfloat16, False)
+    out = torch.empty(1, 8, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="even number"):
+        kernels.fp8_gemv_act_and_mul(torch.empty(1, 7, dtype=torch.bfloat16, device="cuda"), x, q[:15], scale[:15])
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.fp8_gemv_act_and_mul(out[:, :4], x, q, scale)
+    with pytest.raises(ValueError, match="bias must be"):
+        kernels.fp8_gemv_act_and_mul(out, x, q, scale, torch.zeros(8, dtype=torch.bfloat16, device="cuda"))
+
+
+def test_fp8_linear_act_and_mul_follows_the_switches(monkeypatch):
+    """The layer's entry point launches the fused kernel for one row with per-row scales and the
+    default build, and hands back None (the caller's two kernels) for the switch off, more rows,
+    tiles, or another ZLLM_FP8_GEMV build."""
+    x, q, scale, b = _operands(64, 256, torch.bfloat16, True, seed=2)
+    monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "1")
+    out = fp8_linear_act_and_mul(x, q, scale, False, b, gelu=False)
+    assert out is not None and torch.equal(_bits(out), _bits(_two_kernels(x, q, scale, b, False)))
+    assert fp8_linear_act_and_mul(torch.cat([x, x]), q, scale, False, b, gelu=False) is None
+    assert fp8_linear_act_and_mul(x, q, scale, True, b, gelu=False) is None
+    monkeypatch.setattr(matvec, "FP8_GEMV_VARIANT", "_split")
+    assert fp8_linear_act_and_mul(x, q, scale, False, b, gelu=False) is None
+    monkeypatch.setattr(matvec, "FP8_GEMV_VARIANT", "")
+    monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "0")
+    assert fp8_linear_act_and_mul(x, q, scale, False, b, gelu=False) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    from tests.helpers.models import save_tiny_model
+
+    shape = dict(
+        vocab_size=256,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+    )
+    llama = tmp_path_factory.mktemp("fused-act-llama")
+    save_tiny_model(llama, "llama", **shape)
+    gemma2 = tmp_path_factory.mktemp("fused-act-gemma2")  # GeGLU (gelu_pytorch_tanh)
+    save_tiny_model(gemma2, "gemma2", **shape)
+    return {"llama": str(llama), "gemma2": str(gemma2)}
+
+
+PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 40, 41, 42, 7], [64]]
+
+
+def _decode(model_dir: str, **engine_args):
+    """Batch-1 decode (one sequence at a time): greedy tokens and their top-5 logprobs."""
+    from zllm import LLM, SamplingParams
+
+    llm = LLM(model_dir, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=1, max_model_len=256, **engine_args)
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_fp8_decode_steps_are_bit_identical_with_the_fused_gate_up(tiny_models, arch, enforce_eager, monkeypatch):
+    launched: list[str] = []
+    launch = matvec.launch
+
+    def recorded(module, name, *args, **kwargs):
+        launched.append(name)
+        return launch(module, name, *args, **kwargs)
+
+    monkeypatch.setattr(matvec, "launch", recorded)
+    args = dict(dtype="bfloat16", enforce_eager=enforce_eager, quantization="fp8")
+    monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "0")
+    tokens, logprobs = _decode(tiny_models[arch], **args)
+    assert not any(name.endswith("_and_mul") for name in launched)
+    launched.clear()
+    monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "1")
+    tokens_fused, logprobs_fused = _decode(tiny_models[arch], **args)
+    act = "gelu_tanh" if arch == "gemma2" else "silu"
+    assert f"gemv_fp8_bf16_{act}_and_mul" in launched
+    assert tokens_fused == tokens
+    assert logprobs_fused == logprobs
