@@ -24,6 +24,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "rope.cuh"  // the q/k/v epilogue (below) rotates and stores as rotary_embedding_and_cache
 
 namespace zllm {
 
@@ -455,77 +456,6 @@ ZLLM_GEMV_FP8(gemv_fp8_bf16_r2u2, __nv_bfloat16, false, 2, 2)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r2u4, __nv_bfloat16, false, 2, 4)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u1, __nv_bfloat16, false, 4, 1)
 ZLLM_GEMV_FP8(gemv_fp8_bf16_r4u2, __nv_bfloat16, false, 4, 2)
-
-// gemv_fp8_<T>_<act>_and_mul (silu, gelu_tanh): a gate_up projection with its gated activation in
-// the epilogue, y[i] = to_T(to_T(act(g)) * u) for i < d, where g and u are rows i and d + i of the
-// product (weights [2 d, K]: the gate's rows, then the up's; per-row scales; bias [2 d] or null),
-// each rounded to T as gemv_fp8_<T> stores it. So y is bit for bit what gemv_fp8_<T> then
-// <act>_and_mul_<T> (activation_kernels.cu) write, and a batch-1 decode step launches one kernel
-// fewer a layer and never writes the product. A warp takes one i: its two rows with
-// gemv_fp8_<T>'s loads and per-row summation order (each 16 activations loaded once serve both).
-namespace zllm {
-
-template <typename T, Act kAct>
-__device__ __forceinline__ void gemv_fp8_act_and_mul_impl(T* __restrict__ y, const T* x,
-                                                          const unsigned char* __restrict__ w,
-                                                          const float* __restrict__ scale,
-                                                          const T* __restrict__ bias, int d, int k) {
-  constexpr int kRows = 2;
-  constexpr int kUnroll = ZLLM_FP8_GEMV_UNROLL;
-  const int lane = threadIdx.x & 31;
-  const int i = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
-  pdl_launch_dependents();  // PDL: as gemv_fp8_impl
-  if (i >= d) {
-    pdl_wait();
-    return;
-  }
-  const int units = k / 16;
-  const uint4* w16[kRows] = {reinterpret_cast<const uint4*>(w + static_cast<i64>(i) * k),
-                             reinterpret_cast<const uint4*>(w + static_cast<i64>(d + i) * k)};
-  float acc[kRows] = {0.f, 0.f};
-  int u = lane;
-  const bool first_round = kPdlArch && u + 32 * (kUnroll - 1) < units;
-  uint4 wv[kRows][kUnroll];
-  if (first_round) fp8_weight_round(wv, w16, u);
-  pdl_wait();
-  if (first_round) {
-    fp8_round_products<T, false>(acc, wv, x, nullptr, u);
-    u += 32 * kUnroll;
-  }
-  for (; u + 32 * (kUnroll - 1) < units; u += 32 * kUnroll) {
-    fp8_weight_round(wv, w16, u);
-    fp8_round_products<T, false>(acc, wv, x, nullptr, u);
-  }
-  for (; u < units; u += 32) {
-    float xf[16];
-    load_floats<T, 16>(x + 16 * u, xf);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r] = acc[r] + dot_fp8x16(__ldcs(w16[r] + u), xf);
-  }
-  const float gate_sum = warp_sum(acc[0]);
-  const float up_sum = warp_sum(acc[1]);
-  if (lane != 0) return;
-  const float gate_scaled = gate_sum * scale[i];
-  const float up_scaled = up_sum * scale[d + i];
-  const float gate = round_to<T>(bias == nullptr ? gate_scaled : gate_scaled + to_float<T>(bias[i]));
-  const float up = round_to<T>(bias == nullptr ? up_scaled : up_scaled + to_float<T>(bias[d + i]));
-  y[i] = from_float<T>(round_to<T>(activation<kAct>(gate)) * up);
-}
-
-}  // namespace zllm
-
-#define ZLLM_GEMV_FP8_ACT_AND_MUL(NAME, T, ACT)                                                     \
-  extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) NAME(                          \
-      T* __restrict__ y, const T* x, const unsigned char* __restrict__ w,                         \
-      const float* __restrict__ scale, const T* __restrict__ bias, int d, int k) {                \
-    zllm::gemv_fp8_act_and_mul_impl<T, ACT>(y, x, w, scale, bias, d, k);                          \
-  }
-#define ZLLM_GEMV_FP8_ACT_AND_MUL_DTYPE(SUFFIX, T)                                                  \
-  ZLLM_GEMV_FP8_ACT_AND_MUL(gemv_fp8_##SUFFIX##_silu_and_mul, T, zllm::Act::kSilu)                 \
-  ZLLM_GEMV_FP8_ACT_AND_MUL(gemv_fp8_##SUFFIX##_gelu_tanh_and_mul, T, zllm::Act::kGeluTanh)
-ZLLM_GEMV_FP8_ACT_AND_MUL_DTYPE(f32, float)
-ZLLM_GEMV_FP8_ACT_AND_MUL_DTYPE(f16, __half)
-ZLLM_GEMV_FP8_ACT_AND_MUL_DTYPE(bf16, __nv_bfloat16)
 
 // ---- FP8 weights, second generation (issue 40): rows split over warps, tensor cores ----------------
 // Two more layouts of the same product (bf16 activations, E4M3 weights, per-row scales), picked by
@@ -1130,3 +1060,263 @@ ZLLM_GEMV_ROWS_MMA_DTYPE(bf16, __nv_bfloat16)
 ZLLM_GEMV_ROWS_FMA_DTYPE(f32, float)
 ZLLM_GEMV_ROWS_FMA_DTYPE(f16, __half)
 ZLLM_GEMV_ROWS_FMA_DTYPE(bf16, __nv_bfloat16)
+
+// ---- Pairs of rows with an epilogue: gate_up + activation, q/k/v + rotary + KV cache ------------
+// A batch-1 decode layer runs its gate_up GEMV and then the gated activation, and its q/k/v GEMV
+// and then the rotary + cache kernel. Each second kernel reads pairs of the first's output
+// rows (gate i and up i; a head's dims i and i + D/2) and nothing else of it, so the GEMV can
+// compute both rows of a pair and finish the job in its epilogue: one launch a layer fewer for
+// each, and the product never goes through memory. The sums are the unfused GEMV's, to the bit
+// (the same loads, split and order per row), rounded to T as it stores them; the epilogue then
+// computes what the second kernel would from those rounded values, with the same functions.
+//
+//   gemv_fp8_<T>_<epi>            FP8 weights, per-row scales: a warp a pair (gemv_fp8_<T>'s rows:
+//                                 2 loads of 16 bytes a lane a round each)
+//   gemv_<T>_s<S>_b6_<epi>        dense weights: 2 S warps a pair, S warps a row as gemv_<T>_s<S>_b6
+//                                 (gemv_split's S from K); 4 warps a block (two pairs at S = 1, one
+//                                 at S = 2), 8 at S = 4, and 6 (3) blocks an SM: 24 warps, as b6
+//   <epi>: silu_and_mul, gelu_tanh_and_mul (ActPairs); rope_cache (RopeCachePairs, C = T) and
+//   rope_cache_kvfp8 (an FP8 cache).
+namespace zllm {
+
+// gate_up [2 d, K] -> y [d] = to_T(to_T(act(g)) * u): pair i is rows i and d + i
+// (activation_kernels.cu's act_and_mul on the stored product).
+template <typename T, Act kAct>
+struct ActPairs {
+  T* y;
+  int d;
+  __device__ __forceinline__ int pairs() const { return d; }
+  __device__ __forceinline__ int row1(int p) const { return p; }
+  __device__ __forceinline__ int row2(int p) const { return d + p; }
+  __device__ __forceinline__ void finish(int p, T g, T u) const {
+    y[p] = from_float<T>(round_to<T>(activation<kAct>(to_float<T>(g))) * to_float<T>(u));
+  }
+};
+
+// q/k/v [(H + 2 KVH) D, K] -> the product y [(H + 2 KVH) D] with q and k rotated in place, and k
+// and v stored at the token's slot of the paged cache: rotary_embedding_and_cache (full rotary,
+// rot_dim = D, one token) on the stored product. Pair p is dims i and i + D/2 of head p / (D/2)
+// (q's heads, then k's, then v's).
+template <typename T, typename C>
+struct RopeCachePairs {
+  T* y;
+  const i64* positions;  // [1]
+  const float* cos_cache;  // [max_pos, D / 2]
+  const float* sin_cache;
+  C* k_cache;  // [num_slots, KVH, D]
+  C* v_cache;
+  const i64* slot_mapping;  // [1]
+  int num_heads, num_kv_heads, head_dim;
+  i64 max_pos, num_slots;
+  float inv_k_scale, inv_v_scale;
+
+  __device__ __forceinline__ int pairs() const { return (num_heads + 2 * num_kv_heads) * (head_dim / 2); }
+  __device__ __forceinline__ int row1(int p) const {
+    const int half = head_dim / 2;
+    return (p / half) * head_dim + p % half;
+  }
+  __device__ __forceinline__ int row2(int p) const { return row1(p) + head_dim / 2; }
+  __device__ __forceinline__ void finish(int p, T x1, T x2) const {
+    const int half = head_dim / 2;
+    const int head = p / half;
+    const int i = p - head * half;
+    const bool is_v = head >= num_heads + num_kv_heads;
+    const i64 pos = positions[0];
+    T y1 = x1, y2 = x2;
+    if (!is_v && pos >= 0 && pos < max_pos) {
+      rotated<T>(to_float<T>(x1), to_float<T>(x2), cos_cache[pos * half + i], sin_cache[pos * half + i], y1, y2);
+    }
+    y[row1(p)] = y1;
+    y[row1(p) + half] = y2;
+    if (head < num_heads) return;
+    const i64 slot = slot_mapping[0];
+    if (slot < 0 || slot >= num_slots) return;  // padding (or a bad slot: never write outside)
+    const int kv_head = head - num_heads - (is_v ? num_kv_heads : 0);
+    C* cache = is_v ? v_cache : k_cache;
+    const float inv_scale = is_v ? inv_v_scale : inv_k_scale;
+    const i64 base = (slot * num_kv_heads + kv_head) * head_dim;
+    cache[base + i] = to_cache<C>(y1, inv_scale);
+    cache[base + i + half] = to_cache<C>(y2, inv_scale);
+  }
+};
+
+template <typename T, typename Epi>
+__device__ __forceinline__ void gemv_fp8_pairs_impl(const T* x, const unsigned char* __restrict__ w,
+                                                    const float* __restrict__ scale,
+                                                    const T* __restrict__ bias, int k, const Epi& epi) {
+  constexpr int kRows = 2;
+  constexpr int kUnroll = ZLLM_FP8_GEMV_UNROLL;
+  const int lane = threadIdx.x & 31;
+  const int p = blockIdx.x * kGemvWarps + (threadIdx.x >> 5);
+  pdl_launch_dependents();  // PDL: as gemv_fp8_impl
+  if (p >= epi.pairs()) {
+    pdl_wait();
+    return;
+  }
+  const int rows[kRows] = {epi.row1(p), epi.row2(p)};
+  const int units = k / 16;
+  const uint4* w16[kRows] = {reinterpret_cast<const uint4*>(w + static_cast<i64>(rows[0]) * k),
+                             reinterpret_cast<const uint4*>(w + static_cast<i64>(rows[1]) * k)};
+  float acc[kRows] = {0.f, 0.f};
+  int u = lane;
+  const bool first_round = kPdlArch && u + 32 * (kUnroll - 1) < units;
+  uint4 wv[kRows][kUnroll];
+  if (first_round) fp8_weight_round(wv, w16, u);
+  pdl_wait();
+  if (first_round) {
+    fp8_round_products<T, false>(acc, wv, x, nullptr, u);
+    u += 32 * kUnroll;
+  }
+  for (; u + 32 * (kUnroll - 1) < units; u += 32 * kUnroll) {
+    fp8_weight_round(wv, w16, u);
+    fp8_round_products<T, false>(acc, wv, x, nullptr, u);
+  }
+  for (; u < units; u += 32) {
+    float xf[16];
+    load_floats<T, 16>(x + 16 * u, xf);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc[r] = acc[r] + dot_fp8x16(__ldcs(w16[r] + u), xf);
+  }
+  float total[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) total[r] = warp_sum(acc[r]);
+  if (lane != 0) return;
+  T stored[kRows];  // what gemv_fp8_<T> stores for the two rows
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float scaled = total[r] * scale[rows[r]];
+    stored[r] = from_float<T>(bias == nullptr ? scaled : scaled + to_float<T>(bias[rows[r]]));
+  }
+  epi.finish(p, stored[0], stored[1]);
+}
+
+template <int kSplit>
+struct PairBlock {
+  static constexpr int kPairWarps = 2 * kSplit;
+  static constexpr int kWarps = kPairWarps < kGemvWarps ? kGemvWarps : kPairWarps;
+  static constexpr int kPairs = kWarps / kPairWarps;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kMinBlocks = 6 * kGemvWarps / kWarps;
+};
+
+template <typename T, int kUnroll, int kSplit, typename Epi>
+__device__ __forceinline__ void gemv_split_pairs_impl(const T* x, const T* __restrict__ w,
+                                                      const T* __restrict__ bias, int k, const Epi& epi) {
+  using Block = PairBlock<kSplit>;
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  __shared__ float partial[Block::kWarps];
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int n_pairs = epi.pairs();
+  const int p = blockIdx.x * Block::kPairs + warp / Block::kPairWarps;  // may pass n_pairs: computed, not stored
+  const int pc = imin(p, n_pairs - 1);
+  const bool second = (warp / kSplit) % 2 == 1;  // the pair's second row
+  const int row = second ? epi.row2(pc) : epi.row1(pc);
+  const int units = k / kVec;
+  const int span = ((units + kSplit - 1) / kSplit + 31) / 32 * 32;
+  const int begin = imin((warp % kSplit) * span, units);
+  const int end = imin(begin + span, units);
+  const uint4* x16 = reinterpret_cast<const uint4*>(x);
+  const uint4* w16 = reinterpret_cast<const uint4*>(w + static_cast<i64>(row) * k);
+  float acc = 0.f;
+  // PDL: as gemv_split_impl, the first round of weights before the wait.
+  pdl_launch_dependents();
+  uint4 wv[kUnroll];
+  if (kPdlArch && begin < end) weight_round(wv, w16, begin, end, lane);
+  pdl_wait();
+  for (int base = begin; base < end; base += 32 * kUnroll) {
+    if (!kPdlArch || base != begin) weight_round(wv, w16, base, end, lane);
+    uint4 xv[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) xv[j] = x16[imin(base + lane + 32 * j, end - 1)];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const float dot = dot16<T>(wv[j], xv[j]);
+      acc += base + lane + 32 * j < end ? dot : 0.f;
+    }
+  }
+  const float total = warp_sum(acc);
+  if (lane == 0) partial[warp] = total;
+  __syncthreads();
+  if (lane != 0 || warp % Block::kPairWarps != 0 || p >= n_pairs) return;
+  // gemv_split_impl's sums: its one warp's total, or 0 plus each warp's, in order.
+  float sums[2] = {partial[warp], partial[warp + kSplit]};
+  if constexpr (kSplit > 1) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      sums[r] = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSplit; ++s) sums[r] += partial[warp + r * kSplit + s];
+    }
+  }
+  const int rows[2] = {epi.row1(p), epi.row2(p)};
+  T stored[2];  // what gemv_<T>_s<S>_b6 stores for the two rows
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    stored[r] = from_float<T>(bias == nullptr ? sums[r] : sums[r] + to_float<T>(bias[rows[r]]));
+  }
+  epi.finish(p, stored[0], stored[1]);
+}
+
+}  // namespace zllm
+
+// The entry points. Activation: (y, x, w[, scale], bias, d, k). Rotary + cache: (y, x, w[, scale],
+// bias, k, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+// head_dim, max_pos, num_slots, inv_k_scale, inv_v_scale).
+#define ZLLM_ROPE_PARAMS(T, C)                                                                    \
+  const long long *positions, const float *__restrict__ cos_cache,                               \
+      const float *__restrict__ sin_cache, C *__restrict__ k_cache, C *__restrict__ v_cache,     \
+      const long long *slot_mapping, int num_heads, int num_kv_heads, int head_dim,              \
+      long long max_pos, long long num_slots, float inv_k_scale, float inv_v_scale
+#define ZLLM_ROPE_EPI(T, C)                                                                       \
+  zllm::RopeCachePairs<T, C> {                                                                    \
+    y, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,  \
+        head_dim, max_pos, num_slots, inv_k_scale, inv_v_scale                                    \
+  }
+
+#define ZLLM_GEMV_FP8_ACT(SUFFIX, T, ACT_NAME, ACT)                                                 \
+  extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) gemv_fp8_##SUFFIX##_##ACT_NAME##_and_mul( \
+      T* __restrict__ y, const T* x, const unsigned char* __restrict__ w,                         \
+      const float* __restrict__ scale, const T* __restrict__ bias, int d, int k) {                \
+    zllm::gemv_fp8_pairs_impl<T>(x, w, scale, bias, k, zllm::ActPairs<T, ACT>{y, d});             \
+  }
+#define ZLLM_GEMV_FP8_ROPE(SUFFIX, T, C, CACHE)                                                     \
+  extern "C" __global__ void __launch_bounds__(zllm::kGemvThreads) gemv_fp8_##SUFFIX##_rope_cache##CACHE( \
+      T* __restrict__ y, const T* x, const unsigned char* __restrict__ w,                         \
+      const float* __restrict__ scale, const T* __restrict__ bias, int k, ZLLM_ROPE_PARAMS(T, C)) { \
+    zllm::gemv_fp8_pairs_impl<T>(x, w, scale, bias, k, ZLLM_ROPE_EPI(T, C));                      \
+  }
+#define ZLLM_GEMV_FP8_PAIRS_DTYPE(SUFFIX, T)                  \
+  ZLLM_GEMV_FP8_ACT(SUFFIX, T, silu, zllm::Act::kSilu)        \
+  ZLLM_GEMV_FP8_ACT(SUFFIX, T, gelu_tanh, zllm::Act::kGeluTanh) \
+  ZLLM_GEMV_FP8_ROPE(SUFFIX, T, T, )                          \
+  ZLLM_GEMV_FP8_ROPE(SUFFIX, T, zllm::fp8_t, _kvfp8)
+ZLLM_GEMV_FP8_PAIRS_DTYPE(f32, float)
+ZLLM_GEMV_FP8_PAIRS_DTYPE(f16, __half)
+ZLLM_GEMV_FP8_PAIRS_DTYPE(bf16, __nv_bfloat16)
+
+#define ZLLM_GEMV_PAIR_BOUNDS(SPLIT) \
+  __launch_bounds__(zllm::PairBlock<SPLIT>::kThreads, zllm::PairBlock<SPLIT>::kMinBlocks)
+#define ZLLM_GEMV_SPLIT_ACT(SUFFIX, T, SPLIT, ACT_NAME, ACT)                                        \
+  extern "C" __global__ void ZLLM_GEMV_PAIR_BOUNDS(SPLIT) gemv_##SUFFIX##_s##SPLIT##_b6_##ACT_NAME##_and_mul( \
+      T* __restrict__ y, const T* x, const T* __restrict__ w, const T* __restrict__ bias, int d, int k) { \
+    zllm::gemv_split_pairs_impl<T, 8, SPLIT>(x, w, bias, k, zllm::ActPairs<T, ACT>{y, d});        \
+  }
+#define ZLLM_GEMV_SPLIT_ROPE(SUFFIX, T, SPLIT, C, CACHE)                                            \
+  extern "C" __global__ void ZLLM_GEMV_PAIR_BOUNDS(SPLIT) gemv_##SUFFIX##_s##SPLIT##_b6_rope_cache##CACHE( \
+      T* __restrict__ y, const T* x, const T* __restrict__ w, const T* __restrict__ bias, int k,  \
+      ZLLM_ROPE_PARAMS(T, C)) {                                                                   \
+    zllm::gemv_split_pairs_impl<T, 8, SPLIT>(x, w, bias, k, ZLLM_ROPE_EPI(T, C));                 \
+  }
+#define ZLLM_GEMV_SPLIT_PAIRS(SUFFIX, T, SPLIT)                         \
+  ZLLM_GEMV_SPLIT_ACT(SUFFIX, T, SPLIT, silu, zllm::Act::kSilu)         \
+  ZLLM_GEMV_SPLIT_ACT(SUFFIX, T, SPLIT, gelu_tanh, zllm::Act::kGeluTanh) \
+  ZLLM_GEMV_SPLIT_ROPE(SUFFIX, T, SPLIT, T, )                           \
+  ZLLM_GEMV_SPLIT_ROPE(SUFFIX, T, SPLIT, zllm::fp8_t, _kvfp8)
+#define ZLLM_GEMV_SPLIT_PAIRS_DTYPE(SUFFIX, T) \
+  ZLLM_GEMV_SPLIT_PAIRS(SUFFIX, T, 1)          \
+  ZLLM_GEMV_SPLIT_PAIRS(SUFFIX, T, 2)          \
+  ZLLM_GEMV_SPLIT_PAIRS(SUFFIX, T, 4)
+ZLLM_GEMV_SPLIT_PAIRS_DTYPE(f32, float)
+ZLLM_GEMV_SPLIT_PAIRS_DTYPE(f16, __half)
+ZLLM_GEMV_SPLIT_PAIRS_DTYPE(bf16, __nv_bfloat16)

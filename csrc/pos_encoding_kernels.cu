@@ -24,28 +24,9 @@
 // thread past them owns two neighbouring dims past R (partial rotary: (D - R) / 2 threads); the
 // blocks of kv heads also store k (rotated) and v (dims i and i + D/2). All loads are issued
 // before the first use, so their latencies overlap.
-#include "common.cuh"
-#include "fp8.cuh"
+#include "rope.cuh"  // rotated(), to_cache(): shared with gemv_kernels.cu's q/k/v epilogue
 
 namespace zllm {
-
-// A rotated key or a value as the cache holds it: unchanged in a cache of T, else quantized.
-template <typename C, typename T>
-__device__ __forceinline__ C to_cache(T x, float inv_scale) {
-  if constexpr (sizeof(C) == 1) {
-    return to_e4m3(to_float<T>(x) * inv_scale);
-  } else {
-    return x;
-  }
-}
-
-// The pair (x1, x2) rotated by (c, s), rounded to T: the one formula both kernels use, with the
-// multiply-adds spelled out so that no compiler contraction choice makes the two kernels differ.
-template <typename T>
-__device__ __forceinline__ void rotated(float x1, float x2, float c, float s, T& y1, T& y2) {
-  y1 = from_float<T>(fmaf(x1, c, -__fmul_rn(x2, s)));
-  y2 = from_float<T>(fmaf(x2, c, __fmul_rn(x1, s)));
-}
 
 template <typename T>
 __device__ __forceinline__ void rotate_pair(T* head, int i, int half, float c, float s) {

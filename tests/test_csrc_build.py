@@ -36,6 +36,10 @@ def expected_entry_points() -> dict[str, set[str]]:
             names["gemv_kernels"] |= {f"gemv_{lora}{dt}_s{s}_b{b}" for s in (1, 2, 4) for b in (0, 4, 6)}
             names["gemv_kernels"] |= gemv_rows_entry_points(dt, lora)
         names["gemv_kernels"] |= {f"gemv_fp8_{dt}", f"gemv_fp8_{dt}_block"}
+        # The pairs of rows with an epilogue (matvec.gemv_act_and_mul, gemv_rope_cache and their FP8 forms).
+        epilogues = ("silu_and_mul", "gelu_tanh_and_mul", "rope_cache", "rope_cache_kvfp8")
+        names["gemv_kernels"] |= {f"gemv_fp8_{dt}_{epi}" for epi in epilogues}
+        names["gemv_kernels"] |= {f"gemv_{dt}_s{s}_b6_{epi}" for s in (1, 2, 4) for epi in epilogues}
         names["pos_encoding_kernels"] |= {f"rotary_embedding_{dt}", f"rotary_embedding_and_cache_{dt}"}
         names["moe_kernels"].add(f"moe_topk_softmax_{dt}")
         names["mla_kernels"] |= {f"mla_decode_{dt}_d576_v512"}

@@ -177,7 +177,13 @@ SETTINGS: dict[str, Setting] = {
             "ZLLM_FUSED_ACT_GEMV",
             _switch,
             True,
-            "0: at batch 1 an FP8 gate_up projection and its gated activation run as two kernels, not one (A/B switch).",
+            "0: at batch 1 a gate_up projection (FP8 or dense) and its gated activation run as two kernels, not one (A/B switch).",
+        ),
+        Setting(
+            "ZLLM_FUSED_ROPE_GEMV",
+            _switch,
+            True,
+            "0: at batch 1 the q/k/v projection, then rotary and the KV cache write, run as two kernels, not one (A/B switch).",
         ),
         Setting(
             "ZLLM_PDL_ATTENTION",

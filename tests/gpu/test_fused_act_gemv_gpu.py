@@ -1,16 +1,18 @@
-"""The FP8 gate_up GEMV with the gated activation in its epilogue (csrc/gemv_kernels.cu
-gemv_fp8_<T>_<act>_and_mul, ZLLM_FUSED_ACT_GEMV): bit for bit what the two kernels it replaces
-write (fp8_gemv's default build, then silu_and_mul / gelu_tanh_and_mul), eager and in a CUDA
-graph, and the decode steps of an FP8 model the same with it on and off."""
+"""The gate_up GEMVs with the gated activation in their epilogue (csrc/gemv_kernels.cu
+gemv_fp8_<T>_<act>_and_mul for FP8 weights, gemv_<T>_s<S>_b6_<act>_and_mul for dense ones;
+ZLLM_FUSED_ACT_GEMV): bit for bit what the two kernels each replaces write (the default GEMV
+build, then silu_and_mul / gelu_tanh_and_mul), eager and in a CUDA graph, and the decode steps of
+FP8 and bf16 models the same with the switch on and off."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from zllm.workers import kernels
+from zllm.workers import kernels, ops
 from zllm.workers.fp8 import dequantize, fp8_linear_act_and_mul, quantize_rows
 from zllm.workers.kernels import matvec
+from zllm.workers.kernels.matvec import gemv_split
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernels.is_available(), reason="needs a CUDA GPU and CuPy")]
 
@@ -61,6 +63,79 @@ def test_fused_act_gemv_equals_the_two_kernels_bit_for_bit(d, k, dtype, bias, ge
     reference = act * up
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(fused.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+
+
+# Dense shapes: the split GEMV's 1, 2 and 4 warps a row (bf16 K = 576, 4096, 8192; K past 4
+# rounds at 8200), odd d, K not a whole round.
+DENSE_SHAPES = [(14336, 4096), (7168, 8192), (1030, 576), (3, 272), (515, 16 * 37), (33, 8200)]
+
+
+def _dense_two_kernels(x, w, bias, gelu):
+    gate_up = torch.empty(1, w.shape[0], dtype=x.dtype, device="cuda")
+    kernels.gemv(gate_up, x, w, bias, variant="b6")
+    out = torch.empty(1, w.shape[0] // 2, dtype=x.dtype, device="cuda")
+    (kernels.gelu_tanh_and_mul if gelu else kernels.silu_and_mul)(out, gate_up)
+    return out
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("d", "k"), DENSE_SHAPES, ids=[f"{d}x{k}" for d, k in DENSE_SHAPES])
+def test_dense_fused_act_gemv_equals_the_two_kernels_bit_for_bit(d, k, dtype, bias, gelu):
+    if k % (16 // torch.empty((), dtype=dtype).element_size()):
+        pytest.skip("K is not whole 16-byte units in this dtype")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    w = (torch.randn(2 * d, k, generator=g, device="cuda") * 0.05).to(dtype)
+    x = torch.randn(1, k, generator=g, device="cuda").to(dtype)
+    b = (torch.randn(2 * d, generator=g, device="cuda") * 0.5).to(dtype) if bias else None
+    fused = torch.full((1, d), float("nan"), dtype=dtype, device="cuda")
+    kernels.gemv_act_and_mul(fused, x, w, b, gelu=gelu)
+    expected = _dense_two_kernels(x, w, b, gelu)
+    assert not expected.isnan().any()
+    assert torch.equal(_bits(fused), _bits(expected)), gemv_split(k * x.element_size() // 16)
+    gate_up = x.double() @ w.double().t()
+    if b is not None:
+        gate_up = gate_up + b.double()
+    gate, up = gate_up[:, :d], gate_up[:, d:]
+    act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)
+    reference = act * up
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(fused.double(), reference, rtol=tol, atol=tol * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("k", [576, 4096, 8192], ids=["s1", "s2", "s4"])
+def test_dense_fused_act_gemv_replays_in_a_cuda_graph(k):
+    d = 1030
+    w = (torch.randn(2 * d, k, device="cuda") * 0.05).to(torch.bfloat16)
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    out = torch.empty(1, d, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kernels.gemv_act_and_mul(out, x, w)  # loads the module outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            kernels.gemv_act_and_mul(out, x, w)
+    x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(out), _bits(_dense_two_kernels(x, w, None, False)))
+
+
+def test_linear_act_and_mul_follows_the_switches(monkeypatch):
+    w = (torch.randn(128, 256, device="cuda") * 0.05).to(torch.bfloat16)
+    x = torch.randn(1, 256, device="cuda").to(torch.bfloat16)
+    monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "1")
+    out = ops.linear_act_and_mul(x, w, None, gelu=True)
+    assert out is not None and torch.equal(_bits(out), _bits(_dense_two_kernels(x, w, None, True)))
+    assert ops.linear_act_and_mul(torch.cat([x, x]), w, None, gelu=True) is None
+    assert ops.linear_act_and_mul(x, w[:127], None, gelu=True) is None
+    monkeypatch.setattr(matvec, "GEMV_BOUND", "b4")
+    assert ops.linear_act_and_mul(x, w, None, gelu=True) is None
+    monkeypatch.setattr(matvec, "GEMV_BOUND", "b6")
+    monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "0")
+    assert ops.linear_act_and_mul(x, w, None, gelu=True) is None
 
 
 def test_fused_act_gemv_replays_in_a_cuda_graph():
@@ -151,9 +226,14 @@ def _decode(model_dir: str, **engine_args):
     return tokens, logprobs
 
 
+@pytest.mark.parametrize("quantization", ["fp8", None], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_fp8_decode_steps_are_bit_identical_with_the_fused_gate_up(tiny_models, arch, enforce_eager, monkeypatch):
+def test_decode_steps_are_bit_identical_with_the_fused_epilogues(
+    tiny_models, arch, enforce_eager, quantization, monkeypatch
+):
+    """Both epilogues (the activation after gate_up, rotary and the cache write after q/k/v:
+    tests/gpu/test_fused_rope_gemv_gpu.py) on against both off."""
     launched: list[str] = []
     launch = matvec.launch
 
@@ -162,14 +242,28 @@ def test_fp8_decode_steps_are_bit_identical_with_the_fused_gate_up(tiny_models, 
         return launch(module, name, *args, **kwargs)
 
     monkeypatch.setattr(matvec, "launch", recorded)
-    args = dict(dtype="bfloat16", enforce_eager=enforce_eager, quantization="fp8")
+    args = dict(dtype="bfloat16", enforce_eager=enforce_eager, quantization=quantization)
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "0")
+    monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "0")
     tokens, logprobs = _decode(tiny_models[arch], **args)
-    assert not any(name.endswith("_and_mul") for name in launched)
+    assert not any(name.endswith(("_and_mul", "_rope_cache")) for name in launched)
     launched.clear()
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "1")
+    monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "1")
     tokens_fused, logprobs_fused = _decode(tiny_models[arch], **args)
     act = "gelu_tanh" if arch == "gemma2" else "silu"
-    assert f"gemv_fp8_bf16_{act}_and_mul" in launched
+    prefix = "gemv_fp8_bf16" if quantization else "gemv_bf16_s1_b6"  # hidden 1024: one warp a row
+    assert f"{prefix}_{act}_and_mul" in launched
+    assert f"{prefix}_rope_cache" in launched
     assert tokens_fused == tokens
     assert logprobs_fused == logprobs
+
+
+def test_fp8_kv_cache_decode_steps_are_bit_identical_with_the_fused_epilogues(tiny_models, monkeypatch):
+    args = dict(dtype="bfloat16", enforce_eager=False, kv_cache_dtype="fp8")
+    monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "0")
+    monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "0")
+    expected = _decode(tiny_models["llama"], **args)
+    monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "1")
+    monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "1")
+    assert _decode(tiny_models["llama"], **args) == expected

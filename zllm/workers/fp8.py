@@ -218,6 +218,34 @@ def fp8_linear_act_and_mul(
     return _kernels.fp8_gemv_act_and_mul(out, x, weight, weight_scale, bias, gelu=gelu)
 
 
+def fp8_linear_rope_cache(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: bool,
+    bias: torch.Tensor | None,
+    rope,
+) -> torch.Tensor | None:
+    """The q/k/v product of one token with q and k rotated and k and v stored in the cache
+    (rope: kernels.RopeCache) in one csrc launch, for per-row scales and fp8_gemv's default build
+    (ZLLM_FUSED_ROPE_GEMV); None where that launch does not take it (the caller runs fp8_linear
+    and rotary_and_write_kv, which give the same bits)."""
+    global _kernels
+    if x.shape[0] != 1 or block or not x.is_cuda or not ops.GEMV_ENABLED or not envs.ZLLM_FUSED_ROPE_GEMV:
+        return None
+    if _kernels is None:
+        from zllm.workers import kernels as _kernels
+    from zllm.workers.kernels.matvec import fp8_gemv_variant_for, rope_cache_supported
+
+    n = weight.shape[0]
+    if not _kernels.fp8_gemv_supported(x, weight, weight_scale) or tuple(weight_scale.shape) != (n, 1):
+        return None
+    if (x.dtype == torch.bfloat16 and fp8_gemv_variant_for(n)) or not rope_cache_supported(x, n, rope):
+        return None
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    return _kernels.fp8_gemv_rope_cache(out, x, weight, weight_scale, bias, rope)
+
+
 # cuBLASLt refuses block-scaled GEMMs of very few rows (CUBLAS_STATUS_NOT_SUPPORTED at 2 on the
 # H100); such batches are padded with zero rows.
 _MIN_BLOCK_SCALED_ROWS = 16

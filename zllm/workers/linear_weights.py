@@ -14,8 +14,15 @@ from torch import nn
 
 from zllm.partition import Span
 from zllm.quantization import BLOCK, QuantSpec
-from zllm.workers.fp8 import E4M3, fp8_linear, fp8_linear_act_and_mul, quantize_blocks, quantize_rows
-from zllm.workers.ops import linear
+from zllm.workers.fp8 import (
+    E4M3,
+    fp8_linear,
+    fp8_linear_act_and_mul,
+    fp8_linear_rope_cache,
+    quantize_blocks,
+    quantize_rows,
+)
+from zllm.workers.ops import linear, linear_act_and_mul, linear_rope_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +92,14 @@ class DenseWeights:
     def apply_act_and_mul(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, gelu: bool
     ) -> torch.Tensor | None:
-        """A gate_up product with its activation in one launch: none for dense weights (the
-        caller applies and activates)."""
-        return None
+        """act(gate) * up of a gate_up layer in one launch where linear_act_and_mul takes it, else None."""
+        return linear_act_and_mul(x, layer.weight, bias, gelu)
+
+    def apply_rope_cache(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, rope
+    ) -> torch.Tensor | None:
+        """The q/k/v product with the rotary + cache write in one launch where linear_rope_cache takes it, else None."""
+        return linear_rope_cache(x, layer.weight, bias, rope)
 
 
 def weights_for(quant: QuantSpec | None) -> DenseWeights | Fp8Weights:
@@ -142,6 +154,12 @@ class Fp8Weights:
     ) -> torch.Tensor | None:
         """act(gate) * up of a gate_up layer in one launch where fp8_linear_act_and_mul takes it, else None."""
         return fp8_linear_act_and_mul(x, layer.weight, self.weight_scale(layer), self.spec.block, bias, gelu)
+
+    def apply_rope_cache(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, rope
+    ) -> torch.Tensor | None:
+        """The q/k/v product with the rotary + cache write in one launch where fp8_linear_rope_cache takes it, else None."""
+        return fp8_linear_rope_cache(x, layer.weight, self.weight_scale(layer), self.spec.block, bias, rope)
 
     def load_target(self, layer: nn.Module, name: str, region: WeightRegion) -> LoadTarget:
         scale = self.weight_scale(layer).data

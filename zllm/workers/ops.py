@@ -513,6 +513,46 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def linear_act_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool
+) -> torch.Tensor | None:
+    """act(gate) * up of a gate_up product (weight [2d, K]: the gate's rows, then the up's) in one
+    launch (ZLLM_FUSED_ACT_GEMV) where linear() would take the one-row GEMV's default build;
+    None elsewhere: the caller runs linear() and the activation, which give the same bits."""
+    global _gemv_kernels
+    if x.dim() != 2 or x.shape[0] != 1 or not x.is_cuda or not GEMV_ENABLED or not envs.ZLLM_FUSED_ACT_GEMV:
+        return None
+    if _gemv_kernels is None:
+        from zllm.workers import kernels as _gemv_kernels
+    from zllm.workers.kernels import matvec
+
+    if weight.shape[0] % 2 or matvec.GEMV_BOUND != "b6" or not _gemv_kernels.gemv_supported(x, weight):
+        return None
+    out = torch.empty((1, weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+    return _gemv_kernels.gemv_act_and_mul(out, x, weight, bias, gelu=gelu)
+
+
+def linear_rope_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope) -> torch.Tensor | None:
+    """The q/k/v product of one token with q and k rotated and k and v stored in the cache
+    (rope: kernels.RopeCache) in one launch (ZLLM_FUSED_ROPE_GEMV), where linear() would take the
+    one-row GEMV's default build and the epilogue takes the cache; None elsewhere: the caller
+    runs linear() and rotary_and_write_kv, which give the same bits."""
+    global _gemv_kernels
+    if x.dim() != 2 or x.shape[0] != 1 or not x.is_cuda or not GEMV_ENABLED or not envs.ZLLM_FUSED_ROPE_GEMV:
+        return None
+    if _gemv_kernels is None:
+        from zllm.workers import kernels as _gemv_kernels
+    from zllm.workers.kernels import matvec
+
+    n = weight.shape[0]
+    if matvec.GEMV_BOUND != "b6" or not _gemv_kernels.gemv_supported(x, weight):
+        return None
+    if not matvec.rope_cache_supported(x, n, rope):
+        return None
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    return _gemv_kernels.gemv_rope_cache(out, x, weight, bias, rope)
+
+
 # ---- LoRA's expand fused into the GEMV (zllm/workers/lora.py's decode path) ---------------------
 
 

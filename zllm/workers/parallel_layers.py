@@ -105,6 +105,14 @@ class ColumnParallelLinear(_Linear):
             return None
         return self.weights.apply_act_and_mul(self, x, self.bias, gelu)
 
+    def rope_cache(self, x: torch.Tensor, rope) -> torch.Tensor | None:
+        """The q/k/v product of one token with q and k rotated and k and v stored in the cache
+        (rope: kernels.RopeCache) in the product's own launch, or None where no such launch takes
+        it: the caller then projects, rotates and stores, with the same bits."""
+        if self.lora is not None or self.num_parts != 3:
+            return None
+        return self.weights.apply_rope_cache(self, x, self.bias, rope)
+
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if shard is None:
             if len(self.parts) != 1:

@@ -22,7 +22,9 @@ ops.linear_lora_reference (the above plus LoRA's  matvec.gemv / gemv_rows(out, x
   expand for each row's slot, one rounding)         slots, part_ends))
 fp8.quantize_rows, fp8.quantize_groups           quant.quant_fp8_rows, quant.quant_fp8_groups
 layers.silu_and_mul(x)                           activation.silu_and_mul(out, x)
-FP8 gate_up of one row x, then the activation    matvec.fp8_gemv_act_and_mul(out, x, w8, scale, b, gelu)
+q/k/v of one row x, then apply_rotary and the    matvec.gemv_rope_cache(out, x, w, b, RopeCache(...));
+  cache write (full rotary)                        fp8_gemv_rope_cache for E4M3 weights
+gate_up of one row x, then the activation        matvec.gemv_act_and_mul(out, x, w, b, gelu); fp8_gemv_act_and_mul
 layers.gelu_tanh_and_mul(x)                      activation.gelu_tanh_and_mul(out, x)
 the above, then ops.lora_shrink                  activation.silu_and_mul_lora_shrink(out, t, x, a, slots),
   (decode rows; ZLLM_LORA_NORM_SHRINK)             activation.gelu_tanh_and_mul_lora_shrink (the same)
@@ -63,10 +65,14 @@ from zllm.workers.kernels.layernorm import fused_add_rms_norm, fused_add_rms_nor
 from zllm.workers.kernels.loader import KernelUnavailableError, cupy_available, preload
 from zllm.workers.kernels.matvec import (
     LoRAEpilogue,
+    RopeCache,
     fp8_gemv,
     fp8_gemv_act_and_mul,
+    fp8_gemv_rope_cache,
     fp8_gemv_supported,
     gemv,
+    gemv_act_and_mul,
+    gemv_rope_cache,
     gemv_rows,
     gemv_rows_supported,
     gemv_supported,
@@ -78,16 +84,20 @@ from zllm.workers.kernels.quant import quant_fp8_groups, quant_fp8_rows
 __all__ = [
     "KernelUnavailableError",
     "LoRAEpilogue",
+    "RopeCache",
     "attention_partitions",
     "attention_workspace_numel",
     "fp8_gemv",
     "fp8_gemv_act_and_mul",
+    "fp8_gemv_rope_cache",
     "fp8_gemv_supported",
     "fused_add_rms_norm",
     "fused_add_rms_norm_lora_shrink",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_lora_shrink",
     "gemv",
+    "gemv_act_and_mul",
+    "gemv_rope_cache",
     "gemv_rows",
     "gemv_rows_supported",
     "gemv_supported",

@@ -20,7 +20,18 @@ import numpy as np
 import torch
 
 from zllm import envs
-from zllm.workers.kernels.checks import DTYPE_SUFFIX, aligned16, check_cuda, check_dtype, dtype_suffix, fail, ptr
+from zllm.workers.attention import KV_FP8
+from zllm.workers.kernels.checks import (
+    DTYPE_SUFFIX,
+    aligned16,
+    cache_variant,
+    check_cuda,
+    check_dtype,
+    check_kv_scale,
+    dtype_suffix,
+    fail,
+    ptr,
+)
 from zllm.workers.kernels.loader import launch
 
 _GEMV_ROWS_PER_BLOCK = 4  # kGemvWarps warps of one row each
@@ -153,6 +164,149 @@ def gemv(
         args,
         pdl=pdl,  # every gemv build waits for the kernel before it (csrc/common.cuh pdl_wait)
     )
+    return out
+
+
+def gemv_act_and_mul(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False
+) -> torch.Tensor:
+    """out [1, d] = act(g) * u, g and u the halves of x [1, K] @ weight [2d, K]^T (+ bias [2d]): a
+    gate_up projection (the gate's rows, then the up's) and its gated activation (silu, or gelu
+    with the tanh approximation) in one launch, bit for bit what gemv's b6 build (gemv_split's
+    warps a row) then silu_and_mul / gelu_tanh_and_mul write. Returns out."""
+    op = "gemv_act_and_mul"
+    device = check_cuda(op, out=out, x=x, weight=weight, bias=bias)
+    suffix = dtype_suffix(op, x, "x")
+    check_dtype(op, x.dtype, out=out, weight=weight, bias=bias)
+    n = weight.shape[0] if weight.dim() == 2 else 0
+    if not gemv_supported(x, weight) or n % 2:
+        fail(
+            op,
+            f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be one contiguous row and an even number "
+            f"of contiguous 16-byte-aligned rows of a length divisible by {16 // x.element_size()}",
+        )
+    d = n // 2
+    if tuple(out.shape) != (1, d) or not out.is_contiguous():
+        fail(op, f"out must be a contiguous [1, {d}], got {tuple(out.shape)}")
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    if d == 0:
+        return out
+    split = gemv_split(x.shape[1] // (16 // x.element_size()))
+    warps = max(_GEMV_WARPS, 2 * split)  # csrc PairBlock: a pair of rows is 2 split warps
+    pairs = warps // (2 * split)
+    name = f"gemv_{suffix}_s{split}_b6_{'gelu_tanh' if gelu else 'silu'}_and_mul"
+    args = (ptr(out), ptr(x), ptr(weight), ptr(bias), np.int32(d), np.int32(x.shape[1]))
+    launch("gemv_kernels", name, device, (-(-d // pairs),), (32 * warps,), args, pdl=True)
+    return out
+
+
+class RopeCache(NamedTuple):
+    """What rotary_embedding_and_cache takes besides q, k and v, for the q/k/v GEMV that does its
+    work in the epilogue (gemv_rope_cache, fp8_gemv_rope_cache): one token at `positions[0]`,
+    full rotary (cos and sin [max_pos, head_dim / 2]), k and v stored at `slot_mapping[0]` of
+    kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] (of x's dtype, or FP8 E4M3
+    quantized by k_scale and v_scale)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_heads: int
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def rope_cache_supported(x: torch.Tensor, n: int, rope: RopeCache) -> bool:
+    """Whether the q/k/v GEMVs with the rotary + cache epilogue take this token: full rotary, a
+    cache of x's dtype or FP8 in the usual layout, n rows of q, k and v of its heads."""
+    cache = rope.kv_cache
+    if cache.dim() != 5 or cache.shape[0] != 2 or not cache.is_contiguous() or cache.dtype not in (x.dtype, KV_FP8):
+        return False
+    kv_heads, head_dim = cache.shape[3], cache.shape[4]
+    return (
+        head_dim % 2 == 0
+        and n == (rope.num_heads + 2 * kv_heads) * head_dim
+        and rope.cos.dim() == 2
+        and rope.cos.shape == rope.sin.shape
+        and rope.cos.shape[1] == head_dim // 2
+        and rope.cos.is_contiguous()
+        and rope.sin.is_contiguous()
+        and rope.cos.dtype == torch.float32
+        and rope.positions.dtype == torch.int64
+        and rope.slot_mapping.dtype == torch.int64
+        and rope.positions.numel() >= 1
+        and rope.slot_mapping.numel() >= 1
+    )
+
+
+def _rope_cache_args(op: str, x: torch.Tensor, out: torch.Tensor, n: int, rope: RopeCache) -> tuple[str, int, tuple]:
+    """(entry-point suffix, pairs, the epilogue's launch arguments) for a q/k/v product of n rows."""
+    positions, cos, sin, kv_cache, slot_mapping, num_heads, k_scale, v_scale = rope
+    check_cuda(op, positions=positions, cos=cos, sin=sin, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    check_dtype(op, torch.int64, positions=positions, slot_mapping=slot_mapping)
+    check_dtype(op, torch.float32, cos=cos, sin=sin)
+    variant = cache_variant(op, kv_cache, x.dtype)
+    k_scale, v_scale = check_kv_scale(op, "k_scale", k_scale), check_kv_scale(op, "v_scale", v_scale)
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        fail(
+            op,
+            f"kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}",
+        )
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    if head_dim % 2 or n != (num_heads + 2 * kv_heads) * head_dim:
+        fail(
+            op,
+            f"{n} rows are not q, k and v of {num_heads} + 2 x {kv_heads} heads of the cache's even head_dim {head_dim}",
+        )
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim // 2:
+        fail(op, f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be [max_pos, {head_dim // 2}] (full rotary)")
+    if not (cos.is_contiguous() and sin.is_contiguous()) or positions.numel() < 1 or slot_mapping.numel() < 1:
+        fail(op, "cos and sin must be contiguous, positions and slot_mapping hold the token's")
+    if tuple(out.shape) != (1, n) or not out.is_contiguous():
+        fail(op, f"out must be a contiguous [1, {n}], got {tuple(out.shape)}")
+    slots = num_blocks * block_size
+    value_cache_ptr = kv_cache.data_ptr() + slots * kv_heads * head_dim * kv_cache.element_size()
+    args = (
+        ptr(positions),
+        ptr(cos),
+        ptr(sin),
+        ptr(kv_cache),
+        np.uint64(value_cache_ptr),
+        ptr(slot_mapping),
+        np.int32(num_heads),
+        np.int32(kv_heads),
+        np.int32(head_dim),
+        np.int64(cos.shape[0]),
+        np.int64(slots),
+        np.float32(1.0 / k_scale),
+        np.float32(1.0 / v_scale),
+    )
+    return variant, n // 2, args
+
+
+def gemv_rope_cache(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope: RopeCache
+) -> torch.Tensor:
+    """out [1, n] = x [1, K] @ weight [n, K]^T (+ bias), the q/k/v projection of one token, with
+    q and k rotated and k and v stored in the cache (RopeCache) in the same launch: bit for bit
+    gemv's b6 build then rotary_embedding_and_cache on out's q, k and v. Returns out."""
+    op = "gemv_rope_cache"
+    device = check_cuda(op, out=out, x=x, weight=weight, bias=bias)
+    suffix = dtype_suffix(op, x, "x")
+    check_dtype(op, x.dtype, out=out, weight=weight, bias=bias)
+    if not gemv_supported(x, weight):
+        fail(op, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be one row and 16-byte-aligned rows")
+    n = weight.shape[0]
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    variant, pairs, rope_args = _rope_cache_args(op, x, out, n, rope)
+    split = gemv_split(x.shape[1] // (16 // x.element_size()))
+    warps = max(_GEMV_WARPS, 2 * split)  # csrc PairBlock
+    args = (ptr(out), ptr(x), ptr(weight), ptr(bias), np.int32(x.shape[1]), *rope_args)
+    name = f"gemv_{suffix}_s{split}_b6_rope_cache{variant}"
+    launch("gemv_kernels", name, device, (-(-pairs // (warps // (2 * split))),), (32 * warps,), args, pdl=True)
     return out
 
 
@@ -495,4 +649,34 @@ def fp8_gemv_act_and_mul(
     name = f"gemv_fp8_{suffix}_{'gelu_tanh' if gelu else 'silu'}_and_mul"
     args = (ptr(out), ptr(x), ptr(weight), ptr(scale), ptr(bias), np.int32(d), np.int32(k))
     launch("gemv_kernels", name, device, (-(-d // _GEMV_WARPS),), (128,), args, pdl=True)
+    return out
+
+
+def fp8_gemv_rope_cache(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    rope: RopeCache,
+) -> torch.Tensor:
+    """out [1, n] = x [1, K] @ (weight [n, K] (E4M3) * scale [n, 1])^T (+ bias), the q/k/v
+    projection of one token, with q and k rotated and k and v stored in the cache (RopeCache) in
+    the same launch: bit for bit fp8_gemv's default build then rotary_embedding_and_cache on
+    out's q, k and v. Returns out."""
+    op = "fp8_gemv_rope_cache"
+    device = check_cuda(op, out=out, x=x, weight=weight, scale=scale, bias=bias)
+    suffix = dtype_suffix(op, x, "x")
+    check_dtype(op, x.dtype, out=out, bias=bias)
+    n, k = weight.shape
+    if not fp8_gemv_supported(x, weight, scale) or tuple(scale.shape) != (n, 1):
+        fail(
+            op, f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale {tuple(scale.shape)}: one row, per-row scales"
+        )
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    variant, pairs, rope_args = _rope_cache_args(op, x, out, n, rope)
+    args = (ptr(out), ptr(x), ptr(weight), ptr(scale), ptr(bias), np.int32(k), *rope_args)
+    name = f"gemv_fp8_{suffix}_rope_cache{variant}"
+    launch("gemv_kernels", name, device, (-(-pairs // _GEMV_WARPS),), (128,), args, pdl=True)
     return out

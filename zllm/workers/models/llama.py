@@ -100,6 +100,23 @@ class Rotary(nn.Module):
         """Rotates q and k and stores k and v at their cache slots; returns the rotated q."""
         return self.ops.rotary_and_write_kv(positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping, kv_scales)
 
+    def for_qkv_epilogue(
+        self,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+        kv_scales: KVScales,
+    ):
+        """apply_and_cache's work for a q/k/v GEMV that does it in its epilogue (kernels.RopeCache),
+        or None where this class's apply_and_cache is not the plain one (Qwen2-VL's M-RoPE) or the
+        token is not on a GPU."""
+        if positions.dim() != 1 or not positions.is_cuda or type(self).apply_and_cache is not Rotary.apply_and_cache:
+            return None
+        from zllm.workers.kernels.matvec import RopeCache
+
+        return RopeCache(positions, self.cos, self.sin, kv_cache, slot_mapping, num_heads, kv_scales.k, kv_scales.v)
+
 
 class LlamaAttention(nn.Module):
     """This rank's heads: a slice of q/k/v in, a partial o_proj product all-reduced out."""
@@ -181,6 +198,11 @@ class LlamaAttention(nn.Module):
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
         """q, k, v of each token; k and v go to the cache; returns the rotated q [tokens, heads, dim]."""
+        if self.q_norm is None and x.shape[0] == 1:
+            rope = rotary.for_qkv_epilogue(positions, kv_cache, slot_mapping, self.num_heads, self.kv_scales)
+            qkv = self.qkv_proj.rope_cache(x, rope) if rope is not None else None
+            if qkv is not None:  # one launch: the product, rotary and the cache write (ZLLM_FUSED_ROPE_GEMV)
+                return qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
