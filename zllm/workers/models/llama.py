@@ -213,7 +213,9 @@ class LlamaMLP(nn.Module):
         self.act_and_mul = ops.gelu_tanh_and_mul if self.gelu else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.gate_up_proj.act_and_mul(x, self.gelu) if self.down_proj.lora is None else None
+        # The fused launch writes the csrc kernels' bits: only where the layer runs those (CudaOps).
+        takes_fused = self.ops.name == "cuda" and self.down_proj.lora is None
+        fused = self.gate_up_proj.act_and_mul(x, self.gelu) if takes_fused else None
         if fused is not None:  # FP8 at batch 1: the product and the activation in one launch
             return self.down_proj(fused)
         gate_up = self.gate_up_proj(x)
