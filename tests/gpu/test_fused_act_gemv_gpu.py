@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.engine import batch_one_decode
 from zllm.workers import kernels
 from zllm.workers.fp8 import dequantize, fp8_linear_act_and_mul, quantize_rows
 from zllm.workers.kernels import matvec
@@ -130,27 +131,6 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     return {"llama": str(llama), "gemma2": str(gemma2)}
 
 
-PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 40, 41, 42, 7], [64]]
-
-
-def _decode(model_dir: str, **engine_args):
-    """Batch-1 decode (one sequence at a time): greedy tokens and their top-5 logprobs."""
-    from zllm import LLM, SamplingParams
-
-    llm = LLM(model_dir, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=1, max_model_len=256, **engine_args)
-    try:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS],
-            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
-            use_tqdm=False,
-        )
-    finally:
-        llm.shutdown()
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs]
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_fp8_decode_steps_are_bit_identical_with_the_fused_gate_up(tiny_models, arch, enforce_eager, monkeypatch):
@@ -164,11 +144,11 @@ def test_fp8_decode_steps_are_bit_identical_with_the_fused_gate_up(tiny_models, 
     monkeypatch.setattr(matvec, "launch", recorded)
     args = dict(dtype="bfloat16", enforce_eager=enforce_eager, quantization="fp8")
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "0")
-    tokens, logprobs = _decode(tiny_models[arch], **args)
+    tokens, logprobs = batch_one_decode(tiny_models[arch], **args)
     assert not any(name.endswith("_and_mul") for name in launched)
     launched.clear()
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "1")
-    tokens_fused, logprobs_fused = _decode(tiny_models[arch], **args)
+    tokens_fused, logprobs_fused = batch_one_decode(tiny_models[arch], **args)
     act = "gelu_tanh" if arch == "gemma2" else "silu"
     assert f"gemv_fp8_bf16_{act}_and_mul" in launched
     assert tokens_fused == tokens
