@@ -240,7 +240,7 @@ class LlamaMLP(nn.Module):
         # The fused launch writes the csrc kernels' bits: only where the layer runs those (CudaOps).
         takes_fused = self.ops.name == "cuda" and self.down_proj.lora is None
         fused = self.gate_up_proj.act_and_mul(x, self.gelu) if takes_fused else None
-        if fused is not None:  # FP8 at batch 1: the product and the activation in one launch
+        if fused is not None:  # one row: the product and the activation in one launch
             return self.down_proj(fused)
         gate_up = self.gate_up_proj(x)
         lora = self.down_proj.lora
