@@ -419,8 +419,10 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* x,
     float total = warp_sum(acc[r]);
     const int row = row0 + r;
     if (lane == 0 && row < n) {
-      if (!kBlock) total *= scale[row];
-      y[row] = from_float<T>(bias == nullptr ? total : total + to_float<T>(bias[row]));
+      // The scale's product and the bias's sum each rounded (__fmul_rn, __fadd_rn: never
+      // contracted into one FMA), so the fused epilogues below write these bits too.
+      if (!kBlock) total = __fmul_rn(total, scale[row]);
+      y[row] = from_float<T>(bias == nullptr ? total : __fadd_rn(total, to_float<T>(bias[row])));
     }
   }
 }
@@ -496,10 +498,12 @@ __device__ __forceinline__ void gemv_fp8_act_and_mul_impl(T* __restrict__ y, con
   const float gate_sum = warp_sum(acc[0]);
   const float up_sum = warp_sum(acc[1]);
   if (lane != 0) return;
-  const float gate_scaled = gate_sum * scale[i];
-  const float up_scaled = up_sum * scale[d + i];
-  const float gate = round_to<T>(bias == nullptr ? gate_scaled : gate_scaled + to_float<T>(bias[i]));
-  const float up = round_to<T>(bias == nullptr ? up_scaled : up_scaled + to_float<T>(bias[d + i]));
+  // gemv_fp8_impl's rounding, spelled out: left to the compiler, a product and sum may be
+  // contracted into one FMA in one kernel and not the other (a last-bit difference with a bias).
+  const float gate_scaled = __fmul_rn(gate_sum, scale[i]);
+  const float up_scaled = __fmul_rn(up_sum, scale[d + i]);
+  const float gate = round_to<T>(bias == nullptr ? gate_scaled : __fadd_rn(gate_scaled, to_float<T>(bias[i])));
+  const float up = round_to<T>(bias == nullptr ? up_scaled : __fadd_rn(up_scaled, to_float<T>(bias[d + i])));
   y[i] = from_float<T>(round_to<T>(activation<kAct>(gate)) * up);
 }
 
