@@ -388,6 +388,16 @@ __device__ __forceinline__ void fp8_rows_stream(float (&acc)[kRows], const uint4
   }
 }
 
+// A row's output before its store to T: the warp's sum times the row's scale (per-row scales;
+// block scales, kScaled false, are in the sum already), plus the bias. Each operation rounded
+// (__fmul_rn, __fadd_rn) so that no compiler contraction into one FMA makes the kernels that
+// share this value (gemv_fp8_impl, the fused epilogues below) differ in the last bit.
+template <typename T, bool kScaled = true>
+__device__ __forceinline__ float fp8_row_output(float total, const float* scale, const T* bias, int row) {
+  if constexpr (kScaled) total = __fmul_rn(total, scale[row]);
+  return bias == nullptr ? total : __fadd_rn(total, to_float<T>(bias[row]));
+}
+
 // A warp takes kRows consecutive rows (each 16 activations loaded once serve all of them: the
 // activations are T, up to twice the weights' bytes, so reusing them matters) with kUnroll
 // 16-byte weight loads per row in flight. kRows divides 128, so a warp's rows share one row of
@@ -419,10 +429,7 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* x,
     float total = warp_sum(acc[r]);
     const int row = row0 + r;
     if (lane == 0 && row < n) {
-      // The scale's product and the bias's sum each rounded (__fmul_rn, __fadd_rn: never
-      // contracted into one FMA), so the fused epilogues below write these bits too.
-      if (!kBlock) total = __fmul_rn(total, scale[row]);
-      y[row] = from_float<T>(bias == nullptr ? total : __fadd_rn(total, to_float<T>(bias[row])));
+      y[row] = from_float<T>(fp8_row_output<T, !kBlock>(total, scale, bias, row));
     }
   }
 }
@@ -498,12 +505,8 @@ __device__ __forceinline__ void gemv_fp8_act_and_mul_impl(T* __restrict__ y, con
   const float gate_sum = warp_sum(acc[0]);
   const float up_sum = warp_sum(acc[1]);
   if (lane != 0) return;
-  // gemv_fp8_impl's rounding, spelled out: left to the compiler, a product and sum may be
-  // contracted into one FMA in one kernel and not the other (a last-bit difference with a bias).
-  const float gate_scaled = __fmul_rn(gate_sum, scale[i]);
-  const float up_scaled = __fmul_rn(up_sum, scale[d + i]);
-  const float gate = round_to<T>(bias == nullptr ? gate_scaled : __fadd_rn(gate_scaled, to_float<T>(bias[i])));
-  const float up = round_to<T>(bias == nullptr ? up_scaled : __fadd_rn(up_scaled, to_float<T>(bias[d + i])));
+  const float gate = round_to<T>(fp8_row_output<T>(gate_sum, scale, bias, i));
+  const float up = round_to<T>(fp8_row_output<T>(up_sum, scale, bias, d + i));
   y[i] = from_float<T>(round_to<T>(activation<kAct>(gate)) * up);
 }
 
