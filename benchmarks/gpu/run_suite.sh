@@ -49,10 +49,11 @@ suite_files() {
     echo "SUITE_FROM=$SUITE_FROM is not a file of tests/gpu" >&2
     return 1
   fi
-  local on=${SUITE_FROM:+0}
+  local on=1  # past SUITE_FROM (from the first file when it is not set)
+  [ -n "${SUITE_FROM:-}" ] && on=0
   for f in $files; do
     [ "$f" = "${SUITE_FROM:-}" ] && on=1
-    [ "${on:-1}" = 1 ] || continue
+    [ "$on" = 1 ] || continue
     if [[ $last == *" $f "* ]]; then tail="$tail $f"; else picked="$picked $f"; fi
   done
   echo $picked $tail
@@ -76,7 +77,7 @@ report() {
 }
 
 case $mode in
-  start) start; sleep 5 ;;
+  start) start || exit 1; sleep 5 ;;  # a refused start must not report an earlier run's log
   wait) ;;
   *) echo "usage: $0 start|wait [WAIT_S]" >&2; exit 2 ;;
 esac
