@@ -204,6 +204,14 @@ SETTINGS: dict[str, Setting] = {
             "0: LoRA's expand runs as its own kernel at decode, not in the GEMV's epilogue (A/B switch).",
         ),
         Setting(
+            "ZLLM_ALLREDUCE_NORM",
+            _on,
+            False,
+            "1: at tp > 1 on GPUs with the symmetric-memory all-reduce, o_proj's and down_proj's all-reduce, "
+            "the residual add and the next RMSNorm run in one launch (csrc/allreduce_kernels.cu); "
+            "read when the model is built. Unverified on a GPU.",
+        ),
+        Setting(
             "ZLLM_LORA_NORM_SHRINK",
             _switch,
             True,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On nvidia-h100-x4 (it may come as 4 x H200; the first lines say which): issue 30's four-GPU
 # figures and checks, one PART per device call, each under 9 minutes.
-# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4
+# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm
 #
 #   dp:       W1 (benchmarks/throughput.py, 1000 x 256/256 offline, Llama-3-8B shape, dummy bf16,
 #             run_perf.sh's flags) at --dp 1, 2 and 4 (one GPU per engine), then the scaling
@@ -59,6 +59,11 @@
 #             then served_itl.py at tp 1 (8B, GPU 0) if time is left. DP_TRACES=1 first repeats
 #             the three dp 2 traces (dp 2; one engine with 500 prompts; dp 2 on GPUs 2 and 3).
 #             Estimate: ~100 s a count, ~120 s served_itl, ~210 s the traces.
+#   arnorm:   issue 30 item 1, the fused all-reduce + residual add + RMSNorm (ZLLM_ALLREDUCE_NORM,
+#             off by default, never run on a GPU before): tests/gpu/test_allreduce_norm_gpu.py
+#             (2 and 4 ranks, bf16/fp32, eager and graph replays; the engine's fp32 tokens at tp 2 with
+#             it on = off), then W2 of the 70B shape at tp 4 with the one-shot all-reduce and the switch
+#             0, then 1. ZLLM_DEBUG_HANG_S=120. Estimate: tests ~200 s, 2 x W2 ~100 s each + the build.
 #   symm4:    is the symmetric-memory all-reduce correct at tp 2 and tp 4 (before it becomes the
 #             default): tests/gpu/test_tensor_parallel_gpu.py -- the one-shot kernel against NCCL on
 #             2 and 4 ranks (eager and in graph replays), the engine's tokens with it (tp 2: = NCCL's
@@ -80,7 +85,7 @@ set -uo pipefail
 t0=$(date +%s)
 cd "$(dirname "$0")/../.."
 part="${1:-}"
-parts="dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4"
+parts="dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm"
 [[ "|$parts|" == *"|$part|"* && -n "$part" ]] || { echo "usage: $0 $parts"; exit 2; }
 # Into $OUT (a device call brings back 8 files): 4gpu-PART.log (the whole output), 4gpu-PART.jsonl,
 # serve70b.md (serve70b) and, at the end, 4gpu-PART-logs.tar.gz (every log and result file, from
@@ -350,6 +355,18 @@ dpserve)
     CUDA_VISIBLE_DEVICES=0 bounded served-itl-8b 200 python benchmarks/served_itl.py --model "$m8b" --requests 3 \
       --modes offline,http --trace -- --load-format dummy --max-model-len 1024 --no-enable-prefix-caching
   fi
+  ;;
+arnorm)
+  export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"
+  bounded arnorm-tests 300 python -m pytest -q -p no:cacheprovider -rs tests/gpu/test_allreduce_norm_gpu.py
+  tail -3 "$out/arnorm-tests.log"
+  dummy llama3-70b "$m70b"
+  for on in 0 1; do
+    ZLLM_ALLREDUCE_NORM=$on bounded "w2-70b-arnorm$on" 200 python benchmarks/latency.py --model "$m70b" \
+      --load-format dummy --input-len 128 --output-len 256 --iters 2 --tp 4 --max-model-len 1024 \
+      --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
+    gpus_free 30 || { echo "FAIL w2-70b-arnorm$on: GPU memory still held after it exited"; status=1; }
+  done
   ;;
 symm4)
   export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"

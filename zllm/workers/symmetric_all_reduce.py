@@ -23,6 +23,13 @@ collective rendezvous while the other waited in NCCL; and rendezvous also set up
 multicast, where a rank that fails cuMulticastAddDevice can leave its peers blocked in
 cuMulticastBindMem (pytorch/pytorch#195596, after torch 2.11). The one-shot kernel reads peers'
 buffers directly and never needs multicast, so it is switched off here.
+
+ZLLM_ALLREDUCE_NORM (off by default; unverified on a GPU so far) adds a set-up phase and a
+self-test, each voted like the others, for zllm's own kernel over the same buffer
+(csrc/allreduce_kernels.cu): a row-parallel layer's all-reduce, the residual add and the next
+RMSNorm in one launch (TensorParallel.all_reduce_add_rms_norm). It takes the upper half of the
+signal pad (PyTorch's kernels use the first words) and leaves every word it uses at 0 after each
+launch. A failed vote leaves the one-shot all-reduce as it was, without the fused kernel.
 """
 
 from __future__ import annotations
@@ -30,9 +37,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
+from zllm import envs
 from zllm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -56,6 +65,7 @@ class SymmetricAllReduce:
         self.buffer = buffer  # 1-D, in symmetric memory, rendezvoused with the group
         self.group_name = group_name
         self.max_bytes = buffer.numel() * buffer.element_size()
+        self.norm: NormOperands | None = None  # the fused all-reduce + add-RMSNorm (ZLLM_ALLREDUCE_NORM)
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether `x` can take this path. Depends only on shape, dtype and layout (the same on
@@ -75,6 +85,64 @@ class SymmetricAllReduce:
         out = torch.empty_like(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", self.group_name, out)
         return out
+
+    def accepts_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether all_reduce_add_rms_norm takes these operands. Like accepts: shape, dtype and
+        layout only, the same on every rank."""
+        from zllm.workers.kernels.allreduce import slots_needed
+
+        norm = self.norm
+        if norm is None or partial.dim() != 2 or not self.accepts(partial):
+            return False
+        rows, hidden = partial.shape
+        return (
+            residual.shape == partial.shape
+            and residual.dtype == partial.dtype
+            and residual.is_contiguous()
+            and weight.dtype == partial.dtype
+            and tuple(weight.shape) == (hidden,)
+            and (hidden * partial.element_size()) % _ALIGNMENT == 0
+            and (residual.storage_offset() * residual.element_size()) % _ALIGNMENT == 0
+            and norm.pad_base + slots_needed(rows, norm.world_size) <= norm.pad_words
+        )
+
+    def all_reduce_add_rms_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + the sum of partial over the ranks), residual): residual updated in
+        place, the sum copied through this rank's buffer, all in one launch (accepts_norm first)."""
+        from zllm.workers.kernels.allreduce import all_reduce_add_rms_norm
+
+        norm = self.norm
+        out = torch.empty_like(partial)
+        all_reduce_add_rms_norm(
+            out,
+            residual,
+            weight.contiguous(),
+            partial,
+            self.buffer,
+            norm.peer_buffers,
+            norm.peer_pads,
+            norm.rank,
+            norm.pad_base,
+            norm.pad_words,
+            eps,
+            unit_offset,
+        )
+        return out, residual
+
+
+@dataclass(slots=True)
+class NormOperands:
+    """What the fused kernel needs beyond the buffer: the world's addresses of it and of the
+    signal pads (int64 device tensors), and the pad words it may use."""
+
+    peer_buffers: torch.Tensor
+    peer_pads: torch.Tensor
+    rank: int
+    world_size: int
+    pad_base: int
+    pad_words: int
 
 
 def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -102,6 +170,8 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
     fast = SymmetricAllReduce(buffer, group_name)
     if _run_phase(tp, device, "self-test", lambda: _self_test(fast, tp.rank, tp.size, device)) is None:
         return
+    if envs.ZLLM_ALLREDUCE_NORM:
+        _attach_norm(tp, fast, device)
     tp.fast = fast
     logger.info(
         "rank %d: symmetric-memory one-shot all-reduce for %s tensors up to %d bytes; NCCL above",
@@ -109,6 +179,88 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
         dtype,
         fast.max_bytes,
     )
+
+
+def _attach_norm(tp, fast: SymmetricAllReduce, device: torch.device) -> None:
+    """Set up the fused all-reduce + add-RMSNorm on every rank or on none: the operands, a check
+    that every rank's buffer sits at the same offset in its allocation (the kernel reads a peer's
+    rows at its allocation + this rank's offset), and a self-test; each voted."""
+    norm = _run_phase(tp, device, "fused-norm set-up", lambda: _norm_operands(fast, device))
+    if norm is None:
+        return
+    offset = torch.tensor([norm[1]], dtype=torch.int64, device=device)
+    low, high = offset.clone(), offset.clone()
+    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
+    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
+    if int(low.item()) != int(high.item()):
+        logger.warning("rank %d: symmetric buffers at different offsets; no fused all-reduce + norm", tp.rank)
+        return
+    fast.norm = norm[0]
+    if _run_phase(tp, device, "fused-norm self-test", lambda: _self_test_norm(fast, tp.rank, tp.size, device)) is None:
+        fast.norm = None
+        return
+    logger.info("rank %d: fused all-reduce + add-RMSNorm kernel on (ZLLM_ALLREDUCE_NORM)", tp.rank)
+
+
+def _norm_operands(fast: SymmetricAllReduce, device: torch.device) -> tuple[NormOperands, int]:
+    """The kernel's operands and this rank's buffer offset in its allocation (bytes)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from zllm.workers.kernels.allreduce import WORLD_SIZES
+
+    handle = symm_mem.rendezvous(fast.buffer, fast.group_name)  # the buffer's handle, made at set-up
+    rank, world = handle.rank, handle.world_size
+    if world not in WORLD_SIZES:
+        raise ValueError(f"the fused kernel is built for {WORLD_SIZES} ranks, not {world}")
+    offset = fast.buffer.data_ptr() - handle.buffer_ptrs[rank]
+    pad_words = _signal_pad_bytes() // 4
+    operands = NormOperands(
+        peer_buffers=torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
+        peer_pads=torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
+        rank=rank,
+        world_size=world,
+        pad_base=pad_words // 2,  # the upper half: PyTorch's one-shot and barrier use the first words
+        pad_words=pad_words,
+    )
+    return operands, offset
+
+
+def _signal_pad_bytes() -> int:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    return int(symm_mem.get_signal_pad_size())
+
+
+def _self_test_norm(fast: SymmetricAllReduce, rank: int, size: int, device: torch.device) -> bool:
+    """Three launches (the second and third find the signal pads as the first left them), each
+    checked: residual exactly 1 + sum(rank + 1), the norm of a constant row 1 to 1e-2."""
+    rows, hidden = 2, 256
+    dtype = fast.buffer.dtype
+    weight = torch.ones(hidden, dtype=dtype, device=device)
+    expected = 1 + size * (size + 1) / 2
+    for _ in range(3):
+        partial = torch.full((rows, hidden), float(rank + 1), dtype=dtype, device=device)
+        residual = torch.ones((rows, hidden), dtype=dtype, device=device)
+        out, residual = fast.all_reduce_add_rms_norm(partial, residual, weight, 1e-6, False)
+        _wait_or_hang(rank, "fused all-reduce + norm self-test")
+        if not bool((residual == expected).all()) or not bool(((out.float() - 1).abs() < 1e-2).all()):
+            raise RuntimeError(f"fused self-test gave residual {residual[0, :2].tolist()}, out {out[0, :2].tolist()}")
+    return True
+
+
+def _wait_or_hang(rank: int, what: str) -> None:
+    """Wait for the stream's work so far, or raise SymmetricAllReduceHangError after
+    _SELF_TEST_TIMEOUT_S (a barrier that never met)."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + _SELF_TEST_TIMEOUT_S
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise SymmetricAllReduceHangError(
+                f"rank {rank}: the {what} did not finish within {_SELF_TEST_TIMEOUT_S:.0f} s; "
+                f"start without --custom-all-reduce-max-size (NCCL only) or without ZLLM_ALLREDUCE_NORM"
+            )
+        time.sleep(0.001)
 
 
 def _run_phase(tp, device: torch.device, name: str, phase):

@@ -1,0 +1,118 @@
+"""The all-reduce of a row-parallel layer's partial output fused with the residual add and the next
+RMSNorm, over symmetric memory (csrc/allreduce_kernels.cu; ZLLM_ALLREDUCE_NORM, off by default).
+
+Unverified on a GPU so far: tests/gpu/test_allreduce_norm_gpu.py is its check. The kernel meets
+the peers at a barrier that spins without a timeout: every rank of the group must launch it with
+the same rows, in the same order (zllm/workers/symmetric_all_reduce.py says why and how the
+set-up keeps them together)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from zllm.workers.kernels.checks import (
+    aligned16,
+    check_contiguous,
+    check_cuda,
+    check_dtype,
+    fail,
+    overlaps,
+    ptr,
+    threads_for,
+)
+from zllm.workers.kernels.loader import launch
+
+WORLD_SIZES = (2, 4, 8)  # the entry points' world sizes (_w2, _w4, _w8)
+DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the symmetric buffer's dtypes
+
+
+def slots_needed(rows: int, world_size: int) -> int:
+    """Signal-pad words one launch of `rows` rows uses on every rank: a slot per block and peer."""
+    return rows * world_size
+
+
+def all_reduce_add_rms_norm(
+    out: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    partial: torch.Tensor,
+    buffer: torch.Tensor,
+    peer_buffers: torch.Tensor,
+    peer_pads: torch.Tensor,
+    rank: int,
+    pad_base: int,
+    pad_words: int,
+    eps: float,
+    unit_offset: bool = False,
+) -> torch.Tensor:
+    """out = rms_norm(residual + sum of every rank's partial), residual updated in place to
+    residual + that sum (each rounded to the dtype as fused_add_rms_norm rounds; the sum in fp32,
+    ranks 0..world-1 in order, so every rank gets the same bits). partial [rows, hidden] is copied
+    into this rank's symmetric `buffer` first (nothing to copy when it is the buffer's start).
+    peer_buffers / peer_pads: int64 device tensors of the world's buffer and signal-pad addresses
+    (the buffer's start on every rank); the launch uses pad words [pad_base, pad_base + rows *
+    world) of the pads, which hold pad_words each. Collective: every rank must call it alike."""
+    op = "all_reduce_add_rms_norm"
+    device = check_cuda(
+        op,
+        out=out,
+        residual=residual,
+        weight=weight,
+        partial=partial,
+        buffer=buffer,
+        peers=peer_buffers,
+        pads=peer_pads,
+    )
+    suffix = DTYPE_SUFFIX.get(partial.dtype)
+    if suffix is None:
+        fail(op, f"partial has dtype {partial.dtype}; expected float32 or bfloat16")
+    check_dtype(op, partial.dtype, out=out, residual=residual, weight=weight, buffer=buffer)
+    check_dtype(op, torch.int64, peer_buffers=peer_buffers, peer_pads=peer_pads)
+    check_contiguous(op, out=out, residual=residual, weight=weight, partial=partial, peers=peer_buffers, pads=peer_pads)
+    world = peer_buffers.numel()
+    if world not in WORLD_SIZES or peer_pads.numel() != world:
+        fail(op, f"{world} buffers and {peer_pads.numel()} pads; expected one each for a world of {WORLD_SIZES}")
+    if not 0 <= rank < world:
+        fail(op, f"rank {rank} is not in a world of {world}")
+    if partial.dim() != 2 or residual.shape != partial.shape or out.shape != partial.shape:
+        fail(
+            op,
+            f"partial {tuple(partial.shape)}, residual {tuple(residual.shape)}, out {tuple(out.shape)}: one [rows, hidden]",
+        )
+    rows, hidden = partial.shape
+    if tuple(weight.shape) != (hidden,):
+        fail(op, f"weight must be [{hidden}], got {tuple(weight.shape)}")
+    per16 = 16 // partial.element_size()
+    if hidden == 0 or hidden % per16 or not aligned16(out, residual, weight, partial, buffer):
+        fail(op, f"hidden {hidden} must be a multiple of {per16} and every tensor 16-byte aligned")
+    if partial.numel() > buffer.numel():
+        fail(op, f"partial {tuple(partial.shape)} does not fit the symmetric buffer ({buffer.numel()} elements)")
+    if not 0 <= pad_base or pad_base + slots_needed(rows, world) > pad_words:
+        fail(
+            op,
+            f"{rows} rows need {slots_needed(rows, world)} signal-pad words from {pad_base}; the pad has {pad_words}",
+        )
+    if partial.data_ptr() != buffer.data_ptr() and overlaps(partial, buffer):
+        fail(op, "partial must be the buffer's start or lie outside it")
+    if overlaps(out, residual) or any(overlaps(t, buffer) for t in (out, residual)):
+        fail(op, "out, residual and the symmetric buffer must not overlap")
+    if rows == 0:
+        return out
+    args = (
+        ptr(out),
+        ptr(residual),
+        ptr(weight),
+        ptr(partial),
+        ptr(peer_buffers),
+        ptr(peer_pads),
+        np.int32(rank),
+        np.int32(pad_base),
+        np.float32(eps),
+        np.int32(hidden),
+        np.int32(unit_offset),
+    )
+    # fused_add_rms_norm_vec's block size: the same per-thread order, so the same sum of squares.
+    threads = threads_for(hidden // per16, 1024)
+    launch("allreduce_kernels", f"{op}_{suffix}_w{world}", device, (rows,), (threads,), args, pdl=True)
+    return out
