@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On nvidia-h100-x4 (it may come as 4 x H200; the first lines say which): issue 30's four-GPU
 # figures and checks, one PART per device call, each under 9 minutes.
-# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm
+# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm|w2ab70
 #
 #   dp:       W1 (benchmarks/throughput.py, 1000 x 256/256 offline, Llama-3-8B shape, dummy bf16,
 #             run_perf.sh's flags) at --dp 1, 2 and 4 (one GPU per engine), then the scaling
@@ -64,6 +64,11 @@
 #             (2 and 4 ranks, bf16/fp32, eager and graph replays; the engine's fp32 tokens at tp 2 with
 #             it on = off), then W2 of the 70B shape at tp 4 with the one-shot all-reduce and the switch
 #             0, then 1. ZLLM_DEBUG_HANG_S=120. Estimate: tests ~200 s, 2 x W2 ~100 s each + the build.
+#   w2ab70:   issue 30 item 1's switches A/B: first the single-GPU tests in $W2AB_TESTS on GPU 0
+#             (default: the PDL chain with attention, the GEMV prefetch builds; 200 s at most), then
+#             W2 of the 70B shape at tp 4 (one-shot all-reduce) for each setting of $W2AB_SETS
+#             ("LABEL:VAR=VALUE VAR=VALUE;...", as run_perf.sh envab), $W2AB_ROUNDS rounds (1).
+#             Estimate: ~100 s a W2 (load, capture, 2 iterations).
 #   symm4:    is the symmetric-memory all-reduce correct at tp 2 and tp 4 (before it becomes the
 #             default): tests/gpu/test_tensor_parallel_gpu.py -- the one-shot kernel against NCCL on
 #             2 and 4 ranks (eager and in graph replays), the engine's tokens with it (tp 2: = NCCL's
@@ -85,7 +90,7 @@ set -uo pipefail
 t0=$(date +%s)
 cd "$(dirname "$0")/../.."
 part="${1:-}"
-parts="dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm"
+parts="dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm|w2ab70"
 [[ "|$parts|" == *"|$part|"* && -n "$part" ]] || { echo "usage: $0 $parts"; exit 2; }
 # Into $OUT (a device call brings back 8 files): 4gpu-PART.log (the whole output), 4gpu-PART.jsonl,
 # serve70b.md (serve70b) and, at the end, 4gpu-PART-logs.tar.gz (every log and result file, from
@@ -366,6 +371,28 @@ arnorm)
       --load-format dummy --input-len 128 --output-len 256 --iters 2 --tp 4 --max-model-len 1024 \
       --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
     gpus_free 30 || { echo "FAIL w2-70b-arnorm$on: GPU memory still held after it exited"; status=1; }
+  done
+  ;;
+w2ab70)
+  export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"
+  W2AB_TESTS=${W2AB_TESTS-tests/gpu/test_pdl_gpu.py tests/gpu/test_gemv_prefetch_gpu.py}
+  if [[ -n "$W2AB_TESTS" ]]; then
+    CUDA_VISIBLE_DEVICES=0 bounded w2ab-tests 200 python -m pytest -q -p no:cacheprovider -rs $W2AB_TESTS
+    tail -3 "$out/w2ab-tests.log"
+  fi
+  dummy llama3-70b "$m70b"
+  IFS=';' read -ra sets <<< "${W2AB_SETS:-base;attn:ZLLM_PDL_ATTENTION=1;arnorm:ZLLM_ALLREDUCE_NORM=1;both:ZLLM_PDL_ATTENTION=1 ZLLM_ALLREDUCE_NORM=1}"
+  for round in $(seq "${W2AB_ROUNDS:-1}"); do
+    for set in "${sets[@]}"; do
+      label=${set%%:*} assignments=""
+      [[ $set == *:* ]] && assignments=${set#*:}
+      fits "w2-70b-$label-$round" 100 || continue
+      echo "{\"w2ab70\": \"$label\", \"round\": $round, \"env\": \"$assignments\"}" | tee -a "$jsonl"
+      bounded "w2-70b-$label-$round" 200 env $assignments python benchmarks/latency.py --model "$m70b" \
+        --load-format dummy --input-len 128 --output-len 256 --iters 2 --tp 4 --max-model-len 1024 \
+        --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
+      gpus_free 30 || { echo "FAIL w2-70b-$label-$round: GPU memory still held after it exited"; status=1; }
+    done
   done
   ;;
 symm4)
