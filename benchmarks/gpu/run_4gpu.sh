@@ -65,9 +65,10 @@
 #             it on = off), then W2 of the 70B shape at tp 4 with the one-shot all-reduce and the switch
 #             0, then 1. ZLLM_DEBUG_HANG_S=120. Estimate: tests ~200 s, 2 x W2 ~100 s each + the build.
 #   w2ab70:   issue 30 item 1's switches A/B: first the single-GPU tests in $W2AB_TESTS on GPU 0
-#             (default: the PDL chain with attention, the GEMV prefetch builds; 200 s at most), then
+#             (default: the PDL chain with attention, the fused GEMV epilogues; 200 s at most), then
 #             W2 of the 70B shape at tp 4 (one-shot all-reduce) for each setting of $W2AB_SETS
-#             ("LABEL:VAR=VALUE VAR=VALUE;...", as run_perf.sh envab), $W2AB_ROUNDS rounds (1).
+#             ("LABEL:VAR=VALUE VAR=VALUE;...", as run_perf.sh envab; default: both GEMV epilogues
+#             off, the defaults, PDL attention, the fused all-reduce + norm, all), $W2AB_ROUNDS rounds (1).
 #             Estimate: ~100 s a W2 (load, capture, 2 iterations).
 #   symm4:    is the symmetric-memory all-reduce correct at tp 2 and tp 4 (before it becomes the
 #             default): tests/gpu/test_tensor_parallel_gpu.py -- the one-shot kernel against NCCL on
@@ -375,13 +376,13 @@ arnorm)
   ;;
 w2ab70)
   export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"
-  W2AB_TESTS=${W2AB_TESTS-tests/gpu/test_pdl_gpu.py tests/gpu/test_gemv_prefetch_gpu.py}
+  W2AB_TESTS=${W2AB_TESTS-tests/gpu/test_pdl_gpu.py tests/gpu/test_fused_act_gemv_gpu.py tests/gpu/test_fused_rope_gemv_gpu.py}
   if [[ -n "$W2AB_TESTS" ]]; then
     CUDA_VISIBLE_DEVICES=0 bounded w2ab-tests 200 python -m pytest -q -p no:cacheprovider -rs $W2AB_TESTS
     tail -3 "$out/w2ab-tests.log"
   fi
   dummy llama3-70b "$m70b"
-  IFS=';' read -ra sets <<< "${W2AB_SETS:-base;attn:ZLLM_PDL_ATTENTION=1;arnorm:ZLLM_ALLREDUCE_NORM=1;both:ZLLM_PDL_ATTENTION=1 ZLLM_ALLREDUCE_NORM=1}"
+  IFS=';' read -ra sets <<< "${W2AB_SETS:-unfused:ZLLM_FUSED_ACT_GEMV=0 ZLLM_FUSED_ROPE_GEMV=0;base;attn:ZLLM_PDL_ATTENTION=1;arnorm:ZLLM_ALLREDUCE_NORM=1;all:ZLLM_PDL_ATTENTION=1 ZLLM_ALLREDUCE_NORM=1}"
   for round in $(seq "${W2AB_ROUNDS:-1}"); do
     for set in "${sets[@]}"; do
       label=${set%%:*} assignments=""
