@@ -234,19 +234,13 @@ def test_decode_steps_are_bit_identical_with_the_fused_epilogues(
 ):
     """Both epilogues (the activation after gate_up, rotary and the cache write after q/k/v:
     tests/gpu/test_fused_rope_gemv_gpu.py) on against both off."""
-    launched: list[str] = []
-    launch = matvec.launch
-
-    def recorded(module, name, *args, **kwargs):
-        launched.append(name)
-        return launch(module, name, *args, **kwargs)
-
-    monkeypatch.setattr(matvec, "launch", recorded)
+    launched = _record_launches(monkeypatch)
     args = dict(dtype="bfloat16", enforce_eager=enforce_eager, quantization=quantization)
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "0")
     monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "0")
     tokens, logprobs = _decode(tiny_models[arch], **args)
-    assert not any(name.endswith(("_and_mul", "_rope_cache")) for name in launched)
+    assert not any(name.startswith("gemv") and name.endswith(("_and_mul", "_rope_cache")) for name in launched)
+    assert any(name.startswith("rotary_embedding_and_cache") for name in launched)
     launched.clear()
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "1")
     monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "1")
@@ -255,11 +249,15 @@ def test_decode_steps_are_bit_identical_with_the_fused_epilogues(
     prefix = "gemv_fp8_bf16" if quantization else "gemv_bf16_s1_b6"  # hidden 1024: one warp a row
     assert f"{prefix}_{act}_and_mul" in launched
     assert f"{prefix}_rope_cache" in launched
+    assert not any(
+        name.startswith(("rotary_embedding_and_cache", "silu_and_mul", "gelu_tanh_and_mul")) for name in launched
+    )
     assert tokens_fused == tokens
     assert logprobs_fused == logprobs
 
 
 def test_fp8_kv_cache_decode_steps_are_bit_identical_with_the_fused_epilogues(tiny_models, monkeypatch):
+    launched = _record_launches(monkeypatch)
     args = dict(dtype="bfloat16", enforce_eager=False, kv_cache_dtype="fp8")
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "0")
     monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "0")
@@ -267,3 +265,20 @@ def test_fp8_kv_cache_decode_steps_are_bit_identical_with_the_fused_epilogues(ti
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "1")
     monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "1")
     assert _decode(tiny_models["llama"], **args) == expected
+    assert "gemv_bf16_s1_b6_rope_cache_kvfp8" in launched
+
+
+def _record_launches(monkeypatch) -> list[str]:
+    """The entry points launched through the GEMV, rotary and activation modules (one name each)."""
+    from zllm.workers.kernels import activation, pos_encoding
+
+    launched: list[str] = []
+    for module in (matvec, pos_encoding, activation):
+        launch = module.launch
+
+        def recorded(file, name, *args, launch=launch, **kwargs):
+            launched.append(name)
+            return launch(file, name, *args, **kwargs)
+
+        monkeypatch.setattr(module, "launch", recorded)
+    return launched

@@ -85,7 +85,11 @@ def _fused(x, weights, bias, rope: RopeCache):
 CACHES = {"model": None, "fp8": KV_FP8}
 
 
-@pytest.mark.parametrize(("position", "slot"), [(37, 21), (MAX_POS, 5), (3, -1)], ids=["in", "past_table", "padding"])
+@pytest.mark.parametrize(
+    ("position", "slot"),
+    [(37, 21), (MAX_POS, 5), (-1, 6), (3, -1), (4, BLOCKS * BLOCK_SIZE)],
+    ids=["in", "past_table", "negative", "padding", "past_cache"],
+)
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("cache", sorted(CACHES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -105,7 +109,7 @@ def test_fused_rope_gemv_equals_the_two_kernels_bit_for_bit(geometry, fp8, dtype
     assert not expected.float().isnan().any()
     assert torch.equal(_bits(fused), _bits(expected))
     assert torch.equal(_bits(fused_cache), _bits(kv_cache))
-    if slot >= 0:  # the token's slot was written (k rotated at positions in the table)
+    if 0 <= slot < BLOCKS * BLOCK_SIZE:  # the token's slot was written (k rotated at positions in the table)
         assert not torch.equal(
             _bits(fused_cache), _bits(_case(geometry, dtype, cache_dtype, bias, fp8, seed=position + 7 * slot)[3])
         )
@@ -139,6 +143,9 @@ def test_fused_rope_gemv_replays_in_a_cuda_graph(fp8):
 
 
 def test_the_layer_entry_points_follow_the_switch_and_refuse_partial_rotary(monkeypatch):
+    monkeypatch.setattr(matvec, "FP8_GEMV_VARIANT", "")  # the defaults, whatever the environment says
+    monkeypatch.setattr(matvec, "FP8_GEMV_WIDE", None)
+    monkeypatch.setattr(matvec, "GEMV_BOUND", "b6")
     heads, kv_heads, head_dim, k = GEOMETRIES[2]
     positions = torch.tensor([3], device="cuda", dtype=torch.int64)
     slots = torch.tensor([2], device="cuda", dtype=torch.int64)
@@ -164,4 +171,15 @@ def test_the_layer_entry_points_follow_the_switch_and_refuse_partial_rotary(monk
         kernels.gemv_rope_cache(
             out, x, weights[0], None, RopeCache(positions, cos[:, :16], sin[:, :16], kv_cache, slots, heads)
         )
-    assert matvec.GEMV_BOUND == "b6"
+    monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "1")
+    x, weights, _, kv_cache = _case(GEOMETRIES[2], torch.bfloat16, torch.bfloat16, False, False, seed=1)
+    rope = RopeCache(positions, cos, sin, kv_cache, slots, heads)
+    monkeypatch.setattr(matvec, "GEMV_BOUND", "b4")  # another dense build: the two kernels
+    assert ops.linear_rope_cache(x, weights[0], None, rope) is None
+    monkeypatch.setattr(matvec, "GEMV_BOUND", "b6")
+    fp8_x, (q, scale), _, _ = _case(GEOMETRIES[2], torch.bfloat16, torch.bfloat16, False, True, seed=1)
+    monkeypatch.setattr(matvec, "FP8_GEMV_VARIANT", "_split")  # another FP8 build: the two kernels
+    assert fp8_linear_rope_cache(fp8_x, q, scale.contiguous(), False, None, rope) is None
+    monkeypatch.setattr(matvec, "FP8_GEMV_VARIANT", "")
+    half_cache = RopeCache(positions, cos, sin, kv_cache.half(), slots, heads)  # not the model dtype, not FP8
+    assert ops.linear_rope_cache(x, weights[0], None, half_cache) is None

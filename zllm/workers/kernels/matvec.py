@@ -236,8 +236,8 @@ def rope_cache_supported(x: torch.Tensor, n: int, rope: RopeCache) -> bool:
         and rope.cos.dtype == torch.float32
         and rope.positions.dtype == torch.int64
         and rope.slot_mapping.dtype == torch.int64
-        and rope.positions.numel() >= 1
-        and rope.slot_mapping.numel() >= 1
+        and rope.positions.numel() == 1
+        and rope.slot_mapping.numel() == 1
     )
 
 
@@ -262,8 +262,8 @@ def _rope_cache_args(op: str, x: torch.Tensor, out: torch.Tensor, n: int, rope: 
         )
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim // 2:
         fail(op, f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be [max_pos, {head_dim // 2}] (full rotary)")
-    if not (cos.is_contiguous() and sin.is_contiguous()) or positions.numel() < 1 or slot_mapping.numel() < 1:
-        fail(op, "cos and sin must be contiguous, positions and slot_mapping hold the token's")
+    if not (cos.is_contiguous() and sin.is_contiguous()) or positions.numel() != 1 or slot_mapping.numel() != 1:
+        fail(op, "cos and sin must be contiguous, positions and slot_mapping [1]: the one token's")
     if tuple(out.shape) != (1, n) or not out.is_contiguous():
         fail(op, f"out must be a contiguous [1, {n}], got {tuple(out.shape)}")
     slots = num_blocks * block_size

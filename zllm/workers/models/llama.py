@@ -121,6 +121,8 @@ class Rotary(nn.Module):
         token is not on a GPU."""
         if positions.dim() != 1 or not positions.is_cuda or type(self).apply_and_cache is not Rotary.apply_and_cache:
             return None
+        if self.ops.name != "cuda":  # the epilogue writes the csrc rotary kernel's bits, not torch's
+            return None
         from zllm.workers.kernels.matvec import RopeCache
 
         return RopeCache(positions, self.cos, self.sin, kv_cache, slot_mapping, num_heads, kv_scales.k, kv_scales.v)
@@ -245,7 +247,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, defer: bool = False) -> torch.Tensor | PendingSum:
         """defer: the caller norms the output next and takes a PendingSum (RowParallelLinear.forward)."""
-        fused = self.gate_up_proj.act_and_mul(x, self.gelu) if self.down_proj.lora is None else None
+        # The fused launch writes the csrc kernels' bits: only where the layer runs those (CudaOps).
+        takes_fused = self.ops.name == "cuda" and self.down_proj.lora is None
+        fused = self.gate_up_proj.act_and_mul(x, self.gelu) if takes_fused else None
         if fused is not None:  # one row: the product and the activation in one launch
             return self.down_proj(fused, defer)
         gate_up = self.gate_up_proj(x)
