@@ -355,31 +355,12 @@ __device__ __forceinline__ void fp8_round_products(float (&acc)[kRows], const ui
   }
 }
 
-// A warp takes kRows consecutive rows (each 16 activations loaded once serve all of them: the
-// activations are T, up to twice the weights' bytes, so reusing them matters) with kUnroll
-// 16-byte weight loads per row in flight. kRows divides 128, so a warp's rows share one row of
-// block scales.
+// A warp's sums over its kRows weight rows (w16) against x, per lane into acc (gemv_fp8_impl's
+// order, which the fused gate_up kernel below shares to give its bits): kUnroll 16-byte loads a
+// row in flight, a 32-unit tail; the caller has called pdl_launch_dependents.
 template <typename T, bool kBlock, int kRows, int kUnroll>
-__device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* x,
-                                              const unsigned char* __restrict__ w,
-                                              const float* __restrict__ scale, const T* __restrict__ bias,
-                                              int n, int k) {
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * kGemvWarps + warp) * kRows;
-  pdl_launch_dependents();  // PDL: common.cuh
-  if (row0 >= n) {
-    pdl_wait();  // every thread waits (a warp with no rows too)
-    return;
-  }
-  const int units = k / 16;
-  const uint4* w16[kRows];
-  row_pointers(w, row0, n, k, w16);
-  // Block scales: a 128-column group is 8 units; this warp's tiles are one row of the grid.
-  const float* tile_scales = kBlock ? scale + static_cast<i64>(row0 / 128) * ((k + 127) / 128) : nullptr;
-  float acc[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+__device__ __forceinline__ void fp8_rows_stream(float (&acc)[kRows], const uint4* (&w16)[kRows], const T* x,
+                                                const float* __restrict__ tile_scales, int units, int lane) {
   // PDL: the first full round of weights is in flight before the wait for the previous kernel
   // (x is its output); that round is peeled off the loop, which stays as it was (before sm_90,
   // where there is no wait, nothing is peeled: the peeled build spills in gemv_fp8_bf16_r1u8).
@@ -406,6 +387,34 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* x,
       acc[r] = kBlock ? fmaf(d, ts, acc[r]) : acc[r] + d;
     }
   }
+}
+
+// A warp takes kRows consecutive rows (each 16 activations loaded once serve all of them: the
+// activations are T, up to twice the weights' bytes, so reusing them matters) with kUnroll
+// 16-byte weight loads per row in flight. kRows divides 128, so a warp's rows share one row of
+// block scales.
+template <typename T, bool kBlock, int kRows, int kUnroll>
+__device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* x,
+                                              const unsigned char* __restrict__ w,
+                                              const float* __restrict__ scale, const T* __restrict__ bias,
+                                              int n, int k) {
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kGemvWarps + warp) * kRows;
+  pdl_launch_dependents();  // PDL: common.cuh
+  if (row0 >= n) {
+    pdl_wait();  // every thread waits (a warp with no rows too)
+    return;
+  }
+  const int units = k / 16;
+  const uint4* w16[kRows];
+  row_pointers(w, row0, n, k, w16);
+  // Block scales: a 128-column group is 8 units; this warp's tiles are one row of the grid.
+  const float* tile_scales = kBlock ? scale + static_cast<i64>(row0 / 128) * ((k + 127) / 128) : nullptr;
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+  fp8_rows_stream<T, kBlock, kRows, kUnroll>(acc, w16, x, tile_scales, units, lane);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     float total = warp_sum(acc[r]);
@@ -1158,25 +1167,7 @@ __device__ __forceinline__ void gemv_fp8_pairs_impl(const T* x, const unsigned c
   const uint4* w16[kRows] = {reinterpret_cast<const uint4*>(w + static_cast<i64>(rows[0]) * k),
                              reinterpret_cast<const uint4*>(w + static_cast<i64>(rows[1]) * k)};
   float acc[kRows] = {0.f, 0.f};
-  int u = lane;
-  const bool first_round = kPdlArch && u + 32 * (kUnroll - 1) < units;
-  uint4 wv[kRows][kUnroll];
-  if (first_round) fp8_weight_round(wv, w16, u);
-  pdl_wait();
-  if (first_round) {
-    fp8_round_products<T, false>(acc, wv, x, nullptr, u);
-    u += 32 * kUnroll;
-  }
-  for (; u + 32 * (kUnroll - 1) < units; u += 32 * kUnroll) {
-    fp8_weight_round(wv, w16, u);
-    fp8_round_products<T, false>(acc, wv, x, nullptr, u);
-  }
-  for (; u < units; u += 32) {
-    float xf[16];
-    load_floats<T, 16>(x + 16 * u, xf);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r] = acc[r] + dot_fp8x16(__ldcs(w16[r] + u), xf);
-  }
+  fp8_rows_stream<T, false, kRows, kUnroll>(acc, w16, x, nullptr, units, lane);
   float total[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) total[r] = warp_sum(acc[r]);

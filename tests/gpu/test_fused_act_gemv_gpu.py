@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.engine import batch_one_decode
 from zllm.workers import kernels, ops
 from zllm.workers.fp8 import dequantize, fp8_linear_act_and_mul, quantize_rows
 from zllm.workers.kernels import matvec
@@ -205,27 +206,6 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     return {"llama": str(llama), "gemma2": str(gemma2)}
 
 
-PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 40, 41, 42, 7], [64]]
-
-
-def _decode(model_dir: str, **engine_args):
-    """Batch-1 decode (one sequence at a time): greedy tokens and their top-5 logprobs."""
-    from zllm import LLM, SamplingParams
-
-    llm = LLM(model_dir, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=1, max_model_len=256, **engine_args)
-    try:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS],
-            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
-            use_tqdm=False,
-        )
-    finally:
-        llm.shutdown()
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs]
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("quantization", ["fp8", None], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
@@ -238,13 +218,13 @@ def test_decode_steps_are_bit_identical_with_the_fused_epilogues(
     args = dict(dtype="bfloat16", enforce_eager=enforce_eager, quantization=quantization)
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "0")
     monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "0")
-    tokens, logprobs = _decode(tiny_models[arch], **args)
+    tokens, logprobs = batch_one_decode(tiny_models[arch], **args)
     assert not any(name.startswith("gemv") and name.endswith(("_and_mul", "_rope_cache")) for name in launched)
     assert any(name.startswith("rotary_embedding_and_cache") for name in launched)
     launched.clear()
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "1")
     monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "1")
-    tokens_fused, logprobs_fused = _decode(tiny_models[arch], **args)
+    tokens_fused, logprobs_fused = batch_one_decode(tiny_models[arch], **args)
     act = "gelu_tanh" if arch == "gemma2" else "silu"
     prefix = "gemv_fp8_bf16" if quantization else "gemv_bf16_s1_b6"  # hidden 1024: one warp a row
     assert f"{prefix}_{act}_and_mul" in launched
@@ -261,10 +241,10 @@ def test_fp8_kv_cache_decode_steps_are_bit_identical_with_the_fused_epilogues(ti
     args = dict(dtype="bfloat16", enforce_eager=False, kv_cache_dtype="fp8")
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "0")
     monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "0")
-    expected = _decode(tiny_models["llama"], **args)
+    expected = batch_one_decode(tiny_models["llama"], **args)
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "1")
     monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "1")
-    assert _decode(tiny_models["llama"], **args) == expected
+    assert batch_one_decode(tiny_models["llama"], **args) == expected
     assert "gemv_bf16_s1_b6_rope_cache_kvfp8" in launched
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.engine import batch_one_decode
 from zllm.workers import kernels
 from zllm.workers.fp8 import quantize_rows
 from zllm.workers.kernels import lora, matvec, pdl
@@ -363,29 +364,6 @@ def tiny_llama(tmp_path_factory) -> str:
     return str(directory)
 
 
-PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 40, 41, 42, 7], [64]]
-
-
-def _decode(model_dir: str, **engine_args) -> tuple[list[list[int]], list[list[dict]]]:
-    """Batch-1 decode (one sequence at a time): greedy tokens and their top-5 logprobs."""
-    from zllm import LLM, SamplingParams
-
-    llm = LLM(model_dir, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=1, max_model_len=256, **engine_args)
-    try:
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS],
-            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
-            use_tqdm=False,
-        )
-        graphs = llm.engine.core.executor.runner.graphs is not None
-        assert graphs != engine_args.get("enforce_eager", False)
-    finally:
-        llm.shutdown()
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs]
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("attention", ["0", "1"], ids=["", "pdl_attention"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("quantization", [None, "fp8"])
@@ -395,11 +373,11 @@ def test_decode_steps_are_bit_identical_with_pdl(
     args = dict(dtype="bfloat16", enforce_eager=enforce_eager, quantization=quantization)
     monkeypatch.setenv("ZLLM_PDL", "0")
     monkeypatch.setenv("ZLLM_PDL_ATTENTION", "0")
-    tokens, logprobs = _decode(tiny_llama, **args)
+    tokens, logprobs = batch_one_decode(tiny_llama, **args)
     assert not pdl_launches
     monkeypatch.setenv("ZLLM_PDL", "1")
     monkeypatch.setenv("ZLLM_PDL_ATTENTION", attention)
-    tokens_pdl, logprobs_pdl = _decode(tiny_llama, **args)
+    tokens_pdl, logprobs_pdl = batch_one_decode(tiny_llama, **args)
     assert pdl_launches
     assert tokens_pdl == tokens
     assert logprobs_pdl == logprobs

@@ -34,3 +34,31 @@ def count_row_steps(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(ModelRunner, "_prefill_as_rows", spied)
     return answers
+
+
+# Short prompts for batch-1 decode checks (one of a single token).
+DECODE_PROMPTS = [[5, 17, 99, 3], [200, 1, 1, 40, 41, 42, 7], [64]]
+
+
+def batch_one_decode(model_dir, prompts=DECODE_PROMPTS, **engine_args) -> tuple[list[list[int]], list[list[dict]]]:
+    """Batch-1 decode on a GPU (one sequence at a time, 24 tokens each): greedy tokens and their
+    top-5 logprobs, for tests that a switch leaves every bit of a decode step alone. Checks that
+    CUDA graphs ran unless enforce_eager; the engine is shut down even when the run fails."""
+    from zllm import LLM
+
+    llm = LLM(
+        str(model_dir), device="cuda", gpu_memory_utilization=0.3, max_num_seqs=1, max_model_len=256, **engine_args
+    )
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
+            use_tqdm=False,
+        )
+        graphs = llm.engine.core.executor.runner.graphs is not None
+        assert graphs != engine_args.get("enforce_eager", False)
+    finally:
+        llm.shutdown()
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs]
+    return tokens, logprobs
