@@ -420,8 +420,10 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* x,
     float total = warp_sum(acc[r]);
     const int row = row0 + r;
     if (lane == 0 && row < n) {
-      if (!kBlock) total *= scale[row];
-      y[row] = from_float<T>(bias == nullptr ? total : total + to_float<T>(bias[row]));
+      // The scale's product and the bias's sum each rounded (__fmul_rn, __fadd_rn: never
+      // contracted into one FMA), so gemv_fp8_pairs_impl's epilogue below writes these bits too.
+      if (!kBlock) total = __fmul_rn(total, scale[row]);
+      y[row] = from_float<T>(bias == nullptr ? total : __fadd_rn(total, to_float<T>(bias[row])));
     }
   }
 }
@@ -1175,8 +1177,10 @@ __device__ __forceinline__ void gemv_fp8_pairs_impl(const T* x, const unsigned c
   T stored[kRows];  // what gemv_fp8_<T> stores for the two rows
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const float scaled = total[r] * scale[rows[r]];
-    stored[r] = from_float<T>(bias == nullptr ? scaled : scaled + to_float<T>(bias[rows[r]]));
+    // gemv_fp8_impl's rounding: without __fmul_rn / __fadd_rn the compiler contracted this pair
+    // into one FMA in some instantiations (a last-bit difference the H200 suite found with a bias).
+    const float scaled = __fmul_rn(total[r], scale[rows[r]]);
+    stored[r] = from_float<T>(bias == nullptr ? scaled : __fadd_rn(scaled, to_float<T>(bias[rows[r]])));
   }
   epi.finish(p, stored[0], stored[1]);
 }

@@ -213,27 +213,40 @@ def test_decode_steps_are_bit_identical_with_the_fused_epilogues(
     tiny_models, arch, enforce_eager, quantization, monkeypatch
 ):
     """Both epilogues (the activation after gate_up, rotary and the cache write after q/k/v:
-    tests/gpu/test_fused_rope_gemv_gpu.py) on against both off."""
+    tests/gpu/test_fused_rope_gemv_gpu.py) on against both off. Each layer forward of one token
+    launches the fused kernels in place of the pair; the prompts' steps of several tokens launch
+    the pair in both runs, so the fused run's rotary and activation launches are the unfused
+    run's less one per fused launch."""
     launched = _record_launches(monkeypatch)
     args = dict(dtype="bfloat16", enforce_eager=enforce_eager, quantization=quantization)
+    act = "gelu_tanh" if arch == "gemma2" else "silu"
+    prefix = "gemv_fp8_bf16" if quantization else "gemv_bf16_s1_b6"  # hidden 1024: one warp a row
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "0")
     monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "0")
     tokens, logprobs = batch_one_decode(tiny_models[arch], **args)
-    assert not any(name.startswith("gemv") and name.endswith(("_and_mul", "_rope_cache")) for name in launched)
-    assert any(name.startswith("rotary_embedding_and_cache") for name in launched)
+    unfused = _launch_counts(launched, prefix, act)
+    assert unfused["fused_act"] == unfused["fused_rope"] == 0, unfused
+    assert unfused["rotary"] > 0 and unfused["act"] > 0, unfused
     launched.clear()
     monkeypatch.setenv("ZLLM_FUSED_ACT_GEMV", "1")
     monkeypatch.setenv("ZLLM_FUSED_ROPE_GEMV", "1")
     tokens_fused, logprobs_fused = batch_one_decode(tiny_models[arch], **args)
-    act = "gelu_tanh" if arch == "gemma2" else "silu"
-    prefix = "gemv_fp8_bf16" if quantization else "gemv_bf16_s1_b6"  # hidden 1024: one warp a row
-    assert f"{prefix}_{act}_and_mul" in launched
-    assert f"{prefix}_rope_cache" in launched
-    assert not any(
-        name.startswith(("rotary_embedding_and_cache", "silu_and_mul", "gelu_tanh_and_mul")) for name in launched
-    )
+    fused = _launch_counts(launched, prefix, act)
+    assert fused["fused_act"] > 0 and fused["fused_rope"] > 0, fused
+    assert fused["fused_act"] + fused["act"] == unfused["act"], (unfused, fused)
+    assert fused["fused_rope"] + fused["rotary"] == unfused["rotary"], (unfused, fused)
     assert tokens_fused == tokens
     assert logprobs_fused == logprobs
+
+
+def _launch_counts(launched: list[str], prefix: str, act: str) -> dict[str, int]:
+    """How often a run launched the fused kernels and the unfused epilogues' kernels."""
+    return {
+        "fused_act": launched.count(f"{prefix}_{act}_and_mul"),
+        "fused_rope": launched.count(f"{prefix}_rope_cache"),
+        "act": sum(name.startswith(f"{act}_and_mul") for name in launched),
+        "rotary": sum(name.startswith("rotary_embedding_and_cache") for name in launched),
+    }
 
 
 def test_fp8_kv_cache_decode_steps_are_bit_identical_with_the_fused_epilogues(tiny_models, monkeypatch):
