@@ -23,26 +23,27 @@ start() {
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
   # -v: each test's outcome as it ends, so a call that ends before the suite does still names
   # the failures so far.
-  setsid nohup bash -c "timeout ${SUITE_S:-1800} python -m pytest -v --tb=short -p no:cacheprovider -rfEs \
-    -o faulthandler_timeout=${SUITE_HANG_S:-200} --durations=40 tests/gpu > $log 2>&1; echo suite-rc=\$? >> $log" \
-    > /dev/null 2>&1 < /dev/null &
+  setsid nohup bash -c 'timeout -k 60 "$1" python -m pytest -v --tb=short -p no:cacheprovider -rfEs \
+    -o faulthandler_timeout="$2" --durations=40 tests/gpu > "$3" 2>&1; echo suite-rc=$? >> "$3"' \
+    _ "${SUITE_S:-1800}" "${SUITE_HANG_S:-200}" "$log" > /dev/null 2>&1 < /dev/null &
   echo "started at $(date -u +%H:%M:%S), log $log"
 }
 
 report() {
   local done failed
-  done=$(grep -cE " (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)( |$)" "$log")
-  failed=$(grep -E " (FAILED|ERROR)( |$)" "$log" | grep -c "::")
+  # -v ends each outcome with its progress suffix (at a line's start after a faulthandler dump)
+  done=$(grep -cE "(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)( \(.*\))? +\[ *[0-9]+%\]$" "$log")
+  failed=$(grep -cE "(FAILED|ERROR) +\[ *[0-9]+%\]$" "$log")
   echo "outcome lines so far: $done, failed: $failed, elapsed here: $(( $(date +%s) - t0 )) s"
-  grep -E "::.* (FAILED|ERROR)( |$)" "$log" | head -60
+  grep -E "(FAILED|ERROR) +\[ *[0-9]+%\]$" "$log" | head -60
   if grep -q '^suite-rc=' "$log"; then
-    sed -n '/slowest .* durations/,/^$/p' "$log" | head -45
+    sed -n '/slowest .* durations/,/short test summary/p' "$log" | head -45
     grep -E "^(FAILED|ERROR) " "$log" | head -60
     tail -2 "$log"
   else
     echo "still running: $(tail -1 "$log" | cut -c1-160)"
   fi
-  [ -n "${OUT:-}" ] && gzip -c "$log" > "$OUT/suite.log.gz"
+  if [ -n "${OUT:-}" ]; then gzip -c "$log" > "$OUT/suite.log.gz"; fi
 }
 
 case $mode in
