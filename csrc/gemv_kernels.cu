@@ -389,6 +389,16 @@ __device__ __forceinline__ void fp8_rows_stream(float (&acc)[kRows], const uint4
   }
 }
 
+// A row's output before its store to T: the warp's sum times the row's scale (per-row scales;
+// block scales, kScaled false, are in the sum already), plus the bias. Each operation rounded
+// (__fmul_rn, __fadd_rn) so that no compiler contraction into one FMA makes the kernels that
+// share this value (gemv_fp8_impl, the fused epilogues below) differ in the last bit.
+template <typename T, bool kScaled = true>
+__device__ __forceinline__ float fp8_row_output(float total, const float* scale, const T* bias, int row) {
+  if constexpr (kScaled) total = __fmul_rn(total, scale[row]);
+  return bias == nullptr ? total : __fadd_rn(total, to_float<T>(bias[row]));
+}
+
 // A warp takes kRows consecutive rows (each 16 activations loaded once serve all of them: the
 // activations are T, up to twice the weights' bytes, so reusing them matters) with kUnroll
 // 16-byte weight loads per row in flight. kRows divides 128, so a warp's rows share one row of
@@ -420,10 +430,7 @@ __device__ __forceinline__ void gemv_fp8_impl(T* __restrict__ y, const T* x,
     float total = warp_sum(acc[r]);
     const int row = row0 + r;
     if (lane == 0 && row < n) {
-      // The scale's product and the bias's sum each rounded (__fmul_rn, __fadd_rn: never
-      // contracted into one FMA), so gemv_fp8_pairs_impl's epilogue below writes these bits too.
-      if (!kBlock) total = __fmul_rn(total, scale[row]);
-      y[row] = from_float<T>(bias == nullptr ? total : __fadd_rn(total, to_float<T>(bias[row])));
+      y[row] = from_float<T>(fp8_row_output<T, !kBlock>(total, scale, bias, row));
     }
   }
 }
@@ -1177,10 +1184,9 @@ __device__ __forceinline__ void gemv_fp8_pairs_impl(const T* x, const unsigned c
   T stored[kRows];  // what gemv_fp8_<T> stores for the two rows
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    // gemv_fp8_impl's rounding: without __fmul_rn / __fadd_rn the compiler contracted this pair
-    // into one FMA in some instantiations (a last-bit difference the H200 suite found with a bias).
-    const float scaled = __fmul_rn(total[r], scale[rows[r]]);
-    stored[r] = from_float<T>(bias == nullptr ? scaled : __fadd_rn(scaled, to_float<T>(bias[rows[r]])));
+    // gemv_fp8_impl's arithmetic (left to the compiler, it was contracted into one FMA here in
+    // some instantiations: a last-bit difference the H200 suite found with a bias).
+    stored[r] = from_float<T>(fp8_row_output<T>(total[r], scale, bias, rows[r]));
   }
   epi.finish(p, stored[0], stored[1]);
 }
