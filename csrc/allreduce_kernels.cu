@@ -150,3 +150,191 @@ ZLLM_ALL_REDUCE_ADD_RMS_NORM(all_reduce_add_rms_norm_f32_w8, float, 4, 8)
 ZLLM_ALL_REDUCE_ADD_RMS_NORM(all_reduce_add_rms_norm_bf16_w2, __nv_bfloat16, 8, 2)
 ZLLM_ALL_REDUCE_ADD_RMS_NORM(all_reduce_add_rms_norm_bf16_w4, __nv_bfloat16, 8, 4)
 ZLLM_ALL_REDUCE_ADD_RMS_NORM(all_reduce_add_rms_norm_bf16_w8, __nv_bfloat16, 8, 8)
+
+// ---------------------------------------------------------------------------------------------
+// lamport_all_reduce (GPU tensor parallelism; ZLLM_ALLREDUCE_LAMPORT, off by default): the sum of
+// every rank's tensor without a barrier. The one-shot kernel above and PyTorch's meet their peers
+// at a signal-pad barrier before reading (one NVLink round trip each way, ~7 us a decode-sized
+// all-reduce at tp 2); here each rank pushes its tensor into every peer's buffer and each reader
+// spins on its own, local buffer until every value has arrived. A value has arrived when it is
+// no longer the sentinel, negative zero, which the buffer holds wherever nothing is (writers
+// store a negative zero as +0: the sum is the same number). Lamport's scheme, as TensorRT-LLM's
+// one-shot all-reduce uses it.
+//
+// Each rank's buffer (symmetric memory, mapped into every peer): 3 slots x world sources x
+// slot_units 16-byte units. Launch n uses slot n % 3: rank r writes its units to [slot][r] of
+// every rank's buffer (its own included), then reads [slot][0..world-1] of its own, sums them in
+// fp32 in rank order (every rank gets the same bits) and rounds once. It then clears the slot of
+// launch n - 1 back to the sentinel, over as many units as that launch used. Why three slots: a
+// peer can run at most one launch ahead (launch n + 1 needs this rank's launch n + 1 data, pushed
+// after this launch ends), so while this rank reads slot n % 3, peers may write slot (n + 1) % 3
+// (cleared during launch n - 1), and slot (n - 1) % 3 is written by nobody until launch n + 2,
+// which no peer reaches before this rank has pushed launch n + 1, after this clear.
+//
+// flags (this rank's device memory, uint32): [0] the launch counter n, [1] blocks of the current
+// launch done, [2 + s] units that slot s's launch used. Every block reads n first; the last block
+// to finish advances it (and records the sizes), so a CUDA graph replays the kernel with no host
+// update, and launches of different sizes and grids share the buffer.
+//
+// A value that never arrives (a peer gone) would spin forever: after timeout_ns (globaltimer; 0
+// means never) the kernel traps, so the worker fails with an error instead of hanging.
+
+namespace zllm {
+
+template <typename T>
+__device__ __forceinline__ unsigned sentinel_word() {
+  return sizeof(T) == 4 ? 0x80000000u : 0x80008000u;  // negative zero in every element
+}
+
+// Whether any element of the unit still holds the sentinel.
+template <typename T>
+__device__ __forceinline__ bool unit_pending(uint4 v) {
+  if constexpr (sizeof(T) == 4) {
+    return v.x == 0x80000000u || v.y == 0x80000000u || v.z == 0x80000000u || v.w == 0x80000000u;
+  } else {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+    bool pending = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pending |= (w[i] & 0xffffu) == 0x8000u || (w[i] >> 16) == 0x8000u;
+    return pending;
+  }
+}
+
+// The unit with every negative zero made positive, so no real value reads as the sentinel.
+template <typename T>
+__device__ __forceinline__ unsigned positive_zero_word(unsigned w) {
+  if constexpr (sizeof(T) == 4) {
+    return w == 0x80000000u ? 0u : w;
+  } else {
+    const unsigned lo = (w & 0xffffu) == 0x8000u ? 0u : (w & 0xffffu);
+    const unsigned hi = (w >> 16) == 0x8000u ? 0u : (w >> 16);
+    return lo | (hi << 16);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 positive_zeros(uint4 v) {
+  return make_uint4(positive_zero_word<T>(v.x), positive_zero_word<T>(v.y), positive_zero_word<T>(v.z),
+                    positive_zero_word<T>(v.w));
+}
+
+// 16 bytes read from memory every time (never from L1, never hoisted out of the spin loop).
+__device__ __forceinline__ uint4 load_volatile16(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_volatile16(uint4* p, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+template <typename T, int kWorld>
+__device__ __forceinline__ void lamport_all_reduce_impl(T* __restrict__ out, const T* __restrict__ in,
+                                                        T* const* buffers, unsigned* flags, int rank, int units,
+                                                        i64 slot_units, unsigned long long timeout_ns) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  pdl_launch_dependents();  // PDL (common.cuh): `in` comes from the kernel before
+  pdl_wait();
+  const unsigned launch = *reinterpret_cast<volatile unsigned*>(flags);
+  const int slot = static_cast<int>(launch % 3u);
+  const int prev = static_cast<int>((launch + 2u) % 3u);
+  const int prev_units = static_cast<int>(reinterpret_cast<volatile unsigned*>(flags)[2 + prev]);
+  const int first = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  const int stride = static_cast<int>(gridDim.x * blockDim.x);
+  // Unit u of source `src` in slot s of a rank's buffer.
+  auto at = [slot_units](T* base, int s, int src, i64 u) {
+    return reinterpret_cast<uint4*>(base) + (static_cast<i64>(s) * kWorld + src) * slot_units + u;
+  };
+
+  // 1. Push this rank's units into slot `slot`, source `rank`, of every buffer.
+  const uint4* in16 = reinterpret_cast<const uint4*>(in);
+  for (int u = first; u < units; u += stride) {
+    const uint4 v = positive_zeros<T>(in16[u]);
+#pragma unroll
+    for (int p = 0; p < kWorld; ++p) store_volatile16(at(buffers[p], slot, rank, u), v);
+  }
+
+  // 2. Wait for every source's units in this rank's buffer; sum them in rank order.
+  T* own = buffers[rank];
+  const unsigned long long start = timeout_ns ? global_ns() : 0ull;
+  for (int u = first; u < units; u += stride) {
+    uint4 v[kWorld];
+    bool arrived[kWorld];
+#pragma unroll
+    for (int p = 0; p < kWorld; ++p) arrived[p] = false;
+    for (;;) {
+      bool all = true;
+#pragma unroll
+      for (int p = 0; p < kWorld; ++p) {
+        if (!arrived[p]) {
+          v[p] = load_volatile16(at(own, slot, p, u));
+          arrived[p] = !unit_pending<T>(v[p]);
+          all = all && arrived[p];
+        }
+      }
+      if (all) break;
+      if (timeout_ns && global_ns() - start > timeout_ns) __trap();  // a peer never wrote: fail, don't hang
+    }
+    float acc[kVec], f[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+#pragma unroll
+    for (int p = 0; p < kWorld; ++p) {
+      unpack<T>(v[p], f);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] += f[e];
+    }
+    store_floats<T, kVec>(out + static_cast<i64>(u) * kVec, acc);
+  }
+
+  // 3. The previous launch's slot back to the sentinel, every source, as many units as it used.
+  const uint4 empty = make_uint4(sentinel_word<T>(), sentinel_word<T>(), sentinel_word<T>(), sentinel_word<T>());
+  const i64 stale = static_cast<i64>(prev_units) * kWorld;
+  for (i64 i = first; i < stale; i += stride) {
+    store_volatile16(at(own, prev, static_cast<int>(i / prev_units), i % prev_units), empty);
+  }
+
+  // 4. The last block to finish advances the counter: every block has read it by then.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned done = atomicAdd(flags + 1, 1u);
+    if (done == gridDim.x - 1) {
+      volatile unsigned* f = flags;
+      f[2 + slot] = static_cast<unsigned>(units);
+      f[2 + prev] = 0u;
+      f[1] = 0u;
+      f[0] = launch + 1u;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace zllm
+
+#define ZLLM_LAMPORT_ALL_REDUCE(NAME, T, WORLD)                                                    \
+  extern "C" __global__ void __launch_bounds__(1024)                                             \
+      NAME(T* __restrict__ out, const T* __restrict__ in, T* const* buffers, unsigned* flags,     \
+           int rank, int units, long long slot_units, unsigned long long timeout_ns) {            \
+    zllm::lamport_all_reduce_impl<T, WORLD>(out, in, buffers, flags, rank, units, slot_units,     \
+                                            timeout_ns);                                         \
+  }
+
+ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_f32_w2, float, 2)
+ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_f32_w4, float, 4)
+ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_f32_w8, float, 8)
+ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_bf16_w2, __nv_bfloat16, 2)
+ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_bf16_w4, __nv_bfloat16, 4)
+ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_bf16_w8, __nv_bfloat16, 8)

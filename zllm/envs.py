@@ -212,6 +212,21 @@ SETTINGS: dict[str, Setting] = {
             "read when the model is built. Unverified on a GPU.",
         ),
         Setting(
+            "ZLLM_ALLREDUCE_LAMPORT",
+            _on,
+            False,
+            "1: at tp > 1 on GPUs with the symmetric-memory all-reduce, the all-reduces it takes run "
+            "zllm's barrier-free Lamport kernel (csrc/allreduce_kernels.cu) instead of PyTorch's "
+            "one-shot; read at start-up. Unverified on a GPU.",
+        ),
+        Setting(
+            "ZLLM_ALLREDUCE_SPIN_TIMEOUT_S",
+            float,
+            60.0,
+            "Seconds the Lamport all-reduce waits for a peer's values before it traps (the worker "
+            "then fails instead of hanging); 0 waits forever.",
+        ),
+        Setting(
             "ZLLM_LORA_NORM_SHRINK",
             _switch,
             True,

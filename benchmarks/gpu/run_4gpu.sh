@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On nvidia-h100-x4 (it may come as 4 x H200; the first lines say which): issue 30's four-GPU
 # figures and checks, one PART per device call, each under 9 minutes.
-# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm|w2ab70
+# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm|lamport|w2ab70
 #
 #   dp:       W1 (benchmarks/throughput.py, 1000 x 256/256 offline, Llama-3-8B shape, dummy bf16,
 #             run_perf.sh's flags) at --dp 1, 2 and 4 (one GPU per engine), then the scaling
@@ -64,6 +64,13 @@
 #             (2 and 4 ranks, bf16/fp32, eager and graph replays; the engine's fp32 tokens at tp 2 with
 #             it on = off), then W2 of the 70B shape at tp 4 with the one-shot all-reduce and the switch
 #             0, then 1. ZLLM_DEBUG_HANG_S=120. Estimate: tests ~200 s, 2 x W2 ~100 s each + the build.
+#   lamport:  issue 30 item 1, zllm's barrier-free Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT, off
+#             by default, never run on a GPU before): tests/gpu/test_lamport_all_reduce_gpu.py (2 and
+#             4 ranks, bf16/fp32, sizes growing and shrinking, negative zeros, graph replays; the
+#             engine's fp32 tokens at tp 2 with it = the one-shot kernel's), then benchmarks/all_reduce.py
+#             at tp 2 and tp 4 (us per all-reduce in CUDA graphs: NCCL, PyTorch's one-shot, Lamport),
+#             then W2 of the 70B shape at tp 4 with the switch 0, then 1. ZLLM_DEBUG_HANG_S=120.
+#             Estimate: tests ~150 s, 2 x all_reduce.py ~40 s each, 2 x W2 ~100 s each.
 #   w2ab70:   issue 30 item 1's switches A/B: first the single-GPU tests in $W2AB_TESTS on GPU 0
 #             (default: the PDL chain with attention, the fused GEMV epilogues; 200 s at most), then
 #             W2 of the 70B shape at tp 4 (one-shot all-reduce) for each setting of $W2AB_SETS
@@ -91,7 +98,7 @@ set -uo pipefail
 t0=$(date +%s)
 cd "$(dirname "$0")/../.."
 part="${1:-}"
-parts="dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm|w2ab70"
+parts="dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm|lamport|w2ab70"
 [[ "|$parts|" == *"|$part|"* && -n "$part" ]] || { echo "usage: $0 $parts"; exit 2; }
 # Into $OUT (a device call brings back 8 files): 4gpu-PART.log (the whole output), 4gpu-PART.jsonl,
 # serve70b.md (serve70b) and, at the end, 4gpu-PART-logs.tar.gz (every log and result file, from
@@ -372,6 +379,22 @@ arnorm)
       --load-format dummy --input-len 128 --output-len 256 --iters 2 --tp 4 --max-model-len 1024 \
       --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
     gpus_free 30 || { echo "FAIL w2-70b-arnorm$on: GPU memory still held after it exited"; status=1; }
+  done
+  ;;
+lamport)
+  export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"
+  bounded lamport-tests 240 python -m pytest -q -p no:cacheprovider -rs tests/gpu/test_lamport_all_reduce_gpu.py
+  tail -3 "$out/lamport-tests.log"
+  for tp in 2 4; do
+    bounded "all-reduce-tp$tp" 90 python benchmarks/all_reduce.py --tp "$tp"
+  done
+  dummy llama3-70b "$m70b"
+  for on in 0 1; do
+    fits "w2-70b-lamport$on" 100 || continue
+    ZLLM_ALLREDUCE_LAMPORT=$on bounded "w2-70b-lamport$on" 200 python benchmarks/latency.py --model "$m70b" \
+      --load-format dummy --input-len 128 --output-len 256 --iters 2 --tp 4 --max-model-len 1024 \
+      --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
+    gpus_free 30 || { echo "FAIL w2-70b-lamport$on: GPU memory still held after it exited"; status=1; }
   done
   ;;
 w2ab70)

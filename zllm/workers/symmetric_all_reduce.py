@@ -30,6 +30,14 @@ self-test, each voted like the others, for zllm's own kernel over the same buffe
 RMSNorm in one launch (TensorParallel.all_reduce_add_rms_norm). It takes the upper half of the
 signal pad (PyTorch's kernels use the first words) and leaves every word it uses at 0 after each
 launch. A failed vote leaves the one-shot all-reduce as it was, without the fused kernel.
+
+ZLLM_ALLREDUCE_LAMPORT (off by default; unverified on a GPU so far) replaces the one-shot kernel
+for the tensors this path takes with zllm's Lamport kernel (csrc/allreduce_kernels.cu), which
+meets no barrier: each rank pushes its tensor into every peer's buffer and waits on its own until
+every value has arrived. It needs a buffer of its own (3 slots x world x the size limit, filled
+with the "empty" mark on every rank before any rank launches: the vote after the fill is that
+barrier), its own launch counter, and a self-test; each phase voted. A failed vote keeps the
+one-shot kernel.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ class SymmetricAllReduce:
         self.group_name = group_name
         self.max_bytes = buffer.numel() * buffer.element_size()
         self.norm: NormOperands | None = None  # the fused all-reduce + add-RMSNorm (ZLLM_ALLREDUCE_NORM)
+        self.lamport: LamportOperands | None = None  # the barrier-free kernel (ZLLM_ALLREDUCE_LAMPORT)
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether `x` can take this path. Depends only on shape, dtype and layout (the same on
@@ -81,8 +90,22 @@ class SymmetricAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks, in a new tensor (`x` is left as it was)."""
-        staging = self.buffer[: x.numel()].view_as(x)
         out = torch.empty_like(x)
+        lamport = self.lamport
+        if lamport is not None:
+            from zllm.workers.kernels.allreduce import lamport_all_reduce
+
+            return lamport_all_reduce(
+                out,
+                x,
+                lamport.buffer,
+                lamport.peer_buffers,
+                lamport.flags,
+                lamport.rank,
+                lamport.slot_bytes,
+                lamport.timeout_ns,
+            )
+        staging = self.buffer[: x.numel()].view_as(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", self.group_name, out)
         return out
 
@@ -145,6 +168,20 @@ class NormOperands:
     pad_words: int
 
 
+@dataclass(slots=True)
+class LamportOperands:
+    """The Lamport kernel's state on this rank: its buffer (symmetric memory, 3 slots x world x
+    slot_bytes), the world's addresses of that buffer (int64 device tensor), the launch flags
+    (int32, this rank's only), the largest tensor in bytes, and the spin limit."""
+
+    buffer: torch.Tensor
+    peer_buffers: torch.Tensor
+    flags: torch.Tensor
+    rank: int
+    slot_bytes: int
+    timeout_ns: int
+
+
 def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
     """Give `tp` (a TensorParallel) the one-shot path for all-reduces of `dtype`, or leave it on
     NCCL. Every rank of the group must call this at the same point of its start-up: the early
@@ -170,6 +207,8 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
     fast = SymmetricAllReduce(buffer, group_name)
     if _run_phase(tp, device, "self-test", lambda: _self_test(fast, tp.rank, tp.size, device)) is None:
         return
+    if envs.ZLLM_ALLREDUCE_LAMPORT:
+        _attach_lamport(tp, fast, device)
     if envs.ZLLM_ALLREDUCE_NORM:
         _attach_norm(tp, fast, device)
     tp.fast = fast
@@ -188,11 +227,7 @@ def _attach_norm(tp, fast: SymmetricAllReduce, device: torch.device) -> None:
     norm = _run_phase(tp, device, "fused-norm set-up", lambda: _norm_operands(fast, device))
     if norm is None:
         return
-    offset = torch.tensor([norm[1]], dtype=torch.int64, device=device)
-    low, high = offset.clone(), offset.clone()
-    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
-    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
-    if int(low.item()) != int(high.item()):
+    if not same_on_every_rank(norm[1], device):
         logger.warning("rank %d: symmetric buffers at different offsets; no fused all-reduce + norm", tp.rank)
         return
     fast.norm = norm[0]
@@ -200,6 +235,109 @@ def _attach_norm(tp, fast: SymmetricAllReduce, device: torch.device) -> None:
         fast.norm = None
         return
     logger.info("rank %d: fused all-reduce + add-RMSNorm kernel on (ZLLM_ALLREDUCE_NORM)", tp.rank)
+
+
+def _attach_lamport(tp, fast: SymmetricAllReduce, device: torch.device) -> None:
+    """Set up the Lamport kernel on every rank or on none: its buffer (allocated, then mapped:
+    rendezvous is collective, so only after every rank allocated), filled with the "empty" mark
+    and synchronized before the vote (so no rank pushes into a peer's buffer before the peer
+    filled it), the same offset check as the fused norm's, then a self-test; each voted."""
+    buffer = _run_phase(tp, device, "Lamport allocate", lambda: _lamport_allocate(fast, tp.size, device))
+    if buffer is None:
+        return
+    lamport = _run_phase(tp, device, "Lamport set-up", lambda: _lamport_operands(fast, buffer, device))
+    if lamport is None:
+        return
+    operands, offset = lamport
+    if not same_on_every_rank(offset, device):
+        logger.warning("rank %d: Lamport buffers at different offsets; the one-shot all-reduce stays", tp.rank)
+        return
+    fast.lamport = operands
+    if _run_phase(tp, device, "Lamport self-test", lambda: _self_test_lamport(fast, tp.rank, tp.size, device)) is None:
+        fast.lamport = None
+        return
+    logger.info(
+        "rank %d: Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT) for tensors up to %d bytes",
+        tp.rank,
+        operands.slot_bytes,
+    )
+
+
+def _lamport_allocate(fast: SymmetricAllReduce, world: int, device: torch.device) -> torch.Tensor:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from zllm.workers.kernels.allreduce import WORLD_SIZES, lamport_buffer_numel
+
+    if world not in WORLD_SIZES:
+        raise ValueError(f"the Lamport kernel is built for {WORLD_SIZES} ranks, not {world}")
+    slot_bytes = fast.max_bytes // 16 * 16
+    if slot_bytes == 0:
+        raise ValueError(f"a size limit of {fast.max_bytes} bytes holds no 16-byte unit")
+    dtype = fast.buffer.dtype
+    return symm_mem.empty(lamport_buffer_numel(slot_bytes, world, dtype), dtype=dtype, device=device)
+
+
+def _lamport_operands(
+    fast: SymmetricAllReduce, buffer: torch.Tensor, device: torch.device
+) -> tuple[LamportOperands, int]:
+    """The kernel's operands (the buffer mapped into every peer, filled with the "empty" mark and
+    synchronized) and this rank's buffer offset in its allocation (bytes)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from zllm.workers.kernels.allreduce import LAMPORT_FLAG_WORDS, lamport_sentinel_fill
+
+    handle = symm_mem.rendezvous(buffer, fast.group_name)
+    if handle is None:
+        raise RuntimeError("rendezvous returned no handle (is the buffer in symmetric memory?)")
+    rank = handle.rank
+    offset = buffer.data_ptr() - handle.buffer_ptrs[rank]
+    lamport_sentinel_fill(buffer)
+    torch.cuda.synchronize(device)  # filled here before the vote lets any peer push into it
+    operands = LamportOperands(
+        buffer=buffer,
+        peer_buffers=torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
+        flags=torch.zeros(LAMPORT_FLAG_WORDS, dtype=torch.int32, device=device),
+        rank=rank,
+        slot_bytes=fast.max_bytes // 16 * 16,
+        timeout_ns=int(envs.ZLLM_ALLREDUCE_SPIN_TIMEOUT_S * 1e9),
+    )
+    return operands, offset
+
+
+# The self-test's launches, in elements: every slot used twice or more, and smaller launches after
+# larger ones (a slot is cleared by its last launch's size).
+_LAMPORT_TEST_SIZES = (8, 1024, 64, 8, 1024, 16, 8)
+
+
+def _self_test_lamport(fast: SymmetricAllReduce, rank: int, size: int, device: torch.device) -> bool:
+    """Seven launches, each checked exactly: small integers (exact in bf16 and fp32) that differ by
+    rank and launch, the first element -0.0 on every rank (the "empty" mark: it must arrive as 0)."""
+    dtype = fast.buffer.dtype
+    limit = fast.lamport.slot_bytes // dtype.itemsize
+    for launch, numel in enumerate(_LAMPORT_TEST_SIZES):
+        numel = min(numel, limit)
+        base = torch.arange(numel, device=device, dtype=torch.float32).remainder(7) + launch
+        x = (base + (rank + 1)).to(dtype)
+        x[0] = -0.0
+        summed = fast.all_reduce(x)
+        _wait_or_hang(rank, "Lamport all-reduce self-test")
+        expected = (base * size + size * (size + 1) / 2).to(dtype)
+        expected[0] = 0.0
+        if not torch.equal(summed, expected):
+            raise RuntimeError(
+                f"Lamport self-test launch {launch} ({numel} elements) gave {summed[:4].tolist()}..., "
+                f"expected {expected[:4].tolist()}..."
+            )
+    return True
+
+
+def same_on_every_rank(value: int, device: torch.device) -> bool:
+    """Whether every rank passed the same integer (NCCL MIN and MAX of it; collective)."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    low, high = mine.clone(), mine.clone()
+    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
+    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
+    return int(low.item()) == int(high.item())
 
 
 def _norm_operands(fast: SymmetricAllReduce, device: torch.device) -> tuple[NormOperands, int]:

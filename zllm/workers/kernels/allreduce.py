@@ -1,5 +1,6 @@
-"""The all-reduce of a row-parallel layer's partial output fused with the residual add and the next
-RMSNorm, over symmetric memory (csrc/allreduce_kernels.cu; ZLLM_ALLREDUCE_NORM, off by default).
+"""All-reduces over symmetric memory (csrc/allreduce_kernels.cu): a row-parallel layer's partial
+output fused with the residual add and the next RMSNorm (ZLLM_ALLREDUCE_NORM, off by default), and
+the barrier-free Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT, off by default).
 
 Unverified on a GPU so far: tests/gpu/test_allreduce_norm_gpu.py is its check. The kernel meets
 the peers at a barrier that spins without a timeout: every rank of the group must launch it with
@@ -25,6 +26,88 @@ from zllm.workers.kernels.loader import launch
 
 WORLD_SIZES = (2, 4, 8)  # the entry points' world sizes (_w2, _w4, _w8)
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the symmetric buffer's dtypes
+
+
+LAMPORT_SLOTS = 3  # the buffer's slots: launch n uses n % 3 (csrc/allreduce_kernels.cu says why three)
+LAMPORT_FLAG_WORDS = 8  # the launch counter, the blocks done, the units each slot used (5 used)
+LAMPORT_THREADS = 256  # a block's threads; one 16-byte unit a thread per round
+LAMPORT_MAX_BLOCKS = 64  # more units than blocks x threads: each thread takes several
+
+
+def lamport_buffer_numel(max_bytes: int, world_size: int, dtype: torch.dtype) -> int:
+    """Elements of `dtype` one rank's Lamport buffer holds: 3 slots x world sources x max_bytes."""
+    return LAMPORT_SLOTS * world_size * (max_bytes // 16) * 16 // dtype.itemsize
+
+
+def lamport_sentinel_fill(buffer: torch.Tensor) -> None:
+    """Every element of `buffer` to negative zero, the "nothing here yet" mark the kernel waits past."""
+    words = buffer.view(torch.int16 if buffer.element_size() == 2 else torch.int32)
+    words.fill_(-(1 << (8 * buffer.element_size() - 1)))  # the sign bit alone
+
+
+def lamport_all_reduce(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    buffer: torch.Tensor,
+    peer_buffers: torch.Tensor,
+    flags: torch.Tensor,
+    rank: int,
+    slot_bytes: int,
+    timeout_ns: int,
+) -> torch.Tensor:
+    """out = the sum of every rank's x (fp32 in rank order, rounded once: the same bits on every
+    rank), through the Lamport buffers: this rank's `buffer` (symmetric memory, filled with
+    lamport_sentinel_fill before the first launch, on every rank, before any rank launches) and
+    `peer_buffers`, the world's addresses of it (int64, on the device). `flags`: this rank's int32
+    launch state (LAMPORT_FLAG_WORDS zeros at first, then the kernel's own). slot_bytes: the
+    largest tensor, a multiple of 16. A value that has not arrived after timeout_ns traps the
+    kernel (0: wait forever). Collective: every rank must call it with the same shapes in the same
+    order, on one stream."""
+    op = "lamport_all_reduce"
+    device = check_cuda(op, out=out, x=x, buffer=buffer, peers=peer_buffers, flags=flags)
+    suffix = DTYPE_SUFFIX.get(x.dtype)
+    if suffix is None:
+        fail(op, f"x has dtype {x.dtype}; expected float32 or bfloat16")
+    check_dtype(op, x.dtype, out=out, buffer=buffer)
+    check_dtype(op, torch.int64, peer_buffers=peer_buffers)
+    check_dtype(op, torch.int32, flags=flags)
+    check_contiguous(op, out=out, x=x, buffer=buffer, peers=peer_buffers, flags=flags)
+    world = peer_buffers.numel()
+    if world not in WORLD_SIZES:
+        fail(op, f"{world} buffers; expected a world of {WORLD_SIZES}")
+    if not 0 <= rank < world:
+        fail(op, f"rank {rank} is not in a world of {world}")
+    if flags.numel() < LAMPORT_FLAG_WORDS:
+        fail(op, f"flags holds {flags.numel()} words; it needs {LAMPORT_FLAG_WORDS}")
+    if slot_bytes <= 0 or slot_bytes % 16:
+        fail(op, f"slot_bytes {slot_bytes} must be a positive multiple of 16")
+    if buffer.nbytes < LAMPORT_SLOTS * world * slot_bytes:
+        fail(op, f"the buffer holds {buffer.nbytes} bytes; 3 slots x {world} ranks x {slot_bytes} need more")
+    if out.shape != x.shape:
+        fail(op, f"out {tuple(out.shape)} and x {tuple(x.shape)} differ")
+    if x.nbytes % 16 or x.nbytes > slot_bytes or not aligned16(out, x, buffer):
+        fail(op, f"x ({x.nbytes} bytes) must be whole 16-byte units, at most {slot_bytes}, and 16-byte aligned")
+    if overlaps(out, x) or overlaps(out, buffer) or overlaps(x, buffer):
+        fail(op, "out, x and the buffer must not overlap")
+    if timeout_ns < 0:
+        fail(op, f"timeout_ns {timeout_ns} must be >= 0")
+    units = x.nbytes // 16
+    if units == 0:
+        return out
+    threads = threads_for(units, LAMPORT_THREADS)
+    blocks = min(LAMPORT_MAX_BLOCKS, -(-units // threads))
+    args = (
+        ptr(out),
+        ptr(x),
+        ptr(peer_buffers),
+        ptr(flags),
+        np.int32(rank),
+        np.int32(units),
+        np.int64(slot_bytes // 16),
+        np.uint64(timeout_ns),
+    )
+    launch("allreduce_kernels", f"{op}_{suffix}_w{world}", device, (blocks,), (threads,), args, pdl=True)
+    return out
 
 
 def slots_needed(rows: int, world_size: int) -> int:
