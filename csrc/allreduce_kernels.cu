@@ -159,7 +159,8 @@ ZLLM_ALL_REDUCE_ADD_RMS_NORM(all_reduce_add_rms_norm_bf16_w8, __nv_bfloat16, 8, 
 // spins on its own, local buffer until every value has arrived. A value has arrived when it is
 // no longer the sentinel, negative zero, which the buffer holds wherever nothing is (writers
 // store a negative zero as +0: the sum is the same number). Lamport's scheme, as TensorRT-LLM's
-// one-shot all-reduce uses it.
+// one-shot all-reduce uses it. lamport_all_reduce_add_rms_norm adds the residual and the next
+// RMSNorm in the same launch (all_reduce_add_rms_norm's arithmetic, without its barriers).
 //
 // Each rank's buffer (symmetric memory, mapped into every peer): 3 slots x world sources x
 // slot_units 16-byte units. Launch n uses slot n % 3: rank r writes its units to [slot][r] of
@@ -169,15 +170,25 @@ ZLLM_ALL_REDUCE_ADD_RMS_NORM(all_reduce_add_rms_norm_bf16_w8, __nv_bfloat16, 8, 
 // peer can run at most one launch ahead (launch n + 1 needs this rank's launch n + 1 data, pushed
 // after this launch ends), so while this rank reads slot n % 3, peers may write slot (n + 1) % 3
 // (cleared during launch n - 1), and slot (n - 1) % 3 is written by nobody until launch n + 2,
-// which no peer reaches before this rank has pushed launch n + 1, after this clear.
+// which no peer reaches before this rank has pushed launch n + 1, after this clear. Every rank
+// must launch these kernels in the same order, on one stream: two launches in flight at once on
+// one rank would share the slot and the counter.
+//
+// Memory order: every value is its own flag, so relaxed system-scope accesses suffice
+// (st/ld.volatile compile to STG/LDG.E.128.STRONG.SYS, as .relaxed.sys does); a 16-byte store
+// may land one 32-bit word at a time, and every element of a unit is checked, so a half-arrived
+// unit reads as pending. The clear of slot (n - 1) % 3 reaches this GPU's L2 before the kernel
+// completes, and a peer's push into it (launch n + 2) follows this rank's launch n + 1 push.
 //
 // flags (this rank's device memory, uint32): [0] the launch counter n, [1] blocks of the current
 // launch done, [2 + s] units that slot s's launch used. Every block reads n first; the last block
 // to finish advances it (and records the sizes), so a CUDA graph replays the kernel with no host
 // update, and launches of different sizes and grids share the buffer.
 //
-// A value that never arrives (a peer gone) would spin forever: after timeout_ns (globaltimer; 0
-// means never) the kernel traps, so the worker fails with an error instead of hanging.
+// The buffers' addresses come as kernel parameters (own, then b0..b7 by rank; the unused ones
+// null), so no launch reads them from memory. A value that never arrives (a peer gone) would
+// spin forever: after timeout_ns (globaltimer; 0 means never) the kernel traps, so the worker
+// fails with an error instead of hanging.
 
 namespace zllm {
 
@@ -240,54 +251,61 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 
-template <typename T, int kWorld>
-__device__ __forceinline__ void lamport_all_reduce_impl(T* __restrict__ out, const T* __restrict__ in,
-                                                        T* const* buffers, unsigned* flags, int rank, int units,
-                                                        i64 slot_units, unsigned long long timeout_ns) {
-  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  pdl_launch_dependents();  // PDL (common.cuh): `in` comes from the kernel before
-  pdl_wait();
-  const unsigned launch = *reinterpret_cast<volatile unsigned*>(flags);
-  const int slot = static_cast<int>(launch % 3u);
-  const int prev = static_cast<int>((launch + 2u) % 3u);
-  const int prev_units = static_cast<int>(reinterpret_cast<volatile unsigned*>(flags)[2 + prev]);
-  const int first = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-  const int stride = static_cast<int>(gridDim.x * blockDim.x);
-  // Unit u of source `src` in slot s of a rank's buffer.
-  auto at = [slot_units](T* base, int s, int src, i64 u) {
-    return reinterpret_cast<uint4*>(base) + (static_cast<i64>(s) * kWorld + src) * slot_units + u;
-  };
+// The world's buffers, by rank, as kernel parameters.
+template <typename T>
+struct LamportBuffers {
+  T* own;
+  T* peer[8];
+};
 
-  // 1. Push this rank's units into slot `slot`, source `rank`, of every buffer.
-  const uint4* in16 = reinterpret_cast<const uint4*>(in);
-  for (int u = first; u < units; u += stride) {
-    const uint4 v = positive_zeros<T>(in16[u]);
-#pragma unroll
-    for (int p = 0; p < kWorld; ++p) store_volatile16(at(buffers[p], slot, rank, u), v);
+// One launch's view of the Lamport protocol: which slot it uses, which it clears and how much.
+template <typename T, int kWorld>
+struct LamportLaunch {
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  const LamportBuffers<T>& buffers;
+  unsigned* flags;
+  int rank;
+  i64 slot_units;
+  unsigned long long timeout_ns;
+  unsigned launch;
+  int slot, prev, prev_units;
+
+  // Call after pdl_wait(): the counter and the sizes are the previous launch's to write.
+  __device__ __forceinline__ LamportLaunch(const LamportBuffers<T>& buffers_, unsigned* flags_, int rank_,
+                                           i64 slot_units_, unsigned long long timeout_ns_)
+      : buffers(buffers_), flags(flags_), rank(rank_), slot_units(slot_units_), timeout_ns(timeout_ns_) {
+    launch = *reinterpret_cast<volatile unsigned*>(flags);
+    slot = static_cast<int>(launch % 3u);
+    prev = static_cast<int>((launch + 2u) % 3u);
+    prev_units = static_cast<int>(reinterpret_cast<volatile unsigned*>(flags)[2 + prev]);
   }
 
-  // 2. Wait for every source's units in this rank's buffer; sum them in rank order.
-  T* own = buffers[rank];
-  const unsigned long long start = timeout_ns ? global_ns() : 0ull;
-  for (int u = first; u < units; u += stride) {
+  // Unit u of source `src` in slot s of a rank's buffer.
+  __device__ __forceinline__ uint4* at(T* base, int s, int src, i64 u) const {
+    return reinterpret_cast<uint4*>(base) + (static_cast<i64>(s) * kWorld + src) * slot_units + u;
+  }
+
+  // This rank's unit u (16 bytes of its tensor) into every rank's buffer.
+  __device__ __forceinline__ void push(int u, uint4 v) const {
+    v = positive_zeros<T>(v);
+#pragma unroll
+    for (int p = 0; p < kWorld; ++p) store_volatile16(at(buffers.peer[p], slot, rank, u), v);
+  }
+
+  // Unit u summed over the ranks in rank order (fp32), once every rank's has arrived here. Each
+  // pass issues the world's loads together (one L2 round trip, not one a rank) and then checks.
+  __device__ __forceinline__ void sum(int u, unsigned long long start, float (&acc)[kVec]) const {
     uint4 v[kWorld];
-    bool arrived[kWorld];
-#pragma unroll
-    for (int p = 0; p < kWorld; ++p) arrived[p] = false;
     for (;;) {
-      bool all = true;
 #pragma unroll
-      for (int p = 0; p < kWorld; ++p) {
-        if (!arrived[p]) {
-          v[p] = load_volatile16(at(own, slot, p, u));
-          arrived[p] = !unit_pending<T>(v[p]);
-          all = all && arrived[p];
-        }
-      }
-      if (all) break;
+      for (int p = 0; p < kWorld; ++p) v[p] = load_volatile16(at(buffers.own, slot, p, u));
+      bool pending = false;
+#pragma unroll
+      for (int p = 0; p < kWorld; ++p) pending |= unit_pending<T>(v[p]);
+      if (!pending) break;
       if (timeout_ns && global_ns() - start > timeout_ns) __trap();  // a peer never wrote: fail, don't hang
     }
-    float acc[kVec], f[kVec];
+    float f[kVec];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
 #pragma unroll
@@ -296,40 +314,137 @@ __device__ __forceinline__ void lamport_all_reduce_impl(T* __restrict__ out, con
 #pragma unroll
       for (int e = 0; e < kVec; ++e) acc[e] += f[e];
     }
-    store_floats<T, kVec>(out + static_cast<i64>(u) * kVec, acc);
   }
 
-  // 3. The previous launch's slot back to the sentinel, every source, as many units as it used.
-  const uint4 empty = make_uint4(sentinel_word<T>(), sentinel_word<T>(), sentinel_word<T>(), sentinel_word<T>());
-  const i64 stale = static_cast<i64>(prev_units) * kWorld;
-  for (i64 i = first; i < stale; i += stride) {
-    store_volatile16(at(own, prev, static_cast<int>(i / prev_units), i % prev_units), empty);
+  // The previous launch's slot back to the sentinel (every source, the units it used), spread
+  // over the grid's threads.
+  __device__ __forceinline__ void clear_previous(int first, int stride) const {
+    const uint4 empty = make_uint4(sentinel_word<T>(), sentinel_word<T>(), sentinel_word<T>(), sentinel_word<T>());
+#pragma unroll
+    for (int src = 0; src < kWorld; ++src) {
+      for (int u = first; u < prev_units; u += stride) store_volatile16(at(buffers.own, prev, src, u), empty);
+    }
   }
 
-  // 4. The last block to finish advances the counter: every block has read it by then.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned done = atomicAdd(flags + 1, 1u);
-    if (done == gridDim.x - 1) {
+  // The last block to finish advances the counter (every block has read it by then) and records
+  // this launch's units for the next one to clear. The next launch reads them after this grid
+  // completed, so no fence is needed here.
+  __device__ __forceinline__ void finish(int units) const {
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(flags + 1, 1u) == gridDim.x - 1) {
       volatile unsigned* f = flags;
       f[2 + slot] = static_cast<unsigned>(units);
       f[2 + prev] = 0u;
       f[1] = 0u;
       f[0] = launch + 1u;
-      __threadfence();
     }
   }
+};
+
+// `in` is not __restrict__: it is read after pdl_wait() (common.cuh: such inputs must not be
+// const __restrict__, or the compiler may load them through the non-coherent path before it).
+template <typename T, int kWorld>
+__device__ __forceinline__ void lamport_all_reduce_impl(T* __restrict__ out, const T* in,
+                                                        const LamportBuffers<T>& buffers, unsigned* flags,
+                                                        int rank, int units, i64 slot_units,
+                                                        unsigned long long timeout_ns) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  pdl_launch_dependents();  // PDL (common.cuh): `in` comes from the kernel before
+  pdl_wait();
+  const int first = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  const int stride = static_cast<int>(gridDim.x * blockDim.x);
+  const uint4* in16 = reinterpret_cast<const uint4*>(in);
+  const uint4 head = first < units ? in16[first] : make_uint4(0u, 0u, 0u, 0u);  // in flight with the flags' load
+  const LamportLaunch<T, kWorld> lp(buffers, flags, rank, slot_units, timeout_ns);
+  if (first < units) lp.push(first, head);  // 1. to every rank
+  for (int u = first + stride; u < units; u += stride) lp.push(u, in16[u]);
+  const unsigned long long start = timeout_ns ? global_ns() : 0ull;
+  for (int u = first; u < units; u += stride) {  // 2. every rank's, summed
+    float acc[kVec];
+    lp.sum(u, start, acc);
+    store_floats<T, kVec>(out + static_cast<i64>(u) * kVec, acc);
+  }
+  lp.clear_previous(first, stride);  // 3.
+  lp.finish(units);                  // 4.
+}
+
+// The all-reduce of a row-parallel layer's partial output, the residual add and the next RMSNorm
+// in one launch, with all_reduce_add_rms_norm's arithmetic (the same bits). One block a row (the
+// norm needs the row's sum of squares), blockDim as fused_add_rms_norm_vec's for the same
+// per-thread order. `partial` and `residual` come from the kernels before (read after pdl_wait).
+template <typename T, int kWorld>
+__device__ __forceinline__ void lamport_all_reduce_add_rms_norm_impl(
+    T* __restrict__ out, T* residual, const T* __restrict__ weight, const T* partial,
+    const LamportBuffers<T>& buffers, unsigned* flags, int rank, i64 slot_units, unsigned long long timeout_ns,
+    float eps, int hidden, bool unit_offset) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  __shared__ float scratch[32];
+  pdl_launch_dependents();
+  pdl_wait();
+  const int row_units = hidden / kVec;
+  const int row0 = static_cast<int>(blockIdx.x) * row_units;  // the row's first unit
+  const uint4* partial16 = reinterpret_cast<const uint4*>(partial);
+  const int i0 = static_cast<int>(threadIdx.x);
+  const uint4 head = i0 < row_units ? partial16[row0 + i0] : make_uint4(0u, 0u, 0u, 0u);
+  const LamportLaunch<T, kWorld> lp(buffers, flags, rank, slot_units, timeout_ns);
+  if (i0 < row_units) lp.push(row0 + i0, head);
+  for (int i = i0 + blockDim.x; i < row_units; i += blockDim.x) lp.push(row0 + i, partial16[row0 + i]);
+
+  const unsigned long long start = timeout_ns ? global_ns() : 0ull;
+  T* rr = residual + static_cast<i64>(blockIdx.x) * hidden;
+  float sum_sq = 0.f;
+  for (int i = i0; i < row_units; i += blockDim.x) {
+    float acc[kVec], r[kVec];
+    lp.sum(row0 + i, start, acc);
+    load_floats<T, kVec>(rr + i * kVec, r);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      r[e] = round_to<T>(r[e] + round_to<T>(acc[e]));  // the all-reduced x, then the stored residual
+      sum_sq += r[e] * r[e];
+    }
+    store_floats<T, kVec>(rr + i * kVec, r);
+  }
+  sum_sq = block_sum(sum_sq, scratch);
+  const float inv_rms = rsqrtf(sum_sq / static_cast<float>(hidden) + eps);
+  T* orow = out + static_cast<i64>(blockIdx.x) * hidden;
+  for (int i = i0; i < row_units; i += blockDim.x) {
+    float r[kVec], w[kVec];
+    load_floats<T, kVec>(rr + i * kVec, r);
+    load_floats<T, kVec>(weight + i * kVec, w);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      r[e] = unit_offset ? (r[e] * inv_rms) * (1.f + w[e]) : w[e] * round_to<T>(r[e] * inv_rms);
+    }
+    store_floats<T, kVec>(orow + i * kVec, r);
+  }
+  lp.clear_previous(static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), static_cast<int>(gridDim.x * blockDim.x));
+  lp.finish(static_cast<int>(gridDim.x) * row_units);
 }
 
 }  // namespace zllm
 
+#define ZLLM_LAMPORT_BUFFER_PARAMS(T) T *own, T *b0, T *b1, T *b2, T *b3, T *b4, T *b5, T *b6, T *b7
+#define ZLLM_LAMPORT_BUFFERS(T) \
+  const zllm::LamportBuffers<T> buffers { own, { b0, b1, b2, b3, b4, b5, b6, b7 } }
+
 #define ZLLM_LAMPORT_ALL_REDUCE(NAME, T, WORLD)                                                    \
-  extern "C" __global__ void __launch_bounds__(1024)                                             \
-      NAME(T* __restrict__ out, const T* __restrict__ in, T* const* buffers, unsigned* flags,     \
+  extern "C" __global__ void __launch_bounds__(256)                                              \
+      NAME(T* __restrict__ out, const T* in, ZLLM_LAMPORT_BUFFER_PARAMS(T), unsigned* flags,      \
            int rank, int units, long long slot_units, unsigned long long timeout_ns) {            \
+    ZLLM_LAMPORT_BUFFERS(T);                                                                     \
     zllm::lamport_all_reduce_impl<T, WORLD>(out, in, buffers, flags, rank, units, slot_units,     \
                                             timeout_ns);                                         \
+  }
+
+#define ZLLM_LAMPORT_ALL_REDUCE_ADD_RMS_NORM(NAME, T, WORLD)                                       \
+  extern "C" __global__ void __launch_bounds__(1024)                                             \
+      NAME(T* __restrict__ out, T* residual, const T* __restrict__ weight, const T* partial,      \
+           ZLLM_LAMPORT_BUFFER_PARAMS(T), unsigned* flags, int rank, long long slot_units,        \
+           unsigned long long timeout_ns, float eps, int hidden, int unit_offset) {               \
+    ZLLM_LAMPORT_BUFFERS(T);                                                                     \
+    zllm::lamport_all_reduce_add_rms_norm_impl<T, WORLD>(out, residual, weight, partial, buffers, \
+                                                         flags, rank, slot_units, timeout_ns,    \
+                                                         eps, hidden, unit_offset != 0);         \
   }
 
 ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_f32_w2, float, 2)
@@ -338,3 +453,9 @@ ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_f32_w8, float, 8)
 ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_bf16_w2, __nv_bfloat16, 2)
 ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_bf16_w4, __nv_bfloat16, 4)
 ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_bf16_w8, __nv_bfloat16, 8)
+ZLLM_LAMPORT_ALL_REDUCE_ADD_RMS_NORM(lamport_all_reduce_add_rms_norm_f32_w2, float, 2)
+ZLLM_LAMPORT_ALL_REDUCE_ADD_RMS_NORM(lamport_all_reduce_add_rms_norm_f32_w4, float, 4)
+ZLLM_LAMPORT_ALL_REDUCE_ADD_RMS_NORM(lamport_all_reduce_add_rms_norm_f32_w8, float, 8)
+ZLLM_LAMPORT_ALL_REDUCE_ADD_RMS_NORM(lamport_all_reduce_add_rms_norm_bf16_w2, __nv_bfloat16, 2)
+ZLLM_LAMPORT_ALL_REDUCE_ADD_RMS_NORM(lamport_all_reduce_add_rms_norm_bf16_w4, __nv_bfloat16, 4)
+ZLLM_LAMPORT_ALL_REDUCE_ADD_RMS_NORM(lamport_all_reduce_add_rms_norm_bf16_w8, __nv_bfloat16, 8)

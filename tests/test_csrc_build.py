@@ -72,6 +72,7 @@ def expected_entry_points() -> dict[str, set[str]]:
         for world in (2, 4, 8):
             names["allreduce_kernels"] |= {
                 f"all_reduce_add_rms_norm_{dt}_w{world}",
+                f"lamport_all_reduce_add_rms_norm_{dt}_w{world}",
                 f"lamport_all_reduce_{dt}_w{world}",
             }
     return names

@@ -17,6 +17,7 @@ from zllm.workers.kernels.allreduce import (
     LAMPORT_FLAG_WORDS,
     LAMPORT_SLOTS,
     lamport_all_reduce,
+    lamport_all_reduce_add_rms_norm,
     lamport_buffer_numel,
     lamport_sentinel_fill,
 )
@@ -46,18 +47,33 @@ def test_sentinel_fill_is_negative_zero_everywhere(dtype):
     assert bool((buffer == 0).all()) and bool(torch.signbit(buffer).all())
 
 
-def test_wrapper_refuses_cpu_tensors():
+def test_wrappers_refuse_cpu_tensors():
     x = torch.zeros(8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="lamport_all_reduce: out is on cpu"):
         lamport_all_reduce(
             torch.empty_like(x),
             x,
             torch.zeros(64, dtype=torch.bfloat16),
-            torch.zeros(2, dtype=torch.int64),
+            (0, 0),
             torch.zeros(LAMPORT_FLAG_WORDS, dtype=torch.int32),
             0,
             16,
             0,
+        )
+    rows = torch.zeros(1, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="lamport_all_reduce_add_rms_norm: out is on cpu"):
+        lamport_all_reduce_add_rms_norm(
+            torch.empty_like(rows),
+            rows.clone(),
+            torch.ones(8, dtype=torch.bfloat16),
+            rows,
+            torch.zeros(64, dtype=torch.bfloat16),
+            (0, 0),
+            torch.zeros(LAMPORT_FLAG_WORDS, dtype=torch.int32),
+            0,
+            16,
+            0,
+            1e-6,
         )
 
 

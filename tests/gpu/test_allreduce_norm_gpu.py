@@ -2,7 +2,9 @@
 2 and 4 GPUs: against NCCL's all-reduce and the torch add + RMSNorm, against the exact rank-order
 sum normed by the fused_add_rms_norm kernel (bit for bit), the same bits on every rank, eagerly
 and in CUDA-graph replays with new inputs (between two one-shot all-reduces, which share the
-signal pads); then the engine's tokens with the switch on and off."""
+signal pads); then the engine's tokens with the switch on and off. With ZLLM_ALLREDUCE_LAMPORT
+too, the same checks run the Lamport kernel's form of it (lamport_all_reduce_add_rms_norm) between
+Lamport all-reduces."""
 
 from __future__ import annotations
 
@@ -30,13 +32,14 @@ def _needs_gpus(count: int) -> None:
         pytest.skip(f"needs {count} GPUs")
 
 
-def _rank(rank: int, size: int, init_file: str, dtype_name: str) -> None:
+def _rank(rank: int, size: int, init_file: str, dtype_name: str, lamport: bool) -> None:
     import logging
 
     import torch
     import torch.distributed as dist
 
     os.environ["ZLLM_ALLREDUCE_NORM"] = "1"
+    os.environ["ZLLM_ALLREDUCE_LAMPORT"] = "1" if lamport else "0"
     from zllm.config import EngineConfig
     from zllm.workers import kernels
     from zllm.workers.distributed import TensorParallel
@@ -52,6 +55,7 @@ def _rank(rank: int, size: int, init_file: str, dtype_name: str) -> None:
     kernels.preload(device)
     attach_symmetric_all_reduce(tp, EngineConfig(model="", custom_all_reduce_max_bytes=LIMIT), device, dtype)
     assert tp.fast is not None and tp.fast.norm is not None, f"rank {rank}: fused set-up fell back (see above)"
+    assert (tp.fast.lamport is not None) == lamport, f"rank {rank}: Lamport set-up fell back (see above)"
     norm = tp.fast.norm
     cases = [(rows, hidden) for rows, hidden, name in CASES if name == "bfloat16" or dtype != torch.bfloat16]
     cases = [(r, h) for r, h in cases if r * h * dtype.itemsize <= LIMIT]
@@ -141,14 +145,15 @@ def _rank(rank: int, size: int, init_file: str, dtype_name: str) -> None:
     tp.destroy()
 
 
+@pytest.mark.parametrize("lamport", [False, True], ids=["barrier", "lamport"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_fused_all_reduce_add_rms_norm_eager_and_in_cuda_graphs(tmp_path, size, dtype):
+def test_fused_all_reduce_add_rms_norm_eager_and_in_cuda_graphs(tmp_path, size, dtype, lamport):
     import torch.multiprocessing as mp
 
     _needs_gpus(size)
     context = mp.start_processes(
-        _rank, args=(size, str(tmp_path / "rendezvous"), dtype), nprocs=size, join=False, start_method="spawn"
+        _rank, args=(size, str(tmp_path / "rendezvous"), dtype, lamport), nprocs=size, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + RANK_TIMEOUT_S
     try:

@@ -1,13 +1,18 @@
 """The Lamport all-reduce (csrc/allreduce_kernels.cu `lamport_all_reduce`, ZLLM_ALLREDUCE_LAMPORT) on
-2 and 4 GPUs: bit for bit the exact rank-order fp32 sum rounded once, the same bits on every rank,
-close to NCCL's; launches of growing and shrinking sizes back to back (every slot reused, a slot
-cleared by its own last size), negative zeros (the "empty" mark) arriving as zeros, a decode-like
-chain in CUDA-graph replays with new inputs; then the engine's fp32 tokens at tp 2 with it equal the
-one-shot kernel's."""
+2, 4 and 8 GPUs, with programmatic dependent launch on and off: bit for bit the exact rank-order
+fp32 sum rounded once, the same bits on every rank, close to NCCL's; launches of growing and
+shrinking sizes back to back (every slot reused, a slot cleared by its own last size); a run of
+launches with no collective between them and one rank or another held back on the GPU
+(torch.cuda._sleep), so ranks drift a launch apart as the slots allow; negative zeros (the "empty"
+mark) arriving as zeros; a decode-like chain in CUDA-graph replays with new inputs, then 300
+replays of the same inputs that must give the same bits. Then the engine's fp32 tokens at tp 2
+with it (and with its fused add-RMSNorm form) equal the one-shot kernel's. The fused form's own
+bit-for-bit checks: tests/gpu/test_allreduce_norm_gpu.py's lamport cases."""
 
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import pytest
@@ -31,13 +36,14 @@ def _needs_gpus(count: int) -> None:
         pytest.skip(f"needs {count} GPUs")
 
 
-def _rank(rank: int, size: int, init_file: str, dtype_name: str) -> None:
+def _rank(rank: int, size: int, init_file: str, dtype_name: str, pdl: str) -> None:
     import logging
 
     import torch
     import torch.distributed as dist
 
     os.environ["ZLLM_ALLREDUCE_LAMPORT"] = "1"
+    os.environ["ZLLM_PDL"] = pdl
     from zllm.config import EngineConfig
     from zllm.workers import kernels
     from zllm.workers.distributed import TensorParallel
@@ -81,6 +87,21 @@ def _rank(rank: int, size: int, init_file: str, dtype_name: str) -> None:
         assert torch.equal(x, before), "the input was changed"
         check(x, summed, f"eager {rows}x{hidden}")
 
+    # Back to back with no collective between: before some launches one rank (a different one
+    # each time) spins on the GPU first, so its peers run ahead and wait; checked afterwards.
+    pace = random.Random(11)  # the same schedule on every rank
+    held = []
+    for _ in range(40):
+        rows, hidden = sizes[pace.randrange(len(sizes))]
+        slow, cycles = pace.randrange(size), pace.choice([0, 20_000, 200_000, 2_000_000])
+        if slow == rank and cycles:
+            torch.cuda._sleep(cycles)
+        x = draw(rows, hidden)
+        held.append((x, tp.all_reduce(x)))
+    torch.cuda.synchronize()
+    for i, (x, summed) in enumerate(held):
+        check(x, summed, f"skewed launch {i} {tuple(x.shape)}")
+
     # Negative zeros on every rank (the buffer's "empty" mark) arrive: their sum is zero.
     zeros = torch.full((2, 4096), -0.0, dtype=dtype, device=device)
     summed = tp.all_reduce(zeros)
@@ -117,18 +138,27 @@ def _rank(rank: int, size: int, init_file: str, dtype_name: str) -> None:
         # An eager launch between replays shares the counter and slots with the graph's.
         x = draw(2, 2048)
         check(x, tp.all_reduce(x), f"eager after replay {replay}")
+    # Many replays of the same inputs: the same bits every time (each replay goes round the slots).
+    first = [o.clone() for o in outputs]
+    for replay in range(300):
+        if replay % 50 == rank:
+            torch.cuda._sleep(100_000)  # a rank behind now and then
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, f) for o, f in zip(outputs, first)), f"rank {rank}: replays differ"
     del graph
     tp.destroy()
 
 
+@pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no-pdl"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("size", [2, 4])
-def test_lamport_all_reduce_eager_and_in_cuda_graphs(tmp_path, size, dtype):
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_lamport_all_reduce_eager_and_in_cuda_graphs(tmp_path, size, dtype, pdl):
     import torch.multiprocessing as mp
 
     _needs_gpus(size)
     context = mp.start_processes(
-        _rank, args=(size, str(tmp_path / "rendezvous"), dtype), nprocs=size, join=False, start_method="spawn"
+        _rank, args=(size, str(tmp_path / "rendezvous"), dtype, pdl), nprocs=size, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + RANK_TIMEOUT_S
     try:
@@ -141,9 +171,11 @@ def test_lamport_all_reduce_eager_and_in_cuda_graphs(tmp_path, size, dtype):
 
 
 @pytest.mark.parametrize("model_dir", ["gqa-d128"], indirect=True)
-def test_engine_tokens_with_lamport_all_reduce_equal_one_shot_fp32_tp2(model_dir, prompt_ids, monkeypatch, capfd):
-    """fp32 at tp 2: the one-shot sum a + b and the Lamport kernel's are one rounding each, so the
-    tokens must be identical (CUDA graphs on)."""
+def test_engine_tokens_with_lamport_all_reduce_and_its_fused_norm_equal_one_shot_fp32_tp2(
+    model_dir, prompt_ids, monkeypatch, capfd
+):
+    """fp32 at tp 2: the one-shot sum a + b and the Lamport kernel's are one rounding each, and the
+    fused form's norm is fused_add_rms_norm's, so the tokens must be identical (CUDA graphs on)."""
     _needs_gpus(2)
     one_shot = engine_tokens(
         model_dir, prompt_ids, dtype="float32", tensor_parallel_size=2, custom_all_reduce_max_bytes=8 << 20
@@ -152,6 +184,12 @@ def test_engine_tokens_with_lamport_all_reduce_equal_one_shot_fp32_tp2(model_dir
     lamport = engine_tokens(
         model_dir, prompt_ids, dtype="float32", tensor_parallel_size=2, custom_all_reduce_max_bytes=8 << 20
     )
+    monkeypatch.setenv("ZLLM_ALLREDUCE_NORM", "1")
+    lamport_norm = engine_tokens(
+        model_dir, prompt_ids, dtype="float32", tensor_parallel_size=2, custom_all_reduce_max_bytes=8 << 20
+    )
     log = capfd.readouterr().err
-    assert log.count("Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT)") == 2, "Lamport set-up fell back:\n" + log[-4000:]
+    assert log.count("Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT)") == 4, "Lamport set-up fell back:\n" + log[-4000:]
+    assert log.count("fused all-reduce + add-RMSNorm kernel on") == 2, "fused set-up fell back:\n" + log[-4000:]
     assert lamport == one_shot
+    assert lamport_norm == one_shot

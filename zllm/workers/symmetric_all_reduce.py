@@ -99,7 +99,7 @@ class SymmetricAllReduce:
                 out,
                 x,
                 lamport.buffer,
-                lamport.peer_buffers,
+                lamport.peers,
                 lamport.flags,
                 lamport.rank,
                 lamport.slot_bytes,
@@ -138,6 +138,25 @@ class SymmetricAllReduce:
 
         norm = self.norm
         out = torch.empty_like(partial)
+        lamport = self.lamport
+        if lamport is not None:  # the same arithmetic, without the barriers
+            from zllm.workers.kernels.allreduce import lamport_all_reduce_add_rms_norm
+
+            lamport_all_reduce_add_rms_norm(
+                out,
+                residual,
+                weight.contiguous(),
+                partial,
+                lamport.buffer,
+                lamport.peers,
+                lamport.flags,
+                lamport.rank,
+                lamport.slot_bytes,
+                lamport.timeout_ns,
+                eps,
+                unit_offset,
+            )
+            return out, residual
         all_reduce_add_rms_norm(
             out,
             residual,
@@ -170,12 +189,12 @@ class NormOperands:
 
 @dataclass(slots=True)
 class LamportOperands:
-    """The Lamport kernel's state on this rank: its buffer (symmetric memory, 3 slots x world x
-    slot_bytes), the world's addresses of that buffer (int64 device tensor), the launch flags
-    (int32, this rank's only), the largest tensor in bytes, and the spin limit."""
+    """The Lamport kernels' state on this rank: its buffer (symmetric memory, 3 slots x world x
+    slot_bytes), the world's addresses of that buffer by rank (kernel parameters), the launch
+    flags (int32, this rank's only), the largest tensor in bytes, and the spin limit."""
 
     buffer: torch.Tensor
-    peer_buffers: torch.Tensor
+    peers: tuple[int, ...]
     flags: torch.Tensor
     rank: int
     slot_bytes: int
@@ -295,7 +314,7 @@ def _lamport_operands(
     torch.cuda.synchronize(device)  # filled here before the vote lets any peer push into it
     operands = LamportOperands(
         buffer=buffer,
-        peer_buffers=torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
+        peers=tuple(int(p) + offset for p in handle.buffer_ptrs),
         flags=torch.zeros(LAMPORT_FLAG_WORDS, dtype=torch.int32, device=device),
         rank=rank,
         slot_bytes=fast.max_bytes // 16 * 16,
@@ -310,22 +329,26 @@ _LAMPORT_TEST_SIZES = (8, 1024, 64, 8, 1024, 16, 8)
 
 
 def _self_test_lamport(fast: SymmetricAllReduce, rank: int, size: int, device: torch.device) -> bool:
-    """Seven launches, each checked exactly: small integers (exact in bf16 and fp32) that differ by
-    rank and launch, the first element -0.0 on every rank (the "empty" mark: it must arrive as 0)."""
+    """Seven launches of small integers (exact in bf16 and fp32) that differ by rank and launch,
+    the first element -0.0 on every rank (the "empty" mark: it must arrive, as a zero). Every rank
+    runs all seven before it checks any, so a wrong sum on one rank cannot leave its peers waiting
+    for launches it never made; then each result is checked exactly."""
     dtype = fast.buffer.dtype
     limit = fast.lamport.slot_bytes // dtype.itemsize
+    results = []
     for launch, numel in enumerate(_LAMPORT_TEST_SIZES):
         numel = min(numel, limit)
         base = torch.arange(numel, device=device, dtype=torch.float32).remainder(7) + launch
         x = (base + (rank + 1)).to(dtype)
         x[0] = -0.0
-        summed = fast.all_reduce(x)
-        _wait_or_hang(rank, "Lamport all-reduce self-test")
         expected = (base * size + size * (size + 1) / 2).to(dtype)
         expected[0] = 0.0
+        results.append((launch, fast.all_reduce(x), expected))
+    _wait_or_hang(rank, "Lamport all-reduce self-test")
+    for launch, summed, expected in results:
         if not torch.equal(summed, expected):
             raise RuntimeError(
-                f"Lamport self-test launch {launch} ({numel} elements) gave {summed[:4].tolist()}..., "
+                f"Lamport self-test launch {launch} ({summed.numel()} elements) gave {summed[:4].tolist()}..., "
                 f"expected {expected[:4].tolist()}..."
             )
     return True
