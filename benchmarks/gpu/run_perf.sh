@@ -80,6 +80,13 @@
 #                 stop ~5 s: ~220 s + the build, bounded by $SERVEMODEL_BUDGET_S (default 530 s).
 #                 Into $OUT: build.log, servemodel-summary.log, servemodel-logs.tar.gz (traces,
 #                 metrics, the client's JSONs).
+#   PART=shard70: issue 30 part 1, where one tp 4 rank's share of Llama-3-70B spends its step, on
+#                 one GPU (an H200: the share is 35 GB): copy bandwidth, W2 of the share as a whole
+#                 model (dummy_model.py llama3-70b-shard4: tp 4's step less the all-reduces), its
+#                 step profile at batch 1 (the kernels' ms per step), then benchmarks/gemv.py
+#                 --shapes llama3-70b-tp4 (µs and TB/s per projection, zllm's builds vs cuBLAS).
+#                 Estimates, not yet measured: W2 ~100 s (a 35 GB dummy load), profile ~100 s,
+#                 GEMV table ~60 s, plus the build where there is none.
 #   PART=envab:   an A/B of environment switches ($ENVAB_SETS) over W2 bf16 / W2 FP8 / W1 ($ENVAB_RUNS),
 #                 in interleaved rounds, after the GPU tests in $ENVAB_TESTS (the part's comment says how)
 #   PART=pdl:     issue 40's programmatic dependent launch (ZLLM_PDL), in one call bounded by
@@ -129,11 +136,7 @@ serve32() {  # serve32 SUFFIX: vllm-launch under serve.py, Poisson ${RATE:-32} r
     --request-rate "${RATE:-32}" --input-len 256 --output-len 256 --json "$out/serve$1.json" --plot "$out/serve$1.png"
   kill -TERM $server; wait $server
 }
-case "${1:-}" in
-correct)
-  timeout 400 python -m pytest -q -p no:cacheprovider -rs -x -p no:warnings --tb=short tests/gpu/test_async_scheduling_gpu.py tests/gpu/test_engine_gpu.py > "$out/pytest.log" 2>&1; tail -60 "$out/pytest.log"
-  ;;
-latency)
+copy_bandwidth() {  # the device-to-device copy's TB/s (read + write), the ceiling a GEMV streams against
   run 60 python - <<'PY'
 import json, time, torch
 x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
@@ -143,12 +146,27 @@ for _ in range(20): y.copy_(x)
 torch.cuda.synchronize()
 print(json.dumps({"gpu": torch.cuda.get_device_name(0), "copy_TBps": round(2 * 20 * x.numel() / (time.perf_counter() - t) / 1e12, 3)}))
 PY
+}
+case "${1:-}" in
+correct)
+  timeout 400 python -m pytest -q -p no:cacheprovider -rs -x -p no:warnings --tb=short tests/gpu/test_async_scheduling_gpu.py tests/gpu/test_engine_gpu.py > "$out/pytest.log" 2>&1; tail -60 "$out/pytest.log"
+  ;;
+latency)
+  copy_bandwidth
   for mode in --async-scheduling --no-async-scheduling; do
     run 150 python benchmarks/latency.py --model "$model" --load-format dummy --input-len 128 --output-len 256 --iters 3 --max-model-len 1024 $mode
   done
   for batch in 256 1; do
     run 150 python benchmarks/step_profile.py --model "$model" --load-format dummy --batch-size $batch --steps 50
   done
+  ;;
+shard70)
+  shard=/tmp/zllm-llama3-70b-shard4
+  python benchmarks/dummy_model.py llama3-70b-shard4 "$shard" > /dev/null
+  copy_bandwidth
+  run 200 python benchmarks/latency.py --model "$shard" --load-format dummy --input-len 128 --output-len 256 --iters 2 --max-model-len 1024
+  run 200 python benchmarks/step_profile.py --model "$shard" --load-format dummy --batch-size 1 --steps 50 --max-model-len 1024
+  run 120 python benchmarks/gemv.py --shapes llama3-70b-tp4
   ;;
 load)
   for mode in --async-scheduling --no-async-scheduling; do
