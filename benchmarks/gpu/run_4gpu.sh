@@ -65,12 +65,16 @@
 #             it on = off), then W2 of the 70B shape at tp 4 with the one-shot all-reduce and the switch
 #             0, then 1. ZLLM_DEBUG_HANG_S=120. Estimate: tests ~200 s, 2 x W2 ~100 s each + the build.
 #   lamport:  issue 30 item 1, zllm's barrier-free Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT, off
-#             by default, never run on a GPU before): tests/gpu/test_lamport_all_reduce_gpu.py (2 and
-#             4 ranks, bf16/fp32, sizes growing and shrinking, negative zeros, graph replays; the
-#             engine's fp32 tokens at tp 2 with it = the one-shot kernel's), then benchmarks/all_reduce.py
-#             at tp 2 and tp 4 (us per all-reduce in CUDA graphs: NCCL, PyTorch's one-shot, Lamport),
-#             then W2 of the 70B shape at tp 4 with the switch 0, then 1. ZLLM_DEBUG_HANG_S=120.
-#             Estimate: tests ~150 s, 2 x all_reduce.py ~40 s each, 2 x W2 ~100 s each.
+#             by default, never run on a GPU before), in $LAMPORT_STEPS (default "tests bench w2"):
+#             tests: tests/gpu/test_lamport_all_reduce_gpu.py (2/4/8 ranks, bf16/fp32, PDL on/off,
+#             sizes growing and shrinking, ranks held back, negative zeros, graph replays; the
+#             engine's fp32 tokens at tp 2 with it and its fused norm = the one-shot kernel's) and
+#             the lamport cases of test_allreduce_norm_gpu.py (the fused form, bit for bit);
+#             bench: benchmarks/all_reduce.py at tp 2 and tp 4 (us per all-reduce in CUDA graphs:
+#             NCCL, PyTorch's one-shot, Lamport); w2: W2 of the 70B shape at tp 4 under each of
+#             $LAMPORT_SETS (default: the one-shot kernel, Lamport, Lamport with the fused norm).
+#             ZLLM_DEBUG_HANG_S=120. Estimate: tests ~250 s, bench ~80 s, each W2 ~100 s: two calls
+#             (the second with LAMPORT_STEPS=w2 if the first ran out).
 #   w2ab70:   issue 30 item 1's switches A/B: first the single-GPU tests in $W2AB_TESTS on GPU 0
 #             (default: the PDL chain with attention, the fused GEMV epilogues; 200 s at most), then
 #             W2 of the 70B shape at tp 4 (one-shot all-reduce) for each setting of $W2AB_SETS
@@ -383,19 +387,31 @@ arnorm)
   ;;
 lamport)
   export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"
-  bounded lamport-tests 240 python -m pytest -q -p no:cacheprovider -rs tests/gpu/test_lamport_all_reduce_gpu.py
-  tail -3 "$out/lamport-tests.log"
-  for tp in 2 4; do
-    bounded "all-reduce-tp$tp" 90 python benchmarks/all_reduce.py --tp "$tp"
-  done
-  dummy llama3-70b "$m70b"
-  for on in 0 1; do
-    fits "w2-70b-lamport$on" 100 || continue
-    ZLLM_ALLREDUCE_LAMPORT=$on bounded "w2-70b-lamport$on" 200 python benchmarks/latency.py --model "$m70b" \
-      --load-format dummy --input-len 128 --output-len 256 --iters 2 --tp 4 --max-model-len 1024 \
-      --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
-    gpus_free 30 || { echo "FAIL w2-70b-lamport$on: GPU memory still held after it exited"; status=1; }
-  done
+  steps=" ${LAMPORT_STEPS:-tests bench w2} "
+  if [[ $steps == *" tests "* ]]; then
+    bounded lamport-tests 300 python -m pytest -q -p no:cacheprovider -rs tests/gpu/test_lamport_all_reduce_gpu.py \
+      tests/gpu/test_allreduce_norm_gpu.py -k "lamport"
+    tail -3 "$out/lamport-tests.log"
+  fi
+  if [[ $steps == *" bench "* ]]; then
+    for tp in 2 4; do
+      bounded "all-reduce-tp$tp" 90 python benchmarks/all_reduce.py --tp "$tp"
+    done
+  fi
+  if [[ $steps == *" w2 "* ]]; then
+    dummy llama3-70b "$m70b"
+    IFS=';' read -ra sets <<< "${LAMPORT_SETS:-oneshot:ZLLM_ALLREDUCE_LAMPORT=0;lamport:ZLLM_ALLREDUCE_LAMPORT=1;lamportnorm:ZLLM_ALLREDUCE_LAMPORT=1 ZLLM_ALLREDUCE_NORM=1}"
+    for set in "${sets[@]}"; do
+      label=${set%%:*} assignments=""
+      [[ $set == *:* ]] && assignments=${set#*:}
+      fits "w2-70b-$label" 100 || continue
+      echo "{\"lamport_w2\": \"$label\", \"env\": \"$assignments\"}" | tee -a "$jsonl"
+      bounded "w2-70b-$label" 200 env $assignments python benchmarks/latency.py --model "$m70b" \
+        --load-format dummy --input-len 128 --output-len 256 --iters 2 --tp 4 --max-model-len 1024 \
+        --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
+      gpus_free 30 || { echo "FAIL w2-70b-$label: GPU memory still held after it exited"; status=1; }
+    done
+  fi
   ;;
 w2ab70)
   export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"
