@@ -293,26 +293,33 @@ struct LamportLaunch {
   }
 
   // Unit u summed over the ranks in rank order (fp32), once every rank's has arrived here. Each
-  // pass issues the world's loads together (one L2 round trip, not one a rank) and then checks.
+  // pass issues kGroup ranks' loads together (one L2 round trip) and then checks them; a group
+  // that has all arrived is added before the next one is read. kGroup < kWorld only where the
+  // whole world's units would not fit the registers (the fused kernel's 1024 threads at tp 8).
+  template <int kGroup = kWorld>
   __device__ __forceinline__ void sum(int u, unsigned long long start, float (&acc)[kVec]) const {
-    uint4 v[kWorld];
-    for (;;) {
-#pragma unroll
-      for (int p = 0; p < kWorld; ++p) v[p] = load_volatile16(at(buffers.own, slot, p, u));
-      bool pending = false;
-#pragma unroll
-      for (int p = 0; p < kWorld; ++p) pending |= unit_pending<T>(v[p]);
-      if (!pending) break;
-      if (timeout_ns && global_ns() - start > timeout_ns) __trap();  // a peer never wrote: fail, don't hang
-    }
-    float f[kVec];
+    static_assert(kWorld % kGroup == 0, "whole groups of ranks");
 #pragma unroll
     for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
 #pragma unroll
-    for (int p = 0; p < kWorld; ++p) {
-      unpack<T>(v[p], f);
+    for (int g = 0; g < kWorld; g += kGroup) {
+      uint4 v[kGroup];
+      for (;;) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[e] += f[e];
+        for (int p = 0; p < kGroup; ++p) v[p] = load_volatile16(at(buffers.own, slot, g + p, u));
+        bool pending = false;
+#pragma unroll
+        for (int p = 0; p < kGroup; ++p) pending |= unit_pending<T>(v[p]);
+        if (!pending) break;
+        if (timeout_ns && global_ns() - start > timeout_ns) __trap();  // a peer never wrote: fail, don't hang
+      }
+      float f[kVec];
+#pragma unroll
+      for (int p = 0; p < kGroup; ++p) {
+        unpack<T>(v[p], f);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[e] += f[e];
+      }
     }
   }
 
@@ -395,7 +402,7 @@ __device__ __forceinline__ void lamport_all_reduce_add_rms_norm_impl(
   float sum_sq = 0.f;
   for (int i = i0; i < row_units; i += blockDim.x) {
     float acc[kVec], r[kVec];
-    lp.sum(row0 + i, start, acc);
+    lp.template sum<(kWorld > 4 ? 4 : kWorld)>(row0 + i, start, acc);
     load_floats<T, kVec>(rr + i * kVec, r);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
