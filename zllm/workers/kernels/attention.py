@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from zllm import envs
+from zllm.workers.kernels.cache import value_cache_address
 from zllm.workers.kernels.checks import (
     MAX_GRID_YZ,
     aligned16,
@@ -240,14 +241,13 @@ def paged_attention_decode(
         ws_ml = ws_out + batch * num_heads * parts * head_dim * 4
         ws_out_ptr, ws_ml_ptr = np.uint64(ws_out), np.uint64(ws_ml)
 
-    value_cache_ptr = kv_cache.data_ptr() + num_blocks * block_size * kv_heads * head_dim * kv_cache.element_size()
     args = (
         ptr(out),
         ws_out_ptr,
         ws_ml_ptr,
         ptr(query),
         ptr(kv_cache),
-        np.uint64(value_cache_ptr),
+        value_cache_address(kv_cache),
         ptr(block_tables),
         ptr(seq_lens),
         np.float32(scale * k_scale * math.log2(math.e)),

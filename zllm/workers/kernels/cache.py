@@ -20,6 +20,12 @@ from zllm.workers.kernels.checks import (
 from zllm.workers.kernels.loader import launch
 
 
+def value_cache_address(kv_cache: torch.Tensor) -> np.uint64:
+    """The address of the value half of a contiguous [2, num_blocks, block_size, kv_heads, head_dim]
+    layer cache: the kernels take the key and value caches as two pointers."""
+    return np.uint64(kv_cache.data_ptr() + kv_cache.shape[1:].numel() * kv_cache.element_size())
+
+
 def reshape_and_cache(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -54,12 +60,11 @@ def reshape_and_cache(
     )
     units = row // per16 if vec else row
     kernel = f"reshape_and_cache_{suffix}{'_vec' if vec else ''}"
-    value_cache_ptr = kv_cache.data_ptr() + num_blocks * block_size * row * kv_cache.element_size()
     args = (
         ptr(key),
         ptr(value),
         ptr(kv_cache),
-        np.uint64(value_cache_ptr),
+        value_cache_address(kv_cache),
         ptr(slot_mapping),
         np.int64(key.stride(0)),
         np.int64(value.stride(0)),

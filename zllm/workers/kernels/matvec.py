@@ -21,6 +21,7 @@ import torch
 
 from zllm import envs
 from zllm.workers.attention import KV_FP8
+from zllm.workers.kernels.cache import value_cache_address
 from zllm.workers.kernels.checks import (
     DTYPE_SUFFIX,
     aligned16,
@@ -167,6 +168,16 @@ def gemv(
     return out
 
 
+def _check_pair_output(op: str, out: torch.Tensor, bias: torch.Tensor | None, n: int) -> int:
+    """The act-and-mul GEMVs' output [1, n / 2] and bias [n] (both contiguous); returns n / 2."""
+    d = n // 2
+    if tuple(out.shape) != (1, d) or not out.is_contiguous():
+        fail(op, f"out must be a contiguous [1, {d}], got {tuple(out.shape)}")
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    return d
+
+
 def gemv_act_and_mul(
     out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False
 ) -> torch.Tensor:
@@ -185,11 +196,7 @@ def gemv_act_and_mul(
             f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be one contiguous row and an even number "
             f"of contiguous 16-byte-aligned rows of a length divisible by {16 // x.element_size()}",
         )
-    d = n // 2
-    if tuple(out.shape) != (1, d) or not out.is_contiguous():
-        fail(op, f"out must be a contiguous [1, {d}], got {tuple(out.shape)}")
-    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
-        fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    d = _check_pair_output(op, out, bias, n)
     if d == 0:
         return out
     split = gemv_split(x.shape[1] // (16 // x.element_size()))
@@ -267,13 +274,12 @@ def _rope_cache_args(op: str, x: torch.Tensor, out: torch.Tensor, n: int, rope: 
     if tuple(out.shape) != (1, n) or not out.is_contiguous():
         fail(op, f"out must be a contiguous [1, {n}], got {tuple(out.shape)}")
     slots = num_blocks * block_size
-    value_cache_ptr = kv_cache.data_ptr() + slots * kv_heads * head_dim * kv_cache.element_size()
     args = (
         ptr(positions),
         ptr(cos),
         ptr(sin),
         ptr(kv_cache),
-        np.uint64(value_cache_ptr),
+        value_cache_address(kv_cache),
         ptr(slot_mapping),
         np.int32(num_heads),
         np.int32(kv_heads),
@@ -639,11 +645,7 @@ def fp8_gemv_act_and_mul(
             f"{scale.dtype}: need one contiguous row, an even number of contiguous 16-byte-aligned E4M3 rows "
             f"of a multiple of 16, and fp32 scales per row [N, 1]",
         )
-    d = n // 2
-    if tuple(out.shape) != (1, d) or not out.is_contiguous():
-        fail(op, f"out must be a contiguous [1, {d}], got {tuple(out.shape)}")
-    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
-        fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    d = _check_pair_output(op, out, bias, n)
     if d == 0:
         return out
     name = f"gemv_fp8_{suffix}_{'gelu_tanh' if gelu else 'silu'}_and_mul"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zllm.workers.kernels.cache import value_cache_address
 from zllm.workers.kernels.checks import (
     MAX_GRID_YZ,
     check_contiguous,
@@ -158,12 +159,11 @@ def paged_attention_decode_sinks(
     if batch == 0:
         return out
     sinks = sinks.to(device=device, dtype=torch.float32).contiguous()
-    value_cache = kv_cache.data_ptr() + num_blocks * block_size * kv_heads * head_dim * kv_cache.element_size()
     args = (
         ptr(out),
         ptr(query),
         ptr(kv_cache),
-        np.uint64(value_cache),
+        value_cache_address(kv_cache),
         ptr(block_tables),
         ptr(seq_lens),
         ptr(sinks),

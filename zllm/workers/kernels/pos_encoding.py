@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zllm.workers.kernels.cache import value_cache_address
 from zllm.workers.kernels.checks import (
     MAX_GRID_YZ,
     cache_variant,
@@ -126,7 +127,6 @@ def rotary_embedding_and_cache(
     if tokens == 0:
         return query, key
     slots = num_blocks * block_size
-    value_cache_ptr = kv_cache.data_ptr() + slots * kv_heads * head_dim * kv_cache.element_size()
     args = (
         ptr(positions),
         ptr(query),
@@ -135,7 +135,7 @@ def rotary_embedding_and_cache(
         ptr(cos),
         ptr(sin),
         ptr(kv_cache),
-        np.uint64(value_cache_ptr),
+        value_cache_address(kv_cache),
         ptr(slot_mapping),
         np.int32(num_heads),
         np.int32(kv_heads),
