@@ -9,6 +9,10 @@
 # pytest's summary and slowest tests; the gzipped log goes to $OUT. Kernels: whatever env says
 # (ZLLM_KERNELS=prebuilt with ZLLM_CSRC_BUILD for cubins carried in). The run stops itself after
 # SUITE_S (default 1800) and dumps every thread's stack for a test past SUITE_HANG_S (200).
+# SUITE_FROM=tests/gpu/test_pdl_gpu.py runs that file and every one after it (pytest's order), in
+# one process: the rest of a suite whose machine was taken back part way (the log names the file
+# it was in). SUITE_LAST="a.py b.py" moves those files to the end (the pooling tests, when their
+# all-MiniLM directory comes with a later call).
 set -uo pipefail
 log=${SUITE_LOG:-/tmp/zllm-suite.log}
 mode=${1:-wait}
@@ -21,12 +25,37 @@ start() {
     return
   fi
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+  local targets
+  targets=$(suite_files) || return 1
+  echo "pytest targets: $targets" | cut -c1-400
   # -v: each test's outcome as it ends, so a call that ends before the suite does still names
   # the failures so far.
   setsid nohup bash -c 'timeout -k 60 "$1" python -m pytest -v --tb=short -p no:cacheprovider -rfEs \
-    -o faulthandler_timeout="$2" --durations=40 tests/gpu > "$3" 2>&1; echo suite-rc=$? >> "$3"' \
-    _ "${SUITE_S:-1800}" "${SUITE_HANG_S:-200}" "$log" > /dev/null 2>&1 < /dev/null &
+    -o faulthandler_timeout="$2" --durations=40 ${4} > "$3" 2>&1; echo suite-rc=$? >> "$3"' \
+    _ "${SUITE_S:-1800}" "${SUITE_HANG_S:-200}" "$log" "$targets" > /dev/null 2>&1 < /dev/null &
   echo "started at $(date -u +%H:%M:%S), log $log"
+}
+
+# The test files to run, in pytest's order (sorted names), from SUITE_FROM on, SUITE_LAST last;
+# plain tests/gpu when neither is set.
+suite_files() {
+  if [ -z "${SUITE_FROM:-}" ] && [ -z "${SUITE_LAST:-}" ]; then
+    echo tests/gpu
+    return
+  fi
+  local files f last=" ${SUITE_LAST:-} " picked="" tail=""
+  files=$(ls tests/gpu/test_*.py | LC_ALL=C sort)
+  if [ -n "${SUITE_FROM:-}" ] && ! grep -qxF "$SUITE_FROM" <<< "$files"; then
+    echo "SUITE_FROM=$SUITE_FROM is not a file of tests/gpu" >&2
+    return 1
+  fi
+  local on=${SUITE_FROM:+0}
+  for f in $files; do
+    [ "$f" = "${SUITE_FROM:-}" ] && on=1
+    [ "${on:-1}" = 1 ] || continue
+    if [[ $last == *" $f "* ]]; then tail="$tail $f"; else picked="$picked $f"; fi
+  done
+  echo $picked $tail
 }
 
 report() {
