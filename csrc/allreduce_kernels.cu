@@ -180,10 +180,12 @@ ZLLM_ALL_REDUCE_ADD_RMS_NORM(all_reduce_add_rms_norm_bf16_w8, __nv_bfloat16, 8, 
 // unit reads as pending. The clear of slot (n - 1) % 3 reaches this GPU's L2 before the kernel
 // completes, and a peer's push into it (launch n + 2) follows this rank's launch n + 1 push.
 //
-// flags (this rank's device memory, uint32): [0] the launch counter n, [1] blocks of the current
-// launch done, [2 + s] units that slot s's launch used. Every block reads n first; the last block
-// to finish advances it (and records the sizes), so a CUDA graph replays the kernel with no host
-// update, and launches of different sizes and grids share the buffer.
+// flags (this rank's device memory, uint32): [0] the slot of the next launch (n % 3), [1] blocks
+// of the current launch done, [2 + s] units that slot s's launch used. Every block reads the slot
+// first; the last block to finish advances it (and records the sizes), so a CUDA graph replays
+// the kernel with no host update, and launches of different sizes and grids share the buffer. The
+// slot is kept rather than n: a 32-bit n would wrap after 2^32 launches (days of serving), and
+// 2^32 is not a multiple of 3, so two launches in a row would use one slot.
 //
 // The buffers' addresses come as kernel parameters (own, then b0..b7 by rank; the unused ones
 // null), so no launch reads them from memory. A value that never arrives (a peer gone) would
@@ -267,16 +269,14 @@ struct LamportLaunch {
   int rank;
   i64 slot_units;
   unsigned long long timeout_ns;
-  unsigned launch;
   int slot, prev, prev_units;
 
   // Call after pdl_wait(): the counter and the sizes are the previous launch's to write.
   __device__ __forceinline__ LamportLaunch(const LamportBuffers<T>& buffers_, unsigned* flags_, int rank_,
                                            i64 slot_units_, unsigned long long timeout_ns_)
       : buffers(buffers_), flags(flags_), rank(rank_), slot_units(slot_units_), timeout_ns(timeout_ns_) {
-    launch = *reinterpret_cast<volatile unsigned*>(flags);
-    slot = static_cast<int>(launch % 3u);
-    prev = static_cast<int>((launch + 2u) % 3u);
+    slot = static_cast<int>(*reinterpret_cast<volatile unsigned*>(flags) % 3u);  // 0, 1 or 2 (the modulo: never out of range)
+    prev = (slot + 2) % 3;
     prev_units = static_cast<int>(reinterpret_cast<volatile unsigned*>(flags)[2 + prev]);
   }
 
@@ -333,7 +333,7 @@ struct LamportLaunch {
     }
   }
 
-  // The last block to finish advances the counter (every block has read it by then) and records
+  // The last block to finish advances the slot (every block has read it by then) and records
   // this launch's units for the next one to clear. The next launch reads them after this grid
   // completed, so no fence is needed here.
   __device__ __forceinline__ void finish(int units) const {
@@ -343,7 +343,7 @@ struct LamportLaunch {
       f[2 + slot] = static_cast<unsigned>(units);
       f[2 + prev] = 0u;
       f[1] = 0u;
-      f[0] = launch + 1u;
+      f[0] = static_cast<unsigned>((slot + 1) % 3);
     }
   }
 };

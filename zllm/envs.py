@@ -57,6 +57,14 @@ def _decode_build(raw: str) -> str:
     return value
 
 
+def _spin_seconds(raw: str) -> float:
+    """Seconds from 0 (never) to a day, finite."""
+    value = float(raw)
+    if not 0.0 <= value <= 86400.0:  # NaN fails too
+        raise ValueError("expected seconds from 0 (wait forever) to 86400")
+    return value
+
+
 def _json_object(raw: str) -> dict[str, float]:
     """A JSON object of numbers (Ray resources: {"GPU": 1, "accelerator_type:H100": 0.001})."""
     value = json.loads(raw)
@@ -221,7 +229,7 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting(
             "ZLLM_ALLREDUCE_SPIN_TIMEOUT_S",
-            float,
+            _spin_seconds,
             60.0,
             "Seconds the Lamport all-reduce waits for a peer's values before it traps (the worker "
             "then fails instead of hanging); 0 waits forever.",

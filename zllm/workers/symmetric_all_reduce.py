@@ -260,7 +260,9 @@ def _attach_lamport(tp, fast: SymmetricAllReduce, device: torch.device) -> None:
     """Set up the Lamport kernel on every rank or on none: its buffer (allocated, then mapped:
     rendezvous is collective, so only after every rank allocated), filled with the "empty" mark
     and synchronized before the vote (so no rank pushes into a peer's buffer before the peer
-    filled it), the same offset check as the fused norm's, then a self-test; each voted."""
+    filled it), the same offset check as the fused norm's, then a self-test; each voted. A bad
+    ZLLM_ALLREDUCE_SPIN_TIMEOUT_S fails here, on every rank alike, not as a vote's warning."""
+    envs.ZLLM_ALLREDUCE_SPIN_TIMEOUT_S  # noqa: B018 - parsed (and refused) before any phase
     buffer = _run_phase(tp, device, "Lamport allocate", lambda: _lamport_allocate(fast, tp.size, device))
     if buffer is None:
         return
@@ -393,33 +395,50 @@ def _signal_pad_bytes() -> int:
 
 
 def _self_test_norm(fast: SymmetricAllReduce, rank: int, size: int, device: torch.device) -> bool:
-    """Three launches (the second and third find the signal pads as the first left them), each
-    checked: residual exactly 1 + sum(rank + 1), the norm of a constant row 1 to 1e-2."""
+    """Three launches (the second and third find the signal pads, or the Lamport slots, as the
+    ones before left them), all launched on every rank before any is checked (a wrong result on
+    one rank must not leave its peers waiting for a launch it never made): residual exactly
+    1 + sum(rank + 1), the norm of a constant row 1 to 1e-2."""
     rows, hidden = 2, 256
     dtype = fast.buffer.dtype
     weight = torch.ones(hidden, dtype=dtype, device=device)
     expected = 1 + size * (size + 1) / 2
+    results = []
     for _ in range(3):
         partial = torch.full((rows, hidden), float(rank + 1), dtype=dtype, device=device)
         residual = torch.ones((rows, hidden), dtype=dtype, device=device)
-        out, residual = fast.all_reduce_add_rms_norm(partial, residual, weight, 1e-6, False)
-        _wait_or_hang(rank, "fused all-reduce + norm self-test")
+        results.append(fast.all_reduce_add_rms_norm(partial, residual, weight, 1e-6, False))
+    _wait_or_hang(rank, "fused all-reduce + norm self-test")
+    for out, residual in results:
         if not bool((residual == expected).all()) or not bool(((out.float() - 1).abs() < 1e-2).all()):
             raise RuntimeError(f"fused self-test gave residual {residual[0, :2].tolist()}, out {out[0, :2].tolist()}")
     return True
 
 
+_HANG_ADVICE = (
+    "start without --custom-all-reduce-max-size (NCCL only), or without ZLLM_ALLREDUCE_LAMPORT / "
+    "ZLLM_ALLREDUCE_NORM (the kernel whose self-test this was)"
+)
+
+
 def _wait_or_hang(rank: int, what: str) -> None:
     """Wait for the stream's work so far, or raise SymmetricAllReduceHangError after
-    _SELF_TEST_TIMEOUT_S (a barrier that never met)."""
+    _SELF_TEST_TIMEOUT_S (a barrier that never met) or on a CUDA error (a Lamport kernel's spin
+    limit traps, which leaves the context unusable: no vote could run on it)."""
     done = torch.cuda.Event()
     done.record()
     deadline = time.monotonic() + _SELF_TEST_TIMEOUT_S
-    while not done.query():
+    while True:
+        try:
+            if done.query():
+                return
+        except RuntimeError as exc:  # torch raises CUDA errors (a trap's among them) as RuntimeError
+            raise SymmetricAllReduceHangError(
+                f"rank {rank}: the {what} failed on the GPU ({exc}); {_HANG_ADVICE}"
+            ) from exc
         if time.monotonic() > deadline:
             raise SymmetricAllReduceHangError(
-                f"rank {rank}: the {what} did not finish within {_SELF_TEST_TIMEOUT_S:.0f} s; "
-                f"start without --custom-all-reduce-max-size (NCCL only) or without ZLLM_ALLREDUCE_NORM"
+                f"rank {rank}: the {what} did not finish within {_SELF_TEST_TIMEOUT_S:.0f} s; {_HANG_ADVICE}"
             )
         time.sleep(0.001)
 

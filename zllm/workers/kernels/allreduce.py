@@ -29,7 +29,7 @@ DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the symmetric b
 
 
 LAMPORT_SLOTS = 3  # the buffer's slots: launch n uses n % 3 (csrc/allreduce_kernels.cu says why three)
-LAMPORT_FLAG_WORDS = 8  # the launch counter, the blocks done, the units each slot used (5 used)
+LAMPORT_FLAG_WORDS = 8  # the next launch's slot, the blocks done, the units each slot used (5 used)
 LAMPORT_THREADS = 256  # a block's threads (the kernel's launch bound); one 16-byte unit a thread per round
 LAMPORT_MAX_BLOCKS = 64  # more units than blocks x threads: each thread takes several
 # At least this many blocks, whatever the size: a launch also clears the previous launch's slot,
