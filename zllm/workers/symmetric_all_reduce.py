@@ -226,9 +226,9 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
     fast = SymmetricAllReduce(buffer, group_name)
     if _run_phase(tp, device, "self-test", lambda: _self_test(fast, tp.rank, tp.size, device)) is None:
         return
-    if envs.ZLLM_ALLREDUCE_LAMPORT:
+    if _switch_on_every_rank(tp, device, "ZLLM_ALLREDUCE_LAMPORT"):
         _attach_lamport(tp, fast, device)
-    if envs.ZLLM_ALLREDUCE_NORM:
+    if _switch_on_every_rank(tp, device, "ZLLM_ALLREDUCE_NORM"):
         _attach_norm(tp, fast, device)
     tp.fast = fast
     logger.info(
@@ -237,6 +237,17 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
         dtype,
         fast.max_bytes,
     )
+
+
+def _switch_on_every_rank(tp, device: torch.device, name: str) -> bool:
+    """Whether a kernel switch is on, asked of every rank (collective): the phases it adds are
+    collective too, so a rank whose environment differs (nodes started apart) must not run them
+    alone. Off, with a warning, unless every rank has it on."""
+    mine = bool(getattr(envs, name))
+    if same_on_every_rank(int(mine), device):
+        return mine
+    logger.warning("rank %d: %s is %s here but not on every rank; off", tp.rank, name, "on" if mine else "off")
+    return False
 
 
 def _attach_norm(tp, fast: SymmetricAllReduce, device: torch.device) -> None:
