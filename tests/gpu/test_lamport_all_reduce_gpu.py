@@ -86,6 +86,12 @@ def _rank(rank: int, size: int, init_file: str, dtype_name: str, pdl: str) -> No
         summed = tp.all_reduce(x)
         assert torch.equal(x, before), "the input was changed"
         check(x, summed, f"eager {rows}x{hidden}")
+    # The device keeps the next launch's slot (not a count that would wrap): the self-test's
+    # launches and these, mod 3.
+    from zllm.workers.symmetric_all_reduce import _LAMPORT_TEST_SIZES
+
+    launches = len(_LAMPORT_TEST_SIZES) + 2 * len(sizes)
+    assert int(tp.fast.lamport.flags[0]) == launches % 3, f"rank {rank}: slot {int(tp.fast.lamport.flags[0])}"
 
     # Back to back with no collective between: before some launches one rank (a different one
     # each time) spins on the GPU first, so its peers run ahead and wait; checked afterwards.
@@ -112,7 +118,7 @@ def _rank(rank: int, size: int, init_file: str, dtype_name: str, pdl: str) -> No
     check(mixed, tp.all_reduce(mixed), "partly negative zeros")
 
     # A decode-like chain in a CUDA graph (two all-reduces a layer, 8 layers, batch 1, and one of
-    # another size), replayed with new inputs: the launch counter lives on the device.
+    # another size), replayed with new inputs: the slot and the sizes live on the device.
     hidden = 8192
     inputs = [draw(1, hidden) for _ in range(16)] + [draw(4, 1024)]
 
@@ -135,7 +141,7 @@ def _rank(rank: int, size: int, init_file: str, dtype_name: str, pdl: str) -> No
         torch.cuda.synchronize()
         for i, (x, out) in enumerate(zip(inputs, outputs)):
             check(x, out, f"graph replay {replay}, all-reduce {i}")
-        # An eager launch between replays shares the counter and slots with the graph's.
+        # An eager launch between replays shares the slots with the graph's.
         x = draw(2, 2048)
         check(x, tp.all_reduce(x), f"eager after replay {replay}")
     # Many replays of the same inputs: the same bits every time (each replay goes round the slots).
