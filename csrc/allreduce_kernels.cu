@@ -271,7 +271,7 @@ struct LamportLaunch {
   unsigned long long timeout_ns;
   int slot, prev, prev_units;
 
-  // Call after pdl_wait(): the counter and the sizes are the previous launch's to write.
+  // Call after pdl_wait(): the slot and the sizes are the previous launch's to write.
   __device__ __forceinline__ LamportLaunch(const LamportBuffers<T>& buffers_, unsigned* flags_, int rank_,
                                            i64 slot_units_, unsigned long long timeout_ns_)
       : buffers(buffers_), flags(flags_), rank(rank_), slot_units(slot_units_), timeout_ns(timeout_ns_) {

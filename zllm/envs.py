@@ -58,7 +58,7 @@ def _decode_build(raw: str) -> str:
 
 
 def _spin_seconds(raw: str) -> float:
-    """Seconds from 0 (never) to a day, finite."""
+    """Seconds from 0 (no limit) to a day; NaN and infinities are refused."""
     value = float(raw)
     if not 0.0 <= value <= 86400.0:  # NaN fails too
         raise ValueError("expected seconds from 0 (wait forever) to 86400")
