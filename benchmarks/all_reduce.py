@@ -1,5 +1,7 @@
-"""All-reduce latency between the GPUs of one machine: NCCL (what zllm's tensor-parallel workers
-use) vs PyTorch's symmetric-memory one-shot all-reduce (a candidate for decode-sized tensors).
+"""All-reduce latency between the GPUs of one machine: NCCL, PyTorch's symmetric-memory one-shot
+all-reduce (zllm's default for decode-sized tensors) and zllm's barrier-free Lamport kernel
+(ZLLM_ALLREDUCE_LAMPORT; csrc/allreduce_kernels.cu, set up as the engine sets it up: run from the
+repository root with the csrc kernels available).
 
     python benchmarks/all_reduce.py --tp 2
 
@@ -50,6 +52,29 @@ class OneShotReduce:
         return out
 
 
+class LamportReduce:
+    """zllm's Lamport all-reduce, through the engine's own set-up (attach_symmetric_all_reduce)."""
+
+    def __init__(self, max_bytes: int, device, rank: int, size: int) -> None:
+        import torch
+
+        os.environ["ZLLM_ALLREDUCE_LAMPORT"] = "1"
+        from zllm.config import EngineConfig
+        from zllm.workers import kernels
+        from zllm.workers.distributed import TensorParallel
+        from zllm.workers.symmetric_all_reduce import attach_symmetric_all_reduce
+
+        kernels.preload(device)
+        self.tp = TensorParallel(rank=rank, size=size)
+        config = EngineConfig(model="", custom_all_reduce_max_bytes=max_bytes)
+        attach_symmetric_all_reduce(self.tp, config, device, torch.bfloat16)
+        if self.tp.fast is None or self.tp.fast.lamport is None:
+            raise RuntimeError(f"rank {rank}: the Lamport set-up fell back (see the log)")
+
+    def all_reduce(self, x):
+        return self.tp.fast.all_reduce(x)
+
+
 def run_rank(rank: int, size: int, init_file: str) -> None:
     import torch
 
@@ -58,7 +83,12 @@ def run_rank(rank: int, size: int, init_file: str) -> None:
     torch.distributed.init_process_group(
         "nccl", init_method=f"file://{init_file}", world_size=size, rank=rank, device_id=device
     )
-    methods = {"nccl": NcclReduce(), "symmetric_one_shot": OneShotReduce(max(t * h for t, h in SHAPES), device)}
+    largest = max(t * h for t, h in SHAPES)
+    methods = {
+        "nccl": NcclReduce(),
+        "symmetric_one_shot": OneShotReduce(largest, device),
+        "lamport": LamportReduce(largest * 2, device, rank, size),
+    }
     for tokens, hidden in SHAPES:
         x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
         for name, method in methods.items():

@@ -68,6 +68,13 @@ def expected_entry_points() -> dict[str, set[str]]:
                 }
     names["moe_kernels"].add("moe_align")
     names["gemv_kernels"] |= fp8_gemv_bf16_entry_points()
+    for dt in ("f32", "bf16"):  # the symmetric buffer's dtypes, a build per world size
+        for world in (2, 4, 8):
+            names["allreduce_kernels"] |= {
+                f"all_reduce_add_rms_norm_{dt}_w{world}",
+                f"lamport_all_reduce_add_rms_norm_{dt}_w{world}",
+                f"lamport_all_reduce_{dt}_w{world}",
+            }
     return names
 
 

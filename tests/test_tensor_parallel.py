@@ -521,6 +521,42 @@ def _vote_rank(rank: int, init_file: str, failing_rank: int, results) -> None:
         torch.distributed.destroy_process_group()
 
 
+def _switch_rank(rank: int, init_file: str, on_ranks: tuple[int, ...], results) -> None:
+    """ZLLM_ALLREDUCE_LAMPORT set on `on_ranks` only, asked through the real vote."""
+    import os
+
+    from zllm.workers.symmetric_all_reduce import _switch_on_every_rank
+
+    os.environ["ZLLM_ALLREDUCE_LAMPORT"] = "1" if rank in on_ranks else "0"
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", world_size=2, rank=rank)
+    try:
+        tp = TensorParallel(rank=rank, size=2)
+        results[rank] = _switch_on_every_rank(tp, torch.device("cpu"), "ZLLM_ALLREDUCE_LAMPORT")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("on_ranks, expected", [((0, 1), True), ((), False), ((1,), False)])
+def test_a_kernel_switch_set_on_some_ranks_only_is_off_on_all(tmp_path, on_ranks, expected):
+    """The Lamport and fused-norm set-ups are collective: a switch on one rank only (nodes
+    started with different environments) must turn it off everywhere, not run a phase alone."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        context = mp.start_processes(
+            _switch_rank,
+            args=(str(tmp_path / "rendezvous"), on_ranks, results),
+            nprocs=2,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + 120
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the ranks did not finish their vote"
+        assert dict(results) == {0: expected, 1: expected}
+
+
 @pytest.mark.parametrize("failing_rank, expected", [(-1, "buffer"), (0, None), (1, None)])
 def test_a_set_up_phase_that_fails_on_one_rank_puts_every_rank_on_the_fallback(tmp_path, failing_rank, expected):
     """Ranks never part ways: a failure on any one rank means NCCL (here gloo) on all of them."""

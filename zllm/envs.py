@@ -57,6 +57,14 @@ def _decode_build(raw: str) -> str:
     return value
 
 
+def _spin_seconds(raw: str) -> float:
+    """Seconds from 0 (no limit) to a day; NaN and infinities are refused."""
+    value = float(raw)
+    if not 0.0 <= value <= 86400.0:  # NaN fails too
+        raise ValueError("expected seconds from 0 (wait forever) to 86400")
+    return value
+
+
 def _json_object(raw: str) -> dict[str, float]:
     """A JSON object of numbers (Ray resources: {"GPU": 1, "accelerator_type:H100": 0.001})."""
     value = json.loads(raw)
@@ -202,6 +210,29 @@ SETTINGS: dict[str, Setting] = {
             _switch,
             True,
             "0: LoRA's expand runs as its own kernel at decode, not in the GEMV's epilogue (A/B switch).",
+        ),
+        Setting(
+            "ZLLM_ALLREDUCE_NORM",
+            _on,
+            False,
+            "1: at tp > 1 on GPUs with the symmetric-memory all-reduce, o_proj's and down_proj's all-reduce, "
+            "the residual add and the next RMSNorm run in one launch (csrc/allreduce_kernels.cu); "
+            "read when the model is built. Unverified on a GPU.",
+        ),
+        Setting(
+            "ZLLM_ALLREDUCE_LAMPORT",
+            _on,
+            False,
+            "1: at tp > 1 on GPUs with the symmetric-memory all-reduce, the all-reduces it takes run "
+            "zllm's barrier-free Lamport kernel (csrc/allreduce_kernels.cu) instead of PyTorch's "
+            "one-shot; read at start-up. Unverified on a GPU.",
+        ),
+        Setting(
+            "ZLLM_ALLREDUCE_SPIN_TIMEOUT_S",
+            _spin_seconds,
+            60.0,
+            "Seconds the Lamport all-reduce waits for a peer's values before it traps (the worker "
+            "then fails instead of hanging); 0 waits forever.",
         ),
         Setting(
             "ZLLM_LORA_NORM_SHRINK",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On nvidia-h100-x4 (it may come as 4 x H200; the first lines say which): issue 30's four-GPU
 # figures and checks, one PART per device call, each under 9 minutes.
-# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4
+# Usage: bash benchmarks/gpu/run_4gpu.sh dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm|lamport|w2ab70
 #
 #   dp:       W1 (benchmarks/throughput.py, 1000 x 256/256 offline, Llama-3-8B shape, dummy bf16,
 #             run_perf.sh's flags) at --dp 1, 2 and 4 (one GPU per engine), then the scaling
@@ -59,6 +59,28 @@
 #             then served_itl.py at tp 1 (8B, GPU 0) if time is left. DP_TRACES=1 first repeats
 #             the three dp 2 traces (dp 2; one engine with 500 prompts; dp 2 on GPUs 2 and 3).
 #             Estimate: ~100 s a count, ~120 s served_itl, ~210 s the traces.
+#   arnorm:   issue 30 item 1, the fused all-reduce + residual add + RMSNorm (ZLLM_ALLREDUCE_NORM,
+#             off by default, never run on a GPU before): tests/gpu/test_allreduce_norm_gpu.py
+#             (2 and 4 ranks, bf16/fp32, eager and graph replays; the engine's fp32 tokens at tp 2 with
+#             it on = off), then W2 of the 70B shape at tp 4 with the one-shot all-reduce and the switch
+#             0, then 1. ZLLM_DEBUG_HANG_S=120. Estimate: tests ~200 s, 2 x W2 ~100 s each + the build.
+#   lamport:  issue 30 item 1, zllm's barrier-free Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT, off
+#             by default, never run on a GPU before), in $LAMPORT_STEPS (default "tests bench w2"):
+#             tests: tests/gpu/test_lamport_all_reduce_gpu.py (2/4/8 ranks, bf16/fp32, PDL on/off,
+#             sizes growing and shrinking, ranks held back, negative zeros, graph replays; the
+#             engine's fp32 tokens at tp 2 with it and its fused norm = the one-shot kernel's) and
+#             the lamport cases of test_allreduce_norm_gpu.py (the fused form, bit for bit);
+#             bench: benchmarks/all_reduce.py at tp 2 and tp 4 (us per all-reduce in CUDA graphs:
+#             NCCL, PyTorch's one-shot, Lamport); w2: W2 of the 70B shape at tp 4 under each of
+#             $LAMPORT_SETS (default: the one-shot kernel, Lamport, Lamport with the fused norm).
+#             ZLLM_DEBUG_HANG_S=120. Estimate: tests ~250 s, bench ~80 s, each W2 ~100 s: two calls
+#             (the second with LAMPORT_STEPS=w2 if the first ran out).
+#   w2ab70:   issue 30 item 1's switches A/B: first the single-GPU tests in $W2AB_TESTS on GPU 0
+#             (default: the PDL chain with attention, the fused GEMV epilogues; 200 s at most), then
+#             W2 of the 70B shape at tp 4 (one-shot all-reduce) for each setting of $W2AB_SETS
+#             ("LABEL:VAR=VALUE VAR=VALUE;...", as run_perf.sh envab; default: both GEMV epilogues
+#             off, the defaults, PDL attention, the fused all-reduce + norm, all), $W2AB_ROUNDS rounds (1).
+#             Estimate: ~100 s a W2 (load, capture, 2 iterations).
 #   symm4:    is the symmetric-memory all-reduce correct at tp 2 and tp 4 (before it becomes the
 #             default): tests/gpu/test_tensor_parallel_gpu.py -- the one-shot kernel against NCCL on
 #             2 and 4 ranks (eager and in graph replays), the engine's tokens with it (tp 2: = NCCL's
@@ -80,7 +102,7 @@ set -uo pipefail
 t0=$(date +%s)
 cd "$(dirname "$0")/../.."
 part="${1:-}"
-parts="dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4"
+parts="dp|dptrace|tp2dp2|exit|serve70b|ar70b|tails70b|dpserve|symm4|arnorm|lamport|w2ab70"
 [[ "|$parts|" == *"|$part|"* && -n "$part" ]] || { echo "usage: $0 $parts"; exit 2; }
 # Into $OUT (a device call brings back 8 files): 4gpu-PART.log (the whole output), 4gpu-PART.jsonl,
 # serve70b.md (serve70b) and, at the end, 4gpu-PART-logs.tar.gz (every log and result file, from
@@ -350,6 +372,68 @@ dpserve)
     CUDA_VISIBLE_DEVICES=0 bounded served-itl-8b 200 python benchmarks/served_itl.py --model "$m8b" --requests 3 \
       --modes offline,http --trace -- --load-format dummy --max-model-len 1024 --no-enable-prefix-caching
   fi
+  ;;
+arnorm)
+  export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"
+  bounded arnorm-tests 300 python -m pytest -q -p no:cacheprovider -rs tests/gpu/test_allreduce_norm_gpu.py
+  tail -3 "$out/arnorm-tests.log"
+  dummy llama3-70b "$m70b"
+  for on in 0 1; do
+    ZLLM_ALLREDUCE_NORM=$on bounded "w2-70b-arnorm$on" 200 python benchmarks/latency.py --model "$m70b" \
+      --load-format dummy --input-len 128 --output-len 256 --iters 2 --tp 4 --max-model-len 1024 \
+      --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
+    gpus_free 30 || { echo "FAIL w2-70b-arnorm$on: GPU memory still held after it exited"; status=1; }
+  done
+  ;;
+lamport)
+  export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"
+  steps=" ${LAMPORT_STEPS:-tests bench w2} "
+  if [[ $steps == *" tests "* ]]; then
+    bounded lamport-tests 300 python -m pytest -q -p no:cacheprovider -rs tests/gpu/test_lamport_all_reduce_gpu.py \
+      tests/gpu/test_allreduce_norm_gpu.py -k "lamport"
+    tail -3 "$out/lamport-tests.log"
+  fi
+  if [[ $steps == *" bench "* ]]; then
+    for tp in 2 4; do
+      bounded "all-reduce-tp$tp" 90 python benchmarks/all_reduce.py --tp "$tp"
+    done
+  fi
+  if [[ $steps == *" w2 "* ]]; then
+    dummy llama3-70b "$m70b"
+    IFS=';' read -ra sets <<< "${LAMPORT_SETS:-oneshot:ZLLM_ALLREDUCE_LAMPORT=0;lamport:ZLLM_ALLREDUCE_LAMPORT=1;lamportnorm:ZLLM_ALLREDUCE_LAMPORT=1 ZLLM_ALLREDUCE_NORM=1}"
+    for set in "${sets[@]}"; do
+      label=${set%%:*} assignments=""
+      [[ $set == *:* ]] && assignments=${set#*:}
+      fits "w2-70b-$label" 100 || continue
+      echo "{\"lamport_w2\": \"$label\", \"env\": \"$assignments\"}" | tee -a "$jsonl"
+      bounded "w2-70b-$label" 200 env $assignments python benchmarks/latency.py --model "$m70b" \
+        --load-format dummy --input-len 128 --output-len 256 --iters 2 --tp 4 --max-model-len 1024 \
+        --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
+      gpus_free 30 || { echo "FAIL w2-70b-$label: GPU memory still held after it exited"; status=1; }
+    done
+  fi
+  ;;
+w2ab70)
+  export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"
+  W2AB_TESTS=${W2AB_TESTS-tests/gpu/test_pdl_gpu.py tests/gpu/test_fused_act_gemv_gpu.py tests/gpu/test_fused_rope_gemv_gpu.py}
+  if [[ -n "$W2AB_TESTS" ]]; then
+    CUDA_VISIBLE_DEVICES=0 bounded w2ab-tests 200 python -m pytest -q -p no:cacheprovider -rs $W2AB_TESTS
+    tail -3 "$out/w2ab-tests.log"
+  fi
+  dummy llama3-70b "$m70b"
+  IFS=';' read -ra sets <<< "${W2AB_SETS:-unfused:ZLLM_FUSED_ACT_GEMV=0 ZLLM_FUSED_ROPE_GEMV=0;base;attn:ZLLM_PDL_ATTENTION=1;arnorm:ZLLM_ALLREDUCE_NORM=1;all:ZLLM_PDL_ATTENTION=1 ZLLM_ALLREDUCE_NORM=1}"
+  for round in $(seq "${W2AB_ROUNDS:-1}"); do
+    for set in "${sets[@]}"; do
+      label=${set%%:*} assignments=""
+      [[ $set == *:* ]] && assignments=${set#*:}
+      fits "w2-70b-$label-$round" 100 || continue
+      echo "{\"w2ab70\": \"$label\", \"round\": $round, \"env\": \"$assignments\"}" | tee -a "$jsonl"
+      bounded "w2-70b-$label-$round" 200 env $assignments python benchmarks/latency.py --model "$m70b" \
+        --load-format dummy --input-len 128 --output-len 256 --iters 2 --tp 4 --max-model-len 1024 \
+        --custom-all-reduce-max-size "${AR_MAX:-1MiB}"
+      gpus_free 30 || { echo "FAIL w2-70b-$label-$round: GPU memory still held after it exited"; status=1; }
+    done
+  done
   ;;
 symm4)
   export ZLLM_DEBUG_HANG_S="${ZLLM_DEBUG_HANG_S:-120}"

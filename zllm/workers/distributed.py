@@ -52,6 +52,18 @@ class TensorParallel:
         torch.distributed.all_reduce(x)
         return x
 
+    def fuses_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether all_reduce_add_rms_norm takes these operands (shape, dtype and layout only: the
+        same answer on every rank)."""
+        return self.size > 1 and self.fast is not None and self.fast.accepts_norm(partial, residual, weight)
+
+    def all_reduce_add_rms_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + sum of partial over the ranks), that residual, updated in place) in
+        one launch (ZLLM_ALLREDUCE_NORM); only where fuses_add_rms_norm says so."""
+        return self.fast.all_reduce_add_rms_norm(partial, residual, weight, eps, unit_offset)
+
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's `x` along the last dim on rank 0; other ranks get None."""
         if self.size == 1:

@@ -15,6 +15,8 @@ and multiplies; the layers only know the tensor-parallel geometry.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -132,6 +134,20 @@ class ColumnParallelLinear(_Linear):
         return self._weight_target(param_name, region)
 
 
+@dataclass(slots=True)
+class PendingSum:
+    """A row-parallel layer's partial product whose all-reduce is left to the add-RMSNorm after it,
+    which runs both in one launch (ZLLM_ALLREDUCE_NORM: RMSNorm.forward in models/llama.py). Not a
+    tensor, so a consumer that is not ready for it fails loudly instead of reading a partial sum."""
+
+    partial: torch.Tensor
+    tp: TensorParallel
+
+    def resolve(self) -> torch.Tensor:
+        """The sum over the ranks, as the layer would have returned it."""
+        return self.tp.all_reduce(self.partial)
+
+
 class RowParallelLinear(_Linear):
     def __init__(
         self,
@@ -157,11 +173,16 @@ class RowParallelLinear(_Linear):
         self._build(output_size, span.count, 1, quant)
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer: bool = False) -> torch.Tensor | PendingSum:
+        """defer: the caller norms the output next (add_rms_norm) and can take a PendingSum, which
+        it gets where the fused all-reduce + add-RMSNorm kernel is set up (ZLLM_ALLREDUCE_NORM)."""
         if self.tp.size == 1 or not self.reduce:
             return self._project(x, self.bias)
         # LoRA's share of this rank's columns joins the partial product: one all-reduce sums both.
-        out = self.tp.all_reduce(self._project(x, None))
+        partial = self._project(x, None)
+        if defer and self.bias is None and self.tp.fast is not None and self.tp.fast.norm is not None:
+            return PendingSum(partial, self.tp)
+        out = self.tp.all_reduce(partial)
         # The bias is added once, after the partial sums are combined.
         return out if self.bias is None else out + self.bias
 

@@ -23,6 +23,21 @@ collective rendezvous while the other waited in NCCL; and rendezvous also set up
 multicast, where a rank that fails cuMulticastAddDevice can leave its peers blocked in
 cuMulticastBindMem (pytorch/pytorch#195596, after torch 2.11). The one-shot kernel reads peers'
 buffers directly and never needs multicast, so it is switched off here.
+
+ZLLM_ALLREDUCE_NORM (off by default; unverified on a GPU so far) adds a set-up phase and a
+self-test, each voted like the others, for zllm's own kernel over the same buffer
+(csrc/allreduce_kernels.cu): a row-parallel layer's all-reduce, the residual add and the next
+RMSNorm in one launch (TensorParallel.all_reduce_add_rms_norm). It takes the upper half of the
+signal pad (PyTorch's kernels use the first words) and leaves every word it uses at 0 after each
+launch. A failed vote leaves the one-shot all-reduce as it was, without the fused kernel.
+
+ZLLM_ALLREDUCE_LAMPORT (off by default; unverified on a GPU so far) replaces the one-shot kernel
+for the tensors this path takes with zllm's Lamport kernel (csrc/allreduce_kernels.cu), which
+meets no barrier: each rank pushes its tensor into every peer's buffer and waits on its own until
+every value has arrived. It needs a buffer of its own (3 slots x world x the size limit, filled
+with the "empty" mark on every rank before any rank launches: the vote after the fill is that
+barrier), its own launch counter, and a self-test; each phase voted. A failed vote keeps the
+one-shot kernel.
 """
 
 from __future__ import annotations
@@ -30,9 +45,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
+from zllm import envs
 from zllm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -56,6 +73,8 @@ class SymmetricAllReduce:
         self.buffer = buffer  # 1-D, in symmetric memory, rendezvoused with the group
         self.group_name = group_name
         self.max_bytes = buffer.numel() * buffer.element_size()
+        self.norm: NormOperands | None = None  # the fused all-reduce + add-RMSNorm (ZLLM_ALLREDUCE_NORM)
+        self.lamport: LamportOperands | None = None  # the barrier-free kernel (ZLLM_ALLREDUCE_LAMPORT)
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether `x` can take this path. Depends only on shape, dtype and layout (the same on
@@ -71,10 +90,115 @@ class SymmetricAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the ranks, in a new tensor (`x` is left as it was)."""
-        staging = self.buffer[: x.numel()].view_as(x)
         out = torch.empty_like(x)
+        lamport = self.lamport
+        if lamport is not None:
+            from zllm.workers.kernels.allreduce import lamport_all_reduce
+
+            return lamport_all_reduce(
+                out,
+                x,
+                lamport.buffer,
+                lamport.peers,
+                lamport.flags,
+                lamport.rank,
+                lamport.slot_bytes,
+                lamport.timeout_ns,
+            )
+        staging = self.buffer[: x.numel()].view_as(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", self.group_name, out)
         return out
+
+    def accepts_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether all_reduce_add_rms_norm takes these operands. Like accepts: shape, dtype and
+        layout only, the same on every rank."""
+        from zllm.workers.kernels.allreduce import slots_needed
+
+        norm = self.norm
+        if norm is None or partial.dim() != 2 or not self.accepts(partial):
+            return False
+        rows, hidden = partial.shape
+        return (
+            residual.shape == partial.shape
+            and residual.dtype == partial.dtype
+            and residual.is_contiguous()
+            and weight.dtype == partial.dtype
+            and tuple(weight.shape) == (hidden,)
+            and (hidden * partial.element_size()) % _ALIGNMENT == 0
+            and (residual.storage_offset() * residual.element_size()) % _ALIGNMENT == 0
+            and norm.pad_base + slots_needed(rows, norm.world_size) <= norm.pad_words
+        )
+
+    def all_reduce_add_rms_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + the sum of partial over the ranks), residual): residual updated in
+        place, the sum copied through this rank's buffer, all in one launch (accepts_norm first)."""
+        from zllm.workers.kernels.allreduce import all_reduce_add_rms_norm
+
+        norm = self.norm
+        out = torch.empty_like(partial)
+        lamport = self.lamport
+        if lamport is not None:  # the same arithmetic, without the barriers
+            from zllm.workers.kernels.allreduce import lamport_all_reduce_add_rms_norm
+
+            lamport_all_reduce_add_rms_norm(
+                out,
+                residual,
+                weight.contiguous(),
+                partial,
+                lamport.buffer,
+                lamport.peers,
+                lamport.flags,
+                lamport.rank,
+                lamport.slot_bytes,
+                lamport.timeout_ns,
+                eps,
+                unit_offset,
+            )
+            return out, residual
+        all_reduce_add_rms_norm(
+            out,
+            residual,
+            weight.contiguous(),
+            partial,
+            self.buffer,
+            norm.peer_buffers,
+            norm.peer_pads,
+            norm.rank,
+            norm.pad_base,
+            norm.pad_words,
+            eps,
+            unit_offset,
+        )
+        return out, residual
+
+
+@dataclass(slots=True)
+class NormOperands:
+    """What the fused kernel needs beyond the buffer: the world's addresses of it and of the
+    signal pads (int64 device tensors), and the pad words it may use."""
+
+    peer_buffers: torch.Tensor
+    peer_pads: torch.Tensor
+    rank: int
+    world_size: int
+    pad_base: int
+    pad_words: int
+
+
+@dataclass(slots=True)
+class LamportOperands:
+    """The Lamport kernels' state on this rank: its buffer (symmetric memory, 3 slots x world x
+    slot_bytes), the world's addresses of that buffer by rank (kernel parameters), the launch
+    flags (int32, this rank's only), the largest tensor in bytes, and the spin limit."""
+
+    buffer: torch.Tensor
+    peers: tuple[int, ...]
+    flags: torch.Tensor
+    rank: int
+    slot_bytes: int
+    timeout_ns: int
 
 
 def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -102,6 +226,10 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
     fast = SymmetricAllReduce(buffer, group_name)
     if _run_phase(tp, device, "self-test", lambda: _self_test(fast, tp.rank, tp.size, device)) is None:
         return
+    if _switch_on_every_rank(tp, device, "ZLLM_ALLREDUCE_LAMPORT"):
+        _attach_lamport(tp, fast, device)
+    if _switch_on_every_rank(tp, device, "ZLLM_ALLREDUCE_NORM"):
+        _attach_norm(tp, fast, device)
     tp.fast = fast
     logger.info(
         "rank %d: symmetric-memory one-shot all-reduce for %s tensors up to %d bytes; NCCL above",
@@ -109,6 +237,221 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
         dtype,
         fast.max_bytes,
     )
+
+
+def _switch_on_every_rank(tp, device: torch.device, name: str) -> bool:
+    """Whether a kernel switch is on, asked of every rank (collective): the phases it adds are
+    collective too, so a rank whose environment differs (nodes started apart) must not run them
+    alone. Off, with a warning, unless every rank has it on."""
+    mine = bool(getattr(envs, name))
+    if same_on_every_rank(int(mine), device):
+        return mine
+    logger.warning("rank %d: %s is %s here but not on every rank; off", tp.rank, name, "on" if mine else "off")
+    return False
+
+
+def _attach_norm(tp, fast: SymmetricAllReduce, device: torch.device) -> None:
+    """Set up the fused all-reduce + add-RMSNorm on every rank or on none: the operands, a check
+    that every rank's buffer sits at the same offset in its allocation (the kernel reads a peer's
+    rows at its allocation + this rank's offset), and a self-test; each voted."""
+    norm = _run_phase(tp, device, "fused-norm set-up", lambda: _norm_operands(fast, device))
+    if norm is None:
+        return
+    if not same_on_every_rank(norm[1], device):
+        logger.warning("rank %d: symmetric buffers at different offsets; no fused all-reduce + norm", tp.rank)
+        return
+    fast.norm = norm[0]
+    if _run_phase(tp, device, "fused-norm self-test", lambda: _self_test_norm(fast, tp.rank, tp.size, device)) is None:
+        fast.norm = None
+        return
+    logger.info("rank %d: fused all-reduce + add-RMSNorm kernel on (ZLLM_ALLREDUCE_NORM)", tp.rank)
+
+
+def _attach_lamport(tp, fast: SymmetricAllReduce, device: torch.device) -> None:
+    """Set up the Lamport kernel on every rank or on none: its buffer (allocated, then mapped:
+    rendezvous is collective, so only after every rank allocated), filled with the "empty" mark
+    and synchronized before the vote (so no rank pushes into a peer's buffer before the peer
+    filled it), the same offset check as the fused norm's, then a self-test; each voted. A bad
+    ZLLM_ALLREDUCE_SPIN_TIMEOUT_S fails here, on every rank alike, not as a vote's warning."""
+    envs.ZLLM_ALLREDUCE_SPIN_TIMEOUT_S  # noqa: B018 - parsed (and refused) before any phase
+    buffer = _run_phase(tp, device, "Lamport allocate", lambda: _lamport_allocate(fast, tp.size, device))
+    if buffer is None:
+        return
+    lamport = _run_phase(tp, device, "Lamport set-up", lambda: _lamport_operands(fast, buffer, device))
+    if lamport is None:
+        return
+    operands, offset = lamport
+    if not same_on_every_rank(offset, device):
+        logger.warning("rank %d: Lamport buffers at different offsets; the one-shot all-reduce stays", tp.rank)
+        return
+    fast.lamport = operands
+    if _run_phase(tp, device, "Lamport self-test", lambda: _self_test_lamport(fast, tp.rank, tp.size, device)) is None:
+        fast.lamport = None
+        return
+    logger.info(
+        "rank %d: Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT) for tensors up to %d bytes",
+        tp.rank,
+        operands.slot_bytes,
+    )
+
+
+def _lamport_allocate(fast: SymmetricAllReduce, world: int, device: torch.device) -> torch.Tensor:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from zllm.workers.kernels.allreduce import WORLD_SIZES, lamport_buffer_numel
+
+    if world not in WORLD_SIZES:
+        raise ValueError(f"the Lamport kernel is built for {WORLD_SIZES} ranks, not {world}")
+    slot_bytes = fast.max_bytes // 16 * 16
+    if slot_bytes == 0:
+        raise ValueError(f"a size limit of {fast.max_bytes} bytes holds no 16-byte unit")
+    dtype = fast.buffer.dtype
+    return symm_mem.empty(lamport_buffer_numel(slot_bytes, world, dtype), dtype=dtype, device=device)
+
+
+def _lamport_operands(
+    fast: SymmetricAllReduce, buffer: torch.Tensor, device: torch.device
+) -> tuple[LamportOperands, int]:
+    """The kernel's operands (the buffer mapped into every peer, filled with the "empty" mark and
+    synchronized) and this rank's buffer offset in its allocation (bytes)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from zllm.workers.kernels.allreduce import LAMPORT_FLAG_WORDS, lamport_sentinel_fill
+
+    handle = symm_mem.rendezvous(buffer, fast.group_name)
+    if handle is None:
+        raise RuntimeError("rendezvous returned no handle (is the buffer in symmetric memory?)")
+    rank = handle.rank
+    offset = buffer.data_ptr() - handle.buffer_ptrs[rank]
+    lamport_sentinel_fill(buffer)
+    torch.cuda.synchronize(device)  # filled here before the vote lets any peer push into it
+    operands = LamportOperands(
+        buffer=buffer,
+        peers=tuple(int(p) + offset for p in handle.buffer_ptrs),
+        flags=torch.zeros(LAMPORT_FLAG_WORDS, dtype=torch.int32, device=device),
+        rank=rank,
+        slot_bytes=fast.max_bytes // 16 * 16,
+        timeout_ns=int(envs.ZLLM_ALLREDUCE_SPIN_TIMEOUT_S * 1e9),
+    )
+    return operands, offset
+
+
+# The self-test's launches, in elements: every slot used twice or more, and smaller launches after
+# larger ones (a slot is cleared by its last launch's size).
+_LAMPORT_TEST_SIZES = (8, 1024, 64, 8, 1024, 16, 8)
+
+
+def _self_test_lamport(fast: SymmetricAllReduce, rank: int, size: int, device: torch.device) -> bool:
+    """Seven launches of small integers (exact in bf16 and fp32) that differ by rank and launch,
+    the first element -0.0 on every rank (the "empty" mark: it must arrive, as a zero). Every rank
+    runs all seven before it checks any, so a wrong sum on one rank cannot leave its peers waiting
+    for launches it never made; then each result is checked exactly."""
+    dtype = fast.buffer.dtype
+    limit = fast.lamport.slot_bytes // dtype.itemsize
+    results = []
+    for launch, numel in enumerate(_LAMPORT_TEST_SIZES):
+        numel = min(numel, limit)
+        base = torch.arange(numel, device=device, dtype=torch.float32).remainder(7) + launch
+        x = (base + (rank + 1)).to(dtype)
+        x[0] = -0.0
+        expected = (base * size + size * (size + 1) / 2).to(dtype)
+        expected[0] = 0.0
+        results.append((launch, fast.all_reduce(x), expected))
+    _wait_or_hang(rank, "Lamport all-reduce self-test")
+    for launch, summed, expected in results:
+        if not torch.equal(summed, expected):
+            raise RuntimeError(
+                f"Lamport self-test launch {launch} ({summed.numel()} elements) gave {summed[:4].tolist()}..., "
+                f"expected {expected[:4].tolist()}..."
+            )
+    return True
+
+
+def same_on_every_rank(value: int, device: torch.device) -> bool:
+    """Whether every rank passed the same integer (NCCL MIN and MAX of it; collective)."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    low, high = mine.clone(), mine.clone()
+    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
+    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
+    return int(low.item()) == int(high.item())
+
+
+def _norm_operands(fast: SymmetricAllReduce, device: torch.device) -> tuple[NormOperands, int]:
+    """The kernel's operands and this rank's buffer offset in its allocation (bytes)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from zllm.workers.kernels.allreduce import WORLD_SIZES
+
+    handle = symm_mem.rendezvous(fast.buffer, fast.group_name)  # the buffer's handle, made at set-up
+    rank, world = handle.rank, handle.world_size
+    if world not in WORLD_SIZES:
+        raise ValueError(f"the fused kernel is built for {WORLD_SIZES} ranks, not {world}")
+    offset = fast.buffer.data_ptr() - handle.buffer_ptrs[rank]
+    pad_words = _signal_pad_bytes() // 4
+    operands = NormOperands(
+        peer_buffers=torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device),
+        peer_pads=torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device),
+        rank=rank,
+        world_size=world,
+        pad_base=pad_words // 2,  # the upper half: PyTorch's one-shot and barrier use the first words
+        pad_words=pad_words,
+    )
+    return operands, offset
+
+
+def _signal_pad_bytes() -> int:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    return int(symm_mem.get_signal_pad_size())
+
+
+def _self_test_norm(fast: SymmetricAllReduce, rank: int, size: int, device: torch.device) -> bool:
+    """Three launches (the second and third find the signal pads, or the Lamport slots, as the
+    ones before left them), all launched on every rank before any is checked (a wrong result on
+    one rank must not leave its peers waiting for a launch it never made): residual exactly
+    1 + sum(rank + 1), the norm of a constant row 1 to 1e-2."""
+    rows, hidden = 2, 256
+    dtype = fast.buffer.dtype
+    weight = torch.ones(hidden, dtype=dtype, device=device)
+    expected = 1 + size * (size + 1) / 2
+    results = []
+    for _ in range(3):
+        partial = torch.full((rows, hidden), float(rank + 1), dtype=dtype, device=device)
+        residual = torch.ones((rows, hidden), dtype=dtype, device=device)
+        results.append(fast.all_reduce_add_rms_norm(partial, residual, weight, 1e-6, False))
+    _wait_or_hang(rank, "fused all-reduce + norm self-test")
+    for out, residual in results:
+        if not bool((residual == expected).all()) or not bool(((out.float() - 1).abs() < 1e-2).all()):
+            raise RuntimeError(f"fused self-test gave residual {residual[0, :2].tolist()}, out {out[0, :2].tolist()}")
+    return True
+
+
+_HANG_ADVICE = (
+    "start without --custom-all-reduce-max-size (NCCL only), or without ZLLM_ALLREDUCE_LAMPORT / "
+    "ZLLM_ALLREDUCE_NORM (the kernel whose self-test this was)"
+)
+
+
+def _wait_or_hang(rank: int, what: str) -> None:
+    """Wait for the stream's work so far, or raise SymmetricAllReduceHangError after
+    _SELF_TEST_TIMEOUT_S (a barrier that never met) or on a CUDA error (a Lamport kernel's spin
+    limit traps, which leaves the context unusable: no vote could run on it)."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + _SELF_TEST_TIMEOUT_S
+    while True:
+        try:
+            if done.query():
+                return
+        except RuntimeError as exc:  # torch raises CUDA errors (a trap's among them) as RuntimeError
+            raise SymmetricAllReduceHangError(
+                f"rank {rank}: the {what} failed on the GPU ({exc}); {_HANG_ADVICE}"
+            ) from exc
+        if time.monotonic() > deadline:
+            raise SymmetricAllReduceHangError(
+                f"rank {rank}: the {what} did not finish within {_SELF_TEST_TIMEOUT_S:.0f} s; {_HANG_ADVICE}"
+            )
+        time.sleep(0.001)
 
 
 def _run_phase(tp, device: torch.device, name: str, phase):

@@ -36,6 +36,7 @@ from zllm.workers.kernels import pdl as pdl_launch
 # Kernel file -> one of its entry points (used to force the module load on a device).
 KERNEL_FILES: dict[str, str] = {
     "activation_kernels": "silu_and_mul_f32",
+    "allreduce_kernels": "all_reduce_add_rms_norm_f32_w2",
     "attention_kernels": "paged_attention_reduce_f32_d64",
     "attention_window_kernels": "paged_attention_decode_f32_win_d64_g1",
     "cache_kernels": "reshape_and_cache_f32",

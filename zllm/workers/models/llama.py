@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zllm import envs
 from zllm.model_spec import ModelSpec
 from zllm.partition import Span, even_split, head_shards
 from zllm.quantization import QuantSpec
@@ -40,6 +41,7 @@ from zllm.workers.parallel_layers import (
     FusedPart,
     LoadTarget,
     ParallelLMHead,
+    PendingSum,
     RowParallelLinear,
     VocabParallelEmbedding,
     whole_tensor_target,
@@ -61,7 +63,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, lora: LoRALayer | None = None):
         """Without residual: norm(x). With: (norm(x + residual), x + residual). lora: the adapter
         slots of the projection the output feeds, whose shrink the same launch may compute
-        (LoRALayer.norm_shrinks, ZLLM_LORA_NORM_SHRINK), held for that projection."""
+        (LoRALayer.norm_shrinks, ZLLM_LORA_NORM_SHRINK), held for that projection. x may be a
+        row-parallel layer's PendingSum (ZLLM_ALLREDUCE_NORM): its all-reduce runs in the norm's
+        launch where the fused kernel takes the operands, else before the norm as usual."""
+        if isinstance(x, PendingSum):
+            if residual is not None and lora is None and x.tp.fuses_add_rms_norm(x.partial, residual, self.weight):
+                return x.tp.all_reduce_add_rms_norm(x.partial, residual, self.weight, self.eps, self.unit_offset)
+            x = x.resolve()
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps, self.unit_offset)
         if lora is not None and lora.norm_shrinks(x, residual, self.weight):
@@ -216,8 +224,9 @@ class LlamaAttention(nn.Module):
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.ops.attention(q, kv_cache, meta, self.scale, self.kv_scales, self.window, self.softcap, self.sinks)
 
-    def output(self, attended: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(attended.reshape(-1, self.q_size))
+    def output(self, attended: torch.Tensor, defer: bool = False) -> torch.Tensor | PendingSum:
+        """defer: the caller norms the output next and takes a PendingSum (RowParallelLinear.forward)."""
+        return self.o_proj(attended.reshape(-1, self.q_size), defer)
 
 
 class LlamaMLP(nn.Module):
@@ -236,17 +245,18 @@ class LlamaMLP(nn.Module):
         self.gelu = spec.hidden_act == "gelu_pytorch_tanh"
         self.act_and_mul = ops.gelu_tanh_and_mul if self.gelu else ops.silu_and_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer: bool = False) -> torch.Tensor | PendingSum:
+        """defer: the caller norms the output next and takes a PendingSum (RowParallelLinear.forward)."""
         # The fused launch writes the csrc kernels' bits: only where the layer runs those (CudaOps).
         takes_fused = self.ops.name == "cuda" and self.down_proj.lora is None
         fused = self.gate_up_proj.act_and_mul(x, self.gelu) if takes_fused else None
         if fused is not None:  # one row: the product and the activation in one launch
-            return self.down_proj(fused)
+            return self.down_proj(fused, defer)
         gate_up = self.gate_up_proj(x)
         lora = self.down_proj.lora
         if lora is not None and lora.act_shrinks(gate_up):  # ZLLM_LORA_NORM_SHRINK at decode
-            return self.down_proj(lora.act_and_mul(self.ops, gate_up, self.gelu))
-        return self.down_proj(self.act_and_mul(gate_up))
+            return self.down_proj(lora.act_and_mul(self.ops, gate_up, self.gelu), defer)
+        return self.down_proj(self.act_and_mul(gate_up), defer)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -281,6 +291,17 @@ class LlamaDecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
+        # ZLLM_ALLREDUCE_NORM (read when the model is built): o_proj's and down_proj's all-reduces
+        # may run in the launch of the add-RMSNorm after them (RMSNorm.forward). Plain layers only:
+        # a sandwich norm takes o_proj's output without the residual, and MLA or MoE blocks reduce
+        # their own way.
+        self.defers_reduce = (
+            envs.ZLLM_ALLREDUCE_NORM
+            and tp.size > 1
+            and not self.sandwich
+            and type(self.self_attn) is LlamaAttention
+            and type(self.mlp) is LlamaMLP
+        )
 
     def forward(
         self,
@@ -290,13 +311,16 @@ class LlamaDecoderLayer(nn.Module):
         rotary: Rotary,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        defer_output: bool = False,
+    ) -> tuple[torch.Tensor | PendingSum, torch.Tensor]:
+        """defer_output: the caller feeds the output to the next layer's norm or the final norm,
+        so it may be a PendingSum (after_attention)."""
         q, residual = self.before_attention(x, residual, positions, rotary, kv_cache, meta.slot_mapping)
-        return self.after_attention(self.self_attn.attend(q, kv_cache, meta), residual)
+        return self.after_attention(self.self_attn.attend(q, kv_cache, meta), residual, defer_output)
 
     def before_attention(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | PendingSum,
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         rotary: Rotary,
@@ -310,15 +334,22 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual, _lora_of(self.self_attn, "qkv_proj"))
         return self.self_attn.project(x, positions, rotary, kv_cache, slot_mapping), residual
 
-    def after_attention(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """o_proj, norm, MLP: (this layer's output, residual)."""
-        x = self.self_attn.output(attended)
+    def after_attention(
+        self, attended: torch.Tensor, residual: torch.Tensor, defer_output: bool = False
+    ) -> tuple[torch.Tensor | PendingSum, torch.Tensor]:
+        """o_proj, norm, MLP: (this layer's output, residual). With defers_reduce, o_proj's
+        all-reduce runs in the norm's launch, and so does down_proj's in the next norm's where
+        defer_output says the caller takes a PendingSum."""
         mlp_lora = _lora_of(self.mlp, "gate_up_proj")
         if self.sandwich:
+            x = self.self_attn.output(attended)
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual, mlp_lora)
             return self.post_feedforward_layernorm(self.mlp(x)), residual
-        x, residual = self.post_attention_layernorm(x, residual, mlp_lora)
-        return self.mlp(x), residual
+        if not self.defers_reduce:
+            x, residual = self.post_attention_layernorm(self.self_attn.output(attended), residual, mlp_lora)
+            return self.mlp(x), residual
+        x, residual = self.post_attention_layernorm(self.self_attn.output(attended, defer=True), residual, mlp_lora)
+        return self.mlp(x, defer=defer_output), residual
 
 
 def _lora_of(module: nn.Module, projection: str) -> LoRALayer | None:
@@ -429,7 +460,10 @@ class LlamaForCausalLM(nn.Module):
             return self._forward_keeping_aux(x, positions, kv_caches, meta)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
-            x, residual = layer(x, residual, positions, self.model.rotary_of(i), kv_cache, self.model.meta_of(i, meta))
+            # defer_output: x only ever reaches the next layer's norm or the final norm.
+            x, residual = layer(
+                x, residual, positions, self.model.rotary_of(i), kv_cache, self.model.meta_of(i, meta), True
+            )
         x, _ = self.model.norm(x, residual)
         return x
 
