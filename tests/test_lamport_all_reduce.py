@@ -24,15 +24,27 @@ from zllm.workers.kernels.allreduce import (
 )
 
 
-def test_switches_default_to_the_one_shot_kernel_and_a_minute(monkeypatch):
+def test_switches_default_to_auto_and_a_minute(monkeypatch):
     monkeypatch.delenv("ZLLM_ALLREDUCE_LAMPORT", raising=False)
     monkeypatch.delenv("ZLLM_ALLREDUCE_SPIN_TIMEOUT_S", raising=False)
-    assert envs.ZLLM_ALLREDUCE_LAMPORT is False
+    assert envs.ZLLM_ALLREDUCE_LAMPORT is None
     assert envs.ZLLM_ALLREDUCE_SPIN_TIMEOUT_S == 60.0
-    monkeypatch.setenv("ZLLM_ALLREDUCE_LAMPORT", "1")
     monkeypatch.setenv("ZLLM_ALLREDUCE_SPIN_TIMEOUT_S", "0")
-    assert envs.ZLLM_ALLREDUCE_LAMPORT is True
     assert envs.ZLLM_ALLREDUCE_SPIN_TIMEOUT_S == 0.0
+    for raw, value in (("1", True), ("on", True), ("0", False), ("off", False), ("auto", None), (" AUTO ", None)):
+        monkeypatch.setenv("ZLLM_ALLREDUCE_LAMPORT", raw)
+        assert envs.ZLLM_ALLREDUCE_LAMPORT is value, raw
+
+
+def test_a_lamport_switch_neither_on_off_nor_auto_is_refused_with_its_name(monkeypatch):
+    monkeypatch.setenv("ZLLM_ALLREDUCE_LAMPORT", "sometimes")
+    with pytest.raises(ValueError, match="ZLLM_ALLREDUCE_LAMPORT"):
+        envs.ZLLM_ALLREDUCE_LAMPORT  # noqa: B018
+
+
+def test_auto_turns_lamport_on_only_at_the_world_size_measured_on_gpus():
+    """tp 2 ran the GPU tests and beat the one-shot kernel; 4 and 8 have not run on GPUs yet."""
+    assert [world for world in (2, 3, 4, 8) if sar.lamport_by_default(world)] == [2]
 
 
 @pytest.mark.parametrize("raw", ["-1", "nan", "inf", "1e9", "soon"])

@@ -521,32 +521,48 @@ def _vote_rank(rank: int, init_file: str, failing_rank: int, results) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _switch_rank(rank: int, init_file: str, on_ranks: tuple[int, ...], results) -> None:
-    """ZLLM_ALLREDUCE_LAMPORT set on `on_ranks` only, asked through the real vote."""
+def _switch_rank(rank: int, init_file: str, settings: tuple[str, ...], results) -> None:
+    """ZLLM_ALLREDUCE_LAMPORT set to settings[rank] ("" unset), asked through the real vote with
+    the engine's own default for the world."""
     import os
 
-    from zllm.workers.symmetric_all_reduce import _switch_on_every_rank
+    from zllm.workers.symmetric_all_reduce import _switch_on_every_rank, lamport_by_default
 
-    os.environ["ZLLM_ALLREDUCE_LAMPORT"] = "1" if rank in on_ranks else "0"
+    os.environ.pop("ZLLM_ALLREDUCE_LAMPORT", None)
+    if settings[rank]:
+        os.environ["ZLLM_ALLREDUCE_LAMPORT"] = settings[rank]
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", world_size=2, rank=rank)
     try:
         tp = TensorParallel(rank=rank, size=2)
-        results[rank] = _switch_on_every_rank(tp, torch.device("cpu"), "ZLLM_ALLREDUCE_LAMPORT")
+        results[rank] = _switch_on_every_rank(
+            tp, torch.device("cpu"), "ZLLM_ALLREDUCE_LAMPORT", default=lamport_by_default(tp.size)
+        )
     finally:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("on_ranks, expected", [((0, 1), True), ((), False), ((1,), False)])
-def test_a_kernel_switch_set_on_some_ranks_only_is_off_on_all(tmp_path, on_ranks, expected):
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (("1", "1"), True),
+        (("0", "0"), False),
+        (("0", "1"), False),
+        (("", ""), True),  # auto at tp 2: on
+        (("auto", ""), True),
+        (("", "0"), False),  # auto on one rank, off on the other: off on both
+    ],
+)
+def test_a_kernel_switch_set_on_some_ranks_only_is_off_on_all(tmp_path, settings, expected):
     """The Lamport and fused-norm set-ups are collective: a switch on one rank only (nodes
-    started with different environments) must turn it off everywhere, not run a phase alone."""
+    started with different environments) must turn it off everywhere, not run a phase alone.
+    Left at auto, the world's default (on at tp 2) counts as that rank's setting."""
     import torch.multiprocessing as mp
 
     with mp.Manager() as manager:
         results = manager.dict()
         context = mp.start_processes(
             _switch_rank,
-            args=(str(tmp_path / "rendezvous"), on_ranks, results),
+            args=(str(tmp_path / "rendezvous"), settings, results),
             nprocs=2,
             join=False,
             start_method="spawn",

@@ -36,6 +36,19 @@ def _on(raw: str) -> bool:
     return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _on_off_or_auto(raw: str) -> bool | None:
+    """A switch with a default that depends on the run: "0"/off/false/no is off, "1"/on/true/yes
+    is on, "auto" (or unset) leaves it to the code that reads it; anything else is refused."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value == "auto":
+        return None
+    raise ValueError("expected 1, 0 or auto")
+
+
 def _text(raw: str) -> str:
     return raw.strip()
 
@@ -221,11 +234,11 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting(
             "ZLLM_ALLREDUCE_LAMPORT",
-            _on,
-            False,
-            "1: at tp > 1 on GPUs with the symmetric-memory all-reduce, the all-reduces it takes run "
-            "zllm's barrier-free Lamport kernel (csrc/allreduce_kernels.cu) instead of PyTorch's "
-            "one-shot; read at start-up. Unverified on a GPU.",
+            _on_off_or_auto,
+            None,
+            "On GPUs with the symmetric-memory all-reduce, the all-reduces it takes run zllm's "
+            "barrier-free Lamport kernel (csrc/allreduce_kernels.cu) instead of PyTorch's one-shot. "
+            "auto (unset): on at tp 2, the size verified on GPUs; 1: on at every tp; 0: off. Read at start-up.",
         ),
         Setting(
             "ZLLM_ALLREDUCE_SPIN_TIMEOUT_S",

@@ -167,8 +167,10 @@ def test_fused_all_reduce_add_rms_norm_eager_and_in_cuda_graphs(tmp_path, size, 
 
 def test_engine_tokens_with_fused_all_reduce_norm_equal_unfused_fp32_tp2(model_dir, prompt_ids, monkeypatch, capfd):
     """fp32 at tp 2: the one-shot sum a + b and the fused kernel's are one rounding each, and the
-    norm is fused_add_rms_norm's: the tokens must be identical (CUDA graphs on)."""
+    norm is fused_add_rms_norm's: the tokens must be identical (CUDA graphs on). The barrier form:
+    Lamport (tp 2's default) off."""
     _needs_gpus(2)
+    monkeypatch.setenv("ZLLM_ALLREDUCE_LAMPORT", "0")
     unfused = engine_tokens(
         model_dir, prompt_ids, dtype="float32", tensor_parallel_size=2, custom_all_reduce_max_bytes=8 << 20
     )

@@ -183,6 +183,7 @@ def test_engine_tokens_with_lamport_all_reduce_and_its_fused_norm_equal_one_shot
     """fp32 at tp 2: the one-shot sum a + b and the Lamport kernel's are one rounding each, and the
     fused form's norm is fused_add_rms_norm's, so the tokens must be identical (CUDA graphs on)."""
     _needs_gpus(2)
+    monkeypatch.setenv("ZLLM_ALLREDUCE_LAMPORT", "0")  # tp 2's default is Lamport
     one_shot = engine_tokens(
         model_dir, prompt_ids, dtype="float32", tensor_parallel_size=2, custom_all_reduce_max_bytes=8 << 20
     )

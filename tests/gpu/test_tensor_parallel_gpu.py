@@ -74,10 +74,15 @@ SYMMETRIC_CASES = [
 RANK_TIMEOUT_S = 240.0
 
 
-def _symmetric_rank(rank: int, size: int, init_file: str) -> None:
+def _symmetric_rank(rank: int, size: int, init_file: str, lamport: str) -> None:
     """One rank: TensorParallel.all_reduce with the one-shot path on equals NCCL's all_reduce, for
-    sizes below, at and above the limit and another dtype, eagerly and replayed from a CUDA graph."""
+    sizes below, at and above the limit and another dtype, eagerly and replayed from a CUDA graph.
+    `lamport` is ZLLM_ALLREDUCE_LAMPORT: "0" for PyTorch's one-shot kernel, "auto" for the default
+    (the Lamport kernel at tp 2)."""
     import logging
+    import os
+
+    os.environ["ZLLM_ALLREDUCE_LAMPORT"] = lamport
 
     import torch
     import torch.distributed as dist
@@ -95,6 +100,8 @@ def _symmetric_rank(rank: int, size: int, init_file: str) -> None:
         tp, EngineConfig(model="", custom_all_reduce_max_bytes=SYMMETRIC_LIMIT), device, torch.bfloat16
     )
     assert tp.fast is not None, f"rank {rank}: set-up fell back to NCCL (see the warnings above)"
+    lamport_expected = lamport == "1" or (lamport == "auto" and size == 2)
+    assert (tp.fast.lamport is not None) == lamport_expected, f"rank {rank}: Lamport set-up with {lamport}"
     gen = torch.Generator(device=device).manual_seed(100 + rank)
     inputs = [
         torch.randn(shape, generator=gen, device=device).to(getattr(torch, dtype)) for shape, dtype in SYMMETRIC_CASES
@@ -138,13 +145,18 @@ def _symmetric_rank(rank: int, size: int, init_file: str) -> None:
     tp.destroy()
 
 
+@pytest.mark.parametrize("lamport", ["0", "auto"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_symmetric_all_reduce_equals_nccl_eager_and_in_cuda_graphs(tmp_path, size):
+def test_symmetric_all_reduce_equals_nccl_eager_and_in_cuda_graphs(tmp_path, size, lamport):
     import torch.multiprocessing as mp
 
     _needs_gpus(size)
     context = mp.start_processes(
-        _symmetric_rank, args=(size, str(tmp_path / "rendezvous")), nprocs=size, join=False, start_method="spawn"
+        _symmetric_rank,
+        args=(size, str(tmp_path / "rendezvous"), lamport),
+        nprocs=size,
+        join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + RANK_TIMEOUT_S
     try:
@@ -158,12 +170,15 @@ def test_symmetric_all_reduce_equals_nccl_eager_and_in_cuda_graphs(tmp_path, siz
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_tensor_parallel_symmetric_all_reduce_gives_nccls_tokens(model_dir, prompt_ids, dtype, capfd):
-    """The engine at tp 2 (CUDA graphs, async scheduling) with the one-shot path on and off."""
+    """The engine at tp 2 (CUDA graphs, async scheduling) with the symmetric-memory path on (the
+    Lamport kernel, tp 2's default) and off."""
     fast = engine_tokens(
         model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2, custom_all_reduce_max_bytes=8 << 20
     )
     log = capfd.readouterr().err
     assert log.count("symmetric-memory one-shot all-reduce for") == 2, "set-up fell back to NCCL:\n" + log[-4000:]
+    if os.environ.get("ZLLM_ALLREDUCE_LAMPORT", "auto").strip().lower() == "auto":
+        assert log.count("Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT)") == 2, "Lamport fell back:\n" + log[-4000:]
     nccl = engine_tokens(model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2)
     record(f"tp2_{dtype}_symmetric_share_identical_vs_nccl[{os.path.basename(model_dir)}]", share_identical(fast, nccl))
     assert fast == nccl

@@ -24,14 +24,14 @@ multicast, where a rank that fails cuMulticastAddDevice can leave its peers bloc
 cuMulticastBindMem (pytorch/pytorch#195596, after torch 2.11). The one-shot kernel reads peers'
 buffers directly and never needs multicast, so it is switched off here.
 
-ZLLM_ALLREDUCE_NORM (off by default; unverified on a GPU so far) adds a set-up phase and a
+ZLLM_ALLREDUCE_NORM (off by default: no faster at tp 2 or 4 on H200s, docs/benchmarks.md) adds a set-up phase and a
 self-test, each voted like the others, for zllm's own kernel over the same buffer
 (csrc/allreduce_kernels.cu): a row-parallel layer's all-reduce, the residual add and the next
 RMSNorm in one launch (TensorParallel.all_reduce_add_rms_norm). It takes the upper half of the
 signal pad (PyTorch's kernels use the first words) and leaves every word it uses at 0 after each
 launch. A failed vote leaves the one-shot all-reduce as it was, without the fused kernel.
 
-ZLLM_ALLREDUCE_LAMPORT (off by default; unverified on a GPU so far) replaces the one-shot kernel
+ZLLM_ALLREDUCE_LAMPORT (on by default at tp 2, where it ran on GPUs; 1 at every tp) replaces the one-shot kernel
 for the tensors this path takes with zllm's Lamport kernel (csrc/allreduce_kernels.cu), which
 meets no barrier: each rank pushes its tensor into every peer's buffer and waits on its own until
 every value has arrived. It needs a buffer of its own (3 slots x world x the size limit, filled
@@ -226,7 +226,7 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
     fast = SymmetricAllReduce(buffer, group_name)
     if _run_phase(tp, device, "self-test", lambda: _self_test(fast, tp.rank, tp.size, device)) is None:
         return
-    if _switch_on_every_rank(tp, device, "ZLLM_ALLREDUCE_LAMPORT"):
+    if _switch_on_every_rank(tp, device, "ZLLM_ALLREDUCE_LAMPORT", default=lamport_by_default(tp.size)):
         _attach_lamport(tp, fast, device)
     if _switch_on_every_rank(tp, device, "ZLLM_ALLREDUCE_NORM"):
         _attach_norm(tp, fast, device)
@@ -239,11 +239,24 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
     )
 
 
-def _switch_on_every_rank(tp, device: torch.device, name: str) -> bool:
+# The world sizes at which the Lamport kernel has run its GPU tests and beaten the one-shot kernel
+# (2 x H200, 2026-11-28: 2.8 us against 7.2 an 8 KiB all-reduce, Llama-3-8B W2 at tp 2 2.667 ms
+# against 2.987). Larger worlds take it with ZLLM_ALLREDUCE_LAMPORT=1 until a 4-GPU run measures them.
+LAMPORT_DEFAULT_WORLDS = (2,)
+
+
+def lamport_by_default(world: int) -> bool:
+    """Whether ZLLM_ALLREDUCE_LAMPORT left at auto turns the Lamport kernel on for this world."""
+    return world in LAMPORT_DEFAULT_WORLDS
+
+
+def _switch_on_every_rank(tp, device: torch.device, name: str, default: bool = False) -> bool:
     """Whether a kernel switch is on, asked of every rank (collective): the phases it adds are
     collective too, so a rank whose environment differs (nodes started apart) must not run them
-    alone. Off, with a warning, unless every rank has it on."""
-    mine = bool(getattr(envs, name))
+    alone. Off, with a warning, unless every rank has it on. A switch left at auto (None) takes
+    `default`, which every rank computes alike."""
+    value = getattr(envs, name)
+    mine = default if value is None else bool(value)
     if same_on_every_rank(int(mine), device):
         return mine
     logger.warning("rank %d: %s is %s here but not on every rank; off", tp.rank, name, "on" if mine else "off")
