@@ -392,6 +392,29 @@ def test_a_sigtermed_tp_worker_leaves_the_group_too(tmp_path, capfd):
     assert "rank 0: left the gloo group" in stderr and "rank 1: left the gloo group" in stderr
 
 
+@pytest.mark.parametrize("code, status", [("0", 0), ("None", 0), ("3", 3), ("'bad rank'", 1)])
+def test_a_worker_ends_with_its_status_and_its_logs_without_finalizing(code, status):
+    """The worker process ends through exit_without_finalizing (no interpreter teardown, where a
+    library thread's destructor aborted a clean rank once): the status as sys.exit reads it, the
+    log lines and a message still written."""
+    script = (
+        "import logging; from zllm.workers.process import exit_without_finalizing; "
+        "logging.basicConfig(); logging.getLogger('w').warning('last words'); "
+        f"exit_without_finalizing({code})"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == status
+    assert "last words" in done.stderr
+    if status == 1:
+        assert "bad rank" in done.stderr
+
+
+def test_a_worker_started_without_its_rank_exits_2_with_argparse_usage():
+    done = subprocess.run([sys.executable, "-m", "zllm.workers.process"], input=b"", capture_output=True, timeout=60)
+    assert done.returncode == 2
+    assert b"--rank" in done.stderr
+
+
 # ---- the symmetric-memory all-reduce flag (GPU only; checked and ignored here) -----------------
 
 

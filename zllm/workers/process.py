@@ -209,5 +209,25 @@ def main(argv: list[str] | None = None) -> int:
     return WorkerProcess(config, args.rank).run()
 
 
+def exit_without_finalizing(code: int | str | None) -> None:
+    """End the worker process with `code` (as sys.exit reads it) once its logs are flushed, without
+    the interpreter's finalization. By then run() has released the model, left the process group
+    and closed its sockets; finalization would only add the C++ destructors of libraries'
+    background threads, and one of those can abort the process ("terminate called without an
+    active exception", SIGABRT): a rank that left its gloo group cleanly exited -6 instead of 0
+    in a CI run under load. zllm registers no atexit work a worker needs."""
+    if isinstance(code, str):  # sys.exit("message"): the message to stderr, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+    except SystemExit as stop:  # SIGTERM's handler, argparse: the same exit, without finalizing
+        status = stop.code
+    exit_without_finalizing(status)
