@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.helpers.gpu import engine_tokens, hf_tokens, record, share_identical
+from zllm import envs
 
 pytestmark = [pytest.mark.gpu]
 
@@ -89,7 +90,7 @@ def _symmetric_rank(rank: int, size: int, init_file: str, lamport: str) -> None:
 
     from zllm.config import EngineConfig
     from zllm.workers.distributed import TensorParallel
-    from zllm.workers.symmetric_all_reduce import attach_symmetric_all_reduce
+    from zllm.workers.symmetric_all_reduce import attach_symmetric_all_reduce, lamport_by_default
 
     logging.basicConfig(level=logging.INFO)  # the set-up's messages, to the test's log
     torch.cuda.set_device(rank)
@@ -100,7 +101,7 @@ def _symmetric_rank(rank: int, size: int, init_file: str, lamport: str) -> None:
         tp, EngineConfig(model="", custom_all_reduce_max_bytes=SYMMETRIC_LIMIT), device, torch.bfloat16
     )
     assert tp.fast is not None, f"rank {rank}: set-up fell back to NCCL (see the warnings above)"
-    lamport_expected = lamport == "1" or (lamport == "auto" and size == 2)
+    lamport_expected = lamport == "auto" and lamport_by_default(size)
     assert (tp.fast.lamport is not None) == lamport_expected, f"rank {rank}: Lamport set-up with {lamport}"
     gen = torch.Generator(device=device).manual_seed(100 + rank)
     inputs = [
@@ -177,7 +178,7 @@ def test_tensor_parallel_symmetric_all_reduce_gives_nccls_tokens(model_dir, prom
     )
     log = capfd.readouterr().err
     assert log.count("symmetric-memory one-shot all-reduce for") == 2, "set-up fell back to NCCL:\n" + log[-4000:]
-    if os.environ.get("ZLLM_ALLREDUCE_LAMPORT", "auto").strip().lower() == "auto":
+    if envs.ZLLM_ALLREDUCE_LAMPORT is None:  # auto: tp 2's default is Lamport
         assert log.count("Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT)") == 2, "Lamport fell back:\n" + log[-4000:]
     nccl = engine_tokens(model_dir, prompt_ids, dtype=dtype, tensor_parallel_size=2)
     record(f"tp2_{dtype}_symmetric_share_identical_vs_nccl[{os.path.basename(model_dir)}]", share_identical(fast, nccl))

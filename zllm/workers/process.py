@@ -16,6 +16,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import NoReturn
 
 import zmq
 
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     return WorkerProcess(config, args.rank).run()
 
 
-def exit_without_finalizing(code: int | str | None) -> None:
+def exit_without_finalizing(code: int | str | None) -> NoReturn:
     """End the worker process with `code` (as sys.exit reads it) once its logs are flushed, without
     the interpreter's finalization. By then run() has released the model, left the process group
     and closed its sockets; finalization would only add the C++ destructors of libraries'
