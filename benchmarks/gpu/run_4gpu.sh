@@ -65,7 +65,7 @@
 #             it on = off), then W2 of the 70B shape at tp 4 with the one-shot all-reduce and the switch
 #             0, then 1. ZLLM_DEBUG_HANG_S=120. Estimate: tests ~200 s, 2 x W2 ~100 s each + the build.
 #   lamport:  issue 30 item 1, zllm's barrier-free Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT: on
-#             by default at tp 2 since it ran on 2 x H200, 2026-11-28; tp 4 and 8 not yet run), in
+#             by default at tp 2 and 4 since it ran on 2 and 4 x H200, 2026-11-28; tp 8 not yet run), in
 #             $LAMPORT_STEPS (default "tests bench w2"; "tpfiles" adds the multi-GPU engine files
 #             under the defaults: tensor parallel, Ray, pooling at tp 2):
 #             tests: tests/gpu/test_lamport_all_reduce_gpu.py (2/4/8 ranks, bf16/fp32, PDL on/off,
@@ -395,7 +395,7 @@ lamport)
       tests/gpu/test_allreduce_norm_gpu.py -k "lamport"
     tail -3 "$out/lamport-tests.log"
   fi
-  if [[ $steps == *" tpfiles "* ]]; then  # the multi-GPU files under the defaults (Lamport at tp 2 since 2026-11-28)
+  if [[ $steps == *" tpfiles "* ]]; then  # the multi-GPU files under the defaults (Lamport at tp 2 and 4 since 2026-11-28)
     bounded lamport-tpfiles 420 python -m pytest -q -p no:cacheprovider -rs tests/gpu/test_tensor_parallel_gpu.py \
       tests/gpu/test_ray_backend_gpu.py tests/gpu/test_pooling_gpu.py -k "tensor_parallel or tp2 or tp4 or symmetric or ray"
     tail -3 "$out/lamport-tpfiles.log"

@@ -186,8 +186,9 @@ def test_tensor_parallel_symmetric_all_reduce_gives_nccls_tokens(model_dir, prom
 
 
 def test_tp4_symmetric_all_reduce_fp32_greedy_is_token_identical_to_hf(model_dir, prompt_ids, capfd):
-    """At tp 4 the one-shot kernel sums four partials in rank order, NCCL in its ring's: bf16
-    tokens may part ways on near-ties, so the check is fp32's, against transformers."""
+    """At tp 4 the symmetric-memory kernels (Lamport, tp 4's default, or the one-shot kernel) sum
+    four partials in rank order, NCCL in its ring's: bf16 tokens may part ways on near-ties, so
+    the check is fp32's, against transformers."""
     import torch
 
     _needs_gpus(4)
@@ -196,6 +197,8 @@ def test_tp4_symmetric_all_reduce_fp32_greedy_is_token_identical_to_hf(model_dir
     )
     log = capfd.readouterr().err
     assert log.count("symmetric-memory one-shot all-reduce for") == 4, "set-up fell back to NCCL:\n" + log[-4000:]
+    if envs.ZLLM_ALLREDUCE_LAMPORT is None:  # auto: tp 4's default is Lamport
+        assert log.count("Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT)") == 4, "Lamport fell back:\n" + log[-4000:]
     theirs = hf_tokens(model_dir, prompt_ids, torch.float32)
     record(f"tp4_fp32_symmetric_share_identical_vs_hf[{os.path.basename(model_dir)}]", share_identical(fast, theirs))
     assert fast == theirs

@@ -239,10 +239,12 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
     )
 
 
-# The world sizes at which the Lamport kernel has run its GPU tests and beaten the one-shot kernel
-# (2 x H200, 2026-11-28: 2.8 us against 7.2 an 8 KiB all-reduce, Llama-3-8B W2 at tp 2 2.667 ms
-# against 2.987). Larger worlds take it with ZLLM_ALLREDUCE_LAMPORT=1 until a 4-GPU run measures them.
-LAMPORT_DEFAULT_WORLDS = (2,)
+# The world sizes at which the Lamport kernel has run its GPU tests and beaten the one-shot kernel.
+# tp 2 on 2 x H200 (2026-11-28): 2.8 us against 7.2 an 8 KiB all-reduce, Llama-3-8B W2 2.667 ms
+# against 2.987. tp 4 on 4 x H200 (2026-11-28): 3.7 us against 8.4 a 16 KiB all-reduce, Llama-3-70B
+# W2 10.293 ms against 11.16, and the engine's fp32 tokens equal HF's. tp 8 has not run on GPUs:
+# there ZLLM_ALLREDUCE_LAMPORT=1 turns it on.
+LAMPORT_DEFAULT_WORLDS = (2, 4)
 
 
 def lamport_by_default(world: int) -> bool:
