@@ -66,8 +66,9 @@ def main() -> None:
         "--custom-all-reduce-max-size",
         dest="custom_all_reduce_max_bytes",
         type=parse_size,
-        default=0,
-        help="GPU tp: symmetric-memory all-reduce up to this size (default 0: NCCL)",
+        default=None,
+        help="GPU tp: symmetric-memory all-reduce up to this size (default: the engine's, 1MiB on one "
+        "node's GPUs; 0: NCCL only)",
     )
     parser.add_argument(
         "--speculative-config",
@@ -131,7 +132,7 @@ def main() -> None:
                 "distributed_executor_backend": args.distributed_executor_backend,
                 "quantization": args.quantization,
                 "kv_cache_dtype": args.kv_cache_dtype,
-                "custom_all_reduce_max_bytes": args.custom_all_reduce_max_bytes,
+                "custom_all_reduce_max_bytes": llm.engine.config.custom_all_reduce_max_bytes,
             }
         )
     )
