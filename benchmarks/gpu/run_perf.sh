@@ -48,6 +48,16 @@
 #                 pipe (and pipe3 while $DECATTN_BUDGET_S, default 540 s from the start, leaves
 #                 ~110 s). Builds sm_90 only. Estimates, not yet measured: build <= 150 s, tests
 #                 ~60 s, table ~60 s, each W1 ~60 s (load, capture, ~20 s run).
+#   PART=pipecheck: whether the pipelined decode attention (ZLLM_DECODE_ATTENTION=pipe: W1 +5.0%
+#                 on an H200, 2026-11-28) may become the default, in the steps of $PIPECHECK_STEPS
+#                 (default "tests real perf"): tests: the engine and FP8-cache GPU files with pipe
+#                 (tests/gpu/test_engine_gpu.py, test_kv_cache_fp8_gpu.py, test_pdl_gpu.py; 300 s at
+#                 most); real: benchmarks/real_model_check.py --quick --batch-one on /tmp/smol.gguf
+#                 (../shared/gpu/NOTES.md: carried in two halves) with classic, then pipe (the real
+#                 weights against HF on the same GPU); perf: W1 and W2, classic and pipe in turn,
+#                 $PIPECHECK_ROUNDS rounds (default 2), while $PIPECHECK_BUDGET_S (default 560 s
+#                 from the start) leaves room. Estimates: tests ~250 s, each real ~190 s, each W1
+#                 ~60 s and W2 ~25 s from load to exit.
 #   PART=sweep:   issue 40's rate sweep with vLLM's own client (benchmark_serving.py 0.6.3.post1,
 #                 --backend openai, random dataset, 256 in / 256 out, --ignore-eos): vllm-launch with
 #                 its defaults (piecewise CUDA graphs on) at Poisson 8, 16, 24, 32 and 40 req/s
@@ -110,7 +120,7 @@ mkdir -p "$out"
 model=/tmp/zllm-llama3-8b
 export ZLLM_CSRC_BUILD=/tmp/zllm-csrc-build  # fresh: a carried build dir has this machine's cmake cache
 build_flags=()
-[[ "${1:-}" == sweep || "${1:-}" == servemodel || "${1:-}" == fp8gemv2 || "${1:-}" == decattn || "${1:-}" == pdl || "${1:-}" == envab ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
+[[ "${1:-}" == sweep || "${1:-}" == servemodel || "${1:-}" == fp8gemv2 || "${1:-}" == decattn || "${1:-}" == pdl || "${1:-}" == envab || "${1:-}" == pipecheck ]] && build_flags=(-DZLLM_CUBIN_ARCHS=90)  # H100/H200 only: a third of the build
 [[ -n "${SKIP_CSRC_BUILD:-}" || -f $ZLLM_CSRC_BUILD/sm_90/attention_kernels.cubin ]] \
   || timeout 300 bash scripts/build_csrc.sh "$ZLLM_CSRC_BUILD" ${build_flags[@]+"${build_flags[@]}"} > "$out/build.log" 2>&1 \
   || { echo "csrc build failed (the loader falls back to what was built, or NVRTC):"; tail -15 "$out/build.log"; }
@@ -423,6 +433,42 @@ gemvcheck)
   grep -E "passed|failed|Error|assert" "$out/pytest_gemv.log" | tail -25
   run 300 python benchmarks/real_model_check.py --model /tmp/smol.gguf --quick --batch-one
   ;;
+pipecheck)
+  steps=" ${PIPECHECK_STEPS:-tests real perf} "
+  deadline=$(( t0 + ${PIPECHECK_BUDGET_S:-560} ))
+  if [[ $steps == *" tests "* ]]; then
+    ZLLM_DECODE_ATTENTION=pipe timeout 300 python -m pytest -q -p no:cacheprovider -p no:warnings -rs --tb=short \
+      tests/gpu/test_engine_gpu.py tests/gpu/test_kv_cache_fp8_gpu.py tests/gpu/test_pdl_gpu.py > "$out/pytest_pipecheck.log" 2>&1
+    echo "pipecheck tests with pipe (rc $?, $(( $(date +%s) - t0 )) s after the start): $(tail -1 "$out/pytest_pipecheck.log")"
+    grep -E "^(FAILED|ERROR)" "$out/pytest_pipecheck.log" | head -20
+  fi
+  if [[ $steps == *" real "* ]]; then
+    if [[ -f /tmp/smol.gguf ]]; then
+      for build in classic pipe; do
+        echo "{\"real_model_check\": \"$build\"}" | tee -a "$jsonl"
+        ZLLM_DECODE_ATTENTION=$build run 300 python benchmarks/real_model_check.py --model /tmp/smol.gguf --quick --batch-one
+      done
+    else
+      echo "SKIPPED real: no /tmp/smol.gguf (../shared/gpu/NOTES.md: the GGUF in two halves)"
+    fi
+  fi
+  if [[ $steps == *" perf "* ]]; then
+    for round in $(seq "${PIPECHECK_ROUNDS:-2}"); do
+      for build in classic pipe; do
+        for workload in w1 w2; do
+          need=$([[ $workload == w1 ]] && echo 70 || echo 35)
+          if (( $(date +%s) + need > deadline )); then
+            echo "SKIPPED $workload $build (round $round): $(( deadline - $(date +%s) )) s left"
+            continue
+          fi
+          echo "{\"pipecheck\": \"$workload\", \"ZLLM_DECODE_ATTENTION\": \"$build\", \"round\": $round}" | tee -a "$jsonl"
+          ZLLM_DECODE_ATTENTION=$build $workload
+        done
+      done
+    done
+  fi
+  echo "pipecheck: $(( $(date +%s) - t0 )) s"
+  ;;
 gemvperf)
   # W2 on Llama-3-8B: the one-warp-per-row GEMV (before) and the split b6 build (the default);
   # with FP8 weights, the default FP8 GEMV and $FP8_BUILDS; then W2 on Qwen3-30B-A3B.
@@ -560,5 +606,5 @@ servemodel)
   echo "== servemodel: $( ((status == 0)) && echo 'all passed' || echo 'SOMETHING FAILED OR WAS SKIPPED (see above)'), $(( $(date +%s) - t0 )) s"
   exit $status
   ;;
-*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|fp8gemv2|pdl|moe|moedecode|gemvcheck|gemvperf|decattn|sweep|servemodel"; exit 2 ;;
+*) echo "usage: $0 correct|latency|load|mix|prefill|fp8|kvfp8|quant|fp8profile|gemv|fp8gemv2|pdl|moe|moedecode|gemvcheck|gemvperf|decattn|pipecheck|sweep|servemodel"; exit 2 ;;
 esac
