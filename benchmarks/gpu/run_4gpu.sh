@@ -67,7 +67,8 @@
 #   lamport:  issue 30 item 1, zllm's barrier-free Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT: on
 #             by default at tp 2 and 4 since it ran on 2 and 4 x H200, 2026-11-28; tp 8 not yet run), in
 #             $LAMPORT_STEPS (default "tests bench w2"; "tpfiles" adds the multi-GPU engine files
-#             under the defaults: tensor parallel, Ray, pooling at tp 2):
+#             under the defaults: tensor parallel, Ray, pooling at tp 2; more than 420 s on 4 x H200,
+#             bounded by $TPFILES_LIMIT_S, default 560: a call of its own):
 #             tests: tests/gpu/test_lamport_all_reduce_gpu.py (2/4/8 ranks, bf16/fp32, PDL on/off,
 #             sizes growing and shrinking, ranks held back, negative zeros, graph replays; the
 #             engine's fp32 tokens at tp 2 with it and its fused norm = the one-shot kernel's) and
@@ -396,7 +397,7 @@ lamport)
     tail -3 "$out/lamport-tests.log"
   fi
   if [[ $steps == *" tpfiles "* ]]; then  # the multi-GPU files under the defaults (Lamport at tp 2 and 4 since 2026-11-28)
-    bounded lamport-tpfiles 420 python -m pytest -q -p no:cacheprovider -rs tests/gpu/test_tensor_parallel_gpu.py \
+    bounded lamport-tpfiles "${TPFILES_LIMIT_S:-560}" python -m pytest -q -p no:cacheprovider -rs tests/gpu/test_tensor_parallel_gpu.py \
       tests/gpu/test_ray_backend_gpu.py tests/gpu/test_pooling_gpu.py -k "tensor_parallel or tp2 or tp4 or symmetric or ray"
     tail -3 "$out/lamport-tpfiles.log"
   fi
