@@ -31,18 +31,22 @@ def _switch(raw: str) -> bool:
     return raw.strip() != "0"
 
 
+_ON_WORDS = ("1", "true", "yes", "on")
+_OFF_WORDS = ("0", "false", "no", "off")
+
+
 def _on(raw: str) -> bool:
     """An opt-in setting: off unless set to 1, true, yes or on."""
-    return raw.strip().lower() in ("1", "true", "yes", "on")
+    return raw.strip().lower() in _ON_WORDS
 
 
 def _on_off_or_auto(raw: str) -> bool | None:
     """A switch with a default that depends on the run: "0"/off/false/no is off, "1"/on/true/yes
     is on, "auto" (or unset) leaves it to the code that reads it; anything else is refused."""
     value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
+    if value in _ON_WORDS:
         return True
-    if value in ("0", "false", "no", "off"):
+    if value in _OFF_WORDS:
         return False
     if value == "auto":
         return None
@@ -238,7 +242,7 @@ SETTINGS: dict[str, Setting] = {
             None,
             "On GPUs with the symmetric-memory all-reduce, the all-reduces it takes run zllm's "
             "barrier-free Lamport kernel (csrc/allreduce_kernels.cu) instead of PyTorch's one-shot. "
-            "auto (unset): on at tp 2, the size verified on GPUs; 1: on at every tp; 0: off. Read at start-up.",
+            "auto (unset): on at tp 2 and 4, the sizes verified on GPUs; 1: on at every tp; 0: off. Read at start-up.",
         ),
         Setting(
             "ZLLM_ALLREDUCE_SPIN_TIMEOUT_S",

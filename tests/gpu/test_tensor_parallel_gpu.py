@@ -79,7 +79,7 @@ def _symmetric_rank(rank: int, size: int, init_file: str, lamport: str) -> None:
     """One rank: TensorParallel.all_reduce with the one-shot path on equals NCCL's all_reduce, for
     sizes below, at and above the limit and another dtype, eagerly and replayed from a CUDA graph.
     `lamport` is ZLLM_ALLREDUCE_LAMPORT: "0" for PyTorch's one-shot kernel, "auto" for the default
-    (the Lamport kernel at tp 2)."""
+    (the Lamport kernel at tp 2 and 4)."""
     import logging
     import os
 

@@ -31,7 +31,7 @@ RMSNorm in one launch (TensorParallel.all_reduce_add_rms_norm). It takes the upp
 signal pad (PyTorch's kernels use the first words) and leaves every word it uses at 0 after each
 launch. A failed vote leaves the one-shot all-reduce as it was, without the fused kernel.
 
-ZLLM_ALLREDUCE_LAMPORT (on by default at tp 2, where it ran on GPUs; 1 at every tp) replaces the one-shot kernel
+ZLLM_ALLREDUCE_LAMPORT (on by default at tp 2 and 4, where it ran on GPUs; 1 at every tp) replaces the one-shot kernel
 for the tensors this path takes with zllm's Lamport kernel (csrc/allreduce_kernels.cu), which
 meets no barrier: each rank pushes its tensor into every peer's buffer and waits on its own until
 every value has arrived. It needs a buffer of its own (3 slots x world x the size limit, filled

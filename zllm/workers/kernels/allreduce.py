@@ -1,9 +1,9 @@
 """All-reduces over symmetric memory (csrc/allreduce_kernels.cu): a row-parallel layer's partial
 output fused with the residual add and the next RMSNorm (ZLLM_ALLREDUCE_NORM, off by default), and
-the barrier-free Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT, on by default at tp 2).
+the barrier-free Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT, on by default at tp 2 and 4).
 
 Checked on GPUs by tests/gpu/test_allreduce_norm_gpu.py and test_lamport_all_reduce_gpu.py (2 and 4
-H200s for the fused norm, 2 for Lamport, 2026-11-28). The fused norm's barrier kernel meets
+H200s, 2026-11-28). The fused norm's barrier kernel meets
 the peers at a barrier that spins without a timeout: every rank of the group must launch it with
 the same rows, in the same order (zllm/workers/symmetric_all_reduce.py says why and how the
 set-up keeps them together)."""
