@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=1024, help="block-table capacity in tokens (max_model_len)")
     parser.add_argument("--contexts", default="129,256,384,1024")
     parser.add_argument("--partition-sizes", default="default,128,256,512")
-    parser.add_argument("--builds", default="classic", help="comma-separated ZLLM_DECODE_ATTENTION values")
+    parser.add_argument("--builds", default="pipe", help="comma-separated ZLLM_DECODE_ATTENTION values")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -73,7 +73,9 @@ def time_shape(args: argparse.Namespace, batch: int, context: int) -> list[dict]
     rows = []
     for size in args.partition_sizes.split(","):
         partition = None if size == "default" else int(size)
-        chosen, parts = kernels.attention_partitions(batch, args.heads, args.kv_heads, capacity, device, partition)
+        chosen, parts = kernels.attention_partitions(
+            batch, args.heads, args.kv_heads, capacity, device, partition, block
+        )
         for build in args.builds.split(","):
             micros = graph_time_us(
                 lambda i, build=build: kernels.paged_attention_decode(

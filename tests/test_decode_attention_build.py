@@ -1,6 +1,6 @@
 """Which decode attention build runs a call (zllm/workers/kernels/attention.py): the setting's
-values, the pipelined build's coverage and fallback, and its shared memory (no GPU needed; the
-kernels themselves: tests/gpu/test_decode_attention_pipe_gpu.py)."""
+values, the pipelined build's coverage and fallback, its shared memory, and the partition size
+the default picks (no GPU needed; the kernels themselves: tests/gpu/test_decode_attention_pipe_gpu.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ COVERED = dict(
 )
 
 
-def test_setting_defaults_to_classic_and_rejects_unknown_builds(monkeypatch):
+def test_setting_defaults_to_pipe_and_rejects_unknown_builds(monkeypatch):
     monkeypatch.delenv("ZLLM_DECODE_ATTENTION", raising=False)
-    assert envs.ZLLM_DECODE_ATTENTION == "classic"
+    assert envs.ZLLM_DECODE_ATTENTION == "pipe"
     monkeypatch.setenv("ZLLM_DECODE_ATTENTION", " Pipe3 ")
     assert envs.ZLLM_DECODE_ATTENTION == "pipe3"
     monkeypatch.setenv("ZLLM_DECODE_ATTENTION", "fast")
@@ -69,3 +69,47 @@ def test_shared_memory_per_block():
     # An H100 SM has 228 KiB: 3 blocks at 2 stages, 2 at 3 (1 KiB reserved per block, ~4 KiB static).
     assert 3 * (67584 + 1024 + 4096) <= 228 * 1024 < 4 * (67584 + 1024)
     assert 2 * (101376 + 1024 + 4096) <= 228 * 1024 < 3 * (101376 + 1024)
+
+
+H100_SMS = 132
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    monkeypatch.setattr(attention, "_sm_count", lambda device: H100_SMS)
+    monkeypatch.delenv("ZLLM_DECODE_WIDE_PARTITIONS", raising=False)
+
+
+@pytest.mark.parametrize("capacity, parts", [(1024, 1), (1000, 1), (8192, 8)])
+def test_large_batches_take_1024_token_partitions(h100, capacity, parts):
+    """Llama-3-8B's heads at batch 256: 2048 blocks a partition, 15 waves of an H100's SMs."""
+    assert attention.attention_partitions(256, 32, 8, capacity, block_size=16) == (1024, parts)
+    assert attention.attention_partitions(256, 32, 8, capacity, block_size=32) == (1024, parts)
+
+
+def test_the_wide_partition_starts_at_three_waves(h100):
+    rows = -(-3 * H100_SMS // 8)  # 8 kv heads, one block each (group 4)
+    assert attention.attention_partitions(rows, 32, 8, 1024, block_size=16) == (1024, 1)
+    assert attention.attention_partitions(rows - 1, 32, 8, 1024, block_size=16) == (512, 2)
+    assert attention.attention_partitions(8, 32, 8, 1024, block_size=16) == (256, 4)  # few rows: split finer
+
+
+def test_contexts_within_512_tokens_keep_512(h100):
+    assert attention.attention_partitions(256, 32, 8, 512, block_size=16) == (512, 1)
+
+
+@pytest.mark.parametrize("block_size", [None, 8])
+def test_wide_partitions_need_a_known_block_size_the_pipelined_build_stages(h100, block_size):
+    """Unknown block sizes (a workspace reserved ahead) count the most partitions; 8-token blocks
+    would overflow the pipelined build's block-table staging at 1024 tokens."""
+    assert attention.attention_partitions(256, 32, 8, 1024, block_size=block_size) == (512, 2)
+    assert attention.decode_build_stages("pipe", **{**COVERED, "block_size": 8, "partition_size": 1024}) == 0
+
+
+def test_the_switch_turns_wide_partitions_off(h100, monkeypatch):
+    monkeypatch.setenv("ZLLM_DECODE_WIDE_PARTITIONS", "0")
+    assert attention.attention_partitions(256, 32, 8, 1024, block_size=16) == (512, 2)
+
+
+def test_an_asked_partition_size_is_kept(h100):
+    assert attention.attention_partitions(256, 32, 8, 1024, partition_size=256, block_size=16) == (256, 4)

@@ -144,9 +144,15 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "ZLLM_DECODE_ATTENTION",
             _decode_build,
-            "classic",
-            "Which paged decode attention kernel runs: classic, pipe (cp.async K/V tiles, 2 stages) or pipe3 "
-            "(3 stages); pipe* fall back to classic for layers they do not build (A/B switch).",
+            "pipe",
+            "Which paged decode attention kernel runs: pipe (cp.async K/V tiles, 2 stages; the default), pipe3 "
+            "(3 stages) or classic; pipe* fall back to classic for layers they do not build (A/B switch).",
+        ),
+        Setting(
+            "ZLLM_DECODE_WIDE_PARTITIONS",
+            _switch,
+            True,
+            "0: large decode batches keep 512-token attention partitions instead of 1024 (A/B switch).",
         ),
         Setting("ZLLM_PACKED_PREFILL", _switch, True, "0: prefill attention runs a request at a time (A/B switch)."),
         Setting(

@@ -48,8 +48,8 @@
 #                 pipe (and pipe3 while $DECATTN_BUDGET_S, default 540 s from the start, leaves
 #                 ~110 s). Builds sm_90 only. Estimates, not yet measured: build <= 150 s, tests
 #                 ~60 s, table ~60 s, each W1 ~60 s (load, capture, ~20 s run).
-#   PART=pipecheck: whether the pipelined decode attention (ZLLM_DECODE_ATTENTION=pipe: W1 +5.0%
-#                 on an H200, 2026-11-28) may become the default, in the steps of $PIPECHECK_STEPS
+#   PART=pipecheck: the pipelined decode attention (ZLLM_DECODE_ATTENTION=pipe) against classic, the
+#                 check that made pipe the default (2026-11-28, docs/benchmarks.md), in the steps of $PIPECHECK_STEPS
 #                 (default "tests real perf"): tests: the engine and FP8-cache GPU files with pipe
 #                 (tests/gpu/test_engine_gpu.py, test_kv_cache_fp8_gpu.py, test_pdl_gpu.py; 300 s at
 #                 most); real: benchmarks/real_model_check.py --quick --batch-one on /tmp/smol.gguf

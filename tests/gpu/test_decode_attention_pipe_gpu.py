@@ -78,10 +78,13 @@ def test_pipe_batches_1_and_8(build, dtype, head_dim, group, gen, launched):
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 def test_pipe_batch_256_llama_shape(build, dtype, gen, launched):
-    """W1's shape: 32 query heads over 8 KV heads, head_dim 128, 256 sequences of every context."""
+    """W1's shape: 32 query heads over 8 KV heads, head_dim 128, 256 sequences of every context
+    (1024-token partitions on an H100 or H200, ZLLM_DECODE_WIDE_PARTITIONS)."""
     lens = [CONTEXTS[i % len(CONTEXTS)] for i in range(256)]
     batch = PagedBatch(lens, num_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=dtype, gen=gen)
     expected = batch.reference()
+    wide, parts = kernels.attention_partitions(256, 32, 8, max(lens), torch.device(DEVICE), block_size=16)
+    assert (wide, parts) == (1024, 3), "the default's 1024-token partitions, reduced, run here"
     assert_close(batch.run(build=build), expected, dtype)
     classic = batch.run(build="classic").clone()
     assert_close(batch.run(build=build), classic, dtype)  # the two builds agree to rounding
@@ -247,6 +250,10 @@ def test_setting_selects_the_build(gen, launched, monkeypatch):
     assert_close(batch.run(), batch.reference(), torch.float16)
     assert _pipe_ran(launched, 3)
     launched.clear()
-    monkeypatch.delenv("ZLLM_DECODE_ATTENTION")
+    monkeypatch.setenv("ZLLM_DECODE_ATTENTION", "classic")
     batch.run()
-    assert launched and not any("_pipe_" in n for n in launched)  # default: classic
+    assert launched and not any("_pipe_" in n for n in launched)
+    launched.clear()
+    monkeypatch.delenv("ZLLM_DECODE_ATTENTION")
+    assert_close(batch.run(), batch.reference(), torch.float16)
+    assert _pipe_ran(launched, 2)  # default: pipe

@@ -29,6 +29,13 @@ from zllm.workers.layers import apply_rotary, rms_norm, rope_cos_sin_cache, rope
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def classic_decode_attention(monkeypatch):
+    """The paged decode attention here is the classic kernel (csrc/attention.cuh); the default
+    pipelined build has its own file, test_decode_attention_pipe_gpu.py."""
+    monkeypatch.setenv("ZLLM_DECODE_ATTENTION", "classic")
+
+
 # ---- reshape_and_cache --------------------------------------------------------------------------
 
 

@@ -42,6 +42,8 @@ _PIPE_SUFFIXES = ("f16", "bf16")
 _PIPE_TILE = 16
 _PIPE_TABLE_ENTRIES = 128
 _STATIC_SHARED_LIMIT = 48 * 1024
+_WIDE_PARTITION = 1024  # tokens a decode partition spans in large batches (_wide_partitions_fit)
+_WIDE_GRID_WAVES = 3  # a partition's blocks per SM from which it does
 
 _workspaces: dict[int, torch.Tensor] = {}
 _num_sms: dict[int, int] = {}
@@ -59,10 +61,13 @@ def attention_partitions(
     max_seq_len: int,
     device: torch.device | None = None,
     partition_size: int | None = None,
+    block_size: int | None = None,
 ) -> tuple[int, int]:
-    """(partition size, number of partitions) that paged_attention_decode will use."""
+    """(partition size, number of partitions) that paged_attention_decode will use over a cache of
+    block_size-token blocks. Without block_size, the default's count for any block size: an upper
+    bound (what a workspace reserved ahead must hold)."""
     if partition_size is None:
-        partition_size = _default_partition_size(batch, num_heads, num_kv_heads, max_seq_len, device)
+        partition_size = _default_partition_size(batch, num_heads, num_kv_heads, max_seq_len, device, block_size)
     return partition_size, max(1, -(-max_seq_len // partition_size))
 
 
@@ -71,7 +76,9 @@ def _group_chunk(group: int) -> int:
     return 1 if group == 1 else 4 if group <= 4 else 8
 
 
-def _default_partition_size(batch: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device) -> int:
+def _default_partition_size(
+    batch: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device, block_size: int | None = None
+) -> int:
     # 512 tokens a block; halve (down to 128) while the grid would leave SMs idle.
     group = num_heads // num_kv_heads
     blocks_per_partition = batch * num_kv_heads * -(-group // _group_chunk(group))
@@ -79,7 +86,27 @@ def _default_partition_size(batch: int, num_heads: int, num_kv_heads: int, max_s
     size = 512
     while size > 128 and blocks_per_partition * -(-max_seq_len // size) < sms:
         size //= 2
+    if max_seq_len > size and _wide_partitions_fit(blocks_per_partition, sms, block_size):
+        return _WIDE_PARTITION
     return size
+
+
+def _wide_partitions_fit(blocks_per_partition: int, sms: int, block_size: int | None) -> bool:
+    """Whether a decode call takes 1024-token partitions: where one partition's blocks already fill
+    the SMs _WIDE_GRID_WAVES times over (large batches), splitting a context buys no parallelism and
+    each split costs a block's fixed work, its share of the dead partitions' blocks and the reduce's
+    workspace round trip. Llama-3-8B's heads, contexts of 400, pipe, one H200
+    (benchmarks/attention_decode.py): 64 rows 48.8 -> 46.5 us a call, 128 rows 76.6 -> 70.6, 256
+    rows 142.5 -> 128.1 over a 1024-token capacity, 209.2 -> 171.0 over 8192. Only where the
+    pipelined build still stages a partition's block-table entries (16-token blocks and larger), so
+    the default build keeps running; unknown block sizes keep 512 (an upper bound on the
+    partitions)."""
+    return (
+        envs.ZLLM_DECODE_WIDE_PARTITIONS
+        and block_size is not None
+        and blocks_per_partition >= _WIDE_GRID_WAVES * sms
+        and -(-_WIDE_PARTITION // block_size) + 1 <= _PIPE_TABLE_ENTRIES
+    )
 
 
 def _sm_count(device: torch.device | None) -> int:
@@ -161,7 +188,8 @@ def paged_attention_decode(
     new token). max_seq_len bounds every seq_len (default: the block table's capacity) and sizes
     the grid: pass the batch's real maximum to skip empty partitions. Longer contexts are split
     into partitions (partition_size tokens, a multiple of 32; default 512, smaller for small
-    batches) reduced through an fp32 workspace of attention_workspace_numel(...) elements.
+    batches, 1024 for large ones: _wide_partitions_fit) reduced through an fp32 workspace of
+    attention_workspace_numel(...) elements.
     window: a sliding window, the last `window` tokens only (the partitions then cover at most
     the window); softcap: scores capped at softcap * tanh(score / softcap). None: off.
     build: "classic", "pipe" or "pipe3" (default: ZLLM_DECODE_ATTENTION); a pipelined build runs
@@ -216,7 +244,7 @@ def paged_attention_decode(
     max_len = max(min(max_len, window or max_len), 1)  # the tokens one sequence attends to
     if partition_size is not None and (partition_size <= 0 or partition_size % 32):
         fail(op, f"partition_size {partition_size} must be a positive multiple of 32")
-    size, parts = attention_partitions(batch, num_heads, kv_heads, max_len, device, partition_size)
+    size, parts = attention_partitions(batch, num_heads, kv_heads, max_len, device, partition_size, block_size)
     if parts > _MAX_REDUCE_PARTS:
         fail(op, f"{max_len} tokens make {parts} partitions of {size}; at most {_MAX_REDUCE_PARTS}")
 
