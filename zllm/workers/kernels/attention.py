@@ -102,10 +102,10 @@ def _wide_partitions_fit(blocks_per_partition: int, sms: int, block_size: int | 
     the default build keeps running; unknown block sizes keep 512 (an upper bound on the
     partitions)."""
     return (
-        envs.ZLLM_DECODE_WIDE_PARTITIONS
-        and block_size is not None
+        block_size is not None
         and blocks_per_partition >= _WIDE_GRID_WAVES * sms
         and -(-_WIDE_PARTITION // block_size) + 1 <= _PIPE_TABLE_ENTRIES
+        and envs.ZLLM_DECODE_WIDE_PARTITIONS  # read last: an eager decode reads it once a layer
     )
 
 
