@@ -104,9 +104,15 @@ def _wide_partitions_fit(blocks_per_partition: int, sms: int, block_size: int | 
     return (
         block_size is not None
         and blocks_per_partition >= _WIDE_GRID_WAVES * sms
-        and -(-_WIDE_PARTITION // block_size) + 1 <= _PIPE_TABLE_ENTRIES
+        and _pipe_stages_table(_WIDE_PARTITION, block_size)
         and envs.ZLLM_DECODE_WIDE_PARTITIONS  # read last: an eager decode reads it once a layer
     )
+
+
+def _pipe_stages_table(partition_size: int, block_size: int) -> bool:
+    """Whether the pipelined build's shared-memory copy of the block table holds a partition's
+    entries (one more for a partition that starts inside a block)."""
+    return -(-partition_size // block_size) + 1 <= _PIPE_TABLE_ENTRIES
 
 
 def _sm_count(device: torch.device | None) -> int:
@@ -143,7 +149,7 @@ def decode_build_stages(
         and head_dim in _PIPE_HEAD_DIMS
         and window is None
         and softcap is None
-        and -(-partition_size // block_size) + 1 <= _PIPE_TABLE_ENTRIES
+        and _pipe_stages_table(partition_size, block_size)
         and num_slots < 2**31
     )
     return stages if covered else 0
