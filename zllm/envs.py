@@ -113,7 +113,15 @@ SETTINGS: dict[str, Setting] = {
             "ZLLM_GC_FREEZE",
             _on,
             True,
-            "1/true: each server process freezes its start-up heap out of the garbage collector's walks (gc.freeze).",
+            "1/true: each server process, and the offline LLM until it shuts down, freezes its start-up heap out of "
+            "the garbage collector's walks (gc.freeze).",
+        ),
+        Setting(
+            "ZLLM_GC_DEFER_OLD",
+            _on,
+            True,
+            "1/true: LLM.generate keeps the collector's young passes but defers its oldest-generation passes to "
+            "its end.",
         ),
         # -- frontend
         Setting("ZLLM_API_KEY", _verbatim, None, "The API key --api-key defaults to.", empty_is_a_value=True),
@@ -280,6 +288,13 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting(
             "ZLLM_QUANT_VEC", _switch, True, "0: every row goes through the scalar FP8 quantize kernel (A/B switch)."
+        ),
+        Setting(
+            "ZLLM_ROPE_VEC",
+            _switch,
+            True,
+            "0: the rotary embedding + KV cache store runs its scalar kernel everywhere (A/B switch; on: 16-byte "
+            "accesses for 16-bit heads rotated whole).",
         ),
         Setting(
             "ZLLM_MOE_GEMV_PAIRS", float, 0.5, "MoE: (token, slot) pairs per expert up to which GEMVs run (0: never)."

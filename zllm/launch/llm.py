@@ -37,6 +37,7 @@ from zllm.outputs import (
     ScoringRequestOutput,
 )
 from zllm.pooling import POOLING_SAMPLING, PoolingParams, cosine, finish_pooled, finished_rows
+from zllm.procs.gc_heap import freeze_startup_heap, old_generation_deferred, thaw_heap
 from zllm.sampling_params import SamplingParams
 
 # Text inputs per tokenizer call when pooling: the engine embeds one chunk while the next is tokenized.
@@ -88,8 +89,13 @@ class LLM:
             **engine_args,
         )
         self._ids = itertools.count()
+        # The engine core (and at tp 1 the worker) runs in this process, so the model's modules,
+        # torch and the tokenizer join this heap: every full collection walked them, pausing
+        # generation ~250 ms each time (4 pauses in W1 on an H200, 5% of its time;
+        # docs/benchmarks.md). Frozen out of the walks now, thawed when the engine shuts down.
+        thaw = freeze_startup_heap("LLM") > 0
         # Worker (tp > 1) and engine-core (dp > 1) processes stop with the LLM, or at interpreter exit at the latest.
-        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+        self._finalizer = weakref.finalize(self, _shut_down, self.engine, thaw)
 
     def shutdown(self) -> None:
         """Stop the engine and any worker processes; the LLM cannot generate afterwards."""
@@ -469,13 +475,24 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+        with (
+            old_generation_deferred(),
+            tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar,
+        ):
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+
+def _shut_down(engine: LLMEngine, thaw: bool) -> None:
+    """Stop the engine; first give the frozen heap back to the collector, so that the engine's
+    objects caught in reference cycles (and their device memory) can be freed with it."""
+    if thaw:
+        thaw_heap()
+    engine.shutdown()
 
 
 def _text_of(prompt: PromptType) -> str | None:
