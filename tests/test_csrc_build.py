@@ -52,6 +52,8 @@ def expected_entry_points() -> dict[str, set[str]]:
         names["lora_kernels"] |= {f"lora_shrink_{dt}", f"lora_expand_{dt}"}
         names["layernorm_kernels"].add(f"fused_add_rms_norm_lora_shrink_{dt}")  # with the next LoRA shrink
         names["activation_kernels"] |= {f"silu_and_mul_lora_shrink_{dt}", f"gelu_tanh_and_mul_lora_shrink_{dt}"}
+        if dt != "f32":  # rope + cache with 16-byte accesses (ZLLM_ROPE_VEC): 16-bit heads only
+            names["pos_encoding_kernels"] |= {f"rotary_embedding_and_cache_vec_{dt}{c}" for c in ("", "_kvfp8")}
         if dt != "f32":  # the grouped GEMMs run on tensor cores: half precision only
             names["moe_kernels"] |= {f"moe_{part}_{dt}_m{m}" for part in ("gate_up", "down") for m in (1, 2, 4)}
             names["moe_kernels"].add(f"moe_sum_{dt}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zllm import envs
 from zllm.workers.kernels.cache import value_cache_address
 from zllm.workers.kernels.checks import (
     MAX_GRID_YZ,
@@ -22,6 +23,14 @@ from zllm.workers.kernels.checks import (
     threads_for,
 )
 from zllm.workers.kernels.loader import launch
+
+# ZLLM_ROPE_VEC=0 keeps rotary_embedding_and_cache on its scalar kernel: the A/B switch.
+ROPE_VEC_ENABLED = envs.ZLLM_ROPE_VEC
+_VEC_THREADS = 256  # per block of the vectorized kernel, whose threads run over (token, head, 8 pairs)
+# Fewer tokens take the scalar kernel by default: its 64-thread block per head finished first up
+# to 16 tokens (1.46 against 1.58 µs a call on an H200), the vectorized one from 32 (1.98 against
+# 1.59 µs; benchmarks/rope_cache.py, docs/benchmarks.md).
+VEC_MIN_TOKENS = 32
 
 
 def rotary_embedding(
@@ -83,12 +92,17 @@ def rotary_embedding_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    vectorized: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_embedding(positions, query, key, cos, sin) then reshape_and_cache(kv_cache, key,
     value, slot_mapping), in one launch: query and key are rotated in place, and the rotated key
     and value are stored at their slots (slots < 0 are padding). An FP8 E4M3 kv_cache stores
     them quantized as attention.quantize_kv does, by k_scale and v_scale. cos/sin narrower than
-    head_dim / 2 rotate the first dims only (partial rotary), as in rotary_embedding."""
+    head_dim / 2 rotate the first dims only (partial rotary), as in rotary_embedding.
+
+    vectorized (None: ZLLM_ROPE_VEC, from VEC_MIN_TOKENS tokens): where the shapes allow
+    (_fits_vectorized), the kernel with 16-byte accesses; it gives the scalar kernel's bits."""
     op = "rotary_embedding_and_cache"
     device = check_cuda(
         op,
@@ -127,6 +141,25 @@ def rotary_embedding_and_cache(
     if tokens == 0:
         return query, key
     slots = num_blocks * block_size
+    if vectorized is None:
+        vectorized = ROPE_VEC_ENABLED and tokens >= VEC_MIN_TOKENS
+    if vectorized and _fits_vectorized(query, key, value, cos, sin, kv_cache, rot_dim):
+        _launch_vectorized(
+            device,
+            f"{suffix}{variant}",
+            positions,
+            query,
+            key,
+            value,
+            cos,
+            sin,
+            kv_cache,
+            slot_mapping,
+            slots,
+            k_scale,
+            v_scale,
+        )
+        return query, key
     args = (
         ptr(positions),
         ptr(query),
@@ -159,6 +192,77 @@ def rotary_embedding_and_cache(
         pdl=True,  # waits for the qkv projection (csrc/common.cuh pdl_wait); rotary_embedding does not
     )
     return query, key
+
+
+def _fits_vectorized(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    rot_dim: int,
+) -> bool:
+    """Whether rotary_embedding_and_cache_vec can take these: 16-bit heads rotated whole, head_dim
+    a multiple of 16, every row it loads or stores 8 elements at a time aligned to its width."""
+    head_dim = query.shape[2]
+    if query.dtype not in (torch.float16, torch.bfloat16) or rot_dim != head_dim or head_dim % 16:
+        return False
+    rows_aligned = all(t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (query, key, value))
+    tables_aligned = cos.data_ptr() % 32 == 0 and sin.data_ptr() % 32 == 0  # 8 floats a load
+    cache_aligned = kv_cache.data_ptr() % 16 == 0 and value_cache_address(kv_cache) % 16 == 0
+    return rows_aligned and tables_aligned and cache_aligned
+
+
+def _launch_vectorized(
+    device: torch.device,
+    kernel_suffix: str,
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    slots: int,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    tokens, num_heads, head_dim = query.shape
+    kv_heads = key.shape[1]
+    threads = tokens * (num_heads + kv_heads) * (head_dim // 16)  # one per eight pairs of a head
+    args = (
+        ptr(positions),
+        ptr(query),
+        ptr(key),
+        ptr(value),
+        ptr(cos),
+        ptr(sin),
+        ptr(kv_cache),
+        value_cache_address(kv_cache),
+        ptr(slot_mapping),
+        np.int32(tokens),
+        np.int32(num_heads),
+        np.int32(kv_heads),
+        np.int32(head_dim),
+        np.int64(query.stride(0)),
+        np.int64(key.stride(0)),
+        np.int64(value.stride(0)),
+        np.int64(cos.shape[0]),
+        np.int64(slots),
+        np.float32(1.0 / k_scale),
+        np.float32(1.0 / v_scale),
+    )
+    launch(
+        "pos_encoding_kernels",
+        f"rotary_embedding_and_cache_vec_{kernel_suffix}",
+        device,
+        (-(-threads // _VEC_THREADS),),
+        (_VEC_THREADS,),
+        args,
+        pdl=True,
+    )
 
 
 def _rotary_dim(op: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> int:
