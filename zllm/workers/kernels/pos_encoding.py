@@ -160,28 +160,10 @@ def rotary_embedding_and_cache(
             v_scale,
         )
         return query, key
-    args = (
-        ptr(positions),
-        ptr(query),
-        ptr(key),
-        ptr(value),
-        ptr(cos),
-        ptr(sin),
-        ptr(kv_cache),
-        value_cache_address(kv_cache),
-        ptr(slot_mapping),
-        np.int32(num_heads),
-        np.int32(kv_heads),
-        np.int32(head_dim),
-        np.int64(query.stride(0)),
-        np.int64(key.stride(0)),
-        np.int64(value.stride(0)),
-        np.int64(cos.shape[0]),
-        np.int64(slots),
-        np.int32(rot_dim),
-        np.float32(1.0 / k_scale),
-        np.float32(1.0 / v_scale),
-    )
+    operands = _and_cache_operands(positions, query, key, value, cos, sin, kv_cache, slot_mapping)
+    shape = (np.int32(num_heads), np.int32(kv_heads), np.int32(head_dim))
+    args = (*operands, *shape, *_and_cache_extents(query, key, value, cos, slots), np.int32(rot_dim))
+    args += _inverse_scales(k_scale, v_scale)
     launch(
         "pos_encoding_kernels",
         f"rotary_embedding_and_cache_{suffix}{variant}",
@@ -232,28 +214,9 @@ def _launch_vectorized(
     tokens, num_heads, head_dim = query.shape
     kv_heads = key.shape[1]
     threads = tokens * (num_heads + kv_heads) * (head_dim // 16)  # one per eight pairs of a head
-    args = (
-        ptr(positions),
-        ptr(query),
-        ptr(key),
-        ptr(value),
-        ptr(cos),
-        ptr(sin),
-        ptr(kv_cache),
-        value_cache_address(kv_cache),
-        ptr(slot_mapping),
-        np.int32(tokens),
-        np.int32(num_heads),
-        np.int32(kv_heads),
-        np.int32(head_dim),
-        np.int64(query.stride(0)),
-        np.int64(key.stride(0)),
-        np.int64(value.stride(0)),
-        np.int64(cos.shape[0]),
-        np.int64(slots),
-        np.float32(1.0 / k_scale),
-        np.float32(1.0 / v_scale),
-    )
+    operands = _and_cache_operands(positions, query, key, value, cos, sin, kv_cache, slot_mapping)
+    shape = (np.int32(tokens), np.int32(num_heads), np.int32(kv_heads), np.int32(head_dim))
+    args = (*operands, *shape, *_and_cache_extents(query, key, value, cos, slots), *_inverse_scales(k_scale, v_scale))
     launch(
         "pos_encoding_kernels",
         f"rotary_embedding_and_cache_vec_{kernel_suffix}",
@@ -263,6 +226,34 @@ def _launch_vectorized(
         args,
         pdl=True,
     )
+
+
+def _and_cache_operands(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple:
+    """The pointers both rotary-and-cache builds take first, in their order."""
+    pointers = (ptr(positions), ptr(query), ptr(key), ptr(value), ptr(cos), ptr(sin), ptr(kv_cache))
+    return (*pointers, value_cache_address(kv_cache), ptr(slot_mapping))
+
+
+def _and_cache_extents(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, slots: int
+) -> tuple:
+    """Both builds' row strides, table length and cache slots, after their head counts."""
+    strides = (np.int64(query.stride(0)), np.int64(key.stride(0)), np.int64(value.stride(0)))
+    return (*strides, np.int64(cos.shape[0]), np.int64(slots))
+
+
+def _inverse_scales(k_scale: float, v_scale: float) -> tuple:
+    """What an FP8 cache multiplies keys and values by before rounding (both builds' last args)."""
+    return np.float32(1.0 / k_scale), np.float32(1.0 / v_scale)
 
 
 def _rotary_dim(op: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> int:
