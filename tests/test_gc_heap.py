@@ -36,7 +36,15 @@ def test_the_switch_turns_it_off(unfrozen, monkeypatch):
     assert gc.get_freeze_count() == 0
 
 
-def test_the_offline_llm_freezes_its_heap_and_thaws_it_when_it_shuts_down(unfrozen, tmp_path):
+@pytest.fixture
+def as_on_cuda(monkeypatch):
+    """The LLM's freeze as on a GPU (where it applies), over a CPU engine."""
+    import zllm.launch.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "runs_on_cuda", lambda config: True)
+
+
+def test_the_offline_llm_freezes_its_heap_and_thaws_it_when_it_shuts_down(unfrozen, as_on_cuda, tmp_path):
     from tests.helpers.models import save_tiny_llama
     from zllm import LLM, SamplingParams
 
@@ -64,7 +72,7 @@ def test_the_offline_llm_freezes_its_heap_and_thaws_it_when_it_shuts_down(unfroz
     assert survivor() is None
 
 
-def test_the_offline_llm_leaves_the_heap_alone_when_switched_off(unfrozen, monkeypatch, tmp_path):
+def test_the_offline_llm_leaves_the_heap_alone_when_switched_off(unfrozen, as_on_cuda, monkeypatch, tmp_path):
     from tests.helpers.models import save_tiny_llama
     from zllm import LLM
 
@@ -74,7 +82,7 @@ def test_the_offline_llm_leaves_the_heap_alone_when_switched_off(unfrozen, monke
     llm.shutdown()
 
 
-def test_an_offline_llm_dropped_without_shutdown_still_thaws_and_frees_its_model(unfrozen, tmp_path):
+def test_an_offline_llm_dropped_without_shutdown_still_thaws_and_frees_its_model(unfrozen, as_on_cuda, tmp_path):
     from tests.helpers.models import save_tiny_llama
     from zllm import LLM
 
@@ -110,4 +118,13 @@ def test_generate_defers_the_oldest_generation_and_restores_the_thresholds(unfro
     monkeypatch.setenv("ZLLM_GC_DEFER_OLD", "0")
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
     assert seen and all(t == before for t in seen)
+    llm.shutdown()
+
+
+def test_an_offline_llm_on_the_cpu_leaves_the_heap_alone(unfrozen, tmp_path):
+    from tests.helpers.models import save_tiny_llama
+    from zllm import LLM
+
+    llm = LLM(str(save_tiny_llama(tmp_path / "tiny")), dtype="float32", max_model_len=64, device="cpu")
+    assert gc.get_freeze_count() == 0
     llm.shutdown()

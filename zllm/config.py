@@ -906,6 +906,11 @@ def serving_token_budget(spec: ModelSpec, tensor_parallel_size: int) -> int:
     return min(max(power, low), high)
 
 
+def runs_on_cuda(config: EngineConfig) -> bool:
+    """Whether the engine's workers run on CUDA devices (device "auto": where torch sees one)."""
+    return _runs_on_cuda(config)
+
+
 def _runs_on_cuda(config: EngineConfig) -> bool:
     if config.device != "auto":
         return config.device == "cuda"

@@ -113,7 +113,7 @@ SETTINGS: dict[str, Setting] = {
             "ZLLM_GC_FREEZE",
             _on,
             True,
-            "1/true: each server process, and the offline LLM until it shuts down, freezes its start-up heap out of "
+            "1/true: each server process, and the offline LLM on CUDA until it shuts down, freezes its start-up heap out of "
             "the garbage collector's walks (gc.freeze).",
         ),
         Setting(

@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 from tqdm.auto import tqdm
 
+from zllm.config import runs_on_cuda
 from zllm.frontend.multimodal import chat_images
 from zllm.frontend.processor import PromptType
 from zllm.frontend.tokenizer import Messages, batch_token_ids, chat_prompt
@@ -93,7 +94,9 @@ class LLM:
         # torch and the tokenizer join this heap: every full collection walked them, pausing
         # generation ~250 ms each time (4 pauses in W1 on an H200, 5% of its time;
         # docs/benchmarks.md). Frozen out of the walks now, thawed when the engine shuts down.
-        thaw = freeze_startup_heap("LLM") > 0
+        # On a CPU a step takes long enough that the pauses hardly count, and the freeze's own
+        # full collection (~0.4 s in a heap of 2.7M objects) would not pay for itself.
+        thaw = runs_on_cuda(self.engine.config) and freeze_startup_heap("LLM") > 0
         # Worker (tp > 1) and engine-core (dp > 1) processes stop with the LLM, or at interpreter exit at the latest.
         self._finalizer = weakref.finalize(self, _shut_down, self.engine, thaw)
 
