@@ -149,6 +149,7 @@ def main() -> None:
     import torch
 
     from zllm import LLM, SamplingParams
+    from zllm.config import runs_on_cuda
 
     llm = LLM(
         args.model,
@@ -159,7 +160,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         device=args.device,
     )
-    cuda = torch.cuda.is_available() and llm.engine.config.device != "cpu"
+    cuda = runs_on_cuda(llm.engine.config)
 
     def stamp():
         if not cuda:

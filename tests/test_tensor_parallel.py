@@ -448,7 +448,7 @@ def test_custom_all_reduce_default_is_on_for_one_node_gpu_tp_only(smollm2_dir, m
         return EngineConfig.create(smollm2_dir, **kwargs).custom_all_reduce_max_bytes
 
     assert resolved(tensor_parallel_size=2) == 0  # CPU: gloo
-    monkeypatch.setattr(config_module, "_runs_on_cuda", lambda config: True)
+    monkeypatch.setattr(config_module, "runs_on_cuda", lambda config: True)
     assert resolved(tensor_parallel_size=2) == DEFAULT_CUSTOM_ALL_REDUCE_BYTES == 1 << 20
     assert resolved(tensor_parallel_size=1) == 0
     assert resolved(tensor_parallel_size=2, custom_all_reduce_max_bytes=0) == 0  # asked off
@@ -467,7 +467,7 @@ def test_mixed_graph_default_is_on_with_cuda_graphs(smollm2_dir, monkeypatch):
         return EngineConfig.create(smollm2_dir, **kwargs).mixed_graph_max_tokens
 
     assert resolved(tensor_parallel_size=2) == 0  # CPU: no graphs
-    monkeypatch.setattr(config_module, "_runs_on_cuda", lambda config: True)
+    monkeypatch.setattr(config_module, "runs_on_cuda", lambda config: True)
     assert resolved(tensor_parallel_size=2, max_num_batched_tokens=2048) == MIXED_GRAPH_TOKENS_CAP == 512
     assert resolved(tensor_parallel_size=2, max_num_batched_tokens=256) == 256
     assert resolved(tensor_parallel_size=1, max_num_batched_tokens=256) == 256

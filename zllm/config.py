@@ -356,7 +356,7 @@ class EngineConfig:
         served_name = kwargs.pop("served_model_name", None) or gguf_model_name(model)
         kwargs["speculative_config"] = SpeculativeConfig.of(kwargs.get("speculative_config"))
         config = cls(model=str(resolve_model_dir(model)), served_model_name=served_name, **kwargs)
-        if usage == "offline" and unset_limits and _runs_on_cuda(config):
+        if usage == "offline" and unset_limits and runs_on_cuda(config):
             for name in unset_limits:
                 setattr(config, name, OFFLINE_GPU_SCHEDULER_DEFAULTS[name])
         spec = ModelSpec.from_pretrained(config.model)
@@ -365,7 +365,7 @@ class EngineConfig:
             usage == "serving"
             and "max_num_batched_tokens" in unset_limits
             and config.runner == "generate"
-            and _runs_on_cuda(config)
+            and runs_on_cuda(config)
         ):
             config.max_num_batched_tokens = serving_token_budget(spec, config.tensor_parallel_size)
         config.max_model_len = _resolve_max_model_len(spec, config.max_model_len, config.pooler)
@@ -386,11 +386,11 @@ class EngineConfig:
             # core schedules ahead (zllm/enginecore/scheduler.py).
             _resolve_draft_model(config, spec)
         if config.async_scheduling is None:
-            config.async_scheduling = _runs_on_cuda(config)
+            config.async_scheduling = runs_on_cuda(config)
         if config.piecewise_cuda_graphs is None:
             # Dense and MoE alike: the runner keeps them off where a model's layers cannot be
             # captured (ModelRunner._set_up_pieces logs why).
-            config.piecewise_cuda_graphs = _runs_on_cuda(config) and not config.enforce_eager
+            config.piecewise_cuda_graphs = runs_on_cuda(config) and not config.enforce_eager
         if config.custom_all_reduce_max_bytes is None:
             # Ray may place the ranks on several nodes, where no rank can map a peer's memory.
             one_node_tp = (
@@ -399,10 +399,10 @@ class EngineConfig:
                 and config.distributed_executor_backend == "mp"
             )
             config.custom_all_reduce_max_bytes = (
-                DEFAULT_CUSTOM_ALL_REDUCE_BYTES if one_node_tp and _runs_on_cuda(config) else 0
+                DEFAULT_CUSTOM_ALL_REDUCE_BYTES if one_node_tp and runs_on_cuda(config) else 0
             )
         if config.mixed_graph_max_tokens is None:
-            graphs = _runs_on_cuda(config) and not config.enforce_eager and config.runner == "generate"
+            graphs = runs_on_cuda(config) and not config.enforce_eager and config.runner == "generate"
             config.mixed_graph_max_tokens = min(config.max_num_batched_tokens, MIXED_GRAPH_TOKENS_CAP) if graphs else 0
         # No step holds more tokens than the budget: more rows would only capture graphs (and size
         # buffers, LoRA's token slots among them) that never run.
@@ -908,10 +908,6 @@ def serving_token_budget(spec: ModelSpec, tensor_parallel_size: int) -> int:
 
 def runs_on_cuda(config: EngineConfig) -> bool:
     """Whether the engine's workers run on CUDA devices (device "auto": where torch sees one)."""
-    return _runs_on_cuda(config)
-
-
-def _runs_on_cuda(config: EngineConfig) -> bool:
     if config.device != "auto":
         return config.device == "cuda"
     import torch

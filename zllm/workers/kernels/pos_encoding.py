@@ -141,29 +141,27 @@ def rotary_embedding_and_cache(
     if tokens == 0:
         return query, key
     slots = num_blocks * block_size
+    pointers = (ptr(positions), ptr(query), ptr(key), ptr(value), ptr(cos), ptr(sin), ptr(kv_cache))
+    operands = (*pointers, value_cache_address(kv_cache), ptr(slot_mapping))
+    heads = (np.int32(num_heads), np.int32(kv_heads), np.int32(head_dim))
+    strides = (np.int64(query.stride(0)), np.int64(key.stride(0)), np.int64(value.stride(0)))
+    extents = (*strides, np.int64(cos.shape[0]), np.int64(slots))
+    inverse_scales = (np.float32(1.0 / k_scale), np.float32(1.0 / v_scale))
     if vectorized is None:
         vectorized = ROPE_VEC_ENABLED and tokens >= VEC_MIN_TOKENS
     if vectorized and _fits_vectorized(query, key, value, cos, sin, kv_cache, rot_dim):
-        _launch_vectorized(
+        threads = tokens * (num_heads + kv_heads) * (head_dim // 16)  # one per eight pairs of a head
+        launch(
+            "pos_encoding_kernels",
+            f"rotary_embedding_and_cache_vec_{suffix}{variant}",
             device,
-            f"{suffix}{variant}",
-            positions,
-            query,
-            key,
-            value,
-            cos,
-            sin,
-            kv_cache,
-            slot_mapping,
-            slots,
-            k_scale,
-            v_scale,
+            (-(-threads // _VEC_THREADS),),
+            (_VEC_THREADS,),
+            (*operands, np.int32(tokens), *heads, *extents, *inverse_scales),
+            pdl=True,
         )
         return query, key
-    operands = _and_cache_operands(positions, query, key, value, cos, sin, kv_cache, slot_mapping)
-    shape = (np.int32(num_heads), np.int32(kv_heads), np.int32(head_dim))
-    args = (*operands, *shape, *_and_cache_extents(query, key, value, cos, slots), np.int32(rot_dim))
-    args += _inverse_scales(k_scale, v_scale)
+    args = (*operands, *heads, *extents, np.int32(rot_dim), *inverse_scales)
     launch(
         "pos_encoding_kernels",
         f"rotary_embedding_and_cache_{suffix}{variant}",
@@ -194,66 +192,6 @@ def _fits_vectorized(
     tables_aligned = cos.data_ptr() % 32 == 0 and sin.data_ptr() % 32 == 0  # 8 floats a load
     cache_aligned = kv_cache.data_ptr() % 16 == 0 and value_cache_address(kv_cache) % 16 == 0
     return rows_aligned and tables_aligned and cache_aligned
-
-
-def _launch_vectorized(
-    device: torch.device,
-    kernel_suffix: str,
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    slots: int,
-    k_scale: float,
-    v_scale: float,
-) -> None:
-    tokens, num_heads, head_dim = query.shape
-    kv_heads = key.shape[1]
-    threads = tokens * (num_heads + kv_heads) * (head_dim // 16)  # one per eight pairs of a head
-    operands = _and_cache_operands(positions, query, key, value, cos, sin, kv_cache, slot_mapping)
-    shape = (np.int32(tokens), np.int32(num_heads), np.int32(kv_heads), np.int32(head_dim))
-    args = (*operands, *shape, *_and_cache_extents(query, key, value, cos, slots), *_inverse_scales(k_scale, v_scale))
-    launch(
-        "pos_encoding_kernels",
-        f"rotary_embedding_and_cache_vec_{kernel_suffix}",
-        device,
-        (-(-threads // _VEC_THREADS),),
-        (_VEC_THREADS,),
-        args,
-        pdl=True,
-    )
-
-
-def _and_cache_operands(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> tuple:
-    """The pointers both rotary-and-cache builds take first, in their order."""
-    pointers = (ptr(positions), ptr(query), ptr(key), ptr(value), ptr(cos), ptr(sin), ptr(kv_cache))
-    return (*pointers, value_cache_address(kv_cache), ptr(slot_mapping))
-
-
-def _and_cache_extents(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, slots: int
-) -> tuple:
-    """Both builds' row strides, table length and cache slots, after their head counts."""
-    strides = (np.int64(query.stride(0)), np.int64(key.stride(0)), np.int64(value.stride(0)))
-    return (*strides, np.int64(cos.shape[0]), np.int64(slots))
-
-
-def _inverse_scales(k_scale: float, v_scale: float) -> tuple:
-    """What an FP8 cache multiplies keys and values by before rounding (both builds' last args)."""
-    return np.float32(1.0 / k_scale), np.float32(1.0 / v_scale)
 
 
 def _rotary_dim(op: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> int:
