@@ -8,7 +8,8 @@
 // the softmax between them, and no bytes in flight while the warp computes. At batch 256 it moves
 // 2.19 TB/s (73% of the copy bandwidth; docs/benchmarks.md, issue 20).
 //
-// Grid, block and arguments as attention.cuh's (num_partitions, KVH * num_chunks, B), 128 threads;
+// Grid, block and arguments as attention.cuh's (num_partitions, KVH * num_chunks, B; _loop: fewer
+// partitions, below), 128 threads;
 // plain layers only (no window, no soft cap: the dispatcher keeps those on attention.cuh's
 // families). Per block:
 //   - the partition's block-table entries (at most kPipeTableEntries) are staged in shared memory
@@ -89,13 +90,15 @@ __device__ __forceinline__ void qk_half_dot(const C* k, const float (*q)[2][kQSt
   for (int g = 0; g < kGC; ++g) s[g] = s2[g][0] + s2[g][1];
 }
 
+// Attends partition `part` of sequence blockIdx.z and returns how many partitions the sequence
+// has (ZLLM_DECODE_PARTITION_LOOP below).
 template <typename T, typename C, int D, int kGC, int kStages>
-__device__ __forceinline__ void paged_attention_pipe_impl(
+__device__ __forceinline__ int paged_attention_pipe_impl(
     T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml, const T* __restrict__ q,
     const C* __restrict__ k_cache, const C* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, float scale_log2, float v_scale, int num_kv_heads, int group, int num_chunks,
     int block_size, int max_blocks, i64 bt_stride, i64 q_stride, i64 out_stride, int partition_size,
-    int max_parts) {
+    int max_parts, int part) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   static_assert(kStages >= 2, "a pipeline needs two stages");
   constexpr int kE = D / 32;                                     // output dims per lane
@@ -119,7 +122,6 @@ __device__ __forceinline__ void paged_attention_pipe_impl(
   __shared__ float m_s[kAttnWarps][kGC];
   __shared__ float l_s[kAttnWarps][kGC];
 
-  const int part = blockIdx.x;
   const int kv_head = blockIdx.y / num_chunks;
   const int chunk = blockIdx.y - kv_head * num_chunks;
   const int b = blockIdx.z;
@@ -157,7 +159,7 @@ __device__ __forceinline__ void paged_attention_pipe_impl(
         out_b[static_cast<i64>(head0) * D + i] = from_float<T>(0.f);
       }
     }
-    return;
+    return num_parts;
   }
   const int end = imin(start + partition_size, len);
   __syncthreads();  // table_s, q_s
@@ -323,13 +325,43 @@ __device__ __forceinline__ void paged_attention_pipe_impl(
       }
     }
   }
+  return num_parts;
 }
 
 }  // namespace zllm
 
+// NAME_loop: a block attends partitions blockIdx.x, blockIdx.x + gridDim.x, ... of its sequence,
+// as many as the sequence has. Why: a decode graph is captured for the block table's whole
+// capacity (max_model_len), and a grid with a block for every partition of it launches mostly dead
+// blocks for short contexts (at max_model_len 32768, 31 of 32 partitions of a 400-token context);
+// the dispatcher launches only the partitions that fill the GPU (zllm/workers/kernels/attention.py,
+// launch_partitions) and takes NAME_loop where that is fewer than the capacity's. Its own entry
+// point, since the loop costs the body 4-7% on an H200 where the grid is whole anyway (a 1024-token
+// capacity). The barrier frees one partition's shared memory before the next one's loads.
+#define ZLLM_DECODE_PARTITION_LOOP(...)                           \
+  for (int part = blockIdx.x;; part += gridDim.x) {              \
+    const int zllm_parts = __VA_ARGS__;                          \
+    if (part + static_cast<int>(gridDim.x) >= zllm_parts) break; \
+    __syncthreads();                                             \
+  }
+
 // Same signature as ZLLM_PAGED_ATTENTION's (window and softcap_log2 accepted and ignored: the
 // dispatcher sends windowed and capped layers to the other families), so one argument tuple
 // launches either build.
+#define ZLLM_PAGED_ATTENTION_PIPE_LOOP(NAME, T, C, D, GC, STAGES, MIN_BLOCKS)                     \
+  extern "C" __global__ void __launch_bounds__(zllm::kAttnThreads, MIN_BLOCKS) NAME##_loop(       \
+      T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml,               \
+      const T* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,    \
+      const int* __restrict__ block_tables, const int* __restrict__ seq_lens, float scale_log2, \
+      float v_scale, int num_kv_heads, int group, int num_chunks, int block_size,              \
+      int max_blocks, long long bt_stride, long long q_stride, long long out_stride,           \
+      int partition_size, int max_parts, int, float) {                                         \
+    ZLLM_DECODE_ATTENTION_PDL_WAIT();                                                           \
+    ZLLM_DECODE_PARTITION_LOOP(zllm::paged_attention_pipe_impl<T, C, D, GC, STAGES>(           \
+        out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, seq_lens, scale_log2, v_scale,  \
+        num_kv_heads, group, num_chunks, block_size, max_blocks, bt_stride, q_stride,          \
+        out_stride, partition_size, max_parts, part));                                         \
+  }
 #define ZLLM_PAGED_ATTENTION_PIPE(NAME, T, C, D, GC, STAGES, MIN_BLOCKS)                          \
   extern "C" __global__ void __launch_bounds__(zllm::kAttnThreads, MIN_BLOCKS) NAME(              \
       T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml,               \
@@ -342,13 +374,14 @@ __device__ __forceinline__ void paged_attention_pipe_impl(
     zllm::paged_attention_pipe_impl<T, C, D, GC, STAGES>(                                      \
         out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, seq_lens, scale_log2, v_scale,  \
         num_kv_heads, group, num_chunks, block_size, max_blocks, bt_stride, q_stride,          \
-        out_stride, partition_size, max_parts);                                                \
+        out_stride, partition_size, max_parts, blockIdx.x);                                    \
   }
 
-// Builds: head_dim 64 and 128, groups 1/4/8, 2 and 3 stages. MIN_BLOCKS only caps the registers
-// (shared memory bounds the resident blocks: 3 an SM at head_dim 128 in 16 bits, 2 stages).
-#define ZLLM_PAGED_ATTENTION_PIPE_STAGES(NAME, T, C, D, GC, MIN_BLOCKS)            \
-  ZLLM_PAGED_ATTENTION_PIPE(NAME##_d##D##_g##GC##_s2, T, C, D, GC, 2, MIN_BLOCKS) \
+// Builds: head_dim 64 and 128, groups 1/4/8, 2 and 3 stages (2 also as _loop). MIN_BLOCKS only
+// caps the registers (shared memory bounds the resident blocks: 3 an SM at head_dim 128 in 16 bits, 2 stages).
+#define ZLLM_PAGED_ATTENTION_PIPE_STAGES(NAME, T, C, D, GC, MIN_BLOCKS)                 \
+  ZLLM_PAGED_ATTENTION_PIPE(NAME##_d##D##_g##GC##_s2, T, C, D, GC, 2, MIN_BLOCKS)      \
+  ZLLM_PAGED_ATTENTION_PIPE_LOOP(NAME##_d##D##_g##GC##_s2, T, C, D, GC, 2, MIN_BLOCKS) \
   ZLLM_PAGED_ATTENTION_PIPE(NAME##_d##D##_g##GC##_s3, T, C, D, GC, 3, MIN_BLOCKS)
 #define ZLLM_PAGED_ATTENTION_PIPE_DIM(NAME, T, C, D, MIN_BLOCKS, MIN_BLOCKS_G8) \
   ZLLM_PAGED_ATTENTION_PIPE_STAGES(NAME, T, C, D, 1, MIN_BLOCKS)               \

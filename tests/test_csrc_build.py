@@ -68,6 +68,9 @@ def expected_entry_points() -> dict[str, set[str]]:
                     names["attention_kernels"] |= {
                         f"paged_attention_decode_pipe_{dt}{cache}_d{d}_g{g}_s{s}" for g in (1, 4, 8) for s in (2, 3)
                     }
+                    names["attention_kernels"] |= {  # each block loops over partitions
+                        f"paged_attention_decode_pipe_{dt}{cache}_d{d}_g{g}_s2_loop" for g in (1, 4, 8)
+                    }
                 names["attention_window_kernels"] |= {  # sliding window, soft-capped
                     f"paged_attention_decode_{dt}{cache}{family}_d{d}_g{g}"
                     for family in ("_win", "_cap")

@@ -162,6 +162,13 @@ SETTINGS: dict[str, Setting] = {
             True,
             "0: large decode batches keep 512-token attention partitions instead of 1024 (A/B switch).",
         ),
+        Setting(
+            "ZLLM_DECODE_PARTITION_LOOP",
+            _switch,
+            True,
+            "0: the pipelined decode attention launches a block for every partition of the block table's"
+            " capacity (max_model_len), and picks the partition size from the capacity (A/B switch).",
+        ),
         Setting("ZLLM_PACKED_PREFILL", _switch, True, "0: prefill attention runs a request at a time (A/B switch)."),
         Setting(
             "ZLLM_GEMV",

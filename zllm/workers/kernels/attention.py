@@ -44,6 +44,12 @@ _PIPE_TABLE_ENTRIES = 128
 _STATIC_SHARED_LIMIT = 48 * 1024
 _WIDE_PARTITION = 1024  # tokens a decode partition spans in large batches (_wide_partitions_fit)
 _WIDE_GRID_WAVES = 3  # a partition's blocks per SM from which it does
+# ZLLM_DECODE_PARTITION_LOOP: the partition size is chosen as if contexts spanned at most this many
+# tokens (a graph's capacity is max_model_len, far past most contexts), and the grid launches the
+# partitions that make _LAUNCH_BLOCKS_PER_SM blocks an SM; each block loops over the rest.
+_SIZE_POLICY_SPAN = 1024
+_LAUNCH_BLOCKS_PER_SM = 4
+_PIPE_LOOP_STAGES = (2,)  # the pipelined builds compiled with a _loop twin (csrc/attention_pipe.cuh)
 
 _workspaces: dict[int, torch.Tensor] = {}
 _num_sms: dict[int, int] = {}
@@ -67,8 +73,27 @@ def attention_partitions(
     block_size-token blocks. Without block_size, the default's count for any block size: an upper
     bound (what a workspace reserved ahead must hold)."""
     if partition_size is None:
-        partition_size = _default_partition_size(batch, num_heads, num_kv_heads, max_seq_len, device, block_size)
+        span = min(max_seq_len, _SIZE_POLICY_SPAN) if envs.ZLLM_DECODE_PARTITION_LOOP else max_seq_len
+        partition_size = _default_partition_size(
+            batch, num_heads, num_kv_heads, span, device, block_size, wide=max_seq_len > span
+        )
     return partition_size, max(1, -(-max_seq_len // partition_size))
+
+
+def launch_partitions(batch: int, num_heads: int, num_kv_heads: int, parts: int, device: torch.device | None) -> int:
+    """How many of `parts` partitions the decode grid launches; each block then attends partitions
+    i, i + launched, ... of its sequence (csrc/attention.cuh, ZLLM_DECODE_PARTITION_LOOP). A graph
+    sizes `parts` for the block table's capacity, and a block for each of them is mostly dead at
+    short contexts: one H200, 400-token contexts, 88 rows, 49.9 us a call at max_model_len 1024,
+    69.0 at 8192, 110.6 at 32768, 276.8 at 131072; launching what fills the SMs, 56.1-56.6 at
+    each (docs/benchmarks.md). Enough partitions to give every SM _LAUNCH_BLOCKS_PER_SM blocks;
+    all of them with ZLLM_DECODE_PARTITION_LOOP=0."""
+    if not envs.ZLLM_DECODE_PARTITION_LOOP:
+        return parts
+    group = num_heads // num_kv_heads
+    blocks_per_partition = batch * num_kv_heads * -(-group // _group_chunk(group))
+    wanted = -(-_LAUNCH_BLOCKS_PER_SM * _sm_count(device) // blocks_per_partition)
+    return max(1, min(parts, wanted))
 
 
 def _group_chunk(group: int) -> int:
@@ -77,16 +102,23 @@ def _group_chunk(group: int) -> int:
 
 
 def _default_partition_size(
-    batch: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device, block_size: int | None = None
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    span: int,
+    device,
+    block_size: int | None = None,
+    wide: bool = False,
 ) -> int:
-    # 512 tokens a block; halve (down to 128) while the grid would leave SMs idle.
+    # 512 tokens a block; halve (down to 128) while a context of `span` tokens would leave SMs
+    # idle. wide: the contexts may be longer than span (then wider partitions are worth it anyway).
     group = num_heads // num_kv_heads
     blocks_per_partition = batch * num_kv_heads * -(-group // _group_chunk(group))
     sms = _sm_count(device)
     size = 512
-    while size > 128 and blocks_per_partition * -(-max_seq_len // size) < sms:
+    while size > 128 and blocks_per_partition * -(-span // size) < sms:
         size //= 2
-    if max_seq_len > size and _wide_partitions_fit(blocks_per_partition, sms, block_size):
+    if (wide or span > size) and _wide_partitions_fit(blocks_per_partition, sms, block_size):
         return _WIDE_PARTITION
     return size
 
@@ -192,7 +224,9 @@ def paged_attention_decode(
     in the query's dtype or FP8 E4M3 (keys read as stored * k_scale, values * v_scale);
     block_tables: int32 [>= B, max_blocks]; seq_lens: int32 [>= B] (context length including the
     new token). max_seq_len bounds every seq_len (default: the block table's capacity) and sizes
-    the grid: pass the batch's real maximum to skip empty partitions. Longer contexts are split
+    the partitions' workspace; the pipelined build (2 stages) launches only the partitions that
+    fill the SMs (launch_partitions), each block looping over its sequence's others; the classic
+    kernels and pipe3 launch a block for every partition. Longer contexts are split
     into partitions (partition_size tokens, a multiple of 32; default 512, smaller for small
     batches, 1024 for large ones: _wide_partitions_fit) reduced through an fp32 workspace of
     attention_workspace_numel(...) elements.
@@ -299,7 +333,7 @@ def paged_attention_decode(
         np.int32(window or 0),
         np.float32(softcap * math.log2(math.e) if softcap else 0.0),
     )
-    grid = (parts, kv_heads * num_chunks, batch)
+    grid_yz = (kv_heads * num_chunks, batch)  # a partition's blocks: kv heads x chunks, sequences
     # ZLLM_PDL_ATTENTION: the decode kernels and the reduce wait for the kernel before them
     # (csrc/attention.cuh ZLLM_DECODE_ATTENTION_PDL_WAIT), so the next one (the o projection's
     # GEMV at batch 1) can launch early and load its first weights while attention runs.
@@ -312,18 +346,23 @@ def paged_attention_decode(
         build, query.dtype, head_dim, block_size, size, num_blocks * block_size, window, softcap
     )
     if stages:
-        kernel = f"paged_attention_decode_pipe_{suffix}{variant}_d{head_dim}_g{chunk}_s{stages}"
+        launched = (
+            launch_partitions(batch, num_heads, kv_heads, parts, device) if stages in _PIPE_LOOP_STAGES else parts
+        )
+        loop = "_loop" if launched < parts else ""  # each block loops over partitions (csrc/attention_pipe.cuh)
+        kernel = f"paged_attention_decode_pipe_{suffix}{variant}_d{head_dim}_g{chunk}_s{stages}{loop}"
         shared = pipe_shared_bytes(head_dim, kv_cache.element_size(), stages)
         if shared > _STATIC_SHARED_LIMIT:
             allow_shared_memory("attention_kernels", kernel, device, shared)
+        grid = (launched, *grid_yz)
         launch("attention_kernels", kernel, device, grid, (_ATTN_THREADS,), args, shared_mem=shared, pdl=pdl)
     else:
         # The plain kernels have no registers to spare for a window or a cap: their own families,
-        # in a module of their own.
+        # in a module of their own. A block a partition (only the pipelined build loops).
         family = "_cap" if softcap else "_win" if window else ""
         kernel = f"paged_attention_decode_{suffix}{variant}{family}_d{head_dim}_g{chunk}"
         module = "attention_window_kernels" if family else "attention_kernels"
-        launch(module, kernel, device, grid, (_ATTN_THREADS,), args, pdl=pdl)
+        launch(module, kernel, device, (parts, *grid_yz), (_ATTN_THREADS,), args, pdl=pdl)
     if parts > 1:
         reduce_args = (
             ptr(out),
