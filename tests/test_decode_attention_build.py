@@ -117,7 +117,13 @@ def test_an_asked_partition_size_is_kept(h100):
 
 @pytest.fixture
 def loop_on(h100, monkeypatch):
+    monkeypatch.setenv("ZLLM_DECODE_PARTITION_LOOP", "1")
+
+
+def test_the_loop_is_off_by_default(h100, monkeypatch):
     monkeypatch.delenv("ZLLM_DECODE_PARTITION_LOOP", raising=False)
+    assert attention.launch_partitions(88, 32, 8, 8, None) == 8
+    assert attention.attention_partitions(1, 32, 8, 32768, block_size=16) == (512, 64)
 
 
 @pytest.mark.parametrize(

@@ -82,12 +82,15 @@ def attention_partitions(
 
 def launch_partitions(batch: int, num_heads: int, num_kv_heads: int, parts: int, device: torch.device | None) -> int:
     """How many of `parts` partitions the decode grid launches; each block then attends partitions
-    i, i + launched, ... of its sequence (csrc/attention.cuh, ZLLM_DECODE_PARTITION_LOOP). A graph
+    i, i + launched, ... of its sequence (csrc/attention_pipe.cuh's _loop kernels,
+    ZLLM_DECODE_PARTITION_LOOP, off by default). A graph
     sizes `parts` for the block table's capacity, and a block for each of them is mostly dead at
     short contexts: one H200, 400-token contexts, 88 rows, 49.9 us a call at max_model_len 1024,
     69.0 at 8192, 110.6 at 32768, 276.8 at 131072; launching what fills the SMs, 56.1-56.6 at
     each (docs/benchmarks.md). Enough partitions to give every SM _LAUNCH_BLOCKS_PER_SM blocks;
-    all of them with ZLLM_DECODE_PARTITION_LOOP=0."""
+    all of them with ZLLM_DECODE_PARTITION_LOOP=0 (the default). Why off: the count follows the
+    batch, not the contexts, so at 88 rows one block walks all 32 partitions of a 32768-token
+    context among short ones, which the full grid spreads over 32 blocks (not yet measured)."""
     if not envs.ZLLM_DECODE_PARTITION_LOOP:
         return parts
     group = num_heads // num_kv_heads
