@@ -94,9 +94,12 @@ def time_shape(args: argparse.Namespace, batch: int, context: int) -> list[dict]
                     "kv_cache_dtype": args.kv_cache_dtype,
                     "partition_size": chosen,
                     "grid_partitions": parts,
+                    # only the pipelined build (2 stages) launches fewer than every partition
                     "launched_partitions": kernels.attention.launch_partitions(
                         batch, args.heads, args.kv_heads, parts, device
-                    ),
+                    )
+                    if build == "pipe"
+                    else parts,
                     "requested": size,
                     "us_per_call": round(micros, 2),
                     "kv_TBps": round(kv_bytes / micros / 1e6, 3),

@@ -74,17 +74,14 @@ def attention_partitions(
     bound (what a workspace reserved ahead must hold)."""
     if partition_size is None:
         span = min(max_seq_len, _SIZE_POLICY_SPAN) if envs.ZLLM_DECODE_PARTITION_LOOP else max_seq_len
-        partition_size = _default_partition_size(
-            batch, num_heads, num_kv_heads, span, device, block_size, wide=max_seq_len > span
-        )
+        partition_size = _default_partition_size(batch, num_heads, num_kv_heads, max_seq_len, span, device, block_size)
     return partition_size, max(1, -(-max_seq_len // partition_size))
 
 
 def launch_partitions(batch: int, num_heads: int, num_kv_heads: int, parts: int, device: torch.device | None) -> int:
     """How many of `parts` partitions the decode grid launches; each block then attends partitions
     i, i + launched, ... of its sequence (csrc/attention_pipe.cuh's _loop kernels,
-    ZLLM_DECODE_PARTITION_LOOP, off by default). A graph
-    sizes `parts` for the block table's capacity, and a block for each of them is mostly dead at
+    ZLLM_DECODE_PARTITION_LOOP, off by default). A graph sizes `parts` for the block table's capacity, and a block for each of them is mostly dead at
     short contexts: one H200, 400-token contexts, 88 rows, 49.9 us a call at max_model_len 1024,
     69.0 at 8192, 110.6 at 32768, 276.8 at 131072; launching what fills the SMs, 56.1-56.6 at
     each (docs/benchmarks.md). Enough partitions to give every SM _LAUNCH_BLOCKS_PER_SM blocks;
@@ -93,9 +90,7 @@ def launch_partitions(batch: int, num_heads: int, num_kv_heads: int, parts: int,
     context among short ones, which the full grid spreads over 32 blocks (not yet measured)."""
     if not envs.ZLLM_DECODE_PARTITION_LOOP:
         return parts
-    group = num_heads // num_kv_heads
-    blocks_per_partition = batch * num_kv_heads * -(-group // _group_chunk(group))
-    wanted = -(-_LAUNCH_BLOCKS_PER_SM * _sm_count(device) // blocks_per_partition)
+    wanted = -(-_LAUNCH_BLOCKS_PER_SM * _sm_count(device) // _blocks_per_partition(batch, num_heads, num_kv_heads))
     return max(1, min(parts, wanted))
 
 
@@ -104,24 +99,29 @@ def _group_chunk(group: int) -> int:
     return 1 if group == 1 else 4 if group <= 4 else 8
 
 
+def _blocks_per_partition(batch: int, num_heads: int, num_kv_heads: int) -> int:
+    """Thread blocks one partition of every sequence takes: a block per kv head and head chunk."""
+    group = num_heads // num_kv_heads
+    return batch * num_kv_heads * -(-group // _group_chunk(group))
+
+
 def _default_partition_size(
     batch: int,
     num_heads: int,
     num_kv_heads: int,
+    max_seq_len: int,
     span: int,
     device,
     block_size: int | None = None,
-    wide: bool = False,
 ) -> int:
-    # 512 tokens a block; halve (down to 128) while a context of `span` tokens would leave SMs
-    # idle. wide: the contexts may be longer than span (then wider partitions are worth it anyway).
-    group = num_heads // num_kv_heads
-    blocks_per_partition = batch * num_kv_heads * -(-group // _group_chunk(group))
+    # 512 tokens a block; halve (down to 128) while a context of `span` tokens (at most
+    # max_seq_len) would leave SMs idle.
+    blocks_per_partition = _blocks_per_partition(batch, num_heads, num_kv_heads)
     sms = _sm_count(device)
     size = 512
     while size > 128 and blocks_per_partition * -(-span // size) < sms:
         size //= 2
-    if (wide or span > size) and _wide_partitions_fit(blocks_per_partition, sms, block_size):
+    if max_seq_len > size and _wide_partitions_fit(blocks_per_partition, sms, block_size):
         return _WIDE_PARTITION
     return size
 
