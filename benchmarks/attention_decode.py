@@ -12,12 +12,20 @@ csrc/attention_pipe.cuh). The block table's capacity is --capacity or the contex
 larger (W1's graphs: 1024). Each call of the graph reads its own copy of the cache while the copies
 together are smaller than 4x the L2 (a layer's cache), so small batches are not timed out of L2.
 TB/s counts the K and V bytes of the real contexts (not the dead partitions' nothing).
+
+--long-context N gives the batch's last sequence N tokens (one long context among short ones);
+--loops 0,1 times each shape with ZLLM_DECODE_PARTITION_LOOP off, then on; grid_x and kernel say
+what ran (the _loop kernels: one wave of blocks, whatever the capacity):
+
+    python benchmarks/attention_decode.py --batch-sizes 88 --contexts 400 --capacity 32768 \
+        --long-context 32000 --partition-sizes default --loops 0,1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -41,19 +49,29 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--long-context", type=int, default=0, help="tokens of the batch's last sequence (0: context)")
+    parser.add_argument("--loops", default=None, help="ZLLM_DECODE_PARTITION_LOOP values to time, e.g. 0,1")
     args = parser.parse_args()
     kernels.preload()
+    grids = _record_decode_grids()
+    loops = [None] if args.loops is None else args.loops.split(",")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
-            for row in time_shape(args, batch, context):
-                print(json.dumps(row), flush=True)
+            for loop in loops:
+                if loop is not None:
+                    os.environ["ZLLM_DECODE_PARTITION_LOOP"] = loop
+                for row in time_shape(args, batch, context, grids):
+                    print(json.dumps({**row, "partition_loop": loop}), flush=True)
 
 
-def time_shape(args: argparse.Namespace, batch: int, context: int) -> list[dict]:
-    """Every (partition size, build) of one batch and context."""
+def time_shape(args: argparse.Namespace, batch: int, context: int, grids: list[tuple[int, str]]) -> list[dict]:
+    """Every (partition size, build) of one batch and context; grids: the launches recorded."""
     device = torch.device("cuda")
     block = args.block_size
-    max_blocks = -(-max(args.capacity, context) // block)
+    lens = [context] * batch
+    if args.long_context:
+        lens[-1] = args.long_context
+    max_blocks = -(-max(args.capacity, *lens) // block)
     capacity = max_blocks * block
     cache_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
     num_blocks = batch * max_blocks + 1
@@ -67,9 +85,9 @@ def time_shape(args: argparse.Namespace, batch: int, context: int) -> list[dict]
     )
     query = torch.randn(batch, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(query)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = args.head_dim**-0.5
-    kv_bytes = 2 * batch * context * args.kv_heads * args.head_dim * cache_dtype.itemsize
+    kv_bytes = 2 * sum(lens) * args.kv_heads * args.head_dim * cache_dtype.itemsize
     rows = []
     for size in args.partition_sizes.split(","):
         partition = None if size == "default" else int(size)
@@ -90,16 +108,13 @@ def time_shape(args: argparse.Namespace, batch: int, context: int) -> list[dict]
                     "build": build,
                     "batch_size": batch,
                     "context": context,
+                    "long_context": args.long_context,
                     "capacity": capacity,
                     "kv_cache_dtype": args.kv_cache_dtype,
                     "partition_size": chosen,
                     "grid_partitions": parts,
-                    # only the pipelined build (2 stages) launches fewer than every partition
-                    "launched_partitions": kernels.attention.launch_partitions(
-                        batch, args.heads, args.kv_heads, parts, device
-                    )
-                    if build == "pipe"
-                    else parts,
+                    "grid_x": grids[-1][0],
+                    "kernel": grids[-1][1],
                     "requested": size,
                     "us_per_call": round(micros, 2),
                     "kv_TBps": round(kv_bytes / micros / 1e6, 3),
@@ -110,6 +125,21 @@ def time_shape(args: argparse.Namespace, batch: int, context: int) -> list[dict]
     caches.clear()  # the next shape allocates its own
     torch.cuda.empty_cache()
     return rows
+
+
+def _record_decode_grids() -> list[tuple[int, str]]:
+    """(grid x: partitions, or the _loop kernels' blocks a head slot; kernel) of every decode
+    attention launch from here on."""
+    seen: list[tuple[int, str]] = []
+    real = kernels.attention.launch
+
+    def record(module, kernel, device, grid, *args, **kwargs):
+        if kernel.startswith("paged_attention_decode"):
+            seen.append((grid[0], kernel))
+        return real(module, kernel, device, grid, *args, **kwargs)
+
+    kernels.attention.launch = record
+    return seen
 
 
 if __name__ == "__main__":

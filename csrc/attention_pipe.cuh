@@ -90,15 +90,15 @@ __device__ __forceinline__ void qk_half_dot(const C* k, const float (*q)[2][kQSt
   for (int g = 0; g < kGC; ++g) s[g] = s2[g][0] + s2[g][1];
 }
 
-// Attends partition `part` of sequence blockIdx.z and returns how many partitions the sequence
-// has (ZLLM_DECODE_PARTITION_LOOP below).
+// Attends partition `part` of sequence `b` (ZLLM_PAGED_ATTENTION_PIPE: the block's own,
+// blockIdx.z and blockIdx.x; the _loop kernels below also hand out other sequences' partitions).
 template <typename T, typename C, int D, int kGC, int kStages>
-__device__ __forceinline__ int paged_attention_pipe_impl(
+__device__ __forceinline__ void paged_attention_pipe_impl(
     T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml, const T* __restrict__ q,
     const C* __restrict__ k_cache, const C* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, float scale_log2, float v_scale, int num_kv_heads, int group, int num_chunks,
     int block_size, int max_blocks, i64 bt_stride, i64 q_stride, i64 out_stride, int partition_size,
-    int max_parts, int part) {
+    int max_parts, int b, int part) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   static_assert(kStages >= 2, "a pipeline needs two stages");
   constexpr int kE = D / 32;                                     // output dims per lane
@@ -124,7 +124,6 @@ __device__ __forceinline__ int paged_attention_pipe_impl(
 
   const int kv_head = blockIdx.y / num_chunks;
   const int chunk = blockIdx.y - kv_head * num_chunks;
-  const int b = blockIdx.z;
   const int num_heads = num_kv_heads * group;
   const int head0 = kv_head * group + chunk * kGC;
   const int heads_here = imin(kGC, group - chunk * kGC);
@@ -159,7 +158,7 @@ __device__ __forceinline__ int paged_attention_pipe_impl(
         out_b[static_cast<i64>(head0) * D + i] = from_float<T>(0.f);
       }
     }
-    return num_parts;
+    return;
   }
   const int end = imin(start + partition_size, len);
   __syncthreads();  // table_s, q_s
@@ -325,29 +324,102 @@ __device__ __forceinline__ int paged_attention_pipe_impl(
       }
     }
   }
-  return num_parts;
+}
+
+// Exclusive prefix sum of v over the block's threads, and the block's total. Two barriers:
+// warp_sums may be reused as soon as it returns.
+__device__ __forceinline__ int block_exclusive_sum(int v, int& total, int* warp_sums) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  int inclusive = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += n;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  int before = 0;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kAttnWarps; ++w) {
+    const int sum = warp_sums[w];
+    before += w < warp ? sum : 0;
+    total += sum;
+  }
+  __syncthreads();
+  return before + inclusive - v;
+}
+
+constexpr int kOverflowList = 16;  // overflow units a block collects per scan of the batch
+
+// The _loop kernels' work: every (sequence, partition) unit of the batch, in sequence-then-
+// partition order (an empty sequence still has its partition 0, which writes its zeros), dealt
+// round-robin over the gridDim.x blocks of one head slot (blockIdx.y). The grid is one wave of
+// blocks (the dispatcher sizes it: zllm/workers/kernels/attention.py, loop_grid_blocks), so any
+// mix of contexts is spread evenly over blocks that all run at once: one 32768-token context
+// among 400-token ones hands its partitions to 31 other blocks instead of walking them in one, and
+// no block waits for a slot while others walk their share. Each block scans the batch's lengths
+// (kAttnThreads at a time) and collects its own units, kOverflowList per scan.
+template <typename T, typename C, int D, int kGC, int kStages>
+__device__ __forceinline__ void paged_attention_pipe_dealt(
+    T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml, const T* __restrict__ q,
+    const C* __restrict__ k_cache, const C* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ seq_lens, float scale_log2, float v_scale, int num_kv_heads, int group, int num_chunks,
+    int block_size, int max_blocks, i64 bt_stride, i64 q_stride, i64 out_stride, int partition_size,
+    int max_parts, int batch) {
+  __shared__ int2 units_s[kOverflowList];
+  __shared__ int warp_sums_s[kAttnWarps];
+  const int dealers = static_cast<int>(gridDim.x);
+  const int me = static_cast<int>(blockIdx.x);
+  for (int first = 0;; first += kOverflowList) {  // this block's units [first, first + kOverflowList)
+    int total = 0;  // units of the sequences scanned so far (uniform over the block)
+    for (int s0 = 0; s0 < batch; s0 += kAttnThreads) {
+      const int s = s0 + static_cast<int>(threadIdx.x);
+      int count = 0;
+      if (s < batch) {
+        const int len = clamped_end(seq_lens[s], 0, max_blocks, block_size, partition_size, max_parts);
+        count = max((len + partition_size - 1) / partition_size, 1);
+      }
+      int round_total;
+      const int begin = total + block_exclusive_sum(count, round_total, warp_sums_s);
+      // units [begin, begin + count) are sequence s's partitions 0, 1, ...; this block's are
+      // me, me + dealers, ...
+      int m = begin <= me ? 0 : (begin - me + dealers - 1) / dealers;
+      for (m = max(m, first); m < first + kOverflowList; ++m) {
+        const int j = me + m * dealers;
+        if (j >= begin + count) break;
+        units_s[m - first] = make_int2(s, j - begin);
+      }
+      total += round_total;
+    }
+    __syncthreads();  // units_s
+    const int mine = total > me ? (total - me - 1) / dealers + 1 : 0;
+    for (int k = first; k < min(mine, first + kOverflowList); ++k) {
+      const int2 unit = units_s[k - first];
+      __syncthreads();  // every thread has its unit; the last one's shared memory is free
+      paged_attention_pipe_impl<T, C, D, kGC, kStages>(
+          out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, seq_lens, scale_log2, v_scale, num_kv_heads,
+          group, num_chunks, block_size, max_blocks, bt_stride, q_stride, out_stride, partition_size, max_parts,
+          unit.x, unit.y);
+    }
+    if (mine <= first + kOverflowList) return;
+    __syncthreads();  // units_s is rewritten by the next scan
+  }
 }
 
 }  // namespace zllm
 
-// NAME_loop: a block attends partitions blockIdx.x, blockIdx.x + gridDim.x, ... of its sequence,
-// as many as the sequence has. Why: a decode graph is captured for the block table's whole
-// capacity (max_model_len), and a grid with a block for every partition of it launches mostly dead
-// blocks for short contexts (at max_model_len 32768, 31 of 32 partitions of a 400-token context);
-// the dispatcher launches only the partitions that fill the GPU (zllm/workers/kernels/attention.py,
-// launch_partitions) and takes NAME_loop where that is fewer than the capacity's. Its own entry
-// point, since the loop costs the body 4-7% on an H200 where the grid is whole anyway (a 1024-token
-// capacity). The barrier frees one partition's shared memory before the next one's loads.
-#define ZLLM_DECODE_PARTITION_LOOP(...)                           \
-  for (int part = blockIdx.x;; part += gridDim.x) {              \
-    const int zllm_parts = __VA_ARGS__;                          \
-    if (part + static_cast<int>(gridDim.x) >= zllm_parts) break; \
-    __syncthreads();                                             \
-  }
-
+// NAME_loop: a grid of (one wave of blocks, KVH * num_chunks, 1) whose blocks are dealt every
+// partition of every sequence (paged_attention_pipe_dealt), with the batch as one more argument.
+// Why: a decode graph is captured for the block table's whole capacity (max_model_len), and a
+// grid with a block for every partition of it launches mostly dead blocks for short contexts (at
+// max_model_len 32768, 31 of 32 partitions of a 400-token context). Its own entry point, since a
+// loop in the plain kernel cost its body 4-7% on an H200 where the grid is whole anyway (a
+// 1024-token capacity).
 // Same signature as ZLLM_PAGED_ATTENTION's (window and softcap_log2 accepted and ignored: the
 // dispatcher sends windowed and capped layers to the other families), so one argument tuple
-// launches either build.
+// launches either build; the _loop kernels take the batch after it.
 #define ZLLM_PAGED_ATTENTION_PIPE_LOOP(NAME, T, C, D, GC, STAGES, MIN_BLOCKS)                     \
   extern "C" __global__ void __launch_bounds__(zllm::kAttnThreads, MIN_BLOCKS) NAME##_loop(       \
       T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml,               \
@@ -355,12 +427,12 @@ __device__ __forceinline__ int paged_attention_pipe_impl(
       const int* __restrict__ block_tables, const int* __restrict__ seq_lens, float scale_log2, \
       float v_scale, int num_kv_heads, int group, int num_chunks, int block_size,              \
       int max_blocks, long long bt_stride, long long q_stride, long long out_stride,           \
-      int partition_size, int max_parts, int, float) {                                         \
+      int partition_size, int max_parts, int, float, int batch) {                              \
     ZLLM_DECODE_ATTENTION_PDL_WAIT();                                                           \
-    ZLLM_DECODE_PARTITION_LOOP(zllm::paged_attention_pipe_impl<T, C, D, GC, STAGES>(           \
+    zllm::paged_attention_pipe_dealt<T, C, D, GC, STAGES>(                                     \
         out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, seq_lens, scale_log2, v_scale,  \
         num_kv_heads, group, num_chunks, block_size, max_blocks, bt_stride, q_stride,          \
-        out_stride, partition_size, max_parts, part));                                         \
+        out_stride, partition_size, max_parts, batch);                                         \
   }
 #define ZLLM_PAGED_ATTENTION_PIPE(NAME, T, C, D, GC, STAGES, MIN_BLOCKS)                          \
   extern "C" __global__ void __launch_bounds__(zllm::kAttnThreads, MIN_BLOCKS) NAME(              \
@@ -374,7 +446,7 @@ __device__ __forceinline__ int paged_attention_pipe_impl(
     zllm::paged_attention_pipe_impl<T, C, D, GC, STAGES>(                                      \
         out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, seq_lens, scale_log2, v_scale,  \
         num_kv_heads, group, num_chunks, block_size, max_blocks, bt_stride, q_stride,          \
-        out_stride, partition_size, max_parts, blockIdx.x);                                    \
+        out_stride, partition_size, max_parts, blockIdx.z, blockIdx.x);                        \
   }
 
 // Builds: head_dim 64 and 128, groups 1/4/8, 2 and 3 stages (2 also as _loop). MIN_BLOCKS only

@@ -120,52 +120,49 @@ def loop_on(h100, monkeypatch):
     monkeypatch.setenv("ZLLM_DECODE_PARTITION_LOOP", "1")
 
 
-def test_the_loop_is_off_by_default(h100, monkeypatch):
+def test_the_loop_is_on_by_default(h100, monkeypatch):
     monkeypatch.delenv("ZLLM_DECODE_PARTITION_LOOP", raising=False)
-    assert attention.launch_partitions(88, 32, 8, 8, None) == 8
-    assert attention.attention_partitions(1, 32, 8, 32768, block_size=16) == (512, 64)
+    assert attention._loops(88, 32, 8, None)
 
 
 @pytest.mark.parametrize(
-    "rows, parts, launched",
+    "rows, loops",
     [
-        (88, 8, 1),  # 704 blocks a partition: the SMs are full with one
-        (16, 2, 2),  # 128 blocks: both
-        (33, 2, 2),  # 264 blocks: 528 / 264 = 2
-        (34, 2, 2),  # 272 blocks: ceil(528 / 272) = 2
-        (67, 8, 1),  # 536 blocks
-        (1, 64, 64),  # 8 blocks: every partition of a 8192-token capacity (66 wanted)
-        (1, 256, 66),  # 32768 tokens in 128-token partitions: 66 x 8 blocks = 4 an SM
+        (8, False),  # 64 blocks a partition: fewer than half the SMs, the full grid
+        (9, True),  # 72 blocks: the smallest batch that loops (2 x 72 >= 132)
+        (88, True),
+        (1024, True),
+        (1025, False),  # past _LOOP_MAX_BATCH: each block would scan 1025 lengths
     ],
 )
-def test_the_grid_launches_the_partitions_that_fill_the_sms(loop_on, rows, parts, launched):
-    """Llama-3-8B's heads (8 kv heads, one block each): 4 blocks an SM of an H100's 132."""
-    assert attention.launch_partitions(rows, 32, 8, parts, None) == launched
+def test_which_batches_loop(loop_on, rows, loops):
+    assert attention._loops(rows, 32, 8, None) is loops
 
 
-def test_group_chunks_count_as_blocks(loop_on):
-    # 64 query heads over 8 kv heads: group 8, one block per kv head (kGC 8); 1 kv head of group 1
-    assert attention.launch_partitions(8, 64, 8, 100, None) == 9
-    assert attention.launch_partitions(1, 1, 1, 1000, None) == 528
-
-
-def test_without_the_loop_every_partition_is_launched(loop_on, monkeypatch):
+def test_without_the_switch_nothing_loops(loop_on, monkeypatch):
     monkeypatch.setenv("ZLLM_DECODE_PARTITION_LOOP", "0")
-    assert attention.launch_partitions(88, 32, 8, 8, None) == 8
-    assert attention.launch_partitions(1, 32, 8, 256, None) == 256
+    assert not attention._loops(88, 32, 8, None)
 
 
-@pytest.mark.parametrize("capacity", [1024, 8192, 32768, 131072])
-def test_the_partition_size_follows_the_batch_not_the_capacity(loop_on, capacity):
-    """A graph's capacity is max_model_len; the sizes are those of a 1024-token capacity (where
-    they were measured), the count covers the capacity."""
-    for rows, size in ((1, 128), (8, 256), (16, 512), (49, 512), (50, 1024), (256, 1024)):
-        assert attention.attention_partitions(rows, 32, 8, capacity, block_size=16) == (size, -(-capacity // size))
+def test_the_loop_grid_is_one_wave_over_the_head_slots(h100):
+    """3 resident blocks an SM of an H100's 132: 396 blocks over Llama-3-8B's 8 kv heads (one
+    block each, group 4); 64 query heads over 8 kv heads (group 8, one block a kv head); one kv
+    head of group 1; never fewer than one."""
+    assert attention.loop_grid_blocks(32, 8, None, 3) == 49
+    assert attention.loop_grid_blocks(64, 8, None, 4) == 66
+    assert attention.loop_grid_blocks(1, 1, None, 3) == 396
+    assert attention.loop_grid_blocks(128, 128, None, 1) == 1
 
 
-def test_without_the_loop_the_size_follows_the_capacity(loop_on, monkeypatch):
-    monkeypatch.setenv("ZLLM_DECODE_PARTITION_LOOP", "0")
+@pytest.mark.parametrize("loop", ["0", "1"])
+def test_the_partition_size_does_not_depend_on_the_loop(h100, monkeypatch, loop):
+    """Batches that loop take 512-token partitions or more at any capacity, the full grid's size."""
+    monkeypatch.setenv("ZLLM_DECODE_PARTITION_LOOP", loop)
     assert attention.attention_partitions(1, 32, 8, 1024, block_size=16) == (128, 8)
     assert attention.attention_partitions(1, 32, 8, 8192, block_size=16) == (256, 32)
     assert attention.attention_partitions(1, 32, 8, 32768, block_size=16) == (512, 64)
     assert attention.attention_partitions(8, 32, 8, 8192, block_size=16) == (512, 16)
+    for rows, size in ((9, 512), (49, 512), (50, 1024), (256, 1024)):
+        for capacity in (1024, 8192, 131072):
+            expected = (size, -(-capacity // size))
+            assert attention.attention_partitions(rows, 32, 8, capacity, block_size=16) == expected

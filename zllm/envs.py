@@ -165,11 +165,10 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "ZLLM_DECODE_PARTITION_LOOP",
             _switch,
-            False,
-            "1: the pipelined decode attention launches only the partitions that fill the SMs, each block"
-            " looping over its sequence's others, with partition sizes chosen as for a 1024-token capacity;"
-            " 0 (default until a long context among short ones is measured): a block for every partition of"
-            " the block table's capacity (max_model_len).",
+            True,
+            "0: the pipelined decode attention always launches a block for every partition of the block"
+            " table's capacity (max_model_len), instead of one wave of blocks dealt every partition of the"
+            " batch where its contexts are split and it has 9 to 1024 rows of Llama-3-8B's heads (A/B switch).",
         ),
         Setting("ZLLM_PACKED_PREFILL", _switch, True, "0: prefill attention runs a request at a time (A/B switch)."),
         Setting(

@@ -1,11 +1,12 @@
-"""The decode attention grid that launches fewer partitions than the block table's capacity holds
-(ZLLM_DECODE_PARTITION_LOOP, csrc/attention_pipe.cuh's _loop entry points): each block attends
-partitions i, i + launched, ... of its sequence. A partition's arithmetic does not depend on which
-block runs it, so the pipelined build (2 stages, over 16-bit and FP8 caches) must give the bits of
-the grid with a block for every partition, for any number launched, and the float64 reference's
-values; pipe3, the classic kernels and the window and cap families keep a block for every
-partition. Contexts from 0 to 3000 tokens over a table far larger than them (a graph's
-capacity)."""
+"""The decode attention grid of one wave of blocks, whatever the block table's capacity
+(ZLLM_DECODE_PARTITION_LOOP, csrc/attention_pipe.cuh's _loop entry points): the blocks of a head
+slot are dealt every (sequence, partition) of the batch round-robin. A partition's arithmetic does
+not depend on which block runs it, so the pipelined build (2 stages, over 16-bit and FP8 caches)
+must give the bits of the grid with a block for every partition, for any number of blocks
+launched, and the float64 reference's values; pipe3, the
+classic kernels and the window and cap families keep a block for every partition. Contexts from 0
+to 3000 tokens over a table far larger than them (a graph's capacity), and one long context among
+short ones or alone (a block then collects more units than one scan of the batch holds)."""
 
 from __future__ import annotations
 
@@ -39,10 +40,10 @@ def grids(monkeypatch) -> list[tuple[int, str]]:
     return seen
 
 
-def _batch(gen, head_dim=128, group=4, dtype=torch.bfloat16):
-    """LENS in a block table of 400 entries: a capacity (a graph's max_model_len) far past them."""
-    batch = PagedBatch(LENS, num_heads=2 * group, kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype, gen=gen)
-    wide = torch.full((len(LENS), 400), batch.block_tables[0, -1].item(), dtype=torch.int32, device=DEVICE)
+def _batch(gen, head_dim=128, group=4, dtype=torch.bfloat16, lens=LENS):
+    """lens in a block table of 400 entries: a capacity (a graph's max_model_len) far past them."""
+    batch = PagedBatch(lens, num_heads=2 * group, kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype, gen=gen)
+    wide = torch.full((len(lens), 400), batch.block_tables[0, -1].item(), dtype=torch.int32, device=DEVICE)
     wide[:, : batch.block_tables.shape[1]] = batch.block_tables
     batch.block_tables = wide  # 6400 tokens of capacity; the extra entries point at a NaN spare block
     return batch
@@ -62,14 +63,10 @@ def _assert_matches_reference(out: torch.Tensor, expected: torch.Tensor, scale: 
 
 
 def _run_launching(monkeypatch, batch, launched: int | None, **kwargs) -> torch.Tensor:
-    """The kernel with `launched` partitions in its grid (None: every partition of the capacity, as
-    ZLLM_DECODE_PARTITION_LOOP=0 launches)."""
-    if launched is None:
-        monkeypatch.setattr(attention_kernels, "launch_partitions", lambda batch, heads, kv, parts, device: parts)
-    else:
-        monkeypatch.setattr(
-            attention_kernels, "launch_partitions", lambda batch, heads, kv, parts, device: min(parts, launched)
-        )
+    """The _loop kernel with `launched` blocks along x of its grid, whatever the batch (None: the
+    plain kernel, a block for every partition of the capacity, as ZLLM_DECODE_PARTITION_LOOP=0)."""
+    monkeypatch.setattr(attention_kernels, "_loops", lambda *args: launched is not None)
+    monkeypatch.setattr(attention_kernels, "loop_grid_blocks", lambda *args: launched)
     out = nan_like(batch.query)
     kernels.paged_attention_decode(
         out, batch.query, batch.cache, batch.block_tables, batch.seq_lens_t, batch.scale, **kwargs
@@ -86,10 +83,30 @@ def test_any_number_launched_gives_the_full_grids_bits(monkeypatch, gen, grids, 
     assert parts == -(-batch.block_tables.shape[1] * 16 // partition_size)
     assert kernel.startswith("paged_attention_decode_pipe_") and kernel.endswith("_s2"), kernel
     _assert_matches_reference(every, batch.reference())
-    for launched in (1, 2, 3, parts - 1):
+    for launched in (1, 2, 3, parts - 1, 100):
         out = _run_launching(monkeypatch, batch, launched, partition_size=partition_size, build="pipe")
         assert grids[-1] == (launched, kernel + "_loop")
-        _assert_same_bits(out, every, f"{launched} of {parts} partitions launched")
+        _assert_same_bits(out, every, f"{launched} blocks a head slot")
+
+
+@pytest.mark.parametrize(
+    "lens, launched",
+    [
+        ([3000], 1),  # 47 partitions of 64: one block collects 47 units, three scans of the batch
+        ([3000], 2),
+        ([3000] + [1] * 39, 40),  # the long context's partitions over 40 blocks
+        ([5, 400, 2999, 7] * 40, 7),  # 160 sequences: two rounds of each scan (128 threads a round)
+        ([0, 6000, 6000, 3, 1500], 3),
+    ],
+    ids=["alone-1", "alone-2", "among-39", "rounds", "two-long"],
+)
+def test_long_contexts_are_shared_out_with_the_full_grids_bits(monkeypatch, gen, grids, lens, launched):
+    batch = _batch(gen, lens=lens)
+    every = _run_launching(monkeypatch, batch, None, partition_size=64, build="pipe")
+    assert_close(every, batch.reference(), torch.bfloat16)
+    out = _run_launching(monkeypatch, batch, launched, partition_size=64, build="pipe")
+    assert grids[-1][0] == launched and grids[-1][1].endswith("_loop")
+    _assert_same_bits(out, every, f"{launched} launched over {lens[:5]}...")
 
 
 def test_fp8_cache_loops_too(monkeypatch, gen, grids):
@@ -114,7 +131,7 @@ def test_fp8_cache_loops_too(monkeypatch, gen, grids):
     ids=["pipe3", "classic", "win", "win-cap", "cap"],
 )
 def test_the_other_builds_launch_every_partition(monkeypatch, gen, grids, kwargs):
-    monkeypatch.setenv("ZLLM_DECODE_PARTITION_LOOP", "1")
+    monkeypatch.setattr(attention_kernels, "_loops", lambda *args: True)
     batch = _batch(gen)
     layer = {k: v for k, v in kwargs.items() if k != "build"}
     out = nan_like(batch.query)
@@ -127,25 +144,29 @@ def test_the_other_builds_launch_every_partition(monkeypatch, gen, grids, kwargs
     _assert_matches_reference(out, batch.reference(**layer))
 
 
-def test_the_default_launches_few_partitions_over_a_large_capacity(gen, grids, monkeypatch):
-    """The policy itself (switched on, no patch): 8 sequences over a 6400-token table; the grid
-    holds fewer partitions than the capacity, and the result is the reference's, in a CUDA graph
-    too."""
-    monkeypatch.setenv("ZLLM_DECODE_PARTITION_LOOP", "1")
-    batch = _batch(gen)
+def test_the_default_launches_one_wave_over_a_large_capacity(gen, grids, monkeypatch):
+    """The policy itself (the default, no patch): 40 sequences over a 6400-token table; the grid
+    holds one wave of the _loop kernel's blocks, and the result is the reference's, in a CUDA graph too."""
+    monkeypatch.delenv("ZLLM_DECODE_PARTITION_LOOP", raising=False)
+    lens = LENS * 5
+    batch = _batch(gen, lens=lens)
     heads = batch.query.shape[1]
-    size, parts = kernels.attention_partitions(len(LENS), heads, 2, 6400, torch.device(DEVICE), block_size=16)
+    device = torch.device(DEVICE)
+    assert kernels.attention_partitions(len(lens), heads, 2, 6400, device, block_size=16) == (512, 13)
     expected = batch.reference()
     out = nan_like(batch.query)
     args = (out, batch.query, batch.cache, batch.block_tables, batch.seq_lens_t, batch.scale)
     kernels.paged_attention_decode(*args)
-    _assert_matches_reference(out, expected)
-    launched = attention_kernels.launch_partitions(len(LENS), heads, 2, parts, torch.device(DEVICE))
-    assert launched < parts and grids[-1] == (launched, grids[-1][1]) and grids[-1][1].endswith("_loop")
+    assert_close(out[1:], expected[1:], torch.bfloat16)
+    kernel = grids[-1][1]
+    assert kernel == "paged_attention_decode_pipe_bf16_d128_g4_s2_loop"
+    resident = attention_kernels._resident_blocks("attention_kernels", kernel, device, 4 * 2 * 16 * (2 * 256 + 16))
+    assert resident >= 3 and grids[-1][0] == attention_kernels.loop_grid_blocks(heads, 2, device, resident)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kernels.paged_attention_decode(*args)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    _assert_matches_reference(out, expected)
+    assert_close(out[1:], expected[1:], torch.bfloat16)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))

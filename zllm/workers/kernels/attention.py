@@ -28,7 +28,7 @@ from zllm.workers.kernels.checks import (
     fail,
     ptr,
 )
-from zllm.workers.kernels.loader import allow_shared_memory, launch
+from zllm.workers.kernels.loader import allow_shared_memory, launch, resident_blocks
 
 _ATTN_THREADS = 128  # kAttnThreads in attention.cuh
 _ATTN_HEAD_DIMS = (64, 96, 128, 256)  # compiled head sizes (Phi-3: 96; Gemma 2/3: 256)
@@ -44,11 +44,7 @@ _PIPE_TABLE_ENTRIES = 128
 _STATIC_SHARED_LIMIT = 48 * 1024
 _WIDE_PARTITION = 1024  # tokens a decode partition spans in large batches (_wide_partitions_fit)
 _WIDE_GRID_WAVES = 3  # a partition's blocks per SM from which it does
-# ZLLM_DECODE_PARTITION_LOOP: the partition size is chosen as if contexts spanned at most this many
-# tokens (a graph's capacity is max_model_len, far past most contexts), and the grid launches the
-# partitions that make _LAUNCH_BLOCKS_PER_SM blocks an SM; each block loops over the rest.
-_SIZE_POLICY_SPAN = 1024
-_LAUNCH_BLOCKS_PER_SM = 4
+_LOOP_MAX_BATCH = 1024  # sequences a _loop kernel's blocks each scan (_loops)
 _PIPE_LOOP_STAGES = (2,)  # the pipelined builds compiled with a _loop twin (csrc/attention_pipe.cuh)
 
 _workspaces: dict[int, torch.Tensor] = {}
@@ -73,25 +69,36 @@ def attention_partitions(
     block_size-token blocks. Without block_size, the default's count for any block size: an upper
     bound (what a workspace reserved ahead must hold)."""
     if partition_size is None:
-        span = min(max_seq_len, _SIZE_POLICY_SPAN) if envs.ZLLM_DECODE_PARTITION_LOOP else max_seq_len
-        partition_size = _default_partition_size(batch, num_heads, num_kv_heads, max_seq_len, span, device, block_size)
+        partition_size = _default_partition_size(batch, num_heads, num_kv_heads, max_seq_len, device, block_size)
     return partition_size, max(1, -(-max_seq_len // partition_size))
 
 
-def launch_partitions(batch: int, num_heads: int, num_kv_heads: int, parts: int, device: torch.device | None) -> int:
-    """How many of `parts` partitions the decode grid launches; each block then attends partitions
-    i, i + launched, ... of its sequence (csrc/attention_pipe.cuh's _loop kernels,
-    ZLLM_DECODE_PARTITION_LOOP, off by default). A graph sizes `parts` for the block table's capacity, and a block for each of them is mostly dead at
-    short contexts: one H200, 400-token contexts, 88 rows, 49.9 us a call at max_model_len 1024,
-    69.0 at 8192, 110.6 at 32768, 276.8 at 131072; launching what fills the SMs, 56.1-56.6 at
-    each (docs/benchmarks.md). Enough partitions to give every SM _LAUNCH_BLOCKS_PER_SM blocks;
-    all of them with ZLLM_DECODE_PARTITION_LOOP=0 (the default). Why off: the count follows the
-    batch, not the contexts, so at 88 rows one block walks all 32 partitions of a 32768-token
-    context among short ones, which the full grid spreads over 32 blocks (not yet measured)."""
-    if not envs.ZLLM_DECODE_PARTITION_LOOP:
-        return parts
-    wanted = -(-_LAUNCH_BLOCKS_PER_SM * _sm_count(device) // _blocks_per_partition(batch, num_heads, num_kv_heads))
-    return max(1, min(parts, wanted))
+def loop_grid_blocks(num_heads: int, num_kv_heads: int, device: torch.device | None, blocks_per_sm: int) -> int:
+    """Blocks along x of a _loop kernel's grid (ZLLM_DECODE_PARTITION_LOOP): one wave of blocks
+    (`blocks_per_sm` resident blocks on every SM) over the head slots, whatever the batch and the
+    capacity. Its blocks are dealt every (sequence, partition) of the batch round-robin
+    (csrc/attention_pipe.cuh, paged_attention_pipe_dealt), so one long context among short ones
+    is spread over the grid. One wave, since a block holds its SM slot for its whole share: a
+    second wave would start only when the first has finished. Why not a block a partition: a
+    graph sizes the partitions for the block table's capacity, and a block for each of them is
+    mostly dead at short contexts: one H200, 400-token contexts, 88 rows, 49.9 us a call at
+    max_model_len 1024, 69.0 at 8192, 110.6 at 32768, 276.8 at 131072 (docs/benchmarks.md)."""
+    head_slots = _blocks_per_partition(1, num_heads, num_kv_heads)
+    return max(1, blocks_per_sm * _sm_count(device) // head_slots)
+
+
+def _loops(batch: int, num_heads: int, num_kv_heads: int, device: torch.device | None) -> bool:
+    """Whether a decode call that splits contexts runs the _loop kernel (loop_grid_blocks):
+    ZLLM_DECODE_PARTITION_LOOP on, one partition's blocks at least half the SMs (9 rows of
+    Llama-3-8B's heads on 132 SMs: from there a partition is 512 tokens or more whatever the
+    capacity, so the sizes are the full grid's) and at most _LOOP_MAX_BATCH sequences. Smaller
+    batches keep the full grid: sized for short contexts, their 128-token partitions cut a long
+    one so finely that one row of 32000 tokens took 100.4 us a call against the full grid's 61.1
+    (512-token partitions over a 131072 capacity, one H200). The _loop kernel's blocks each scan
+    the batch's lengths, hence the upper bound (no decode graph is that large)."""
+    if not envs.ZLLM_DECODE_PARTITION_LOOP or batch > _LOOP_MAX_BATCH:
+        return False
+    return 2 * _blocks_per_partition(batch, num_heads, num_kv_heads) >= _sm_count(device)
 
 
 def _group_chunk(group: int) -> int:
@@ -110,16 +117,15 @@ def _default_partition_size(
     num_heads: int,
     num_kv_heads: int,
     max_seq_len: int,
-    span: int,
     device,
     block_size: int | None = None,
 ) -> int:
-    # 512 tokens a block; halve (down to 128) while a context of `span` tokens (at most
-    # max_seq_len) would leave SMs idle.
+    # 512 tokens a block; halve (down to 128) while a context of max_seq_len tokens would leave
+    # SMs idle.
     blocks_per_partition = _blocks_per_partition(batch, num_heads, num_kv_heads)
     sms = _sm_count(device)
     size = 512
-    while size > 128 and blocks_per_partition * -(-span // size) < sms:
+    while size > 128 and blocks_per_partition * -(-max_seq_len // size) < sms:
         size //= 2
     if max_seq_len > size and _wide_partitions_fit(blocks_per_partition, sms, block_size):
         return _WIDE_PARTITION
@@ -156,6 +162,14 @@ def _sm_count(device: torch.device | None) -> int:
     if count is None:
         count = _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return count
+
+
+def _resident_blocks(module: str, kernel: str, device: torch.device | None, shared: int) -> int:
+    """Blocks of `kernel` an SM holds at once with `shared` bytes of dynamic shared memory (its
+    opt-in made first): 3 for the head_dim-128 16-bit 2-stage kernels (66 KiB each)."""
+    if shared > _STATIC_SHARED_LIMIT:
+        allow_shared_memory(module, kernel, device, shared)
+    return max(1, resident_blocks(module, kernel, device, _ATTN_THREADS, shared))
 
 
 def pipe_shared_bytes(head_dim: int, element_size: int, stages: int) -> int:
@@ -227,8 +241,8 @@ def paged_attention_decode(
     in the query's dtype or FP8 E4M3 (keys read as stored * k_scale, values * v_scale);
     block_tables: int32 [>= B, max_blocks]; seq_lens: int32 [>= B] (context length including the
     new token). max_seq_len bounds every seq_len (default: the block table's capacity) and sizes
-    the partitions' workspace; the pipelined build (2 stages) launches only the partitions that
-    fill the SMs (launch_partitions), each block looping over its sequence's others; the classic
+    the partitions' workspace; the pipelined build (2 stages) launches one wave of blocks that are
+    dealt every partition (loop_grid_blocks) where its batch is large enough (_loops); the classic
     kernels and pipe3 launch a block for every partition. Longer contexts are split
     into partitions (partition_size tokens, a multiple of 32; default 512, smaller for small
     batches, 1024 for large ones: _wide_partitions_fit) reduced through an fp32 workspace of
@@ -349,15 +363,16 @@ def paged_attention_decode(
         build, query.dtype, head_dim, block_size, size, num_blocks * block_size, window, softcap
     )
     if stages:
-        launched = (
-            launch_partitions(batch, num_heads, kv_heads, parts, device) if stages in _PIPE_LOOP_STAGES else parts
-        )
-        loop = "_loop" if launched < parts else ""  # each block loops over partitions (csrc/attention_pipe.cuh)
-        kernel = f"paged_attention_decode_pipe_{suffix}{variant}_d{head_dim}_g{chunk}_s{stages}{loop}"
+        kernel = f"paged_attention_decode_pipe_{suffix}{variant}_d{head_dim}_g{chunk}_s{stages}"
         shared = pipe_shared_bytes(head_dim, kv_cache.element_size(), stages)
+        grid = (parts, *grid_yz)
+        if parts > 1 and stages in _PIPE_LOOP_STAGES and _loops(batch, num_heads, kv_heads, device):
+            kernel += "_loop"  # one wave of blocks, dealt every partition (csrc/attention_pipe.cuh)
+            resident = _resident_blocks("attention_kernels", kernel, device, shared)
+            grid = (loop_grid_blocks(num_heads, kv_heads, device, resident), grid_yz[0], 1)
+            args = (*args, np.int32(batch))
         if shared > _STATIC_SHARED_LIMIT:
             allow_shared_memory("attention_kernels", kernel, device, shared)
-        grid = (launched, *grid_yz)
         launch("attention_kernels", kernel, device, grid, (_ATTN_THREADS,), args, shared_mem=shared, pdl=pdl)
     else:
         # The plain kernels have no registers to spare for a window or a cap: their own families,

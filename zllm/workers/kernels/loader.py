@@ -87,6 +87,7 @@ _modules: dict[tuple[int, str], LoadedModule] = {}
 _functions: dict[tuple[int, str], Any] = {}
 _streams: dict[int, Any] = {}
 _shared_opt_in: dict[tuple[int, str], int] = {}
+_resident: dict[tuple[int, str, int, int], int] = {}  # resident_blocks: blocks an SM runs
 _cupy_module: Any = None
 
 
@@ -210,6 +211,7 @@ def reset() -> None:
         _modules.clear()
         _functions.clear()
         _shared_opt_in.clear()
+        _resident.clear()
 
 
 def _load(name: str, device_index: int, mode: str) -> LoadedModule:
@@ -297,6 +299,24 @@ def allow_shared_memory(name: str, kernel: str, device: torch.device | int | Non
         function.max_dynamic_shared_size_bytes = nbytes
         function.preferred_shared_memory_carveout = 100  # percent: shared memory over L1
     _shared_opt_in[key] = nbytes
+
+
+def resident_blocks(name: str, kernel: str, device: torch.device | int | None, threads: int, shared: int) -> int:
+    """How many blocks of `threads` threads and `shared` bytes of dynamic shared memory one SM
+    runs at once (the driver's occupancy calculator, registers and static shared memory
+    included); past 48 KiB, after allow_shared_memory. Not a stream operation: capture-safe."""
+    index = _device_index(device)
+    key = (index, kernel, threads, shared)
+    count = _resident.get(key)
+    if count is None:
+        function = get_function(name, kernel, index)
+        cupy = _cupy()
+        with cupy.cuda.Device(index):
+            count = int(
+                cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function.kernel.ptr, threads, shared)
+            )
+        _resident[key] = count
+    return count
 
 
 def preload(device: torch.device | int | None = None) -> dict[str, str]:
