@@ -8,8 +8,8 @@
 // the softmax between them, and no bytes in flight while the warp computes. At batch 256 it moves
 // 2.19 TB/s (73% of the copy bandwidth; docs/benchmarks.md, issue 20).
 //
-// Grid, block and arguments as attention.cuh's (num_partitions, KVH * num_chunks, B; _loop: fewer
-// partitions, below), 128 threads;
+// Grid, block and arguments as attention.cuh's (num_partitions, KVH * num_chunks, B; the _loop
+// kernels below: one wave of blocks, KVH * num_chunks, 1, and the batch), 128 threads;
 // plain layers only (no window, no soft cap: the dispatcher keeps those on attention.cuh's
 // families). Per block:
 //   - the partition's block-table entries (at most kPipeTableEntries) are staged in shared memory
@@ -351,7 +351,7 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int& total, int* warp_
   return before + inclusive - v;
 }
 
-constexpr int kOverflowList = 16;  // overflow units a block collects per scan of the batch
+constexpr int kDealtUnits = 16;  // units a _loop block collects per scan of the batch
 
 // The _loop kernels' work: every (sequence, partition) unit of the batch, in sequence-then-
 // partition order (an empty sequence still has its partition 0, which writes its zeros), dealt
@@ -360,7 +360,7 @@ constexpr int kOverflowList = 16;  // overflow units a block collects per scan o
 // mix of contexts is spread evenly over blocks that all run at once: one 32768-token context
 // among 400-token ones hands its partitions to 31 other blocks instead of walking them in one, and
 // no block waits for a slot while others walk their share. Each block scans the batch's lengths
-// (kAttnThreads at a time) and collects its own units, kOverflowList per scan.
+// (kAttnThreads at a time) and collects its own units, kDealtUnits per scan.
 template <typename T, typename C, int D, int kGC, int kStages>
 __device__ __forceinline__ void paged_attention_pipe_dealt(
     T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml, const T* __restrict__ q,
@@ -368,11 +368,11 @@ __device__ __forceinline__ void paged_attention_pipe_dealt(
     const int* __restrict__ seq_lens, float scale_log2, float v_scale, int num_kv_heads, int group, int num_chunks,
     int block_size, int max_blocks, i64 bt_stride, i64 q_stride, i64 out_stride, int partition_size,
     int max_parts, int batch) {
-  __shared__ int2 units_s[kOverflowList];
+  __shared__ int2 units_s[kDealtUnits];
   __shared__ int warp_sums_s[kAttnWarps];
   const int dealers = static_cast<int>(gridDim.x);
   const int me = static_cast<int>(blockIdx.x);
-  for (int first = 0;; first += kOverflowList) {  // this block's units [first, first + kOverflowList)
+  for (int first = 0;; first += kDealtUnits) {  // this block's units [first, first + kDealtUnits)
     int total = 0;  // units of the sequences scanned so far (uniform over the block)
     for (int s0 = 0; s0 < batch; s0 += kAttnThreads) {
       const int s = s0 + static_cast<int>(threadIdx.x);
@@ -386,7 +386,7 @@ __device__ __forceinline__ void paged_attention_pipe_dealt(
       // units [begin, begin + count) are sequence s's partitions 0, 1, ...; this block's are
       // me, me + dealers, ...
       int m = begin <= me ? 0 : (begin - me + dealers - 1) / dealers;
-      for (m = max(m, first); m < first + kOverflowList; ++m) {
+      for (m = max(m, first); m < first + kDealtUnits; ++m) {
         const int j = me + m * dealers;
         if (j >= begin + count) break;
         units_s[m - first] = make_int2(s, j - begin);
@@ -395,7 +395,7 @@ __device__ __forceinline__ void paged_attention_pipe_dealt(
     }
     __syncthreads();  // units_s
     const int mine = total > me ? (total - me - 1) / dealers + 1 : 0;
-    for (int k = first; k < min(mine, first + kOverflowList); ++k) {
+    for (int k = first; k < min(mine, first + kDealtUnits); ++k) {
       const int2 unit = units_s[k - first];
       __syncthreads();  // every thread has its unit; the last one's shared memory is free
       paged_attention_pipe_impl<T, C, D, kGC, kStages>(
@@ -403,7 +403,7 @@ __device__ __forceinline__ void paged_attention_pipe_dealt(
           group, num_chunks, block_size, max_blocks, bt_stride, q_stride, out_stride, partition_size, max_parts,
           unit.x, unit.y);
     }
-    if (mine <= first + kOverflowList) return;
+    if (mine <= first + kDealtUnits) return;
     __syncthreads();  // units_s is rewritten by the next scan
   }
 }

@@ -19,6 +19,7 @@ from tests.helpers.kernels import DEVICE, PagedBatch, assert_close, nan_like  # 
 from zllm.workers import kernels  # noqa: E402
 from zllm.workers.attention import KVScales, dequantize_kv, quantize_kv  # noqa: E402
 from zllm.workers.kernels import attention as attention_kernels  # noqa: E402
+from zllm.workers.kernels.loader import resident_blocks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -160,7 +161,7 @@ def test_the_default_launches_one_wave_over_a_large_capacity(gen, grids, monkeyp
     assert_close(out[1:], expected[1:], torch.bfloat16)
     kernel = grids[-1][1]
     assert kernel == "paged_attention_decode_pipe_bf16_d128_g4_s2_loop"
-    resident = attention_kernels._resident_blocks("attention_kernels", kernel, device, 4 * 2 * 16 * (2 * 256 + 16))
+    resident = resident_blocks("attention_kernels", kernel, device, 128, 4 * 2 * 16 * (2 * 256 + 16))
     assert resident >= 3 and grids[-1][0] == attention_kernels.loop_grid_blocks(heads, 2, device, resident)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -164,14 +164,6 @@ def _sm_count(device: torch.device | None) -> int:
     return count
 
 
-def _resident_blocks(module: str, kernel: str, device: torch.device | None, shared: int) -> int:
-    """Blocks of `kernel` an SM holds at once with `shared` bytes of dynamic shared memory (its
-    opt-in made first): 3 for the head_dim-128 16-bit 2-stage kernels (66 KiB each)."""
-    if shared > _STATIC_SHARED_LIMIT:
-        allow_shared_memory(module, kernel, device, shared)
-    return max(1, resident_blocks(module, kernel, device, _ATTN_THREADS, shared))
-
-
 def pipe_shared_bytes(head_dim: int, element_size: int, stages: int) -> int:
     """Dynamic shared memory of one block of the pipelined build: each warp's ring of stages, one
     16-token tile of key rows (padded by 16 bytes) and value rows each (attention_pipe.cuh)."""
@@ -365,14 +357,16 @@ def paged_attention_decode(
     if stages:
         kernel = f"paged_attention_decode_pipe_{suffix}{variant}_d{head_dim}_g{chunk}_s{stages}"
         shared = pipe_shared_bytes(head_dim, kv_cache.element_size(), stages)
-        grid = (parts, *grid_yz)
-        if parts > 1 and stages in _PIPE_LOOP_STAGES and _loops(batch, num_heads, kv_heads, device):
+        dealt = parts > 1 and stages in _PIPE_LOOP_STAGES and _loops(batch, num_heads, kv_heads, device)
+        if dealt:
             kernel += "_loop"  # one wave of blocks, dealt every partition (csrc/attention_pipe.cuh)
-            resident = _resident_blocks("attention_kernels", kernel, device, shared)
-            grid = (loop_grid_blocks(num_heads, kv_heads, device, resident), grid_yz[0], 1)
-            args = (*args, np.int32(batch))
         if shared > _STATIC_SHARED_LIMIT:
             allow_shared_memory("attention_kernels", kernel, device, shared)
+        grid = (parts, *grid_yz)
+        if dealt:
+            resident = resident_blocks("attention_kernels", kernel, device, _ATTN_THREADS, shared)
+            grid = (loop_grid_blocks(num_heads, kv_heads, device, resident), grid_yz[0], 1)
+            args = (*args, np.int32(batch))
         launch("attention_kernels", kernel, device, grid, (_ATTN_THREADS,), args, shared_mem=shared, pdl=pdl)
     else:
         # The plain kernels have no registers to spare for a window or a cap: their own families,
