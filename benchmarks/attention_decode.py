@@ -128,7 +128,7 @@ def time_shape(args: argparse.Namespace, batch: int, context: int, grids: list[t
 
 
 def _record_decode_grids() -> list[tuple[int, str]]:
-    """(grid x: partitions, or the _loop kernels' blocks a head slot; kernel) of every decode
+    """(grid x: partitions, or the _loop kernels' blocks; kernel) of every decode
     attention launch from here on."""
     seen: list[tuple[int, str]] = []
     real = kernels.attention.launch

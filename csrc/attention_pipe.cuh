@@ -9,7 +9,7 @@
 // 2.19 TB/s (73% of the copy bandwidth; docs/benchmarks.md, issue 20).
 //
 // Grid, block and arguments as attention.cuh's (num_partitions, KVH * num_chunks, B; the _loop
-// kernels below: one wave of blocks, KVH * num_chunks, 1, and the batch), 128 threads;
+// kernels below: one wave of blocks, 1, 1, and the batch), 128 threads;
 // plain layers only (no window, no soft cap: the dispatcher keeps those on attention.cuh's
 // families). Per block:
 //   - the partition's block-table entries (at most kPipeTableEntries) are staged in shared memory
@@ -90,15 +90,16 @@ __device__ __forceinline__ void qk_half_dot(const C* k, const float (*q)[2][kQSt
   for (int g = 0; g < kGC; ++g) s[g] = s2[g][0] + s2[g][1];
 }
 
-// Attends partition `part` of sequence `b` (ZLLM_PAGED_ATTENTION_PIPE: the block's own,
-// blockIdx.z and blockIdx.x; the _loop kernels below also hand out other sequences' partitions).
+// Attends partition `part` of sequence `b` for head slot `slot` (kv head * num_chunks + chunk;
+// ZLLM_PAGED_ATTENTION_PIPE: the block's own, blockIdx.z, blockIdx.x and blockIdx.y; the _loop
+// and _claim kernels below hand blocks other units).
 template <typename T, typename C, int D, int kGC, int kStages>
 __device__ __forceinline__ void paged_attention_pipe_impl(
     T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml, const T* __restrict__ q,
     const C* __restrict__ k_cache, const C* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, float scale_log2, float v_scale, int num_kv_heads, int group, int num_chunks,
     int block_size, int max_blocks, i64 bt_stride, i64 q_stride, i64 out_stride, int partition_size,
-    int max_parts, int b, int part) {
+    int max_parts, int b, int part, int slot) {
   static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
   static_assert(kStages >= 2, "a pipeline needs two stages");
   constexpr int kE = D / 32;                                     // output dims per lane
@@ -122,8 +123,8 @@ __device__ __forceinline__ void paged_attention_pipe_impl(
   __shared__ float m_s[kAttnWarps][kGC];
   __shared__ float l_s[kAttnWarps][kGC];
 
-  const int kv_head = blockIdx.y / num_chunks;
-  const int chunk = blockIdx.y - kv_head * num_chunks;
+  const int kv_head = slot / num_chunks;
+  const int chunk = slot - kv_head * num_chunks;
   const int num_heads = num_kv_heads * group;
   const int head0 = kv_head * group + chunk * kGC;
   const int heads_here = imin(kGC, group - chunk * kGC);
@@ -351,67 +352,91 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int& total, int* warp_
   return before + inclusive - v;
 }
 
-constexpr int kDealtUnits = 16;  // units a _loop block collects per scan of the batch
+// The _loop kernels' claim counters (paged_attention_pipe_claimed): claims handed out past the
+// grid's first, and the blocks that found none left. Module memory, zero at load; the last block
+// of every launch puts both back to zero, so launches that follow each other on a stream each
+// start from zero. One pair for the module: two _loop launches must not run at once on one device
+// (the engine runs a device's layers on one stream; the split-K workspace has the same rule).
+// Unmangled, so that a test can read it (cuModuleGetGlobal).
+}  // namespace zllm
+extern "C" {
+__device__ int g_attention_claims[2];
+}
+namespace zllm {
 
-// The _loop kernels' work: every (sequence, partition) unit of the batch, in sequence-then-
-// partition order (an empty sequence still has its partition 0, which writes its zeros), dealt
-// round-robin over the gridDim.x blocks of one head slot (blockIdx.y). The grid is one wave of
-// blocks (the dispatcher sizes it: zllm/workers/kernels/attention.py, loop_grid_blocks), so any
-// mix of contexts is spread evenly over blocks that all run at once: one 32768-token context
-// among 400-token ones hands its partitions to 31 other blocks instead of walking them in one, and
-// no block waits for a slot while others walk their share. Each block scans the batch's lengths
-// (kAttnThreads at a time) and collects its own units, kDealtUnits per scan.
+// The _loop kernels' work: every (sequence, partition, head slot) of the batch, claimed one at a
+// time by a grid of one wave of blocks (the dispatcher sizes it: zllm/workers/kernels/attention.py,
+// loop_grid_blocks). Claim c is head slot c % slots of unit c / slots, the units in
+// sequence-then-partition order (an empty sequence still has its partition 0, which writes its
+// zeros). Block i walks claim i first, then asks the counter for the next whenever it is free.
+// Why claimed: a block for every partition of the capacity is mostly dead at short contexts, and
+// dealing the units round-robin over one wave made each block walk a fixed share whatever its
+// SM's pace: where every context fills the capacity, the whole grid waited for the slowest block
+// (one H200, us a call, 256 x 8000 tokens over 8192: 2678 dealt, 2490 claimed, 2463 the full
+// grid; 88 x 8000: 890, 872, 773). What is left there is mostly the _loop body's own cost: with
+// a block for every claim (one each, no counter) 88 x 8000 took 830 against the full grid's 791.
+// A unit's slots are claimed together, so the kv heads of the same tokens are read at about the
+// same time; the first claims need no counter, so a batch smaller than the grid lands on blocks
+// spread over the SMs. The next claim is not asked for ahead (while this one is walked): a block
+// that had just started a long unit would already hold a second, and one 32000-token context
+// among 87 of 400 went from 108 to 135 us.
+// Each block keeps a window of kAttnThreads sequences' first units in shared memory and moves it
+// only forward (its claims only grow), so it reads the batch's lengths once.
 template <typename T, typename C, int D, int kGC, int kStages>
-__device__ __forceinline__ void paged_attention_pipe_dealt(
+__device__ __forceinline__ void paged_attention_pipe_claimed(
     T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml, const T* __restrict__ q,
     const C* __restrict__ k_cache, const C* __restrict__ v_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, float scale_log2, float v_scale, int num_kv_heads, int group, int num_chunks,
     int block_size, int max_blocks, i64 bt_stride, i64 q_stride, i64 out_stride, int partition_size,
     int max_parts, int batch) {
-  __shared__ int2 units_s[kDealtUnits];
+  __shared__ int first_unit_s[kAttnThreads + 1];  // the window's sequences' first units, and its end
   __shared__ int warp_sums_s[kAttnWarps];
-  const int dealers = static_cast<int>(gridDim.x);
-  const int me = static_cast<int>(blockIdx.x);
-  for (int first = 0;; first += kDealtUnits) {  // this block's units [first, first + kDealtUnits)
-    int total = 0;  // units of the sequences scanned so far (uniform over the block)
-    for (int s0 = 0; s0 < batch; s0 += kAttnThreads) {
-      const int s = s0 + static_cast<int>(threadIdx.x);
+  __shared__ int claim_s;
+  __shared__ int2 unit_s;
+  const int slots = num_kv_heads * num_chunks;
+  const int grid = static_cast<int>(gridDim.x);
+  int window = -kAttnThreads;  // the window's first sequence (uniform over the block)
+  int scanned = 0;             // units before the sequence after the window (uniform)
+  for (int claim = static_cast<int>(blockIdx.x);;) {
+    const int unit = claim / slots;
+    while (unit >= scanned && window + kAttnThreads < batch) {
+      window += kAttnThreads;
+      const int s = window + static_cast<int>(threadIdx.x);
       int count = 0;
       if (s < batch) {
         const int len = clamped_end(seq_lens[s], 0, max_blocks, block_size, partition_size, max_parts);
         count = max((len + partition_size - 1) / partition_size, 1);
       }
       int round_total;
-      const int begin = total + block_exclusive_sum(count, round_total, warp_sums_s);
-      // units [begin, begin + count) are sequence s's partitions 0, 1, ...; this block's are
-      // me, me + dealers, ...
-      int m = begin <= me ? 0 : (begin - me + dealers - 1) / dealers;
-      for (m = max(m, first); m < first + kDealtUnits; ++m) {
-        const int j = me + m * dealers;
-        if (j >= begin + count) break;
-        units_s[m - first] = make_int2(s, j - begin);
-      }
-      total += round_total;
+      first_unit_s[threadIdx.x] = scanned + block_exclusive_sum(count, round_total, warp_sums_s);
+      scanned += round_total;
+      if (threadIdx.x == 0) first_unit_s[kAttnThreads] = scanned;
+      __syncthreads();  // first_unit_s
     }
-    __syncthreads();  // units_s
-    const int mine = total > me ? (total - me - 1) / dealers + 1 : 0;
-    for (int k = first; k < min(mine, first + kDealtUnits); ++k) {
-      const int2 unit = units_s[k - first];
-      __syncthreads();  // every thread has its unit; the last one's shared memory is free
-      paged_attention_pipe_impl<T, C, D, kGC, kStages>(
-          out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, seq_lens, scale_log2, v_scale, num_kv_heads,
-          group, num_chunks, block_size, max_blocks, bt_stride, q_stride, out_stride, partition_size, max_parts,
-          unit.x, unit.y);
-    }
-    if (mine <= first + kDealtUnits) return;
-    __syncthreads();  // units_s is rewritten by the next scan
+    if (unit >= scanned) break;  // every unit is claimed (uniform: claim and scanned are)
+    const int i = static_cast<int>(threadIdx.x);
+    if (first_unit_s[i] <= unit && unit < first_unit_s[i + 1]) unit_s = make_int2(window + i, unit - first_unit_s[i]);
+    __syncthreads();  // unit_s
+    const int2 mine = unit_s;
+    paged_attention_pipe_impl<T, C, D, kGC, kStages>(
+        out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, seq_lens, scale_log2, v_scale, num_kv_heads, group,
+        num_chunks, block_size, max_blocks, bt_stride, q_stride, out_stride, partition_size, max_parts, mine.x,
+        mine.y, claim - unit * slots);
+    if (threadIdx.x == 0) claim_s = grid + atomicAdd(&g_attention_claims[0], 1);
+    __syncthreads();  // claim_s; this unit's shared memory is free
+    claim = claim_s;
+  }
+  if (threadIdx.x == 0 && atomicAdd(&g_attention_claims[1], 1) == grid - 1) {
+    // Every block has taken its last claim (a block counts itself after its last claim returned).
+    atomicExch(&g_attention_claims[0], 0);
+    atomicExch(&g_attention_claims[1], 0);
   }
 }
 
 }  // namespace zllm
 
-// NAME_loop: a grid of (one wave of blocks, KVH * num_chunks, 1) whose blocks are dealt every
-// partition of every sequence (paged_attention_pipe_dealt), with the batch as one more argument.
+// NAME_loop: a grid of (one wave of blocks, 1, 1) whose blocks claim every (sequence, partition,
+// head slot) of the batch (paged_attention_pipe_claimed), with the batch as one more argument.
 // Why: a decode graph is captured for the block table's whole capacity (max_model_len), and a
 // grid with a block for every partition of it launches mostly dead blocks for short contexts (at
 // max_model_len 32768, 31 of 32 partitions of a 400-token context). Its own entry point, since a
@@ -429,7 +454,7 @@ __device__ __forceinline__ void paged_attention_pipe_dealt(
       int max_blocks, long long bt_stride, long long q_stride, long long out_stride,           \
       int partition_size, int max_parts, int, float, int batch) {                              \
     ZLLM_DECODE_ATTENTION_PDL_WAIT();                                                           \
-    zllm::paged_attention_pipe_dealt<T, C, D, GC, STAGES>(                                     \
+    zllm::paged_attention_pipe_claimed<T, C, D, GC, STAGES>(                                   \
         out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, seq_lens, scale_log2, v_scale,  \
         num_kv_heads, group, num_chunks, block_size, max_blocks, bt_stride, q_stride,          \
         out_stride, partition_size, max_parts, batch);                                         \
@@ -446,7 +471,7 @@ __device__ __forceinline__ void paged_attention_pipe_dealt(
     zllm::paged_attention_pipe_impl<T, C, D, GC, STAGES>(                                      \
         out, ws_out, ws_ml, q, k_cache, v_cache, block_tables, seq_lens, scale_log2, v_scale,  \
         num_kv_heads, group, num_chunks, block_size, max_blocks, bt_stride, q_stride,          \
-        out_stride, partition_size, max_parts, blockIdx.z, blockIdx.x);                        \
+        out_stride, partition_size, max_parts, blockIdx.z, blockIdx.x, blockIdx.y);                \
   }
 
 // Builds: head_dim 64 and 128, groups 1/4/8, 2 and 3 stages (2 also as _loop). MIN_BLOCKS only

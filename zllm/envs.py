@@ -167,8 +167,8 @@ SETTINGS: dict[str, Setting] = {
             _switch,
             True,
             "0: the pipelined decode attention always launches a block for every partition of the block"
-            " table's capacity (max_model_len), instead of one wave of blocks dealt every partition of the"
-            " batch where its contexts are split and it has 9 to 1024 rows of Llama-3-8B's heads (A/B switch).",
+            " table's capacity (max_model_len), instead of one wave of blocks that claim every partition of"
+            " the batch where its contexts are split and it has 9 to 1024 rows of Llama-3-8B's heads (A/B switch).",
         ),
         Setting("ZLLM_PACKED_PREFILL", _switch, True, "0: prefill attention runs a request at a time (A/B switch)."),
         Setting(

@@ -1,12 +1,13 @@
 """The decode attention grid of one wave of blocks, whatever the block table's capacity
-(ZLLM_DECODE_PARTITION_LOOP, csrc/attention_pipe.cuh's _loop entry points): the blocks of a head
-slot are dealt every (sequence, partition) of the batch round-robin. A partition's arithmetic does
-not depend on which block runs it, so the pipelined build (2 stages, over 16-bit and FP8 caches)
-must give the bits of the grid with a block for every partition, for any number of blocks
-launched, and the float64 reference's values; pipe3, the
-classic kernels and the window and cap families keep a block for every partition. Contexts from 0
-to 3000 tokens over a table far larger than them (a graph's capacity), and one long context among
-short ones or alone (a block then collects more units than one scan of the batch holds)."""
+(ZLLM_DECODE_PARTITION_LOOP, csrc/attention_pipe.cuh's _loop entry points): the blocks claim every
+(sequence, partition, head slot) of the batch, block i claim i first and the rest from a counter in
+the module's memory. A partition's arithmetic does not depend on which block runs it, so the
+pipelined build (2 stages, over 16-bit and FP8 caches) must give the bits of the grid with a block
+for every partition, for any number of blocks launched (fewer or more than the claims), and the
+float64 reference's values, launch after launch (the last block of each puts the counter back to
+zero); pipe3, the classic kernels and the window and cap families keep a block for every partition.
+Contexts from 0 to 3000 tokens over a table far larger than them (a graph's capacity), and one long
+context among short ones or alone (a block then walks many units)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.helpers.kernels import DEVICE, PagedBatch, assert_close, nan_like  # 
 from zllm.workers import kernels  # noqa: E402
 from zllm.workers.attention import KVScales, dequantize_kv, quantize_kv  # noqa: E402
 from zllm.workers.kernels import attention as attention_kernels  # noqa: E402
-from zllm.workers.kernels.loader import resident_blocks  # noqa: E402
+from zllm.workers.kernels.loader import load_module, resident_blocks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -63,15 +64,30 @@ def _assert_matches_reference(out: torch.Tensor, expected: torch.Tensor, scale: 
     assert_close(out[1:], expected[1:], torch.bfloat16, scale)
 
 
+def _claim_counters() -> list[int]:
+    """The _loop kernels' counters (csrc/attention_pipe.cuh, g_attention_claims): the claims
+    handed out past the grid's first, and the blocks done."""
+    import cupy
+
+    device = torch.device(DEVICE)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.synchronize(device)
+    with cupy.cuda.Device(index):
+        pointer = load_module("attention_kernels", index).module.get_global("g_attention_claims")
+        return cupy.ndarray((2,), cupy.int32, pointer).get().tolist()
+
+
 def _run_launching(monkeypatch, batch, launched: int | None, **kwargs) -> torch.Tensor:
-    """The _loop kernel with `launched` blocks along x of its grid, whatever the batch (None: the
-    plain kernel, a block for every partition of the capacity, as ZLLM_DECODE_PARTITION_LOOP=0)."""
+    """The _loop kernel with `launched` blocks in its grid, whatever the batch (None: the plain
+    kernel, a block for every partition of the capacity, as ZLLM_DECODE_PARTITION_LOOP=0); after
+    it, its counters are back at zero."""
     monkeypatch.setattr(attention_kernels, "_loops", lambda *args: launched is not None)
     monkeypatch.setattr(attention_kernels, "loop_grid_blocks", lambda *args: launched)
     out = nan_like(batch.query)
     kernels.paged_attention_decode(
         out, batch.query, batch.cache, batch.block_tables, batch.seq_lens_t, batch.scale, **kwargs
     )
+    assert _claim_counters() == [0, 0]
     return out
 
 
@@ -84,7 +100,7 @@ def test_any_number_launched_gives_the_full_grids_bits(monkeypatch, gen, grids, 
     assert parts == -(-batch.block_tables.shape[1] * 16 // partition_size)
     assert kernel.startswith("paged_attention_decode_pipe_") and kernel.endswith("_s2"), kernel
     _assert_matches_reference(every, batch.reference())
-    for launched in (1, 2, 3, parts - 1, 100):
+    for launched in (1, 2, 3, parts - 1, 100):  # 100: more blocks than claims (22 at 1024 tokens)
         out = _run_launching(monkeypatch, batch, launched, partition_size=partition_size, build="pipe")
         assert grids[-1] == (launched, kernel + "_loop")
         _assert_same_bits(out, every, f"{launched} blocks a head slot")
@@ -93,10 +109,10 @@ def test_any_number_launched_gives_the_full_grids_bits(monkeypatch, gen, grids, 
 @pytest.mark.parametrize(
     "lens, launched",
     [
-        ([3000], 1),  # 47 partitions of 64: one block collects 47 units, three scans of the batch
+        ([3000], 1),  # 47 partitions of 64: one block walks all 94 claims
         ([3000], 2),
         ([3000] + [1] * 39, 40),  # the long context's partitions over 40 blocks
-        ([5, 400, 2999, 7] * 40, 7),  # 160 sequences: two rounds of each scan (128 threads a round)
+        ([5, 400, 2999, 7] * 40, 7),  # 160 sequences: two windows of lengths (128 a window)
         ([0, 6000, 6000, 3, 1500], 3),
     ],
     ids=["alone-1", "alone-2", "among-39", "rounds", "two-long"],
@@ -162,7 +178,7 @@ def test_the_default_launches_one_wave_over_a_large_capacity(gen, grids, monkeyp
     kernel = grids[-1][1]
     assert kernel == "paged_attention_decode_pipe_bf16_d128_g4_s2_loop"
     resident = resident_blocks("attention_kernels", kernel, device, 128, 4 * 2 * 16 * (2 * 256 + 16))
-    assert resident >= 3 and grids[-1][0] == attention_kernels.loop_grid_blocks(heads, 2, device, resident)
+    assert resident >= 3 and grids[-1][0] == attention_kernels.loop_grid_blocks(device, resident)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kernels.paged_attention_decode(*args)
@@ -171,3 +187,4 @@ def test_the_default_launches_one_wave_over_a_large_capacity(gen, grids, monkeyp
     torch.cuda.synchronize()
     assert_close(out[1:], expected[1:], torch.bfloat16)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert _claim_counters() == [0, 0]  # each replay puts the counters back for the next

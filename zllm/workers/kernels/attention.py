@@ -73,18 +73,17 @@ def attention_partitions(
     return partition_size, max(1, -(-max_seq_len // partition_size))
 
 
-def loop_grid_blocks(num_heads: int, num_kv_heads: int, device: torch.device | None, blocks_per_sm: int) -> int:
-    """Blocks along x of a _loop kernel's grid (ZLLM_DECODE_PARTITION_LOOP): one wave of blocks
-    (`blocks_per_sm` resident blocks on every SM) over the head slots, whatever the batch and the
-    capacity. Its blocks are dealt every (sequence, partition) of the batch round-robin
-    (csrc/attention_pipe.cuh, paged_attention_pipe_dealt), so one long context among short ones
-    is spread over the grid. One wave, since a block holds its SM slot for its whole share: a
-    second wave would start only when the first has finished. Why not a block a partition: a
-    graph sizes the partitions for the block table's capacity, and a block for each of them is
-    mostly dead at short contexts: one H200, 400-token contexts, 88 rows, 49.9 us a call at
-    max_model_len 1024, 69.0 at 8192, 110.6 at 32768, 276.8 at 131072 (docs/benchmarks.md)."""
-    head_slots = _blocks_per_partition(1, num_heads, num_kv_heads)
-    return max(1, blocks_per_sm * _sm_count(device) // head_slots)
+def loop_grid_blocks(device: torch.device | None, blocks_per_sm: int) -> int:
+    """Blocks of a _loop kernel's grid (ZLLM_DECODE_PARTITION_LOOP): one wave of blocks
+    (`blocks_per_sm` resident blocks on every SM), whatever the batch and the capacity. They
+    claim every (sequence, partition, head slot) of the batch from a counter
+    (csrc/attention_pipe.cuh, paged_attention_pipe_claimed), so one long context among short ones
+    is spread over the grid and a block that is free takes the next. One wave, since a block
+    holds its SM slot until nothing is left to claim. Why not a block a partition: a graph sizes
+    the partitions for the block table's capacity, and a block for each of them is mostly dead
+    at short contexts: one H200, 400-token contexts, 88 rows, 49.9 us a call at max_model_len
+    1024, 69.0 at 8192, 110.6 at 32768, 276.8 at 131072 (docs/benchmarks.md)."""
+    return max(1, blocks_per_sm * _sm_count(device))
 
 
 def _loops(batch: int, num_heads: int, num_kv_heads: int, device: torch.device | None) -> bool:
@@ -233,8 +232,8 @@ def paged_attention_decode(
     in the query's dtype or FP8 E4M3 (keys read as stored * k_scale, values * v_scale);
     block_tables: int32 [>= B, max_blocks]; seq_lens: int32 [>= B] (context length including the
     new token). max_seq_len bounds every seq_len (default: the block table's capacity) and sizes
-    the partitions' workspace; the pipelined build (2 stages) launches one wave of blocks that are
-    dealt every partition (loop_grid_blocks) where its batch is large enough (_loops); the classic
+    the partitions' workspace; the pipelined build (2 stages) launches one wave of blocks that
+    claim every partition (loop_grid_blocks) where its batch is large enough (_loops); the classic
     kernels and pipe3 launch a block for every partition. Longer contexts are split
     into partitions (partition_size tokens, a multiple of 32; default 512, smaller for small
     batches, 1024 for large ones: _wide_partitions_fit) reduced through an fp32 workspace of
@@ -357,15 +356,15 @@ def paged_attention_decode(
     if stages:
         kernel = f"paged_attention_decode_pipe_{suffix}{variant}_d{head_dim}_g{chunk}_s{stages}"
         shared = pipe_shared_bytes(head_dim, kv_cache.element_size(), stages)
-        dealt = parts > 1 and stages in _PIPE_LOOP_STAGES and _loops(batch, num_heads, kv_heads, device)
-        if dealt:
-            kernel += "_loop"  # one wave of blocks, dealt every partition (csrc/attention_pipe.cuh)
+        looped = parts > 1 and stages in _PIPE_LOOP_STAGES and _loops(batch, num_heads, kv_heads, device)
+        if looped:
+            kernel += "_loop"  # one wave of blocks that claim every partition (csrc/attention_pipe.cuh)
         if shared > _STATIC_SHARED_LIMIT:
             allow_shared_memory("attention_kernels", kernel, device, shared)
         grid = (parts, *grid_yz)
-        if dealt:
+        if looped:
             resident = resident_blocks("attention_kernels", kernel, device, _ATTN_THREADS, shared)
-            grid = (loop_grid_blocks(num_heads, kv_heads, device, resident), grid_yz[0], 1)
+            grid = (loop_grid_blocks(device, resident), 1, 1)
             args = (*args, np.int32(batch))
         launch("attention_kernels", kernel, device, grid, (_ATTN_THREADS,), args, shared_mem=shared, pdl=pdl)
     else:
