@@ -426,10 +426,13 @@ __device__ __forceinline__ void paged_attention_pipe_claimed(
     __syncthreads();  // claim_s; this unit's shared memory is free
     claim = claim_s;
   }
-  if (threadIdx.x == 0 && atomicAdd(&g_attention_claims[1], 1) == grid - 1) {
-    // Every block has taken its last claim (a block counts itself after its last claim returned).
-    atomicExch(&g_attention_claims[0], 0);
-    atomicExch(&g_attention_claims[1], 0);
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's last claim is ordered before it counts itself done
+    if (atomicAdd(&g_attention_claims[1], 1) == grid - 1) {
+      __threadfence();  // every block has taken its last claim: the reset comes after them all
+      atomicExch(&g_attention_claims[0], 0);
+      atomicExch(&g_attention_claims[1], 0);
+    }
   }
 }
 

@@ -152,6 +152,14 @@ def test_the_loop_grid_is_one_wave_of_blocks(h100):
     assert attention.loop_grid_blocks(None, 0) == 1
 
 
+def test_the_loop_claims_fit_an_int():
+    """1024 rows x 12288 partitions x 64 head slots would count past 2**31: the full grid then."""
+    assert attention.loop_claims_fit(1024, 256, 8)
+    assert attention.loop_claims_fit(1024, 12288, 85)
+    assert not attention.loop_claims_fit(1024, 12288, 86)
+    assert not attention.loop_claims_fit(1024, 12288, 65535)
+
+
 @pytest.mark.parametrize("loop", ["0", "1"])
 def test_the_partition_size_does_not_depend_on_the_loop(h100, monkeypatch, loop):
     """Batches that loop take 512-token partitions or more at any capacity, the full grid's size."""

@@ -114,8 +114,9 @@ def test_any_number_launched_gives_the_full_grids_bits(monkeypatch, gen, grids, 
         ([3000] + [1] * 39, 40),  # the long context's partitions over 40 blocks
         ([5, 400, 2999, 7] * 40, 7),  # 160 sequences: two windows of lengths (128 a window)
         ([0, 6000, 6000, 3, 1500], 3),
+        ([5, 0, 17] * 200, 600),  # 1200 claims: a block's second claim skips a whole window of 128
     ],
-    ids=["alone-1", "alone-2", "among-39", "rounds", "two-long"],
+    ids=["alone-1", "alone-2", "among-39", "rounds", "two-long", "window-jumps"],
 )
 def test_long_contexts_are_shared_out_with_the_full_grids_bits(monkeypatch, gen, grids, lens, launched):
     batch = _batch(gen, lens=lens)

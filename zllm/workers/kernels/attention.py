@@ -45,6 +45,7 @@ _STATIC_SHARED_LIMIT = 48 * 1024
 _WIDE_PARTITION = 1024  # tokens a decode partition spans in large batches (_wide_partitions_fit)
 _WIDE_GRID_WAVES = 3  # a partition's blocks per SM from which it does
 _LOOP_MAX_BATCH = 1024  # sequences a _loop kernel's blocks each scan (_loops)
+_LOOP_MAX_CLAIMS = 1 << 30  # the _loop kernels count claims (and the grid past them) in an int
 _PIPE_LOOP_STAGES = (2,)  # the pipelined builds compiled with a _loop twin (csrc/attention_pipe.cuh)
 
 _workspaces: dict[int, torch.Tensor] = {}
@@ -98,6 +99,12 @@ def _loops(batch: int, num_heads: int, num_kv_heads: int, device: torch.device |
     if not envs.ZLLM_DECODE_PARTITION_LOOP or batch > _LOOP_MAX_BATCH:
         return False
     return 2 * _blocks_per_partition(batch, num_heads, num_kv_heads) >= _sm_count(device)
+
+
+def loop_claims_fit(batch: int, parts: int, head_slots: int) -> bool:
+    """Whether a _loop kernel's claims (a claim for every partition of every sequence in every
+    head slot, at most) fit the int it counts them in, with room for the grid past the last."""
+    return batch * parts * head_slots < _LOOP_MAX_CLAIMS
 
 
 def _group_chunk(group: int) -> int:
@@ -356,7 +363,12 @@ def paged_attention_decode(
     if stages:
         kernel = f"paged_attention_decode_pipe_{suffix}{variant}_d{head_dim}_g{chunk}_s{stages}"
         shared = pipe_shared_bytes(head_dim, kv_cache.element_size(), stages)
-        looped = parts > 1 and stages in _PIPE_LOOP_STAGES and _loops(batch, num_heads, kv_heads, device)
+        looped = (
+            parts > 1
+            and stages in _PIPE_LOOP_STAGES
+            and _loops(batch, num_heads, kv_heads, device)
+            and loop_claims_fit(batch, parts, grid_yz[0])
+        )
         if looped:
             kernel += "_loop"  # one wave of blocks that claim every partition (csrc/attention_pipe.cuh)
         if shared > _STATIC_SHARED_LIMIT:
