@@ -92,7 +92,7 @@ __device__ __forceinline__ void qk_half_dot(const C* k, const float (*q)[2][kQSt
 
 // Attends partition `part` of sequence `b` for head slot `slot` (kv head * num_chunks + chunk;
 // ZLLM_PAGED_ATTENTION_PIPE: the block's own, blockIdx.z, blockIdx.x and blockIdx.y; the _loop
-// and _claim kernels below hand blocks other units).
+// kernels below hand a block one claimed unit after another).
 template <typename T, typename C, int D, int kGC, int kStages>
 __device__ __forceinline__ void paged_attention_pipe_impl(
     T* __restrict__ out, float* __restrict__ ws_out, float* __restrict__ ws_ml, const T* __restrict__ q,

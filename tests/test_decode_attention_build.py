@@ -153,7 +153,8 @@ def test_the_loop_grid_is_one_wave_of_blocks(h100):
 
 
 def test_the_loop_claims_fit_an_int():
-    """1024 rows x 12288 partitions x 64 head slots would count past 2**31: the full grid then."""
+    """From 2**30 claims (1024 rows x 12288 partitions x 86 head slots) the full grid runs: the
+    _loop kernels count claims, and the grid past the last, in an int."""
     assert attention.loop_claims_fit(1024, 256, 8)
     assert attention.loop_claims_fit(1024, 12288, 85)
     assert not attention.loop_claims_fit(1024, 12288, 86)

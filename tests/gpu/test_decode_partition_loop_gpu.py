@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("cupy")
+cupy = pytest.importorskip("cupy")
 
 from tests.helpers.kernels import DEVICE, PagedBatch, assert_close, nan_like  # noqa: E402
 from zllm.workers import kernels  # noqa: E402
@@ -67,8 +67,6 @@ def _assert_matches_reference(out: torch.Tensor, expected: torch.Tensor, scale: 
 def _claim_counters() -> list[int]:
     """The _loop kernels' counters (csrc/attention_pipe.cuh, g_attention_claims): the claims
     handed out past the grid's first, and the blocks done."""
-    import cupy
-
     device = torch.device(DEVICE)
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.synchronize(device)
