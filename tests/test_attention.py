@@ -472,9 +472,10 @@ def test_gemma_norm_and_geglu_match_transformers(dtype):
     assert torch.equal(gelu_tanh_and_mul(gate_up), ACT2FN["gelu_pytorch_tanh"](gate) * up)
 
 
-def test_decode_workspace_covers_the_mixed_step_graphs_without_the_worst_case(monkeypatch):
-    """reserve_decode_workspace: the worst case (128-token partitions) for max_num_seqs rows, and for
-    the larger decode graphs of mixed_graph_max_tokens exactly what their replays ask for."""
+def test_decode_workspace_covers_every_eager_step_and_the_mixed_step_graphs(monkeypatch):
+    """reserve_decode_workspace: for up to max_num_seqs rows, what an eager step of any row count
+    and any longest context asks (default_partitions_bound); for the larger decode graphs of
+    mixed_graph_max_tokens exactly what their replays ask for."""
     import torch
 
     from zllm.workers import kernels
@@ -485,23 +486,33 @@ def test_decode_workspace_covers_the_mixed_step_graphs_without_the_worst_case(mo
     monkeypatch.setattr(attention_kernels, "_sm_count", lambda device: 132)  # an H100's
     ops = object.__new__(CudaOps)
     ops.k = kernels
-    heads, kv_heads, dim = 32, 8, 128
+    dim = 128
 
-    def reserved(max_batch: int, rows: int, max_len: int, windows: tuple[int, ...] = ()) -> int:
+    def reserved(heads, kv_heads, max_batch: int, rows: int, max_len: int) -> int:
         sizes = tuple(graph_batch_sizes(rows))
-        ops.reserve_decode_workspace(max_batch, heads, dim, max_len, torch.device("cpu"), sizes, kv_heads, windows)
+        ops.reserve_decode_workspace(max_batch, heads, dim, max_len, torch.device("cpu"), sizes, kv_heads)
         return ops.workspace.numel()
 
-    def asked(rows: int, max_len: int) -> int:  # what paged_attention_decode checks for a graph of `rows`
-        _, parts = kernels.attention_partitions(rows, heads, kv_heads, max_len, torch.device("cpu"))
+    def asked(heads, kv_heads, rows: int, max_len: int, block_size: int | None = 16) -> int:
+        """What paged_attention_decode checks (block_size None: the count for any block size)."""
+        _, parts = kernels.attention_partitions(rows, heads, kv_heads, max_len, torch.device("cpu"), None, block_size)
         return kernels.attention_workspace_numel(rows, heads, dim, parts)
 
-    worst_256 = kernels.attention_workspace_numel(256, heads, dim, 131072 // 128)
-    assert reserved(256, 512, 131072) == worst_256  # 512 rows take 512-token partitions: less
-    assert asked(512, 131072) < worst_256
-    small = reserved(8, 512, 1024)  # few sequences, many rows: the rows' graphs decide
+    # Llama-3-8B's heads, and a tp 4 rank of Llama-3-70B's (tiny grids: 64-token partitions and
+    # groups of 8 split in two blocks at batch 1 and 2).
+    for heads, kv_heads in ((32, 8), (16, 2)):
+        for max_batch, max_len in ((8, 1024), (8, 8192), (48, 4096)):
+            eager = max(
+                asked(heads, kv_heads, rows, longest)
+                for rows in range(1, max_batch + 1)
+                for longest in range(16, max_len + 1, 16)
+            )
+            assert eager <= reserved(heads, kv_heads, max_batch, max_batch, max_len)
+    # Far less than 128-token partitions over the whole context for every row (the old reserve).
+    assert reserved(32, 8, 256, 256, 131072) * 4 <= kernels.attention_workspace_numel(256, 32, dim, 131072 // 128)
+    small = reserved(32, 8, 8, 512, 1024)  # few sequences, many rows: the rows' graphs decide
     assert (
         small
-        == max(asked(rows, 1024) for rows in graph_batch_sizes(512))
-        > kernels.attention_workspace_numel(8, heads, dim, 8)
+        == max(asked(32, 8, rows, 1024, None) for rows in graph_batch_sizes(512))
+        > kernels.attention_workspace_numel(8, 32, dim, 16)
     )

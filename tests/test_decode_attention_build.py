@@ -165,7 +165,7 @@ def test_the_loop_claims_fit_an_int():
 def test_the_partition_size_does_not_depend_on_the_loop(h100, monkeypatch, loop):
     """Batches that loop take 512-token partitions or more at any capacity, the full grid's size."""
     monkeypatch.setenv("ZLLM_DECODE_PARTITION_LOOP", loop)
-    assert attention.attention_partitions(1, 32, 8, 1024, block_size=16) == (128, 8)
+    assert attention.attention_partitions(1, 32, 8, 1024, block_size=16) == (64, 16)
     assert attention.attention_partitions(1, 32, 8, 8192, block_size=16) == (256, 32)
     assert attention.attention_partitions(1, 32, 8, 32768, block_size=16) == (512, 64)
     assert attention.attention_partitions(8, 32, 8, 8192, block_size=16) == (512, 16)
@@ -173,3 +173,48 @@ def test_the_partition_size_does_not_depend_on_the_loop(h100, monkeypatch, loop)
         for capacity in (1024, 8192, 131072):
             expected = (size, -(-capacity // size))
             assert attention.attention_partitions(rows, 32, 8, capacity, block_size=16) == expected
+
+
+def test_tiny_grids_take_64_token_partitions(h100):
+    """Halving stops at _MIN_PARTITION: batch 1 over 1024 tokens (Llama-3-8B's heads: 8 blocks a
+    partition; a tp 4 rank of Llama-3-70B's: 2 kv heads, each group in two blocks of 4)."""
+    assert attention._MIN_PARTITION == 64
+    assert attention.attention_partitions(1, 32, 8, 1024, block_size=16) == (64, 16)
+    assert attention.attention_partitions(1, 16, 2, 1024, block_size=16) == (64, 16)
+    assert attention.attention_partitions(1, 16, 2, 8192, block_size=16) == (128, 64)  # 4 blocks a partition
+    assert attention.attention_partitions(4, 32, 8, 1024, block_size=16) == (128, 8)  # 32 blocks: as before
+    assert attention.attention_partitions(1, 32, 8, 8192, block_size=16) == (256, 32)
+
+
+@pytest.mark.parametrize(
+    "group, batch, kv_heads, chunk",
+    [
+        (1, 1, 8, 1),
+        (2, 1, 2, 4),
+        (4, 1, 2, 4),
+        (8, 1, 2, 4),
+        (5, 4, 2, 4),
+        (8, 5, 2, 8),
+        (8, 8, 1, 4),
+        (8, 9, 1, 8),
+        (8, 1, 8, 4),
+        (8, 2, 8, 8),
+        (8, 64, 8, 8),
+    ],
+)
+def test_groups_of_five_to_eight_split_only_in_tiny_grids(group, batch, kv_heads, chunk):
+    """Two blocks of 4 heads for up to _SPLIT_GROUP_MAX_KV_ROWS sequences x kv heads, one block of 8 past it."""
+    assert attention._group_chunk(group, batch, kv_heads) == chunk
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (16, 2), (64, 8), (8, 8)])
+@pytest.mark.parametrize("max_len", [100, 1024, 8192, 131072])
+def test_the_partitions_bound_covers_every_longest_context(h100, heads, kv_heads, max_len):
+    """default_partitions_bound: no row count and no longest context up to max_len takes more."""
+    for rows in (1, 2, 3, 4, 8, 16, 33, 64, 256):
+        bound = attention.default_partitions_bound(rows, heads, kv_heads, max_len)
+        step = max(1, max_len // 512)
+        for longest in range(1, max_len + 1, step):
+            for block_size in (None, 16):
+                _, parts = attention.attention_partitions(rows, heads, kv_heads, longest, block_size=block_size)
+                assert parts <= bound, (rows, longest, block_size)

@@ -109,6 +109,22 @@ def test_pipe_small_partitions_and_block_sizes(build, partition_size, block_size
     assert _pipe_ran(launched, attention_kernels._PIPE_STAGES[build])
 
 
+@pytest.mark.parametrize("build", ["classic", "pipe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("group", [5, 6, 8])
+def test_tiny_grids_split_groups_of_five_to_eight(build, dtype, group, gen, launched):
+    """At most _SPLIT_GROUP_MAX_KV_ROWS sequences x kv heads (2 kv heads: batch 1 to 4), a group
+    of 5-8 heads runs as two blocks of 4 (the g4 kernels, the second chunk padded for 5 and 6),
+    over the default partitions (64 tokens over a 1024 capacity); past it, one block of 8. fp32
+    runs the classic kernel whatever the build."""
+    for lens, chunk in (([1], 4), ([300], 4), ([17, 700], 4), ([5, 17, 300, 700], 4), ([1, 5, 17, 300, 700], 8)):
+        batch = PagedBatch(lens, num_heads=2 * group, kv_heads=2, head_dim=128, block_size=16, dtype=dtype, gen=gen)
+        launched.clear()
+        assert_close(batch.run(build=build, max_seq_len=1024), batch.reference(), dtype)
+        decode = [n for n in launched if n.startswith("paged_attention_decode")]
+        assert decode and all(f"_g{chunk}" in n for n in decode), (lens, decode)
+
+
 def test_pipe_strided_query_out_and_empty_sequences(gen, launched):
     """q a view of a fused qkv buffer, out of a wider one; empty sequences give zeros."""
     num_heads, kv_heads, head_dim = 8, 2, 128

@@ -205,12 +205,16 @@ class CudaOps(TorchOps):
         windows: tuple[int, ...] = (),
     ) -> None:
         """Allocate the split-K scratch once, so no later step reallocates it under a captured CUDA
-        graph: for up to max_batch rows the worst case (128-token partitions, any eager step, any
-        window); for the decode graphs of more rows (a mixed step's prompt tokens,
-        mixed_graph_max_tokens) what their replays use: the partitions the kernel picks for that
-        many rows over max_len or a sliding window (512 tokens once the rows fill the GPU), not up
-        to 4x that."""
-        numel = self.k.attention_workspace_numel(max_batch, num_heads, head_dim, -(-max_len // 128))
+        graph: for up to max_batch rows the most any eager step of any longest context (a window's
+        included) may ask (default_partitions_bound for every row count); for the decode graphs of
+        more rows (a mixed step's prompt tokens, mixed_graph_max_tokens) what their replays use:
+        the partitions the kernel picks for that many rows over max_len or a sliding window."""
+        numel = max(
+            self.k.attention_workspace_numel(
+                rows, num_heads, head_dim, self.k.default_partitions_bound(rows, num_heads, kv_heads, max_len, device)
+            )
+            for rows in range(1, max_batch + 1)
+        )
         lengths = {max_len, *(w for w in windows if w < max_len)}
         for rows in (size for size in graph_sizes if size > max_batch):
             for length in lengths:

@@ -59,7 +59,12 @@ from zllm.workers.kernels.activation import (
     silu_and_mul,
     silu_and_mul_lora_shrink,
 )
-from zllm.workers.kernels.attention import attention_partitions, attention_workspace_numel, paged_attention_decode
+from zllm.workers.kernels.attention import (
+    attention_partitions,
+    attention_workspace_numel,
+    default_partitions_bound,
+    paged_attention_decode,
+)
 from zllm.workers.kernels.cache import reshape_and_cache
 from zllm.workers.kernels.layernorm import fused_add_rms_norm, fused_add_rms_norm_lora_shrink, rms_norm
 from zllm.workers.kernels.loader import KernelUnavailableError, cupy_available, preload
@@ -87,6 +92,7 @@ __all__ = [
     "RopeCache",
     "attention_partitions",
     "attention_workspace_numel",
+    "default_partitions_bound",
     "fp8_gemv",
     "fp8_gemv_act_and_mul",
     "fp8_gemv_rope_cache",

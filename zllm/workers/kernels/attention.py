@@ -44,6 +44,8 @@ _PIPE_TABLE_ENTRIES = 128
 _STATIC_SHARED_LIMIT = 48 * 1024
 _WIDE_PARTITION = 1024  # tokens a decode partition spans in large batches (_wide_partitions_fit)
 _WIDE_GRID_WAVES = 3  # a partition's blocks per SM from which it does
+_MIN_PARTITION = 64  # tokens: the smallest partition the default picks (_default_partition_size)
+_SPLIT_GROUP_MAX_KV_ROWS = 8  # sequences x kv heads up to which 5-8 heads a group take two blocks (_group_chunk)
 _LOOP_MAX_BATCH = 1024  # sequences a _loop kernel's blocks each scan (_loops)
 _LOOP_MAX_CLAIMS = 1 << 30  # the _loop kernels count claims (and the grid past them) in an int
 _PIPE_LOOP_STAGES = (2,)  # the pipelined builds compiled with a _loop twin (csrc/attention_pipe.cuh)
@@ -72,6 +74,19 @@ def attention_partitions(
     if partition_size is None:
         partition_size = _default_partition_size(batch, num_heads, num_kv_heads, max_seq_len, device, block_size)
     return partition_size, max(1, -(-max_seq_len // partition_size))
+
+
+def default_partitions_bound(
+    batch: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None
+) -> int:
+    """At most how many partitions the default picks for `batch` sequences at any longest context
+    up to max_seq_len (an eager step sizes its grid to its longest context). A size below 512 is
+    chosen only where twice it left SMs idle (fewer than sms / blocks partitions), so it makes
+    fewer than 2 sms / blocks; 512 and 1024 make at most max_seq_len / 512; none more than
+    max_seq_len / _MIN_PARTITION."""
+    blocks = _blocks_per_partition(batch, num_heads, num_kv_heads)
+    split = -(-2 * _sm_count(device) // blocks)
+    return max(1, min(-(-max_seq_len // _MIN_PARTITION), max(-(-max_seq_len // 512), split)))
 
 
 def loop_grid_blocks(device: torch.device | None, blocks_per_sm: int) -> int:
@@ -107,15 +122,25 @@ def loop_claims_fit(batch: int, parts: int, head_slots: int) -> bool:
     return batch * parts * head_slots < _LOOP_MAX_CLAIMS
 
 
-def _group_chunk(group: int) -> int:
-    """Query heads per thread block (a compiled variant: 1, 4 or 8)."""
-    return 1 if group == 1 else 4 if group <= 4 else 8
+def _group_chunk(group: int, batch: int, num_kv_heads: int) -> int:
+    """Query heads per thread block (a compiled variant: 1, 4 or 8). A group of 5-8 heads takes
+    one block of 8, or two blocks of 4 in a grid of at most _SPLIT_GROUP_MAX_KV_ROWS sequences x kv
+    heads: there a call is a few blocks' latency, and halving each block's heads beats reading
+    the K/V tiles once (the second block reads them from L2). One H200, contexts 129-384 over
+    1024, us a call (docs/benchmarks.md): 2 kv heads (a tp 4 rank of Llama-3-70B) at batch 1-4
+    8.1-9.1 -> 6.8-8.6; 4 kv heads at batch 1-2 and 8 at batch 1 likewise faster; 8 kv heads at
+    batch 2 (16 rows) no better (9.7-10.6 against 10.3-10.5)."""
+    if group == 1:
+        return 1
+    if group <= 4 or batch * num_kv_heads <= _SPLIT_GROUP_MAX_KV_ROWS:
+        return 4
+    return 8
 
 
 def _blocks_per_partition(batch: int, num_heads: int, num_kv_heads: int) -> int:
     """Thread blocks one partition of every sequence takes: a block per kv head and head chunk."""
     group = num_heads // num_kv_heads
-    return batch * num_kv_heads * -(-group // _group_chunk(group))
+    return batch * num_kv_heads * -(-group // _group_chunk(group, batch, num_kv_heads))
 
 
 def _default_partition_size(
@@ -126,12 +151,15 @@ def _default_partition_size(
     device,
     block_size: int | None = None,
 ) -> int:
-    # 512 tokens a block; halve (down to 128) while a context of max_seq_len tokens would leave
-    # SMs idle.
+    # 512 tokens a block; halve (down to _MIN_PARTITION) while a context of max_seq_len tokens
+    # would leave SMs idle. At batch 1 a call is a few blocks' latency, not bandwidth: 64-token
+    # partitions against 128 took Llama-3-8B's heads from 8.5-8.9 to 6.9-7.6 us a call, and a tp 4
+    # rank of Llama-3-70B (16 heads, 2 kv heads) from 10.6 to 8.3-8.5 us (one H200, contexts
+    # 129-384 over 1024; benchmarks/attention_decode.py, docs/benchmarks.md).
     blocks_per_partition = _blocks_per_partition(batch, num_heads, num_kv_heads)
     sms = _sm_count(device)
     size = 512
-    while size > 128 and blocks_per_partition * -(-max_seq_len // size) < sms:
+    while size > _MIN_PARTITION and blocks_per_partition * -(-max_seq_len // size) < sms:
         size //= 2
     if max_seq_len > size and _wide_partitions_fit(blocks_per_partition, sms, block_size):
         return _WIDE_PARTITION
@@ -304,7 +332,7 @@ def paged_attention_decode(
         fail(op, f"{max_len} tokens make {parts} partitions of {size}; at most {_MAX_REDUCE_PARTS}")
 
     group = num_heads // kv_heads
-    chunk = _group_chunk(group)
+    chunk = _group_chunk(group, batch, kv_heads)
     num_chunks = -(-group // chunk)
     if kv_heads * num_chunks > MAX_GRID_YZ:
         fail(op, f"{kv_heads} kv heads x {num_chunks} head chunks exceed the grid's {MAX_GRID_YZ}")
