@@ -472,6 +472,23 @@ def test_gemma_norm_and_geglu_match_transformers(dtype):
     assert torch.equal(gelu_tanh_and_mul(gate_up), ACT2FN["gelu_pytorch_tanh"](gate) * up)
 
 
+def test_the_decode_workspace_is_reserved_for_the_block_tables_capacity():
+    """A graph's grid covers max_model_len rounded up to whole blocks (1050 tokens in 128-token
+    blocks: 1152), so the model runner reserves for that, not for max_model_len."""
+    from types import SimpleNamespace
+
+    from zllm.workers.model_runner import ModelRunner
+
+    asked = {}
+    runner = object.__new__(ModelRunner)
+    runner.ops = SimpleNamespace(workspace=None, reserve_decode_workspace=lambda *args, **kw: asked.update(args=args))
+    runner.spec = SimpleNamespace(sliding_window=None, head_dim=128)
+    runner.config = SimpleNamespace(max_num_seqs=2, max_model_len=1050, mixed_graph_max_tokens=None)
+    runner.num_heads, runner.num_kv_heads, runner.block_size, runner.device = 16, 2, 128, "cpu"
+    runner._reserve_decode_workspace()
+    assert asked["args"][:4] == (2, 16, 128, 1152)
+
+
 def test_decode_workspace_covers_every_eager_step_and_the_mixed_step_graphs(monkeypatch):
     """reserve_decode_workspace: for up to max_num_seqs rows, what an eager step of any row count
     and any longest context asks (default_partitions_bound); for the larger decode graphs of

@@ -200,10 +200,14 @@ def test_tiny_grids_take_64_token_partitions(h100):
         (8, 1, 8, 4),
         (8, 2, 8, 8),
         (8, 64, 8, 8),
+        (12, 1, 2, 8),
+        (16, 1, 2, 8),
+        (48, 1, 1, 8),
     ],
 )
 def test_groups_of_five_to_eight_split_only_in_tiny_grids(group, batch, kv_heads, chunk):
-    """Two blocks of 4 heads for up to _SPLIT_GROUP_MAX_KV_ROWS sequences x kv heads, one block of 8 past it."""
+    """Groups of 5-8 heads: two blocks of 4 for up to _SPLIT_GROUP_MAX_KV_ROWS sequences x kv heads,
+    one block of 8 past it; larger groups keep chunks of 8 in any grid."""
     assert attention._group_chunk(group, batch, kv_heads) == chunk
 
 
@@ -218,3 +222,16 @@ def test_the_partitions_bound_covers_every_longest_context(h100, heads, kv_heads
             for block_size in (None, 16):
                 _, parts = attention.attention_partitions(rows, heads, kv_heads, longest, block_size=block_size)
                 assert parts <= bound, (rows, longest, block_size)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("max_model_len", [1000, 1025, 1050, 4000, 8192])
+def test_the_partitions_bound_covers_a_graphs_capacity(h100, block_size, max_model_len):
+    """A CUDA graph's grid covers the block table's capacity (max_model_len in whole blocks), which
+    model_runner passes: with 128-token blocks it can take one 64-token partition more than
+    max_model_len would."""
+    capacity = -(-max_model_len // block_size) * block_size
+    for heads, kv_heads in ((32, 8), (16, 2), (64, 8)):
+        for rows in range(1, 20):
+            _, parts = attention.attention_partitions(rows, heads, kv_heads, capacity, block_size=block_size)
+            assert parts <= attention.default_partitions_bound(rows, heads, kv_heads, capacity)

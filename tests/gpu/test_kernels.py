@@ -109,7 +109,8 @@ def test_decode_block_sizes(block_size, dtype, gen):
 
 @pytest.mark.parametrize("group", [2, 5, 12, 16])
 def test_decode_group_chunks(group, gen):
-    """Groups that are not 1, 4 or 8 run padded chunks (2 -> 4, 5 -> 8) or several chunks (12, 16)."""
+    """Groups that are not 1, 4 or 8 run padded chunks (2 -> 4; 5 -> 4 + 4, the second padded, in
+    this grid of 6 sequences x kv heads) or several chunks of 8 (12, 16)."""
     batch = PagedBatch(
         [3, 40, 130], num_heads=2 * group, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, gen=gen
     )

@@ -450,11 +450,13 @@ class ModelRunner:
         from zllm.workers.cuda_graphs import graph_batch_sizes
 
         window = self.spec.sliding_window
+        # A graph's grid covers the block table's capacity: max_model_len in whole blocks.
+        capacity = -(-self.config.max_model_len // self.block_size) * self.block_size
         self.ops.reserve_decode_workspace(
             self.config.max_num_seqs,
             self.num_heads,
             self.spec.head_dim,
-            self.config.max_model_len,
+            capacity,
             self.device,
             graph_sizes=tuple(graph_batch_sizes(self.decode_rows_capacity)),
             kv_heads=self.num_kv_heads,

@@ -205,7 +205,7 @@ class CudaOps(TorchOps):
         windows: tuple[int, ...] = (),
     ) -> None:
         """Allocate the split-K scratch once, so no later step reallocates it under a captured CUDA
-        graph: for up to max_batch rows the most any eager step of any longest context (a window's
+        graph. max_len: the block table's capacity in tokens (a graph's grid covers it). For up to max_batch rows the most any eager step of any longest context (a window's
         included) may ask (default_partitions_bound for every row count); for the decode graphs of
         more rows (a mixed step's prompt tokens, mixed_graph_max_tokens) what their replays use:
         the partitions the kernel picks for that many rows over max_len or a sliding window."""

@@ -80,7 +80,9 @@ def default_partitions_bound(
     batch: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None
 ) -> int:
     """At most how many partitions the default picks for `batch` sequences at any longest context
-    up to max_seq_len (an eager step sizes its grid to its longest context). A size below 512 is
+    up to max_seq_len (an eager step sizes its grid to its longest context; a CUDA graph to the
+    block table's capacity, which the caller passes: max_model_len rounded up to whole blocks,
+    since ceil(capacity / 64) may pass ceil(max_model_len / 64) where a block is over 64 tokens). A size below 512 is
     chosen only where twice it left SMs idle (fewer than sms / blocks partitions), so it makes
     fewer than 2 sms / blocks; 512 and 1024 make at most max_seq_len / 512; none more than
     max_seq_len / _MIN_PARTITION."""
@@ -107,7 +109,7 @@ def _loops(batch: int, num_heads: int, num_kv_heads: int, device: torch.device |
     ZLLM_DECODE_PARTITION_LOOP on, one partition's blocks at least half the SMs (9 rows of
     Llama-3-8B's heads on 132 SMs: from there a partition is 512 tokens or more whatever the
     capacity, so the sizes are the full grid's) and at most _LOOP_MAX_BATCH sequences. Smaller
-    batches keep the full grid: sized for short contexts, their 128-token partitions cut a long
+    batches keep the full grid: sized for short contexts, their 64-256-token partitions cut a long
     one so finely that one row of 32000 tokens took 100.4 us a call against the full grid's 61.1
     (512-token partitions over a 131072 capacity, one H200). The _loop kernel's blocks each scan
     the batch's lengths, hence the upper bound (no decode graph is that large)."""
@@ -132,7 +134,7 @@ def _group_chunk(group: int, batch: int, num_kv_heads: int) -> int:
     batch 2 (16 rows) no better (9.7-10.6 against 10.3-10.5)."""
     if group == 1:
         return 1
-    if group <= 4 or batch * num_kv_heads <= _SPLIT_GROUP_MAX_KV_ROWS:
+    if group <= 4 or (group <= 8 and batch * num_kv_heads <= _SPLIT_GROUP_MAX_KV_ROWS):
         return 4
     return 8
 
