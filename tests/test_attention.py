@@ -485,8 +485,39 @@ def test_the_decode_workspace_is_reserved_for_the_block_tables_capacity():
     runner.spec = SimpleNamespace(sliding_window=None, head_dim=128)
     runner.config = SimpleNamespace(max_num_seqs=2, max_model_len=1050, mixed_graph_max_tokens=None)
     runner.num_heads, runner.num_kv_heads, runner.block_size, runner.device = 16, 2, 128, "cpu"
+    runner.proposer = None
     runner._reserve_decode_workspace()
     assert asked["args"][:4] == (2, 16, 128, 1152)
+
+
+def test_the_decode_workspace_covers_a_draft_models_eager_decodes(monkeypatch):
+    """A draft model (or an EAGLE head) decodes through the target's ops and workspace: Llama-2-7B's
+    heads (32 / 32, head_dim 128) with TinyLlama's as the draft (32 / 4, head_dim 64) ask for more
+    partitions a row than the target at small batches."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zllm.workers import kernels
+    from zllm.workers.kernels import attention as attention_kernels
+    from zllm.workers.model_runner import ModelRunner
+    from zllm.workers.ops import CudaOps
+
+    monkeypatch.setattr(attention_kernels, "_sm_count", lambda device: 132)
+    ops = object.__new__(CudaOps)
+    ops.k, ops.workspace = kernels, None
+    runner = object.__new__(ModelRunner)
+    runner.ops = ops
+    runner.spec = SimpleNamespace(sliding_window=None, head_dim=128)
+    runner.config = SimpleNamespace(max_num_seqs=8, max_model_len=1024, mixed_graph_max_tokens=None)
+    runner.num_heads, runner.num_kv_heads, runner.block_size, runner.device = 32, 32, 16, torch.device("cpu")
+    runner.proposer = SimpleNamespace(attention_shape=(32, 4, 64))
+    runner._reserve_decode_workspace()
+    for heads, kv_heads, dim in ((32, 32, 128), (32, 4, 64)):
+        for rows in range(1, 9):
+            for longest in range(16, 1025, 16):
+                _, parts = kernels.attention_partitions(rows, heads, kv_heads, longest, None, None, 16)
+                assert kernels.attention_workspace_numel(rows, heads, dim, parts) <= ops.workspace.numel()
 
 
 def test_decode_workspace_covers_every_eager_step_and_the_mixed_step_graphs(monkeypatch):

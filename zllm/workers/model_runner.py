@@ -461,7 +461,15 @@ class ModelRunner:
             graph_sizes=tuple(graph_batch_sizes(self.decode_rows_capacity)),
             kv_heads=self.num_kv_heads,
             windows=(window,) if window else (),
+            eager_shapes=self._proposer_attention_shapes(),
         )
+
+    def _proposer_attention_shapes(self) -> tuple[tuple[int, int, int, int], ...]:
+        """(rows, heads, kv heads, head_dim) of a draft model's or EAGLE head's attention on this
+        rank: it decodes through these ops and their workspace, eagerly, up to a row per position
+        a step holds."""
+        shape = getattr(self.proposer, "attention_shape", None)
+        return () if shape is None else ((self.decode_rows_capacity, *shape),)
 
     @property
     def decode_rows_capacity(self) -> int:

@@ -203,24 +203,34 @@ class CudaOps(TorchOps):
         graph_sizes: tuple[int, ...] = (),
         kv_heads: int = 1,
         windows: tuple[int, ...] = (),
+        eager_shapes: tuple[tuple[int, int, int, int], ...] = (),
     ) -> None:
         """Allocate the split-K scratch once, so no later step reallocates it under a captured CUDA
-        graph. max_len: the block table's capacity in tokens (a graph's grid covers it). For up to max_batch rows the most any eager step of any longest context (a window's
-        included) may ask (default_partitions_bound for every row count); for the decode graphs of
-        more rows (a mixed step's prompt tokens, mixed_graph_max_tokens) what their replays use:
-        the partitions the kernel picks for that many rows over max_len or a sliding window."""
-        numel = max(
-            self.k.attention_workspace_numel(
-                rows, num_heads, head_dim, self.k.default_partitions_bound(rows, num_heads, kv_heads, max_len, device)
-            )
-            for rows in range(1, max_batch + 1)
-        )
+        graph. max_len: the block table's capacity in tokens (a graph's grid covers it). For up to
+        max_batch rows the most any eager step of any longest context (a window's included) may
+        ask (default_partitions_bound for every row count); for the decode graphs of more rows (a
+        mixed step's prompt tokens, mixed_graph_max_tokens) what their replays use: the
+        partitions the kernel picks for that many rows over max_len or a sliding window.
+        eager_shapes: (rows, heads, kv heads, head_dim) of other models that decode through these
+        ops without graphs (a speculative draft, an EAGLE head), reserved for likewise."""
+        shapes = ((max_batch, num_heads, kv_heads, head_dim), *eager_shapes)
+        numel = max(self._eager_workspace_numel(r, h, kv, d, max_len, device) for r, h, kv, d in shapes)
         lengths = {max_len, *(w for w in windows if w < max_len)}
         for rows in (size for size in graph_sizes if size > max_batch):
             for length in lengths:
                 _, parts = self.k.attention_partitions(rows, num_heads, kv_heads, length, device)
                 numel = max(numel, self.k.attention_workspace_numel(rows, num_heads, head_dim, parts))
         self.workspace = torch.empty(numel, dtype=torch.float32, device=device)
+
+    def _eager_workspace_numel(self, max_batch: int, heads: int, kv_heads: int, head_dim: int, max_len: int, device):
+        """The most split-K workspace an eager decode of up to max_batch rows asks for, at any
+        longest context up to max_len."""
+        return max(
+            self.k.attention_workspace_numel(
+                rows, heads, head_dim, self.k.default_partitions_bound(rows, heads, kv_heads, max_len, device)
+            )
+            for rows in range(1, max_batch + 1)
+        )
 
     def rms_norm(self, x, weight, eps, unit_offset=False):
         out = torch.empty_like(x)

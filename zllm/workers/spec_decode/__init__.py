@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 class Proposer(Protocol):
     # True: the runner hands it each step's target features first (keep_features: EAGLE heads).
     needs_features: bool
+    # A proposer with a model of its own may also have attention_shape: (heads, kv heads,
+    # head_dim) on this rank; the runner then reserves the decode workspace for it too.
 
     def propose(self, scheduled: list[RequestState], sampled: list[RequestState]) -> dict[str, list[int]]:
         """Drafts for the next step of each request in `sampled` (all of them: `scheduled`)."""

@@ -53,6 +53,8 @@ class DraftModelProposer:
         tp = runner.tp
         heads = head_shards(self.spec.num_heads, self.spec.num_kv_heads, tp.size)[tp.rank]
         self.num_kv_heads = heads.kv_heads.count
+        # (heads, kv heads, head_dim) on this rank: the runner reserves the decode workspace for it too
+        self.attention_shape = (heads.q_heads.count, self.num_kv_heads, self.spec.head_dim)
         self.max_model_len = runner.config.max_model_len
         previous = torch.get_default_dtype()
         torch.set_default_dtype(runner.dtype)

@@ -51,6 +51,8 @@ class EagleProposer:
         heads = head_shards(layer.num_heads, layer.num_kv_heads, tp.size)[tp.rank]
         self.num_kv_heads = heads.kv_heads.count
         self.head_dim = layer.head_dim
+        # (heads, kv heads, head_dim) on this rank: the runner reserves the decode workspace for it too
+        self.attention_shape = (heads.q_heads.count, self.num_kv_heads, self.head_dim)
         self.max_model_len = runner.config.max_model_len
         previous = torch.get_default_dtype()
         torch.set_default_dtype(runner.dtype)
