@@ -80,9 +80,9 @@ def default_partitions_bound(
     batch: int, num_heads: int, num_kv_heads: int, max_seq_len: int, device: torch.device | None = None
 ) -> int:
     """At most how many partitions the default picks for `batch` sequences at any longest context
-    up to max_seq_len (an eager step sizes its grid to its longest context; a CUDA graph to the
-    block table's capacity, which the caller passes: max_model_len rounded up to whole blocks,
-    since ceil(capacity / 64) may pass ceil(max_model_len / 64) where a block is over 64 tokens). A size below 512 is
+    up to max_seq_len. An eager step sizes its grid to its longest context, a CUDA graph to the
+    block table's capacity, which the caller passes (max_model_len in whole blocks: with blocks
+    over 64 tokens, ceil(capacity / 64) may pass ceil(max_model_len / 64)). A size below 512 is
     chosen only where twice it left SMs idle (fewer than sms / blocks partitions), so it makes
     fewer than 2 sms / blocks; 512 and 1024 make at most max_seq_len / 512; none more than
     max_seq_len / _MIN_PARTITION."""
