@@ -165,10 +165,14 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* x,
 // for a warp to keep kUnroll loads in flight more than once or twice (Qwen3-30B-A3B's attention
 // projections: K = 2048 and 4096) and for too few rows to fill the SMs with warps, where the
 // one-warp-per-row kernel waits on memory round trips one after another.
-template <typename T, int kUnroll, int kSplit, bool kLora = false>
+// kAdd (gemv_<T>_s<S>_b6_add): y[row] = to_T(add[row] + to_T(sum + bias)), the residual add
+// that follows an o or down projection, in its epilogue (models/llama.py's norm-carrying decode
+// step, ZLLM_NORM_GEMV); y must not alias add.
+template <typename T, int kUnroll, int kSplit, bool kLora = false, bool kAdd = false>
 __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* x,
                                                 const T* __restrict__ w, const T* __restrict__ bias,
-                                                int n, int k, LoraExpand<T> lora = {}) {
+                                                int n, int k, LoraExpand<T> lora = {},
+                                                const T* __restrict__ add = nullptr) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   constexpr int kRowsPerBlock = kGemvWarps / kSplit;
   __shared__ float partial[kGemvWarps];
@@ -228,7 +232,12 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* x,
     for (int p = 0; p < kSplit; ++p) total += partial[warp + p];
   }
   if (lane != 0 || row >= n) return;
-  y[row] = from_float<T>(bias == nullptr ? total : total + to_float<T>(bias[row]));
+  const float out = bias == nullptr ? total : total + to_float<T>(bias[row]);
+  if constexpr (kAdd) {
+    y[row] = from_float<T>(to_float<T>(add[row]) + round_to<T>(out));  // the residual, after the wait
+  } else {
+    y[row] = from_float<T>(out);
+  }
 }
 
 }  // namespace zllm
@@ -299,6 +308,21 @@ ZLLM_GEMV_LORA(gemv_lora_bf16, __nv_bfloat16, 1, 8)
 ZLLM_GEMV_SPLITS_DTYPE(f32, float)
 ZLLM_GEMV_SPLITS_DTYPE(f16, __half)
 ZLLM_GEMV_SPLITS_DTYPE(bf16, __nv_bfloat16)
+
+// gemv_<T>_s<S>_b6_add: the b6 build with the residual add in its epilogue (kAdd above); 16-bit
+// types only (ZLLM_NORM_GEMV carries the norms of fp16 and bf16 models).
+#define ZLLM_GEMV_SPLIT_ADD(SUFFIX, T, SPLIT)                                                     \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_b6 gemv_##SUFFIX##_s##SPLIT##_b6_add(               \
+      T* __restrict__ y, const T* x, const T* __restrict__ w, const T* __restrict__ bias, int n,  \
+      int k, const T* __restrict__ add) {                                                         \
+    zllm::gemv_split_impl<T, 8, SPLIT, false, true>(y, x, w, bias, n, k, {}, add);              \
+  }
+#define ZLLM_GEMV_SPLIT_ADDS(SUFFIX, T) \
+  ZLLM_GEMV_SPLIT_ADD(SUFFIX, T, 1)     \
+  ZLLM_GEMV_SPLIT_ADD(SUFFIX, T, 2)     \
+  ZLLM_GEMV_SPLIT_ADD(SUFFIX, T, 4)
+ZLLM_GEMV_SPLIT_ADDS(f16, __half)
+ZLLM_GEMV_SPLIT_ADDS(bf16, __nv_bfloat16)
 
 // ---- FP8 weights ----------------------------------------------------------------------------------
 // gemv_fp8_<T>[_block]: y[n] = sum_k x[k] * (w8[n, k] * scale) (+ bias[n]), the batch-1 product
@@ -1200,12 +1224,39 @@ struct PairBlock {
   static constexpr int kMinBlocks = 6 * kGemvWarps / kWarps;
 };
 
-template <typename T, int kUnroll, int kSplit, typename Epi>
+// 16 bytes of weights against x, and x's sum of squares.
+template <typename T>
+__device__ __forceinline__ void dot16_squares(uint4 wv, uint4 xv, float& dot, float& sum_sq) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  float wf[kVec], xf[kVec];
+  unpack<T>(wv, wf);
+  unpack<T>(xv, xf);
+  float d = 0.f, s = 0.f;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    d = fmaf(wf[e], xf[e], d);
+    s = fmaf(xf[e], xf[e], s);
+  }
+  dot = d;
+  sum_sq = s;
+}
+
+// kNorm (the _norm builds): x is a residual stream row and the products are those of its RMSNorm
+// whose weight was folded into the weight matrix's columns at load (models/llama.py
+// fold_norms): y = (sum_k x_k w'_k) * rsqrt(mean(x^2) + norm_eps), the scale applied to the fp32
+// sums before the bias and the one rounding to T. Every warp adds x's squares beside its
+// products (one FMA an element; keeping them to the warps whose squares are used, the block's
+// first kSplit warps, which cover all of x, spilled under b6's registers), and the block scales
+// its pairs by those first warps' sum. So the norm's launch, and its boundary with the
+// product's, are gone from a batch-1 step.
+template <typename T, int kUnroll, int kSplit, bool kNorm = false, typename Epi>
 __device__ __forceinline__ void gemv_split_pairs_impl(const T* x, const T* __restrict__ w,
-                                                      const T* __restrict__ bias, int k, const Epi& epi) {
+                                                      const T* __restrict__ bias, int k, const Epi& epi,
+                                                      float norm_eps = 0.f) {
   using Block = PairBlock<kSplit>;
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   __shared__ float partial[Block::kWarps];
+  __shared__ float partial_sq[kNorm ? kSplit : 1];
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int n_pairs = epi.pairs();
@@ -1225,6 +1276,8 @@ __device__ __forceinline__ void gemv_split_pairs_impl(const T* x, const T* __res
   uint4 wv[kUnroll];
   if (kPdlArch && begin < end) weight_round(wv, w16, begin, end, lane);
   pdl_wait();
+  float sum_sq = 0.f;
+  const bool squares = kNorm && warp < kSplit;  // the warps whose squares the block keeps
   for (int base = begin; base < end; base += 32 * kUnroll) {
     if (!kPdlArch || base != begin) weight_round(wv, w16, base, end, lane);
     uint4 xv[kUnroll];
@@ -1232,12 +1285,24 @@ __device__ __forceinline__ void gemv_split_pairs_impl(const T* x, const T* __res
     for (int j = 0; j < kUnroll; ++j) xv[j] = x16[imin(base + lane + 32 * j, end - 1)];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
-      const float dot = dot16<T>(wv[j], xv[j]);
-      acc += base + lane + 32 * j < end ? dot : 0.f;
+      const bool in = base + lane + 32 * j < end;
+      if constexpr (kNorm) {
+        float dot, sq;
+        dot16_squares<T>(wv[j], xv[j], dot, sq);
+        acc += in ? dot : 0.f;
+        sum_sq += in ? sq : 0.f;
+      } else {
+        const float dot = dot16<T>(wv[j], xv[j]);
+        acc += in ? dot : 0.f;
+      }
     }
   }
   const float total = warp_sum(acc);
   if (lane == 0) partial[warp] = total;
+  if constexpr (kNorm) {
+    sum_sq = warp_sum(sum_sq);
+    if (lane == 0 && squares) partial_sq[warp] = sum_sq;
+  }
   __syncthreads();
   if (lane != 0 || warp % Block::kPairWarps != 0 || p >= n_pairs) return;
   // gemv_split_impl's sums: its one warp's total, or 0 plus each warp's, in order.
@@ -1249,6 +1314,14 @@ __device__ __forceinline__ void gemv_split_pairs_impl(const T* x, const T* __res
 #pragma unroll
       for (int s = 0; s < kSplit; ++s) sums[r] += partial[warp + r * kSplit + s];
     }
+  }
+  if constexpr (kNorm) {
+    float x_squares = 0.f;
+#pragma unroll
+    for (int s = 0; s < kSplit; ++s) x_squares += partial_sq[s];
+    const float inv_rms = rsqrtf(x_squares / static_cast<float>(k) + norm_eps);
+    sums[0] *= inv_rms;
+    sums[1] *= inv_rms;
   }
   const int rows[2] = {epi.row1(p), epi.row2(p)};
   T stored[2];  // what gemv_<T>_s<S>_b6 stores for the two rows
@@ -1321,3 +1394,33 @@ ZLLM_GEMV_FP8_PAIRS_DTYPE(bf16, __nv_bfloat16)
 ZLLM_GEMV_SPLIT_PAIRS_DTYPE(f32, float)
 ZLLM_GEMV_SPLIT_PAIRS_DTYPE(f16, __half)
 ZLLM_GEMV_SPLIT_PAIRS_DTYPE(bf16, __nv_bfloat16)
+
+// ..._norm: the same with the RMSNorm before the product carried in the launch (kNorm above),
+// for 16-bit types: (..., norm_eps) after the entry point's own arguments.
+#define ZLLM_NORM_PARAMS(T) float norm_eps
+#define ZLLM_GEMV_SPLIT_ACT_NORM(SUFFIX, T, SPLIT, ACT_NAME, ACT)                                   \
+  extern "C" __global__ void ZLLM_GEMV_PAIR_BOUNDS(SPLIT)                                         \
+      gemv_##SUFFIX##_s##SPLIT##_b6_##ACT_NAME##_and_mul_norm(                                    \
+          T* __restrict__ y, const T* x, const T* __restrict__ w, const T* __restrict__ bias,     \
+          int d, int k, ZLLM_NORM_PARAMS(T)) {                                                    \
+    zllm::gemv_split_pairs_impl<T, 8, SPLIT, true>(x, w, bias, k, zllm::ActPairs<T, ACT>{y, d},   \
+                                                   norm_eps);                                     \
+  }
+#define ZLLM_GEMV_SPLIT_ROPE_NORM(SUFFIX, T, SPLIT, C, CACHE)                                       \
+  extern "C" __global__ void ZLLM_GEMV_PAIR_BOUNDS(SPLIT)                                         \
+      gemv_##SUFFIX##_s##SPLIT##_b6_rope_cache##CACHE##_norm(                                     \
+          T* __restrict__ y, const T* x, const T* __restrict__ w, const T* __restrict__ bias,     \
+          int k, ZLLM_ROPE_PARAMS(T, C), ZLLM_NORM_PARAMS(T)) {                                   \
+    zllm::gemv_split_pairs_impl<T, 8, SPLIT, true>(x, w, bias, k, ZLLM_ROPE_EPI(T, C),            \
+                                                   norm_eps);                                     \
+  }
+#define ZLLM_GEMV_SPLIT_PAIRS_NORM(SUFFIX, T, SPLIT)                    \
+  ZLLM_GEMV_SPLIT_ACT_NORM(SUFFIX, T, SPLIT, silu, zllm::Act::kSilu)    \
+  ZLLM_GEMV_SPLIT_ROPE_NORM(SUFFIX, T, SPLIT, T, )                      \
+  ZLLM_GEMV_SPLIT_ROPE_NORM(SUFFIX, T, SPLIT, zllm::fp8_t, _kvfp8)
+#define ZLLM_GEMV_SPLIT_PAIRS_NORM_DTYPE(SUFFIX, T) \
+  ZLLM_GEMV_SPLIT_PAIRS_NORM(SUFFIX, T, 1)          \
+  ZLLM_GEMV_SPLIT_PAIRS_NORM(SUFFIX, T, 2)          \
+  ZLLM_GEMV_SPLIT_PAIRS_NORM(SUFFIX, T, 4)
+ZLLM_GEMV_SPLIT_PAIRS_NORM_DTYPE(f16, __half)
+ZLLM_GEMV_SPLIT_PAIRS_NORM_DTYPE(bf16, __nv_bfloat16)

@@ -259,6 +259,17 @@ SETTINGS: dict[str, Setting] = {
             "read when the model is built. Unverified on a GPU.",
         ),
         Setting(
+            "ZLLM_NORM_GEMV",
+            _on_off_or_auto,
+            None,
+            "A batch-1 decode step of a plain Llama-family fp16/bf16 model carries each residual add in the "
+            "o and down GEMVs' epilogue and each RMSNorm in the q/k/v and gate_up GEMVs (csrc/gemv_kernels.cu "
+            "kAdd, kNorm), the norms' weights folded into the projections at load: two launches a layer "
+            "fewer. auto (unset): on where those kernels take every layer (CUDA, fp16/bf16, the default GEMV "
+            "builds); 1: on wherever the layers allow it (the CPU too, through the unfused fallbacks: tests); "
+            "0: off. Read when the model is loaded.",
+        ),
+        Setting(
             "ZLLM_ALLREDUCE_LAMPORT",
             _on_off_or_auto,
             None,

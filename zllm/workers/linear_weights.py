@@ -22,7 +22,14 @@ from zllm.workers.fp8 import (
     quantize_blocks,
     quantize_rows,
 )
-from zllm.workers.ops import linear, linear_act_and_mul, linear_rope_cache
+from zllm.workers.ops import (
+    linear,
+    linear_act_and_mul,
+    linear_act_and_mul_normed,
+    linear_add,
+    linear_rope_cache,
+    linear_rope_cache_normed,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +107,28 @@ class DenseWeights:
     ) -> torch.Tensor | None:
         """The q/k/v product with the rotary + cache write in one launch where linear_rope_cache takes it, else None."""
         return linear_rope_cache(x, layer.weight, bias, rope)
+
+    # The norm-carrying decode step's launches (ops.linear_add and the _normed ones): None where
+    # they do not take the product; Fp8Weights has none of them (the step is not taken there).
+    def apply_add(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, add: torch.Tensor
+    ) -> torch.Tensor | None:
+        return linear_add(x, layer.weight, bias, add)
+
+    def apply_act_and_mul_normed(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, eps: float
+    ) -> torch.Tensor | None:
+        return linear_act_and_mul_normed(x, layer.weight, bias, eps)
+
+    def apply_rope_cache_normed(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        rope,
+        eps: float,
+    ) -> torch.Tensor | None:
+        return linear_rope_cache_normed(x, layer.weight, bias, rope, eps)
 
 
 def weights_for(quant: QuantSpec | None) -> DenseWeights | Fp8Weights:

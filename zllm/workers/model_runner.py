@@ -207,6 +207,8 @@ class ModelRunner:
         except torch.cuda.OutOfMemoryError:
             raise OutOfDeviceMemoryError(self._weights_do_not_fit()) from None
         self.model = model.eval()
+        if hasattr(model, "carry_norms"):  # ZLLM_NORM_GEMV: before LoRA's slots, after the weights
+            model.carry_norms(self.config.enable_lora)
         if self.config.enable_lora:
             from zllm.workers.lora import LoRAManager
 

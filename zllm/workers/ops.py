@@ -567,6 +567,63 @@ def linear_rope_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return _gemv_kernels.gemv_rope_cache(out, x, weight, bias, rope)
 
 
+# ---- the norm-carrying decode step (ZLLM_NORM_GEMV; models/llama.py forward_carrying_norms) -------
+
+
+def _norm_gemv_takes(x: torch.Tensor, weight: torch.Tensor):
+    """csrc's matvec module where the norm-carrying and residual-adding one-row GEMVs take this
+    product (one fp16/bf16 CUDA row, the b6 build, gemv()'s layout), else None."""
+    global _gemv_kernels
+    if x.dim() != 2 or x.shape[0] != 1 or not x.is_cuda or not GEMV_ENABLED:
+        return None
+    if _gemv_kernels is None:
+        from zllm.workers import kernels as _gemv_kernels
+    from zllm.workers.kernels import matvec
+
+    if matvec.GEMV_BOUND != "b6" or x.dtype not in matvec.NORM_GEMV_DTYPES or not matvec.gemv_supported(x, weight):
+        return None
+    return matvec
+
+
+def linear_add(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add: torch.Tensor
+) -> torch.Tensor | None:
+    """add + linear(x, weight, bias) (the product rounded to the dtype first, as add's own
+    kernel would see it) in the product's launch where the one-row b6 GEMV takes it; None
+    elsewhere: the caller adds."""
+    matvec = _norm_gemv_takes(x, weight)
+    if matvec is None or tuple(add.shape) != (1, weight.shape[0]) or not add.is_contiguous() or add.dtype != x.dtype:
+        return None
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    return matvec.gemv_add(out, x, weight, bias, add)
+
+
+def linear_act_and_mul_normed(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor | None:
+    """silu(gate) * up of the gate_up product of rms_norm(x, eps), x a residual stream row and
+    the norm's weight folded into `weight` (csrc kNorm), in one launch; None where that launch
+    does not take it (the caller norms, projects and activates)."""
+    matvec = _norm_gemv_takes(x, weight)
+    if matvec is None or not envs.ZLLM_FUSED_ACT_GEMV or weight.shape[0] % 2:
+        return None
+    out = torch.empty((1, weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+    return matvec.gemv_act_and_mul(out, x, weight, bias, norm_eps=eps)
+
+
+def linear_rope_cache_normed(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope, eps: float
+) -> torch.Tensor | None:
+    """linear_rope_cache of rms_norm(x, eps), x a residual stream row and the norm's weight
+    folded into `weight` (csrc kNorm), in one launch; None where that launch does not take it
+    (the caller norms and projects)."""
+    matvec = _norm_gemv_takes(x, weight)
+    if matvec is None or not envs.ZLLM_FUSED_ROPE_GEMV or not matvec.rope_cache_supported(x, weight.shape[0], rope):
+        return None
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    return matvec.gemv_rope_cache(out, x, weight, bias, rope, norm_eps=eps)
+
+
 # ---- LoRA's expand fused into the GEMV (zllm/workers/lora.py's decode path) ---------------------
 
 

@@ -70,6 +70,14 @@ class _Linear(nn.Module):
     def _weight_target(self, param_name: str, region: WeightRegion) -> LoadTarget:
         return self.weights.load_target(self, param_name, region)
 
+    def fold_norm(self, norm_weight: torch.Tensor) -> None:
+        """weight's columns times an RMSNorm's weight (rounded once to the dtype), the norm before
+        this layer, which then scales by 1: the norm-carrying step's GEMVs (act_and_mul_normed,
+        rope_cache_normed) have no weight of their own. Model-dtype weights only."""
+        if not isinstance(self.weights, DenseWeights):
+            raise ValueError("fold_norm: only model-dtype weights take a norm's weight")
+        self.weight.data.mul_(norm_weight.to(self.weight.dtype))
+
 
 class ColumnParallelLinear(_Linear):
     def __init__(
@@ -114,6 +122,23 @@ class ColumnParallelLinear(_Linear):
         if self.lora is not None or self.num_parts != 3:
             return None
         return self.weights.apply_rope_cache(self, x, self.bias, rope)
+
+    # The norm-carrying decode step (ZLLM_NORM_GEMV): x is a residual stream row and the product
+    # is of its RMSNorm (eps; the norm's weight folded into this layer's), in the one launch;
+    # None where it does not take it.
+    def act_and_mul_normed(self, x: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """silu(gate) * up of rms_norm(x)'s product (DenseWeights.apply_act_and_mul_normed)."""
+        if self.lora is not None or self.num_parts != 2 or self.parts[0].span.count != self.parts[1].span.count:
+            return None
+        if not isinstance(self.weights, DenseWeights):
+            return None
+        return self.weights.apply_act_and_mul_normed(self, x, self.bias, eps)
+
+    def rope_cache_normed(self, x: torch.Tensor, rope, eps: float) -> torch.Tensor | None:
+        """rope_cache of rms_norm(x) (DenseWeights.apply_rope_cache_normed)."""
+        if self.lora is not None or self.num_parts != 3 or not isinstance(self.weights, DenseWeights):
+            return None
+        return self.weights.apply_rope_cache_normed(self, x, self.bias, rope, eps)
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if shard is None:
@@ -185,6 +210,26 @@ class RowParallelLinear(_Linear):
         out = self.tp.all_reduce(partial)
         # The bias is added once, after the partial sums are combined.
         return out if self.bias is None else out + self.bias
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + this layer's output: the residual stream after it (the norm-carrying decode
+        step, ZLLM_NORM_GEMV). Where the all-reduce sums in fp32 (tp 1; the symmetric-memory
+        path, which takes this row on every rank or on none), the first rank adds the residual
+        and the bias to its partial product, in the GEMV's epilogue where DenseWeights.apply_add
+        takes it, so the one all-reduce returns the new stream. NCCL sums in the dtype, step by
+        step: there the residual is added once, after it, as the usual step adds it."""
+        tp = self.tp
+        if tp.size > 1 and (tp.fast is None or not tp.fast.accepts(residual)):
+            out = tp.all_reduce(self._project(x, None))
+            return (out if self.bias is None else out + self.bias) + residual
+        if not tp.is_first:
+            return tp.all_reduce(self._project(x, None))
+        out = None
+        if self.lora is None and isinstance(self.weights, DenseWeights):
+            out = self.weights.apply_add(self, x, self.bias, residual)
+        if out is None:  # the product rounded to the dtype, then the add: the kernel's order
+            out = self._project(x, self.bias) + residual
+        return tp.all_reduce(out)
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if param_name == "bias":

@@ -25,6 +25,9 @@ layers.silu_and_mul(x)                           activation.silu_and_mul(out, x)
 q/k/v of one row x, then apply_rotary and the    matvec.gemv_rope_cache(out, x, w, b, RopeCache(...));
   cache write (full rotary)                        fp8_gemv_rope_cache for E4M3 weights
 gate_up of one row x, then the activation        matvec.gemv_act_and_mul(out, x, w, b, gelu); fp8_gemv_act_and_mul
+either of the two above after layers.rms_norm    the same with norm_eps=eps: x the residual row, the norm's
+  (its weight folded into w's columns)             weight folded into w (fp16/bf16)
+residual + F.linear(x, w, b) for one row x       matvec.gemv_add(out, x, w, b, residual) (fp16/bf16)
 layers.gelu_tanh_and_mul(x)                      activation.gelu_tanh_and_mul(out, x)
 the above, then ops.lora_shrink                  activation.silu_and_mul_lora_shrink(out, t, x, a, slots),
   (decode rows; ZLLM_LORA_NORM_SHRINK)             activation.gelu_tanh_and_mul_lora_shrink (the same)
@@ -77,6 +80,7 @@ from zllm.workers.kernels.matvec import (
     fp8_gemv_supported,
     gemv,
     gemv_act_and_mul,
+    gemv_add,
     gemv_rope_cache,
     gemv_rows,
     gemv_rows_supported,
@@ -103,6 +107,7 @@ __all__ = [
     "gelu_tanh_and_mul_lora_shrink",
     "gemv",
     "gemv_act_and_mul",
+    "gemv_add",
     "gemv_rope_cache",
     "gemv_rows",
     "gemv_rows_supported",

@@ -168,6 +168,35 @@ def gemv(
     return out
 
 
+def gemv_add(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add: torch.Tensor
+) -> torch.Tensor:
+    """out [1, N] = add + (x [1, K] @ weight [N, K]^T (+ bias)), the product rounded to the dtype
+    before the add as a separate add would see it: a residual add in the epilogue of the b6 build
+    (gemv_split's warps a row), fp16 and bf16. out must not share memory with add. Returns out."""
+    op = "gemv_add"
+    device = check_cuda(op, out=out, x=x, weight=weight, bias=bias, add=add)
+    suffix = dtype_suffix(op, x, "x")
+    check_dtype(op, x.dtype, out=out, weight=weight, bias=bias, add=add)
+    if x.dtype not in NORM_GEMV_DTYPES:
+        fail(op, f"the _add builds take fp16 and bf16, got {x.dtype}")
+    if not gemv_supported(x, weight):
+        fail(op, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be one row and 16-byte-aligned rows")
+    n = weight.shape[0]
+    _check_gemv_out(op, out, bias, n)
+    if tuple(add.shape) != (1, n) or not add.is_contiguous():
+        fail(op, f"add must be a contiguous [1, {n}], got {tuple(add.shape)}")
+    if out.data_ptr() == add.data_ptr():
+        fail(op, "out must not be add: the other blocks still read it")
+    if n == 0:
+        return out
+    split = gemv_split(x.shape[1] // (16 // x.element_size()))
+    args = (ptr(out), ptr(x), ptr(weight), ptr(bias), np.int32(n), np.int32(x.shape[1]), ptr(add))
+    grid = (-(-n * split // _GEMV_ROWS_PER_BLOCK),)
+    launch("gemv_kernels", f"gemv_{suffix}_s{split}_b6_add", device, grid, (128,), args, pdl=True)
+    return out
+
+
 def _check_pair_output(op: str, out: torch.Tensor, bias: torch.Tensor | None, n: int) -> int:
     """The act-and-mul GEMVs' output [1, n / 2] and bias [n] (both contiguous); returns n / 2."""
     d = n // 2
@@ -178,17 +207,40 @@ def _check_pair_output(op: str, out: torch.Tensor, bias: torch.Tensor | None, n:
     return d
 
 
+def _norm_args(op: str, x: torch.Tensor, eps: float) -> tuple:
+    """The launch argument of a _norm build's RMSNorm epsilon (checked: x of a 16-bit dtype the
+    builds have, eps finite and >= 0)."""
+    if x.dtype not in NORM_GEMV_DTYPES:
+        fail(op, f"the norm-carrying builds take fp16 and bf16, got {x.dtype}")
+    if not np.isfinite(eps) or eps < 0:
+        fail(op, f"norm_eps must be finite and >= 0, got {eps}")
+    return (np.float32(eps),)
+
+
+# The dtypes of the _norm and _add builds (csrc/gemv_kernels.cu kNorm, kAdd).
+NORM_GEMV_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def gemv_act_and_mul(
-    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gelu: bool = False,
+    norm_eps: float | None = None,
 ) -> torch.Tensor:
     """out [1, d] = act(g) * u, g and u the halves of x [1, K] @ weight [2d, K]^T (+ bias [2d]): a
     gate_up projection (the gate's rows, then the up's) and its gated activation (silu, or gelu
     with the tanh approximation) in one launch, bit for bit what gemv's b6 build (gemv_split's
-    warps a row) then silu_and_mul / gelu_tanh_and_mul write. Returns out."""
+    warps a row) then silu_and_mul / gelu_tanh_and_mul write. norm_eps: x is a residual stream
+    row and the product is of its RMSNorm, whose weight is folded into weight's columns: each
+    sum times rsqrt(mean(x^2) + norm_eps) before the bias (silu only). Returns out."""
     op = "gemv_act_and_mul"
     device = check_cuda(op, out=out, x=x, weight=weight, bias=bias)
     suffix = dtype_suffix(op, x, "x")
     check_dtype(op, x.dtype, out=out, weight=weight, bias=bias)
+    if norm_eps is not None and gelu:
+        fail(op, "the norm-carrying build has silu only")
     n = weight.shape[0] if weight.dim() == 2 else 0
     if not gemv_supported(x, weight) or n % 2:
         fail(
@@ -204,6 +256,8 @@ def gemv_act_and_mul(
     pairs = warps // (2 * split)
     name = f"gemv_{suffix}_s{split}_b6_{'gelu_tanh' if gelu else 'silu'}_and_mul"
     args = (ptr(out), ptr(x), ptr(weight), ptr(bias), np.int32(d), np.int32(x.shape[1]))
+    if norm_eps is not None:
+        name, args = f"{name}_norm", args + _norm_args(op, x, norm_eps)
     launch("gemv_kernels", name, device, (-(-d // pairs),), (32 * warps,), args, pdl=True)
     return out
 
@@ -293,11 +347,17 @@ def _rope_cache_args(op: str, x: torch.Tensor, out: torch.Tensor, n: int, rope: 
 
 
 def gemv_rope_cache(
-    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rope: RopeCache
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rope: RopeCache,
+    norm_eps: float | None = None,
 ) -> torch.Tensor:
     """out [1, n] = x [1, K] @ weight [n, K]^T (+ bias), the q/k/v projection of one token, with
     q and k rotated and k and v stored in the cache (RopeCache) in the same launch: bit for bit
-    gemv's b6 build then rotary_embedding_and_cache on out's q, k and v. Returns out."""
+    gemv's b6 build then rotary_embedding_and_cache on out's q, k and v. norm_eps: as
+    gemv_act_and_mul's. Returns out."""
     op = "gemv_rope_cache"
     device = check_cuda(op, out=out, x=x, weight=weight, bias=bias)
     suffix = dtype_suffix(op, x, "x")
@@ -312,6 +372,8 @@ def gemv_rope_cache(
     warps = max(_GEMV_WARPS, 2 * split)  # csrc PairBlock
     args = (ptr(out), ptr(x), ptr(weight), ptr(bias), np.int32(x.shape[1]), *rope_args)
     name = f"gemv_{suffix}_s{split}_b6_rope_cache{variant}"
+    if norm_eps is not None:
+        name, args = f"{name}_norm", args + _norm_args(op, x, norm_eps)
     launch("gemv_kernels", name, device, (-(-pairs // (warps // (2 * split))),), (32 * warps,), args, pdl=True)
     return out
 

@@ -12,6 +12,7 @@ one, and Phi-3's fused tensors onto every shard they hold.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from zllm.workers.layers import (
     rope_uses_long_factors,
     rounded_to,
 )
+from zllm.workers.linear_weights import DenseWeights
 from zllm.workers.models.gpt_oss import GptOssMoeBlock
 from zllm.workers.models.moe import Experts, SparseMoeBlock
 from zllm.workers.ops import TorchOps
@@ -49,6 +51,8 @@ from zllm.workers.parallel_layers import (
 
 if TYPE_CHECKING:
     from zllm.workers.lora import LoRALayer
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -221,6 +225,24 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rotary.apply_and_cache(positions, q, k, v, kv_cache, slot_mapping, self.kv_scales)
 
+    def project_normed(
+        self,
+        stream: torch.Tensor,
+        norm: RMSNorm,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """project(norm(stream)) for one token, the norm in the q/k/v GEMV's launch where it takes
+        it (ColumnParallelLinear.rope_cache_normed; the norm's weight is folded into q/k/v's and
+        its own is 1), else norm, then project."""
+        rope = rotary.for_qkv_epilogue(positions, kv_cache, slot_mapping, self.num_heads, self.kv_scales)
+        qkv = None if rope is None else self.qkv_proj.rope_cache_normed(stream, rope, norm.eps)
+        if qkv is not None:
+            return qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+        return self.project(norm(stream), positions, rotary, kv_cache, slot_mapping)
+
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.ops.attention(q, kv_cache, meta, self.scale, self.kv_scales, self.window, self.softcap, self.sinks)
 
@@ -257,6 +279,17 @@ class LlamaMLP(nn.Module):
         if lora is not None and lora.act_shrinks(gate_up):  # ZLLM_LORA_NORM_SHRINK at decode
             return self.down_proj(lora.act_and_mul(self.ops, gate_up, self.gelu), defer)
         return self.down_proj(self.act_and_mul(gate_up), defer)
+
+    def add_to_stream(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """stream + mlp(norm(stream)) for one token (the norm-carrying decode step): the norm in
+        gate_up's launch and the add in down_proj's where they take them."""
+        x = self.gate_up_proj.act_and_mul_normed(stream, norm.eps)
+        if x is None:
+            normed = norm(stream)
+            x = self.gate_up_proj.act_and_mul(normed, self.gelu) if self.ops.name == "cuda" else None
+            if x is None:
+                x = self.act_and_mul(self.gate_up_proj(normed))
+        return self.down_proj.add_to(x, stream)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -302,6 +335,56 @@ class LlamaDecoderLayer(nn.Module):
             and type(self.self_attn) is LlamaAttention
             and type(self.mlp) is LlamaMLP
         )
+
+        # The norm-carrying decode step (forward_carrying_norms) takes plain Llama-family layers:
+        # silu MLP, no q/k norm, no sandwich or (1 + w) norms, no deferred all-reduce. LoRA is
+        # checked when the step is chosen (carries_norms): adapters are attached after building.
+        self.plain = (
+            not self.sandwich
+            and not spec.norm_unit_offset
+            and not self.defers_reduce
+            and type(self.self_attn) is LlamaAttention
+            and self.self_attn.q_norm is None
+            and type(self.mlp) is LlamaMLP
+            and not self.mlp.gelu
+        )
+
+    def carries_norms(self) -> bool:
+        """Whether forward_carrying_norms takes this layer (plain; model-dtype projections without LoRA)."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if self.plain else ()
+        return self.plain and all(p.lora is None and isinstance(p.weights, DenseWeights) for p in projections)
+
+    def fold_norms(self) -> None:
+        """Fold the input and post-attention norms' weights into q/k/v's and gate_up's columns
+        (their norms then scale by 1): what forward_carrying_norms' GEMVs need, and every other
+        path (more rows, the unfused fallbacks) computes the same products with them."""
+        for norm, linear in (
+            (self.input_layernorm, self.self_attn.qkv_proj),
+            (self.post_attention_layernorm, self.mlp.gate_up_proj),
+        ):
+            linear.fold_norm(norm.weight.data)
+            norm.weight.data.fill_(1)
+
+    def forward_carrying_norms(
+        self,
+        stream: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """forward for one token with the residual stream kept whole (ZLLM_NORM_GEMV): the stream
+        in (the embedding, or the layer before's output plus its residual), this layer's out.
+        Each RMSNorm runs in the launch of the GEMV after it and each residual add in the one
+        before it (csrc/gemv_kernels.cu kNorm, kAdd): two launches fewer than forward's
+        add-RMSNorms. Where a launch does not take its product, the unfused ops give the stream
+        forward would (at tp 1, the same bits)."""
+        attn = self.self_attn
+        q = attn.project_normed(stream, self.input_layernorm, positions, rotary, kv_cache, meta.slot_mapping)
+        attended = attn.attend(q, kv_cache, meta).reshape(-1, attn.q_size)
+        stream = attn.o_proj.add_to(attended, stream)
+        return self.mlp.add_to_stream(stream, self.post_attention_layernorm)
 
     def forward(
         self,
@@ -419,6 +502,8 @@ class LlamaForCausalLM(nn.Module):
         tp = tp or TensorParallel()
         self.tp = tp
         self.model = LlamaModel(spec, ops or TorchOps(), tp, quant, max_model_len)
+        # Whether one-token forwards carry the norms in the GEMVs: carry_norms, after loading.
+        self._norm_gemv = False
         if spec.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -458,6 +543,8 @@ class LlamaForCausalLM(nn.Module):
         """The layers over given input embeddings (a vision-language model's, images placed in)."""
         if self.aux_hidden_layers:
             return self._forward_keeping_aux(x, positions, kv_caches, meta)
+        if self._norm_gemv and x.shape[0] == 1:
+            return self._forward_carrying_norms(x, positions, kv_caches, meta)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             # defer_output: x only ever reaches the next layer's norm or the final norm.
@@ -466,6 +553,55 @@ class LlamaForCausalLM(nn.Module):
             )
         x, _ = self.model.norm(x, residual)
         return x
+
+    def carry_norms(self, enable_lora: bool) -> bool:
+        """Set up the norm-carrying one-token forward (ZLLM_NORM_GEMV) where every layer takes it
+        and no LoRA adapter may join the projections: folds the norms' weights into the
+        projections after them (the weights change, so call once, after loading). auto: on where
+        CUDA's kernels would carry every norm and add (fp16/bf16, the one-row GEMV's b6 build and
+        its fused epilogues on, a hidden size of whole 16-byte units); elsewhere the fallbacks
+        would launch more than the usual step. Returns whether it is on."""
+        setting = envs.ZLLM_NORM_GEMV
+        if setting is None:
+            setting = self._norm_kernels_take_every_layer()
+        if not setting or enable_lora or not all(layer.carries_norms() for layer in self.model.layers):
+            return False
+        with torch.no_grad():
+            for layer in self.model.layers:
+                layer.fold_norms()
+        self._norm_gemv = True
+        logger.info(
+            "ZLLM_NORM_GEMV: the norms of %d layers folded into their projections; one-token forwards carry them",
+            len(self.model.layers),
+        )
+        return True
+
+    def _norm_kernels_take_every_layer(self) -> bool:
+        """auto's test: the _norm and _add GEMV builds would take every one-token layer here."""
+        from zllm.workers import ops as ops_module
+        from zllm.workers.kernels import matvec
+
+        norm = self.model.norm
+        dtype = norm.weight.dtype
+        return (
+            norm.ops.name == "cuda"
+            and dtype in matvec.NORM_GEMV_DTYPES
+            and ops_module.GEMV_ENABLED
+            and matvec.GEMV_BOUND == "b6"
+            and envs.ZLLM_FUSED_ACT_GEMV
+            and envs.ZLLM_FUSED_ROPE_GEMV
+            and self.spec.hidden_size % (16 // dtype.itemsize) == 0
+        )
+
+    def _forward_carrying_norms(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """forward_embeds for one token through LlamaDecoderLayer.forward_carrying_norms."""
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            x = layer.forward_carrying_norms(
+                x, positions, self.model.rotary_of(i), kv_cache, self.model.meta_of(i, meta)
+            )
+        return self.model.norm(x)
 
     def _forward_keeping_aux(
         self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
