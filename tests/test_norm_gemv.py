@@ -92,6 +92,8 @@ def test_carry_norms_folds_the_norm_weights_into_the_projections(tmp_path, monke
         assert model.carry_norms(enable_lora=False) is True
         assert torch.equal(layer.post_attention_layernorm.weight, torch.ones_like(gamma))
         assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up * gamma)
+        assert model.carry_norms(enable_lora=False) is True  # a second call folds nothing
+        assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up * gamma)
     finally:
         before.shutdown()
 

@@ -379,7 +379,7 @@ class LlamaDecoderLayer(nn.Module):
         Each RMSNorm runs in the launch of the GEMV after it and each residual add in the one
         before it (csrc/gemv_kernels.cu kNorm, kAdd): two launches fewer than forward's
         add-RMSNorms. Where a launch does not take its product, the unfused ops give the stream
-        forward would (at tp 1, the same bits)."""
+        forward would over the same folded weights (at tp 1, the same bits)."""
         attn = self.self_attn
         q = attn.project_normed(stream, self.input_layernorm, positions, rotary, kv_cache, meta.slot_mapping)
         attended = attn.attend(q, kv_cache, meta).reshape(-1, attn.q_size)
@@ -561,6 +561,8 @@ class LlamaForCausalLM(nn.Module):
         CUDA's kernels would carry every norm and add (fp16/bf16, the one-row GEMV's b6 build and
         its fused epilogues on, a hidden size of whole 16-byte units); elsewhere the fallbacks
         would launch more than the usual step. Returns whether it is on."""
+        if self._norm_gemv:  # folded already: a second fold would scale by gamma twice
+            return True
         setting = envs.ZLLM_NORM_GEMV
         if setting is None:
             setting = self._norm_kernels_take_every_layer()
