@@ -269,27 +269,26 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, defer: bool = False) -> torch.Tensor | PendingSum:
         """defer: the caller norms the output next and takes a PendingSum (RowParallelLinear.forward)."""
+        return self.down_proj(self.activated(x), defer)
+
+    def activated(self, x: torch.Tensor):
+        """act(gate) * up of x's gate_up product: down_proj's input."""
         # The fused launch writes the csrc kernels' bits: only where the layer runs those (CudaOps).
         takes_fused = self.ops.name == "cuda" and self.down_proj.lora is None
         fused = self.gate_up_proj.act_and_mul(x, self.gelu) if takes_fused else None
         if fused is not None:  # one row: the product and the activation in one launch
-            return self.down_proj(fused, defer)
+            return fused
         gate_up = self.gate_up_proj(x)
         lora = self.down_proj.lora
         if lora is not None and lora.act_shrinks(gate_up):  # ZLLM_LORA_NORM_SHRINK at decode
-            return self.down_proj(lora.act_and_mul(self.ops, gate_up, self.gelu), defer)
-        return self.down_proj(self.act_and_mul(gate_up), defer)
+            return lora.act_and_mul(self.ops, gate_up, self.gelu)
+        return self.act_and_mul(gate_up)
 
     def add_to_stream(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """stream + mlp(norm(stream)) for one token (the norm-carrying decode step): the norm in
         gate_up's launch and the add in down_proj's where they take them."""
         x = self.gate_up_proj.act_and_mul_normed(stream, norm.eps)
-        if x is None:
-            normed = norm(stream)
-            x = self.gate_up_proj.act_and_mul(normed, self.gelu) if self.ops.name == "cuda" else None
-            if x is None:
-                x = self.act_and_mul(self.gate_up_proj(normed))
-        return self.down_proj.add_to(x, stream)
+        return self.down_proj.add_to(self.activated(norm(stream)) if x is None else x, stream)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -351,9 +350,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def carries_norms(self) -> bool:
         """Whether forward_carrying_norms takes this layer (plain; model-dtype projections without LoRA)."""
+        if not self.plain:
+            return False
         attn, mlp = self.self_attn, self.mlp
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if self.plain else ()
-        return self.plain and all(p.lora is None and isinstance(p.weights, DenseWeights) for p in projections)
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return all(p.lora is None and isinstance(p.weights, DenseWeights) for p in projections)
 
     def fold_norms(self) -> None:
         """Fold the input and post-attention norms' weights into q/k/v's and gate_up's columns
