@@ -34,6 +34,7 @@
 // The signalling threads also fence at system scope around the atomics (belt and braces over
 // the release/acquire CAS, as the peers' rows are written by other threads of the block).
 #include "common.cuh"
+#include "lamport.cuh"
 
 namespace zllm {
 
@@ -194,160 +195,6 @@ ZLLM_ALL_REDUCE_ADD_RMS_NORM(all_reduce_add_rms_norm_bf16_w8, __nv_bfloat16, 8, 
 
 namespace zllm {
 
-template <typename T>
-__device__ __forceinline__ unsigned sentinel_word() {
-  return sizeof(T) == 4 ? 0x80000000u : 0x80008000u;  // negative zero in every element
-}
-
-// Whether any element of the unit still holds the sentinel.
-template <typename T>
-__device__ __forceinline__ bool unit_pending(uint4 v) {
-  if constexpr (sizeof(T) == 4) {
-    return v.x == 0x80000000u || v.y == 0x80000000u || v.z == 0x80000000u || v.w == 0x80000000u;
-  } else {
-    const unsigned w[4] = {v.x, v.y, v.z, v.w};
-    bool pending = false;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) pending |= (w[i] & 0xffffu) == 0x8000u || (w[i] >> 16) == 0x8000u;
-    return pending;
-  }
-}
-
-// The unit with every negative zero made positive, so no real value reads as the sentinel.
-template <typename T>
-__device__ __forceinline__ unsigned positive_zero_word(unsigned w) {
-  if constexpr (sizeof(T) == 4) {
-    return w == 0x80000000u ? 0u : w;
-  } else {
-    const unsigned lo = (w & 0xffffu) == 0x8000u ? 0u : (w & 0xffffu);
-    const unsigned hi = (w >> 16) == 0x8000u ? 0u : (w >> 16);
-    return lo | (hi << 16);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ uint4 positive_zeros(uint4 v) {
-  return make_uint4(positive_zero_word<T>(v.x), positive_zero_word<T>(v.y), positive_zero_word<T>(v.z),
-                    positive_zero_word<T>(v.w));
-}
-
-// 16 bytes read from memory every time (never from L1, never hoisted out of the spin loop).
-__device__ __forceinline__ uint4 load_volatile16(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void store_volatile16(uint4* p, uint4 v) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
-}
-
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// The world's buffers, by rank, as kernel parameters.
-template <typename T>
-struct LamportBuffers {
-  T* own;
-  T* peer[8];
-};
-
-// One launch's view of the Lamport protocol: which slot it uses, which it clears and how much.
-template <typename T, int kWorld>
-struct LamportLaunch {
-  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-  const LamportBuffers<T>& buffers;
-  unsigned* flags;
-  int rank;
-  i64 slot_units;
-  unsigned long long timeout_ns;
-  int slot, prev, prev_units;
-
-  // Call after pdl_wait(): the slot and the sizes are the previous launch's to write.
-  __device__ __forceinline__ LamportLaunch(const LamportBuffers<T>& buffers_, unsigned* flags_, int rank_,
-                                           i64 slot_units_, unsigned long long timeout_ns_)
-      : buffers(buffers_), flags(flags_), rank(rank_), slot_units(slot_units_), timeout_ns(timeout_ns_) {
-    slot = static_cast<int>(*reinterpret_cast<volatile unsigned*>(flags) % 3u);  // 0, 1 or 2 (the modulo: never out of range)
-    prev = (slot + 2) % 3;
-    prev_units = static_cast<int>(reinterpret_cast<volatile unsigned*>(flags)[2 + prev]);
-  }
-
-  // Unit u of source `src` in slot s of a rank's buffer.
-  __device__ __forceinline__ uint4* at(T* base, int s, int src, i64 u) const {
-    return reinterpret_cast<uint4*>(base) + (static_cast<i64>(s) * kWorld + src) * slot_units + u;
-  }
-
-  // This rank's unit u (16 bytes of its tensor) into every rank's buffer.
-  __device__ __forceinline__ void push(int u, uint4 v) const {
-    v = positive_zeros<T>(v);
-#pragma unroll
-    for (int p = 0; p < kWorld; ++p) store_volatile16(at(buffers.peer[p], slot, rank, u), v);
-  }
-
-  // Unit u summed over the ranks in rank order (fp32), once every rank's has arrived here. Each
-  // pass issues kGroup ranks' loads together (one L2 round trip) and then checks them; a group
-  // that has all arrived is added before the next one is read. kGroup < kWorld only where the
-  // whole world's units would not fit the registers (the fused kernel's 1024 threads at tp 8).
-  template <int kGroup = kWorld>
-  __device__ __forceinline__ void sum(int u, unsigned long long start, float (&acc)[kVec]) const {
-    static_assert(kWorld % kGroup == 0, "whole groups of ranks");
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
-#pragma unroll
-    for (int g = 0; g < kWorld; g += kGroup) {
-      uint4 v[kGroup];
-      for (;;) {
-#pragma unroll
-        for (int p = 0; p < kGroup; ++p) v[p] = load_volatile16(at(buffers.own, slot, g + p, u));
-        bool pending = false;
-#pragma unroll
-        for (int p = 0; p < kGroup; ++p) pending |= unit_pending<T>(v[p]);
-        if (!pending) break;
-        if (timeout_ns && global_ns() - start > timeout_ns) __trap();  // a peer never wrote: fail, don't hang
-      }
-      float f[kVec];
-#pragma unroll
-      for (int p = 0; p < kGroup; ++p) {
-        unpack<T>(v[p], f);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[e] += f[e];
-      }
-    }
-  }
-
-  // The previous launch's slot back to the sentinel (every source, the units it used), spread
-  // over the grid's threads.
-  __device__ __forceinline__ void clear_previous(int first, int stride) const {
-    const uint4 empty = make_uint4(sentinel_word<T>(), sentinel_word<T>(), sentinel_word<T>(), sentinel_word<T>());
-#pragma unroll
-    for (int src = 0; src < kWorld; ++src) {
-      for (int u = first; u < prev_units; u += stride) store_volatile16(at(buffers.own, prev, src, u), empty);
-    }
-  }
-
-  // The last block to finish advances the slot (every block has read it by then) and records
-  // this launch's units for the next one to clear. The next launch reads them after this grid
-  // completed, so no fence is needed here.
-  __device__ __forceinline__ void finish(int units) const {
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(flags + 1, 1u) == gridDim.x - 1) {
-      volatile unsigned* f = flags;
-      f[2 + slot] = static_cast<unsigned>(units);
-      f[2 + prev] = 0u;
-      f[1] = 0u;
-      f[0] = static_cast<unsigned>((slot + 1) % 3);
-    }
-  }
-};
-
 // `in` is not __restrict__: it is read after pdl_wait() (common.cuh: such inputs must not be
 // const __restrict__, or the compiler may load them through the non-coherent path before it).
 template <typename T, int kWorld>
@@ -373,6 +220,45 @@ __device__ __forceinline__ void lamport_all_reduce_impl(T* __restrict__ out, con
   }
   lp.clear_previous(first, stride);  // 3.
   lp.finish(units);                  // 4.
+}
+
+// lamport_sum_pushed: lamport_all_reduce's second half, after a kernel that pushed this rank's
+// tensor into every rank's buffer itself (a GEMV's _push build, gemv_kernels.cu): the sum of
+// `units` units, in rank order, the same bits as lamport_all_reduce of the same tensors. That
+// GEMV lets this launch start (PDL) only after its own pdl_wait(), so every launch before it,
+// the previous Lamport launch included, has completed and the slot is current: the sums start
+// at once, spinning while the GEMVs of this rank and its peers still run, with no wait for this
+// rank's GEMV to complete and no read of its output. The wait comes before the first store: `out`
+// may be memory the kernels before still used (the stream-ordered allocator's view), and every
+// launch waits somewhere (common.cuh's chain).
+template <typename T, int kWorld>
+__device__ __forceinline__ void lamport_sum_pushed_impl(T* __restrict__ out, const LamportBuffers<T>& buffers,
+                                                        unsigned* flags, int rank, int units, i64 slot_units,
+                                                        unsigned long long timeout_ns) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+  pdl_launch_dependents();
+  const int first = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  const int stride = static_cast<int>(gridDim.x * blockDim.x);
+  const LamportLaunch<T, kWorld> lp(buffers, flags, rank, slot_units, timeout_ns);
+  const unsigned long long start = timeout_ns ? global_ns() : 0ull;
+  bool waited = false;
+  for (int u = first; u < units; u += stride) {
+    float acc[kVec];
+    lp.sum(u, start, acc);
+    if (!waited) {
+      pdl_wait();
+      waited = true;
+    }
+    store_floats<T, kVec>(out + static_cast<i64>(u) * kVec, acc);
+  }
+  if (!waited) pdl_wait();
+  // The slot is read before the wait only because the kernel before launched this one after its
+  // own wait; any other kernel between them would break that. Once waited on, the slot can no
+  // longer move (only this launch's last block advances it, after every block got here): a slot
+  // read early that differs now was stale, and its sums (the previous launch's values) wrong.
+  if (threadIdx.x == 0 && static_cast<int>(*reinterpret_cast<volatile unsigned*>(flags) % 3u) != lp.slot) __trap();
+  lp.clear_previous(first, stride);
+  lp.finish(units);
 }
 
 // The all-reduce of a row-parallel layer's partial output, the residual add and the next RMSNorm
@@ -430,10 +316,6 @@ __device__ __forceinline__ void lamport_all_reduce_add_rms_norm_impl(
 
 }  // namespace zllm
 
-#define ZLLM_LAMPORT_BUFFER_PARAMS(T) T *own, T *b0, T *b1, T *b2, T *b3, T *b4, T *b5, T *b6, T *b7
-#define ZLLM_LAMPORT_BUFFERS(T) \
-  const zllm::LamportBuffers<T> buffers { own, { b0, b1, b2, b3, b4, b5, b6, b7 } }
-
 #define ZLLM_LAMPORT_ALL_REDUCE(NAME, T, WORLD)                                                    \
   extern "C" __global__ void __launch_bounds__(256)                                              \
       NAME(T* __restrict__ out, const T* in, ZLLM_LAMPORT_BUFFER_PARAMS(T), unsigned* flags,      \
@@ -454,6 +336,15 @@ __device__ __forceinline__ void lamport_all_reduce_add_rms_norm_impl(
                                                          eps, hidden, unit_offset != 0);         \
   }
 
+#define ZLLM_LAMPORT_SUM_PUSHED(NAME, T, WORLD)                                                    \
+  extern "C" __global__ void __launch_bounds__(256)                                              \
+      NAME(T* __restrict__ out, ZLLM_LAMPORT_BUFFER_PARAMS(T), unsigned* flags, int rank,         \
+           int units, long long slot_units, unsigned long long timeout_ns) {                      \
+    ZLLM_LAMPORT_BUFFERS(T);                                                                     \
+    zllm::lamport_sum_pushed_impl<T, WORLD>(out, buffers, flags, rank, units, slot_units,         \
+                                            timeout_ns);                                         \
+  }
+
 ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_f32_w2, float, 2)
 ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_f32_w4, float, 4)
 ZLLM_LAMPORT_ALL_REDUCE(lamport_all_reduce_f32_w8, float, 8)
@@ -466,3 +357,7 @@ ZLLM_LAMPORT_ALL_REDUCE_ADD_RMS_NORM(lamport_all_reduce_add_rms_norm_f32_w8, flo
 ZLLM_LAMPORT_ALL_REDUCE_ADD_RMS_NORM(lamport_all_reduce_add_rms_norm_bf16_w2, __nv_bfloat16, 2)
 ZLLM_LAMPORT_ALL_REDUCE_ADD_RMS_NORM(lamport_all_reduce_add_rms_norm_bf16_w4, __nv_bfloat16, 4)
 ZLLM_LAMPORT_ALL_REDUCE_ADD_RMS_NORM(lamport_all_reduce_add_rms_norm_bf16_w8, __nv_bfloat16, 8)
+// bf16 only: the _push GEMV builds (bf16: the Lamport kernels' one 16-bit type) are its producers.
+ZLLM_LAMPORT_SUM_PUSHED(lamport_sum_pushed_bf16_w2, __nv_bfloat16, 2)
+ZLLM_LAMPORT_SUM_PUSHED(lamport_sum_pushed_bf16_w4, __nv_bfloat16, 4)
+ZLLM_LAMPORT_SUM_PUSHED(lamport_sum_pushed_bf16_w8, __nv_bfloat16, 8)

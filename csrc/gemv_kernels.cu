@@ -23,6 +23,7 @@
 #include <cuda_fp8.h>
 
 #include "common.cuh"
+#include "lamport.cuh"  // the _push builds
 #include "mma.cuh"
 #include "rope.cuh"  // the q/k/v epilogue (below) rotates and stores as rotary_embedding_and_cache
 
@@ -168,11 +169,17 @@ __device__ __forceinline__ void gemv_impl(T* __restrict__ y, const T* x,
 // kAdd (gemv_<T>_s<S>_b6_add): y[row] = to_T(add[row] + to_T(sum + bias)), the residual add
 // that follows an o or down projection, in its epilogue (models/llama.py's norm-carrying decode
 // step, ZLLM_NORM_GEMV); y must not alias add.
-template <typename T, int kUnroll, int kSplit, bool kLora = false, bool kAdd = false>
+// kPushWorld > 0 (gemv_bf16_s<S>_b6_push_w<W>): the row's value, with `add` added as kAdd adds it
+// where add is not null (the first rank's residual), is stored into every rank's Lamport buffer
+// (lamport.cuh LamportPush) instead of y, for lamport_sum_pushed to sum: a row-parallel layer's
+// all-reduce without the kernel that reads the product back and pushes it. This build lets the
+// next kernel launch only after its own pdl_wait (that kernel reads the Lamport slot at once).
+template <typename T, int kUnroll, int kSplit, bool kLora = false, bool kAdd = false, int kPushWorld = 0>
 __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* x,
                                                 const T* __restrict__ w, const T* __restrict__ bias,
                                                 int n, int k, LoraExpand<T> lora = {},
-                                                const T* __restrict__ add = nullptr) {
+                                                const T* add = nullptr,
+                                                const LamportPush<T, (kPushWorld > 0 ? kPushWorld : 2)>& push = {}) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));
   constexpr int kRowsPerBlock = kGemvWarps / kSplit;
   __shared__ float partial[kGemvWarps];
@@ -190,10 +197,11 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* x,
   // previous kernel, whose output x is (and LoRA's t and slots may be); the loop loads each later
   // round at its top, as it did before PDL (loading it at the bottom of the round before lets
   // ptxas hoist it above that round's products: more registers, and spills in some builds).
-  pdl_launch_dependents();
+  if constexpr (kPushWorld == 0) pdl_launch_dependents();
   uint4 wv[kUnroll];
   if (kPdlArch && begin < end) weight_round(wv, w16, begin, end, lane);
   pdl_wait();
+  if constexpr (kPushWorld > 0) pdl_launch_dependents();
   // LoRA: the row's first warp adds B[row, slot, :] . t, a 16-byte piece of B a lane, loaded
   // before the weight loop (kEarly) so that its round trip overlaps the weights'.
   const bool lora_lane = kLora && warp % kSplit == 0 && lane * kVec < lora.rank;
@@ -233,7 +241,10 @@ __device__ __forceinline__ void gemv_split_impl(T* __restrict__ y, const T* x,
   }
   if (lane != 0 || row >= n) return;
   const float out = bias == nullptr ? total : total + to_float<T>(bias[row]);
-  if constexpr (kAdd) {
+  if constexpr (kPushWorld > 0) {
+    const T value = add == nullptr ? from_float<T>(out) : from_float<T>(to_float<T>(add[row]) + round_to<T>(out));
+    push.element(push.slot(), row, value);
+  } else if constexpr (kAdd) {
     y[row] = from_float<T>(to_float<T>(add[row]) + round_to<T>(out));  // the residual, after the wait
   } else {
     y[row] = from_float<T>(out);
@@ -314,7 +325,7 @@ ZLLM_GEMV_SPLITS_DTYPE(bf16, __nv_bfloat16)
 #define ZLLM_GEMV_SPLIT_ADD(SUFFIX, T, SPLIT)                                                     \
   extern "C" __global__ void ZLLM_GEMV_BOUNDS_b6 gemv_##SUFFIX##_s##SPLIT##_b6_add(               \
       T* __restrict__ y, const T* x, const T* __restrict__ w, const T* __restrict__ bias, int n,  \
-      int k, const T* __restrict__ add) {                                                         \
+      int k, const T* add) {                                                                      \
     zllm::gemv_split_impl<T, 8, SPLIT, false, true>(y, x, w, bias, n, k, {}, add);              \
   }
 #define ZLLM_GEMV_SPLIT_ADDS(SUFFIX, T) \
@@ -323,6 +334,24 @@ ZLLM_GEMV_SPLITS_DTYPE(bf16, __nv_bfloat16)
   ZLLM_GEMV_SPLIT_ADD(SUFFIX, T, 4)
 ZLLM_GEMV_SPLIT_ADDS(f16, __half)
 ZLLM_GEMV_SPLIT_ADDS(bf16, __nv_bfloat16)
+
+// gemv_bf16_s<S>_b6_push_w<W>: the b6 build whose rows go into the world's Lamport buffers (kPushWorld
+// above), the residual added first where add is not null; bf16 only, the Lamport kernels' 16-bit type.
+#define ZLLM_GEMV_SPLIT_PUSH(SUFFIX, T, SPLIT, WORLD)                                             \
+  extern "C" __global__ void ZLLM_GEMV_BOUNDS_b6 gemv_##SUFFIX##_s##SPLIT##_b6_push_w##WORLD(     \
+      const T* x, const T* __restrict__ w, const T* __restrict__ bias, int n, int k,             \
+      const T* add, ZLLM_LAMPORT_BUFFER_PARAMS(T), unsigned* flags, int rank,                     \
+      long long slot_units) {                                                                     \
+    const zllm::LamportPush<T, WORLD> push{{own, {b0, b1, b2, b3, b4, b5, b6, b7}}, flags, rank, slot_units}; \
+    zllm::gemv_split_impl<T, 8, SPLIT, false, false, WORLD>(nullptr, x, w, bias, n, k, {}, add, push); \
+  }
+#define ZLLM_GEMV_SPLIT_PUSHES(SUFFIX, T, WORLD) \
+  ZLLM_GEMV_SPLIT_PUSH(SUFFIX, T, 1, WORLD)      \
+  ZLLM_GEMV_SPLIT_PUSH(SUFFIX, T, 2, WORLD)      \
+  ZLLM_GEMV_SPLIT_PUSH(SUFFIX, T, 4, WORLD)
+ZLLM_GEMV_SPLIT_PUSHES(bf16, __nv_bfloat16, 2)
+ZLLM_GEMV_SPLIT_PUSHES(bf16, __nv_bfloat16, 4)
+ZLLM_GEMV_SPLIT_PUSHES(bf16, __nv_bfloat16, 8)
 
 // ---- FP8 weights ----------------------------------------------------------------------------------
 // gemv_fp8_<T>[_block]: y[n] = sum_k x[k] * (w8[n, k] * scale) (+ bias[n]), the batch-1 product

@@ -189,3 +189,74 @@ def test_add_to_adds_the_residual_and_bias_once_over_the_ranks(fast):
     else:  # every rank holds the whole stream
         for out in outputs:
             torch.testing.assert_close(out, expected)
+
+
+class _Pushing(_OneShot):
+    """A stand-in for the symmetric-memory path with the GEMV push on (ZLLM_GEMV_PUSH): its
+    gemv_all_reduce computes what the _push build would store for this rank (the product, plus the
+    bias and residual it is given), so a test adds the ranks' parts itself."""
+
+    def __init__(self, takes: bool) -> None:
+        self.takes = takes
+        self.calls = []
+
+    def takes_pushed(self, rows: int, dtype) -> bool:
+        return self.takes
+
+    def gemv_all_reduce(self, x, weight, bias, add):
+        self.calls.append((bias is not None, add is not None))
+        out = x @ weight.t()
+        return out + (0 if bias is None else bias) + (0 if add is None else add)
+
+
+@pytest.mark.parametrize("takes", [True, False], ids=["pushed", "stored"])
+def test_add_to_pushes_where_the_lamport_path_takes_the_product(takes, monkeypatch):
+    """At tp > 1 add_to hands a dense one-row product to gemv_all_reduce where the path takes it:
+    the first rank with its bias and the residual, the others with neither, and the parts still
+    sum to residual + x @ w^T + bias; where it does not, the stored product is all-reduced."""
+    import torch
+
+    from zllm.partition import Span
+    from zllm.workers import parallel_layers
+    from zllm.workers.distributed import TensorParallel
+    from zllm.workers.parallel_layers import RowParallelLinear
+
+    monkeypatch.setattr(parallel_layers, "gemv_takes_one_row", lambda x, w: True)  # the CUDA build's answer
+    gen = torch.Generator().manual_seed(1)
+    full_w = torch.randn(8, 12, generator=gen, dtype=torch.float64)
+    bias = torch.randn(8, generator=gen, dtype=torch.float64)
+    x = torch.randn(1, 12, generator=gen, dtype=torch.float64)
+    residual = torch.randn(1, 8, generator=gen, dtype=torch.float64)
+    outputs, fasts = [], []
+    for rank in range(2):
+        fasts.append(_Pushing(takes))
+        layer = RowParallelLinear(12, 8, Span(6 * rank, 6), True, TensorParallel(rank=rank, size=2, fast=fasts[-1]))
+        layer = layer.double()
+        with torch.no_grad():
+            layer.weight.copy_(full_w[:, 6 * rank : 6 * rank + 6])
+            layer.bias.copy_(bias)
+        outputs.append(layer.add_to(x[:, 6 * rank : 6 * rank + 6], residual))
+    torch.testing.assert_close(outputs[0] + outputs[1], residual + x @ full_w.t() + bias)
+    assert [f.calls for f in fasts] == ([[(True, True)], [(False, False)]] if takes else [[], []])
+
+
+def test_add_to_keeps_the_stored_product_for_lora_other_weights_and_other_dtypes(monkeypatch):
+    """Where the path takes the size, _pushes still says no for a layer with LoRA, weights that
+    are not DenseWeights (FP8), and a residual of another dtype than x."""
+    import torch
+
+    from zllm.partition import Span
+    from zllm.workers import parallel_layers
+    from zllm.workers.distributed import TensorParallel
+    from zllm.workers.parallel_layers import RowParallelLinear
+
+    monkeypatch.setattr(parallel_layers, "gemv_takes_one_row", lambda x, w: True)
+    layer = RowParallelLinear(12, 8, Span(0, 6), False, TensorParallel(rank=0, size=2, fast=_Pushing(True)))
+    x, residual = torch.zeros(1, 6), torch.zeros(1, 8)
+    assert layer._pushes(x, residual)
+    assert not layer._pushes(x, residual.double())
+    layer.lora = object()  # any adapter: it acts on the layer's input, which the push does not see
+    assert not layer._pushes(x, residual)
+    layer.lora = None
+    layer.weights = object()  # FP8's Fp8Weights, say: not the b6 GEMV's dense rows
+    assert not layer._pushes(x, residual)

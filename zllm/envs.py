@@ -278,6 +278,15 @@ SETTINGS: dict[str, Setting] = {
             "auto (unset): on at tp 2 and 4, the sizes verified on GPUs; 1: on at every tp; 0: off. Read at start-up.",
         ),
         Setting(
+            "ZLLM_GEMV_PUSH",
+            _switch,
+            True,
+            "0: the norm-carrying batch-1 step's o and down GEMVs store their product for the Lamport "
+            "all-reduce to read and push, instead of pushing their rows into every rank's Lamport buffer "
+            "from their epilogue (csrc/gemv_kernels.cu _push builds, then lamport_sum_pushed). A/B switch, "
+            "read at start-up, agreed by every rank.",
+        ),
+        Setting(
             "ZLLM_ALLREDUCE_SPIN_TIMEOUT_S",
             _spin_seconds,
             60.0,

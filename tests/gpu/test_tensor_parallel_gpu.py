@@ -202,3 +202,48 @@ def test_tp4_symmetric_all_reduce_fp32_greedy_is_token_identical_to_hf(model_dir
     theirs = hf_tokens(model_dir, prompt_ids, torch.float32)
     record(f"tp4_fp32_symmetric_share_identical_vs_hf[{os.path.basename(model_dir)}]", share_identical(fast, theirs))
     assert fast == theirs
+
+
+def _tokens_one_request_at_a_time(model_dir, prompt_ids, **engine_args) -> list[tuple[list[int], float]]:
+    """Greedy tokens of each prompt run alone (every decode step at batch 1), in one engine, each
+    with the sum of their logprobs (the same bits in, the same float out)."""
+    from zllm import LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_engine_args(model_dir, device="cuda", max_model_len=2048, **engine_args)
+    results = []
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=1)
+        for i, ids in enumerate(prompt_ids):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+            while engine.has_unfinished_requests():
+                results += [
+                    (list(o.outputs[0].token_ids), o.outputs[0].cumulative_logprob) for o in engine.step() if o.finished
+                ]
+    finally:
+        engine.shutdown()
+    return results
+
+
+def test_tp2_gemv_push_gives_the_tokens_of_the_stored_product(model_dir, prompt_ids, capfd, monkeypatch):
+    """ZLLM_GEMV_PUSH: at batch 1 the norm-carrying step's o and down GEMVs push their rows into
+    the Lamport buffers and one launch sums them, with the bits of the Lamport all-reduce of the
+    stored products (tests/gpu/test_gemv_push_gpu.py): bf16 tokens and logprobs at tp 2 are the
+    same with it on and off. Qwen3's q/k norms keep the usual step, so nothing is pushed there."""
+    if envs.ZLLM_ALLREDUCE_LAMPORT is False or envs.ZLLM_NORM_GEMV is False:
+        pytest.skip("the push needs the Lamport all-reduce and the norm-carrying step")
+    prompts = [prompt_ids[2], prompt_ids[-1]]
+    args = dict(dtype="bfloat16", tensor_parallel_size=2, custom_all_reduce_max_bytes=8 << 20)
+    monkeypatch.setenv("ZLLM_GEMV_PUSH", "1")
+    pushed = _tokens_one_request_at_a_time(model_dir, prompts, **args)
+    log = capfd.readouterr().err
+    expected = 0 if "qwen3" in os.path.basename(model_dir) else 2
+    assert log.count("pushes its rows into the Lamport buffers") == expected, log[-4000:]
+    monkeypatch.setenv("ZLLM_GEMV_PUSH", "0")
+    stored = _tokens_one_request_at_a_time(model_dir, prompts, **args)
+    assert "pushes its rows" not in capfd.readouterr().err
+    record(
+        f"tp2_bf16_push_share_identical[{os.path.basename(model_dir)}]",
+        share_identical([t for t, _ in pushed], [t for t, _ in stored]),
+    )
+    assert all(logprob is not None for _, logprob in pushed)
+    assert pushed == stored  # tokens and their logprobs

@@ -585,6 +585,12 @@ def _norm_gemv_takes(x: torch.Tensor, weight: torch.Tensor):
     return matvec
 
 
+def gemv_takes_one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the one-row b6 GEMV builds that carry the norm step's adds and norms (and push a
+    row-parallel product into the Lamport buffers) take x @ weight^T."""
+    return _norm_gemv_takes(x, weight) is not None
+
+
 def linear_add(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add: torch.Tensor
 ) -> torch.Tensor | None:

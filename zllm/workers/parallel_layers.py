@@ -33,7 +33,7 @@ from zllm.workers.linear_weights import (
     weights_for,
     whole_tensor_target,
 )
-from zllm.workers.ops import linear
+from zllm.workers.ops import gemv_takes_one_row, linear
 
 
 class _Linear(nn.Module):
@@ -222,6 +222,9 @@ class RowParallelLinear(_Linear):
         if tp.size > 1 and (tp.fast is None or not tp.fast.accepts(residual)):
             out = tp.all_reduce(self._project(x, None))
             return (out if self.bias is None else out + self.bias) + residual
+        if tp.size > 1 and self._pushes(x, residual):
+            first = tp.is_first
+            return tp.fast.gemv_all_reduce(x, self.weight, self.bias if first else None, residual if first else None)
         if not tp.is_first:
             return tp.all_reduce(self._project(x, None))
         out = None
@@ -230,6 +233,22 @@ class RowParallelLinear(_Linear):
         if out is None:  # the product rounded to the dtype, then the add: the kernel's order
             out = self._project(x, self.bias) + residual
         return tp.all_reduce(out)
+
+    def _pushes(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether add_to's GEMV pushes its rows into the Lamport buffers itself (ZLLM_GEMV_PUSH):
+        a dense one-row bf16 product the b6 build takes, no LoRA; tp.fast is set (add_to checked).
+        Shapes, dtypes and switches (the push's own agreed by every rank at set-up), so the ranks
+        answer alike; the first rank's bias and residual do not count. A rank whose GEMV settings
+        differed would only all-reduce its stored product instead: either way one Lamport launch
+        a slot, the same sum."""
+        return (
+            self.lora is None
+            and isinstance(self.weights, DenseWeights)
+            and tuple(residual.shape) == (1, self.weight.shape[0])
+            and residual.dtype == x.dtype
+            and gemv_takes_one_row(x, self.weight)
+            and self.tp.fast.takes_pushed(self.weight.shape[0], x.dtype)
+        )
 
     def load_target(self, param_name: str, shard: int | None) -> LoadTarget:
         if param_name == "bias":

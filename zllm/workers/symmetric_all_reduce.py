@@ -38,6 +38,10 @@ every value has arrived. It needs a buffer of its own (3 slots x world x the siz
 with the "empty" mark on every rank before any rank launches: the vote after the fill is that
 barrier), its own launch counter, and a self-test; each phase voted. A failed vote keeps the
 one-shot kernel.
+
+ZLLM_GEMV_PUSH (on) adds nothing to set-up: where the Lamport kernel is on, the norm-carrying
+decode step's o and down GEMVs store their rows into these buffers themselves and
+`lamport_sum_pushed` sums them (`gemv_all_reduce`), with the Lamport all-reduce's bits.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ class SymmetricAllReduce:
         self.max_bytes = buffer.numel() * buffer.element_size()
         self.norm: NormOperands | None = None  # the fused all-reduce + add-RMSNorm (ZLLM_ALLREDUCE_NORM)
         self.lamport: LamportOperands | None = None  # the barrier-free kernel (ZLLM_ALLREDUCE_LAMPORT)
+        self.push = False  # the GEMV pushes into the Lamport buffers itself where it can (ZLLM_GEMV_PUSH)
+        self.pushed = False  # whether gemv_all_reduce has run (logged once)
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether `x` can take this path. Depends only on shape, dtype and layout (the same on
@@ -108,6 +114,49 @@ class SymmetricAllReduce:
         staging = self.buffer[: x.numel()].view_as(x)
         torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", self.group_name, out)
         return out
+
+    def takes_pushed(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether gemv_all_reduce takes a product of `rows` rows of `dtype` (shape and dtype only:
+        the same answer on every rank)."""
+        from zllm.workers.kernels.matvec import PUSH_DTYPES
+
+        lamport = self.lamport
+        nbytes = rows * dtype.itemsize
+        return (
+            self.push
+            and lamport is not None
+            and dtype == self.buffer.dtype
+            and dtype in PUSH_DTYPES
+            and 0 < nbytes <= lamport.slot_bytes
+            and nbytes % _ALIGNMENT == 0
+        )
+
+    def gemv_all_reduce(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The sum over the ranks of each rank's x [1, K] @ weight^T (+ its bias, + its add), in a
+        new [1, N] tensor: the GEMV stores its rows into the Lamport buffers itself, and one launch
+        sums them (takes_pushed first). The bits of all_reduce over the same products."""
+        if not self.pushed:  # once: the tests look for it in every rank's log
+            self.pushed = True
+            logger.info(
+                "rank %d: a row-parallel GEMV pushes its rows into the Lamport buffers (ZLLM_GEMV_PUSH)",
+                self.lamport.rank,
+            )
+        return self._push_and_sum(x, weight, bias, add)
+
+    def _push_and_sum(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, add: torch.Tensor | None
+    ) -> torch.Tensor:
+        from zllm.workers.kernels.allreduce import lamport_sum_pushed
+        from zllm.workers.kernels.matvec import gemv_push
+
+        lamport = self.lamport
+        gemv_push(x, weight, bias, add, lamport.buffer, lamport.peers, lamport.flags, lamport.rank, lamport.slot_bytes)
+        out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+        return lamport_sum_pushed(
+            out, lamport.buffer, lamport.peers, lamport.flags, lamport.rank, lamport.slot_bytes, lamport.timeout_ns
+        )
 
     def accepts_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether all_reduce_add_rms_norm takes these operands. Like accepts: shape, dtype and
@@ -228,6 +277,8 @@ def attach_symmetric_all_reduce(tp, config: EngineConfig, device: torch.device, 
         return
     if _switch_on_every_rank(tp, device, "ZLLM_ALLREDUCE_LAMPORT", default=lamport_by_default(tp.size)):
         _attach_lamport(tp, fast, device)
+        if fast.lamport is not None:
+            _attach_push(tp, fast, device)
     if _switch_on_every_rank(tp, device, "ZLLM_ALLREDUCE_NORM"):
         _attach_norm(tp, fast, device)
     tp.fast = fast
@@ -310,6 +361,37 @@ def _attach_lamport(tp, fast: SymmetricAllReduce, device: torch.device) -> None:
     )
 
 
+def _attach_push(tp, fast: SymmetricAllReduce, device: torch.device) -> None:
+    """Turn on the GEMV push (ZLLM_GEMV_PUSH) on every rank or on none: the switch agreed, then
+    a self-test of the push builds and the sum, voted."""
+    from zllm.workers.kernels.matvec import PUSH_DTYPES
+
+    if fast.buffer.dtype not in PUSH_DTYPES or not _switch_on_every_rank(tp, device, "ZLLM_GEMV_PUSH", default=True):
+        return
+    if _run_phase(tp, device, "GEMV push self-test", lambda: _self_test_push(fast, tp.rank, tp.size, device)) is None:
+        return
+    fast.push = True
+
+
+def _self_test_push(fast: SymmetricAllReduce, rank: int, size: int, device: torch.device) -> bool:
+    """Two pushed sums of small integers (exact in bf16) that differ by rank, row and launch, of
+    two sizes (the second finds the slot the first cleared), the first rank's with a bias and a
+    residual; both launched on every rank before either is checked, then checked exactly."""
+    dtype = fast.buffer.dtype
+    results = []
+    for launch, n in enumerate((64, 16)):
+        rows = torch.arange(n, device=device)
+        x = torch.ones(1, 256, dtype=dtype, device=device)
+        weight = torch.zeros(n, 256, dtype=dtype, device=device)
+        weight[rows, rows] = (rank + 1 + rows % 3 + launch).to(dtype)  # row r's product: that value
+        first = rank == 0
+        bias = (rows % 5).to(dtype) if first else None
+        add = torch.ones(1, n, dtype=dtype, device=device) if first else None
+        expected = (size * (size + 1) // 2 + size * (rows % 3 + launch) + rows % 5 + 1).to(dtype)[None]
+        results.append((launch, fast._push_and_sum(x, weight, bias, add), expected))
+    return _all_exact(rank, "GEMV push self-test", results)
+
+
 def _lamport_allocate(fast: SymmetricAllReduce, world: int, device: torch.device) -> torch.Tensor:
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -372,12 +454,19 @@ def _self_test_lamport(fast: SymmetricAllReduce, rank: int, size: int, device: t
         expected = (base * size + size * (size + 1) / 2).to(dtype)
         expected[0] = 0.0
         results.append((launch, fast.all_reduce(x), expected))
-    _wait_or_hang(rank, "Lamport all-reduce self-test")
-    for launch, summed, expected in results:
-        if not torch.equal(summed, expected):
+    return _all_exact(rank, "Lamport all-reduce self-test", results)
+
+
+def _all_exact(rank: int, what: str, results: list[tuple[int, torch.Tensor, torch.Tensor]]) -> bool:
+    """Once every launch of a self-test has finished (or raise, as _wait_or_hang does): True if
+    each (launch, result, expected) matches exactly, else RuntimeError naming the first that
+    does not."""
+    _wait_or_hang(rank, what)
+    for launch, got, expected in results:
+        if not torch.equal(got, expected):
             raise RuntimeError(
-                f"Lamport self-test launch {launch} ({summed.numel()} elements) gave {summed[:4].tolist()}..., "
-                f"expected {expected[:4].tolist()}..."
+                f"{what}: launch {launch} ({got.numel()} elements) gave {got.flatten()[:4].tolist()}..., "
+                f"expected {expected.flatten()[:4].tolist()}..."
             )
     return True
 

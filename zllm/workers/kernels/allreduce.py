@@ -1,6 +1,7 @@
 """All-reduces over symmetric memory (csrc/allreduce_kernels.cu): a row-parallel layer's partial
 output fused with the residual add and the next RMSNorm (ZLLM_ALLREDUCE_NORM, off by default), and
-the barrier-free Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT, on by default at tp 2 and 4).
+the barrier-free Lamport all-reduce (ZLLM_ALLREDUCE_LAMPORT, on by default at tp 2 and 4), and
+its second half alone after a GEMV that pushed its rows itself (lamport_sum_pushed, ZLLM_GEMV_PUSH).
 
 Checked on GPUs by tests/gpu/test_allreduce_norm_gpu.py and test_lamport_all_reduce_gpu.py (2 and 4
 H200s, 2026-11-28). The fused norm's barrier kernel meets
@@ -50,7 +51,7 @@ def lamport_sentinel_fill(buffer: torch.Tensor) -> None:
     words.fill_(-(1 << (8 * buffer.element_size() - 1)))  # the sign bit alone
 
 
-def _lamport_common_checks(
+def lamport_common_checks(
     op: str, dtype: torch.dtype, buffer: torch.Tensor, peers: tuple[int, ...], flags, rank, slot_bytes, timeout_ns
 ) -> tuple[str, int]:
     """The checks both Lamport entry points share; returns (dtype suffix, world size)."""
@@ -78,7 +79,7 @@ def _lamport_common_checks(
     return suffix, world
 
 
-def _lamport_buffer_args(buffer: torch.Tensor, peers: tuple[int, ...]) -> tuple:
+def lamport_buffer_args(buffer: torch.Tensor, peers: tuple[int, ...]) -> tuple:
     """own, b0..b7: the kernels take the world's buffers as parameters (unused ones null)."""
     padded = list(peers) + [0] * (LAMPORT_MAX_WORLD - len(peers))
     return (ptr(buffer), *(np.uint64(p) for p in padded))
@@ -104,7 +105,7 @@ def lamport_all_reduce(
     shapes in the same order, on one stream."""
     op = "lamport_all_reduce"
     device = check_cuda(op, out=out, x=x, buffer=buffer, flags=flags)
-    suffix, world = _lamport_common_checks(op, x.dtype, buffer, peers, flags, rank, slot_bytes, timeout_ns)
+    suffix, world = lamport_common_checks(op, x.dtype, buffer, peers, flags, rank, slot_bytes, timeout_ns)
     check_dtype(op, x.dtype, out=out)
     check_contiguous(op, out=out, x=x)
     if out.shape != x.shape:
@@ -114,20 +115,77 @@ def lamport_all_reduce(
     if overlaps(out, x) or overlaps(out, buffer) or overlaps(x, buffer):
         fail(op, "out, x and the buffer must not overlap")
     units = x.nbytes // 16
-    if units == 0:
-        return out
+    if units:
+        _launch_over_units(
+            f"{op}_{suffix}_w{world}",
+            device,
+            (ptr(out), ptr(x)),
+            units,
+            buffer,
+            peers,
+            flags,
+            rank,
+            slot_bytes,
+            timeout_ns,
+        )
+    return out
+
+
+def _launch_over_units(
+    name: str,
+    device: torch.device,
+    head: tuple,
+    units: int,
+    buffer: torch.Tensor,
+    peers: tuple[int, ...],
+    flags: torch.Tensor,
+    rank: int,
+    slot_bytes: int,
+    timeout_ns: int,
+) -> None:
+    """Launch a Lamport kernel whose threads stride over `units` 16-byte units: its own leading
+    arguments (`head`), then the buffers, flags, rank, units, slot size and spin limit."""
     blocks = min(LAMPORT_MAX_BLOCKS, max(LAMPORT_MIN_BLOCKS, -(-units // LAMPORT_THREADS)))
     args = (
-        ptr(out),
-        ptr(x),
-        *_lamport_buffer_args(buffer, peers),
+        *head,
+        *lamport_buffer_args(buffer, peers),
         ptr(flags),
         np.int32(rank),
         np.int32(units),
         np.int64(slot_bytes // 16),
         np.uint64(timeout_ns),
     )
-    launch("allreduce_kernels", f"{op}_{suffix}_w{world}", device, (blocks,), (LAMPORT_THREADS,), args, pdl=True)
+    launch("allreduce_kernels", name, device, (blocks,), (LAMPORT_THREADS,), args, pdl=True)
+
+
+def lamport_sum_pushed(
+    out: torch.Tensor,
+    buffer: torch.Tensor,
+    peers: tuple[int, ...],
+    flags: torch.Tensor,
+    rank: int,
+    slot_bytes: int,
+    timeout_ns: int,
+) -> torch.Tensor:
+    """out = the sum of every rank's tensor that matvec.gemv_push, launched just before on every
+    rank, stored into the Lamport buffers (lamport_all_reduce's sum and bits, without its read and
+    push of the tensor). The operands as lamport_all_reduce takes them; collective, as it is.
+    bf16 only, as the push build."""
+    op = "lamport_sum_pushed"
+    device = check_cuda(op, out=out, buffer=buffer, flags=flags)
+    suffix, world = lamport_common_checks(op, out.dtype, buffer, peers, flags, rank, slot_bytes, timeout_ns)
+    if out.dtype != torch.bfloat16:
+        fail(op, f"the pushed sum is built for bfloat16, got {out.dtype}")
+    check_contiguous(op, out=out)
+    if out.nbytes % 16 or out.nbytes > slot_bytes or not aligned16(out, buffer):
+        fail(op, f"out ({out.nbytes} bytes) must be whole 16-byte units, at most {slot_bytes}, and 16-byte aligned")
+    if overlaps(out, buffer):
+        fail(op, "out and the buffer must not overlap")
+    units = out.nbytes // 16
+    if units:
+        _launch_over_units(
+            f"{op}_{suffix}_w{world}", device, (ptr(out),), units, buffer, peers, flags, rank, slot_bytes, timeout_ns
+        )
     return out
 
 
@@ -150,7 +208,7 @@ def lamport_all_reduce_add_rms_norm(
     lamport_all_reduce takes them, in one launch of one block a row. Collective, as that one."""
     op = "lamport_all_reduce_add_rms_norm"
     device = check_cuda(op, out=out, residual=residual, weight=weight, partial=partial, buffer=buffer, flags=flags)
-    suffix, world = _lamport_common_checks(op, partial.dtype, buffer, peers, flags, rank, slot_bytes, timeout_ns)
+    suffix, world = lamport_common_checks(op, partial.dtype, buffer, peers, flags, rank, slot_bytes, timeout_ns)
     check_dtype(op, partial.dtype, out=out, residual=residual, weight=weight)
     check_contiguous(op, out=out, residual=residual, weight=weight, partial=partial)
     if partial.dim() != 2 or residual.shape != partial.shape or out.shape != partial.shape:
@@ -177,7 +235,7 @@ def lamport_all_reduce_add_rms_norm(
         ptr(residual),
         ptr(weight),
         ptr(partial),
-        *_lamport_buffer_args(buffer, peers),
+        *lamport_buffer_args(buffer, peers),
         ptr(flags),
         np.int32(rank),
         np.int64(slot_bytes // 16),

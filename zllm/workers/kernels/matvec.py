@@ -21,6 +21,7 @@ import torch
 
 from zllm import envs
 from zllm.workers.attention import KV_FP8
+from zllm.workers.kernels.allreduce import lamport_buffer_args, lamport_common_checks
 from zllm.workers.kernels.cache import value_cache_address
 from zllm.workers.kernels.checks import (
     DTYPE_SUFFIX,
@@ -31,6 +32,7 @@ from zllm.workers.kernels.checks import (
     check_kv_scale,
     dtype_suffix,
     fail,
+    overlaps,
     ptr,
 )
 from zllm.workers.kernels.loader import launch
@@ -195,6 +197,70 @@ def gemv_add(
     grid = (-(-n * split // _GEMV_ROWS_PER_BLOCK),)
     launch("gemv_kernels", f"gemv_{suffix}_s{split}_b6_add", device, grid, (128,), args, pdl=True)
     return out
+
+
+def _check_one_row(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The one-row builds' operands (x one row, weight's rows 16-byte aligned, bias [n] or None);
+    returns n, weight's rows."""
+    if not gemv_supported(x, weight):
+        fail(op, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be one row and 16-byte-aligned rows")
+    n = weight.shape[0]
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    return n
+
+
+# The _push builds' dtype (csrc/gemv_kernels.cu): the Lamport kernels' one 16-bit type.
+PUSH_DTYPES = (torch.bfloat16,)
+
+
+def gemv_push(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    add: torch.Tensor | None,
+    buffer: torch.Tensor,
+    peers: tuple[int, ...],
+    flags: torch.Tensor,
+    rank: int,
+    slot_bytes: int,
+) -> None:
+    """This rank's x [1, K] @ weight [N, K]^T (+ bias) (+ add, rounded as gemv_add rounds it),
+    stored by the b6 build's epilogue straight into every rank's Lamport buffer (`buffer`, `peers`,
+    `flags`, `rank`, `slot_bytes` as allreduce.lamport_all_reduce takes them) for
+    allreduce.lamport_sum_pushed, launched next, to sum: a row-parallel layer's product and its
+    all-reduce without a launch between them that reads the product back. bf16 (the Lamport
+    kernels' 16-bit type). Collective: every rank launches it, then the sum, in the same order."""
+    op = "gemv_push"
+    device = check_cuda(op, x=x, weight=weight, bias=bias, add=add, buffer=buffer, flags=flags)
+    _, world = lamport_common_checks(op, x.dtype, buffer, peers, flags, rank, slot_bytes, 0)
+    if x.dtype not in PUSH_DTYPES:
+        fail(op, f"the _push builds take bfloat16, got {x.dtype}")
+    check_dtype(op, x.dtype, weight=weight, bias=bias, add=add)
+    n = _check_one_row(op, x, weight, bias)
+    if add is not None and (tuple(add.shape) != (1, n) or not add.is_contiguous()):
+        fail(op, f"add must be a contiguous [1, {n}], got {tuple(add.shape)}")
+    if (n * x.element_size()) % 16 or n * x.element_size() > slot_bytes:
+        fail(op, f"{n} rows must be whole 16-byte units and at most {slot_bytes} bytes (a Lamport slot)")
+    if any(t is not None and overlaps(t, buffer) for t in (x, weight, bias, add)):
+        fail(op, "x, weight, bias and add must not overlap the Lamport buffer")
+    if n == 0:
+        return
+    split = gemv_split(x.shape[1] // (16 // x.element_size()))
+    args = (
+        ptr(x),
+        ptr(weight),
+        ptr(bias),
+        np.int32(n),
+        np.int32(x.shape[1]),
+        ptr(add),
+        *lamport_buffer_args(buffer, peers),
+        ptr(flags),
+        np.int32(rank),
+        np.int64(slot_bytes // 16),
+    )
+    grid = (-(-n * split // _GEMV_ROWS_PER_BLOCK),)
+    launch("gemv_kernels", f"gemv_bf16_s{split}_b6_push_w{world}", device, grid, (128,), args, pdl=True)
 
 
 def _check_pair_output(op: str, out: torch.Tensor, bias: torch.Tensor | None, n: int) -> int:
@@ -362,11 +428,7 @@ def gemv_rope_cache(
     device = check_cuda(op, out=out, x=x, weight=weight, bias=bias)
     suffix = dtype_suffix(op, x, "x")
     check_dtype(op, x.dtype, out=out, weight=weight, bias=bias)
-    if not gemv_supported(x, weight):
-        fail(op, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be one row and 16-byte-aligned rows")
-    n = weight.shape[0]
-    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
-        fail(op, f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    n = _check_one_row(op, x, weight, bias)
     variant, pairs, rope_args = _rope_cache_args(op, x, out, n, rope)
     split = gemv_split(x.shape[1] // (16 // x.element_size()))
     warps = max(_GEMV_WARPS, 2 * split)  # csrc PairBlock
